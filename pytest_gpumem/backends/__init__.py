@@ -1,0 +1,36 @@
+"""Ways of measuring, and the choice among them."""
+
+from __future__ import annotations
+
+from pytest_gpumem.backends.base import Backend, Counters
+
+BUILTIN = ("auto", "cuda", "accelerator", "tracker")
+
+__all__ = ["BUILTIN", "Backend", "Counters", "make_builtin"]
+
+
+def make_builtin(name: str, rounding: str = "none") -> Backend | None:
+    """The built-in backend called `name`, or None for a name that is not built in.
+
+    `auto` picks cuda if a CUDA/ROCm device is available, else another accelerator with memory
+    statistics, else the tracker. `rounding` applies to the tracker (allocators round by themselves).
+    Raises GpuMemError when the named backend cannot run here.
+    """
+    if name not in BUILTIN:
+        return None
+    import torch
+
+    from pytest_gpumem.backends.accelerator import AcceleratorBackend, accelerator_module
+    from pytest_gpumem.backends.cuda import CudaBackend
+    from pytest_gpumem.backends.tracker import TrackerBackend
+
+    if name == "auto":
+        if torch.cuda.is_available():
+            name = "cuda"
+        elif accelerator_module() is not None:
+            name = "accelerator"
+        else:
+            name = "tracker"
+    if name == "tracker":
+        return TrackerBackend(rounding)
+    return CudaBackend() if name == "cuda" else AcceleratorBackend()

@@ -1,0 +1,78 @@
+"""The CUDA caching allocator's statistics (ROCm builds of torch answer through the same API)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pytest_gpumem.backends.base import Counters
+from pytest_gpumem.errors import GpuMemError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def counters_from_stats(stats: dict[str, Any], which: str) -> Counters:
+    """Counters from a `memory_stats()` dict; `which` is 'current' or 'peak'.
+
+    The stats are empty until the allocator is first used, hence the zero defaults; `requested_bytes`
+    is missing on some builds and other accelerators, where allocated bytes stand in for it.
+    """
+    allocated = int(stats.get(f"allocated_bytes.all.{which}", 0))
+    requested = int(stats.get(f"requested_bytes.all.{which}", allocated))
+    return Counters(allocated, requested, int(stats.get(f"reserved_bytes.all.{which}", 0)))
+
+
+class CudaBackend:
+    """Peaks of `torch.cuda.memory_stats()` on the current CUDA (or ROCm) device."""
+
+    name = "cuda"
+
+    def __init__(self) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise GpuMemError(
+                f"--gpumem-backend=cuda: no CUDA device is available (torch {torch.__version__}, "
+                f"built for CUDA {torch.version.cuda}, HIP {torch.version.hip})"
+            )
+        self._device = torch.device("cuda", torch.cuda.current_device())
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def describe(self) -> str:
+        import torch
+
+        props = torch.cuda.get_device_properties(self._device)
+        flavour = "ROCm" if torch.version.hip else "CUDA"
+        return (
+            f"cuda ({flavour} caching allocator), device {self._device} {props.name}, "
+            f"{props.total_memory / 2**30:.1f} GiB"
+        )
+
+    def start(self) -> None:
+        return None
+
+    def stop(self) -> None:
+        return None
+
+    def settle(self) -> None:
+        import torch
+
+        torch.cuda.synchronize(self._device)
+
+    def current(self) -> Counters:
+        import torch
+
+        return counters_from_stats(torch.cuda.memory_stats(self._device), "current")
+
+    def peak(self) -> Counters:
+        import torch
+
+        return counters_from_stats(torch.cuda.memory_stats(self._device), "peak")
+
+    def reset_peak(self) -> None:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(self._device)

@@ -1,0 +1,110 @@
+"""The `max_memory` marker, read into a frozen, validated `Budget`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.results import PhaseResult
+from pytest_gpumem.sizes import format_size, is_binary, parse_size
+
+MARKER = "max_memory"
+MARKER_SIGNATURE = (
+    "max_memory(limit=None, *, tolerance=None, **phase_limits): fail the test when the peak memory of "
+    "its call (limit) or of a named gpumem phase (e.g. forward='20 MB') exceeds the size given; sizes "
+    "are bytes or strings like '64 MiB', '1.5 GB'."
+)
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One limit: bytes, and the text the user wrote (echoed in messages)."""
+
+    bytes: int
+    written: str
+    binary: bool
+
+    def fmt(self, n: int) -> str:
+        """`n` in the limit's family of units, exact when rounding would make it look equal to the limit."""
+        text = format_size(n, binary=self.binary)
+        return text if text != format_size(self.bytes, binary=self.binary) else f"{text} ({n:,} B)"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Limits on the whole call (`total`) and on named phases; `tolerance` in percent, for baselines."""
+
+    total: Limit | None = None
+    phases: Mapping[str, Limit] = field(default_factory=dict)
+    tolerance: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {name: limit.bytes for name, limit in self.phases.items()}
+        if self.total is not None:
+            data["call"] = self.total.bytes
+        if self.tolerance is not None:
+            data["tolerance"] = self.tolerance
+        return data
+
+    def describe(self) -> str:
+        parts = [] if self.total is None else [self.total.written]
+        parts += [f"{name}={limit.written}" for name, limit in self.phases.items()]
+        return ", ".join(parts)
+
+    def unopened(self, opened: Mapping[str, PhaseResult]) -> list[str]:
+        return [name for name in self.phases if name not in opened]
+
+    def violations(self, call: PhaseResult, phases: Mapping[str, PhaseResult]) -> list[str]:
+        """One sentence for each limit exceeded, e.g. 'backward peak 41.9 MB exceeds max_memory backward=40 MB'."""
+        found = []
+        if self.total is not None and call.peak_bytes > self.total.bytes:
+            found.append(f"call peak {self.total.fmt(call.peak_bytes)} exceeds max_memory {self.total.written}")
+        for name, limit in self.phases.items():
+            phase = phases.get(name)
+            if phase is not None and phase.peak_bytes > limit.bytes:
+                found.append(f"{name} peak {limit.fmt(phase.peak_bytes)} exceeds max_memory {name}={limit.written}")
+        return found
+
+
+def _limit(value: object, what: str) -> Limit:
+    try:
+        size = parse_size(value)
+    except GpuMemError as exc:
+        raise GpuMemError(f"{what}: {exc}") from None
+    if size == 0:
+        raise GpuMemError(f"{what}: a limit must be above zero, got {value!r}")
+    written = value if isinstance(value, str) else f"{value} B"
+    return Limit(size, written.strip(), is_binary(value))
+
+
+def _tolerance(value: object) -> float:
+    text = value.strip().removesuffix("%").strip() if isinstance(value, str) else value
+    try:
+        if isinstance(text, bool) or not isinstance(text, (int, float, str)):
+            raise ValueError
+        percent = float(text)
+    except ValueError:
+        raise GpuMemError(f"tolerance must be a percentage like 5 or '5%', got {value!r}") from None
+    if not 0 <= percent < 1000:
+        raise GpuMemError(f"tolerance must be between 0 and 1000 percent, got {value!r}")
+    return percent
+
+
+def budget_from_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Budget:
+    """Read `max_memory(limit=None, *, tolerance=None, **phase_limits)`; GpuMemError names the bad value."""
+    kwargs = dict(kwargs)
+    if len(args) > 1:
+        raise GpuMemError(f"max_memory takes one positional limit, got {len(args)}: {args!r}")
+    if args and "limit" in kwargs:
+        raise GpuMemError("max_memory got the limit both positionally and as limit=")
+    total = args[0] if args else kwargs.pop("limit", None)
+    tolerance = kwargs.pop("tolerance", None)
+    if total is None and not kwargs:
+        raise GpuMemError("max_memory needs a limit: max_memory('64 MiB') or max_memory(forward='20 MB')")
+    return Budget(
+        total=None if total is None else _limit(total, "max_memory limit"),
+        phases={name: _limit(value, f"max_memory {name}=") for name, value in kwargs.items()},
+        tolerance=None if tolerance is None else _tolerance(tolerance),
+    )

@@ -1,0 +1,148 @@
+"""The `gpumem` fixture object: the whole call and named phases measured on one backend.
+
+A backend has a single resettable peak (like the CUDA allocator). Regions nest (a phase inside the
+whole call), so before every reset the peak so far is folded into each open region's running maximum;
+a region's peak is then its maximum minus what was allocated when it opened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pytest_gpumem.backends.base import Backend, Counters, collect_garbage
+from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.results import PhaseResult
+
+if TYPE_CHECKING:
+    import torch
+
+CALL = "call"
+
+
+@dataclass
+class _Region:
+    name: str
+    start: Counters
+    high: Counters
+
+
+class RegionStack:
+    """Open regions over one backend, with the peak folding that lets them nest."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.open: list[_Region] = []
+
+    def push(self, name: str) -> None:
+        collect_garbage()
+        self.backend.settle()
+        self._fold()
+        self.backend.reset_peak()
+        now = self.backend.current()
+        self.open.append(_Region(name, now, now))
+
+    def pop(self) -> PhaseResult:
+        self.backend.settle()
+        self._fold()
+        region = self.open.pop()
+        end = self.backend.current()
+        return PhaseResult(
+            name=region.name,
+            peak_bytes=region.high.allocated - region.start.allocated,
+            requested_peak_bytes=region.high.requested - region.start.requested,
+            reserved_peak_bytes=region.high.reserved,
+            net_bytes=end.allocated - region.start.allocated,
+        )
+
+    def _fold(self) -> None:
+        peak = self.backend.peak()
+        for region in self.open:
+            region.high = region.high.max(peak)
+
+
+class GpuMem:
+    """Measures the test call and the phases opened with `phase(name)`; read with `peak` and `result`."""
+
+    def __init__(self, backend: Backend, nodeid: str) -> None:
+        self.backend = backend
+        self.nodeid = nodeid
+        self.info: dict[str, Any] = {}
+        self._stack: RegionStack | None = None
+        self._phase: str | None = None
+        self._results: dict[str, PhaseResult] = {}
+        self._call: PhaseResult | None = None
+
+    @property
+    def device(self) -> torch.device:
+        """Where the test's tensors should go to be measured (e.g. cuda:0, or cpu for the tracker)."""
+        return self.backend.device
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
+
+    @property
+    def phases(self) -> dict[str, PhaseResult]:
+        """The phases measured so far, in the order first opened."""
+        return dict(self._results)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Measure the block as phase `name`; the same name again keeps the maximum of the two."""
+        if not isinstance(name, str) or not name or name == CALL:
+            raise GpuMemError(f"gpumem.phase() needs a non-empty name other than {CALL!r}, got {name!r}")
+        if self._stack is None:
+            raise GpuMemError(f"gpumem.phase({name!r}) works only while the test function of {self.nodeid} runs")
+        if self._phase is not None:
+            raise GpuMemError(f"gpumem.phase({name!r}) opened inside phase {self._phase!r}: phases cannot nest")
+        self._stack.push(name)
+        self._phase = name
+        try:
+            yield
+        finally:
+            self._phase = None
+            self._record(self._stack.pop())
+
+    def peak(self, name: str | None = None) -> int:
+        """Peak bytes of phase `name` above its start, or of the whole call when `name` is None."""
+        return self.result(name).peak_bytes
+
+    def result(self, name: str | None = None) -> PhaseResult:
+        if name is None or name == CALL:
+            if self._call is None:
+                raise GpuMemError(f"the whole-call peak of {self.nodeid} is known only after the test function returns")
+            return self._call
+        if name not in self._results:
+            opened = ", ".join(self._results) or "none"
+            raise GpuMemError(f"gpumem has no phase {name!r} in {self.nodeid} (phases measured: {opened})")
+        return self._results[name]
+
+    @property
+    def has_call_result(self) -> bool:
+        return self._call is not None
+
+    def begin_call(self) -> None:
+        self._stack = RegionStack(self.backend)
+        self.backend.start()
+        self._stack.push(CALL)
+
+    def end_call(self) -> PhaseResult:
+        stack = self._stack
+        if stack is None:
+            raise GpuMemError(f"gpumem: the call of {self.nodeid} was never begun")
+        try:
+            while len(stack.open) > 1:
+                stack.pop()
+            self._call = stack.pop()
+        finally:
+            self._stack = None
+            self._phase = None
+            self.backend.stop()
+        return self._call
+
+    def _record(self, result: PhaseResult) -> None:
+        previous = self._results.get(result.name)
+        self._results[result.name] = result if previous is None else previous.merged(result)

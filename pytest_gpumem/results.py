@@ -1,0 +1,98 @@
+"""What a measurement produces: one result per phase and one per test, both JSON-able."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+STATUS_OK = "ok"
+STATUS_OVER = "OVER BUDGET"
+STATUS_ERROR = "error"
+
+
+@dataclass(frozen=True)
+class PhaseResult:
+    """Bytes of one phase, as the backend counts them, above what was allocated when it began.
+
+    `peak_bytes`: peak allocated (the allocator's rounded sizes on CUDA, or the tracker's counting);
+    `requested_peak_bytes`: the same with unrounded request sizes; `reserved_peak_bytes`: the peak of
+    the allocator's reserved memory (absolute, None where the backend has no cache); `net_bytes`:
+    allocated at the end minus at the start (negative when the phase freed more than it kept);
+    `count`: how many times the phase was entered (peaks are the maximum over entries).
+    """
+
+    name: str
+    peak_bytes: int
+    requested_peak_bytes: int
+    reserved_peak_bytes: int | None
+    net_bytes: int
+    count: int = 1
+
+    def merged(self, later: PhaseResult) -> PhaseResult:
+        reserved = [r for r in (self.reserved_peak_bytes, later.reserved_peak_bytes) if r is not None]
+        return PhaseResult(
+            name=self.name,
+            peak_bytes=max(self.peak_bytes, later.peak_bytes),
+            requested_peak_bytes=max(self.requested_peak_bytes, later.requested_peak_bytes),
+            reserved_peak_bytes=max(reserved) if reserved else None,
+            net_bytes=later.net_bytes,
+            count=self.count + later.count,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        del data["name"]
+        return data
+
+
+@dataclass
+class TestResult:
+    """Everything measured for one test call, plus its budget and verdict."""
+
+    __test__ = False  # not a test class, despite its name
+
+    nodeid: str
+    backend: str
+    device: str
+    call: PhaseResult | None
+    phases: dict[str, PhaseResult] = field(default_factory=dict)
+    budget: dict[str, Any] | None = None
+    budget_text: str | None = None
+    status: str = STATUS_OK
+    message: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def peak_bytes(self) -> int | None:
+        return None if self.call is None else self.call.peak_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "nodeid": self.nodeid,
+            "backend": self.backend,
+            "device": self.device,
+            "peak_bytes": self.peak_bytes,
+            "call": None if self.call is None else self.call.to_dict(),
+            "phases": {name: phase.to_dict() for name, phase in self.phases.items()},
+            "budget": self.budget,
+            "budget_text": self.budget_text,
+            "status": self.status,
+            "message": self.message,
+            "info": self.info,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TestResult:
+        call = data.get("call")
+        return cls(
+            nodeid=data["nodeid"],
+            backend=data["backend"],
+            device=data["device"],
+            call=None if call is None else PhaseResult(name="call", **call),
+            phases={name: PhaseResult(name=name, **p) for name, p in data.get("phases", {}).items()},
+            budget=data.get("budget"),
+            budget_text=data.get("budget_text"),
+            status=data.get("status", STATUS_OK),
+            message=data.get("message"),
+            info=dict(data.get("info", {})),
+        )

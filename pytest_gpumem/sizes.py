@@ -1,0 +1,70 @@
+"""Sizes in bytes: parse "1.5 GiB" / "800 MB" / 4096, and format bytes for people."""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+
+from pytest_gpumem.errors import GpuMemError
+
+_DECIMAL_PREFIXES = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
+_BINARY_PREFIXES = {"k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+_SIZE_RE = re.compile(r"^\s*(?P<number>[-+]?[0-9]*\.?[0-9]+)\s*(?P<unit>[A-Za-z]*)\s*$")
+_UNITS_HELP = "B, kB, MB, GB, TB, KiB, MiB, GiB, TiB"
+
+
+def _unit_factor(unit: str) -> int | None:
+    unit = unit.lower()
+    if unit == "":
+        return 1
+    if not unit.endswith("b"):
+        return None
+    prefix, binary = unit[:-1], False
+    if prefix.endswith("i"):
+        prefix, binary = prefix[:-1], True
+    if len(prefix) > 1:
+        return None
+    table = _BINARY_PREFIXES if binary else _DECIMAL_PREFIXES
+    return table.get(prefix)
+
+
+def parse_size(value: object) -> int:
+    """Bytes from an int or a string such as "1.5 GiB", "800MB", "4096" (units case-insensitive)."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise GpuMemError(f"size must be an int (bytes) or a string like '64 MiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise GpuMemError(f"size must not be negative, got {value!r}")
+        return value
+    match = _SIZE_RE.match(value)
+    if match is None:
+        raise GpuMemError(f"cannot read size {value!r}: expected a number and a unit ({_UNITS_HELP})")
+    factor = _unit_factor(match["unit"])
+    if factor is None:
+        raise GpuMemError(f"unknown unit {match['unit']!r} in size {value!r}: use one of {_UNITS_HELP}")
+    try:
+        number = Decimal(match["number"])
+    except InvalidOperation:  # pragma: no cover - the regex admits only decimals
+        raise GpuMemError(f"cannot read size {value!r}") from None
+    if number < 0:
+        raise GpuMemError(f"size must not be negative, got {value!r}")
+    return int(number * factor)
+
+
+def is_binary(value: object) -> bool:
+    """Whether a size was written with binary units (KiB, MiB, ...), to echo it back in the same family."""
+    return not isinstance(value, str) or "i" in value.lower().strip().lstrip("0123456789. ")[:2]
+
+
+def format_size(n: int, binary: bool = True) -> str:
+    """'0 B', '512 B', '1.5 KiB' (binary) or '41.9 MB' (decimal); negative numbers keep their sign."""
+    sign, n = ("-", -n) if n < 0 else ("", n)
+    base, units = (1024, ("KiB", "MiB", "GiB", "TiB")) if binary else (1000, ("kB", "MB", "GB", "TB"))
+    if n < base:
+        return f"{sign}{n} B"
+    value = float(n)
+    for unit in units:
+        value /= base
+        if value < base or unit == units[-1]:
+            return f"{sign}{value:.1f} {unit}"
+    raise AssertionError("unreachable")  # pragma: no cover
