@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import pytest
+
+from pytest_gpumem import GpuMemError, format_size, parse_size
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (4096, 4096),
+        ("4096", 4096),
+        ("64 MiB", 64 * 1024**2),
+        ("64MiB", 64 * 1024**2),
+        ("1.5 GiB", 3 * 1024**3 // 2),
+        ("800 MB", 800_000_000),
+        ("800mb", 800_000_000),
+        ("2 kB", 2000),
+        ("2 KB", 2000),
+        ("0.5 KiB", 512),
+        ("1 TB", 10**12),
+        ("1 TiB", 1024**4),
+        ("12 B", 12),
+        ("  3 gib ", 3 * 1024**3),
+    ],
+)
+def test_parse_size(text: object, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ("2 apples", "unknown unit 'apples'"),
+        ("MB", "cannot read size 'MB'"),
+        ("-1 MB", "must not be negative"),
+        (-5, "must not be negative"),
+        ("1 MIBB", "unknown unit 'MIBB'"),
+        (1.5, "must be an int (bytes) or a string"),
+        (True, "must be an int (bytes) or a string"),
+        (None, "must be an int (bytes) or a string"),
+        ("1..5 MB", "cannot read size"),
+    ],
+)
+def test_parse_size_rejects(bad: object, message: str) -> None:
+    with pytest.raises(GpuMemError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_size(bad)
+
+
+@pytest.mark.parametrize(
+    ("n", "binary", "text"),
+    [
+        (0, True, "0 B"),
+        (1023, True, "1023 B"),
+        (1536, True, "1.5 KiB"),
+        (41_900_000, False, "41.9 MB"),
+        (-3 * 1024**3, True, "-3.0 GiB"),
+        (5 * 1024**5, True, "5120.0 TiB"),
+    ],
+)
+def test_format_size(n: int, binary: bool, text: str) -> None:
+    assert format_size(n, binary=binary) == text

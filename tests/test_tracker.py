@@ -1,0 +1,154 @@
+"""Exact bytes from the tracker, on workloads whose sizes are derived by hand (float32 = 4 bytes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_gpumem.backends.tracker import cuda_block_size
+
+WORKLOADS = """
+import pytest, torch
+from torch.utils.checkpoint import checkpoint
+
+N = 1000  # float32 elements: 4N = 4000 bytes
+
+
+def step(gpumem, forward):
+    x = torch.randn(N, requires_grad=True, device=gpumem.device)
+    with gpumem.phase("forward"):
+        loss = forward(x)
+    with gpumem.phase("backward"):
+        loss.backward()
+    return x
+
+
+def test_sum_of_product(gpumem):
+    y = torch.randn(N)
+    step(gpumem, lambda x: torch.sum(x * y))
+    # forward: the product x*y (4N) and the scalar sum (4) coexist; mul saves x and y, made before
+    assert gpumem.result("forward").peak_bytes == 4 * N + 4
+    assert gpumem.result("forward").net_bytes == 4
+    # backward: the seed grad ones_like(loss) (4) and grad*y (4N), which becomes x.grad
+    assert gpumem.result("backward").peak_bytes == 4 + 4 * N
+    assert gpumem.result("backward").net_bytes == 4 * N
+
+
+def test_saved_tensors_count(gpumem):
+    step(gpumem, lambda x: (x * 2).sigmoid().sum())
+    # x*2 (4N) and sigmoid's output (4N) coexist; sigmoid saves its output for backward
+    assert gpumem.peak("forward") == 8 * N
+    assert gpumem.result("forward").net_bytes == 4 * N + 4
+    # seed (4) + sigmoid's grad (4N); the saved output is released before grad*2 (4N) is made
+    assert gpumem.peak("backward") == 4 * N + 4
+    assert gpumem.result("backward").net_bytes == 0
+
+
+def test_checkpoint_recomputation_counts(gpumem):
+    step(gpumem, lambda x: checkpoint(lambda t: (t * 2).sigmoid(), x, use_reentrant=False).sum())
+    assert gpumem.peak("forward") == 8 * N
+    assert gpumem.result("forward").net_bytes == 4  # nothing saved but x, made before
+    # seed (4) + the recomputed x*2 and sigmoid output (4N each)
+    assert gpumem.peak("backward") == 8 * N + 4
+
+
+def test_autocast_copies_count(gpumem):
+    w = torch.randn(N, N // 4)
+
+    def forward(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return (x @ w).float().sum()
+
+    step(gpumem, forward)
+    # bf16 copies of x (2N) and w (2 * N * N/4), bf16 product (2 * N/4), its float copy (4 * N/4)
+    # and the sum (4); the product is freed only after .float() ran, so all but the sum coexist
+    assert gpumem.peak("forward") == 2 * N + 2 * N * N // 4 + 2 * N // 4 + 4 * N // 4
+    # mv saves the bf16 copy of w for x's gradient
+    assert gpumem.result("forward").net_bytes == 2 * N * N // 4 + 4
+
+
+def test_views_and_inplace_count_zero(gpumem):
+    x = torch.randn(N)
+    with gpumem.phase("views"):
+        a = x.view(10, 100).t()[::2]
+        b = x[:10].unsqueeze(0).expand(5, 10)
+        x.add_(1).mul_(2)
+        x.relu_()
+        del a, b
+    assert gpumem.peak("views") == 0
+
+
+def test_resize_out_counts_growth(gpumem):
+    y = torch.randn(N)
+    out = torch.empty(0)
+    with gpumem.phase("out"):
+        torch.add(y, y, out=out)
+    assert gpumem.peak("out") == 4 * N
+
+
+def test_same_phase_twice_keeps_maximum(gpumem):
+    with gpumem.phase("alloc"):
+        torch.ones(N)
+    with gpumem.phase("alloc"):
+        torch.ones(2 * N)
+    with gpumem.phase("alloc"):
+        torch.ones(N // 2)
+    assert gpumem.peak("alloc") == 8 * N
+    assert gpumem.result("alloc").count == 3
+
+
+def test_dtypes_and_factories(gpumem):
+    with gpumem.phase("made"):
+        keep = [torch.zeros(N, dtype=torch.float64), torch.empty(N, dtype=torch.int8), torch.tensor([1.0, 2.0])]
+    assert gpumem.peak("made") == 8 * N + N + 8
+    assert gpumem.result("made").net_bytes == 8 * N + N + 8
+    del keep
+
+
+def test_meta_tensors_are_counted_without_memory(gpumem):
+    with gpumem.phase("meta"):
+        big = torch.empty(1024, 1024, 1024, device="meta")
+    assert gpumem.peak("meta") == 4 * 1024**3
+    del big
+"""
+
+
+def test_exact_bytes(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(WORKLOADS)
+    result = tracker.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=9)
+
+
+def test_cuda_rounding_option(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        """
+        import torch
+
+        def test_rounded(gpumem):
+            with gpumem.phase("p"):
+                a = torch.ones(1000)           # 4000 B -> 4096
+                b = torch.ones(4_000_000)      # 16,000,000 B -> a whole 16 MiB segment
+            r = gpumem.result("p")
+            assert r.peak_bytes == 4096 + 16 * 1024**2
+            assert r.requested_peak_bytes == 4000 + 16_000_000
+        """
+    )
+    tracker.runpytest("--gpumem-round=cuda").assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "counted"),
+    [
+        (0, 0),
+        (1, 512),
+        (512, 512),
+        (513, 1024),
+        (1024**2, 1024**2),
+        (5 * 1024**2 + 1, 5 * 1024**2 + 512),
+        (10 * 1024**2 + 512 * 1024, 10 * 1024**2 + 512 * 1024),  # 1.5 MiB would remain: split
+        (11 * 1024**2 + 1, 12 * 1024**2),  # under 1 MiB would remain: the whole segment
+        (12 * 1024**2, 12 * 1024**2),
+        (16_000_000, 16 * 1024**2),
+    ],
+)
+def test_cuda_block_size(request_bytes: int, counted: int) -> None:
+    assert cuda_block_size(request_bytes) == counted
