@@ -98,13 +98,15 @@ class GpuMem:
             raise GpuMemError(f"gpumem.phase({name!r}) works only while the test function of {self.nodeid} runs")
         if self._phase is not None:
             raise GpuMemError(f"gpumem.phase({name!r}) opened inside phase {self._phase!r}: phases cannot nest")
-        self._stack.push(name)
+        stack = self._stack
+        stack.push(name)
         self._phase = name
         try:
             yield
         finally:
-            self._phase = None
-            self._record(self._stack.pop())
+            if self._stack is stack and self._phase == name:
+                self._phase = None
+                self._record(stack.pop())
 
     def peak(self, name: str | None = None) -> int:
         """Peak bytes of phase `name` above its start, or of the whole call when `name` is None."""
@@ -135,7 +137,7 @@ class GpuMem:
             raise GpuMemError(f"gpumem: the call of {self.nodeid} was never begun")
         try:
             while len(stack.open) > 1:
-                stack.pop()
+                self._record(stack.pop())
             self._call = stack.pop()
         finally:
             self._stack = None

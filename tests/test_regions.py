@@ -1,0 +1,113 @@
+"""The meter's region arithmetic, on a scripted fake allocator.
+
+FAKE: `ScriptedAllocator` stands in for the CUDA statistics to test the folding of nested peaks only;
+real CUDA readings are tested in test_cuda.py (skipped without a GPU) and benchmarks/validate_cuda.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pytest_gpumem import Counters, GpuMem, GpuMemError
+
+
+class ScriptedAllocator:
+    """A fake allocator with one resettable peak, driven by `alloc`/`free` calls from the test."""
+
+    name = "scripted"
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.high = 0
+        self.resets = 0
+
+    def alloc(self, n: int) -> None:
+        self.now += n
+        self.high = max(self.high, self.now)
+
+    def free(self, n: int) -> None:
+        self.now -= n
+
+    def describe(self) -> str:
+        return "scripted fake"
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
+    def current(self) -> Counters:
+        return Counters(self.now, self.now, self.now + 100)
+
+    def peak(self) -> Counters:
+        return Counters(self.high, self.high, self.high + 100)
+
+    def reset_peak(self) -> None:
+        self.high = self.now
+        self.resets += 1
+
+
+def test_phase_reset_does_not_hide_an_earlier_call_peak() -> None:
+    fake = ScriptedAllocator()
+    fake.alloc(1000)  # before the call: not part of any peak
+    meter = GpuMem(fake, "t")
+    meter.begin_call()
+    fake.alloc(500)
+    fake.free(500)  # a transient before any phase: the call's peak must keep it
+    with meter.phase("forward"):
+        fake.alloc(200)
+    with meter.phase("backward"):
+        fake.free(200)
+        fake.alloc(300)
+        fake.free(300)
+    call = meter.end_call()
+    assert call.peak_bytes == 500
+    assert call.net_bytes == 0
+    assert meter.peak("forward") == 200
+    assert meter.result("forward").net_bytes == 200
+    # backward starts at 1200, frees 200 and allocates 300: its peak above start is 100
+    assert meter.peak("backward") == 100
+    assert meter.result("backward").net_bytes == -200
+    assert meter.result("backward").reserved_peak_bytes == 1300 + 100  # the fake reserves 100 above allocated
+    assert fake.resets == 3
+
+
+def test_peak_inside_phase_reaches_the_call() -> None:
+    fake = ScriptedAllocator()
+    meter = GpuMem(fake, "t")
+    meter.begin_call()
+    with meter.phase("p"):
+        fake.alloc(5000)
+        fake.free(5000)
+    fake.alloc(10)
+    assert meter.end_call().peak_bytes == 5000
+
+
+def test_repeated_phase_keeps_max_and_last_net() -> None:
+    fake = ScriptedAllocator()
+    meter = GpuMem(fake, "t")
+    meter.begin_call()
+    for n in (300, 700, 100):
+        with meter.phase("step"):
+            fake.alloc(n)
+    meter.end_call()
+    result = meter.result("step")
+    assert (result.peak_bytes, result.net_bytes, result.count) == (700, 100, 3)
+
+
+def test_open_phase_is_closed_by_end_call() -> None:
+    fake = ScriptedAllocator()
+    meter = GpuMem(fake, "t")
+    meter.begin_call()
+    context = meter.phase("left-open")
+    context.__enter__()
+    fake.alloc(64)
+    assert meter.end_call().peak_bytes == 64
+    with pytest.raises(GpuMemError, match="whole-call peak of t is known only after"):
+        GpuMem(fake, "t").peak()
