@@ -21,6 +21,9 @@ from pytest_gpumem.xdist import WORKER_RESULTS
 
 SESSION_KEY = pytest.StashKey[GpuMemSession]()
 
+# the reference strategies' fixtures, option and report section (they import torch only when used)
+pytest_plugins = ["reference_losses.fixtures"]
+
 
 def _backend_name(value: str) -> str:
     if not value.strip() or not value.replace("_", "").replace("-", "").isalnum():

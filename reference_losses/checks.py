@@ -1,0 +1,87 @@
+"""What the shipped suite does with one strategy: run it measured, then check outcome and bytes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from reference_losses.fixtures import INFO_KEY, Case
+from reference_losses.strategy import (
+    FP32_RTOL,
+    REDUCED_MARGIN,
+    Expectation,
+    NullMeter,
+    Outcome,
+    relative_errors,
+    worst,
+)
+
+if TYPE_CHECKING:
+    from pytest_gpumem import GpuMem
+
+# The tracker counts exact bytes. Other backends (CUDA) may differ by allocator rounding, kernels'
+# own scratch memory and different algorithms; these slacks are a guess until measured on a GPU.
+EXACT_SLACK = (0.0, 0)
+DEVICE_SLACK = (0.05, 1 << 20)
+
+
+def run_measured(case: Case, gpumem: GpuMem) -> Outcome:
+    """Phases forward/backward/step from one run; 'total' (the whole step) from a second run on a
+    fresh copy, because a phase repeated (grad_accumulation) keeps only its maximum."""
+    outcome = case.strategy.run(gpumem, case.workload.clone())
+    fresh = case.workload.clone()
+    with gpumem.phase("total"):
+        case.strategy.run(NullMeter(), fresh)
+    del fresh
+    return outcome
+
+
+def record(case: Case, gpumem: GpuMem, errors: dict[str, float]) -> None:
+    key, error = worst(errors)
+    gpumem.info[INFO_KEY] = {
+        "strategy": case.strategy.name,
+        "workload": case.strategy.workload,
+        "reference": case.strategy.reference,
+        "minimum_bytes": case.strategy.minimum_bytes(case.workload),
+        "worst_error": {"key": key, "relative": error},
+    }
+
+
+def outcome_errors(case: Case, outcome: Outcome) -> dict[str, float]:
+    """fp32 strategies: relative error against naive fp32 within FP32_RTOL. Reduced precision: error
+    against the fp64 truth no worse than naive-in-that-dtype's error plus REDUCED_MARGIN[dtype]."""
+    if case.truth is None or case.naive_reduced is None or case.dtype is None:
+        errors = relative_errors(outcome, case.reference)
+        far = {k: e for k, e in errors.items() if not e <= FP32_RTOL}
+        assert not far, f"{case.strategy.name} differs from {case.strategy.reference} beyond {FP32_RTOL}: {far}"
+        return errors
+    errors = relative_errors(outcome, case.truth)
+    naive = relative_errors(case.naive_reduced, case.truth)
+    margin = REDUCED_MARGIN[case.dtype]
+    bad: dict[str, str] = {k: f"{e:.3g} > {naive[k]:.3g}" for k, e in errors.items() if not e <= naive[k] + margin}
+    assert not bad, f"{case.strategy.name} error (vs fp64) above naive {case.dtype}'s + {margin}: {bad}"
+    return errors
+
+
+def measured(gpumem: GpuMem, expectation: Expectation) -> int:
+    result = gpumem.result(expectation.phase)
+    return result.net_bytes if expectation.net else result.requested_peak_bytes
+
+
+def check_bytes(case: Case, gpumem: GpuMem) -> None:
+    rel, extra = EXACT_SLACK if gpumem.backend_name == "tracker" else DEVICE_SLACK
+    failures: list[str] = []
+    for exp in case.strategy.expect(case.workload):
+        got = measured(gpumem, exp)
+        low, high = exp.low * (1 - rel) - extra, exp.high * (1 + rel) + extra
+        if not low <= got <= high:
+            what = "kept after" if exp.net else "peak of"
+            failures.append(f"{what} {exp.phase}: {got} bytes, expected {exp.low}..{exp.high} ({exp.why})")
+    assert not failures, f"{case.strategy.name}: " + "; ".join(failures)
+
+
+def check(case: Case, gpumem: GpuMem) -> dict[str, Any]:
+    outcome = run_measured(case, gpumem)
+    errors = outcome_errors(case, outcome)
+    record(case, gpumem, errors)
+    check_bytes(case, gpumem)
+    return errors

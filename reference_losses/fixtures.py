@@ -1,0 +1,226 @@
+"""pytest fixtures, the `--gpumem-scale` option and the report section of the reference strategies.
+
+The plugin loads this module in every pytest run, so torch and the strategies are imported only
+inside fixtures and hooks that run when a reference strategy is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    import torch
+
+    from pytest_gpumem import GpuMem
+    from pytest_gpumem.results import TestResult
+    from reference_losses.strategy import Outcome, Strategy
+
+LOSS_NAMES = (
+    "naive_sum", "dot", "einsum", "checkpoint_loss", "manual_cleanup",
+    "full_ce", "chunked_ce", "chunked_ce_checkpoint",
+)  # fmt: skip
+TRAINING_NAMES = (
+    "plain", "checkpoint_layer", "amp", "clip_grad", "optimizer_in_backward",
+    "residual_plain", "checkpoint_blocks", "selective_checkpoint", "grad_accumulation",
+    "compress_activations", "offload_activations",
+)  # fmt: skip
+
+RESULTS_KEY = pytest.StashKey[list[dict[str, Any]]]()
+INFO_KEY = "reference_strategy"
+
+
+def parse_scale(value: str) -> float:
+    """`--gpumem-scale` value: a positive number multiplying the batch sizes of the workloads."""
+    try:
+        scale = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid scale {value!r} (a positive number, e.g. 1 or 0.5)") from None
+    if not 0 < scale < float("inf"):
+        raise argparse.ArgumentTypeError(f"invalid scale {value!r} (a positive number, e.g. 1 or 0.5)")
+    return scale
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("gpumem")
+    group.addoption(
+        "--gpumem-scale",
+        type=parse_scale,
+        default=None,
+        metavar="FACTOR",
+        help="multiply the batch sizes of the reference_losses workloads. Default: 1 (ini gpumem_scale).",
+    )
+    parser.addini("gpumem_scale", "default for --gpumem-scale", default="1")
+
+
+def _scale(config: pytest.Config) -> float:
+    given = config.getoption("gpumem_scale")
+    if given is not None:
+        return float(given)
+    try:
+        return parse_scale(str(config.getini("gpumem_scale")).strip())
+    except argparse.ArgumentTypeError as exc:
+        raise pytest.UsageError(f"ini option gpumem_scale: {exc}") from None
+
+
+@dataclass
+class Case:
+    """A strategy, its workload as built (never run: each run takes a clone), and what it is checked
+    against: `reference` (the naive strategy in fp32) and, for reduced-precision strategies, `truth`
+    (naive in fp64) and `naive_reduced` (naive in the strategy's dtype)."""
+
+    strategy: Strategy
+    workload: Any
+    reference: Outcome
+    truth: Outcome | None = None
+    naive_reduced: Outcome | None = None
+    dtype: torch.dtype | None = None
+
+
+@pytest.fixture(scope="session")
+def gpumem_scale(pytestconfig: pytest.Config) -> float:
+    return _scale(pytestconfig)
+
+
+@pytest.fixture(scope="session")
+def reference_outcomes() -> dict[tuple[Any, ...], Outcome]:
+    """Naive outcomes by (strategy, dtype, scale, device), computed once per session, unmeasured."""
+    return {}
+
+
+@pytest.fixture(params=LOSS_NAMES)
+def loss_strategy(request: pytest.FixtureRequest) -> Strategy:
+    from reference_losses.losses import LOSS_STRATEGIES
+
+    return LOSS_STRATEGIES[request.param]
+
+
+@pytest.fixture(params=TRAINING_NAMES)
+def training_strategy(request: pytest.FixtureRequest) -> Strategy:
+    from reference_losses.training import TRAINING_STRATEGIES
+
+    return TRAINING_STRATEGIES[request.param]
+
+
+def _workload(gpumem: GpuMem, scale: float, name: str) -> Any:
+    from reference_losses import models
+
+    builders = {
+        "product": models.build_product,
+        "net": models.build_net,
+        "residual": models.build_residual,
+        "lm_head": models.build_lm_head,
+    }
+    return builders[name](scale, gpumem.device)
+
+
+@pytest.fixture
+def net_model(gpumem: GpuMem, gpumem_scale: float) -> Any:
+    """The Q&A's Net with an input batch and target on `gpumem.device` (a models.ModelWorkload)."""
+    return _workload(gpumem, gpumem_scale, "net")
+
+
+@pytest.fixture
+def residual_model(gpumem: GpuMem, gpumem_scale: float) -> Any:
+    """The deep residual MLP with a batch and target on `gpumem.device` (a models.ModelWorkload)."""
+    return _workload(gpumem, gpumem_scale, "residual")
+
+
+@pytest.fixture
+def lm_head(gpumem: GpuMem, gpumem_scale: float) -> Any:
+    """Hidden states, output embedding and targets on `gpumem.device` (a models.LMHeadWorkload)."""
+    return _workload(gpumem, gpumem_scale, "lm_head")
+
+
+def _naive(
+    case_key: tuple[Any, ...],
+    cache: dict[tuple[Any, ...], Outcome],
+    strategy: Strategy,
+    workload: Any,
+    dtype: torch.dtype,
+) -> Outcome:
+    from reference_losses.strategy import NullMeter, with_scales
+
+    key = (*case_key, dtype)
+    if key not in cache:
+        clone = workload.clone(dtype)
+        model = getattr(clone, "model", None)
+        before = {} if model is None else {n: p.detach().clone() for n, p in model.named_parameters()}
+        cache[key] = with_scales(strategy.run(NullMeter(), clone), before)
+    return cache[key]
+
+
+def make_case(strategy: Strategy, gpumem: GpuMem, scale: float, cache: dict[tuple[Any, ...], Outcome]) -> Case:
+    """Build the workload and the references (in setup, so that nothing of it is measured)."""
+    import torch
+
+    from reference_losses.losses import LOSS_STRATEGIES
+    from reference_losses.strategy import NullMeter
+    from reference_losses.training import TRAINING_STRATEGIES
+
+    device = gpumem.device
+    if strategy.needs_cuda and device.type != "cuda":
+        pytest.skip(f"{strategy.name} needs a CUDA device (measuring on {device})")
+    naive = {**LOSS_STRATEGIES, **TRAINING_STRATEGIES}[strategy.reference]
+    workload = _workload(gpumem, scale, strategy.workload)
+    key = (naive.name, scale, str(device))
+    case = Case(strategy, workload, _naive(key, cache, naive, workload, torch.float32))
+    case.dtype = strategy.precision(device)
+    if case.dtype is not None:
+        case.truth = _naive(key, cache, naive, workload, torch.float64)
+        case.naive_reduced = _naive(key, cache, naive, workload, case.dtype)
+    if device.type != "cpu":
+        # First use of cuBLAS (per handle: the autograd thread has its own) allocates a workspace
+        # that stays; run once here so that it is not part of the measured peaks.
+        strategy.run(NullMeter(), workload.clone())
+    return case
+
+
+@pytest.fixture
+def loss_case(
+    loss_strategy: Strategy, gpumem: GpuMem, gpumem_scale: float, reference_outcomes: dict[tuple[Any, ...], Outcome]
+) -> Case:
+    return make_case(loss_strategy, gpumem, gpumem_scale, reference_outcomes)
+
+
+@pytest.fixture
+def training_case(
+    training_strategy: Strategy,
+    gpumem: GpuMem,
+    gpumem_scale: float,
+    reference_outcomes: dict[tuple[Any, ...], Outcome],
+) -> Case:
+    return make_case(training_strategy, gpumem, gpumem_scale, reference_outcomes)
+
+
+# --- report ------------------------------------------------------------------------------------------
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[RESULTS_KEY] = []
+
+
+def pytest_gpumem_result(item: pytest.Item, result: TestResult) -> None:
+    info = result.info.get(INFO_KEY)
+    if isinstance(info, dict) and RESULTS_KEY in item.config.stash:
+        phases = {name: phase.requested_peak_bytes for name, phase in result.phases.items()}
+        item.config.stash[RESULTS_KEY].append({**info, "phases": phases, "backend": result.backend})
+
+
+def _report_wanted(config: pytest.Config) -> bool:
+    option = config.getoption("gpumem_report", None)
+    return bool(option if option is not None else config.getini("gpumem_report"))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    rows = config.stash.get(RESULTS_KEY, [])
+    if not rows or not _report_wanted(config):
+        return
+    from reference_losses.report import report_lines
+
+    terminalreporter.write_sep("=", "reference_losses: peak bytes per strategy")
+    for line in report_lines(rows):
+        terminalreporter.write_line(line)
