@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     import torch
 
     from pytest_gpumem import GpuMem
-    from pytest_gpumem.results import TestResult
     from reference_losses.strategy import Outcome, Strategy
 
 LOSS_NAMES = (
@@ -29,7 +28,6 @@ TRAINING_NAMES = (
     "compress_activations", "offload_activations",
 )  # fmt: skip
 
-RESULTS_KEY = pytest.StashKey[list[dict[str, Any]]]()
 INFO_KEY = "reference_strategy"
 
 
@@ -78,6 +76,10 @@ class Case:
     truth: Outcome | None = None
     naive_reduced: Outcome | None = None
     dtype: torch.dtype | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _scale(config)  # a bad ini value is a usage error at start-up, not an error in every test
 
 
 @pytest.fixture(scope="session")
@@ -199,25 +201,26 @@ def training_case(
 # --- report ------------------------------------------------------------------------------------------
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.stash[RESULTS_KEY] = []
+def _rows(config: pytest.Config) -> list[dict[str, Any]]:
+    """The measured reference strategies when a report is asked for, from the plugin's results (which
+    hold those of xdist workers too)."""
+    from pytest_gpumem.plugin import SESSION_KEY
 
-
-def pytest_gpumem_result(item: pytest.Item, result: TestResult) -> None:
-    info = result.info.get(INFO_KEY)
-    if isinstance(info, dict) and RESULTS_KEY in item.config.stash:
-        phases = {name: phase.requested_peak_bytes for name, phase in result.phases.items()}
-        item.config.stash[RESULTS_KEY].append({**info, "phases": phases, "backend": result.backend})
-
-
-def _report_wanted(config: pytest.Config) -> bool:
-    option = config.getoption("gpumem_report", None)
-    return bool(option if option is not None else config.getini("gpumem_report"))
+    session = config.stash.get(SESSION_KEY, None)
+    if session is None or not session.options.report:
+        return []
+    rows = []
+    for result in session.results:
+        info = result.info.get(INFO_KEY)
+        if isinstance(info, dict):
+            phases = {name: phase.requested_peak_bytes for name, phase in result.phases.items()}
+            rows.append({**info, "phases": phases, "backend": result.backend})
+    return rows
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-    rows = config.stash.get(RESULTS_KEY, [])
-    if not rows or not _report_wanted(config):
+    rows = _rows(config)
+    if not rows:
         return
     from reference_losses.report import report_lines
 

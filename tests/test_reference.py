@@ -1,0 +1,50 @@
+"""The shipped reference suite as a user runs it, on a fast subset, and its option."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_reference_report_subset(tracker: pytest.Pytester) -> None:
+    result = tracker.runpytest(
+        "--pyargs", "reference_losses", "-k", "naive_sum or dot or einsum", "--gpumem-report", "-p", "no:cacheprovider"
+    )
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(
+        [
+            "*= reference_losses: peak bytes per strategy =*",
+            "workload product (tracker; naive = naive_sum):",
+            "strategy*forward*backward*step*total*total/naive*total/minimum*minimum",
+            "naive_sum*4.0 MiB*8.0 MiB*-*8.0 MiB*1.00*1.00*8.0 MiB",
+            "dot*4 B*8.0 MiB*-*8.0 MiB*1.00*1.00*8.0 MiB",
+            "*= gpumem report =*",
+        ]
+    )
+
+
+def test_reference_report_only_when_asked(tracker: pytest.Pytester) -> None:
+    result = tracker.runpytest("--pyargs", "reference_losses", "-k", "naive_sum", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    result.stdout.no_fnmatch_line("*reference_losses: peak bytes*")
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "inf"])
+def test_bad_scale_is_a_usage_error(pytester: pytest.Pytester, value: str) -> None:
+    result = pytester.runpytest(f"--gpumem-scale={value}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*argument --gpumem-scale: invalid scale '{value}' (a positive number*"])
+
+
+def test_bad_scale_in_ini_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\ngpumem_scale = big\n")
+    result = pytester.runpytest("--pyargs", "reference_losses", "-k", "naive_sum")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: ini option gpumem_scale: invalid scale 'big'*"])
+
+
+def test_scale_changes_the_workload(tracker: pytest.Pytester) -> None:
+    result = tracker.runpytest(
+        "--pyargs", "reference_losses", "-k", "naive_sum", "--gpumem-scale=0.5", "--gpumem-report"
+    )
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["naive_sum*2.0 MiB*4.0 MiB*-*4.0 MiB*"])
