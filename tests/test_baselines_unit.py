@@ -1,0 +1,674 @@
+"""Unit tests of pytest_gpumem.baselines: file format, validation, atomic writes, comparison, update."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_gpumem import baselines as B
+from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.gradients import Fingerprint, GradStats, ParamFingerprint
+from pytest_gpumem.sizes import format_size
+
+H200 = B.DeviceIdentity("cuda", "NVIDIA H200", "9.0", 150_754_820_096)
+A100 = B.DeviceIdentity("cuda", "NVIDIA A100-SXM4-80GB", "8.0", 85_094_678_528)
+TRACKER = B.DeviceIdentity("tracker", "cpu")
+ENV = B.Environment("2.13.0", "12.8")
+NO_SLACK = B.Tolerance(5, 0)
+
+
+def decimal(n: int) -> str:
+    return format_size(n, binary=False)
+
+
+def grads(scale: float = 1.0) -> Fingerprint:
+    stats = GradStats(1.5 * scale, 3.25 * scale, -0.125 * scale, 0.75 * scale, (0.5 * scale, -1.0 * scale))
+    return Fingerprint(
+        params={
+            "fc.weight": ParamFingerprint((4, 3), "float32", stats),
+            "fc.bias": ParamFingerprint((4,), "float32", None),
+        },
+        method="test-method",
+    )
+
+
+def entry(
+    peak: int = 16_000_000,
+    phases: dict[str, int] | None = None,
+    identity: B.DeviceIdentity = H200,
+    env: B.Environment = ENV,
+    gradients: Fingerprint | None = None,
+) -> B.Entry:
+    if phases is None:
+        phases = {"forward": 16_000_000, "backward": 8_000_000}
+    return B.Entry.measured(identity, env, peak, phases, gradients)
+
+
+def sample_store(path: Path) -> B.BaselineStore:
+    store = B.BaselineStore(path)
+    B.update(
+        store,
+        {
+            "tests/test_b.py::test_two[bf16-ünïcode]": entry(gradients=grads()),
+            "tests/test_a.py::test_one": entry(peak=1234, phases={}),
+            "tests/test_a.py::test_zero": entry(peak=0, phases={"z": 0, "a": 5}),
+        },
+    )
+    B.update(store, {"tests/test_a.py::test_one": entry(identity=A100, env=B.Environment("2.12.0", None))})
+    B.update(store, {"tests/test_a.py::test_one": entry(identity=TRACKER, env=B.Environment(None, None))})
+    return store
+
+
+@pytest.fixture
+def path(tmp_path: Path) -> Path:
+    return tmp_path / B.DEFAULT_FILENAME
+
+
+# ------------------------------------------------------------------------------------------ file format
+
+
+def test_round_trip_is_byte_stable(path: Path) -> None:
+    store = sample_store(path)
+    B.write(store)
+    first = path.read_bytes()
+    B.write(store)
+    assert path.read_bytes() == first
+    loaded = B.load(path)
+    assert loaded.existed
+    assert loaded.entries == store.entries
+    B.write(loaded)
+    assert path.read_bytes() == first
+    assert B.dumps(loaded).encode() == first
+
+
+def test_format_is_sorted_indented_and_newline_terminated(path: Path) -> None:
+    B.write(sample_store(path))
+    text = path.read_text(encoding="utf-8")
+    obj = json.loads(text)
+    assert text == json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    assert text.endswith("}\n") and not text.endswith("\n\n")
+    assert obj["schema"] == B.SCHEMA and obj["version"] == B.VERSION
+    assert list(obj["entries"]) == sorted(obj["entries"])
+    assert "ünïcode" in text  # readable in diffs, not \\u escapes
+    one = obj["entries"]["tests/test_a.py::test_one"]
+    assert set(one) == {H200.key, A100.key, TRACKER.key}
+    assert one[H200.key]["identity"] == {
+        "backend": "cuda",
+        "capability": "9.0",
+        "device": "NVIDIA H200",
+        "total_memory": 150_754_820_096,
+    }
+    assert one[A100.key]["torch"] == "2.12.0" and one[A100.key]["cuda"] is None
+    assert "gradients" not in one[H200.key]
+    assert H200.key == "cuda | NVIDIA H200 | cc 9.0 | 150754820096 B"
+    assert TRACKER.key == "tracker | cpu"
+
+
+def test_fast_writer_matches_json_dumps() -> None:
+    store = sample_store(Path("x.json"))
+    reference = json.dumps(store.to_json(), indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False)
+    assert B.dumps(store) == reference + "\n"
+
+
+def test_missing_file_is_an_empty_store(path: Path) -> None:
+    store = B.load(path)
+    assert not store.existed and len(store) == 0 and store.path == path
+    assert not path.exists()
+
+
+def test_baseline_error_is_a_gpumem_error() -> None:
+    assert issubclass(B.BaselineError, GpuMemError)
+
+
+# ------------------------------------------------------------------------------------ refused files
+
+VALID = json.loads(B.dumps(sample_store(Path("x.json"))))
+ONE = "tests/test_a.py::test_one"
+
+
+def mutated(change: Any) -> str:
+    obj = json.loads(json.dumps(VALID))
+    change(obj)
+    return json.dumps(obj, indent=2)
+
+
+def _set(*keys_and_value: Any) -> Any:
+    *keys, value = keys_and_value
+
+    def change(obj: Any) -> None:
+        for key in keys[:-1]:
+            obj = obj[key]
+        obj[keys[-1]] = value
+
+    return change
+
+
+def _del(*keys: Any) -> Any:
+    def change(obj: Any) -> None:
+        for key in keys[:-1]:
+            obj = obj[key]
+        del obj[keys[-1]]
+
+    return change
+
+
+GOOD_TEXT = json.dumps(VALID, indent=2)
+E = ("entries", ONE, H200.key)
+BAD_FILES: dict[str, tuple[str | bytes, str]] = {
+    "empty": ("", "empty"),
+    "whitespace": ("  \n", "empty"),
+    "truncated": (GOOD_TEXT[: len(GOOD_TEXT) // 2], "truncated"),
+    "garbage": ("not json at all", "not valid JSON"),
+    "merge-conflict": ("<<<<<<< HEAD\n{}\n=======\n{}\n>>>>>>> branch\n", "merge conflict"),
+    "not-utf8": (b'{"schema": "\xff\xfe"}', "not UTF-8"),
+    "json-list": ("[1, 2, 3]", "not a pytest-gpumem baseline file"),
+    "foreign-object": ('{"machine_info": {}, "benchmarks": []}', "not a pytest-gpumem baseline file"),
+    "wrong-schema": (mutated(_set("schema", "syrupy")), "not a pytest-gpumem baseline file"),
+    "newer-version": (mutated(_set("version", 2)), "schema version 2 is newer"),
+    "version-string": (mutated(_set("version", "1")), '"version" must be an integer'),
+    "version-bool": (mutated(_set("version", True)), '"version" must be an integer'),
+    "version-zero": (mutated(_set("version", 0)), '"version" must be an integer'),
+    "missing-version": (mutated(_del("version")), '"version" must be an integer'),
+    "unknown-top-key": (mutated(_set("extra", 1)), "unknown top-level key 'extra'"),
+    "entries-list": (mutated(_set("entries", [])), '"entries" must be an object'),
+    "empty-nodeid": (mutated(_set("entries", "", {})), "empty test node id"),
+    "per-device-list": (mutated(_set("entries", ONE, [])), "expected an object of device -> entry"),
+    "negative-peak": (mutated(_set(*E, "peak_bytes", -1)), "peak_bytes: expected an integer >= 0"),
+    "float-peak": (mutated(_set(*E, "peak_bytes", 1.5)), "peak_bytes: expected an integer >= 0"),
+    "bool-peak": (mutated(_set(*E, "peak_bytes", True)), "peak_bytes: expected an integer >= 0"),
+    "string-peak": (mutated(_set(*E, "peak_bytes", "16 MB")), "peak_bytes: expected an integer >= 0"),
+    "null-peak": (mutated(_set(*E, "peak_bytes", None)), "peak_bytes: expected an integer >= 0"),
+    "phase-negative": (mutated(_set(*E, "phases", "forward", -5)), 'phases["forward"]: expected an integer'),
+    "phase-float": (mutated(_set(*E, "phases", "forward", 2.0)), 'phases["forward"]: expected an integer'),
+    "phases-list": (mutated(_set(*E, "phases", [1])), "phases: expected an object"),
+    "empty-phase-name": (mutated(_set(*E, "phases", "", 1)), "phase names must be non-empty"),
+    "unknown-entry-key": (mutated(_set(*E, "note", "hi")), "unknown key 'note'"),
+    "missing-entry-key": (mutated(_del(*E, "torch")), "missing key 'torch'"),
+    "entry-not-object": (mutated(_set(*E, 7)), "expected an object"),
+    "torch-not-string": (mutated(_set(*E, "torch", 2.13)), "torch: expected a version string"),
+    "identity-missing-key": (mutated(_del(*E, "identity", "device")), "identity: missing key 'device'"),
+    "identity-extra-key": (mutated(_set(*E, "identity", "uuid", "x")), "identity: unknown key 'uuid'"),
+    "identity-total-negative": (
+        mutated(_set(*E, "identity", "total_memory", -1)),
+        "identity.total_memory: expected an integer >= 0",
+    ),
+    "identity-key-mismatch": (
+        mutated(_set(*E, "identity", "device", "NVIDIA H100")),
+        "key does not match its identity",
+    ),
+    "nan": (GOOD_TEXT.replace('"peak_bytes": 1234', '"peak_bytes": NaN', 1), "NaN is not a valid JSON number"),
+    "duplicate-key": (
+        GOOD_TEXT.replace('"version": 1', '"version": 1, "version": 1', 1),
+        'duplicate key "version"',
+    ),
+}
+G = ("entries", "tests/test_b.py::test_two[bf16-ünïcode]", H200.key, "gradients")
+BAD_FILES.update(
+    {
+        "gradients-not-object": (mutated(_set(*G, [])), "gradients: expected an object"),
+        "gradients-bad-stat": (
+            mutated(_set(*G, "params", "fc.weight", "grad", "l2", "big")),
+            'gradients.params["fc.weight"].grad.l2: expected a number',
+        ),
+        "gradients-bad-shape": (
+            mutated(_set(*G, "params", "fc.weight", "shape", [4, -3])),
+            'gradients.params["fc.weight"].shape',
+        ),
+        "gradients-unknown-key": (mutated(_set(*G, "extra", 1)), "gradients: unknown key 'extra'"),
+    }
+)
+
+
+@pytest.mark.parametrize("content, expected", list(BAD_FILES.values()), ids=list(BAD_FILES))
+def test_bad_file_is_refused_and_left_untouched(path: Path, content: str | bytes, expected: str) -> None:
+    raw = content if isinstance(content, bytes) else content.encode("utf-8")
+    path.write_bytes(raw)
+    before = os.stat(path)
+    with pytest.raises(B.BaselineError) as info:
+        B.load(path)
+    message = str(info.value)
+    assert expected in message
+    assert str(path) in message
+    assert "\n" not in message
+    assert path.read_bytes() == raw
+    after = os.stat(path)
+    assert (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns, before.st_size)
+    assert os.listdir(path.parent) == [path.name]
+
+
+def test_newer_version_says_upgrade(path: Path) -> None:
+    path.write_text(mutated(_set("version", 7)))
+    with pytest.raises(B.BaselineError, match=r"schema version 7 is newer than this pytest-gpumem reads \(1\)"):
+        B.load(path)
+
+
+def test_older_json_of_our_own_loads(path: Path) -> None:
+    path.write_text(GOOD_TEXT)  # not in our formatting: still valid
+    assert len(B.load(path)) == len(sample_store(path))
+
+
+def test_unreadable_path_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(B.BaselineError, match="cannot read baseline file"):
+        B.load(tmp_path)  # a folder
+
+
+# -------------------------------------------------------------------------------------- atomic writes
+
+
+def test_write_creates_file_with_umask_permissions(path: Path) -> None:
+    B.write(sample_store(path))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+
+
+def test_write_keeps_existing_permissions(path: Path) -> None:
+    path.write_text("{}")
+    path.chmod(0o640)
+    B.write(sample_store(path))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+
+
+def test_write_follows_a_symlink(tmp_path: Path) -> None:
+    real = tmp_path / "real.json"
+    link = tmp_path / "link.json"
+    real.write_text("{}")
+    link.symlink_to(real)
+    B.write(sample_store(link))
+    assert link.is_symlink()
+    assert B.load(real).entries == sample_store(link).entries
+
+
+@pytest.mark.parametrize("target", ["replace", "fsync", "fdopen", "dumps"])
+def test_failed_write_keeps_the_old_file(path: Path, monkeypatch: pytest.MonkeyPatch, target: str) -> None:
+    old = sample_store(path)
+    B.write(old)
+    before = path.read_bytes()
+    new = B.load(path)
+    B.update(new, {"tests/test_c.py::test_new": entry()})
+
+    def boom(*args: object, **kwargs: object) -> Any:
+        raise OSError(28, "No space left on device")
+
+    if target == "dumps":
+        monkeypatch.setattr(B, "_emit", boom)
+    else:
+        monkeypatch.setattr(os, target, boom)
+    with pytest.raises(B.BaselineError) as info:
+        B.write(new)
+    monkeypatch.undo()
+    assert "could not write baseline file" in str(info.value)
+    assert "previous file is unchanged" in str(info.value)
+    assert path.read_bytes() == before
+    assert os.listdir(path.parent) == [path.name]
+
+
+def test_interrupt_during_write_keeps_old_file_and_propagates(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    B.write(sample_store(path))
+    before = path.read_bytes()
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        B.write(B.BaselineStore(path))
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert os.listdir(path.parent) == [path.name]
+
+
+def test_write_of_a_corrupted_store_fails_cleanly(path: Path) -> None:
+    store = B.BaselineStore(path)
+    store.entries["t"] = {H200.key: entry()}
+    object.__setattr__(store.entries["t"][H200.key], "peak_bytes", float("nan"))  # bypass validation
+    with pytest.raises(B.BaselineError, match="could not write baseline file"):
+        B.write(store)
+    assert not path.exists()
+    assert os.listdir(path.parent) == []
+
+
+# ----------------------------------------------------------------------------------------- tolerance
+
+
+def test_tolerance_boundaries_are_exact() -> None:
+    tol = B.Tolerance(5, 0)
+    assert tol.upper(16_000_000) == 16_800_000
+    assert tol.lower(16_000_000) == 15_200_000
+    slack = B.Tolerance(5, 1 << 20)
+    assert slack.upper(16_000_000) == 16_800_000 + (1 << 20)
+    assert slack.lower(16_000_000) == 15_200_000 - (1 << 20)
+    # decimal percentages are exact: 0.1% of 1000 is 1, not 0.99999...
+    assert B.Tolerance(0.1, 0).upper(1000) == 1001
+    assert B.Tolerance(2.5, 0).upper(1000) == 1025
+    assert B.Tolerance(5, 0).upper(33) == 34  # floor(1.65)
+    assert B.Tolerance(5, 0).lower(33) == 32  # ceil(31.35)
+    assert B.Tolerance(0, 0).upper(7) == 7
+
+
+@pytest.mark.parametrize(
+    "tol, slack",
+    [(5, 0), (5, 1 << 20), (0, 0), (2.5, 512), (0.1, 0), (37.3, 3)],
+)
+@pytest.mark.parametrize("stored", [0, 1, 33, 999, 16_000_000, 123_456_789_012])
+def test_just_inside_passes_one_byte_over_fails(tol: float, slack: int, stored: int) -> None:
+    tolerance = B.Tolerance(tol, slack)
+    allowed = tolerance.upper(stored)
+    base = entry(peak=stored, phases={"forward": stored})
+    inside = B.compare("t", entry(peak=allowed, phases={"forward": allowed}), base, tolerance)
+    assert inside.status in ("ok", "IMPROVED") and not inside.failed
+    assert inside.status == "ok" or allowed < stored
+    over = B.compare("t", entry(peak=allowed, phases={"forward": allowed + 1}), base, tolerance)
+    assert over.status == "REGRESSED" and over.failed
+    assert [c.status for c in over.comparisons] == ["ok", "REGRESSED"]
+    lower = tolerance.lower(stored)
+    if lower >= 0:
+        at_lower = B.compare("t", entry(peak=stored, phases={"forward": lower}), base, tolerance)
+        assert at_lower.status == "ok"
+    if lower - 1 >= 0:
+        below = B.compare("t", entry(peak=stored, phases={"forward": lower - 1}), base, tolerance)
+        assert below.status == "IMPROVED" and not below.failed
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), True, "5"])
+def test_bad_tolerance_is_refused(bad: Any) -> None:
+    with pytest.raises(ValueError, match="tolerance"):
+        B.Tolerance(bad, 0)
+
+
+def test_bad_slack_is_refused() -> None:
+    with pytest.raises(ValueError, match="slack"):
+        B.Tolerance(5, -1)
+
+
+# ---------------------------------------------------------------------------------------- comparison
+
+
+def test_regression_message_is_exact() -> None:
+    base = entry(peak=16_000_000, phases={"forward": 16_000_000})
+    current = entry(peak=16_000_000, phases={"forward": 20_100_000})
+    verdict = B.compare("t", current, base, NO_SLACK, fmt=decimal)
+    assert verdict.status == "REGRESSED" and verdict.failed
+    assert verdict.problems == ("forward peak 20.1 MB is 25.6% above baseline 16.0 MB (tolerance 5%)",)
+    assert verdict.failure_message() == verdict.problems[0]
+    forward = verdict.comparisons[1]
+    assert (forward.phase, forward.baseline, forward.current, forward.allowed) == (
+        "forward",
+        16_000_000,
+        20_100_000,
+        16_800_000,
+    )
+    assert forward.change_percent == pytest.approx(25.625)
+
+
+def test_regression_message_mentions_slack_and_uses_binary_units_by_default() -> None:
+    base = entry(peak=16 << 20, phases={})
+    verdict = B.compare("t", entry(peak=24 << 20, phases={}), base)
+    assert verdict.problems == ("call peak 24.0 MiB is 50.0% above baseline 16.0 MiB (tolerance 5% + 1.0 MiB)",)
+
+
+def test_whole_call_and_every_phase_are_compared() -> None:
+    base = entry(peak=100_000_000, phases={"forward": 50_000_000, "backward": 80_000_000})
+    current = entry(peak=200_000_000, phases={"forward": 50_000_000, "backward": 90_000_000})
+    verdict = B.compare("t", current, base, NO_SLACK, fmt=decimal)
+    assert [(c.label, c.status) for c in verdict.comparisons] == [
+        ("call", "REGRESSED"),
+        ("forward", "ok"),
+        ("backward", "REGRESSED"),
+    ]
+    assert len(verdict.problems) == 2
+    assert verdict.problems[0].startswith("call peak 200.0 MB is 100.0% above baseline 100.0 MB")
+
+
+def test_improvement_passes_with_a_note() -> None:
+    base = entry(peak=16_000_000, phases={"forward": 16_000_000})
+    current = entry(peak=16_000_000, phases={"forward": 12_000_000})
+    verdict = B.compare("t", current, base, NO_SLACK, fmt=decimal)
+    assert verdict.status == "IMPROVED" and not verdict.failed
+    assert verdict.problems == ()
+    assert verdict.notes == (
+        "forward peak 12.0 MB is 25.0% below baseline 16.0 MB (tolerance 5%): "
+        "improved, baseline can be lowered (--gpumem-update)",
+    )
+
+
+def test_regression_wins_over_improvement() -> None:
+    base = entry(peak=100, phases={"forward": 100, "backward": 100})
+    current = entry(peak=100, phases={"forward": 10, "backward": 200})
+    verdict = B.compare("t", current, base, NO_SLACK)
+    assert verdict.status == "REGRESSED" and verdict.failed
+    assert len(verdict.problems) == 1 and len(verdict.notes) == 1
+
+
+def test_new_test_passes_unless_strict() -> None:
+    verdict = B.compare("t", entry(), None)
+    assert verdict.status == "NEW" and not verdict.failed
+    assert verdict.notes == (f"no baseline for this test on {H200.key} (record one with --gpumem-update)",)
+    assert {c.status for c in verdict.comparisons} == {"NEW"}
+    strict = B.compare("t", entry(), None, strict=True)
+    assert strict.status == "NEW" and strict.failed and strict.problems == verdict.notes
+
+
+def test_new_phase_is_a_note_unless_strict() -> None:
+    base = entry(peak=100, phases={"forward": 100})
+    current = entry(peak=100, phases={"forward": 100, "optimizer": 50})
+    verdict = B.compare("t", current, base, NO_SLACK)
+    assert verdict.status == "ok" and not verdict.failed
+    assert verdict.notes == ("optimizer peak 50 B has no baseline (record one with --gpumem-update)",)
+    assert B.compare("t", current, base, NO_SLACK, strict=True).failed
+
+
+def test_phase_that_did_not_run_is_a_note() -> None:
+    base = entry(peak=100, phases={"forward": 100, "backward": 70})
+    verdict = B.compare("t", entry(peak=100, phases={"forward": 100}), base, NO_SLACK)
+    assert verdict.status == "ok" and not verdict.failed
+    assert verdict.comparisons[-1].status == "MISSING"
+    assert verdict.notes == ("backward has a baseline (70 B) but was not measured in this run",)
+
+
+def test_zero_baseline() -> None:
+    base = entry(peak=0, phases={})
+    assert B.compare("t", entry(peak=0, phases={}), base, NO_SLACK).status == "ok"
+    verdict = B.compare("t", entry(peak=512, phases={}), base, NO_SLACK)
+    assert verdict.status == "REGRESSED"
+    assert verdict.problems == ("call peak 512 B is above baseline 0 B (tolerance 5%)",)
+    assert verdict.comparisons[0].change_percent is None
+    assert B.compare("t", entry(peak=512, phases={}), base, B.Tolerance(5, 512)).status == "ok"
+
+
+def test_gradients_are_compared_when_both_sides_have_them() -> None:
+    base = entry(gradients=grads())
+    same = B.compare("t", entry(gradients=grads()), base)
+    assert same.gradient_status == "ok" and not same.failed and same.label == "ok"
+    changed = B.compare("t", entry(gradients=grads(1.01)), base)
+    assert changed.status == "ok" and changed.gradient_status == "CHANGED" and changed.failed
+    assert changed.label == "CHANGED"
+    assert "gradient 'fc.weight'" in changed.failure_message()
+    assert B.compare("t", entry(gradients=grads(1.01)), base, grad_rtol=0.05).gradient_status == "ok"
+    new = B.compare("t", entry(gradients=grads()), entry())
+    assert new.gradient_status == "NEW" and not new.failed
+    assert B.compare("t", entry(gradients=grads()), entry(), strict=True).failed
+    gone = B.compare("t", entry(), base)
+    assert gone.gradient_status is None and not gone.failed and gone.notes
+
+
+def test_verdict_and_entry_survive_json(path: Path) -> None:
+    verdict = B.compare("t", entry(peak=10**9, gradients=grads(2)), entry(gradients=grads()), NO_SLACK)
+    wire = json.loads(json.dumps(verdict.to_json()))
+    assert B.Verdict.from_json(wire) == verdict
+    e = entry(gradients=grads())
+    assert B.Entry.from_json(json.loads(json.dumps(e.to_json()))) == e
+
+
+def test_entry_validates_its_values() -> None:
+    with pytest.raises(ValueError, match="peak_bytes"):
+        entry(peak=-1)
+    with pytest.raises(ValueError, match=r'phases\["f"\]'):
+        entry(phases={"f": 1.5})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match=r"identity\.device"):
+        B.DeviceIdentity("cuda", "")
+
+
+# ------------------------------------------------------------------------------- environment warnings
+
+
+def test_no_warning_when_versions_match(path: Path) -> None:
+    store = B.BaselineStore(path)
+    B.update(store, {"a": entry(), "b": entry()})
+    assert B.environment_warnings(store, H200, ENV) == []
+    assert B.environment_warnings(B.BaselineStore(path), H200, ENV) == []
+
+
+def test_version_mismatch_is_one_warning(path: Path) -> None:
+    store = B.BaselineStore(path)
+    old = B.Environment("2.12.0", "12.4")
+    B.update(store, {"a": entry(env=old), "b": entry(env=old), "c": entry(), "d": entry(identity=A100)})
+    warnings = B.environment_warnings(store, H200, ENV)
+    assert warnings == [
+        f"2 of 3 baselines in {path} for {H200.key} were recorded with torch 2.12.0 / CUDA 12.4 (2); "
+        "this run uses torch 2.13.0 / CUDA 12.8: peaks can differ between versions "
+        "(refresh with --gpumem-update)"
+    ]
+
+
+def test_other_device_only_is_a_warning(path: Path) -> None:
+    store = B.BaselineStore(path)
+    B.update(store, {"a": entry(identity=A100), "b": entry(identity=A100), "c": entry(identity=TRACKER)})
+    (warning,) = B.environment_warnings(store, H200, ENV)
+    assert warning == (
+        f"{path} has no baselines for this device ({H200.key}); it has baselines for {A100.key} (2), {TRACKER.key} (1)"
+    )
+
+
+def test_environment_from_torch_module() -> None:
+    class Version:
+        cuda = "12.8"
+
+    class FakeTorch:
+        __version__ = "2.13.0+cu128"
+        version = Version
+
+    assert B.Environment.from_torch(FakeTorch) == B.Environment("2.13.0+cu128", "12.8")
+    assert B.Environment("2.13.0", None).describe() == "torch 2.13.0 / no CUDA"
+
+
+# ----------------------------------------------------------------------------------- update and prune
+
+
+def test_update_records_and_summarises(path: Path) -> None:
+    store = sample_store(path)
+    B.write(store)
+    store = B.load(path)
+    untouched = {
+        ("tests/test_a.py::test_one", A100.key): store.entries["tests/test_a.py::test_one"][A100.key],
+        ("tests/test_a.py::test_zero", H200.key): store.entries["tests/test_a.py::test_zero"][H200.key],
+    }
+    summary = B.update(
+        store,
+        {
+            "tests/test_a.py::test_one": entry(peak=1234, phases={}),  # same values
+            "tests/test_b.py::test_two[bf16-ünïcode]": entry(peak=1, gradients=grads()),
+            "tests/test_new.py::test_new": entry(),
+        },
+    )
+    assert summary.added == ["tests/test_new.py::test_new"]
+    assert summary.updated == ["tests/test_b.py::test_two[bf16-ünïcode]"]
+    assert summary.unchanged == ["tests/test_a.py::test_one"]
+    assert summary.removed == []
+    assert summary.changed
+    assert summary.describe() == "1 added, 1 updated, 1 unchanged, 0 removed"
+    for (nodeid, key), value in untouched.items():
+        assert store.entries[nodeid][key] is value
+    assert store.get("tests/test_b.py::test_two[bf16-ünïcode]", H200) == entry(peak=1, gradients=grads())
+    B.write(store)
+    reloaded = B.load(path)
+    assert reloaded.entries == store.entries
+
+
+def test_update_without_changes_needs_no_write(path: Path) -> None:
+    store = sample_store(path)
+    summary = B.update(store, {"tests/test_a.py::test_one": entry(peak=1234, phases={})})
+    assert not summary.changed
+
+
+def test_update_keep_within_tolerance_avoids_churn(path: Path) -> None:
+    store = B.BaselineStore(path)
+    B.update(store, {"a": entry(peak=1000, phases={"f": 1000}, gradients=grads())})
+    original = store.get("a", H200)
+    tol = B.Tolerance(5, 0)
+    summary = B.update(store, {"a": entry(peak=1040, phases={"f": 960}, gradients=grads())}, keep_within=tol)
+    assert summary.unchanged == ["a"] and store.get("a", H200) is original
+    for changed in (
+        entry(peak=1051, phases={"f": 1000}, gradients=grads()),
+        entry(peak=1000, phases={"f": 1000, "g": 1}, gradients=grads()),
+        entry(peak=1000, phases={"f": 1000}, gradients=grads(1.5)),
+        entry(peak=1000, phases={"f": 1000}),
+        entry(peak=1000, phases={"f": 1000}, gradients=grads(), env=B.Environment("2.14.0", "12.8")),
+    ):
+        store = B.BaselineStore(path)
+        B.update(store, {"a": entry(peak=1000, phases={"f": 1000}, gradients=grads())})
+        assert B.update(store, {"a": changed}, keep_within=tol).updated == ["a"]
+
+
+def test_unused_and_prune_touch_only_this_device(path: Path) -> None:
+    store = B.BaselineStore(path)
+    B.update(store, {"a": entry(), "b": entry(), "c": entry(), "d": entry(identity=A100)})
+    B.update(store, {"b": entry(identity=A100)})
+    stale = B.unused(store, H200, ["a", "x"])
+    assert stale == ["b", "c"]
+    assert B.unused(store, A100, ["a", "x"]) == ["b", "d"]
+    summary = B.update(store, {"a": entry(peak=5)})
+    B.prune(store, stale, H200, summary=summary)
+    assert summary.removed == ["b", "c"]
+    assert summary.describe() == "0 added, 1 updated, 0 unchanged, 2 removed"
+    assert sorted(store.entries) == ["a", "b", "d"]
+    assert list(store.entries["b"]) == [A100.key]
+    assert store.nodeids(H200) == ["a"]
+    assert B.unused(store, H200, ["a"]) == []
+    assert B.prune(store, ["zzz"], H200).removed == []
+    B.write(store)
+    assert B.load(path).entries == store.entries
+
+
+# ----------------------------------------------------------------------------------- import and speed
+
+
+def test_baselines_module_does_not_import_torch() -> None:
+    code = "import sys, pytest_gpumem.baselines; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_ten_thousand_entries_round_trip(path: Path) -> None:
+    """Correct at scale; the time it takes is a benchmark (benchmarks/scale.py), not a test."""
+    n = 10_000
+    store = B.BaselineStore(path)
+    B.update(
+        store,
+        {
+            f"tests/test_m{i % 50}.py::test_case[{i}]": entry(
+                peak=10_000_000 + i, phases={"forward": 6_000_000 + i, "backward": 9_000_000, "step": 1}
+            )
+            for i in range(n)
+        },
+    )
+    B.write(store)
+    current = {
+        nodeid: entry(peak=10_000_000 + i * 200, phases={"forward": 6_000_000, "backward": 9_000_000, "step": 1})
+        for i, nodeid in enumerate(sorted(store.entries))
+    }
+    tol = B.Tolerance()
+    loaded = B.load(path)
+    B.environment_warnings(loaded, H200, ENV)
+    verdicts = [B.compare(nodeid, e, loaded.get(nodeid, H200), tol) for nodeid, e in current.items()]
+    summary = B.update(loaded, current)
+    B.write(loaded)
+    assert len(verdicts) == n and len(summary.updated) + len(summary.unchanged) == n
+    assert any(v.status == "REGRESSED" for v in verdicts)
+    assert B.dumps(B.load(path)) == B.dumps(loaded)
