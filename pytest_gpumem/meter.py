@@ -17,7 +17,11 @@ from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.results import PhaseResult
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     import torch
+
+    from pytest_gpumem.gradients import Fingerprint
 
 CALL = "call"
 
@@ -57,6 +61,18 @@ class RegionStack:
             net_bytes=end.allocated - region.start.allocated,
         )
 
+    @contextmanager
+    def unmeasured(self) -> Iterator[None]:
+        """Run a block whose transient allocations must not count: the peak so far is folded into the
+        open regions first and reset to the current value afterwards."""
+        self.backend.settle()
+        self._fold()
+        try:
+            yield
+        finally:
+            self.backend.settle()
+            self.backend.reset_peak()
+
     def _fold(self) -> None:
         peak = self.backend.peak()
         for region in self.open:
@@ -74,6 +90,8 @@ class GpuMem:
         self._phase: str | None = None
         self._results: dict[str, PhaseResult] = {}
         self._call: PhaseResult | None = None
+        self.gradients: Fingerprint | None = None
+        self.gradient_tolerance: tuple[float | None, float | None] = (None, None)
 
     @property
     def device(self) -> torch.device:
@@ -107,6 +125,29 @@ class GpuMem:
             if self._stack is stack and self._phase == name:
                 self._phase = None
                 self._record(stack.pop())
+
+    def check_gradients(
+        self,
+        model_or_named_tensors: torch.nn.Module | Mapping[str, torch.Tensor | None],
+        *,
+        rtol: float | None = None,
+        atol: float | None = None,
+    ) -> None:
+        """Fingerprint the gradients now (their `.grad`), to compare with the stored baseline after the
+        call; `rtol`/`atol` override the dtype's defaults. The fingerprint's own work is not measured."""
+        from pytest_gpumem.gradients import fingerprint
+
+        if self._stack is None:
+            raise GpuMemError(f"gpumem.check_gradients() works only while the test function of {self.nodeid} runs")
+        for name, value in (("rtol", rtol), ("atol", atol)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+                raise GpuMemError(f"gpumem.check_gradients({name}=...) must be a number >= 0, got {value!r}")
+        with self._stack.unmeasured():
+            try:
+                self.gradients = fingerprint(model_or_named_tensors)
+            except (TypeError, ValueError) as exc:
+                raise GpuMemError(f"gpumem.check_gradients(): {exc}") from None
+        self.gradient_tolerance = (rtol, atol)
 
     def peak(self, name: str | None = None) -> int:
         """Peak bytes of phase `name` above its start, or of the whole call when `name` is None."""

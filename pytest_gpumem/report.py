@@ -1,4 +1,4 @@
-"""Pure functions from results to the report table and the JSON document."""
+"""Pure functions from results to the report table (text or Markdown) and the JSON document."""
 
 from __future__ import annotations
 
@@ -25,23 +25,42 @@ def _cell(n: int | None) -> str:
     return "" if n is None else format_size(n)
 
 
+def _baseline_cells(result: TestResult) -> list[str]:
+    comparison = result.call_comparison()
+    if comparison is None:
+        return ["", ""]
+    change = comparison.get("change_percent")
+    return [_cell(comparison.get("baseline")), "" if change is None else f"{change:+.1f}%"]
+
+
+def rows(results: Sequence[TestResult]) -> tuple[list[str], list[list[str]]]:
+    """Headers and rows: test, backend, device, each phase, the whole call, [baseline, change,] budget, status."""
+    phases = phase_names(results)
+    with_baselines = any(r.baseline is not None for r in results)
+    headers = ["test", "backend", "device", *phases, "call peak"]
+    headers += ["baseline", "change"] if with_baselines else []
+    headers += ["budget", "status"]
+    body = []
+    for r in results:
+        row = [r.nodeid, r.backend, r.device, *(_cell(r.phases[p].peak_bytes) if p in r.phases else "" for p in phases)]
+        row.append(_cell(r.peak_bytes))
+        row += _baseline_cells(r) if with_baselines else []
+        body.append([*row, r.budget_text or "", r.status])
+    return headers, body
+
+
 def table(results: Sequence[TestResult]) -> str:
     """The `--gpumem-report` table: one row a test, a column for each phase and for the whole call."""
-    phases = phase_names(results)
-    headers = ["test", "backend", "device", *phases, "call peak", "budget", "status"]
-    rows = [
-        [
-            r.nodeid,
-            r.backend,
-            r.device,
-            *(_cell(r.phases[p].peak_bytes) if p in r.phases else "" for p in phases),
-            _cell(r.peak_bytes),
-            r.budget_text or "",
-            r.status,
-        ]
-        for r in results
-    ]
-    return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+    headers, body = rows(results)
+    return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True)
+
+
+def markdown(results: Sequence[TestResult]) -> str:
+    """The same table in GitHub Markdown, for CI step summaries."""
+    if not results:
+        return "No test was measured.\n"
+    headers, body = rows(results)
+    return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True) + "\n"
 
 
 def document(results: Sequence[TestResult], backend: str | None, device: str | None) -> dict[str, Any]:

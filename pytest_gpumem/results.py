@@ -61,10 +61,17 @@ class TestResult:
     status: str = STATUS_OK
     message: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    baseline: dict[str, Any] | None = None
+    record: dict[str, Any] | None = None
 
     @property
     def peak_bytes(self) -> int | None:
         return None if self.call is None else self.call.peak_bytes
+
+    def call_comparison(self) -> dict[str, Any] | None:
+        """The whole call's comparison with its baseline, if one was made."""
+        comparisons = [] if self.baseline is None else self.baseline.get("comparisons", [])
+        return next((c for c in comparisons if c.get("phase") is None), None)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -79,6 +86,8 @@ class TestResult:
             "status": self.status,
             "message": self.message,
             "info": self.info,
+            "baseline": self.baseline,
+            "record": self.record,
         }
 
     @classmethod
@@ -95,4 +104,6 @@ class TestResult:
             status=data.get("status", STATUS_OK),
             message=data.get("message"),
             info=dict(data.get("info", {})),
+            baseline=data.get("baseline"),
+            record=data.get("record"),
         )

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Generator
-from dataclasses import dataclass
+from collections.abc import Callable, Generator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -14,20 +12,14 @@ from pytest_gpumem.backends.base import Backend
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.markers import MARKER, Budget, budget_from_marker
 from pytest_gpumem.meter import GpuMem
-from pytest_gpumem.report import document
+from pytest_gpumem.options import Options
+from pytest_gpumem.regression import BaselineRun, Judgement, verdict_status
+from pytest_gpumem.report import document, markdown, table
 from pytest_gpumem.results import STATUS_ERROR, STATUS_OK, STATUS_OVER, PhaseResult, TestResult
 from pytest_gpumem.sizes import format_size
+from pytest_gpumem.xdist import WORKER_RESULTS
 
 METER_KEY = pytest.StashKey[GpuMem]()
-
-
-@dataclass(frozen=True)
-class Options:
-    backend: str
-    backend_given: bool
-    rounding: str
-    report: bool
-    json_path: Path | None
 
 
 def breakdown(call: PhaseResult, phases: dict[str, PhaseResult]) -> str:
@@ -45,13 +37,15 @@ def breakdown(call: PhaseResult, phases: dict[str, PhaseResult]) -> str:
 class GpuMemSession:
     """Per-run state, kept in `config.stash`; every hook of the plugin delegates here."""
 
-    def __init__(self, config: pytest.Config, options: Options) -> None:
+    def __init__(self, config: pytest.Config, options: Options, baselines: BaselineRun) -> None:
         self.config = config
         self.options = options
+        self.baselines = baselines
         self.results: list[TestResult] = []
         self._backend: Backend | None = None
         self.header_shown = False
-        self.json_error: str | None = None
+        self.problems: list[str] = []
+        self.baseline_lines: list[str] = []
 
     @property
     def backend_ready(self) -> bool:
@@ -115,10 +109,7 @@ class GpuMemSession:
 
     def _judge(self, item: pytest.Item, meter: GpuMem, budget: Budget | None) -> None:
         call = meter.end_call()
-        if budget is None:
-            self._finish(item, meter, budget, STATUS_OK, None)
-            return
-        unopened = budget.unopened(meter.phases)
+        unopened = [] if budget is None else budget.unopened(meter.phases)
         if unopened:
             opened = ", ".join(meter.phases) or "none"
             message = (
@@ -126,16 +117,33 @@ class GpuMemSession:
             )
             self._finish(item, meter, budget, STATUS_ERROR, message)
             pytest.fail(message, pytrace=False)
-        over = budget.violations(call, meter.phases)
-        item.add_report_section("call", "gpumem", breakdown(call, meter.phases))
+        over = [] if budget is None else budget.violations(call, meter.phases)
+        judgement = self.baselines.judge(item.nodeid, meter, budget) if self.baselines.active else None
+        section = breakdown(call, meter.phases)
+        if judgement is not None and judgement.verdict.messages:
+            section += "\n" + "\n".join(judgement.verdict.messages)
+        if budget is not None or judgement is not None:
+            item.add_report_section("call", "gpumem", section)
+        failure: str | None
         if over:
-            message = "; ".join(over)
-            self._finish(item, meter, budget, STATUS_OVER, message)
-            pytest.fail(message, pytrace=False)
-        self._finish(item, meter, budget, STATUS_OK, None)
+            status, failure = STATUS_OVER, "; ".join(over)
+        elif judgement is not None:
+            status = verdict_status(judgement.verdict)
+            failure = judgement.verdict.failure_message() if judgement.fails else None
+        else:
+            status, failure = STATUS_OK, None
+        self._finish(item, meter, budget, status, failure, judgement)
+        if failure:
+            pytest.fail(failure, pytrace=False)
 
     def _finish(
-        self, item: pytest.Item, meter: GpuMem, budget: Budget | None, status: str, message: str | None
+        self,
+        item: pytest.Item,
+        meter: GpuMem,
+        budget: Budget | None,
+        status: str,
+        message: str | None,
+        judgement: Judgement | None = None,
     ) -> None:
         call = meter.result() if meter.has_call_result else meter.end_call()
         result = TestResult(
@@ -149,6 +157,8 @@ class GpuMemSession:
             status=status,
             message=message,
             info=dict(meter.info),
+            baseline=None if judgement is None else judgement.verdict.to_json(),
+            record=None if judgement is None else judgement.entry.to_json(),
         )
         self.add(result)
         item.config.hook.pytest_gpumem_result(item=item, result=result)
@@ -156,14 +166,67 @@ class GpuMemSession:
     def add(self, result: TestResult) -> None:
         self.results.append(result)
 
-    def json_document(self) -> dict[str, Any]:
-        backend = self._backend
-        return document(
-            self.results,
-            backend.name if backend else (self.results[0].backend if self.results else None),
-            str(backend.device) if backend else (self.results[0].device if self.results else None),
-        )
+    def report_lines(self) -> list[str]:
+        if not self.results:
+            return ["no test was measured (use the gpumem fixture or @pytest.mark.max_memory)"]
+        return table(self.results).splitlines()
 
-    def write_json(self, path: Path) -> None:
-        text = json.dumps(self.json_document(), indent=2, sort_keys=True) + "\n"
-        path.write_text(text, encoding="utf-8")
+    # hooks of the session object, registered as a plugin for the run
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.baselines.seen.add(report.nodeid)
+        if report.failed:
+            self.baselines.failed.add(report.nodeid)
+
+    def pytest_deselected(self, items: list[pytest.Item]) -> None:
+        if items:
+            self.baselines.partial = True
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        if report.failed:
+            self.baselines.partial = True
+
+    def finish(self, session: pytest.Session, exitstatus: int) -> None:
+        """At the end of the run: workers hand their results over; the controller writes the files."""
+        workeroutput = getattr(self.config, "workeroutput", None)
+        if workeroutput is not None:
+            workeroutput[WORKER_RESULTS] = [result.to_dict() for result in self.results]
+            return
+        self._write(self.options.json_path, "--gpumem-json", self._json_text)
+        self._write(self.options.markdown_path, "--gpumem-markdown", lambda: markdown(self.results))
+        if not self.baselines.active:
+            return
+        if exitstatus == pytest.ExitCode.INTERRUPTED:
+            self.baseline_lines.append(f"run interrupted: {self.baselines.options.path} left as it was")
+            return
+        self.baselines.partial |= self._partial(session)
+        try:
+            self.baseline_lines += self.baselines.finish((r.nodeid, r.record) for r in self.results if r.record)
+        except GpuMemError as exc:
+            self.problems.append(str(exc))
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def _partial(self, session: pytest.Session) -> bool:
+        """Whether some tests were left out, so that an unused baseline may belong to one of them."""
+        option = self.config.option
+        selected = self.config.args_source == pytest.Config.ArgsSource.ARGS
+        filtered = bool(getattr(option, "keyword", "") or getattr(option, "markexpr", ""))
+        return selected or filtered or bool(session.shouldstop) or bool(session.shouldfail)
+
+    def _json_text(self) -> str:
+        backend = self._backend
+        first = self.results[0] if self.results else None
+        doc = document(
+            self.results,
+            backend.name if backend else (first.backend if first else None),
+            str(backend.device) if backend else (first.device if first else None),
+        )
+        return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+
+    def _write(self, path: Path | None, flag: str, text: Callable[[], str]) -> None:
+        if path is None:
+            return
+        try:
+            path.write_text(text(), encoding="utf-8")
+        except OSError as exc:
+            self.problems.append(f"{flag}: cannot write {path}: {exc.strerror or exc}")

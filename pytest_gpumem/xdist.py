@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_gpumem.results import TestResult
-from pytest_gpumem.session import GpuMemSession
+
+if TYPE_CHECKING:
+    from pytest_gpumem.session import GpuMemSession
 
 WORKER_RESULTS = "gpumem_results"
 

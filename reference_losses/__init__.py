@@ -1,21 +1,31 @@
 """Reference strategies for memory-efficient losses and training steps, in plain PyTorch, measured by
-pytest-gpumem: `pytest --pyargs reference_losses --gpumem-report`."""
+pytest-gpumem: `pytest --pyargs reference_losses --gpumem-report`.
+
+pytest-gpumem loads `reference_losses.fixtures` in every pytest run, which imports this package first;
+the strategies (and torch) are therefore imported only when one of these names is used.
+"""
 
 from __future__ import annotations
 
-from reference_losses.losses import LOSS_STRATEGIES
-from reference_losses.strategy import Expectation, NullMeter, Outcome, PhaseMeter, Strategy
-from reference_losses.training import TRAINING_STRATEGIES
+import importlib
+from typing import Any
 
-STRATEGIES: dict[str, Strategy] = {**LOSS_STRATEGIES, **TRAINING_STRATEGIES}
+_NAMES = {
+    "LOSS_STRATEGIES": "reference_losses.losses",
+    "TRAINING_STRATEGIES": "reference_losses.training",
+    "Expectation": "reference_losses.strategy",
+    "NullMeter": "reference_losses.strategy",
+    "Outcome": "reference_losses.strategy",
+    "PhaseMeter": "reference_losses.strategy",
+    "Strategy": "reference_losses.strategy",
+}
 
-__all__ = [
-    "LOSS_STRATEGIES",
-    "STRATEGIES",
-    "TRAINING_STRATEGIES",
-    "Expectation",
-    "NullMeter",
-    "Outcome",
-    "PhaseMeter",
-    "Strategy",
-]
+__all__ = ["STRATEGIES", *_NAMES]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "STRATEGIES":
+        return {**__getattr__("LOSS_STRATEGIES"), **__getattr__("TRAINING_STRATEGIES")}
+    if name in _NAMES:
+        return getattr(importlib.import_module(_NAMES[name]), name)
+    raise AttributeError(f"module 'reference_losses' has no attribute {name!r}")

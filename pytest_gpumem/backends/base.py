@@ -39,6 +39,9 @@ class Backend(Protocol):
         """One line for the report header: backend, device and settings."""
         ...
 
+    # Optional: `identity() -> dict` with backend, device and optionally capability and total_memory,
+    # which key stored baselines; without it, the backend's name and str(device) are used.
+
     def start(self) -> None:
         """Begin observing (called once per measured test, before any region opens)."""
         ...

@@ -41,6 +41,18 @@ class CudaBackend:
     def device(self) -> torch.device:
         return self._device
 
+    def identity(self) -> dict[str, Any]:
+        """The device model, compute capability and memory size: what baselines are keyed by."""
+        import torch
+
+        props = torch.cuda.get_device_properties(self._device)
+        return {
+            "backend": "rocm" if torch.version.hip else "cuda",
+            "device": props.name,
+            "capability": f"{props.major}.{props.minor}",
+            "total_memory": int(props.total_memory),
+        }
+
     def describe(self) -> str:
         import torch
 

@@ -49,16 +49,31 @@ def _exact(nbytes: int) -> int:
 _ROUNDERS: dict[str, Callable[[int], int]] = {"none": _exact, "cuda": cuda_block_size}
 
 
+class _StorageRef(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a live storage, carrying the bytes it was counted with."""
+
+    __slots__ = ("counted", "key", "requested")
+
+    key: int
+    requested: int
+    counted: int
+
+
 class StorageLedger:
-    """Live storages with their requested and counted bytes, and the counters over them."""
+    """Live storages with their requested and counted bytes, and the counters over them.
+
+    Hot path (every op output): one dict lookup, one weak reference with a shared callback.
+    """
 
     def __init__(self, rounding: str) -> None:
         self.round = _ROUNDERS[rounding]
-        self.live: dict[int, tuple[weakref.ref[Any], int, int]] = {}
+        self.exact = rounding == "none"
+        self.live: dict[int, _StorageRef] = {}
         self.requested = 0
         self.allocated = 0
         self.peak_requested = 0
         self.peak_allocated = 0
+        self._on_free = self._freed  # one bound method shared by every reference
 
     def add(self, storage: torch.UntypedStorage) -> None:
         key = storage._cdata
@@ -66,9 +81,7 @@ class StorageLedger:
             self.resize(storage)
             return
         requested = storage.nbytes()
-        counted = self.round(requested)
-        self.live[key] = (weakref.ref(storage, self._freed_callback(key)), requested, counted)
-        self._grow(requested, counted)
+        self._follow(storage, key, requested)
 
     def grow_existing(self, storage: torch.UntypedStorage, before: int) -> None:
         """A storage made before tracking was resized by an op: count the growth as an allocation."""
@@ -77,22 +90,18 @@ class StorageLedger:
             self.resize(storage)
             return
         requested = storage.nbytes() - before
-        if requested <= 0:
-            return
-        counted = self.round(requested)
-        self.live[key] = (weakref.ref(storage, self._freed_callback(key)), requested, counted)
-        self._grow(requested, counted)
+        if requested > 0:
+            self._follow(storage, key, requested)
 
     def resize(self, storage: torch.UntypedStorage) -> None:
-        key = storage._cdata
-        ref, old_requested, old_counted = self.live[key]
+        ref = self.live[storage._cdata]
         requested = storage.nbytes()
-        if requested == old_requested:
+        if requested == ref.requested:
             return
-        counted = self.round(requested)
-        self.live[key] = (ref, requested, counted)
-        self.requested += requested - old_requested
-        self.allocated += counted - old_counted
+        counted = requested if self.exact else self.round(requested)
+        self.requested += requested - ref.requested
+        self.allocated += counted - ref.counted
+        ref.requested, ref.counted = requested, counted
         self._update_peaks()
 
     def forget(self) -> None:
@@ -100,10 +109,17 @@ class StorageLedger:
         self.live.clear()
         self.requested = self.allocated = self.peak_requested = self.peak_allocated = 0
 
-    def _grow(self, requested: int, counted: int) -> None:
+    def _follow(self, storage: torch.UntypedStorage, key: int, requested: int) -> None:
+        counted = requested if self.exact else self.round(requested)
+        ref = _StorageRef(storage, self._on_free)
+        ref.key, ref.requested, ref.counted = key, requested, counted
+        self.live[key] = ref
         self.requested += requested
         self.allocated += counted
-        self._update_peaks()
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
+        if self.requested > self.peak_requested:
+            self.peak_requested = self.requested
 
     def _update_peaks(self) -> None:
         if self.allocated > self.peak_allocated:
@@ -111,26 +127,21 @@ class StorageLedger:
         if self.requested > self.peak_requested:
             self.peak_requested = self.requested
 
-    def _freed_callback(self, key: int) -> Callable[[weakref.ref[Any]], None]:
-        def freed(ref: weakref.ref[Any]) -> None:
-            entry = self.live.get(key)
-            if entry is None or entry[0] is not ref:
-                return
-            del self.live[key]
-            self.requested -= entry[1]
-            self.allocated -= entry[2]
-
-        return freed
+    def _freed(self, ref: weakref.ref[Any]) -> None:
+        assert isinstance(ref, _StorageRef)
+        # A storage key is reused once freed: only the reference that is still recorded counts.
+        if self.live.get(ref.key) is ref:
+            del self.live[ref.key]
+            self.requested -= ref.requested
+            self.allocated -= ref.counted
 
 
-def _tensors(out: object) -> Iterator[torch.Tensor]:
-    import torch
-
-    if isinstance(out, torch.Tensor):
+def _tensors(out: object, tensor_type: type[torch.Tensor]) -> Iterator[torch.Tensor]:
+    if isinstance(out, tensor_type):
         yield out
     elif isinstance(out, (tuple, list)):
         for item in out:
-            yield from _tensors(item)
+            yield from _tensors(item, tensor_type)
 
 
 def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
@@ -140,56 +151,121 @@ def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
-class _OpKind:
-    """What an op's schema says about its outputs, computed once per op."""
+# What an op's schema says about its outputs, decided once per op (`_op_plan`):
+_PASS = 0  # every return aliases an input (views, in-place ops) or there is none: nothing new
+_SINGLE = 1  # one fresh Tensor: count its storage without walking the result
+_MANY = 2  # fresh tensors among several returns or in lists: count those positions
+_RESIZE = 3  # out= overloads and resize_/set_: storages that existed may grow
 
-    __slots__ = ("fresh", "lifts", "may_resize")
+_RESIZING_OPS = frozenset(("aten::resize_", "aten::resize_as_", "aten::set_"))
+_LIFTING_OPS = frozenset(("aten::lift_fresh",))  # returns its input, a constant made outside any mode
 
-    def __init__(self, func: Any) -> None:
-        schema = func._schema
-        self.fresh = all(ret.alias_info is None for ret in schema.returns)
-        self.lifts = schema.name in ("aten::lift_fresh",)
-        self.may_resize = func._overloadname.startswith("out") or schema.name in (
-            "aten::resize_",
-            "aten::resize_as_",
-            "aten::set_",
-        )
+
+def _op_plan(func: Any) -> tuple[int, tuple[int, ...] | None]:
+    """(kind, positions of the fresh returns) for an op overload; for _MANY, None means the one return
+    (a list, an optional tensor) is walked whole."""
+    schema = func._schema
+    returns = schema.returns
+    if func._overloadname.startswith("out") or schema.name in _RESIZING_OPS:
+        return _RESIZE, ()
+    if schema.name in _LIFTING_OPS:
+        return _SINGLE, (0,)
+    fresh = tuple(i for i, ret in enumerate(returns) if ret.alias_info is None)
+    if not fresh:
+        return _PASS, ()
+    if len(returns) == 1:
+        return (_SINGLE, fresh) if str(returns[0].type) == "Tensor" else (_MANY, None)
+    return _MANY, fresh
+
+
+def _dynamo_guard() -> Callable[[Any], Any] | None:
+    """`set_eval_frame`, to keep TorchDynamo out of the mode's frames more cheaply than the wrapper that
+    `TorchDispatchMode` otherwise adds (two extra Python frames per op); None where torch lacks it."""
+    try:
+        from torch._C._dynamo.eval_frame import set_eval_frame
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:
+        return None
+    if not callable(set_eval_frame) or not callable(skip_code):
+        return None
+    return set_eval_frame
+
+
+def _hide_from_dynamo(dispatch: Any) -> None:
+    """What `torch._disable_dynamo` gives a function, without its wrapper: Dynamo neither compiles the
+    frame (`skip_code`) nor inlines it when tracing a compiled function under the mode (the flag)."""
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(dispatch.__code__)
+    dispatch._torchdynamo_disable = True
 
 
 @functools.cache
 def _make_mode_class() -> type[Any]:
+    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    tensor_type = torch.Tensor
+    set_eval_frame = _dynamo_guard()
+    plans: dict[Any, tuple[int, tuple[int, ...] | None]] = {}
 
     class StorageTrackingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         def __init__(self, ledger: StorageLedger) -> None:
             super().__init__()  # type: ignore[no-untyped-call]
             self.ledger = ledger
-            self.kinds: dict[Any, _OpKind] = {}
+
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            # True makes TorchDispatchMode wrap __torch_dispatch__ in torch._disable_dynamo; the
+            # guard below does the same (no eval-frame callback inside the mode) for less.
+            return set_eval_frame is None
 
         def __torch_dispatch__(
             self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
         ) -> Any:
-            kind = self.kinds.get(func)
-            if kind is None:
-                kind = self.kinds[func] = _OpKind(func)
-            if kind.may_resize:
+            if set_eval_frame is None:
+                return self._dispatch(func, args, kwargs)
+            prior = set_eval_frame(None)
+            try:
+                return self._dispatch(func, args, kwargs)
+            finally:
+                set_eval_frame(prior)
+
+        def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+            plan = plans.get(func)
+            if plan is None:
+                plan = plans[func] = _op_plan(func)
+            kind = plan[0]
+            if kind == _PASS:
+                return func(*args, **kwargs) if kwargs else func(*args)
+            if kind == _RESIZE:
                 return self._dispatch_resizing(func, args, kwargs or {})
-            out = func(*args, **(kwargs or {}))
-            if kind.fresh or kind.lifts:
-                for tensor in _tensors(out):
-                    storage = _storage(tensor)
-                    if storage is not None:
-                        self.ledger.add(storage)
+            out = func(*args, **kwargs) if kwargs else func(*args)
+            if kind == _SINGLE and type(out) is tensor_type:
+                try:
+                    storage = out.untyped_storage()
+                except (RuntimeError, NotImplementedError):  # sparse, nested and other storage-less layouts
+                    return out
+                self.ledger.add(storage)
+                return out
+            positions = plan[1]
+            self._count(out if positions is None or kind == _SINGLE else [out[i] for i in positions])
             return out
+
+        def _count(self, out: object) -> None:
+            for tensor in _tensors(out, tensor_type):
+                storage = _storage(tensor)
+                if storage is not None:
+                    self.ledger.add(storage)
 
         def _dispatch_resizing(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             before: dict[int, int] = {}
-            for tensor in _tensors([*args, *kwargs.values()]):
+            for tensor in _tensors([*args, *kwargs.values()], tensor_type):
                 storage = _storage(tensor)
                 if storage is not None:
                     before[storage._cdata] = storage.nbytes()
             out = func(*args, **kwargs)
-            for tensor in _tensors(out):
+            for tensor in _tensors(out, tensor_type):
                 storage = _storage(tensor)
                 if storage is None:
                     continue
@@ -200,6 +276,8 @@ def _make_mode_class() -> type[Any]:
                     self.ledger.grow_existing(storage, previous)
             return out
 
+    if set_eval_frame is not None:
+        _hide_from_dynamo(StorageTrackingMode.__torch_dispatch__)
     return StorageTrackingMode
 
 
@@ -220,6 +298,11 @@ class TrackerBackend:
         import torch
 
         return torch.device("cpu")
+
+    def identity(self) -> dict[str, Any]:
+        """What baselines are keyed by: rounding changes every figure, so it is part of the backend."""
+        backend = "tracker" if self.rounding == "none" else f"tracker (round {self.rounding})"
+        return {"backend": backend, "device": "cpu"}
 
     def describe(self) -> str:
         return f"tracker (storages created by ATen ops, rounding {self.rounding}), device cpu"

@@ -1,0 +1,195 @@
+"""Command-line options and their ini twins (an ini value is read only when the option is not given)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from pytest_gpumem.backends.tracker import ROUNDINGS
+from pytest_gpumem.baselines import DEFAULT_FILENAME, DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT
+from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.regression import BaselineOptions
+from pytest_gpumem.sizes import parse_size
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Options:
+    backend: str
+    backend_given: bool
+    rounding: str
+    report: bool
+    json_path: Path | None
+    markdown_path: Path | None
+
+
+def backend_name(value: str) -> str:
+    if not value.strip() or not value.replace("_", "").replace("-", "").isalnum():
+        raise argparse.ArgumentTypeError(f"invalid backend name {value!r} (auto, cuda, accelerator, tracker)")
+    return value.strip()
+
+
+def rounding(value: str) -> str:
+    if value not in ROUNDINGS:
+        raise argparse.ArgumentTypeError(f"invalid rounding {value!r} (choose from {', '.join(ROUNDINGS)})")
+    return value
+
+
+def tolerance(value: str) -> float:
+    try:
+        percent = float(value.strip().removesuffix("%"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid tolerance {value!r} (a percentage, e.g. 5 or 2.5%)") from None
+    if not 0 <= percent < 1000:
+        raise argparse.ArgumentTypeError(f"invalid tolerance {value!r} (between 0 and 1000 percent)")
+    return percent
+
+
+def slack(value: str) -> int:
+    try:
+        return parse_size(value.strip())
+    except GpuMemError as exc:
+        raise argparse.ArgumentTypeError(f"invalid slack {value!r}: {exc}") from None
+
+
+def add_options(parser: pytest.Parser) -> None:
+    group = parser.getgroup("gpumem", "GPU memory budgets (pytest-gpumem)")
+    option = group.addoption
+    option(
+        "--gpumem-backend",
+        type=backend_name,
+        default=None,
+        metavar="NAME",
+        help="how to measure: auto (cuda, else another accelerator, else tracker), cuda, accelerator, "
+        "tracker, or a name a plugin provides. Default: auto (ini gpumem_backend).",
+    )
+    option(
+        "--gpumem-round",
+        type=rounding,
+        default=None,
+        metavar="none|cuda",
+        help="tracker only: 'cuda' rounds sizes as the CUDA caching allocator does, to predict GPU "
+        "figures. Default: none (ini gpumem_round).",
+    )
+    option(
+        "--gpumem-report",
+        action="store_true",
+        default=None,
+        help="print a table of every measured test at the end. Default: off (ini gpumem_report).",
+    )
+    option(
+        "--gpumem-json",
+        default=None,
+        metavar="PATH",
+        help="write every measured test's figures to PATH as JSON. Default: none (ini gpumem_json).",
+    )
+    option(
+        "--gpumem-markdown",
+        default=None,
+        metavar="PATH",
+        help="write the report table to PATH as Markdown (CI step summaries). Default: none (ini gpumem_markdown).",
+    )
+    option(
+        "--gpumem-baseline-file",
+        default=None,
+        metavar="PATH",
+        help=f"stored baselines to compare with. Default: {DEFAULT_FILENAME} in the rootdir "
+        "(ini gpumem_baseline_file).",
+    )
+    option(
+        "--gpumem-update",
+        action="store_true",
+        default=False,
+        help="record or refresh the baselines of the tests that ran and passed; others stay as they are.",
+    )
+    option(
+        "--gpumem-prune",
+        action="store_true",
+        default=False,
+        help="remove the baselines that no test used (only after a full run).",
+    )
+    option(
+        "--gpumem-tolerance",
+        type=tolerance,
+        default=None,
+        metavar="PERCENT",
+        help=f"growth over a baseline allowed before a test fails. Default: {DEFAULT_TOLERANCE_PERCENT:g} "
+        "(ini gpumem_tolerance); max_memory(tolerance=...) overrides it per test.",
+    )
+    option(
+        "--gpumem-slack",
+        type=slack,
+        default=None,
+        metavar="SIZE",
+        help="bytes allowed over a baseline on top of the tolerance (allocator rounding). Default: 1 MiB "
+        "(ini gpumem_slack).",
+    )
+    option("--gpumem-strict", action="store_true", default=None,
+           help="fail a measured test that has no baseline. Default: off (ini gpumem_strict).")  # fmt: skip
+    for name, help_text, kind, default in (
+        ("gpumem_backend", "default for --gpumem-backend", None, "auto"),
+        ("gpumem_round", "default for --gpumem-round", None, "none"),
+        ("gpumem_report", "default for --gpumem-report", "bool", False),
+        ("gpumem_json", "default for --gpumem-json", None, ""),
+        ("gpumem_markdown", "default for --gpumem-markdown", None, ""),
+        ("gpumem_baseline_file", "default for --gpumem-baseline-file", None, ""),
+        ("gpumem_tolerance", "default for --gpumem-tolerance", None, f"{DEFAULT_TOLERANCE_PERCENT:g}"),
+        ("gpumem_slack", "default for --gpumem-slack", None, f"{DEFAULT_SLACK_BYTES}"),
+        ("gpumem_strict", "default for --gpumem-strict", "bool", False),
+    ):
+        parser.addini(name, help_text, type=kind, default=default)  # type: ignore[arg-type]
+
+
+def _ini(config: pytest.Config, name: str, check: Callable[[str], T]) -> T:
+    value = str(config.getini(name)).strip()
+    try:
+        return check(value)
+    except argparse.ArgumentTypeError as exc:
+        raise pytest.UsageError(f"ini option {name}: {exc}") from None
+
+
+def _given(config: pytest.Config, name: str, check: Callable[[str], T]) -> T:
+    value: Any = config.getoption(name)
+    return value if value is not None else _ini(config, name, check)
+
+
+def _path(config: pytest.Config, name: str, base: Path) -> Path | None:
+    """A file to write: relative to the invocation folder (option) or the rootdir (ini)."""
+    given = config.getoption(name)
+    text, base = (given, config.invocation_params.dir) if given else (str(config.getini(name)).strip(), base)
+    if not text:
+        return None
+    path = Path(base, text)
+    if not path.parent.is_dir():
+        flag = f"--{name.replace('_', '-')}"
+        raise pytest.UsageError(f"{flag}={text}: folder {path.parent} does not exist")
+    return path
+
+
+def read_options(config: pytest.Config) -> tuple[Options, BaselineOptions]:
+    backend = config.getoption("gpumem_backend")
+    report = config.getoption("gpumem_report")
+    options = Options(
+        backend=backend or _ini(config, "gpumem_backend", backend_name),
+        backend_given=backend is not None or config.getini("gpumem_backend") != "auto",
+        rounding=_given(config, "gpumem_round", rounding),
+        report=bool(report if report is not None else config.getini("gpumem_report")),
+        json_path=_path(config, "gpumem_json", config.rootpath),
+        markdown_path=_path(config, "gpumem_markdown", config.rootpath),
+    )
+    strict = config.getoption("gpumem_strict")
+    baseline = BaselineOptions(
+        path=_path(config, "gpumem_baseline_file", config.rootpath) or config.rootpath / DEFAULT_FILENAME,
+        update=bool(config.getoption("gpumem_update")),
+        prune=bool(config.getoption("gpumem_prune")),
+        tolerance=_given(config, "gpumem_tolerance", tolerance),
+        slack=_given(config, "gpumem_slack", slack),
+        strict=bool(strict if strict is not None else config.getini("gpumem_strict")),
+    )
+    return options, baseline

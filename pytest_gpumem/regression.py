@@ -1,0 +1,143 @@
+"""Stored baselines in a run: compare each measured test, then (controller only) update, prune, write."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pytest_gpumem.backends.base import Backend
+from pytest_gpumem.baselines import (
+    BaselineStore,
+    DeviceIdentity,
+    Entry,
+    Environment,
+    Tolerance,
+    UpdateSummary,
+    Verdict,
+    compare,
+    environment_warnings,
+    prune,
+    unused,
+    update,
+    write,
+)
+from pytest_gpumem.markers import Budget
+from pytest_gpumem.meter import GpuMem
+
+STATUS_REGRESSED = "REGRESSED"
+STATUS_GRADIENTS = "GRADIENTS CHANGED"
+STATUS_IMPROVED = "IMPROVED"
+STATUS_NEW = "NEW"
+
+
+@dataclass(frozen=True)
+class BaselineOptions:
+    path: Path
+    update: bool
+    prune: bool
+    tolerance: float
+    slack: int
+    strict: bool
+
+
+def identity_of(backend: Backend) -> DeviceIdentity:
+    """What a baseline is valid for: the backend's own `identity()`, else its name and device."""
+    own = getattr(backend, "identity", None)
+    data: dict[str, Any] = own() if callable(own) else {"backend": backend.name, "device": str(backend.device)}
+    return DeviceIdentity(data["backend"], data["device"], data.get("capability"), data.get("total_memory"))
+
+
+def verdict_status(verdict: Verdict) -> str:
+    """The report's word for a baseline verdict."""
+    if verdict.status == "REGRESSED":
+        return STATUS_REGRESSED
+    if verdict.gradient_status == "CHANGED":
+        return STATUS_GRADIENTS
+    return {"IMPROVED": STATUS_IMPROVED, "NEW": STATUS_NEW}.get(verdict.status, "ok")
+
+
+@dataclass
+class Judgement:
+    """A test's comparison with its baseline, and the entry to record if the test passes."""
+
+    verdict: Verdict
+    entry: Entry
+    fails: bool
+
+
+@dataclass
+class BaselineRun:
+    """The baseline store of a run. Workers and the controller both compare; only the controller
+    (or a run without xdist) updates, prunes and writes, after the last test."""
+
+    options: BaselineOptions
+    store: BaselineStore
+    failed: set[str] = field(default_factory=set)
+    seen: set[str] = field(default_factory=set)
+    partial: bool = False
+
+    @property
+    def active(self) -> bool:
+        """Baselines are in use when the file exists or the run is asked to record or require them."""
+        return self.store.existed or self.options.update or self.options.strict
+
+    def judge(self, nodeid: str, meter: GpuMem, budget: Budget | None) -> Judgement:
+        import torch
+
+        call = meter.result()
+        entry = Entry.measured(
+            identity_of(meter.backend),
+            Environment.from_torch(torch),
+            call.peak_bytes,
+            {name: phase.peak_bytes for name, phase in meter.phases.items()},
+            meter.gradients,
+        )
+        percent = self.options.tolerance if budget is None or budget.tolerance is None else budget.tolerance
+        rtol, atol = meter.gradient_tolerance
+        verdict = compare(
+            nodeid,
+            entry,
+            self.store.get(nodeid, entry.identity),
+            Tolerance(percent, self.options.slack),
+            strict=self.options.strict,
+            grad_rtol=rtol,
+            grad_atol=atol,
+        )
+        return Judgement(verdict, entry, verdict.failed and not self.options.update)
+
+    def finish(self, records: Iterable[tuple[str, dict[str, Any]]]) -> list[str]:
+        """After the run: warnings, unused baselines, and under --gpumem-update/--gpumem-prune the new
+        file. Returns the lines for the terminal summary."""
+        entries = {nodeid: Entry.from_json(data) for nodeid, data in records}
+        if not entries:
+            return [f"no measured test; {self.options.path} left as it was"] if self.options.update else []
+        identity = next(iter(entries.values())).identity
+        env = next(iter(entries.values())).environment
+        lines = [f"warning: {w}" for w in environment_warnings(self.store, identity, env)]
+        stale = [] if self.partial else unused(self.store, identity, self.seen)
+        summary = UpdateSummary()
+        if self.options.update:
+            passed = {n: e for n, e in entries.items() if n not in self.failed}
+            update(self.store, passed, keep_within=Tolerance(0.0, 0), summary=summary)
+        lines += self._prune_lines(stale, identity, summary)
+        if summary.changed:
+            path = write(self.store, self.options.path)
+            lines.append(f"wrote {path}: {summary.describe()}")
+        elif self.options.update:
+            lines.append(f"{self.options.path} unchanged: {summary.describe()}")
+        return lines
+
+    def _prune_lines(self, stale: list[str], identity: DeviceIdentity, summary: UpdateSummary) -> list[str]:
+        if self.options.prune and self.partial:
+            return [
+                "--gpumem-prune needs a full run (no test selection, no -k/-m, no collection error): nothing removed"
+            ]
+        if self.options.prune:
+            prune(self.store, stale, identity, summary=summary)
+            return []
+        if not stale:
+            return []
+        shown = ", ".join(stale[:5]) + (f" and {len(stale) - 5} more" if len(stale) > 5 else "")
+        return [f"{len(stale)} baselines for {identity.key} were used by no test: {shown} (remove: --gpumem-prune)"]
