@@ -112,7 +112,8 @@ class BaselineRun:
         file. Returns the lines for the terminal summary."""
         entries = {nodeid: Entry.from_json(data) for nodeid, data in records}
         if not entries:
-            return [f"no measured test; {self.options.path} left as it was"] if self.options.update else []
+            left = f"nothing to record (no measured test passed): {self.options.path} left as it was"
+            return [left] if self.options.update else []
         identity = next(iter(entries.values())).identity
         env = next(iter(entries.values())).environment
         lines = [f"warning: {w}" for w in environment_warnings(self.store, identity, env)]
