@@ -1,23 +1,42 @@
-"""pytest-gpumem: GPU memory as a tested property of PyTorch code."""
+"""pytest-gpumem: GPU memory as a tested property of PyTorch code.
+
+pytest loads this package's plugin in every run, so the public names below are imported on first use.
+"""
 
 from __future__ import annotations
 
-from pytest_gpumem.backends.base import Backend, Counters
-from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.markers import Budget, budget_from_marker
-from pytest_gpumem.meter import GpuMem
-from pytest_gpumem.results import PhaseResult, TestResult
-from pytest_gpumem.sizes import format_size, parse_size
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "Backend",
-    "Budget",
-    "Counters",
-    "GpuMem",
-    "GpuMemError",
-    "PhaseResult",
-    "TestResult",
-    "budget_from_marker",
-    "format_size",
-    "parse_size",
-]
+if TYPE_CHECKING:
+    from pytest_gpumem.backends.base import Backend as Backend
+    from pytest_gpumem.backends.base import Counters as Counters
+    from pytest_gpumem.errors import GpuMemError as GpuMemError
+    from pytest_gpumem.markers import Budget as Budget
+    from pytest_gpumem.markers import budget_from_marker as budget_from_marker
+    from pytest_gpumem.meter import GpuMem as GpuMem
+    from pytest_gpumem.results import PhaseResult as PhaseResult
+    from pytest_gpumem.results import TestResult as TestResult
+    from pytest_gpumem.sizes import format_size as format_size
+    from pytest_gpumem.sizes import parse_size as parse_size
+
+_HOMES = {
+    "Backend": "pytest_gpumem.backends.base",
+    "Counters": "pytest_gpumem.backends.base",
+    "GpuMemError": "pytest_gpumem.errors",
+    "Budget": "pytest_gpumem.markers",
+    "budget_from_marker": "pytest_gpumem.markers",
+    "GpuMem": "pytest_gpumem.meter",
+    "PhaseResult": "pytest_gpumem.results",
+    "TestResult": "pytest_gpumem.results",
+    "format_size": "pytest_gpumem.sizes",
+    "parse_size": "pytest_gpumem.sizes",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        return getattr(importlib.import_module(_HOMES[name]), name)
+    raise AttributeError(f"module 'pytest_gpumem' has no attribute {name!r}")

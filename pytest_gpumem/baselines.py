@@ -65,6 +65,7 @@ from json.encoder import encode_basestring
 from pathlib import Path
 from typing import Any, Literal
 
+from pytest_gpumem.constants import DEFAULT_FILENAME, DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.gradients import Fingerprint, GradientComparison, compare_fingerprints
 from pytest_gpumem.sizes import format_size
@@ -97,9 +98,6 @@ __all__ = [
 
 SCHEMA = "pytest-gpumem-baselines"
 VERSION = 1
-DEFAULT_FILENAME = "gpumem-baselines.json"
-DEFAULT_TOLERANCE_PERCENT = 5.0
-DEFAULT_SLACK_BYTES = 1 << 20
 
 Status = Literal["ok", "REGRESSED", "IMPROVED", "NEW"]
 """Memory verdict of a test (``Verdict.status``)."""

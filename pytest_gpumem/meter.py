@@ -40,8 +40,8 @@ class RegionStack:
         self.backend = backend
         self.open: list[_Region] = []
 
-    def push(self, name: str) -> None:
-        collect_garbage()
+    def push(self, name: str, full_collect: bool = False) -> None:
+        collect_garbage(full_collect)
         self.backend.settle()
         self._fold()
         self.backend.reset_peak()
@@ -170,7 +170,7 @@ class GpuMem:
     def begin_call(self) -> None:
         self._stack = RegionStack(self.backend)
         self.backend.start()
-        self._stack.push(CALL)
+        self._stack.push(CALL, full_collect=getattr(self.backend, "sees_earlier_allocations", True))
 
     def end_call(self) -> PhaseResult:
         stack = self._stack

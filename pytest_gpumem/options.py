@@ -10,10 +10,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from pytest_gpumem.backends.tracker import ROUNDINGS
-from pytest_gpumem.baselines import DEFAULT_FILENAME, DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT
+from pytest_gpumem.constants import DEFAULT_FILENAME, DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT, ROUNDINGS
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.regression import BaselineOptions
 from pytest_gpumem.sizes import parse_size
 
 T = TypeVar("T")
@@ -27,6 +25,21 @@ class Options:
     report: bool
     json_path: Path | None
     markdown_path: Path | None
+
+
+@dataclass(frozen=True)
+class BaselineOptions:
+    path: Path
+    update: bool
+    prune: bool
+    tolerance: float
+    slack: int
+    strict: bool
+
+    @property
+    def wanted(self) -> bool:
+        """Whether the run compares with baselines: the file exists, or recording or requiring them."""
+        return self.update or self.strict or self.prune or self.path.exists()
 
 
 def backend_name(value: str) -> str:

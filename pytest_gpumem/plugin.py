@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Generator
+from typing import TYPE_CHECKING
 
 import pytest
 
 from pytest_gpumem import hookspecs
-from pytest_gpumem.backends import make_builtin
-from pytest_gpumem.backends.base import Backend
-from pytest_gpumem.baselines import BaselineError, load
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.markers import MARKER, MARKER_SIGNATURE
-from pytest_gpumem.meter import GpuMem
 from pytest_gpumem.options import add_options, read_options
 from pytest_gpumem.regression import BaselineRun
 from pytest_gpumem.session import METER_KEY, GpuMemSession
+
+if TYPE_CHECKING:
+    from pytest_gpumem.backends.base import Backend
+    from pytest_gpumem.meter import GpuMem
 
 SESSION_KEY = pytest.StashKey[GpuMemSession]()
 
@@ -34,10 +35,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER_SIGNATURE)
     options, baseline_options = read_options(config)
-    try:
-        store = load(baseline_options.path)
-    except BaselineError as exc:
-        raise pytest.UsageError(str(exc)) from None
+    store = None
+    if baseline_options.wanted:
+        from pytest_gpumem.baselines import load
+
+        try:
+            store = load(baseline_options.path)
+        except GpuMemError as exc:
+            raise pytest.UsageError(str(exc)) from None
     session = GpuMemSession(config, options, BaselineRun(baseline_options, store))
     config.stash[SESSION_KEY] = session
     config.pluginmanager.register(session, "gpumem-session")
@@ -51,6 +56,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_gpumem_make_backend(config: pytest.Config, name: str) -> Backend | None:
+    from pytest_gpumem.backends import make_builtin
+
     return make_builtin(name, config.stash[SESSION_KEY].options.rounding)
 
 

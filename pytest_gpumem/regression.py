@@ -4,27 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pytest_gpumem.backends.base import Backend
-from pytest_gpumem.baselines import (
-    BaselineStore,
-    DeviceIdentity,
-    Entry,
-    Environment,
-    Tolerance,
-    UpdateSummary,
-    Verdict,
-    compare,
-    environment_warnings,
-    prune,
-    unused,
-    update,
-    write,
-)
-from pytest_gpumem.markers import Budget
-from pytest_gpumem.meter import GpuMem
+from pytest_gpumem.options import BaselineOptions
+
+if TYPE_CHECKING:
+    from pytest_gpumem.backends.base import Backend
+    from pytest_gpumem.baselines import BaselineStore, DeviceIdentity, Entry, UpdateSummary, Verdict
+    from pytest_gpumem.markers import Budget
+    from pytest_gpumem.meter import GpuMem
 
 STATUS_REGRESSED = "REGRESSED"
 STATUS_GRADIENTS = "GRADIENTS CHANGED"
@@ -32,18 +20,10 @@ STATUS_IMPROVED = "IMPROVED"
 STATUS_NEW = "NEW"
 
 
-@dataclass(frozen=True)
-class BaselineOptions:
-    path: Path
-    update: bool
-    prune: bool
-    tolerance: float
-    slack: int
-    strict: bool
-
-
 def identity_of(backend: Backend) -> DeviceIdentity:
     """What a baseline is valid for: the backend's own `identity()`, else its name and device."""
+    from pytest_gpumem.baselines import DeviceIdentity
+
     own = getattr(backend, "identity", None)
     data: dict[str, Any] = own() if callable(own) else {"backend": backend.name, "device": str(backend.device)}
     return DeviceIdentity(data["backend"], data["device"], data.get("capability"), data.get("total_memory"))
@@ -73,7 +53,7 @@ class BaselineRun:
     (or a run without xdist) updates, prunes and writes, after the last test."""
 
     options: BaselineOptions
-    store: BaselineStore
+    store: BaselineStore | None
     failed: set[str] = field(default_factory=set)
     seen: set[str] = field(default_factory=set)
     partial: bool = False
@@ -81,10 +61,14 @@ class BaselineRun:
     @property
     def active(self) -> bool:
         """Baselines are in use when the file exists or the run is asked to record or require them."""
-        return self.store.existed or self.options.update or self.options.strict
+        return self.store is not None
 
     def judge(self, nodeid: str, meter: GpuMem, budget: Budget | None) -> Judgement:
         import torch
+
+        from pytest_gpumem.baselines import Entry, Environment, Tolerance, compare
+
+        assert self.store is not None, "judge() is called only when baselines are active"
 
         call = meter.result()
         entry = Entry.measured(
@@ -110,6 +94,9 @@ class BaselineRun:
     def finish(self, records: Iterable[tuple[str, dict[str, Any]]]) -> list[str]:
         """After the run: warnings, unused baselines, and under --gpumem-update/--gpumem-prune the new
         file. Returns the lines for the terminal summary."""
+        from pytest_gpumem.baselines import Entry, UpdateSummary, environment_warnings, unused, update, write
+
+        assert self.store is not None, "finish() is called only when baselines are active"
         entries = {nodeid: Entry.from_json(data) for nodeid, data in records}
         if not entries:
             left = f"nothing to record (no measured test passed): {self.options.path} left as it was"
@@ -121,7 +108,7 @@ class BaselineRun:
         summary = UpdateSummary()
         if self.options.update:
             passed = {n: e for n, e in entries.items() if n not in self.failed}
-            update(self.store, passed, keep_within=Tolerance(0.0, 0), summary=summary)
+            update(self.store, passed, summary=summary)
         lines += self._prune_lines(stale, identity, summary)
         if summary.changed:
             path = write(self.store, self.options.path)
@@ -131,6 +118,9 @@ class BaselineRun:
         return lines
 
     def _prune_lines(self, stale: list[str], identity: DeviceIdentity, summary: UpdateSummary) -> list[str]:
+        from pytest_gpumem.baselines import prune
+
+        assert self.store is not None
         if self.options.prune and self.partial:
             return [
                 "--gpumem-prune needs a full run (no test selection, no -k/-m, no collection error): nothing removed"

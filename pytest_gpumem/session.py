@@ -14,7 +14,6 @@ from pytest_gpumem.markers import MARKER, Budget, budget_from_marker
 from pytest_gpumem.meter import GpuMem
 from pytest_gpumem.options import Options
 from pytest_gpumem.regression import BaselineRun, Judgement, verdict_status
-from pytest_gpumem.report import document, markdown, table
 from pytest_gpumem.results import STATUS_ERROR, STATUS_OK, STATUS_OVER, PhaseResult, TestResult
 from pytest_gpumem.sizes import format_size
 from pytest_gpumem.xdist import WORKER_RESULTS
@@ -169,6 +168,8 @@ class GpuMemSession:
     def report_lines(self) -> list[str]:
         if not self.results:
             return ["no test was measured (use the gpumem fixture or @pytest.mark.max_memory)"]
+        from pytest_gpumem.report import table
+
         return table(self.results).splitlines()
 
     # hooks of the session object, registered as a plugin for the run
@@ -192,6 +193,8 @@ class GpuMemSession:
         if workeroutput is not None:
             workeroutput[WORKER_RESULTS] = [result.to_dict() for result in self.results]
             return
+        from pytest_gpumem.report import markdown
+
         self._write(self.options.json_path, "--gpumem-json", self._json_text)
         self._write(self.options.markdown_path, "--gpumem-markdown", lambda: markdown(self.results))
         if not self.baselines.active:
@@ -214,6 +217,8 @@ class GpuMemSession:
         return selected or filtered or bool(session.shouldstop) or bool(session.shouldfail)
 
     def _json_text(self) -> str:
+        from pytest_gpumem.report import document
+
         backend = self._backend
         first = self.results[0] if self.results else None
         doc = document(

@@ -13,11 +13,11 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpumem.backends.base import Counters
+from pytest_gpumem.constants import ROUNDINGS
 
 if TYPE_CHECKING:
     import torch
 
-ROUNDINGS = ("none", "cuda")
 
 _KIB = 1024
 _MIB = 1024 * 1024
@@ -285,6 +285,7 @@ class TrackerBackend:
     """Counts tensor storages on any device; `rounding="cuda"` predicts the CUDA allocator's counts."""
 
     name = "tracker"
+    sees_earlier_allocations = False
 
     def __init__(self, rounding: str = "none") -> None:
         if rounding not in ROUNDINGS:

@@ -1,0 +1,96 @@
+"""Scale: the report for 10,000 tests, and a baseline store of 10,000 entries.
+
+    python benchmarks/scale.py [--json PATH] [--tests 10000] [--repeat 3]
+
+Times are the median of `--repeat` runs of each operation, in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import benchlib
+
+from pytest_gpumem.report import table
+from pytest_gpumem.results import PhaseResult, TestResult
+
+PHASE_NAMES = ("forward", "backward", "step")
+
+
+def synthetic_results(count: int) -> list[TestResult]:
+    results = []
+    for i in range(count):
+        phases = {name: PhaseResult(name, (i + 1) * 4096 * (j + 1), (i + 1) * 4000, None, 0) for j, name in
+                  enumerate(PHASE_NAMES)}  # fmt: skip
+        call = PhaseResult("call", (i + 1) * 16384, (i + 1) * 16000, None, 4)
+        nodeid = f"tests/test_module_{i // 100}.py::test_case[{i}]"
+        results.append(TestResult(nodeid, "tracker", "cpu", call, phases, budget_text="1 GiB"))
+    return results
+
+
+def timed(fn: Callable[[], object], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return benchlib.median(times)
+
+
+def report_rows(count: int, repeat: int) -> list[list[str]]:
+    results = synthetic_results(count)
+    seconds = timed(lambda: table(results), repeat)
+    lines = len(table(results).splitlines())
+    return [[f"report.table, {count:,} results", f"{seconds * 1e3:,.1f}", f"{lines:,} lines"]]
+
+
+def baseline_rows(count: int, repeat: int) -> list[list[str]]:
+    """load, compare, update and write on a store of `count` entries, when baselines.py exists."""
+    try:
+        from pytest_gpumem import baselines as b
+    except ImportError:
+        return [["baselines", "-", "pytest_gpumem.baselines is not there: skipped"]]
+    identity = b.DeviceIdentity("tracker", "cpu")
+    env = b.Environment("2.13.0", None)
+
+    def entry(i: int, grow: int = 0) -> Any:
+        phases = {name: (i + 1) * 4096 * (j + 1) + grow for j, name in enumerate(PHASE_NAMES)}
+        return b.Entry.measured(identity, env, (i + 1) * 16384 + grow, phases)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / b.DEFAULT_FILENAME
+        store = b.BaselineStore(path)
+        b.update(store, {f"tests/test_m{i // 100}.py::test_case[{i}]": entry(i) for i in range(count)})
+        current = {nodeid: entry(i, grow=i % 3) for i, nodeid in enumerate(store.entries)}
+        write_s = timed(lambda: b.write(store, path), repeat)
+        size = path.stat().st_size
+        load_s = timed(lambda: b.load(path), repeat)
+        loaded = b.load(path)
+        compare_s = timed(lambda: [b.compare(n, e, loaded.get(n, identity)) for n, e in current.items()], repeat)
+        update_s = timed(lambda: b.update(b.load(path), current), repeat) - load_s
+    return [
+        [f"baselines.write, {count:,} entries", f"{write_s * 1e3:,.1f}", f"{size / 1e6:.2f} MB file"],
+        [f"baselines.load, {count:,} entries", f"{load_s * 1e3:,.1f}", "parse + validate"],
+        [f"baselines.compare x {count:,}", f"{compare_s * 1e3:,.1f}", "every test against its entry"],
+        [f"baselines.update, {count:,} entries", f"{update_s * 1e3:,.1f}", "all changed (load time subtracted)"],
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = benchlib.parser("scale of the report and the baseline store")
+    p.add_argument("--tests", type=int, default=10_000, help="results / entries (default 10000)")
+    p.add_argument("--repeat", type=int, default=3, help="runs per operation, median taken (default 3)")
+    args: argparse.Namespace = p.parse_args(argv)
+    rows = report_rows(args.tests, args.repeat) + baseline_rows(args.tests, args.repeat)
+    benchlib.show(f"scale: {args.tests:,} tests, median of {args.repeat}", ["operation", "ms", "notes"], rows)
+    benchlib.write_json(args.json, {"scale": {"tests": args.tests, "rows": rows}})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,8 @@
+"""Defaults shared by the options and the modules behind them (kept apart so that start-up stays cheap)."""
+
+from __future__ import annotations
+
+ROUNDINGS = ("none", "cuda")
+DEFAULT_FILENAME = "gpumem-baselines.json"
+DEFAULT_TOLERANCE_PERCENT = 5.0
+DEFAULT_SLACK_BYTES = 1 << 20
