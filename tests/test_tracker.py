@@ -104,6 +104,45 @@ def test_dtypes_and_factories(gpumem):
     del keep
 
 
+def test_out_overloads_of_every_name(gpumem):
+    x = torch.randn(100, 10)
+    v, i = torch.empty(0), torch.empty(0, dtype=torch.long)
+    with gpumem.phase("out"):
+        p = torch.pow(x, 2, out=torch.empty(0))  # overload Tensor_Scalar_out: 4000 bytes
+        torch.sort(x[0], out=(v, i))  # overload values: 10 float32 and 10 int64
+    assert gpumem.peak("out") == 4000 + 40 + 80
+    assert gpumem.result("out").net_bytes == 4000 + 40 + 80
+    del p
+
+
+def test_growing_an_earlier_storage_twice(gpumem):
+    c = torch.empty(100)
+    with gpumem.phase("grow"):
+        c.resize_(200)
+        c.resize_(300)
+    assert gpumem.peak("grow") == 4 * (300 - 100)
+
+
+def test_memory_torch_did_not_allocate_is_not_counted(gpumem):
+    import numpy
+
+    a = numpy.ones(N, dtype=numpy.float32)
+    with gpumem.phase("shared"):
+        views = [torch.as_tensor(a), torch.from_numpy(a)]
+    assert gpumem.peak("shared") == 0
+    del views
+
+
+def test_wrapper_subclasses_count_their_inner_tensors(gpumem):
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    t = TwoTensor(torch.ones(N), torch.ones(N))
+    with gpumem.phase("twice"):
+        u = t * 2
+    assert gpumem.peak("twice") == 2 * 4 * N
+    del u
+
+
 def test_meta_tensors_are_counted_without_memory(gpumem):
     with gpumem.phase("meta"):
         big = torch.empty(1024, 1024, 1024, device="meta")
@@ -115,7 +154,7 @@ def test_meta_tensors_are_counted_without_memory(gpumem):
 def test_exact_bytes(tracker: pytest.Pytester) -> None:
     tracker.makepyfile(WORKLOADS)
     result = tracker.runpytest("-p", "no:cacheprovider")
-    result.assert_outcomes(passed=9)
+    result.assert_outcomes(passed=13)
 
 
 def test_cuda_rounding_option(tracker: pytest.Pytester) -> None:

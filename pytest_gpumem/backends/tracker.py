@@ -52,11 +52,12 @@ _ROUNDERS: dict[str, Callable[[int], int]] = {"none": _exact, "cuda": cuda_block
 class _StorageRef(weakref.ref):  # type: ignore[type-arg]
     """A weak reference to a live storage, carrying the bytes it was counted with."""
 
-    __slots__ = ("counted", "key", "requested")
+    __slots__ = ("base", "counted", "key", "requested")
 
     key: int
     requested: int
     counted: int
+    base: int  # bytes the storage had before tracking began (made earlier, then grown by an op)
 
 
 class StorageLedger:
@@ -91,11 +92,11 @@ class StorageLedger:
             return
         requested = storage.nbytes() - before
         if requested > 0:
-            self._follow(storage, key, requested)
+            self._follow(storage, key, requested, base=before)
 
     def resize(self, storage: torch.UntypedStorage) -> None:
         ref = self.live[storage._cdata]
-        requested = storage.nbytes()
+        requested = max(storage.nbytes() - ref.base, 0)
         if requested == ref.requested:
             return
         counted = requested if self.exact else self.round(requested)
@@ -109,10 +110,10 @@ class StorageLedger:
         self.live.clear()
         self.requested = self.allocated = self.peak_requested = self.peak_allocated = 0
 
-    def _follow(self, storage: torch.UntypedStorage, key: int, requested: int) -> None:
+    def _follow(self, storage: torch.UntypedStorage, key: int, requested: int, base: int = 0) -> None:
         counted = requested if self.exact else self.round(requested)
         ref = _StorageRef(storage, self._on_free)
-        ref.key, ref.requested, ref.counted = key, requested, counted
+        ref.key, ref.requested, ref.counted, ref.base = key, requested, counted, base
         self.live[key] = ref
         self.requested += requested
         self.allocated += counted
@@ -156,6 +157,7 @@ _PASS = 0  # every return aliases an input (views, in-place ops) or there is non
 _SINGLE = 1  # one fresh Tensor: count its storage without walking the result
 _MANY = 2  # fresh tensors among several returns or in lists: count those positions
 _RESIZE = 3  # out= overloads and resize_/set_: storages that existed may grow
+_LIFT = 4  # lift_fresh: a constant made outside any mode (torch.tensor), or memory torch does not own
 
 _RESIZING_OPS = frozenset(("aten::resize_", "aten::resize_as_", "aten::set_"))
 _LIFTING_OPS = frozenset(("aten::lift_fresh",))  # returns its input, a constant made outside any mode
@@ -166,10 +168,10 @@ def _op_plan(func: Any) -> tuple[int, tuple[int, ...] | None]:
     (a list, an optional tensor) is walked whole."""
     schema = func._schema
     returns = schema.returns
-    if func._overloadname.startswith("out") or schema.name in _RESIZING_OPS:
+    if schema.name in _RESIZING_OPS or any(arg.is_out for arg in schema.arguments):
         return _RESIZE, ()
     if schema.name in _LIFTING_OPS:
-        return _SINGLE, (0,)
+        return _LIFT, (0,)
     fresh = tuple(i for i, ret in enumerate(returns) if ret.alias_info is None)
     if not fresh:
         return _PASS, ()
@@ -203,7 +205,7 @@ def _hide_from_dynamo(dispatch: Any) -> None:
 @functools.cache
 def _make_mode_class() -> type[Any]:
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
     tensor_type = torch.Tensor
     set_eval_frame = _dynamo_guard()
@@ -240,6 +242,8 @@ def _make_mode_class() -> type[Any]:
                 return func(*args, **kwargs) if kwargs else func(*args)
             if kind == _RESIZE:
                 return self._dispatch_resizing(func, args, kwargs or {})
+            if kind == _LIFT:
+                return self._dispatch_lifting(func, args, kwargs or {})
             out = func(*args, **kwargs) if kwargs else func(*args)
             if kind == _SINGLE and type(out) is tensor_type:
                 try:
@@ -254,9 +258,23 @@ def _make_mode_class() -> type[Any]:
 
         def _count(self, out: object) -> None:
             for tensor in _tensors(out, tensor_type):
+                if type(tensor) is not tensor_type and is_traceable_wrapper_subclass(tensor):
+                    # a wrapper's own storage is nominal; its inner tensors hold the memory
+                    attrs, _ = tensor.__tensor_flatten__()
+                    self._count([getattr(tensor, attr) for attr in attrs])
+                    continue
                 storage = _storage(tensor)
                 if storage is not None:
                     self.ledger.add(storage)
+
+        def _dispatch_lifting(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            out = func(*args, **kwargs)
+            storage = _storage(out) if isinstance(out, tensor_type) else None
+            # torch.tensor(data) fills a new, resizable storage; torch.as_tensor/from_numpy share
+            # memory torch did not allocate (not resizable)
+            if storage is not None and storage.resizable():
+                self.ledger.add(storage)
+            return out
 
         def _dispatch_resizing(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             before: dict[int, int] = {}
