@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +51,7 @@ class Budget:
     def describe(self) -> str:
         parts = [] if self.total is None else [self.total.written]
         parts += [f"{name}={limit.written}" for name, limit in self.phases.items()]
+        parts += [] if self.tolerance is None else [f"tolerance {self.tolerance:g}%"]
         return ", ".join(parts)
 
     def unopened(self, opened: Mapping[str, PhaseResult]) -> list[str]:
@@ -66,6 +67,34 @@ class Budget:
             if phase is not None and phase.peak_bytes > limit.bytes:
                 found.append(f"{name} peak {limit.fmt(phase.peak_bytes)} exceeds max_memory {name}={limit.written}")
         return found
+
+
+def _stricter(a: Limit | None, b: Limit | None) -> Limit | None:
+    return b if a is None or (b is not None and b.bytes < a.bytes) else a
+
+
+def all_of(budgets: Sequence[Budget]) -> Budget:
+    """Markers on one level (stacked decorators, a parameter's marks): every limit holds, so the
+    strictest of each wins."""
+    total, tolerance, phases = None, None, dict[str, Limit]()
+    for budget in budgets:
+        total = _stricter(total, budget.total)
+        if budget.tolerance is not None:
+            tolerance = budget.tolerance if tolerance is None else min(tolerance, budget.tolerance)
+        for name, limit in budget.phases.items():
+            phases[name] = _stricter(phases.get(name), limit) or limit
+    return Budget(total=total, phases=phases, tolerance=tolerance)
+
+
+def closest_first(levels: Sequence[Budget]) -> Budget:
+    """Markers on several levels (function, class, module), closest first: each limit and the
+    tolerance come from the closest level that sets them, as a function's marker overrides its module's."""
+    total, tolerance, phases = None, None, dict[str, Limit]()
+    for budget in reversed(levels):
+        total = budget.total or total
+        tolerance = budget.tolerance if budget.tolerance is not None else tolerance
+        phases.update(budget.phases)
+    return Budget(total=total, phases=phases, tolerance=tolerance)
 
 
 def _limit(value: object, what: str) -> Limit:
@@ -99,10 +128,15 @@ def budget_from_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Budg
         raise GpuMemError(f"max_memory takes one positional limit, got {len(args)}: {args!r}")
     if args and "limit" in kwargs:
         raise GpuMemError("max_memory got the limit both positionally and as limit=")
+    if "call" in kwargs:
+        raise GpuMemError("max_memory: 'call' is the whole test call; give its limit positionally: max_memory('1 GiB')")
     total = args[0] if args else kwargs.pop("limit", None)
     tolerance = kwargs.pop("tolerance", None)
-    if total is None and not kwargs:
-        raise GpuMemError("max_memory needs a limit: max_memory('64 MiB') or max_memory(forward='20 MB')")
+    if total is None and not kwargs and tolerance is None:
+        raise GpuMemError(
+            "max_memory needs a limit or a tolerance: max_memory('64 MiB'), max_memory(forward='20 MB') "
+            "or max_memory(tolerance=10)"
+        )
     return Budget(
         total=None if total is None else _limit(total, "max_memory limit"),
         phases={name: _limit(value, f"max_memory {name}=") for name, value in kwargs.items()},

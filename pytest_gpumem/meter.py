@@ -7,6 +7,7 @@ a region's peak is then its maximum minus what was allocated when it opened.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -79,6 +80,10 @@ class RegionStack:
             region.high = region.high.max(peak)
 
 
+def _finite_non_negative(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+
+
 class GpuMem:
     """Measures the test call and the phases opened with `phase(name)`; read with `peak` and `result`."""
 
@@ -140,8 +145,8 @@ class GpuMem:
         if self._stack is None:
             raise GpuMemError(f"gpumem.check_gradients() works only while the test function of {self.nodeid} runs")
         for name, value in (("rtol", rtol), ("atol", atol)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
-                raise GpuMemError(f"gpumem.check_gradients({name}=...) must be a number >= 0, got {value!r}")
+            if value is not None and not _finite_non_negative(value):
+                raise GpuMemError(f"gpumem.check_gradients({name}=...) must be a finite number >= 0, got {value!r}")
         with self._stack.unmeasured():
             try:
                 self.gradients = fingerprint(model_or_named_tensors)

@@ -180,29 +180,37 @@ def _path(config: pytest.Config, name: str, base: Path) -> Path | None:
         return None
     path = Path(base, text)
     if not path.parent.is_dir():
-        flag = f"--{name.replace('_', '-')}"
+        flag = f"--{name.replace('_', '-')}" if given else f"ini option {name}"
         raise pytest.UsageError(f"{flag}={text}: folder {path.parent} does not exist")
     return path
 
 
+def _flag(config: pytest.Config, name: str) -> bool:
+    given = config.getoption(name)
+    if given is not None:
+        return bool(given)
+    try:
+        return bool(config.getini(name))
+    except (ValueError, pytest.UsageError) as exc:
+        raise pytest.UsageError(f"ini option {name}: {exc}") from None
+
+
 def read_options(config: pytest.Config) -> tuple[Options, BaselineOptions]:
     backend = config.getoption("gpumem_backend")
-    report = config.getoption("gpumem_report")
     options = Options(
         backend=backend or _ini(config, "gpumem_backend", backend_name),
         backend_given=backend is not None or config.getini("gpumem_backend") != "auto",
         rounding=_given(config, "gpumem_round", rounding),
-        report=bool(report if report is not None else config.getini("gpumem_report")),
+        report=_flag(config, "gpumem_report"),
         json_path=_path(config, "gpumem_json", config.rootpath),
         markdown_path=_path(config, "gpumem_markdown", config.rootpath),
     )
-    strict = config.getoption("gpumem_strict")
     baseline = BaselineOptions(
         path=_path(config, "gpumem_baseline_file", config.rootpath) or config.rootpath / DEFAULT_FILENAME,
         update=bool(config.getoption("gpumem_update")),
         prune=bool(config.getoption("gpumem_prune")),
         tolerance=_given(config, "gpumem_tolerance", tolerance),
         slack=_given(config, "gpumem_slack", slack),
-        strict=bool(strict if strict is not None else config.getini("gpumem_strict")),
+        strict=_flag(config, "gpumem_strict"),
     )
     return options, baseline

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -91,19 +91,19 @@ class BaselineRun:
         )
         return Judgement(verdict, entry, verdict.failed and not self.options.update)
 
-    def finish(self, records: Iterable[tuple[str, dict[str, Any]]]) -> list[str]:
+    def finish(self, records: Iterable[tuple[str, dict[str, Any]]], backend: Callable[[], Backend]) -> list[str]:
         """After the run: warnings, unused baselines, and under --gpumem-update/--gpumem-prune the new
         file. Returns the lines for the terminal summary."""
         from pytest_gpumem.baselines import Entry, UpdateSummary, environment_warnings, unused, update, write
 
         assert self.store is not None, "finish() is called only when baselines are active"
         entries = {nodeid: Entry.from_json(data) for nodeid, data in records}
-        if not entries:
-            left = f"nothing to record (no measured test passed): {self.options.path} left as it was"
-            return [left] if self.options.update else []
-        identity = next(iter(entries.values())).identity
-        env = next(iter(entries.values())).environment
-        lines = [f"warning: {w}" for w in environment_warnings(self.store, identity, env)]
+        first = next(iter(entries.values()), None)
+        identity = identity_of(backend()) if first is None else first.identity
+        warnings = [] if first is None else environment_warnings(self.store, identity, first.environment)
+        lines = [f"warning: {w}" for w in warnings]
+        if first is None and self.options.update:
+            lines.append(f"nothing to record (no measured test passed): {self.options.path} left as it was")
         stale = [] if self.partial else unused(self.store, identity, self.seen)
         summary = UpdateSummary()
         if self.options.update:

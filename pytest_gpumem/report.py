@@ -60,7 +60,8 @@ def markdown(results: Sequence[TestResult]) -> str:
     if not results:
         return "No test was measured.\n"
     headers, body = rows(results)
-    return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True) + "\n"
+    escaped = [[cell.replace("|", "\\|") for cell in row] for row in body]
+    return tabulate(escaped, headers=headers, tablefmt="github", disable_numparse=True) + "\n"
 
 
 def document(results: Sequence[TestResult], backend: str | None, device: str | None) -> dict[str, Any]:

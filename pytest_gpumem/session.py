@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pytest_gpumem.backends.base import Backend
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.markers import MARKER, Budget, budget_from_marker
+from pytest_gpumem.markers import MARKER, Budget, all_of, budget_from_marker, closest_first
 from pytest_gpumem.meter import GpuMem
 from pytest_gpumem.options import Options
 from pytest_gpumem.regression import BaselineRun, Judgement, verdict_status
@@ -19,6 +20,23 @@ from pytest_gpumem.sizes import format_size
 from pytest_gpumem.xdist import WORKER_RESULTS
 
 METER_KEY = pytest.StashKey[GpuMem]()
+
+
+def budget_of(marks: Sequence[tuple[object, pytest.Mark]]) -> Budget | None:
+    """The test's budget from its max_memory markers (closest level first)."""
+    levels: dict[int, list[Budget]] = {}
+    for node, mark in marks:
+        levels.setdefault(id(node), []).append(budget_from_marker(mark.args, mark.kwargs))
+    return closest_first([all_of(budgets) for budgets in levels.values()]) if levels else None
+
+
+def _not_json(info: dict[str, Any]) -> str | None:
+    """Why `info` cannot travel as JSON (to the report, the file, the xdist controller), or None."""
+    try:
+        json.dumps(info, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        return str(exc)
+    return None
 
 
 def breakdown(call: PhaseResult, phases: dict[str, PhaseResult]) -> str:
@@ -74,11 +92,11 @@ class GpuMemSession:
 
     def measure_call(self, item: pytest.Item) -> Generator[None, object, object]:
         """The body of the `pytest_runtest_call` wrapper: measure the call of a test that asks for it."""
-        mark = item.get_closest_marker(MARKER)
-        if mark is None and METER_KEY not in item.stash:
+        marks = list(item.iter_markers_with_node(MARKER))
+        if not marks and METER_KEY not in item.stash:
             return (yield)
         try:
-            budget = None if mark is None else budget_from_marker(mark.args, mark.kwargs)
+            budget = budget_of(marks)
             meter = self.meter(item)
         except GpuMemError as exc:
             error = f"{item.nodeid}: {exc}"
@@ -94,7 +112,7 @@ class GpuMemSession:
             outcome = yield
         except GpuMemError as exc:
             error = f"{item.nodeid}: {exc}"
-        except pytest.skip.Exception:
+        except (pytest.skip.Exception, pytest.xfail.Exception):
             meter.end_call()
             raise
         except BaseException as exc:
@@ -108,6 +126,11 @@ class GpuMemSession:
 
     def _judge(self, item: pytest.Item, meter: GpuMem, budget: Budget | None) -> None:
         call = meter.end_call()
+        bad_info = _not_json(meter.info)
+        if bad_info:
+            message = f"{item.nodeid}: gpumem.info must hold JSON values (str, numbers, lists, dicts): {bad_info}"
+            self._finish(item, meter, budget, STATUS_ERROR, message)
+            pytest.fail(message, pytrace=False)
         unopened = [] if budget is None else budget.unopened(meter.phases)
         if unopened:
             opened = ", ".join(meter.phases) or "none"
@@ -155,7 +178,7 @@ class GpuMemSession:
             budget_text=None if budget is None else budget.describe(),
             status=status,
             message=message,
-            info=dict(meter.info),
+            info=dict(meter.info) if not _not_json(meter.info) else {"unreadable": repr(meter.info)},
             baseline=None if judgement is None else judgement.verdict.to_json(),
             record=None if judgement is None else judgement.entry.to_json(),
         )
@@ -197,6 +220,8 @@ class GpuMemSession:
 
         self._write(self.options.json_path, "--gpumem-json", self._json_text)
         self._write(self.options.markdown_path, "--gpumem-markdown", lambda: markdown(self.results))
+        if self.problems and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
         if not self.baselines.active:
             return
         if exitstatus == pytest.ExitCode.INTERRUPTED:
@@ -204,17 +229,24 @@ class GpuMemSession:
             return
         self.baselines.partial |= self._partial(session)
         try:
-            self.baseline_lines += self.baselines.finish((r.nodeid, r.record) for r in self.results if r.record)
+            records = [(r.nodeid, r.record) for r in self.results if r.record]
+            self.baseline_lines += self.baselines.finish(records, self.backend)
         except GpuMemError as exc:
             self.problems.append(str(exc))
+        if self.problems and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def _partial(self, session: pytest.Session) -> bool:
-        """Whether some tests were left out, so that an unused baseline may belong to one of them."""
-        option = self.config.option
-        selected = self.config.args_source == pytest.Config.ArgsSource.ARGS
-        filtered = bool(getattr(option, "keyword", "") or getattr(option, "markexpr", ""))
-        return selected or filtered or bool(session.shouldstop) or bool(session.shouldfail)
+        """Whether some tests may have been left out, so that an unused baseline may belong to one of
+        them: anything but the configured test paths (or the rootdir) run whole and to the end."""
+        config = self.config
+        source = config.args_source
+        whole = source == pytest.Config.ArgsSource.TESTPATHS or (
+            source == pytest.Config.ArgsSource.INVOCATION_DIR and config.invocation_params.dir == config.rootpath
+        )
+        narrowing = ("keyword", "markexpr", "ignore", "ignore_glob", "deselect", "lf", "stepwise", "collectonly")
+        narrowed = any(getattr(config.option, name, None) for name in narrowing)
+        return not whole or narrowed or bool(session.shouldstop) or bool(session.shouldfail)
 
     def _json_text(self) -> str:
         from pytest_gpumem.report import document
@@ -226,12 +258,13 @@ class GpuMemSession:
             backend.name if backend else (first.backend if first else None),
             str(backend.device) if backend else (first.device if first else None),
         )
-        return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+        return json.dumps(doc, indent=2, sort_keys=True, allow_nan=False) + "\n"
 
     def _write(self, path: Path | None, flag: str, text: Callable[[], str]) -> None:
         if path is None:
             return
         try:
             path.write_text(text(), encoding="utf-8")
-        except OSError as exc:
-            self.problems.append(f"{flag}: cannot write {path}: {exc.strerror or exc}")
+        except (OSError, TypeError, ValueError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            self.problems.append(f"{flag}: cannot write {path}: {reason}")

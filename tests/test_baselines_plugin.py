@@ -357,3 +357,35 @@ def test_baseline_file_option(tracker: pytest.Pytester, tmp_path: Path) -> None:
     target = tmp_path / "elsewhere.json"
     run(tracker, "--gpumem-update", f"--gpumem-baseline-file={target}")
     assert target.exists() and not (tracker.path / BASELINES).exists()
+
+
+def test_prune_never_removes_what_the_run_did_not_select(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\ngpumem_backend = tracker\ntestpaths = tests\n")
+    (pytester.path / "tests" / "sub").mkdir(parents=True)
+    a = "import torch\n\ndef test_a(gpumem):\n    torch.ones(1000)\n"
+    b = "import torch\n\ndef test_b(gpumem):\n    torch.ones(2000)\n"
+    (pytester.path / "tests" / "test_a.py").write_text(a)
+    (pytester.path / "tests" / "sub" / "test_b.py").write_text(b)
+    pytester.runpytest("--gpumem-update").assert_outcomes(passed=2)
+    before = (pytester.path / BASELINES).read_bytes()
+    for args in (["--ignore=tests/sub"], ["--deselect=tests/test_a.py::test_a"], ["-k", "test_a"], ["tests/sub"]):
+        result = pytester.runpytest("--gpumem-prune", *args)
+        result.stdout.fnmatch_lines(["--gpumem-prune needs a full run*nothing removed"])
+        assert (pytester.path / BASELINES).read_bytes() == before
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.chdir(pytester.path / "tests" / "sub")
+    try:
+        result = pytester.runpytest("--gpumem-prune")
+    finally:
+        monkeypatch.undo()
+    result.stdout.fnmatch_lines(["--gpumem-prune needs a full run*nothing removed"])
+    assert (pytester.path / BASELINES).read_bytes() == before
+
+
+def test_prune_after_every_measured_test_is_gone(tracker: pytest.Pytester) -> None:
+    suite(tracker, a=1000)
+    run(tracker, "--gpumem-update")
+    tracker.makepyfile(test_suite="def test_plain():\n    pass\n")
+    result = run(tracker, "--gpumem-prune")
+    result.stdout.fnmatch_lines(["wrote *: 0 added, 0 updated, 0 unchanged, 1 removed"])
+    assert stored(tracker) == {}

@@ -180,3 +180,60 @@ def test_custom_backend_hook(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("--gpumem-backend=fixed", "--gpumem-report")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["gpumem: fixed (a test double)", "*test_it*fixed*cpu*ok*"])
+
+
+def test_info_must_be_json(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        """
+        import torch
+
+        def test_shape(gpumem):
+            gpumem.info["tensor"] = torch.ones(2)
+
+        def test_nan(gpumem):
+            gpumem.info["x"] = float("nan")
+
+        def test_fine(gpumem):
+            gpumem.info["shape"] = [2]
+        """
+    )
+    result = tracker.runpytest("--gpumem-json=out.json")
+    result.assert_outcomes(passed=1, failed=2)
+    result.stdout.fnmatch_lines(
+        ["*::test_shape: gpumem.info must hold JSON values (str, numbers, lists, dicts): *not JSON serializable"]
+    )
+    assert (tracker.path / "out.json").exists()
+
+
+@pytest.mark.parametrize("value", ["float('nan')", "float('inf')", "-1", "'tight'"])
+def test_check_gradients_tolerances_checked(tracker: pytest.Pytester, value: str) -> None:
+    tracker.makepyfile(
+        f"""
+        import torch
+
+        def test_it(gpumem):
+            model = torch.nn.Linear(2, 2)
+            model(torch.ones(1, 2)).sum().backward()
+            gpumem.check_gradients(model, rtol={value})
+        """
+    )
+    result = tracker.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*gpumem.check_gradients(rtol=...) must be a finite number >= 0, got *"])
+
+
+def test_xfail_and_skip_inside_are_not_errors(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        """
+        import pytest
+
+        def test_x(gpumem):
+            pytest.xfail("known")
+
+        def test_s(gpumem):
+            pytest.skip("later")
+        """
+    )
+    result = tracker.runpytest("--gpumem-report")
+    result.assert_outcomes(xfailed=1, skipped=1)
+    result.stdout.fnmatch_lines(["no test was measured*"])

@@ -81,9 +81,9 @@ def test_whole_call_limit_without_fixture(tracker: pytest.Pytester) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ("", "max_memory needs a limit*"),
-        ("None", "max_memory needs a limit*"),
-        ("tolerance=5", "max_memory needs a limit*"),
+        ("", "max_memory needs a limit or a tolerance*"),
+        ("None", "max_memory needs a limit or a tolerance*"),
+        ("call='1 MB'", "max_memory: 'call' is the whole test call; give its limit positionally*"),
         ("-1", "max_memory limit: size must not be negative, got -1"),
         ("'-2 MB'", "max_memory limit: size must not be negative, got '-2 MB'"),
         ("0", "max_memory limit: a limit must be above zero, got 0"),
@@ -146,6 +146,45 @@ def test_tolerance_accepted(tracker: pytest.Pytester) -> None:
         """
     )
     tracker.runpytest().assert_outcomes(passed=2)
+
+
+def test_markers_on_several_levels(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        """
+        import pytest, torch
+
+        pytestmark = pytest.mark.max_memory("1 KiB")
+
+        @pytest.mark.max_memory(forward="100 KiB")
+        def test_module_cap_still_holds(gpumem):
+            with gpumem.phase("forward"):
+                torch.ones(1000)  # 4000 B: within forward=100 KiB, over the module's 1 KiB call limit
+
+        @pytest.mark.max_memory("8 KiB")
+        def test_function_overrides_module():
+            torch.ones(1000)
+
+        @pytest.mark.max_memory("1 MiB")
+        @pytest.mark.max_memory("2 KiB")
+        def test_stacked_strictest_wins():
+            torch.ones(1000)
+
+        @pytest.mark.parametrize("n", [pytest.param(100, marks=pytest.mark.max_memory("512 B")), 10])
+        @pytest.mark.max_memory("1 MiB")
+        def test_param_marks(n):
+            torch.ones(n)
+        """
+    )
+    result = tracker.runpytest()
+    result.assert_outcomes(passed=3, failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_module_cap_still_holds _*",
+            "call peak 3.9 KiB exceeds max_memory 1 KiB",
+            "*_ test_stacked_strictest_wins _*",
+            "call peak 3.9 KiB exceeds max_memory 2 KiB",
+        ]
+    )
 
 
 def test_marker_registered(pytester: pytest.Pytester) -> None:

@@ -148,3 +148,34 @@ def test_torch_not_imported_when_unused(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess("-s", "-p", "no:xdist", "-p", "no:randomly")
     result.stdout.fnmatch_lines(["*torch imported: False*"])
     assert "gpumem" in result.stdout.str()  # the plugin was loaded (listed among plugins)
+
+
+def test_bad_ini_flag_names_the_option(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\ngpumem_report = maybe\n")
+    result = pytester.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: ini option gpumem_report: *maybe*"])
+
+
+def test_unwritable_json_fails_the_run(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(TWO_TESTS)
+    (tracker.path / "out").mkdir()
+    result = tracker.runpytest("--gpumem-json=out")
+    result.stdout.fnmatch_lines(["gpumem: --gpumem-json: cannot write */out: *"])
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+
+
+def test_markdown_escapes_pipes(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.parametrize("p", ["a|b"])
+        def test_it(gpumem, p):
+            pass
+        """
+    )
+    tracker.runpytest("--gpumem-markdown=m.md").assert_outcomes(passed=1)
+    row = (tracker.path / "m.md").read_text().splitlines()[2]
+    assert "test_it[a\\|b]" in row
+    assert row.count(" | ") == len((tracker.path / "m.md").read_text().splitlines()[0].split(" | ")) - 1
