@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from typing import TYPE_CHECKING
 
 import pytest
@@ -45,7 +44,8 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(str(exc)) from None
     session = GpuMemSession(config, options, BaselineRun(baseline_options, store))
     config.stash[SESSION_KEY] = session
-    config.pluginmanager.register(session, "gpumem-session")
+    if session.baselines.active:
+        config.pluginmanager.register(session.baselines, "gpumem-baselines")
     if options.backend_given:
         _header(session)
     if config.pluginmanager.hasplugin("xdist"):
@@ -69,9 +69,15 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     return None
 
 
-def pytest_report_collectionfinish(config: pytest.Config, items: list[pytest.Item]) -> str | None:
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if any(_measures(item) for item in items):
+        config.stash[SESSION_KEY].measure_calls()
+
+
+def pytest_report_collectionfinish(config: pytest.Config) -> str | None:
     session = config.stash[SESSION_KEY]
-    if session.header_shown or not any(_measures(item) for item in items):
+    if session.header_shown or not session.measuring:
         return None
     return _header(session)
 
@@ -91,15 +97,11 @@ def _measures(item: pytest.Item) -> bool:
 def gpumem(request: pytest.FixtureRequest) -> GpuMem:
     """Measure peak memory of the test call and of named phases: `with gpumem.phase("forward"): ...`."""
     session = request.config.stash[SESSION_KEY]
+    session.measure_calls()  # also when requested dynamically (request.getfixturevalue)
     try:
         return session.meter(request.node)
     except GpuMemError as exc:
         pytest.fail(f"{request.node.nodeid}: {exc}", pytrace=False)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
-    return (yield from item.config.stash[SESSION_KEY].measure_call(item))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

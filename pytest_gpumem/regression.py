@@ -6,6 +6,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import pytest
+
 from pytest_gpumem.options import BaselineOptions
 
 if TYPE_CHECKING:
@@ -47,7 +49,7 @@ class Judgement:
     fails: bool
 
 
-@dataclass
+@dataclass(eq=False)  # registered as a plugin: hashed by identity
 class BaselineRun:
     """The baseline store of a run. Workers and the controller both compare; only the controller
     (or a run without xdist) updates, prunes and writes, after the last test."""
@@ -62,6 +64,21 @@ class BaselineRun:
     def active(self) -> bool:
         """Baselines are in use when the file exists or the run is asked to record or require them."""
         return self.store is not None
+
+    # hooks, registered for the run when baselines are active: which tests ran, failed, were left out
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.seen.add(report.nodeid)
+        if report.failed:
+            self.failed.add(report.nodeid)
+
+    def pytest_deselected(self, items: list[pytest.Item]) -> None:
+        if items:
+            self.partial = True
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        if report.failed:
+            self.partial = True
 
     def judge(self, nodeid: str, meter: GpuMem, budget: Budget | None) -> Judgement:
         import torch

@@ -90,8 +90,18 @@ class GpuMemSession:
             meter = item.stash[METER_KEY] = GpuMem(self.backend(), item.nodeid)
         return meter
 
-    def measure_call(self, item: pytest.Item) -> Generator[None, object, object]:
-        """The body of the `pytest_runtest_call` wrapper: measure the call of a test that asks for it."""
+    @property
+    def measuring(self) -> bool:
+        return self.config.pluginmanager.is_registered(self)
+
+    def measure_calls(self) -> None:
+        """Wrap test calls from now on (registered only in runs that measure: the others pay nothing)."""
+        if not self.measuring:
+            self.config.pluginmanager.register(self, "gpumem-session")
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, object, object]:
+        """Measure the call of a test that asks for it (a max_memory marker or the gpumem fixture)."""
         marks = list(item.iter_markers_with_node(MARKER))
         if not marks and METER_KEY not in item.stash:
             return (yield)
@@ -195,31 +205,14 @@ class GpuMemSession:
 
         return table(self.results).splitlines()
 
-    # hooks of the session object, registered as a plugin for the run
-
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        self.baselines.seen.add(report.nodeid)
-        if report.failed:
-            self.baselines.failed.add(report.nodeid)
-
-    def pytest_deselected(self, items: list[pytest.Item]) -> None:
-        if items:
-            self.baselines.partial = True
-
-    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
-        if report.failed:
-            self.baselines.partial = True
-
     def finish(self, session: pytest.Session, exitstatus: int) -> None:
         """At the end of the run: workers hand their results over; the controller writes the files."""
         workeroutput = getattr(self.config, "workeroutput", None)
         if workeroutput is not None:
             workeroutput[WORKER_RESULTS] = [result.to_dict() for result in self.results]
             return
-        from pytest_gpumem.report import markdown
-
         self._write(self.options.json_path, "--gpumem-json", self._json_text)
-        self._write(self.options.markdown_path, "--gpumem-markdown", lambda: markdown(self.results))
+        self._write(self.options.markdown_path, "--gpumem-markdown", self._markdown_text)
         if self.problems and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
         if not self.baselines.active:
@@ -247,6 +240,11 @@ class GpuMemSession:
         narrowing = ("keyword", "markexpr", "ignore", "ignore_glob", "deselect", "lf", "stepwise", "collectonly")
         narrowed = any(getattr(config.option, name, None) for name in narrowing)
         return not whole or narrowed or bool(session.shouldstop) or bool(session.shouldfail)
+
+    def _markdown_text(self) -> str:
+        from pytest_gpumem.report import markdown
+
+        return markdown(self.results)
 
     def _json_text(self) -> str:
         from pytest_gpumem.report import document
