@@ -25,6 +25,7 @@ from torch import nn
 from pytest_gpumem.backends.base import Backend
 from pytest_gpumem.backends.tracker import TrackerBackend
 from pytest_gpumem.meter import GpuMem
+from pytest_gpumem.results import PhaseResult
 
 PHASES = ("forward", "backward")
 FP32 = 4  # bytes per float32 element
@@ -243,15 +244,20 @@ def tracker_peaks(run: Run, backend: Backend | None = None) -> dict[str, int]:
     return {name: r.peak_bytes for name, r in meter.phases.items()}
 
 
-def tracker_results(run: Run, backend: Backend) -> dict[str, tuple[int, int]]:
-    """(allocated peak, requested peak) per phase."""
+def phases_of(run: Run, backend: Backend) -> dict[str, PhaseResult]:
+    """The phases `run` opens, measured on `backend` as the plugin measures a test's call."""
     meter = GpuMem(backend, "bench")
     meter.begin_call()
     try:
         run(meter)
     finally:
         meter.end_call()
-    return {name: (r.peak_bytes, r.requested_peak_bytes) for name, r in meter.phases.items()}
+    return meter.phases
+
+
+def tracker_results(run: Run, backend: Backend) -> dict[str, tuple[int, int]]:
+    """(allocated peak, requested peak) per phase."""
+    return {name: (r.peak_bytes, r.requested_peak_bytes) for name, r in phases_of(run, backend).items()}
 
 
 class MemTrackerMeter:

@@ -50,16 +50,6 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def phases_of(run: benchlib.Run, backend: Backend) -> dict[str, PhaseResult]:
-    meter = GpuMem(backend, "validate")
-    meter.begin_call()
-    try:
-        run(meter)
-    finally:
-        meter.end_call()
-    return meter.phases
-
-
 def measure_alone(workload: Workload, device: torch.device, backend: Backend) -> dict[str, Any]:
     """After a warm-up run (cuBLAS workspaces, first-use allocations) and an emptied cache."""
     warm = workload.prepare(device)
@@ -67,10 +57,10 @@ def measure_alone(workload: Workload, device: torch.device, backend: Backend) ->
     del warm
     release(device)
     torch.manual_seed(0)
-    device_phases = phases_of(workload.prepare(device), backend)
+    device_phases = benchlib.phases_of(workload.prepare(device), backend)
     release(device)
     torch.manual_seed(0)
-    predicted = phases_of(workload.prepare(device), TrackerBackend("cuda"))
+    predicted = benchlib.phases_of(workload.prepare(device), TrackerBackend("cuda"))
     return {"device": device_phases, "predicted": predicted}
 
 
@@ -86,7 +76,7 @@ def measure_after_others(workloads: list[Workload], device: torch.device, backen
     out: dict[str, Any] = {}
     for workload in reversed(workloads):
         torch.manual_seed(0)
-        out[workload.name] = phases_of(workload.prepare(device), backend)
+        out[workload.name] = benchlib.phases_of(workload.prepare(device), backend)
     return out
 
 
