@@ -52,7 +52,8 @@ def breakdown(call: PhaseResult, phases: dict[str, PhaseResult]) -> str:
 
 
 class GpuMemSession:
-    """Per-run state, kept in `config.stash`; every hook of the plugin delegates here."""
+    """Per-run state, kept in `config.stash`; the plugin's hooks delegate here. It registers itself as a
+    plugin (wrapping test calls) only in runs that measure something."""
 
     def __init__(self, config: pytest.Config, options: Options, baselines: BaselineRun) -> None:
         self.config = config
@@ -63,10 +64,6 @@ class GpuMemSession:
         self.header_shown = False
         self.problems: list[str] = []
         self.baseline_lines: list[str] = []
-
-    @property
-    def backend_ready(self) -> bool:
-        return self._backend is not None
 
     def backend(self) -> Backend:
         """The backend, made on first use so that runs that never measure never import torch."""
