@@ -50,9 +50,15 @@ class RegionStack:
         self.open.append(_Region(name, now, now))
 
     def pop(self) -> PhaseResult:
+        result = self.peek(len(self.open) - 1)
+        self.open.pop()
+        return result
+
+    def peek(self, index: int) -> PhaseResult:
+        """The figures of open region `index` so far (0 is the outermost), leaving it open."""
         self.backend.settle()
         self._fold()
-        region = self.open.pop()
+        region = self.open[index]
         end = self.backend.current()
         return PhaseResult(
             name=region.name,
@@ -155,14 +161,16 @@ class GpuMem:
         self.gradient_tolerance = (rtol, atol)
 
     def peak(self, name: str | None = None) -> int:
-        """Peak bytes of phase `name` above its start, or of the whole call when `name` is None."""
+        """Peak bytes of phase `name` above its start, or of the whole call (so far) when `name` is None."""
         return self.result(name).peak_bytes
 
     def result(self, name: str | None = None) -> PhaseResult:
         if name is None or name == CALL:
-            if self._call is None:
-                raise GpuMemError(f"the whole-call peak of {self.nodeid} is known only after the test function returns")
-            return self._call
+            if self._call is not None:
+                return self._call
+            if self._stack is None or not self._stack.open:
+                raise GpuMemError(f"the call of {self.nodeid} is measured only while its test function runs")
+            return self._stack.peek(0)  # the call so far
         if name not in self._results:
             opened = ", ".join(self._results) or "none"
             raise GpuMemError(f"gpumem has no phase {name!r} in {self.nodeid} (phases measured: {opened})")

@@ -237,3 +237,20 @@ def test_xfail_and_skip_inside_are_not_errors(tracker: pytest.Pytester) -> None:
     result = tracker.runpytest("--gpumem-report")
     result.assert_outcomes(xfailed=1, skipped=1)
     result.stdout.fnmatch_lines(["no test was measured*"])
+
+
+def test_call_peak_so_far(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        """
+        import torch
+
+        def test_it(gpumem):
+            a = torch.ones(1000)
+            with gpumem.phase("forward"):
+                b = torch.ones(500)
+            del a, b
+            assert gpumem.peak() == 6000
+            assert gpumem.result().net_bytes == 0
+        """
+    )
+    tracker.runpytest().assert_outcomes(passed=1)

@@ -109,5 +109,20 @@ def test_open_phase_is_closed_by_end_call() -> None:
     context.__enter__()
     fake.alloc(64)
     assert meter.end_call().peak_bytes == 64
-    with pytest.raises(GpuMemError, match="whole-call peak of t is known only after"):
+    with pytest.raises(GpuMemError, match="the call of t is measured only while its test function runs"):
         GpuMem(fake, "t").peak()
+
+
+def test_call_so_far() -> None:
+    fake = ScriptedAllocator()
+    meter = GpuMem(fake, "t")
+    meter.begin_call()
+    with meter.phase("forward"):
+        fake.alloc(300)
+        assert meter.peak() == 300
+    fake.free(300)
+    assert meter.peak() == 300
+    assert meter.result().net_bytes == 0
+    fake.alloc(500)
+    fake.free(500)
+    assert meter.end_call().peak_bytes == 500
