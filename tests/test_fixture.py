@@ -254,3 +254,20 @@ def test_call_peak_so_far(tracker: pytest.Pytester) -> None:
         """
     )
     tracker.runpytest().assert_outcomes(passed=1)
+
+
+def test_fixture_requested_dynamically(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        """
+        import torch
+
+        def test_it(request):
+            gpumem = request.getfixturevalue("gpumem")
+            with gpumem.phase("made"):
+                torch.ones(100)
+            assert gpumem.peak("made") == 400
+        """
+    )
+    result = tracker.runpytest("--gpumem-report")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*test_it*tracker*cpu*400 B*ok"])
