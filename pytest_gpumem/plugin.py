@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import pytest
@@ -97,7 +98,13 @@ def _measures(item: pytest.Item) -> bool:
 def gpumem(request: pytest.FixtureRequest) -> GpuMem:
     """Measure peak memory of the test call and of named phases: `with gpumem.phase("forward"): ...`."""
     session = request.config.stash[SESSION_KEY]
-    session.measure_calls()  # also when requested dynamically (request.getfixturevalue)
+    if os.environ.get("PYTEST_CURRENT_TEST", "").endswith("(call)"):
+        pytest.fail(
+            f"{request.node.nodeid}: request the gpumem fixture as a test argument or from a fixture; "
+            "asked for inside the test function, its call can no longer be measured",
+            pytrace=False,
+        )
+    session.measure_calls()  # also when a fixture asks for it with request.getfixturevalue
     try:
         return session.meter(request.node)
     except GpuMemError as exc:

@@ -259,15 +259,26 @@ def test_call_peak_so_far(tracker: pytest.Pytester) -> None:
 def test_fixture_requested_dynamically(tracker: pytest.Pytester) -> None:
     tracker.makepyfile(
         """
-        import torch
+        import pytest, torch
 
-        def test_it(request):
-            gpumem = request.getfixturevalue("gpumem")
-            with gpumem.phase("made"):
+        @pytest.fixture
+        def meter(request):
+            return request.getfixturevalue("gpumem")
+
+        def test_from_fixture(meter):
+            with meter.phase("made"):
                 torch.ones(100)
-            assert gpumem.peak("made") == 400
+            assert meter.peak("made") == 400
+
+        def test_in_body(request):
+            request.getfixturevalue("gpumem")
         """
     )
     result = tracker.runpytest("--gpumem-report")
-    result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["*test_it*tracker*cpu*400 B*ok"])
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*::test_in_body: request the gpumem fixture as a test argument or from a fixture; asked for inside*",
+            "*test_from_fixture*tracker*cpu*400 B*ok",
+        ]
+    )
