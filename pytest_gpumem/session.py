@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -128,24 +128,19 @@ class GpuMemSession:
         else:
             self._judge(item, meter, budget)
             return outcome
-        self._finish(item, meter, budget, STATUS_ERROR, error)
-        pytest.fail(error, pytrace=False)
+        self._error(item, meter, budget, error)
 
     def _judge(self, item: pytest.Item, meter: GpuMem, budget: Budget | None) -> None:
         call = meter.end_call()
         bad_info = _not_json(meter.info)
         if bad_info:
-            message = f"{item.nodeid}: gpumem.info must hold JSON values (str, numbers, lists, dicts): {bad_info}"
-            self._finish(item, meter, budget, STATUS_ERROR, message)
-            pytest.fail(message, pytrace=False)
+            message = f"gpumem.info must hold JSON values (str, numbers, lists, dicts): {bad_info}"
+            self._error(item, meter, budget, f"{item.nodeid}: {message}")
         unopened = [] if budget is None else budget.unopened(meter.phases)
         if unopened:
             opened = ", ".join(meter.phases) or "none"
-            message = (
-                f"{item.nodeid}: max_memory names phase {unopened[0]!r} that the test never opened (opened: {opened})"
-            )
-            self._finish(item, meter, budget, STATUS_ERROR, message)
-            pytest.fail(message, pytrace=False)
+            message = f"max_memory names phase {unopened[0]!r} that the test never opened (opened: {opened})"
+            self._error(item, meter, budget, f"{item.nodeid}: {message}")
         over = [] if budget is None else budget.violations(call, meter.phases)
         judgement = self.baselines.judge(item.nodeid, meter, budget) if self.baselines.active else None
         section = breakdown(call, meter.phases)
@@ -164,6 +159,11 @@ class GpuMemSession:
         self._finish(item, meter, budget, status, failure, judgement)
         if failure:
             pytest.fail(failure, pytrace=False)
+
+    def _error(self, item: pytest.Item, meter: GpuMem, budget: Budget | None, message: str) -> NoReturn:
+        """Record the test as an error and fail it with one line."""
+        self._finish(item, meter, budget, STATUS_ERROR, message)
+        pytest.fail(message, pytrace=False)
 
     def _finish(
         self,
@@ -210,10 +210,12 @@ class GpuMemSession:
             return
         self._write(self.options.json_path, "--gpumem-json", self._json_text)
         self._write(self.options.markdown_path, "--gpumem-markdown", self._markdown_text)
+        if self.baselines.active:
+            self._finish_baselines(session, exitstatus)
         if self.problems and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
-        if not self.baselines.active:
-            return
+
+    def _finish_baselines(self, session: pytest.Session, exitstatus: int) -> None:
         if exitstatus == pytest.ExitCode.INTERRUPTED:
             self.baseline_lines.append(f"run interrupted: {self.baselines.options.path} left as it was")
             return
@@ -223,8 +225,6 @@ class GpuMemSession:
             self.baseline_lines += self.baselines.finish(records, self.backend)
         except GpuMemError as exc:
             self.problems.append(str(exc))
-        if self.problems and session.exitstatus == pytest.ExitCode.OK:
-            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def _partial(self, session: pytest.Session) -> bool:
         """Whether some tests may have been left out, so that an unused baseline may belong to one of
