@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend as Backend
     from pytest_gpumem.backends.base import Counters as Counters
     from pytest_gpumem.errors import GpuMemError as GpuMemError
+    from pytest_gpumem.errors import GpuMemWarning as GpuMemWarning
     from pytest_gpumem.markers import Budget as Budget
     from pytest_gpumem.markers import budget_from_marker as budget_from_marker
     from pytest_gpumem.meter import GpuMem as GpuMem
@@ -24,6 +25,7 @@ _HOMES = {
     "Backend": "pytest_gpumem.backends.base",
     "Counters": "pytest_gpumem.backends.base",
     "GpuMemError": "pytest_gpumem.errors",
+    "GpuMemWarning": "pytest_gpumem.errors",
     "Budget": "pytest_gpumem.markers",
     "budget_from_marker": "pytest_gpumem.markers",
     "GpuMem": "pytest_gpumem.meter",

@@ -101,6 +101,7 @@ class GpuMem:
         self._phase: str | None = None
         self._results: dict[str, PhaseResult] = {}
         self._call: PhaseResult | None = None
+        self.notes: list[str] = []
         self.gradients: Fingerprint | None = None
         self.gradient_tolerance: tuple[float | None, float | None] = (None, None)
 
@@ -197,6 +198,8 @@ class GpuMem:
             self._stack = None
             self._phase = None
             self.backend.stop()
+            notes = getattr(self.backend, "notes", None)
+            self.notes = list(notes()) if callable(notes) else []
         return self._call
 
     def _record(self, result: PhaseResult) -> None:

@@ -63,6 +63,7 @@ class TestResult:
     info: dict[str, Any] = field(default_factory=dict)
     baseline: dict[str, Any] | None = None
     record: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
 
     @property
     def peak_bytes(self) -> int | None:
@@ -88,6 +89,7 @@ class TestResult:
             "info": self.info,
             "baseline": self.baseline,
             "record": self.record,
+            "notes": self.notes,
         }
 
     @classmethod
@@ -106,4 +108,5 @@ class TestResult:
             info=dict(data.get("info", {})),
             baseline=data.get("baseline"),
             record=data.get("record"),
+            notes=list(data.get("notes", [])),
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -10,7 +11,7 @@ from typing import Any, NoReturn
 import pytest
 
 from pytest_gpumem.backends.base import Backend
-from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.errors import GpuMemError, GpuMemWarning
 from pytest_gpumem.markers import MARKER, Budget, all_of, budget_from_marker, closest_first
 from pytest_gpumem.meter import GpuMem
 from pytest_gpumem.options import Options
@@ -146,7 +147,10 @@ class GpuMemSession:
         section = breakdown(call, meter.phases)
         if judgement is not None and judgement.verdict.messages:
             section += "\n" + "\n".join(judgement.verdict.messages)
-        if budget is not None or judgement is not None:
+        for note in meter.notes:
+            section += f"\nnote: {note}"
+            warnings.warn(GpuMemWarning(f"{item.nodeid}: {note}"), stacklevel=1)
+        if budget is not None or judgement is not None or meter.notes:
             item.add_report_section("call", "gpumem", section)
         failure: str | None
         if over:
@@ -188,6 +192,7 @@ class GpuMemSession:
             info=dict(meter.info) if not _not_json(meter.info) else {"unreadable": repr(meter.info)},
             baseline=None if judgement is None else judgement.verdict.to_json(),
             record=None if judgement is None else judgement.entry.to_json(),
+            notes=meter.notes,
         )
         self.add(result)
         item.config.hook.pytest_gpumem_result(item=item, result=result)

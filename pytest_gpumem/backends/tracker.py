@@ -18,6 +18,8 @@ from pytest_gpumem.constants import ROUNDINGS
 if TYPE_CHECKING:
     import torch
 
+    from pytest_gpumem.backends.tracker_hooks import Patches
+
 
 _KIB = 1024
 _MIB = 1024 * 1024
@@ -83,6 +85,13 @@ class StorageLedger:
             return
         requested = storage.nbytes()
         self._follow(storage, key, requested)
+
+    def resized(self, storage: torch.UntypedStorage, before: int) -> None:
+        """`storage` was resized outside any op (`UntypedStorage.resize_`): follow it like an op's resize."""
+        if storage._cdata in self.live:
+            self.resize(storage)
+        elif storage.nbytes() > before:
+            self.grow_existing(storage, before)
 
     def grow_existing(self, storage: torch.UntypedStorage, before: int) -> None:
         """A storage made before tracking was resized by an op: count the growth as an allocation."""
@@ -158,9 +167,27 @@ _SINGLE = 1  # one fresh Tensor: count its storage without walking the result
 _MANY = 2  # fresh tensors among several returns or in lists: count those positions
 _RESIZE = 3  # out= overloads and resize_/set_: storages that existed may grow
 _LIFT = 4  # lift_fresh: a constant made outside any mode (torch.tensor), or memory torch does not own
+_CHECKED = 5  # fresh by its schema, but may return its inputs' storages: count only the others
+_NOT_DENSE = object()  # marks the parts of a sparse tensor in a walk over storages
 
 _RESIZING_OPS = frozenset(("aten::resize_", "aten::resize_as_", "aten::set_"))
 _LIFTING_OPS = frozenset(("aten::lift_fresh",))  # returns its input, a constant made outside any mode
+# views (or sparse tensors built on their inputs) whose schemas carry no alias annotation
+_UNANNOTATED_ALIASES = frozenset(
+    (
+        "aten::_unsafe_view",
+        "aten::unsafe_split",
+        "aten::unsafe_split_with_sizes",
+        "aten::unsafe_chunk",
+        "aten::sparse_coo_tensor",
+        "aten::_sparse_coo_tensor_unsafe",
+        "aten::_sparse_coo_tensor_with_dims_and_tensors",
+        "aten::sparse_compressed_tensor",
+        "aten::_sparse_compressed_tensor_unsafe",
+        "aten::sparse_csr_tensor",
+        "aten::_sparse_csr_tensor_unsafe",
+    )
+)
 
 
 def _op_plan(func: Any) -> tuple[int, tuple[int, ...] | None]:
@@ -175,9 +202,26 @@ def _op_plan(func: Any) -> tuple[int, tuple[int, ...] | None]:
     fresh = tuple(i for i, ret in enumerate(returns) if ret.alias_info is None)
     if not fresh:
         return _PASS, ()
+    if schema.name in _UNANNOTATED_ALIASES:
+        return _CHECKED, None
     if len(returns) == 1:
         return (_SINGLE, fresh) if str(returns[0].type) == "Tensor" else (_MANY, None)
     return _MANY, fresh
+
+
+def _sparse_parts() -> dict[Any, tuple[str, ...]]:
+    """The component tensors that hold a sparse tensor's memory, by layout."""
+    import torch
+
+    compressed_rows = ("crow_indices", "col_indices", "values")
+    compressed_cols = ("ccol_indices", "row_indices", "values")
+    return {
+        torch.sparse_coo: ("_indices", "_values"),
+        torch.sparse_csr: compressed_rows,
+        torch.sparse_bsr: compressed_rows,
+        torch.sparse_csc: compressed_cols,
+        torch.sparse_bsc: compressed_cols,
+    }
 
 
 def _dynamo_guard() -> Callable[[Any], Any] | None:
@@ -208,13 +252,40 @@ def _make_mode_class() -> type[Any]:
     from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
     tensor_type = torch.Tensor
+    sparse_parts = _sparse_parts()
     set_eval_frame = _dynamo_guard()
     plans: dict[Any, tuple[int, tuple[int, ...] | None]] = {}
+
+    def storages(out: object) -> Iterator[Any]:
+        """The storages holding the memory of the tensors in `out`; before the parts of a sparse
+        tensor, `_NOT_DENSE`."""
+        for tensor in _tensors(out, tensor_type):
+            parts = sparse_parts.get(tensor.layout)
+            if parts is not None:
+                yield _NOT_DENSE
+                yield from storages([getattr(tensor, part)() for part in parts])
+            elif type(tensor) is not tensor_type and is_traceable_wrapper_subclass(tensor):
+                # a wrapper's own storage is nominal; its inner tensors hold the memory
+                attrs, _ = tensor.__tensor_flatten__()
+                yield from storages([getattr(tensor, attr) for attr in attrs])
+            else:
+                storage = _storage(tensor)
+                if storage is not None:
+                    yield storage
+
+    def input_keys(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> set[int]:
+        return {s._cdata for s in storages([*args, *(kwargs or {}).values()]) if s is not _NOT_DENSE}
 
     class StorageTrackingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         def __init__(self, ledger: StorageLedger) -> None:
             super().__init__()  # type: ignore[no-untyped-call]
             self.ledger = ledger
+
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            # Dynamo compiles under the mode (instead of falling back to eager), with the mode off
+            # while compiling and on while the compiled program runs (its allocators are wrapped).
+            return True
 
         @classmethod
         def _should_skip_dynamo(cls) -> bool:
@@ -248,23 +319,26 @@ def _make_mode_class() -> type[Any]:
             if kind == _SINGLE and type(out) is tensor_type:
                 try:
                     storage = out.untyped_storage()
-                except (RuntimeError, NotImplementedError):  # sparse, nested and other storage-less layouts
+                except (RuntimeError, NotImplementedError):  # sparse and other layouts without one storage
+                    self._count(out, args, kwargs)
                     return out
                 self.ledger.add(storage)
                 return out
             positions = plan[1]
-            self._count(out if positions is None or kind == _SINGLE else [out[i] for i in positions])
+            fresh = out if positions is None or kind == _SINGLE else [out[i] for i in positions]
+            self._count(fresh, args, kwargs, checked=kind == _CHECKED)
             return out
 
-        def _count(self, out: object) -> None:
-            for tensor in _tensors(out, tensor_type):
-                if type(tensor) is not tensor_type and is_traceable_wrapper_subclass(tensor):
-                    # a wrapper's own storage is nominal; its inner tensors hold the memory
-                    attrs, _ = tensor.__tensor_flatten__()
-                    self._count([getattr(tensor, attr) for attr in attrs])
-                    continue
-                storage = _storage(tensor)
-                if storage is not None:
+        def _count(
+            self, out: object, args: tuple[Any, ...], kwargs: dict[str, Any] | None, checked: bool = False
+        ) -> None:
+            """Count the storages of `out`; `checked` (or a sparse output) leaves out the inputs' own."""
+            inputs = input_keys(args, kwargs) if checked else None
+            for storage in storages(out):
+                if storage is _NOT_DENSE:  # a sparse tensor's parts may be tensors it was given
+                    if inputs is None:
+                        inputs = input_keys(args, kwargs)
+                elif inputs is None or storage._cdata not in inputs:
                     self.ledger.add(storage)
 
         def _dispatch_lifting(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -311,6 +385,8 @@ class TrackerBackend:
         self.rounding = rounding
         self.ledger = StorageLedger(rounding)
         self._mode: Any = None
+        self._patches: Patches | None = None
+        self._notes: list[str] = []
 
     @property
     def device(self) -> torch.device:
@@ -324,18 +400,41 @@ class TrackerBackend:
         return {"backend": backend, "device": "cpu"}
 
     def describe(self) -> str:
-        return f"tracker (storages created by ATen ops, rounding {self.rounding}), device cpu"
+        line = f"tracker (storages created by ATen ops, rounding {self.rounding}), device cpu"
+        if self.rounding == "cuda":
+            line += "; optimizers take foreach by default, as on CUDA"
+        return line
 
     def start(self) -> None:
+        from pytest_gpumem.backends.tracker_hooks import Patches, count_compiled_allocations
+
+        mode_class = _make_mode_class()
+        count_compiled_allocations(mode_class)
         self.ledger.forget()
-        self._mode = _make_mode_class()(self.ledger)
-        self._mode.__enter__()
+        self._notes = []
+        self._patches = Patches(mode_class, self._notes)
+        self._patches.install(predict_cuda=self.rounding == "cuda")
+        self._mode = mode_class(self.ledger)
+        try:
+            self._mode.__enter__()
+        except BaseException:
+            self._mode = None
+            self._patches.undo()
+            raise
 
     def stop(self) -> None:
         mode, self._mode = self._mode, None
-        if mode is not None:
-            mode.__exit__(None, None, None)
-        self.ledger.forget()
+        try:
+            if mode is not None:
+                _leave(mode)
+        finally:
+            if self._patches is not None:
+                self._patches.undo()
+            self.ledger.forget()
+
+    def notes(self) -> list[str]:
+        """What the last measurement could not see, one sentence each."""
+        return list(self._notes)
 
     def settle(self) -> None:
         return None
@@ -349,3 +448,16 @@ class TrackerBackend:
     def reset_peak(self) -> None:
         self.ledger.peak_allocated = self.ledger.allocated
         self.ledger.peak_requested = self.ledger.requested
+
+
+def _leave(mode: Any) -> None:
+    """Take the tracker's mode off this thread's dispatch stack, also when the test left modes of its
+    own above it (they are taken off too: they were entered inside the measured call)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
+
+    stack = _get_current_dispatch_mode_stack()
+    if mode not in stack:
+        return
+    while _get_current_dispatch_mode_stack()[-1] is not mode:
+        _pop_mode()
+    mode.__exit__(None, None, None)

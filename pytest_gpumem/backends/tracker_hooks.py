@@ -1,0 +1,184 @@
+"""What the tracker's dispatch mode does not see by itself, and how it is told.
+
+- Compiled programs (TorchInductor) allocate their buffers through functions that bypass the dispatcher
+  (`empty_strided_cpu` and its siblings, bound when a generated module loads): wrapped once per process.
+- `UntypedStorage.resize_` is a storage method, not an ATen op (FSDP2 frees and regrows parameters so).
+- `torch.jit.trace` cannot trace under any dispatch mode: the tracker steps aside and says so.
+- Optimizers default to `foreach` only on CUDA-like devices: a run that predicts CUDA takes that path.
+- Threads started inside the call run without the mode: they are noticed and reported.
+
+Everything but the compiled-program allocators is patched only while a measurement runs, and undone
+unconditionally by `Patches.undo`.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from pytest_gpumem.backends.tracker import StorageLedger
+
+_INDUCTOR_ALLOCATORS = ("empty_strided_cpu", "empty_strided_cpu_pinned", "empty_strided_cuda", "empty_strided_xpu")
+_JIT_TRACERS = ("trace", "trace_module")
+_FOREACH_DEVICES_ADDED = ["cpu", "meta"]
+
+
+def active_ledger(mode_class: type[Any]) -> StorageLedger | None:
+    """The ledger of the tracker's mode if it is on this thread's dispatch mode stack."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, mode_class):
+            ledger: StorageLedger = mode.ledger
+            return ledger
+    return None
+
+
+def count_compiled_allocations(mode_class: type[Any]) -> None:
+    """Wrap Inductor's direct allocators so that buffers of compiled programs are counted (once per
+    process; generated modules loaded earlier are rebound)."""
+    import torch
+
+    guards = torch._C._dynamo.guards
+    wrapped: dict[Any, Any] = {}
+    for name in _INDUCTOR_ALLOCATORS:
+        original = getattr(guards, f"_{name}", None)
+        if original is None or hasattr(original, "__wrapped__"):
+            continue
+        counting = _counting_allocator(original, mode_class)
+        setattr(guards, f"_{name}", counting)
+        wrapped[original] = counting
+    codecache = sys.modules.get("torch._inductor.codecache")
+    if codecache is None or not wrapped:
+        return
+    cache = codecache.PyCodeCache
+    for module in [*getattr(cache, "modules", []), *getattr(cache, "modules_no_attr", {}).values()]:
+        for name in _INDUCTOR_ALLOCATORS:
+            current = getattr(module, name, None)
+            if current in wrapped:
+                setattr(module, name, wrapped[current])
+
+
+def _counting_allocator(original: Callable[..., torch.Tensor], mode_class: type[Any]) -> Callable[..., torch.Tensor]:
+    @functools.wraps(original)
+    def allocate(*args: Any) -> torch.Tensor:
+        out = original(*args)
+        ledger = active_ledger(mode_class)
+        if ledger is not None:
+            ledger.add(out.untyped_storage())
+        return out
+
+    return allocate
+
+
+class Patches:
+    """The patches of one measurement, each undone by `undo` whatever happened in between."""
+
+    def __init__(self, mode_class: type[Any], notes: list[str]) -> None:
+        self.mode_class = mode_class
+        self.notes = notes
+        self._undo: list[Callable[[], None]] = []
+        self.threads: list[str] = []
+
+    def install(self, predict_cuda: bool) -> None:
+        try:
+            self._resize()
+            self._jit_trace()
+            self._threads()
+            if predict_cuda:
+                self._foreach()
+        except BaseException:
+            self.undo()
+            raise
+
+    def undo(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+        if self.threads:
+            names = ", ".join(sorted(set(self.threads)))
+            self.notes.append(
+                f"threads started inside the call ({names}) run without the tracker: tensors they made are not "
+                "counted (the cuda backend sees every thread)"
+            )
+            self.threads = []
+
+    def _replace(self, owner: Any, name: str, value: Any) -> None:
+        if isinstance(owner, type) and name not in owner.__dict__:  # inherited: undo by deleting
+            setattr(owner, name, value)
+            self._undo.append(lambda: delattr(owner, name))
+            return
+        original = getattr(owner, name)
+        setattr(owner, name, value)
+        self._undo.append(lambda: setattr(owner, name, original))
+
+    def _resize(self) -> None:
+        import torch
+
+        original = torch.UntypedStorage.resize_
+        mode_class = self.mode_class
+
+        @functools.wraps(original)
+        def resize_(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+            before = storage.nbytes()
+            result = original(storage, size)
+            ledger = active_ledger(mode_class)
+            if ledger is not None:
+                ledger.resized(storage, before)
+            return result
+
+        self._replace(torch.UntypedStorage, "resize_", resize_)
+
+    def _jit_trace(self) -> None:
+        import torch.jit
+        import torch.jit._trace as trace_module
+
+        for name in _JIT_TRACERS:
+            original = getattr(trace_module, name)
+            stepping_aside = self._stepping_aside(original)
+            self._replace(trace_module, name, stepping_aside)
+            if getattr(torch.jit, name, None) is original:
+                self._replace(torch.jit, name, stepping_aside)
+
+    def _stepping_aside(self, trace: Callable[..., Any]) -> Callable[..., Any]:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+
+        mode_class, notes = self.mode_class, self.notes
+
+        @functools.wraps(trace)
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            if not isinstance(_get_current_dispatch_mode(), mode_class):
+                return trace(*args, **kwargs)
+            note = f"torch.jit.{trace.__name__} ran unmeasured: the tracer cannot run under a dispatch mode"
+            if note not in notes:
+                notes.append(note)
+            with _pop_mode_temporarily():
+                return trace(*args, **kwargs)
+
+        return traced
+
+    def _foreach(self) -> None:
+        import torch.optim.optimizer as optimizer
+
+        original = optimizer._get_foreach_kernels_supported_devices
+
+        def devices() -> list[str]:
+            return [*original(), *_FOREACH_DEVICES_ADDED]
+
+        self._replace(optimizer, "_get_foreach_kernels_supported_devices", devices)
+
+    def _threads(self) -> None:
+        previous = threading.getprofile()
+        started = self.threads
+
+        def first_event(frame: Any, event: str, arg: Any) -> None:
+            started.append(threading.current_thread().name)
+            sys.setprofile(previous)
+
+        threading.setprofile(first_event)
+        self._undo.append(lambda: threading.setprofile(previous))
