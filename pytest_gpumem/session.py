@@ -149,7 +149,8 @@ class GpuMemSession:
             section += "\n" + "\n".join(judgement.verdict.messages)
         for note in meter.notes:
             section += f"\nnote: {note}"
-            warnings.warn(GpuMemWarning(f"{item.nodeid}: {note}"), stacklevel=1)
+            path, line = item.location[0], item.location[1] or 0
+            warnings.warn_explicit(GpuMemWarning(f"{item.nodeid}: {note}"), GpuMemWarning, path, line + 1)
         if budget is not None or judgement is not None or meter.notes:
             item.add_report_section("call", "gpumem", section)
         failure: str | None

@@ -209,6 +209,24 @@ def _op_plan(func: Any) -> tuple[int, tuple[int, ...] | None]:
     return _MANY, fresh
 
 
+def _rewrapped_numbers(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """`args` with 0-dim tensors again where a Tensor argument arrived as a Python number, or None.
+
+    TorchScript passes numbers as "wrapped number" tensors (`prim::NumToTensor`); on the way into a
+    Python dispatch mode they become Python numbers, which the op then refuses.
+    """
+    import torch
+
+    numbers = [
+        i
+        for i, (arg, value) in enumerate(zip(func._schema.arguments, args))
+        if isinstance(value, (bool, int, float, complex)) and str(arg.type) == "Tensor"
+    ]
+    if not numbers:
+        return None
+    return tuple(torch.tensor(value) if i in numbers else value for i, value in enumerate(args))
+
+
 def _sparse_parts() -> dict[Any, tuple[str, ...]]:
     """The component tensors that hold a sparse tensor's memory, by layout."""
     import torch
@@ -296,13 +314,17 @@ def _make_mode_class() -> type[Any]:
         def __torch_dispatch__(
             self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
         ) -> Any:
-            if set_eval_frame is None:
-                return self._dispatch(func, args, kwargs)
-            prior = set_eval_frame(None)
+            prior = None if set_eval_frame is None else set_eval_frame(None)
             try:
                 return self._dispatch(func, args, kwargs)
+            except RuntimeError:
+                numbers = _rewrapped_numbers(func, args)
+                if numbers is None:
+                    raise
+                return self._dispatch(func, numbers, kwargs)
             finally:
-                set_eval_frame(prior)
+                if set_eval_frame is not None:
+                    set_eval_frame(prior)
 
         def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
             plan = plans.get(func)
