@@ -8,6 +8,7 @@ import pytest
 SPARSE_AND_STORAGES = """
 import threading
 
+import pytest
 import torch
 
 N = 1000
@@ -76,8 +77,13 @@ def test_storage_resize_grows_and_frees(gpumem):
     assert gpumem.result().net_bytes == 4 * N
 
 
-def test_unannotated_views_count_zero(gpumem):
-    x = torch.randn(N)
+@pytest.fixture
+def made_before_the_call():
+    return torch.randn(N)
+
+
+def test_unannotated_views_count_zero(gpumem, made_before_the_call):
+    x = made_before_the_call
     with gpumem.phase("views"):
         a = torch.ops.aten._unsafe_view(x, [10, 100])
         b = torch.unsafe_chunk(x, 4)
@@ -204,7 +210,7 @@ def test_optimizers_take_foreach_when_predicting_cuda(tracker: pytest.Pytester) 
     tracker.runpytest("-k", "cpu_default").assert_outcomes(passed=1)
     result = tracker.runpytest("--gpumem-round=cuda", "-k", "cuda_prediction")
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["gpumem: tracker (*rounding cuda), device cpu; optimizers take foreach by default, as on CUDA"])
+    result.stdout.fnmatch_lines(["gpumem: tracker (*rounding cuda), device cpu; optimizers take foreach by default, *"])
 
 
 COMPILED = """

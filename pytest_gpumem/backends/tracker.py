@@ -219,7 +219,7 @@ def _rewrapped_numbers(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | No
 
     numbers = [
         i
-        for i, (arg, value) in enumerate(zip(func._schema.arguments, args))
+        for i, (arg, value) in enumerate(zip(func._schema.arguments, args, strict=False))
         if isinstance(value, (bool, int, float, complex)) and str(arg.type) == "Tensor"
     ]
     if not numbers:
@@ -482,4 +482,4 @@ def _leave(mode: Any) -> None:
         return
     while _get_current_dispatch_mode_stack()[-1] is not mode:
         _pop_mode()
-    mode.__exit__(None, None, None)
+    mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]

@@ -126,7 +126,7 @@ class Patches:
         @functools.wraps(original)
         def resize_(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
             before = storage.nbytes()
-            result = original(storage, size)
+            result: torch.UntypedStorage = original(storage, size)
             ledger = active_ledger(mode_class)
             if ledger is not None:
                 ledger.resized(storage, before)
@@ -165,7 +165,7 @@ class Patches:
     def _foreach(self) -> None:
         import torch.optim.optimizer as optimizer
 
-        original = optimizer._get_foreach_kernels_supported_devices
+        original = optimizer._get_foreach_kernels_supported_devices  # type: ignore[attr-defined]
 
         def devices() -> list[str]:
             return [*original(), *_FOREACH_DEVICES_ADDED]
