@@ -73,7 +73,8 @@ def main() -> None:
     differ = sorted(t for t in seen[False] if seen[False][t] != seen[True].get(t))
     idle, busy = benchlib.median(times[False]), benchlib.median(times[True])
     counts = {kind: sum(1 for o in seen[False].values() if o == kind) for kind in ("passed", "skipped", "failure")}
-    rows = [[args.package, len(seen[False]), str(counts), len(differ), f"{idle:.1f}", f"{busy:.1f}", f"{busy / idle:.2f}x"]]
+    ratio = f"{busy / idle:.2f}x"
+    rows = [[args.package, len(seen[False]), str(counts), len(differ), f"{idle:.1f}", f"{busy:.1f}", ratio]]
     headers = ["suite", "tests", "unmeasured outcomes", "differ", "idle s", "measured s", "ratio"]
     benchlib.show("third-party suite, every test measured (median of rounds)", headers, rows, differ)
     benchlib.write_json(args.json, {"suite": args.package, "differ": differ, "idle_s": idle, "measured_s": busy})
