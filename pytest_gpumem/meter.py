@@ -202,6 +202,12 @@ class GpuMem:
             self.notes = list(notes()) if callable(notes) else []
         return self._call
 
+    def end_call_if_running(self) -> None:
+        """End the call if it is still measured (after an error on the way out): the backend's
+        observation must never outlive the test."""
+        if self._stack is not None:
+            self.end_call()
+
     def _record(self, result: PhaseResult) -> None:
         previous = self._results.get(result.name)
         self._results[result.name] = result if previous is None else previous.merged(result)

@@ -213,4 +213,19 @@ def read_options(config: pytest.Config) -> tuple[Options, BaselineOptions]:
         slack=_given(config, "gpumem_slack", slack),
         strict=_flag(config, "gpumem_strict"),
     )
+    _refuse_overwriting_baselines(options, baseline.path)
     return options, baseline
+
+
+def _refuse_overwriting_baselines(options: Options, baseline_path: Path) -> None:
+    """A report written over the baseline file would destroy it: refuse before anything runs."""
+    for flag, path in (("--gpumem-json", options.json_path), ("--gpumem-markdown", options.markdown_path)):
+        if path is not None and _same_file(path, baseline_path):
+            raise pytest.UsageError(f"{flag}={path}: that is the baseline file; write the report elsewhere")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
+    except OSError:
+        return False

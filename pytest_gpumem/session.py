@@ -40,6 +40,15 @@ def _not_json(info: dict[str, Any]) -> str | None:
     return None
 
 
+def _first_line(exc: BaseException) -> str:
+    """`Type: message` of the test's exception, also when its `__str__` raises."""
+    try:
+        text = str(exc)
+    except Exception:
+        text = f"<{type(exc).__name__}.__str__ raised>"
+    return f"{type(exc).__name__}: {text}".splitlines()[0]
+
+
 def breakdown(call: PhaseResult, phases: dict[str, PhaseResult]) -> str:
     """The report section of a measured test: every phase and the whole call."""
     lines = []
@@ -124,7 +133,10 @@ class GpuMemSession:
             meter.end_call()
             raise
         except BaseException as exc:
-            self._finish(item, meter, budget, STATUS_ERROR, f"{type(exc).__name__}: {exc}".splitlines()[0])
+            try:
+                self._finish(item, meter, budget, STATUS_ERROR, _first_line(exc))
+            finally:
+                meter.end_call_if_running()
             raise
         else:
             self._judge(item, meter, budget)

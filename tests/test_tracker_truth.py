@@ -266,3 +266,56 @@ def test_compiled_programs_are_measured_as_compiled(tracker: pytest.Pytester) ->
     # a subprocess: Inductor registers operator libraries on first import, once per process
     result = tracker.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly")
     result.assert_outcomes(passed=4)
+
+
+def test_tracker_ends_after_hostile_tests(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        """
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+
+        class Unprintable(Exception):
+            def __str__(self):
+                raise RuntimeError("no")
+
+
+        class Open(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                return func(*args, **(kwargs or {}))
+
+
+        def test_unprintable_error(gpumem):
+            raise Unprintable()
+
+
+        def test_leaves_its_mode_open(gpumem):
+            Open().__enter__()
+
+
+        def test_after_runs_unmeasured():
+            assert _get_current_dispatch_mode_stack() == []
+        """
+    )
+    result = tracker.runpytest("-p", "no:randomly", "--gpumem-json=out.json")
+    result.assert_outcomes(passed=2, failed=1)
+    import json
+
+    statuses = {
+        t["nodeid"].split("::")[1]: (t["status"], t["message"])
+        for t in json.loads((tracker.path / "out.json").read_text())["tests"]
+    }
+    assert statuses["test_unprintable_error"] == ("error", "Unprintable: <Unprintable.__str__ raised>")
+
+
+@pytest.mark.parametrize("flag", ["--gpumem-json", "--gpumem-markdown"])
+def test_reports_never_overwrite_the_baselines(tracker: pytest.Pytester, flag: str) -> None:
+    baselines = tracker.path / "gpumem-baselines.json"
+    baselines.write_text("precious", encoding="utf-8")
+    tracker.makepyfile("def test_x(gpumem): pass")
+    result = tracker.runpytest(f"{flag}=gpumem-baselines.json")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        [f"ERROR: {flag}=*gpumem-baselines.json: that is the baseline file; write the report elsewhere"]
+    )
+    assert baselines.read_text(encoding="utf-8") == "precious"
