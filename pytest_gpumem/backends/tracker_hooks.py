@@ -5,7 +5,8 @@
 - `UntypedStorage.resize_` is a storage method, not an ATen op (FSDP2 frees and regrows parameters so).
 - `torch.jit.trace` cannot trace under any dispatch mode: the tracker steps aside and says so.
 - Optimizers default to `foreach` only on CUDA-like devices: a run that predicts CUDA takes that path.
-- Threads started inside the call run without the mode: they are noticed and reported.
+- Threads started inside the call run without the mode: they are noticed and reported (but for the
+  compiler's own worker threads).
 
 Everything but the compiled-program allocators is patched only while a measurement runs, and undone
 unconditionally by `Patches.undo`.
@@ -14,6 +15,7 @@ unconditionally by `Patches.undo`.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -75,6 +77,19 @@ def _counting_allocator(original: Callable[..., torch.Tensor], mode_class: type[
         return out
 
     return allocate
+
+
+_COMPILER_PATHS = (f"torch{os.sep}_inductor{os.sep}", f"torch{os.sep}_dynamo{os.sep}")
+
+
+def _compiling(thread_id: int) -> bool:
+    """Whether the thread is inside torch.compile's compiler (whose worker threads make no tensors)."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if any(part in frame.f_code.co_filename for part in _COMPILER_PATHS):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class Patches:
@@ -175,10 +190,12 @@ class Patches:
     def _threads(self) -> None:
         previous = threading.getprofile()
         started = self.threads
+        measured_thread = threading.get_ident()
 
         def first_event(frame: Any, event: str, arg: Any) -> None:
-            started.append(threading.current_thread().name)
             sys.setprofile(previous)
+            if not _compiling(measured_thread):
+                started.append(threading.current_thread().name)
 
         threading.setprofile(first_event)
         self._undo.append(lambda: threading.setprofile(previous))
