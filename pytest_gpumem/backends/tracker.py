@@ -392,6 +392,9 @@ def _make_mode_class() -> type[Any]:
 
     if set_eval_frame is not None:
         _hide_from_dynamo(StorageTrackingMode.__torch_dispatch__)
+    from pytest_gpumem.backends.tracker_hooks import count_compiled_allocations
+
+    count_compiled_allocations(StorageTrackingMode)
     return StorageTrackingMode
 
 
@@ -428,10 +431,9 @@ class TrackerBackend:
         return line
 
     def start(self) -> None:
-        from pytest_gpumem.backends.tracker_hooks import Patches, count_compiled_allocations
+        from pytest_gpumem.backends.tracker_hooks import Patches
 
         mode_class = _make_mode_class()
-        count_compiled_allocations(mode_class)
         self.ledger.forget()
         self._notes = []
         self._patches = Patches(mode_class, self._notes)
