@@ -49,6 +49,13 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}".splitlines()[0]
 
 
+def _warn_notes(item: pytest.Item, notes: list[str]) -> None:
+    """Each thing the measurement could not see, as a warning at the test's own line."""
+    path, line = item.location[0], (item.location[1] or 0) + 1
+    for note in notes:
+        warnings.warn_explicit(GpuMemWarning(f"{item.nodeid}: {note}"), GpuMemWarning, path, line)
+
+
 def breakdown(call: PhaseResult, phases: dict[str, PhaseResult]) -> str:
     """The report section of a measured test: every phase and the whole call."""
     lines = []
@@ -159,10 +166,7 @@ class GpuMemSession:
         section = breakdown(call, meter.phases)
         if judgement is not None and judgement.verdict.messages:
             section += "\n" + "\n".join(judgement.verdict.messages)
-        for note in meter.notes:
-            section += f"\nnote: {note}"
-            path, line = item.location[0], item.location[1] or 0
-            warnings.warn_explicit(GpuMemWarning(f"{item.nodeid}: {note}"), GpuMemWarning, path, line + 1)
+        section += "".join(f"\nnote: {note}" for note in meter.notes)
         if budget is not None or judgement is not None or meter.notes:
             item.add_report_section("call", "gpumem", section)
         failure: str | None
@@ -208,6 +212,7 @@ class GpuMemSession:
             notes=meter.notes,
         )
         self.add(result)
+        _warn_notes(item, meter.notes)
         item.config.hook.pytest_gpumem_result(item=item, result=result)
 
     def add(self, result: TestResult) -> None:

@@ -144,14 +144,21 @@ def test_notes_reach_the_json(tracker: pytest.Pytester) -> None:
 
         def test_thread(gpumem):
             threading.Thread(target=lambda: None, name="side").start()
+
+        def test_failing_thread(gpumem):
+            threading.Thread(target=lambda: None, name="side").start()
+            assert False
         """
     )
-    tracker.runpytest("--gpumem-json=out.json").assert_outcomes(passed=1)
-    (test,) = json.loads((tracker.path / "out.json").read_text())["tests"]
-    assert test["notes"] == [
+    result = tracker.runpytest("-p", "no:randomly", "--gpumem-json=out.json")
+    result.assert_outcomes(passed=1, failed=1)
+    # the failing test's measurement is reported with its note too
+    result.stdout.fnmatch_lines(["*GpuMemWarning: *::test_failing_thread: threads started inside the call (side)*"])
+    note = (
         "threads started inside the call (side) run without the tracker: tensors they made are not counted "
         "(the cuda backend sees every thread)"
-    ]
+    )
+    assert [test["notes"] for test in json.loads((tracker.path / "out.json").read_text())["tests"]] == [[note]] * 2
 
 
 def test_measurement_leaves_nothing_patched(tracker: pytest.Pytester) -> None:
