@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.results import PhaseResult
-from pytest_gpumem.sizes import format_size, is_binary, parse_size
+from pytest_gpumem.sizes import MAX_TEXT, format_size, is_binary, parse_size, shorten
 
 MARKER = "max_memory"
 MARKER_SIGNATURE = (
@@ -103,21 +105,25 @@ def _limit(value: object, what: str) -> Limit:
     except GpuMemError as exc:
         raise GpuMemError(f"{what}: {exc}") from None
     if size == 0:
-        raise GpuMemError(f"{what}: a limit must be above zero, got {value!r}")
+        raise GpuMemError(f"{what}: a limit must be above zero, got {shorten(value)}")
     written = value if isinstance(value, str) else f"{value} B"
     return Limit(size, written.strip(), is_binary(value))
 
 
 def _tolerance(value: object) -> float:
+    if isinstance(value, str) and len(value) > MAX_TEXT:
+        raise GpuMemError(f"max_memory tolerance: text must be at most {MAX_TEXT} characters, got {shorten(value)}")
     text = value.strip().removesuffix("%").strip() if isinstance(value, str) else value
     try:
         if isinstance(text, bool) or not isinstance(text, (int, float, str)):
             raise ValueError
         percent = float(text)
     except ValueError:
-        raise GpuMemError(f"tolerance must be a percentage like 5 or '5%', got {value!r}") from None
+        raise GpuMemError(f"max_memory tolerance: must be a percentage like 5 or '5%', got {shorten(value)}") from None
+    except OverflowError:  # an int too large for a float
+        percent = math.inf
     if not 0 <= percent < 1000:
-        raise GpuMemError(f"tolerance must be between 0 and 1000 percent, got {value!r}")
+        raise GpuMemError(f"max_memory tolerance: must be between 0 and 1000 percent, got {shorten(value)}")
     return percent
 
 
@@ -125,7 +131,7 @@ def budget_from_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Budg
     """Read `max_memory(limit=None, *, tolerance=None, **phase_limits)`; GpuMemError names the bad value."""
     kwargs = dict(kwargs)
     if len(args) > 1:
-        raise GpuMemError(f"max_memory takes one positional limit, got {len(args)}: {args!r}")
+        raise GpuMemError(f"max_memory takes one positional limit, got {len(args)}: {shorten(args)}")
     if args and "limit" in kwargs:
         raise GpuMemError("max_memory got the limit both positionally and as limit=")
     if "call" in kwargs:

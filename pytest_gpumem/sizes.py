@@ -12,6 +12,12 @@ _BINARY_PREFIXES = {"k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 _SIZE_RE = re.compile(r"^\s*(?P<number>[-+]?[0-9]*\.?[0-9]+)\s*(?P<unit>[A-Za-z]*)\s*$")
 _UNITS_HELP = "B, kB, MB, GB, TB, KiB, MiB, GiB, TiB"
 
+MAX_BYTES = 2**63 - 1
+"""The largest size accepted: sizes travel as JSON integers, which other readers hold in 64 bits."""
+
+MAX_TEXT = 100
+"""The longest size string read (a size needs a few digits and a unit, never more)."""
+
 
 def _unit_factor(unit: str) -> int | None:
     unit = unit.lower()
@@ -31,11 +37,13 @@ def _unit_factor(unit: str) -> int | None:
 def parse_size(value: object) -> int:
     """Bytes from an int or a string such as "1.5 GiB", "800MB", "4096" (units case-insensitive)."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise GpuMemError(f"size must be an int (bytes) or a string like '64 MiB', got {value!r}")
+        raise GpuMemError(f"size must be an int (bytes) or a string like '64 MiB', got {shorten(value)}")
     if isinstance(value, int):
         if value < 0:
-            raise GpuMemError(f"size must not be negative, got {value!r}")
-        return value
+            raise GpuMemError(f"size must not be negative, got {shorten(value)}")
+        return _bounded(value, value)
+    if len(value) > MAX_TEXT:
+        raise GpuMemError(f"size text must be at most {MAX_TEXT} characters, got {shorten(value)}")
     match = _SIZE_RE.match(value)
     if match is None:
         raise GpuMemError(f"cannot read size {value!r}: expected a number and a unit ({_UNITS_HELP})")
@@ -48,7 +56,25 @@ def parse_size(value: object) -> int:
         raise GpuMemError(f"cannot read size {value!r}") from None
     if number < 0:
         raise GpuMemError(f"size must not be negative, got {value!r}")
-    return int(number * factor)
+    return _bounded(int(number * factor), value)
+
+
+def _bounded(size: int, value: object) -> int:
+    if size > MAX_BYTES:
+        raise GpuMemError(f"size must be below 2**63 bytes, got {shorten(value)}")
+    return size
+
+
+def shorten(value: object, limit: int = 60) -> str:
+    """`repr(value)`, cut in the middle when longer than `limit`, with its length: a bad value echoed in a
+    one-line message stays one readable line ('99999...99999 GiB' (5,004 characters))."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    half = (limit - 5) // 2
+    what = "digits" if isinstance(value, int) else "characters"
+    size = len(text) - (value < 0 if isinstance(value, int) else 2)
+    return f"{text[:half]}...{text[-half:]} ({size:,} {what})"
 
 
 def is_binary(value: object) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 # forward peak of torch.sum(x * y) on N float32: the product (4N) and the sum (4): 4004 bytes for N = 1000
@@ -90,14 +92,24 @@ def test_whole_call_limit_without_fixture(tracker: pytest.Pytester) -> None:
         ("'0 MiB'", "max_memory limit: a limit must be above zero, got '0 MiB'"),
         ("'2 apples'", "max_memory limit: unknown unit 'apples' in size '2 apples'*"),
         ("'lots'", "max_memory limit: cannot read size 'lots'*"),
+        (
+            "'9' * 5000 + ' GiB'",
+            "max_memory limit: size text must be at most 100 characters, got '999*...*999 GiB' (5,004 characters)",
+        ),
+        ("10**400", "max_memory limit: size must be below 2**63 bytes, got 1000*...*000 (401 digits)"),
+        ("-(10**400)", "max_memory limit: size must not be negative, got -1000*...*000 (401 digits)"),
+        ("forward=2**63", "max_memory forward=: size must be below 2**63 bytes, got 9223372036854775808"),
+        ("'99999999 TiB'", "max_memory limit: size must be below 2**63 bytes, got '99999999 TiB'"),
+        ("tolerance=10**400", "max_memory tolerance: must be between 0 and 1000 percent, got 1000*(401 digits)"),
+        ("tolerance='9' * 5000", "max_memory tolerance: text must be at most 100 characters, got '999*(5,000 characters)"),
         ("1.5", "max_memory limit: size must be an int (bytes) or a string like '64 MiB', got 1.5"),
         ("[1]", "max_memory limit: size must be an int*got [[]1[]]"),
         ("forward='1 XB'", "max_memory forward=: unknown unit 'XB'*"),
         ("forward=True", "max_memory forward=: size must be an int*got True"),
         ("'1 MB', '2 MB'", "max_memory takes one positional limit, got 2*"),
         ("'1 MB', limit='2 MB'", "max_memory got the limit both positionally and as limit=*"),
-        ("'1 MB', tolerance='five'", "tolerance must be a percentage like 5 or '5%', got 'five'"),
-        ("'1 MB', tolerance=-1", "tolerance must be between 0 and 1000 percent, got -1"),
+        ("'1 MB', tolerance='five'", "max_memory tolerance: must be a percentage like 5 or '5%', got 'five'"),
+        ("'1 MB', tolerance=-1", "max_memory tolerance: must be between 0 and 1000 percent, got -1"),
     ],
 )
 def test_bad_arguments_fail_that_test_in_one_line(tracker: pytest.Pytester, args: str, message: str) -> None:
@@ -119,6 +131,38 @@ def test_bad_arguments_fail_that_test_in_one_line(tracker: pytest.Pytester, args
     result.stdout.no_fnmatch_line("*INTERNALERROR*")
     result.stdout.no_fnmatch_line("*Traceback*")
     result.stdout.no_fnmatch_line("*During handling*")
+    assert max(len(line) for line in result.outlines) < 300
+
+
+def test_huge_limits_are_refused_before_any_file_is_written(tracker: pytest.Pytester) -> None:
+    """Sizes travel as JSON integers: one beyond 64 bits fails its test, and the report and the
+    baseline file are still written, without it."""
+    tracker.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.max_memory(10**400)
+        def test_huge_int():
+            pass
+
+        @pytest.mark.max_memory("9" * 5000 + " GiB")
+        def test_huge_text():
+            pass
+
+        @pytest.mark.max_memory("1 MiB")
+        def test_fine():
+            pass
+        """
+    )
+    result = tracker.runpytest("--gpumem-json=out.json", "--gpumem-update", "--gpumem-report")
+    result.assert_outcomes(passed=1, failed=2)
+    result.stdout.no_fnmatch_line("*INTERNALERROR*")
+    result.stdout.no_fnmatch_line("*Traceback*")
+    result.stdout.fnmatch_lines(["*::test_huge_int: max_memory limit: size must be below 2**63 bytes, got 1000*"])
+    data = json.loads((tracker.path / "out.json").read_text())
+    status = {t["nodeid"].split("::")[1]: t["status"] for t in data["tests"]}
+    assert status == {"test_huge_int": "error", "test_huge_text": "error", "test_fine": "NEW"}
+    json.loads((tracker.path / "gpumem-baselines.json").read_text())
 
 
 def test_unopened_phase_limit(tracker: pytest.Pytester) -> None:
