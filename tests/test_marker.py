@@ -101,7 +101,7 @@ def test_whole_call_limit_without_fixture(tracker: pytest.Pytester) -> None:
         ("forward=2**63", "max_memory forward=: size must be below 2**63 bytes, got 9223372036854775808"),
         ("'99999999 TiB'", "max_memory limit: size must be below 2**63 bytes, got '99999999 TiB'"),
         ("tolerance=10**400", "max_memory tolerance: must be between 0 and 1000 percent, got 1000*(401 digits)"),
-        ("tolerance='9' * 5000", "max_memory tolerance: text must be at most 100 characters, got '999*(5,000 characters)"),
+        ("tolerance='9' * 5000", "max_memory tolerance: text must be at most 100 characters, got '999*(5,000 chara*"),
         ("1.5", "max_memory limit: size must be an int (bytes) or a string like '64 MiB', got 1.5"),
         ("[1]", "max_memory limit: size must be an int*got [[]1[]]"),
         ("forward='1 XB'", "max_memory forward=: unknown unit 'XB'*"),
