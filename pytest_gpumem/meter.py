@@ -122,6 +122,7 @@ class GpuMem:
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Measure the block as phase `name`; the same name again keeps the maximum of the two."""
+        __tracebackhide__ = True
         if not isinstance(name, str) or not name or name == CALL:
             raise GpuMemError(f"gpumem.phase() needs a non-empty name other than {CALL!r}, got {name!r}")
         if self._stack is None:
@@ -147,6 +148,7 @@ class GpuMem:
     ) -> None:
         """Fingerprint the gradients now (their `.grad`), to compare with the stored baseline after the
         call; `rtol`/`atol` override the dtype's defaults. The fingerprint's own work is not measured."""
+        __tracebackhide__ = True
         from pytest_gpumem.gradients import fingerprint
 
         if self._stack is None:
@@ -163,9 +165,11 @@ class GpuMem:
 
     def peak(self, name: str | None = None) -> int:
         """Peak bytes of phase `name` above its start, or of the whole call (so far) when `name` is None."""
+        __tracebackhide__ = True
         return self.result(name).peak_bytes
 
     def result(self, name: str | None = None) -> PhaseResult:
+        __tracebackhide__ = True
         if name is None or name == CALL:
             if self._call is not None:
                 return self._call
@@ -182,6 +186,9 @@ class GpuMem:
         return self._call is not None
 
     def begin_call(self) -> None:
+        """Start measuring the call; a rerun of the test starts from nothing (info set by fixtures stays)."""
+        self._results, self._call, self.notes = {}, None, []
+        self.gradients, self.gradient_tolerance = None, (None, None)
         self._stack = RegionStack(self.backend)
         self.backend.start()
         self._stack.push(CALL, full_collect=getattr(self.backend, "sees_earlier_allocations", True))

@@ -52,7 +52,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.pluginmanager.hasplugin("xdist"):
         from pytest_gpumem.xdist import XdistResults
 
-        config.pluginmanager.register(XdistResults(session), "gpumem-xdist")
+        config.pluginmanager.register(XdistResults(session.add), "gpumem-xdist")
 
 
 @pytest.hookimpl(trylast=True)

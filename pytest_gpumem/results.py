@@ -8,6 +8,9 @@ from typing import Any
 STATUS_OK = "ok"
 STATUS_OVER = "OVER BUDGET"
 STATUS_ERROR = "error"
+REPORT_PROPERTY = "gpumem"  # the user property of a test report that carries its result as JSON text
+# statuses of a test that passed as far as the measurement knows
+_PASSING = frozenset((STATUS_OK, "NEW", "IMPROVED"))
 
 
 @dataclass(frozen=True)
@@ -110,3 +113,23 @@ class TestResult:
             record=data.get("record"),
             notes=list(data.get("notes", [])),
         )
+
+
+def settle(result: TestResult, report: Any) -> None:
+    """Make `result` agree with pytest's verdict on the call (`report`): a test that failed for a reason
+    the measurement did not see (a unittest body, an xfail) is not `ok`, and only a test that passed
+    records its figures as a baseline."""
+    expected_failure = hasattr(report, "wasxfail")
+    if report.failed and result.status in _PASSING:
+        result.status = STATUS_ERROR
+        result.message = _first_line(str(report.longreprtext)) or "the test failed"
+    elif expected_failure and result.status in _PASSING:
+        result.status = "xfailed" if report.skipped else "XPASS"
+    if not report.passed or expected_failure:
+        result.record = None
+
+
+def _first_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("E ")]
+    return (errors or lines or [""])[0].removeprefix("E ").strip()

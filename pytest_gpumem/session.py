@@ -16,11 +16,19 @@ from pytest_gpumem.markers import MARKER, Budget, all_of, budget_from_marker, cl
 from pytest_gpumem.meter import GpuMem
 from pytest_gpumem.options import Options
 from pytest_gpumem.regression import BaselineRun, Judgement, verdict_status
-from pytest_gpumem.results import STATUS_ERROR, STATUS_OK, STATUS_OVER, PhaseResult, TestResult
+from pytest_gpumem.results import (
+    REPORT_PROPERTY,
+    STATUS_ERROR,
+    STATUS_OK,
+    STATUS_OVER,
+    PhaseResult,
+    TestResult,
+    settle,
+)
 from pytest_gpumem.sizes import format_size
-from pytest_gpumem.xdist import WORKER_RESULTS
 
 METER_KEY = pytest.StashKey[GpuMem]()
+RESULT_KEY = pytest.StashKey[TestResult]()  # the call's result, until its report is made
 
 
 def budget_of(marks: Sequence[tuple[object, pytest.Mark]]) -> Budget | None:
@@ -31,13 +39,27 @@ def budget_of(marks: Sequence[tuple[object, pytest.Mark]]) -> Budget | None:
     return closest_first([all_of(budgets) for budgets in levels.values()]) if levels else None
 
 
-def _not_json(info: dict[str, Any]) -> str | None:
+def _not_json(info: object) -> str | None:
     """Why `info` cannot travel as JSON (to the report, the file, the xdist controller), or None."""
+    if not isinstance(info, dict):
+        return f"it was set to a {type(info).__name__}, not a dict"
     try:
         json.dumps(info, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         return str(exc)
     return None
+
+
+def _plain_info(info: object) -> dict[str, Any]:
+    """`info` in plain JSON types (a torch.Size becomes a list, a numpy float a float), or a description."""
+    if _not_json(info) is None:
+        plain: dict[str, Any] = json.loads(json.dumps(info, allow_nan=False))
+        return plain
+    try:
+        text = repr(info)
+    except Exception:
+        text = f"<{type(info).__name__} whose repr raised>"
+    return {"unreadable": text[:1000]}
 
 
 def _first_line(exc: BaseException) -> str:
@@ -76,7 +98,7 @@ class GpuMemSession:
         self.config = config
         self.options = options
         self.baselines = baselines
-        self.results: list[TestResult] = []
+        self._results: dict[str, TestResult] = {}
         self._backend: Backend | None = None
         self.header_shown = False
         self.problems: list[str] = []
@@ -154,7 +176,7 @@ class GpuMemSession:
         call = meter.end_call()
         bad_info = _not_json(meter.info)
         if bad_info:
-            message = f"gpumem.info must hold JSON values (str, numbers, lists, dicts): {bad_info}"
+            message = f"gpumem.info must be a dict of JSON values (str, numbers, lists, dicts): {bad_info}"
             self._error(item, meter, budget, f"{item.nodeid}: {message}")
         unopened = [] if budget is None else budget.unopened(meter.phases)
         if unopened:
@@ -206,17 +228,36 @@ class GpuMemSession:
             budget_text=None if budget is None else budget.describe(),
             status=status,
             message=message,
-            info=dict(meter.info) if not _not_json(meter.info) else {"unreadable": repr(meter.info)},
+            info=_plain_info(meter.info),
             baseline=None if judgement is None else judgement.verdict.to_json(),
             record=None if judgement is None else judgement.entry.to_json(),
             notes=meter.notes,
         )
         self.add(result)
+        item.stash[RESULT_KEY] = result
         _warn_notes(item, meter.notes)
         item.config.hook.pytest_gpumem_result(item=item, result=result)
 
     def add(self, result: TestResult) -> None:
-        self.results.append(result)
+        """Keep `result`; a later attempt of the same test (a rerun) replaces the earlier one."""
+        self._results.pop(result.nodeid, None)
+        self._results[result.nodeid] = result
+
+    @property
+    def results(self) -> list[TestResult]:
+        return list(self._results.values())
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_makereport(self, item: pytest.Item) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        """Settle the measured test's status with pytest's verdict, and send it along with the report
+        (plain JSON text: xdist hands it to the controller test by test)."""
+        report = yield
+        result = item.stash.get(RESULT_KEY, None)
+        if result is not None and report.when == "call":
+            del item.stash[RESULT_KEY]
+            settle(result, report)
+            report.user_properties.append((REPORT_PROPERTY, json.dumps(result.to_dict(), allow_nan=False)))
+        return report
 
     def report_lines(self) -> list[str]:
         if not self.results:
@@ -227,10 +268,8 @@ class GpuMemSession:
 
     def finish(self, session: pytest.Session, exitstatus: int) -> None:
         """At the end of the run: workers hand their results over; the controller writes the files."""
-        workeroutput = getattr(self.config, "workeroutput", None)
-        if workeroutput is not None:
-            workeroutput[WORKER_RESULTS] = [result.to_dict() for result in self.results]
-            return
+        if hasattr(self.config, "workerinput"):
+            return  # each result went to the controller with its test's report
         self._write(self.options.json_path, "--gpumem-json", self._json_text)
         self._write(self.options.markdown_path, "--gpumem-markdown", self._markdown_text)
         if self.baselines.active:

@@ -1,24 +1,28 @@
-"""pytest-xdist: workers hand their results to the controller, which alone reports and writes files."""
+"""pytest-xdist: each measured test's result reaches the controller with its report, so a worker that
+dies takes at most the test it was running; the controller alone reports and writes files."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import json
+from typing import TYPE_CHECKING
 
-from pytest_gpumem.results import TestResult
+import pytest
+
+from pytest_gpumem.results import REPORT_PROPERTY, TestResult
 
 if TYPE_CHECKING:
-    from pytest_gpumem.session import GpuMemSession
-
-WORKER_RESULTS = "gpumem_results"
+    from collections.abc import Callable
 
 
 class XdistResults:
-    """Registered on the controller (and harmlessly on workers) only when pytest-xdist is installed."""
+    """Registered only when pytest-xdist is installed; collects the results that workers' reports carry."""
 
-    def __init__(self, session: GpuMemSession) -> None:
-        self.session = session
+    def __init__(self, add: Callable[[TestResult], None]) -> None:
+        self.add = add
 
-    def pytest_testnodedown(self, node: Any, error: object) -> None:
-        output = getattr(node, "workeroutput", None) or {}
-        for data in output.get(WORKER_RESULTS, ()):
-            self.session.add(TestResult.from_dict(data))
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if getattr(report, "node", None) is None:  # a local report (serial run, or on a worker)
+            return
+        for name, value in report.user_properties:
+            if name == REPORT_PROPERTY and isinstance(value, str):
+                self.add(TestResult.from_dict(json.loads(value)))

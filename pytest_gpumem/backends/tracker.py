@@ -314,6 +314,7 @@ def _make_mode_class() -> type[Any]:
         def __torch_dispatch__(
             self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
         ) -> Any:
+            __tracebackhide__ = True  # a user's error in an op shows the user's frames, not ours
             prior = None if set_eval_frame is None else set_eval_frame(None)
             try:
                 return self._dispatch(func, args, kwargs)
@@ -327,6 +328,7 @@ def _make_mode_class() -> type[Any]:
                     set_eval_frame(prior)
 
         def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+            __tracebackhide__ = True
             plan = plans.get(func)
             if plan is None:
                 plan = plans[func] = _op_plan(func)
@@ -364,6 +366,7 @@ def _make_mode_class() -> type[Any]:
                     self.ledger.add(storage)
 
         def _dispatch_lifting(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            __tracebackhide__ = True
             out = func(*args, **kwargs)
             storage = _storage(out) if isinstance(out, tensor_type) else None
             # torch.tensor(data) fills a new, resizable storage; torch.as_tensor/from_numpy share
@@ -373,6 +376,7 @@ def _make_mode_class() -> type[Any]:
             return out
 
         def _dispatch_resizing(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            __tracebackhide__ = True
             before: dict[int, int] = {}
             for tensor in _tensors([*args, *kwargs.values()], tensor_type):
                 storage = _storage(tensor)
@@ -408,6 +412,7 @@ class TrackerBackend:
         if rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
         self.rounding = rounding
+        _make_mode_class()  # its imports (torch._dynamo) happen now, not inside the first test's call
         self.ledger = StorageLedger(rounding)
         self._mode: Any = None
         self._patches: Patches | None = None

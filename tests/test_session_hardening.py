@@ -1,0 +1,174 @@
+"""A measured test reaches the report, the JSON and the baselines as pytest judged it: reruns, crashed
+xdist workers, unittest bodies, xfail, unusual `info`, and user errors shown without our frames."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+
+def _tests(pytester: pytest.Pytester, name: str = "out.json") -> dict[str, dict[str, Any]]:
+    doc = json.loads((pytester.path / name).read_text(encoding="utf-8"))
+    return {test["nodeid"].split("::", 1)[1]: test for test in doc["tests"]}
+
+
+CRASHING_WORKER = """
+import collections, os
+import numpy, pytest, torch
+
+
+@pytest.mark.parametrize("n", range(8))
+def test_alloc(gpumem, n):
+    with gpumem.phase("made"):
+        torch.ones(100 * (n + 1))
+    gpumem.info = collections.OrderedDict(
+        shape=torch.Size([n, 2]), ratio=numpy.float64(0.5), name=type("Name", (str,), {})("x")
+    )
+
+
+def test_dies(gpumem):
+    os._exit(3)
+"""
+
+
+def test_a_dying_worker_loses_only_its_own_test(tracker: pytest.Pytester) -> None:
+    pytest.importorskip("xdist")
+    tracker.makepyfile(CRASHING_WORKER)
+    result = tracker.runpytest_subprocess("-n", "2", "--gpumem-json=out.json", "-p", "no:randomly")
+    result.assert_outcomes(passed=8, failed=1)
+    tests = _tests(tracker)
+    assert sorted(tests) == [f"test_alloc[{n}]" for n in range(8)]
+    assert tests["test_alloc[3]"]["phases"]["made"]["peak_bytes"] == 4 * 400
+    assert tests["test_alloc[3]"]["info"] == {"shape": [3, 2], "ratio": 0.5, "name": "x"}
+
+
+FLAKY = """
+import pytest, torch
+
+attempts = []
+
+
+@pytest.mark.max_memory(made="100 kB")
+def test_flaky(gpumem):
+    attempts.append(1)
+    with gpumem.phase("made"):
+        torch.ones(100_000 if len(attempts) == 1 else 1_000)  # 400,000 B the first time, 4,000 B after
+"""
+
+
+def test_each_rerun_attempt_is_measured_on_its_own(tracker: pytest.Pytester) -> None:
+    pytest.importorskip("pytest_rerunfailures")
+    tracker.makepyfile(FLAKY)
+    result = tracker.runpytest("--reruns=1", "--gpumem-update", "--gpumem-json=out.json", "-p", "no:randomly")
+    assert result.parseoutcomes() == {"passed": 1, "rerun": 1}
+    test = _tests(tracker)["test_flaky"]
+    assert (test["status"], test["phases"]["made"]["peak_bytes"]) == ("NEW", 4_000)
+    stored = (tracker.path / "gpumem-baselines.json").read_text(encoding="utf-8")
+    assert "400000" not in stored
+    assert "4000" in stored
+
+
+OTHER_VERDICTS = """
+import unittest
+import pytest, torch
+
+
+class Case(unittest.TestCase):
+    @pytest.mark.max_memory("1 MiB")
+    def test_body_fails(self):
+        torch.ones(10)
+        self.assertEqual(1, 2)
+
+
+@pytest.mark.xfail(reason="known to be too big")
+@pytest.mark.max_memory("1 kB")
+def test_expected_to_fail(gpumem):
+    torch.ones(1000)
+
+
+@pytest.mark.max_memory("1 MiB")
+def test_fine(gpumem):
+    torch.ones(10)
+"""
+
+
+def test_status_and_records_follow_pytests_verdict(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(OTHER_VERDICTS)
+    result = tracker.runpytest("--gpumem-update", "--gpumem-json=out.json", "-p", "no:randomly")
+    result.assert_outcomes(passed=1, failed=1, xfailed=1)
+    tests = _tests(tracker)
+    assert tests["Case::test_body_fails"]["status"] == "error"
+    assert tests["Case::test_body_fails"]["message"] == "AssertionError: 1 != 2"
+    assert tests["test_expected_to_fail"]["status"] == "OVER BUDGET"  # as expected: xfailed
+    stored = json.loads((tracker.path / "gpumem-baselines.json").read_text(encoding="utf-8"))
+    recorded = json.dumps(stored)
+    assert "test_fine" in recorded
+    assert "test_body_fails" not in recorded
+    assert "test_expected_to_fail" not in recorded
+
+
+def test_info_that_is_not_a_dict_or_cannot_be_shown(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        """
+        class Unshowable:
+            def __repr__(self):
+                raise RuntimeError("no")
+
+        def test_list(gpumem):
+            gpumem.info = [1, 2]
+
+        def test_unshowable(gpumem):
+            gpumem.info["x"] = Unshowable()
+        """
+    )
+    result = tracker.runpytest("--gpumem-json=out.json", "-p", "no:randomly")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*::test_list: gpumem.info must be a dict of JSON values *: it was set to a list, not a dict",
+            "*::test_unshowable: gpumem.info must be a dict of JSON values *Unshowable is not JSON serializable",
+        ]
+    )
+    result.stdout.no_fnmatch_line("*INTERNALERROR*")
+    tests = _tests(tracker)
+    assert tests["test_list"]["info"] == {"unreadable": "[1, 2]"}
+    assert tests["test_unshowable"]["info"] == {"unreadable": "<dict whose repr raised>"}
+
+
+def test_user_errors_show_the_users_frames(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        """
+        import torch
+
+        def test_shapes(gpumem):
+            with gpumem.phase("forward"):
+                torch.ones(2, 3) @ torch.ones(2, 3)
+        """
+    )
+    result = tracker.runpytest("--tb=long", "-p", "no:randomly")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*torch.ones(2, 3) @ torch.ones(2, 3)", "E*RuntimeError: mat1 and mat2 shapes*"])
+    result.stdout.no_fnmatch_line("*pytest_gpumem/*.py:*")
+
+
+def test_hypothesis_examples_are_each_measured_and_the_worst_kept(tracker: pytest.Pytester) -> None:
+    pytest.importorskip("hypothesis")
+    tracker.makepyfile(
+        """
+        import torch
+        from hypothesis import HealthCheck, example, given, settings, strategies as st
+
+        @settings(max_examples=5, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
+        @given(n=st.integers(1, 100))
+        @example(n=1000)
+        def test_sizes(gpumem, n):
+            with gpumem.phase("made"):
+                torch.ones(n)
+        """
+    )
+    tracker.runpytest("--gpumem-json=out.json").assert_outcomes(passed=1)
+    made = _tests(tracker)["test_sizes"]["phases"]["made"]
+    assert made["peak_bytes"] == 4 * 1000
+    assert made["count"] >= 2
