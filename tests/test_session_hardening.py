@@ -172,3 +172,35 @@ def test_hypothesis_examples_are_each_measured_and_the_worst_kept(tracker: pytes
     made = _tests(tracker)["test_sizes"]["phases"]["made"]
     assert made["peak_bytes"] == 4 * 1000
     assert made["count"] >= 2
+
+
+def test_misuse_in_a_fixture_and_a_timeout_show_no_plugin_frames(tracker: pytest.Pytester) -> None:
+    pytest.importorskip("pytest_timeout")
+    tracker.makepyfile(
+        """
+        import time
+        import pytest
+
+        @pytest.fixture
+        def measured_setup(gpumem):
+            with gpumem.phase("setup"):
+                yield
+
+        def test_phase_in_setup(measured_setup):
+            pass
+
+        @pytest.mark.timeout(1, method="signal")
+        def test_slow_phase(gpumem):
+            with gpumem.phase("slow"):
+                time.sleep(3)
+        """
+    )
+    result = tracker.runpytest("--tb=long", "-p", "no:randomly")
+    result.assert_outcomes(errors=1, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "E*GpuMemError: gpumem.phase('setup') works only while the test function of *test_phase_in_setup runs",
+            "E*Failed: Timeout*",
+        ]
+    )
+    result.stdout.no_fnmatch_line("*pytest_gpumem/*.py:*")
