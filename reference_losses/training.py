@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -142,45 +143,110 @@ def oib_minimum(w: ModelWorkload) -> int:
     return w.largest_param_bytes()
 
 
+@dataclass(frozen=True)
+class NetBytes:
+    """The byte sizes the Net derivations use. Activations scale with the batch B: A (h1, B*2048*4),
+    out (B*1024*4) and x_half (the bf16/fp16 input copy under autocast, B*1024*2). Parameters and their
+    gradients do not: P (all parameters) and W2 (layer2's weight, the size of dW2)."""
+
+    acts: int
+    out: int
+    x_half: int
+    params: int
+    w1: int
+    w2: int
+
+    @classmethod
+    def of(cls, w: ModelWorkload) -> NetBytes:
+        net = _net(w)
+        return cls(
+            acts=net_activation_bytes(w),
+            out=FP32 * w.batch * net.layer2.out_features,
+            x_half=2 * w.inputs.numel(),
+            params=w.param_bytes(),
+            w1=FP32 * net.layer1.weight.numel(),
+            w2=FP32 * net.layer2.weight.numel(),
+        )
+
+
+def net_backward_peak(b: NetBytes) -> int:
+    """Plain backward, above what the forward kept (h1). Layer2's backward makes dout (out), dW2 and
+    dh1 (A) while h1 is still saved: out + W2 + A. It then frees dout and h1, and layer1's backward
+    adds dW1: dW2 + dh1 + dW1 - h1 = P. Which one is the peak depends on the batch: P at scale 1
+    (16 MiB vs 14 MiB), out + W2 + A from scale 2 on (20 MiB vs 16 MiB)."""
+    return max(b.params, b.out + b.w2 + b.acts)
+
+
+def amp_forward_peak(b: NetBytes) -> int:
+    """autocast caches a half copy of each weight (P/2 in all) for the whole forward and casts x;
+    h1 and out are half precision; out * target promotes to fp32 (out)."""
+    return b.params // 2 + b.x_half + b.acts // 2 + b.out // 2 + b.out
+
+
+def amp_kept(b: NetBytes) -> int:
+    """Saved for backward: half x (layer1's dW1), half h1 and half W2 (layer2's dW2 and dh1); layer1
+    keeps no weight, because x needs no gradient."""
+    return b.x_half + b.acts // 2 + b.w2 // 2
+
+
+def amp_backward_peak(b: NetBytes) -> int:
+    """Backward, counted from before the forward (so it includes what the forward kept). Three
+    candidates, the largest is the peak: mul's backward makes dout in fp32 and casts it to half
+    (kept + 1.5 out); layer2's backward makes half dW2 and dh1 next to half dout (kept + out/2 +
+    W2/2 + A/2); the last cast of a half weight gradient to fp32 happens when all other fp32
+    weight gradients exist (W1 + W2 + W1/2; the bias gradients, a few KiB, are left to SMALL, as they
+    may still be half then). The last dominates at small batches, the second at large ones."""
+    kept = amp_kept(b)
+    return max(kept + b.out + b.out // 2, kept + b.out // 2 + b.w2 // 2 + b.acts // 2, b.w1 + b.w2 + b.w1 // 2)
+
+
+def _plain_net_expect(b: NetBytes) -> list[Expectation]:
+    backward = net_backward_peak(b)
+    fwd = b.acts + 2 * b.out
+    return [
+        Expectation("forward", fwd, fwd + SMALL, "h1 + out + out * target"),
+        Expectation("forward", b.acts, b.acts + SMALL, "keeps h1 only (also when layer2 is checkpointed)", net=True),
+        Expectation("backward", backward, backward + SMALL, "max(P, out + W2 + A): see net_backward_peak"),
+        Expectation("step", 0, SMALL, "SGD (and clipping) work in place"),
+        Expectation("total", b.acts + backward, b.acts + backward + SMALL, "A + the backward peak"),
+    ]
+
+
+def _amp_expect(b: NetBytes) -> list[Expectation]:
+    fwd, kept, peak = amp_forward_peak(b), amp_kept(b), amp_backward_peak(b)
+    total = max(fwd, peak)
+    return [
+        Expectation("forward", fwd, fwd + SMALL, "P/2 weight copies + half x, h1, out + fp32 product"),
+        Expectation("forward", kept, kept + SMALL, "half x, h1 and W2", net=True),
+        Expectation("backward", peak - kept, peak - kept + SMALL, "see amp_backward_peak"),
+        Expectation("total", total, total + SMALL, "the larger of the forward and backward peaks"),
+    ]
+
+
+def _oib_expect(b: NetBytes) -> list[Expectation]:
+    # layer2's backward makes dout, dW2 and dh1 before its hook can step and free dW2.
+    peak = b.out + b.w2 + b.acts
+    return [
+        Expectation("backward", peak, peak + SMALL, "dout + dW2 + dh1: never two weight gradients"),
+        Expectation("total", b.acts + peak, b.acts + peak + SMALL, "A + the backward peak"),
+    ]
+
+
+_NET_EXPECT: dict[str, Callable[[NetBytes], list[Expectation]]] = {
+    "plain": _plain_net_expect,
+    "checkpoint_layer": _plain_net_expect,
+    "clip_grad": _plain_net_expect,
+    "amp": _amp_expect,
+    "optimizer_in_backward": _oib_expect,
+}
+
+
 def _net_expect(name: str) -> Callable[[ModelWorkload], list[Expectation]]:
-    """Net, plain: forward makes h1 (A), out and out * target (B*1024*4 each) and keeps A. Backward of
-    layer2 makes dout, dW2 and dh1 (dh1 is the size of h1), then frees h1 and dout; layer1 adds dW1:
-    peak = dW2 + dh1 + dW1 - h1 = P. Total = A + P."""
+    """Net's bounds, from NetBytes of the workload as built (so they follow --gpumem-scale)."""
+    derive = _NET_EXPECT[name]
 
     def expect(w: ModelWorkload) -> list[Expectation]:
-        params, acts, out = w.param_bytes(), net_activation_bytes(w), FP32 * w.batch * 1024
-        weight = w.largest_param_bytes()
-        if name in ("plain", "clip_grad", "checkpoint_layer"):
-            return [
-                Expectation("forward", acts + 2 * out, acts + 2 * out + SMALL, "h1 + out + out * target"),
-                Expectation(
-                    "forward", acts, acts + SMALL, "keeps h1 only (also when layer2 is checkpointed)", net=True
-                ),
-                Expectation("backward", params, params + SMALL, "P: see _net_expect"),
-                Expectation("step", 0, SMALL, "SGD (and clipping) work in place"),
-                Expectation("total", acts + params, acts + params + SMALL, "A + P"),
-            ]
-        if name == "amp":
-            # autocast caches a half copy of each weight (P/2 in all) for the whole forward and casts
-            # x; activations are half precision; out * target promotes to fp32. Saved: x, h1 and W2 in
-            # half (layer1 keeps no weight: x needs no gradient).
-            half = w.inputs.numel() * 2 + acts // 2
-            fwd = params // 2 + half + out // 2 + out
-            kept = half + weight // 2
-            return [
-                Expectation("forward", fwd, fwd + SMALL, "P/2 weight copies + half x, h1, out + fp32 product"),
-                Expectation("forward", kept, kept + SMALL, "half x, h1 and W2", net=True),
-                # never below plain's A + P (fp32 gradients of all weights); at most P/2 more (copies)
-                Expectation("total", acts + params - SMALL, acts + params + params // 2 + SMALL, "A + P .. A + 1.5 P"),
-            ]
-        if name == "optimizer_in_backward":
-            # layer2's backward makes dout, dW2 and dh1 before its hook can step and free dW2.
-            peak = out + weight + acts
-            return [
-                Expectation("backward", peak, peak + SMALL, "dout + dW2 + dh1: never two weight gradients"),
-                Expectation("total", acts + peak, acts + peak + SMALL, "A + the backward peak"),
-            ]
-        raise KeyError(name)
+        return derive(NetBytes.of(w))
 
     return expect
 
