@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 
 from pytest_gpumem.constants import DEFAULT_FILENAME, DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT, ROUNDINGS
 from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.markers import Budget, budget_from_marker
 from pytest_gpumem.sizes import parse_size
 
 T = TypeVar("T")
@@ -25,6 +27,8 @@ class Options:
     report: bool
     json_path: Path | None
     markdown_path: Path | None
+    measure_all: bool = False
+    default_budget: Budget | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,17 @@ def slack(value: str) -> int:
         return parse_size(value.strip())
     except GpuMemError as exc:
         raise argparse.ArgumentTypeError(f"invalid slack {value!r}: {exc}") from None
+
+
+def default_budget(value: str) -> Budget:
+    """The suite-wide limit on a test's whole call, for tests whose markers set no limit of their own."""
+    try:
+        parse_size(value.strip())
+        budget = budget_from_marker((value.strip(),), {})
+    except GpuMemError as exc:
+        raise argparse.ArgumentTypeError(f"invalid size {value!r}: {exc}") from None
+    assert budget.total is not None
+    return Budget(total=dataclasses.replace(budget.total, written=f"{budget.total.written} (--gpumem-max-memory)"))
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -143,6 +158,21 @@ def add_options(parser: pytest.Parser) -> None:
         help="bytes allowed over a baseline on top of the tolerance (allocator rounding). Default: 1 MiB "
         "(ini gpumem_slack).",
     )
+    option(
+        "--gpumem-all",
+        action="store_true",
+        default=None,
+        help="measure the call of every test, with or without the gpumem fixture or a max_memory marker. "
+        "Default: off (ini gpumem_all).",
+    )
+    option(
+        "--gpumem-max-memory",
+        type=default_budget,
+        default=None,
+        metavar="SIZE",
+        help="limit on the whole call of every measured test whose max_memory markers set no limit. "
+        "Default: none (ini gpumem_max_memory).",
+    )
     option("--gpumem-strict", action="store_true", default=None,
            help="fail a measured test that has no baseline. Default: off (ini gpumem_strict).")  # fmt: skip
     for name, help_text, kind, default in (
@@ -155,6 +185,8 @@ def add_options(parser: pytest.Parser) -> None:
         ("gpumem_tolerance", "default for --gpumem-tolerance", None, f"{DEFAULT_TOLERANCE_PERCENT:g}"),
         ("gpumem_slack", "default for --gpumem-slack", None, f"{DEFAULT_SLACK_BYTES}"),
         ("gpumem_strict", "default for --gpumem-strict", "bool", False),
+        ("gpumem_all", "default for --gpumem-all", "bool", False),
+        ("gpumem_max_memory", "default for --gpumem-max-memory", None, ""),
     ):
         parser.addini(name, help_text, type=kind, default=default)  # type: ignore[arg-type]
 
@@ -170,6 +202,14 @@ def _ini(config: pytest.Config, name: str, check: Callable[[str], T]) -> T:
 def _given(config: pytest.Config, name: str, check: Callable[[str], T]) -> T:
     value: Any = config.getoption(name)
     return value if value is not None else _ini(config, name, check)
+
+
+def _optional(config: pytest.Config, name: str, check: Callable[[str], T]) -> T | None:
+    """An option whose ini twin may be left empty (no value)."""
+    value: Any = config.getoption(name)
+    if value is not None:
+        return value  # type: ignore[no-any-return]
+    return _ini(config, name, check) if str(config.getini(name)).strip() else None
 
 
 def _path(config: pytest.Config, name: str, base: Path) -> Path | None:
@@ -204,6 +244,8 @@ def read_options(config: pytest.Config) -> tuple[Options, BaselineOptions]:
         report=_flag(config, "gpumem_report"),
         json_path=_path(config, "gpumem_json", config.rootpath),
         markdown_path=_path(config, "gpumem_markdown", config.rootpath),
+        measure_all=_flag(config, "gpumem_all"),
+        default_budget=_optional(config, "gpumem_max_memory", default_budget),
     )
     baseline = BaselineOptions(
         path=_path(config, "gpumem_baseline_file", config.rootpath) or config.rootpath / DEFAULT_FILENAME,

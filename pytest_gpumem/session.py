@@ -39,6 +39,14 @@ def budget_of(marks: Sequence[tuple[object, pytest.Mark]]) -> Budget | None:
     return closest_first([all_of(budgets) for budgets in levels.values()]) if levels else None
 
 
+def with_default(budget: Budget | None, default: Budget | None) -> Budget | None:
+    """The suite-wide default limit applies to a test whose markers set no limit (a tolerance alone
+    is not a limit)."""
+    if default is None or (budget is not None and (budget.total is not None or budget.phases)):
+        return budget
+    return default if budget is None else Budget(total=default.total, tolerance=budget.tolerance)
+
+
 def _not_json(info: object) -> str | None:
     """Why `info` cannot travel as JSON (to the report, the file, the xdist controller), or None."""
     if not isinstance(info, dict):
@@ -137,12 +145,13 @@ class GpuMemSession:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, object, object]:
-        """Measure the call of a test that asks for it (a max_memory marker or the gpumem fixture)."""
+        """Measure the call of a test that asks for it (a max_memory marker or the gpumem fixture), or
+        of every test under --gpumem-all."""
         marks = list(item.iter_markers_with_node(MARKER))
-        if not marks and METER_KEY not in item.stash:
+        if not marks and METER_KEY not in item.stash and not self.options.measure_all:
             return (yield)
         try:
-            budget = budget_of(marks)
+            budget = with_default(budget_of(marks), self.options.default_budget)
             meter = self.meter(item)
         except GpuMemError as exc:
             error = f"{item.nodeid}: {exc}"

@@ -1,0 +1,81 @@
+"""--gpumem-all measures every test; --gpumem-max-memory is the limit of tests that set none."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+SUITE = """
+import pytest, torch
+
+def test_plain():
+    torch.ones(1000)  # 4,000 B
+
+@pytest.mark.max_memory("1 MiB")
+def test_own_limit():
+    torch.ones(1000)
+
+@pytest.mark.max_memory(tolerance=10)
+def test_tolerance_only():
+    torch.ones(1000)
+
+@pytest.mark.max_memory(made="1 MiB")
+def test_phase_limit(gpumem):
+    with gpumem.phase("made"):
+        torch.ones(1000)
+"""
+
+
+def _statuses(pytester: pytest.Pytester) -> dict[str, tuple[str, int]]:
+    tests = json.loads((pytester.path / "out.json").read_text(encoding="utf-8"))["tests"]
+    return {t["nodeid"].split("::")[1]: (t["status"], t["peak_bytes"]) for t in tests}
+
+
+@pytest.mark.parametrize("how", ["option", "ini"])
+def test_every_test_is_measured(tracker: pytest.Pytester, how: str) -> None:
+    tracker.makepyfile(SUITE)
+    if how == "ini":
+        tracker.makeini("[pytest]\ngpumem_backend = tracker\ngpumem_all = true\n")
+    args = ["--gpumem-all"] if how == "option" else []
+    tracker.runpytest(*args, "--gpumem-json=out.json", "-p", "no:randomly").assert_outcomes(passed=4)
+    assert _statuses(tracker) == {
+        "test_plain": ("ok", 4000),
+        "test_own_limit": ("ok", 4000),
+        "test_tolerance_only": ("ok", 4000),
+        "test_phase_limit": ("ok", 4000),
+    }
+
+
+def test_unmarked_tests_stay_unmeasured_without_it(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(SUITE)
+    tracker.runpytest("--gpumem-json=out.json").assert_outcomes(passed=4)
+    assert "test_plain" not in _statuses(tracker)
+
+
+@pytest.mark.parametrize("how", ["option", "ini"])
+def test_default_limit_applies_where_markers_set_none(tracker: pytest.Pytester, how: str) -> None:
+    tracker.makepyfile(SUITE)
+    if how == "ini":
+        tracker.makeini("[pytest]\ngpumem_backend = tracker\ngpumem_max_memory = 3999\n")
+    args = ["--gpumem-max-memory=3999"] if how == "option" else []
+    result = tracker.runpytest("--gpumem-all", *args, "--gpumem-json=out.json", "-p", "no:randomly")
+    result.assert_outcomes(passed=2, failed=2)
+    result.stdout.fnmatch_lines(["*call peak 4.0 kB (4,000 B) exceeds max_memory 3999 (--gpumem-max-memory)"])
+    assert _statuses(tracker) == {
+        "test_plain": ("OVER BUDGET", 4000),
+        "test_own_limit": ("ok", 4000),  # its own limit wins
+        "test_tolerance_only": ("OVER BUDGET", 4000),  # a tolerance is not a limit
+        "test_phase_limit": ("ok", 4000),  # a phase limit is
+    }
+
+
+def test_a_bad_default_limit_is_a_usage_error(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(SUITE)
+    result = tracker.runpytest("--gpumem-max-memory=3ab")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*argument --gpumem-max-memory: invalid size '3ab': *unit*"])
+    tracker.makeini("[pytest]\ngpumem_max_memory = lots\n")
+    result = tracker.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: ini option gpumem_max_memory: invalid size 'lots': *"])
