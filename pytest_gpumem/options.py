@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import pytest
 
 from pytest_gpumem.constants import DEFAULT_FILENAME, DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT, ROUNDINGS
+from pytest_gpumem.devices import devices_spec
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.markers import Budget, budget_from_marker
 from pytest_gpumem.sizes import parse_size
@@ -29,6 +30,7 @@ class Options:
     markdown_path: Path | None
     measure_all: bool = False
     default_budget: Budget | None = None
+    devices: str | tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,14 @@ def add_options(parser: pytest.Parser) -> None:
         help="limit on the whole call of every measured test whose max_memory markers set no limit. "
         "Default: none (ini gpumem_max_memory).",
     )
+    option(
+        "--gpumem-devices",
+        type=devices_spec,
+        default=None,
+        metavar="auto|LIST",
+        help="with pytest-xdist, give each worker one device, round-robin over all the devices the caller "
+        "can see (auto) or over the listed ordinals (e.g. 0,1). Default: off (ini gpumem_devices).",
+    )
     option("--gpumem-strict", action="store_true", default=None,
            help="fail a measured test that has no baseline. Default: off (ini gpumem_strict).")  # fmt: skip
     for name, help_text, kind, default in (
@@ -187,6 +197,7 @@ def add_options(parser: pytest.Parser) -> None:
         ("gpumem_strict", "default for --gpumem-strict", "bool", False),
         ("gpumem_all", "default for --gpumem-all", "bool", False),
         ("gpumem_max_memory", "default for --gpumem-max-memory", None, ""),
+        ("gpumem_devices", "default for --gpumem-devices", None, ""),
     ):
         parser.addini(name, help_text, type=kind, default=default)  # type: ignore[arg-type]
 
@@ -246,6 +257,7 @@ def read_options(config: pytest.Config) -> tuple[Options, BaselineOptions]:
         markdown_path=_path(config, "gpumem_markdown", config.rootpath),
         measure_all=_flag(config, "gpumem_all"),
         default_budget=_optional(config, "gpumem_max_memory", default_budget),
+        devices=_optional(config, "gpumem_devices", devices_spec),
     )
     baseline = BaselineOptions(
         path=_path(config, "gpumem_baseline_file", config.rootpath) or config.rootpath / DEFAULT_FILENAME,

@@ -67,6 +67,7 @@ class TestResult:
     baseline: dict[str, Any] | None = None
     record: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    worker_device: str | None = None  # under --gpumem-devices: which of the caller's devices a worker used
 
     @property
     def peak_bytes(self) -> int | None:
@@ -93,6 +94,7 @@ class TestResult:
             "baseline": self.baseline,
             "record": self.record,
             "notes": self.notes,
+            "worker_device": self.worker_device,
         }
 
     @classmethod
@@ -112,6 +114,7 @@ class TestResult:
             baseline=data.get("baseline"),
             record=data.get("record"),
             notes=list(data.get("notes", [])),
+            worker_device=data.get("worker_device"),
         )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any, NoReturn
 import pytest
 
 from pytest_gpumem.backends.base import Backend
+from pytest_gpumem.devices import VISIBLE, Assignment, assign, visible_devices
 from pytest_gpumem.errors import GpuMemError, GpuMemWarning
 from pytest_gpumem.markers import MARKER, Budget, all_of, budget_from_marker, closest_first
 from pytest_gpumem.meter import GpuMem
@@ -37,6 +39,12 @@ def budget_of(marks: Sequence[tuple[object, pytest.Mark]]) -> Budget | None:
     for node, mark in marks:
         levels.setdefault(id(node), []).append(budget_from_marker(mark.args, mark.kwargs))
     return closest_first([all_of(budgets) for budgets in levels.values()]) if levels else None
+
+
+def _cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def with_default(budget: Budget | None, default: Budget | None) -> Budget | None:
@@ -111,6 +119,7 @@ class GpuMemSession:
         self.header_shown = False
         self.problems: list[str] = []
         self.baseline_lines: list[str] = []
+        self.assignment: Assignment | None = None
 
     def backend(self) -> Backend:
         """The backend, made on first use so that runs that never measure never import torch."""
@@ -126,7 +135,25 @@ class GpuMemSession:
 
     def header(self) -> str:
         self.header_shown = True
-        return f"gpumem: {self.backend().describe()}"
+        spread = "" if self.options.devices is None else f"; xdist workers get one device each ({self._spread()})"
+        return f"gpumem: {self.backend().describe()}{spread}"
+
+    def _spread(self) -> str:
+        spec = self.options.devices
+        return "all visible, round-robin" if spec == "auto" else f"cuda:{', cuda:'.join(map(str, spec or ()))}"
+
+    def assign_device(self) -> None:
+        """On an xdist worker under --gpumem-devices: see only this worker's device, before CUDA starts."""
+        worker = getattr(self.config, "workerinput", {}).get("workerid")
+        if self.options.devices is None or worker is None:
+            return
+        try:
+            visible = visible_devices(os.environ, _cuda_device_count)
+            self.assignment = assign(worker, self.options.devices, visible)
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from None
+        if self.assignment is not None:
+            os.environ[VISIBLE] = self.assignment.visible
 
     def meter(self, item: pytest.Item) -> GpuMem:
         meter = item.stash.get(METER_KEY, None)
@@ -241,6 +268,7 @@ class GpuMemSession:
             baseline=None if judgement is None else judgement.verdict.to_json(),
             record=None if judgement is None else judgement.entry.to_json(),
             notes=meter.notes,
+            worker_device=None if self.assignment is None else self.assignment.describe(),
         )
         self.add(result)
         item.stash[RESULT_KEY] = result
