@@ -136,3 +136,12 @@ def _first_line(text: str) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("E ")]
     return (errors or lines or [""])[0].removeprefix("E ").strip()
+
+
+def junit_properties(result: TestResult) -> list[tuple[str, str]]:
+    """What `--junitxml` shows of a measured test: its status and peaks in bytes, per phase."""
+    properties = [("gpumem_status", result.status)]
+    if result.call is not None:
+        properties.append(("gpumem_peak_bytes", str(result.call.peak_bytes)))
+    properties += [(f"gpumem_peak_bytes[{name}]", str(phase.peak_bytes)) for name, phase in result.phases.items()]
+    return properties

@@ -25,6 +25,7 @@ from pytest_gpumem.results import (
     STATUS_OVER,
     PhaseResult,
     TestResult,
+    junit_properties,
     settle,
 )
 from pytest_gpumem.sizes import format_size
@@ -293,7 +294,9 @@ class GpuMemSession:
         if result is not None and report.when == "call":
             del item.stash[RESULT_KEY]
             settle(result, report)
-            report.user_properties.append((REPORT_PROPERTY, json.dumps(result.to_dict(), allow_nan=False)))
+            properties = [*junit_properties(result), (REPORT_PROPERTY, json.dumps(result.to_dict(), allow_nan=False))]
+            report.user_properties += properties
+            item.user_properties += properties  # the teardown report, which --junitxml reads, copies them
         return report
 
     def report_lines(self) -> list[str]:

@@ -21,7 +21,7 @@ class XdistResults:
         self.add = add
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if getattr(report, "node", None) is None:  # a local report (serial run, or on a worker)
+        if report.when != "call" or getattr(report, "node", None) is None:  # local: serial run, or a worker
             return
         for name, value in report.user_properties:
             if name == REPORT_PROPERTY and isinstance(value, str):

@@ -79,3 +79,16 @@ def test_a_bad_default_limit_is_a_usage_error(tracker: pytest.Pytester) -> None:
     result = tracker.runpytest()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["ERROR: ini option gpumem_max_memory: invalid size 'lots': *"])
+
+
+def test_junit_xml_carries_peaks_as_properties(tracker: pytest.Pytester) -> None:
+    import xml.etree.ElementTree as ET
+
+    tracker.makepyfile(SUITE)
+    tracker.runpytest("--gpumem-all", "--junitxml=junit.xml", "-p", "no:randomly").assert_outcomes(passed=4)
+    cases = {case.get("name"): case for case in ET.parse(tracker.path / "junit.xml").iter("testcase")}
+    properties = {p.get("name"): p.get("value") for p in cases["test_phase_limit"].iter("property")}
+    assert properties["gpumem_status"] == "ok"
+    assert properties["gpumem_peak_bytes"] == "4000"
+    assert properties["gpumem_peak_bytes[made]"] == "4000"
+    assert json.loads(properties["gpumem"])["phases"]["made"]["peak_bytes"] == 4000
