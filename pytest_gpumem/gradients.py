@@ -15,10 +15,19 @@ float64 on the CPU:
   gradient vector, and that is what ``rtol`` bounds.
 
 Comparison: a statistic ``a`` (baseline) against ``b`` (current) passes when
-``|a - b| <= atol + rtol * scale``, with ``scale = max(|a|, |b|)`` for ``l2``, ``l1`` and ``max_abs``,
-``max(l1_a, l1_b)`` for ``sum`` (``|sum| <= l1``, and a sum can cancel to ~0) and ``max(l2_a, l2_b)``
-for the projections' RMS difference. The reported relative error is ``|a - b| / scale``; one message per
-parameter, for the statistic furthest beyond its tolerance.
+``|a - b| <= atol + rtol * scale``, with ``scale`` taken from the baseline: ``|a|`` for ``l2``, ``l1``
+and ``max_abs``, the baseline's ``l1`` for ``sum`` (``|sum| <= l1``, and a sum can cancel to ~0) and
+its ``l2`` for the projections' RMS difference. The reported change is ``(b - a) / scale`` (signed; the
+projections' RMS is unsigned), one definition for every statistic, so a gradient scaled by 2 reads
+``+100.0%`` whichever statistic is shown. One mismatch per parameter: the norm statistic that changed
+most, else (norms all within tolerance: a permutation, a sign flip, noise) the projections.
+
+A failure is reported in one line, ``gradients changed in 3 of 28 parameters; worst: gradient 'a' L2
+norm +100.0%, ...`` (:attr:`GradientComparison.messages`), and one line per changed parameter
+(:attr:`GradientComparison.details`, also at the end of ``notes``) for the report section.
+
+Statistics are computed in float64, the L2 norm with a running scale (as LAPACK's ``dnrm2``), so it is
+finite whenever the values are (float64 values of 1e200 do not overflow, nor 1e-200 underflow).
 
 ``rtol`` defaults depend on the gradient's dtype (``DEFAULT_RTOL``). Low-precision types get several unit
 roundoffs (bfloat16 ``u = 2**-8``: 2.5e-2 ~ 6u; float16 ``u = 2**-11``: 5e-3 ~ 10u), so rounding noise
@@ -101,6 +110,8 @@ DEFAULT_ATOL = 0.0
 
 _STATS = ("l2", "l1", "sum", "max_abs")
 _STAT_NAMES = {"l2": "L2 norm", "l1": "L1 norm", "sum": "sum", "max_abs": "max-abs", "proj": "projections"}
+SUMMARY_WORST = 3
+"""Parameters named in the one-line summary of a gradient change (the rest go to the report section)."""
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
@@ -205,8 +216,9 @@ class Mismatch:
 
     ``statistic`` is one of ``"param"`` (added or missing), ``"grad"`` (became / stopped being None),
     ``"shape"``, ``"dtype"``, ``"l2"``, ``"l1"``, ``"sum"``, ``"max_abs"``, ``"proj"`` (the projections'
-    RMS difference); ``rel_error`` and ``rtol`` are set for the numeric statistics (the worst one is
-    reported per parameter).
+    RMS difference); ``rel_error`` (``abs(change)``) and ``rtol`` are set for the numeric statistics.
+    ``change`` is the signed change relative to the baseline (see the module docstring), the same figure
+    for every statistic; ``short`` is the few words the one-line summary shows for this parameter.
     """
 
     param: str
@@ -214,22 +226,63 @@ class Mismatch:
     message: str
     rel_error: float | None = None
     rtol: float | None = None
+    change: float | None = None
+    short: str = ""
+
+    @property
+    def severity(self) -> float:
+        """How bad, to sort the worst first: a structural change (no figure) or a non-finite one first."""
+        return math.inf if self.rel_error is None else self.rel_error
 
 
 @dataclass(frozen=True, slots=True)
 class GradientComparison:
-    """Result of :func:`compare_fingerprints`: mismatches fail, notes only inform."""
+    """Result of :func:`compare_fingerprints`: mismatches fail, notes only inform.
+
+    ``messages`` is one line for a failure report (a count and the worst few parameters); ``details``
+    has one line per changed parameter, and ``notes`` are ``method_notes`` followed by those details
+    (the lines for a report section).
+    """
 
     mismatches: tuple[Mismatch, ...]
-    notes: tuple[str, ...] = ()
+    method_notes: tuple[str, ...] = ()
+    compared: int = 0
+    """How many parameters were compared (those of the baseline and the current fingerprint together)."""
 
     @property
     def ok(self) -> bool:
         return not self.mismatches
 
     @property
+    def summary(self) -> str | None:
+        """``gradients changed in 28 of 28 parameters; worst: gradient 'a' L2 norm +100.0%, ...``."""
+        if not self.mismatches:
+            return None
+        total = max(self.compared, len(self.mismatches))
+        head = f"gradients changed in {len(self.mismatches)} of {total} parameters"
+        # figures equal to the digits shown (a uniform change) keep the parameters' order
+        worst = sorted(self.mismatches, key=lambda m: -float(f"{m.severity:.4g}"))[:SUMMARY_WORST]
+        parts = ", ".join(f"gradient {_short(m.param, 40)} {m.short or m.statistic}" for m in worst)
+        if len(self.mismatches) == 1:
+            return f"{head}: {parts}"
+        more = len(self.mismatches) - len(worst)
+        tail = f"; {more} more in the report section" if more else ""
+        return f"{head}; worst: {parts}{tail}"
+
+    @property
     def messages(self) -> tuple[str, ...]:
+        """The failure line (empty when nothing changed)."""
+        summary = self.summary
+        return () if summary is None else (summary,)
+
+    @property
+    def details(self) -> tuple[str, ...]:
+        """One line per changed parameter, in parameter order."""
         return tuple(m.message for m in self.mismatches)
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        return self.method_notes + self.details
 
 
 # --------------------------------------------------------------------------------------------- computing
@@ -238,14 +291,18 @@ class GradientComparison:
 def fingerprint(
     tensors: Mapping[str, torch.Tensor | None] | nn.Module,
     *,
-    of: Literal["grad", "value"] = "grad",
+    of: Literal["auto", "grad", "value"] = "auto",
 ) -> Fingerprint:
     """Fingerprint gradients.
 
     ``tensors`` is a module (its ``named_parameters()``) or a mapping of names to tensors. With
-    ``of="grad"`` (the default) each tensor's ``.grad`` is fingerprinted, and a parameter whose ``.grad``
-    is ``None`` is recorded as such (with the parameter's shape and dtype). With ``of="value"`` the
-    mapping's values are the gradients themselves (e.g. from ``torch.autograd.grad``), ``None`` allowed.
+    ``of="grad"`` each tensor's ``.grad`` is fingerprinted, and a parameter whose ``.grad`` is ``None`` is
+    recorded as such (with the parameter's shape and dtype). With ``of="value"`` the mapping's values are
+    the gradients themselves (e.g. from ``torch.autograd.grad``), ``None`` allowed. ``of="auto"`` (the
+    default) reads a module's ``.grad``, and for a mapping decides per value: a leaf tensor that requires
+    a gradient (a parameter) or has one stands for its ``.grad``; any other tensor is a gradient itself.
+
+    A tensor on the ``meta`` device has no values: ``ValueError``, naming it.
 
     Statistics are computed in float64 on the CPU, chunk by chunk: a device gradient is copied to host
     memory in its own dtype and cast there. A contiguous (or sparse) device gradient allocates nothing on
@@ -254,41 +311,49 @@ def fingerprint(
     """
     import torch
 
-    if of not in ("grad", "value"):
-        raise ValueError(f"fingerprint(of=...) must be 'grad' or 'value', got {of!r}")
-    items: list[tuple[str, torch.Tensor | None]]
-    if isinstance(tensors, torch.nn.Module):
-        if of != "grad":
-            raise ValueError("fingerprint(module) reads the parameters' .grad; of='value' needs a mapping")
-        items = list(tensors.named_parameters())
-    elif isinstance(tensors, Mapping):
-        items = list(tensors.items())
-    else:
-        raise TypeError(
-            f"fingerprint() takes an nn.Module or a mapping of names to tensors, got {type(tensors).__name__}"
-        )
+    if of not in ("auto", "grad", "value"):
+        raise ValueError(f"fingerprint(of=...) must be 'auto', 'grad' or 'value', got {of!r}")
+    items = _items(torch, tensors, of)
+    mode = "grad" if isinstance(tensors, torch.nn.Module) else of  # a module's parameters: their .grad
     method = _method(torch)
     params: dict[str, ParamFingerprint] = {}
     with torch.no_grad():
         for name, tensor in items:
-            if not isinstance(name, str):
-                raise TypeError(f"fingerprint(): names must be strings, got {name!r}")
-            if tensor is not None and not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"fingerprint(): {name!r} is a {type(tensor).__name__}, not a tensor")
-            if of == "grad":
-                if tensor is None:
-                    raise TypeError(f"fingerprint(): {name!r} is None; of='grad' needs the parameter tensor")
-                grad = tensor.grad
-                source = tensor if grad is None else grad
-                shape: tuple[int, ...] | None = tuple(source.shape)
-                dtype: str | None = _dtype_name(source.dtype)
-            else:
-                grad = tensor
-                shape = None if grad is None else tuple(grad.shape)
-                dtype = None if grad is None else _dtype_name(grad.dtype)
-            stats = None if grad is None else _stats(torch, grad, _seed(name, shape or ()))
-            params[name] = ParamFingerprint(shape=shape, dtype=dtype, grad=stats)
+            params[name] = _param_fingerprint(torch, name, tensor, mode)
     return Fingerprint(params=params, method=method)
+
+
+def _items(torch: Any, tensors: object, of: str) -> list[tuple[str, torch.Tensor | None]]:
+    if isinstance(tensors, torch.nn.Module):
+        if of == "value":
+            raise ValueError("fingerprint(module) reads the parameters' .grad; of='value' needs a mapping")
+        return list(tensors.named_parameters())
+    if isinstance(tensors, Mapping):
+        return list(tensors.items())
+    raise TypeError(f"fingerprint() takes an nn.Module or a mapping of names to tensors, got {type(tensors).__name__}")
+
+
+def _param_fingerprint(torch: Any, name: object, tensor: object, of: str) -> ParamFingerprint:
+    if not isinstance(name, str):
+        raise TypeError(f"fingerprint(): names must be strings, got {_short(name)}")
+    if tensor is not None and not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"fingerprint(): {_short(name)} is a {type(tensor).__name__}, not a tensor")
+    if tensor is None:
+        if of == "grad":
+            raise TypeError(f"fingerprint(): {_short(name)} is None; of='grad' needs the parameter tensor")
+        return ParamFingerprint(shape=None, dtype=None, grad=None)
+    reads_grad = of == "grad" or (of == "auto" and tensor.is_leaf and (tensor.requires_grad or tensor.grad is not None))
+    grad = tensor.grad if reads_grad else tensor
+    for t in (tensor, grad):
+        if t is not None and t.is_meta:
+            raise ValueError(
+                f"fingerprint(): {_short(name)} is on the meta device, which holds shapes but no values: "
+                "there is nothing to fingerprint (check gradients on a real device)"
+            )
+    source = tensor if grad is None else grad
+    shape = tuple(source.shape)
+    stats = None if grad is None else _stats(torch, grad, _seed(name, shape))
+    return ParamFingerprint(shape=shape, dtype=_dtype_name(source.dtype), grad=stats)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -327,7 +392,7 @@ def _stats(torch: Any, grad: torch.Tensor, seed: int) -> GradStats:
     flat = t.reshape(-1)
     n = flat.numel()
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    sq = 0.0
+    norm = _Norm()
     l1 = 0.0
     total = 0.0
     max_abs = 0.0
@@ -335,21 +400,43 @@ def _stats(torch: Any, grad: torch.Tensor, seed: int) -> GradStats:
     for start in range(0, n, _CHUNK):
         chunk = flat[start : start + _CHUNK].to(torch.float64)
         absval = chunk.abs()
-        sq += float(torch.dot(chunk, chunk))
         l1 += float(absval.sum())
         total += float(chunk.sum())
         chunk_max = float(absval.max())
+        norm.add(torch, chunk, chunk_max)
         max_abs = math.nan if math.isnan(chunk_max) or math.isnan(max_abs) else max(max_abs, chunk_max)
         # float32 normals (4x faster to draw than float64), exactly widened: products and sums in float64
         vectors = torch.randn((NUM_PROJECTIONS, chunk.numel()), generator=gen, dtype=torch.float32)
         proj += vectors.to(torch.float64) @ chunk
-    return GradStats(
-        l2=math.sqrt(sq) if sq == sq else math.nan,
-        l1=l1,
-        sum=total,
-        max_abs=max_abs,
-        proj=tuple(float(p) for p in proj.tolist()),
-    )
+    return GradStats(l2=norm.value(), l1=l1, sum=total, max_abs=max_abs, proj=tuple(float(p) for p in proj.tolist()))
+
+
+@dataclass(slots=True)
+class _Norm:
+    """A running L2 norm kept as ``scale * sqrt(ssq)`` with ``scale`` the largest magnitude so far (as
+    LAPACK's ``dnrm2``): squares of huge values (1e200) cannot overflow, nor those of tiny ones (1e-200)
+    underflow, so the norm is finite whenever the values are. ``special`` holds inf or nan once seen."""
+
+    scale: float = 0.0
+    ssq: float = 0.0
+    special: float = 0.0
+
+    def add(self, torch: Any, chunk: torch.Tensor, chunk_max: float) -> None:
+        if not math.isfinite(chunk_max):
+            self.special = math.nan if math.isnan(chunk_max) or math.isnan(self.special) else math.inf
+            return
+        if chunk_max == 0.0:
+            return
+        scaled = chunk / chunk_max
+        part = float(torch.dot(scaled, scaled))
+        if chunk_max > self.scale:
+            self.ssq = self.ssq * (self.scale / chunk_max) ** 2 + part
+            self.scale = chunk_max
+        else:
+            self.ssq += part * (chunk_max / self.scale) ** 2
+
+    def value(self) -> float:
+        return self.special if self.special != 0.0 else self.scale * math.sqrt(self.ssq)
 
 
 # -------------------------------------------------------------------------------------------- comparing
@@ -377,9 +464,9 @@ def compare_fingerprints(
 
     ``rtol`` overrides the per-dtype defaults, for every dtype (a number) or some (a mapping such as
     ``{"bfloat16": 0.05}``); ``atol`` (default ``DEFAULT_ATOL``) is added to every allowed difference.
-    One :class:`Mismatch` per offending parameter (the worst statistic, relative to its tolerance); a
-    parameter added or missing, a gradient that appeared or vanished, a shape or a dtype change are
-    mismatches of their own.
+    One :class:`Mismatch` per offending parameter (the statistic that changed most; the projections only
+    when the norms all pass); a parameter added or missing, a gradient that appeared or vanished, a shape
+    or a dtype change are mismatches of their own.
     """
     if isinstance(rtol, (int, float)) and not (rtol >= 0 and math.isfinite(rtol)):
         raise ValueError(f"gradient rtol must be a finite number >= 0, got {rtol!r}")
@@ -401,15 +488,17 @@ def compare_fingerprints(
     for name, old in baseline.params.items():
         new = current.params.get(name)
         if new is None:
-            mismatches.append(Mismatch(name, "param", f"gradient {name!r}: parameter missing (in baseline)"))
+            message = f"gradient {name!r}: parameter missing (in baseline)"
+            mismatches.append(Mismatch(name, "param", message, short="missing"))
             continue
         found = _compare_param(name, old, new, rtol, abs_tol, compare_proj)
         if found is not None:
             mismatches.append(found)
-    for name in current.params:
-        if name not in baseline.params:
-            mismatches.append(Mismatch(name, "param", f"gradient {name!r}: new parameter (not in baseline)"))
-    return GradientComparison(mismatches=tuple(mismatches), notes=tuple(notes))
+    added = [name for name in current.params if name not in baseline.params]
+    for name in added:
+        message = f"gradient {name!r}: new parameter (not in baseline)"
+        mismatches.append(Mismatch(name, "param", message, short="new (not in baseline)"))
+    return GradientComparison(tuple(mismatches), tuple(notes), len(baseline.params) + len(added))
 
 
 def _compare_param(
@@ -420,72 +509,84 @@ def _compare_param(
     atol: float,
     compare_proj: bool,
 ) -> Mismatch | None:
-    if old.shape != new.shape:
-        return Mismatch(
-            name, "shape", f"gradient {name!r}: shape changed from {_shape(old.shape)} to {_shape(new.shape)}"
-        )
-    if old.dtype != new.dtype:
-        return Mismatch(name, "dtype", f"gradient {name!r}: dtype changed from {old.dtype} to {new.dtype}")
-    if old.grad is None or new.grad is None:
-        if old.grad is None and new.grad is None:
-            return None
-        if new.grad is None:
-            return Mismatch(name, "grad", f"gradient {name!r} is None (baseline has a gradient)")
-        return Mismatch(name, "grad", f"gradient {name!r} is present (baseline: None)")
-    a, b = old.grad, new.grad
+    structural = _structural(name, old, new)
+    if structural is not None or old.grad is None or new.grad is None:
+        return structural
     tol = rtol_for(new.dtype, rtol)
-    checks: list[tuple[str, float, float, float]] = [
-        ("l2", a.l2, b.l2, _scale(a.l2, b.l2)),
-        ("l1", a.l1, b.l1, _scale(a.l1, b.l1)),
-        ("sum", a.sum, b.sum, _scale(a.l1, b.l1)),
-        ("max_abs", a.max_abs, b.max_abs, _scale(a.max_abs, b.max_abs)),
-    ]
-    if compare_proj:
-        if len(a.proj) != len(b.proj):
-            return Mismatch(name, "proj", f"gradient {name!r}: {len(b.proj)} projections, baseline has {len(a.proj)}")
-        if not all(math.isfinite(p) for p in (*a.proj, *b.proj)):
-            if not all(pa == pb or (math.isnan(pa) and math.isnan(pb)) for pa, pb in zip(a.proj, b.proj, strict=True)):
-                message = f"gradient {name!r}: random projections are {list(b.proj)!r} (baseline {list(a.proj)!r})"
-                return Mismatch(name, "proj", message, rel_error=math.inf, rtol=tol)
-        else:
-            rms = math.sqrt(sum((pa - pb) ** 2 for pa, pb in zip(a.proj, b.proj, strict=True)) / len(a.proj))
-            checks.append(("proj", rms, 0.0, _scale(a.l2, b.l2)))
+    rtol_text = f"rtol {_pct(tol)} for {new.dtype}"
+    a, b = old.grad, new.grad
+    return _compare_norms(name, a, b, tol, atol, rtol_text) or (
+        _compare_proj(name, a, b, tol, atol, rtol_text) if compare_proj else None
+    )
+
+
+def _structural(name: str, old: ParamFingerprint, new: ParamFingerprint) -> Mismatch | None:
+    """A shape or dtype change, or a gradient that appeared or vanished."""
+    if old.shape != new.shape:
+        change = f"{_shape(old.shape)} to {_shape(new.shape)}"
+        return Mismatch(name, "shape", f"gradient {name!r}: shape changed from {change}", short=f"shape {change}")
+    if old.dtype != new.dtype:
+        change = f"{old.dtype} to {new.dtype}"
+        return Mismatch(name, "dtype", f"gradient {name!r}: dtype changed from {change}", short=f"dtype {change}")
+    if (old.grad is None) == (new.grad is None):
+        return None
+    if new.grad is None:
+        return Mismatch(name, "grad", f"gradient {name!r} is None (baseline has a gradient)", short="is None")
+    return Mismatch(name, "grad", f"gradient {name!r} is present (baseline: None)", short="present (baseline None)")
+
+
+def _compare_norms(name: str, a: GradStats, b: GradStats, tol: float, atol: float, rtol_text: str) -> Mismatch | None:
+    """The norm statistic that changed most beyond ``atol + tol * |baseline|`` (the sum's scale is the
+    baseline's L1 norm: a sum can cancel to ~0); its change is relative to that same scale."""
+    checks = [("l2", a.l2, b.l2, abs(a.l2)), ("l1", a.l1, b.l1, abs(a.l1))]
+    checks += [("sum", a.sum, b.sum, abs(a.l1)), ("max_abs", a.max_abs, b.max_abs, abs(a.max_abs))]
     worst: Mismatch | None = None
-    worst_ratio = -1.0
     for stat, va, vb, scale in checks:
         if va == vb or (math.isnan(va) and math.isnan(vb)):
             continue
-        if not (math.isfinite(va) and math.isfinite(vb)):
+        label = _STAT_NAMES[stat]
+        if not (math.isfinite(va) and math.isfinite(vb) and math.isfinite(scale)):
             # inf - inf or a finite value becoming non-finite (or back): always a change
-            message = f"gradient {name!r}: {_STAT_NAMES[stat]} is {vb!r} (baseline {va!r})"
-            return Mismatch(name, stat, message, rel_error=math.inf, rtol=tol)
-        diff = abs(va - vb)
-        allowed = atol + tol * scale
-        if diff <= allowed:
+            message = f"gradient {name!r}: {label} is {vb!r} (baseline {va!r})"
+            return Mismatch(name, stat, message, math.inf, tol, None, f"{label} {va!r} -> {vb!r}")
+        if abs(vb - va) <= atol + tol * scale:
             continue
-        rel = diff / scale if scale > 0 else math.inf
-        ratio = diff / allowed if allowed > 0 else math.inf
-        if ratio <= worst_ratio:
+        change = (vb - va) / scale if scale > 0 else math.copysign(math.inf, vb - va)
+        if worst is not None and worst.rel_error is not None and abs(change) <= worst.rel_error:
             continue
-        worst_ratio = ratio
-        rtol_text = f"rtol {_pct(tol)} for {new.dtype}"
-        if stat == "proj":
-            message = (
-                f"gradient {name!r} changed by about {_pct(rel)} of its L2 norm "
-                f"(RMS of {len(a.proj)} random projections; {rtol_text})"
-            )
-        else:
-            of = " of the L1 norm" if stat == "sum" else ""
-            message = (
-                f"gradient {name!r}: {_STAT_NAMES[stat]} differs by {_pct(rel)}{of} "
-                f"(baseline {va:.6g}, now {vb:.6g}; {rtol_text})"
-            )
-        worst = Mismatch(name, stat, message, rel_error=rel, rtol=tol)
+        of = " of the baseline's L1 norm" if stat == "sum" else ""
+        figure = f"{label} {va:.3g} -> {vb:.3g}" if math.isinf(change) else f"{label} {_signed_pct(change)}{of}"
+        message = f"gradient {name!r}: {figure} (baseline {va:.6g}, now {vb:.6g}; {rtol_text})"
+        worst = Mismatch(name, stat, message, abs(change), tol, change, figure.removesuffix(of))
     return worst
 
 
-def _scale(a: float, b: float) -> float:
-    return max(abs(a), abs(b))
+def _compare_proj(name: str, a: GradStats, b: GradStats, tol: float, atol: float, rtol_text: str) -> Mismatch | None:
+    """The projections: their RMS difference over the baseline's L2 norm estimates ``||d|| / ||g||``."""
+    if len(a.proj) != len(b.proj):
+        message = f"gradient {name!r}: {len(b.proj)} projections, baseline has {len(a.proj)}"
+        return Mismatch(name, "proj", message, short="projections count changed")
+    if not all(math.isfinite(p) for p in (*a.proj, *b.proj)):
+        if all(pa == pb or (math.isnan(pa) and math.isnan(pb)) for pa, pb in zip(a.proj, b.proj, strict=True)):
+            return None
+        message = f"gradient {name!r}: random projections are {list(b.proj)!r} (baseline {list(a.proj)!r})"
+        return Mismatch(name, "proj", message, math.inf, tol, None, "projections non-finite")
+    rms = math.sqrt(sum((pa - pb) ** 2 for pa, pb in zip(a.proj, b.proj, strict=True)) / len(a.proj))
+    scale = abs(a.l2)
+    if rms <= atol + tol * scale:
+        return None
+    change = rms / scale if scale > 0 else math.inf
+    message = (
+        f"gradient {name!r} changed by about {_pct(change)} of its baseline L2 norm "
+        f"(RMS of {len(a.proj)} random projections; {rtol_text})"
+    )
+    return Mismatch(name, "proj", message, change, tol, change, f"~{_pct(change)} (random projections)")
+
+
+def _signed_pct(fraction: float) -> str:
+    """'+100.0%', '-3.2%', '+0.0999%': one decimal, more for changes under 1% (tolerances are small)."""
+    percent = fraction * 100
+    return f"{percent:+.1f}%" if abs(percent) >= 1 else f"{percent:+.3g}%"
 
 
 def _pct(fraction: float) -> str:

@@ -21,6 +21,11 @@ def phase_names(results: Sequence[TestResult]) -> list[str]:
     return list(names)
 
 
+def one_line(text: str) -> str:
+    """A table cell on one line: line breaks (a phase named "a\\nb") become spaces, or a row would split."""
+    return " ".join(text.splitlines()) if text else text
+
+
 def _cell(n: int | None) -> str:
     return "" if n is None else format_size(n)
 
@@ -34,7 +39,9 @@ def _baseline_cells(result: TestResult) -> list[str]:
 
 
 def rows(results: Sequence[TestResult]) -> tuple[list[str], list[list[str]]]:
-    """Headers and rows: test, backend, device, each phase, the whole call, [baseline, change,] budget, status."""
+    """Headers and rows: test, backend, device, each phase, the whole call, [baseline, change,] budget, status.
+
+    Every header and cell is one line (see `one_line`)."""
     phases = phase_names(results)
     with_baselines = any(r.baseline is not None for r in results)
     headers = ["test", "backend", "device", *phases, "call peak"]
@@ -45,8 +52,8 @@ def rows(results: Sequence[TestResult]) -> tuple[list[str], list[list[str]]]:
         row = [r.nodeid, r.backend, r.device, *(_cell(r.phases[p].peak_bytes) if p in r.phases else "" for p in phases)]
         row.append(_cell(r.peak_bytes))
         row += _baseline_cells(r) if with_baselines else []
-        body.append([*row, r.budget_text or "", r.status])
-    return headers, body
+        body.append([one_line(cell) for cell in (*row, r.budget_text or "", r.status)])
+    return [one_line(h) for h in headers], body
 
 
 def table(results: Sequence[TestResult]) -> str:
@@ -60,8 +67,14 @@ def markdown(results: Sequence[TestResult]) -> str:
     if not results:
         return "No test was measured.\n"
     headers, body = rows(results)
-    escaped = [[cell.replace("|", "\\|") for cell in row] for row in body]
-    return tabulate(escaped, headers=headers, tablefmt="github", disable_numparse=True) + "\n"
+    escaped = [[_escape_pipes(cell) for cell in row] for row in body]
+    return (
+        tabulate(escaped, headers=[_escape_pipes(h) for h in headers], tablefmt="github", disable_numparse=True) + "\n"
+    )
+
+
+def _escape_pipes(cell: str) -> str:
+    return cell.replace("|", "\\|")
 
 
 def document(results: Sequence[TestResult], backend: str | None, device: str | None) -> dict[str, Any]:
