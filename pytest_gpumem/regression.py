@@ -12,19 +12,21 @@ from pytest_gpumem.options import BaselineOptions
 
 if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
-    from pytest_gpumem.baselines import BaselineStore, DeviceIdentity, Entry, UpdateSummary, Verdict
+    from pytest_gpumem.compare import Verdict
     from pytest_gpumem.markers import Budget
     from pytest_gpumem.meter import GpuMem
+    from pytest_gpumem.store import BaselineStore, DeviceIdentity, Entry, UpdateSummary
 
 STATUS_REGRESSED = "REGRESSED"
 STATUS_GRADIENTS = "GRADIENTS CHANGED"
 STATUS_IMPROVED = "IMPROVED"
 STATUS_NEW = "NEW"
+STATUS_MISSING = "MISSING BASELINE"
 
 
 def identity_of(backend: Backend) -> DeviceIdentity:
     """What a baseline is valid for: the backend's own `identity()`, else its name and device."""
-    from pytest_gpumem.baselines import DeviceIdentity
+    from pytest_gpumem.store import DeviceIdentity
 
     own = getattr(backend, "identity", None)
     data: dict[str, Any] = own() if callable(own) else {"backend": backend.name, "device": str(backend.device)}
@@ -32,12 +34,15 @@ def identity_of(backend: Backend) -> DeviceIdentity:
 
 
 def verdict_status(verdict: Verdict) -> str:
-    """The report's word for a baseline verdict."""
+    """The report's word for a baseline verdict: a test without a baseline is ``NEW`` when that passes,
+    ``MISSING BASELINE`` when it fails (``--gpumem-strict``)."""
     if verdict.status == "REGRESSED":
         return STATUS_REGRESSED
     if verdict.gradient_status == "CHANGED":
         return STATUS_GRADIENTS
-    return {"IMPROVED": STATUS_IMPROVED, "NEW": STATUS_NEW}.get(verdict.status, "ok")
+    if verdict.status == "NEW":
+        return STATUS_MISSING if verdict.failed else STATUS_NEW
+    return STATUS_IMPROVED if verdict.status == "IMPROVED" else "ok"
 
 
 @dataclass
@@ -83,7 +88,8 @@ class BaselineRun:
     def judge(self, nodeid: str, meter: GpuMem, budget: Budget | None) -> Judgement:
         import torch
 
-        from pytest_gpumem.baselines import Entry, Environment, Tolerance, compare
+        from pytest_gpumem.compare import Tolerance, compare
+        from pytest_gpumem.store import Entry, Environment
 
         assert self.store is not None, "judge() is called only when baselines are active"
 
@@ -102,7 +108,7 @@ class BaselineRun:
             entry,
             self.store.get(nodeid, entry.identity),
             Tolerance(percent, self.options.slack),
-            strict=self.options.strict,
+            strict=self.options.strict and not self.options.update,  # an update records what is missing
             grad_rtol=rtol,
             grad_atol=atol,
         )
@@ -111,7 +117,8 @@ class BaselineRun:
     def finish(self, records: Iterable[tuple[str, dict[str, Any]]], backend: Callable[[], Backend]) -> list[str]:
         """After the run: warnings, unused baselines, and under --gpumem-update/--gpumem-prune the new
         file. Returns the lines for the terminal summary."""
-        from pytest_gpumem.baselines import Entry, UpdateSummary, environment_warnings, unused, update, write
+        from pytest_gpumem.compare import environment_warnings
+        from pytest_gpumem.store import Entry, UpdateSummary, unused, update, write
 
         assert self.store is not None, "finish() is called only when baselines are active"
         entries = {nodeid: Entry.from_json(data) for nodeid, data in records}
@@ -135,7 +142,7 @@ class BaselineRun:
         return lines
 
     def _prune_lines(self, stale: list[str], identity: DeviceIdentity, summary: UpdateSummary) -> list[str]:
-        from pytest_gpumem.baselines import prune
+        from pytest_gpumem.store import prune
 
         assert self.store is not None
         if self.options.prune and self.partial:

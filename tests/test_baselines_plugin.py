@@ -121,16 +121,21 @@ def test_marker_tolerance_overrides(tracker: pytest.Pytester) -> None:
     run(tracker).assert_outcomes(failed=1)
 
 
-def test_missing_baseline_is_new_unless_strict(tracker: pytest.Pytester) -> None:
+def test_missing_baseline_is_new_unless_strict_then_missing_baseline(tracker: pytest.Pytester) -> None:
     suite(tracker, a=1000)
     run(tracker, "--gpumem-update")
     suite(tracker, a=1000, b=10)
     result = run(tracker, "--gpumem-report")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(["*test_alloc?b?*NEW"])
-    strict = run(tracker, "--gpumem-strict")
+    strict = run(tracker, "--gpumem-strict", "--gpumem-report")
     strict.assert_outcomes(passed=1, failed=1)
     strict.stdout.fnmatch_lines(["*no baseline for this test on tracker | cpu (record one with --gpumem-update)*"])
+    strict.stdout.fnmatch_lines(["*test_alloc?b?*MISSING BASELINE"])
+    strict.stdout.no_fnmatch_line("*test_alloc?b?*NEW")
+    recorded = run(tracker, "--gpumem-strict", "--gpumem-update", "--gpumem-report")
+    recorded.assert_outcomes(passed=2)
+    recorded.stdout.fnmatch_lines(["wrote *: 1 added, 0 updated, 1 unchanged, 0 removed", "*test_alloc?b?*NEW"])
 
 
 def test_no_file_means_no_baselines(tracker: pytest.Pytester) -> None:

@@ -1,4 +1,4 @@
-"""Unit tests of pytest_gpumem.baselines: file format, validation, atomic writes, comparison, update."""
+"""Unit tests of pytest_gpumem.store and .compare: file format, validation, atomic writes, comparison, update."""
 
 from __future__ import annotations
 
@@ -12,16 +12,17 @@ from typing import Any
 
 import pytest
 
-from pytest_gpumem import baselines as B
+from pytest_gpumem import compare as C
+from pytest_gpumem import store as S
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.gradients import Fingerprint, GradStats, ParamFingerprint
 from pytest_gpumem.sizes import format_size
 
-H200 = B.DeviceIdentity("cuda", "NVIDIA H200", "9.0", 150_754_820_096)
-A100 = B.DeviceIdentity("cuda", "NVIDIA A100-SXM4-80GB", "8.0", 85_094_678_528)
-TRACKER = B.DeviceIdentity("tracker", "cpu")
-ENV = B.Environment("2.13.0", "12.8")
-NO_SLACK = B.Tolerance(5, 0)
+H200 = S.DeviceIdentity("cuda", "NVIDIA H200", "9.0", 150_754_820_096)
+A100 = S.DeviceIdentity("cuda", "NVIDIA A100-SXM4-80GB", "8.0", 85_094_678_528)
+TRACKER = S.DeviceIdentity("tracker", "cpu")
+ENV = S.Environment("2.13.0", "12.8")
+NO_SLACK = C.Tolerance(5, 0)
 
 
 def decimal(n: int) -> str:
@@ -42,18 +43,18 @@ def grads(scale: float = 1.0) -> Fingerprint:
 def entry(
     peak: int = 16_000_000,
     phases: dict[str, int] | None = None,
-    identity: B.DeviceIdentity = H200,
-    env: B.Environment = ENV,
+    identity: S.DeviceIdentity = H200,
+    env: S.Environment = ENV,
     gradients: Fingerprint | None = None,
-) -> B.Entry:
+) -> S.Entry:
     if phases is None:
         phases = {"forward": 16_000_000, "backward": 8_000_000}
-    return B.Entry.measured(identity, env, peak, phases, gradients)
+    return S.Entry.measured(identity, env, peak, phases, gradients)
 
 
-def sample_store(path: Path) -> B.BaselineStore:
-    store = B.BaselineStore(path)
-    B.update(
+def sample_store(path: Path) -> S.BaselineStore:
+    store = S.BaselineStore(path)
+    S.update(
         store,
         {
             "tests/test_b.py::test_two[bf16-ünïcode]": entry(gradients=grads()),
@@ -61,14 +62,14 @@ def sample_store(path: Path) -> B.BaselineStore:
             "tests/test_a.py::test_zero": entry(peak=0, phases={"z": 0, "a": 5}),
         },
     )
-    B.update(store, {"tests/test_a.py::test_one": entry(identity=A100, env=B.Environment("2.12.0", None))})
-    B.update(store, {"tests/test_a.py::test_one": entry(identity=TRACKER, env=B.Environment(None, None))})
+    S.update(store, {"tests/test_a.py::test_one": entry(identity=A100, env=S.Environment("2.12.0", None))})
+    S.update(store, {"tests/test_a.py::test_one": entry(identity=TRACKER, env=S.Environment(None, None))})
     return store
 
 
 @pytest.fixture
 def path(tmp_path: Path) -> Path:
-    return tmp_path / B.DEFAULT_FILENAME
+    return tmp_path / S.DEFAULT_FILENAME
 
 
 # ------------------------------------------------------------------------------------------ file format
@@ -76,25 +77,25 @@ def path(tmp_path: Path) -> Path:
 
 def test_round_trip_is_byte_stable(path: Path) -> None:
     store = sample_store(path)
-    B.write(store)
+    S.write(store)
     first = path.read_bytes()
-    B.write(store)
+    S.write(store)
     assert path.read_bytes() == first
-    loaded = B.load(path)
+    loaded = S.load(path)
     assert loaded.existed
     assert loaded.entries == store.entries
-    B.write(loaded)
+    S.write(loaded)
     assert path.read_bytes() == first
-    assert B.dumps(loaded).encode() == first
+    assert S.dumps(loaded).encode() == first
 
 
 def test_format_is_sorted_indented_and_newline_terminated(path: Path) -> None:
-    B.write(sample_store(path))
+    S.write(sample_store(path))
     text = path.read_text(encoding="utf-8")
     obj = json.loads(text)
     assert text == json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
     assert text.endswith("}\n") and not text.endswith("\n\n")
-    assert obj["schema"] == B.SCHEMA and obj["version"] == B.VERSION
+    assert obj["schema"] == S.SCHEMA and obj["version"] == S.VERSION
     assert list(obj["entries"]) == sorted(obj["entries"])
     assert "ünïcode" in text  # readable in diffs, not \\u escapes
     one = obj["entries"]["tests/test_a.py::test_one"]
@@ -111,25 +112,25 @@ def test_format_is_sorted_indented_and_newline_terminated(path: Path) -> None:
     assert TRACKER.key == "tracker | cpu"
 
 
-def test_fast_writer_matches_json_dumps() -> None:
+def test_writer_is_the_standard_encoder() -> None:
     store = sample_store(Path("x.json"))
     reference = json.dumps(store.to_json(), indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False)
-    assert B.dumps(store) == reference + "\n"
+    assert S.dumps(store) == reference + "\n"
 
 
 def test_missing_file_is_an_empty_store(path: Path) -> None:
-    store = B.load(path)
+    store = S.load(path)
     assert not store.existed and len(store) == 0 and store.path == path
     assert not path.exists()
 
 
 def test_baseline_error_is_a_gpumem_error() -> None:
-    assert issubclass(B.BaselineError, GpuMemError)
+    assert issubclass(S.BaselineError, GpuMemError)
 
 
 # ------------------------------------------------------------------------------------ refused files
 
-VALID = json.loads(B.dumps(sample_store(Path("x.json"))))
+VALID = json.loads(S.dumps(sample_store(Path("x.json"))))
 ONE = "tests/test_a.py::test_one"
 
 
@@ -180,11 +181,11 @@ BAD_FILES: dict[str, tuple[str | bytes, str]] = {
     "entries-list": (mutated(_set("entries", [])), '"entries" must be an object'),
     "empty-nodeid": (mutated(_set("entries", "", {})), "empty test node id"),
     "per-device-list": (mutated(_set("entries", ONE, [])), "expected an object of device -> entry"),
-    "negative-peak": (mutated(_set(*E, "peak_bytes", -1)), "peak_bytes: expected an integer >= 0"),
-    "float-peak": (mutated(_set(*E, "peak_bytes", 1.5)), "peak_bytes: expected an integer >= 0"),
-    "bool-peak": (mutated(_set(*E, "peak_bytes", True)), "peak_bytes: expected an integer >= 0"),
-    "string-peak": (mutated(_set(*E, "peak_bytes", "16 MB")), "peak_bytes: expected an integer >= 0"),
-    "null-peak": (mutated(_set(*E, "peak_bytes", None)), "peak_bytes: expected an integer >= 0"),
+    "negative-peak": (mutated(_set(*E, "peak_bytes", -1)), "peak_bytes: expected an integer 0 <= n < 2**63"),
+    "float-peak": (mutated(_set(*E, "peak_bytes", 1.5)), "peak_bytes: expected an integer 0 <= n < 2**63"),
+    "bool-peak": (mutated(_set(*E, "peak_bytes", True)), "peak_bytes: expected an integer 0 <= n < 2**63"),
+    "string-peak": (mutated(_set(*E, "peak_bytes", "16 MB")), "peak_bytes: expected an integer 0 <= n < 2**63"),
+    "null-peak": (mutated(_set(*E, "peak_bytes", None)), "peak_bytes: expected an integer 0 <= n < 2**63"),
     "phase-negative": (mutated(_set(*E, "phases", "forward", -5)), 'phases["forward"]: expected an integer'),
     "phase-float": (mutated(_set(*E, "phases", "forward", 2.0)), 'phases["forward"]: expected an integer'),
     "phases-list": (mutated(_set(*E, "phases", [1])), "phases: expected an object"),
@@ -197,11 +198,25 @@ BAD_FILES: dict[str, tuple[str | bytes, str]] = {
     "identity-extra-key": (mutated(_set(*E, "identity", "uuid", "x")), "identity: unknown key 'uuid'"),
     "identity-total-negative": (
         mutated(_set(*E, "identity", "total_memory", -1)),
-        "identity.total_memory: expected an integer >= 0",
+        "identity.total_memory: expected an integer 0 <= n < 2**63",
     ),
     "identity-key-mismatch": (
         mutated(_set(*E, "identity", "device", "NVIDIA H100")),
         "key does not match its identity",
+    ),
+    "peak-400-digits": (
+        mutated(_set(*E, "peak_bytes", 10**400)),
+        "peak_bytes: expected an integer 0 <= n < 2**63 (bytes), got an integer of 401 digits",
+    ),
+    "peak-2**63": (mutated(_set(*E, "peak_bytes", 2**63)), "peak_bytes: expected an integer 0 <= n < 2**63"),
+    "phase-400-digits": (mutated(_set(*E, "phases", "forward", 10**400)), 'phases["forward"]: expected an integer'),
+    "total-memory-400-digits": (
+        mutated(_set(*E, "identity", "total_memory", 10**400)),
+        "identity.total_memory: expected an integer 0 <= n < 2**63",
+    ),
+    "peak-5000-digits": (
+        GOOD_TEXT.replace('"peak_bytes": 1234', '"peak_bytes": ' + "9" * 5000, 1),
+        "not valid JSON: a number of more than",
     ),
     "nan": (GOOD_TEXT.replace('"peak_bytes": 1234', '"peak_bytes": NaN', 1), "NaN is not a valid JSON number"),
     "duplicate-key": (
@@ -231,8 +246,8 @@ def test_bad_file_is_refused_and_left_untouched(path: Path, content: str | bytes
     raw = content if isinstance(content, bytes) else content.encode("utf-8")
     path.write_bytes(raw)
     before = os.stat(path)
-    with pytest.raises(B.BaselineError) as info:
-        B.load(path)
+    with pytest.raises(S.BaselineError) as info:
+        S.load(path)
     message = str(info.value)
     assert expected in message
     assert str(path) in message
@@ -245,64 +260,64 @@ def test_bad_file_is_refused_and_left_untouched(path: Path, content: str | bytes
 
 def test_newer_version_says_upgrade(path: Path) -> None:
     path.write_text(mutated(_set("version", 7)))
-    with pytest.raises(B.BaselineError, match=r"schema version 7 is newer than this pytest-gpumem reads \(1\)"):
-        B.load(path)
+    with pytest.raises(S.BaselineError, match=r"schema version 7 is newer than this pytest-gpumem reads \(1\)"):
+        S.load(path)
 
 
 def test_older_json_of_our_own_loads(path: Path) -> None:
     path.write_text(GOOD_TEXT)  # not in our formatting: still valid
-    assert len(B.load(path)) == len(sample_store(path))
+    assert len(S.load(path)) == len(sample_store(path))
 
 
 def test_unreadable_path_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(B.BaselineError, match="cannot read baseline file"):
-        B.load(tmp_path)  # a folder
+    with pytest.raises(S.BaselineError, match="cannot read baseline file"):
+        S.load(tmp_path)  # a folder
 
 
 # -------------------------------------------------------------------------------------- atomic writes
 
 
 def test_write_creates_file_with_umask_permissions(path: Path) -> None:
-    B.write(sample_store(path))
+    S.write(sample_store(path))
     umask = os.umask(0)
     os.umask(umask)
     assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
 
 
 def test_write_keeps_existing_permissions(path: Path) -> None:
-    path.write_text("{}")
+    S.write(S.BaselineStore(path))
     path.chmod(0o640)
-    B.write(sample_store(path))
+    S.write(sample_store(path))
     assert stat.S_IMODE(path.stat().st_mode) == 0o640
 
 
 def test_write_follows_a_symlink(tmp_path: Path) -> None:
     real = tmp_path / "real.json"
     link = tmp_path / "link.json"
-    real.write_text("{}")
+    S.write(S.BaselineStore(real))
     link.symlink_to(real)
-    B.write(sample_store(link))
+    S.write(sample_store(link))
     assert link.is_symlink()
-    assert B.load(real).entries == sample_store(link).entries
+    assert S.load(real).entries == sample_store(link).entries
 
 
 @pytest.mark.parametrize("target", ["replace", "fsync", "fdopen", "dumps"])
 def test_failed_write_keeps_the_old_file(path: Path, monkeypatch: pytest.MonkeyPatch, target: str) -> None:
     old = sample_store(path)
-    B.write(old)
+    S.write(old)
     before = path.read_bytes()
-    new = B.load(path)
-    B.update(new, {"tests/test_c.py::test_new": entry()})
+    new = S.load(path)
+    S.update(new, {"tests/test_c.py::test_new": entry()})
 
     def boom(*args: object, **kwargs: object) -> Any:
         raise OSError(28, "No space left on device")
 
     if target == "dumps":
-        monkeypatch.setattr(B, "_emit", boom)
+        monkeypatch.setattr(S, "dumps", boom)
     else:
         monkeypatch.setattr(os, target, boom)
-    with pytest.raises(B.BaselineError) as info:
-        B.write(new)
+    with pytest.raises(S.BaselineError) as info:
+        S.write(new)
     monkeypatch.undo()
     assert "could not write baseline file" in str(info.value)
     assert "previous file is unchanged" in str(info.value)
@@ -311,7 +326,7 @@ def test_failed_write_keeps_the_old_file(path: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_interrupt_during_write_keeps_old_file_and_propagates(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    B.write(sample_store(path))
+    S.write(sample_store(path))
     before = path.read_bytes()
 
     def interrupted(*args: object) -> None:
@@ -319,18 +334,18 @@ def test_interrupt_during_write_keeps_old_file_and_propagates(path: Path, monkey
 
     monkeypatch.setattr(os, "replace", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        B.write(B.BaselineStore(path))
+        S.write(S.BaselineStore(path))
     monkeypatch.undo()
     assert path.read_bytes() == before
     assert os.listdir(path.parent) == [path.name]
 
 
 def test_write_of_a_corrupted_store_fails_cleanly(path: Path) -> None:
-    store = B.BaselineStore(path)
+    store = S.BaselineStore(path)
     store.entries["t"] = {H200.key: entry()}
     object.__setattr__(store.entries["t"][H200.key], "peak_bytes", float("nan"))  # bypass validation
-    with pytest.raises(B.BaselineError, match="could not write baseline file"):
-        B.write(store)
+    with pytest.raises(S.BaselineError, match="could not write baseline file"):
+        S.write(store)
     assert not path.exists()
     assert os.listdir(path.parent) == []
 
@@ -339,18 +354,18 @@ def test_write_of_a_corrupted_store_fails_cleanly(path: Path) -> None:
 
 
 def test_tolerance_boundaries_are_exact() -> None:
-    tol = B.Tolerance(5, 0)
+    tol = C.Tolerance(5, 0)
     assert tol.upper(16_000_000) == 16_800_000
     assert tol.lower(16_000_000) == 15_200_000
-    slack = B.Tolerance(5, 1 << 20)
+    slack = C.Tolerance(5, 1 << 20)
     assert slack.upper(16_000_000) == 16_800_000 + (1 << 20)
     assert slack.lower(16_000_000) == 15_200_000 - (1 << 20)
     # decimal percentages are exact: 0.1% of 1000 is 1, not 0.99999...
-    assert B.Tolerance(0.1, 0).upper(1000) == 1001
-    assert B.Tolerance(2.5, 0).upper(1000) == 1025
-    assert B.Tolerance(5, 0).upper(33) == 34  # floor(1.65)
-    assert B.Tolerance(5, 0).lower(33) == 32  # ceil(31.35)
-    assert B.Tolerance(0, 0).upper(7) == 7
+    assert C.Tolerance(0.1, 0).upper(1000) == 1001
+    assert C.Tolerance(2.5, 0).upper(1000) == 1025
+    assert C.Tolerance(5, 0).upper(33) == 34  # floor(1.65)
+    assert C.Tolerance(5, 0).lower(33) == 32  # ceil(31.35)
+    assert C.Tolerance(0, 0).upper(7) == 7
 
 
 @pytest.mark.parametrize(
@@ -359,33 +374,33 @@ def test_tolerance_boundaries_are_exact() -> None:
 )
 @pytest.mark.parametrize("stored", [0, 1, 33, 999, 16_000_000, 123_456_789_012])
 def test_just_inside_passes_one_byte_over_fails(tol: float, slack: int, stored: int) -> None:
-    tolerance = B.Tolerance(tol, slack)
+    tolerance = C.Tolerance(tol, slack)
     allowed = tolerance.upper(stored)
     base = entry(peak=stored, phases={"forward": stored})
-    inside = B.compare("t", entry(peak=allowed, phases={"forward": allowed}), base, tolerance)
+    inside = C.compare("t", entry(peak=allowed, phases={"forward": allowed}), base, tolerance)
     assert inside.status in ("ok", "IMPROVED") and not inside.failed
     assert inside.status == "ok" or allowed < stored
-    over = B.compare("t", entry(peak=allowed, phases={"forward": allowed + 1}), base, tolerance)
+    over = C.compare("t", entry(peak=allowed, phases={"forward": allowed + 1}), base, tolerance)
     assert over.status == "REGRESSED" and over.failed
     assert [c.status for c in over.comparisons] == ["ok", "REGRESSED"]
     lower = tolerance.lower(stored)
     if lower >= 0:
-        at_lower = B.compare("t", entry(peak=stored, phases={"forward": lower}), base, tolerance)
+        at_lower = C.compare("t", entry(peak=stored, phases={"forward": lower}), base, tolerance)
         assert at_lower.status == "ok"
     if lower - 1 >= 0:
-        below = B.compare("t", entry(peak=stored, phases={"forward": lower - 1}), base, tolerance)
+        below = C.compare("t", entry(peak=stored, phases={"forward": lower - 1}), base, tolerance)
         assert below.status == "IMPROVED" and not below.failed
 
 
 @pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), True, "5"])
 def test_bad_tolerance_is_refused(bad: Any) -> None:
     with pytest.raises(ValueError, match="tolerance"):
-        B.Tolerance(bad, 0)
+        C.Tolerance(bad, 0)
 
 
 def test_bad_slack_is_refused() -> None:
     with pytest.raises(ValueError, match="slack"):
-        B.Tolerance(5, -1)
+        C.Tolerance(5, -1)
 
 
 # ---------------------------------------------------------------------------------------- comparison
@@ -394,7 +409,7 @@ def test_bad_slack_is_refused() -> None:
 def test_regression_message_is_exact() -> None:
     base = entry(peak=16_000_000, phases={"forward": 16_000_000})
     current = entry(peak=16_000_000, phases={"forward": 20_100_000})
-    verdict = B.compare("t", current, base, NO_SLACK, fmt=decimal)
+    verdict = C.compare("t", current, base, NO_SLACK, fmt=decimal)
     assert verdict.status == "REGRESSED" and verdict.failed
     assert verdict.problems == ("forward peak 20.1 MB is 25.6% above baseline 16.0 MB (tolerance 5%)",)
     assert verdict.failure_message() == verdict.problems[0]
@@ -410,14 +425,14 @@ def test_regression_message_is_exact() -> None:
 
 def test_regression_message_mentions_slack_and_uses_binary_units_by_default() -> None:
     base = entry(peak=16 << 20, phases={})
-    verdict = B.compare("t", entry(peak=24 << 20, phases={}), base)
+    verdict = C.compare("t", entry(peak=24 << 20, phases={}), base)
     assert verdict.problems == ("call peak 24.0 MiB is 50.0% above baseline 16.0 MiB (tolerance 5% + 1.0 MiB)",)
 
 
 def test_whole_call_and_every_phase_are_compared() -> None:
     base = entry(peak=100_000_000, phases={"forward": 50_000_000, "backward": 80_000_000})
     current = entry(peak=200_000_000, phases={"forward": 50_000_000, "backward": 90_000_000})
-    verdict = B.compare("t", current, base, NO_SLACK, fmt=decimal)
+    verdict = C.compare("t", current, base, NO_SLACK, fmt=decimal)
     assert [(c.label, c.status) for c in verdict.comparisons] == [
         ("call", "REGRESSED"),
         ("forward", "ok"),
@@ -430,7 +445,7 @@ def test_whole_call_and_every_phase_are_compared() -> None:
 def test_improvement_passes_with_a_note() -> None:
     base = entry(peak=16_000_000, phases={"forward": 16_000_000})
     current = entry(peak=16_000_000, phases={"forward": 12_000_000})
-    verdict = B.compare("t", current, base, NO_SLACK, fmt=decimal)
+    verdict = C.compare("t", current, base, NO_SLACK, fmt=decimal)
     assert verdict.status == "IMPROVED" and not verdict.failed
     assert verdict.problems == ()
     assert verdict.notes == (
@@ -442,32 +457,32 @@ def test_improvement_passes_with_a_note() -> None:
 def test_regression_wins_over_improvement() -> None:
     base = entry(peak=100, phases={"forward": 100, "backward": 100})
     current = entry(peak=100, phases={"forward": 10, "backward": 200})
-    verdict = B.compare("t", current, base, NO_SLACK)
+    verdict = C.compare("t", current, base, NO_SLACK)
     assert verdict.status == "REGRESSED" and verdict.failed
     assert len(verdict.problems) == 1 and len(verdict.notes) == 1
 
 
 def test_new_test_passes_unless_strict() -> None:
-    verdict = B.compare("t", entry(), None)
+    verdict = C.compare("t", entry(), None)
     assert verdict.status == "NEW" and not verdict.failed
     assert verdict.notes == (f"no baseline for this test on {H200.key} (record one with --gpumem-update)",)
     assert {c.status for c in verdict.comparisons} == {"NEW"}
-    strict = B.compare("t", entry(), None, strict=True)
+    strict = C.compare("t", entry(), None, strict=True)
     assert strict.status == "NEW" and strict.failed and strict.problems == verdict.notes
 
 
 def test_new_phase_is_a_note_unless_strict() -> None:
     base = entry(peak=100, phases={"forward": 100})
     current = entry(peak=100, phases={"forward": 100, "optimizer": 50})
-    verdict = B.compare("t", current, base, NO_SLACK)
+    verdict = C.compare("t", current, base, NO_SLACK)
     assert verdict.status == "ok" and not verdict.failed
     assert verdict.notes == ("optimizer peak 50 B has no baseline (record one with --gpumem-update)",)
-    assert B.compare("t", current, base, NO_SLACK, strict=True).failed
+    assert C.compare("t", current, base, NO_SLACK, strict=True).failed
 
 
 def test_phase_that_did_not_run_is_a_note() -> None:
     base = entry(peak=100, phases={"forward": 100, "backward": 70})
-    verdict = B.compare("t", entry(peak=100, phases={"forward": 100}), base, NO_SLACK)
+    verdict = C.compare("t", entry(peak=100, phases={"forward": 100}), base, NO_SLACK)
     assert verdict.status == "ok" and not verdict.failed
     assert verdict.comparisons[-1].status == "MISSING"
     assert verdict.notes == ("backward has a baseline (70 B) but was not measured in this run",)
@@ -475,36 +490,36 @@ def test_phase_that_did_not_run_is_a_note() -> None:
 
 def test_zero_baseline() -> None:
     base = entry(peak=0, phases={})
-    assert B.compare("t", entry(peak=0, phases={}), base, NO_SLACK).status == "ok"
-    verdict = B.compare("t", entry(peak=512, phases={}), base, NO_SLACK)
+    assert C.compare("t", entry(peak=0, phases={}), base, NO_SLACK).status == "ok"
+    verdict = C.compare("t", entry(peak=512, phases={}), base, NO_SLACK)
     assert verdict.status == "REGRESSED"
     assert verdict.problems == ("call peak 512 B is above baseline 0 B (tolerance 5%)",)
     assert verdict.comparisons[0].change_percent is None
-    assert B.compare("t", entry(peak=512, phases={}), base, B.Tolerance(5, 512)).status == "ok"
+    assert C.compare("t", entry(peak=512, phases={}), base, C.Tolerance(5, 512)).status == "ok"
 
 
 def test_gradients_are_compared_when_both_sides_have_them() -> None:
     base = entry(gradients=grads())
-    same = B.compare("t", entry(gradients=grads()), base)
+    same = C.compare("t", entry(gradients=grads()), base)
     assert same.gradient_status == "ok" and not same.failed and same.label == "ok"
-    changed = B.compare("t", entry(gradients=grads(1.01)), base)
+    changed = C.compare("t", entry(gradients=grads(1.01)), base)
     assert changed.status == "ok" and changed.gradient_status == "CHANGED" and changed.failed
     assert changed.label == "CHANGED"
     assert "gradient 'fc.weight'" in changed.failure_message()
-    assert B.compare("t", entry(gradients=grads(1.01)), base, grad_rtol=0.05).gradient_status == "ok"
-    new = B.compare("t", entry(gradients=grads()), entry())
+    assert C.compare("t", entry(gradients=grads(1.01)), base, grad_rtol=0.05).gradient_status == "ok"
+    new = C.compare("t", entry(gradients=grads()), entry())
     assert new.gradient_status == "NEW" and not new.failed
-    assert B.compare("t", entry(gradients=grads()), entry(), strict=True).failed
-    gone = B.compare("t", entry(), base)
+    assert C.compare("t", entry(gradients=grads()), entry(), strict=True).failed
+    gone = C.compare("t", entry(), base)
     assert gone.gradient_status is None and not gone.failed and gone.notes
 
 
 def test_verdict_and_entry_survive_json(path: Path) -> None:
-    verdict = B.compare("t", entry(peak=10**9, gradients=grads(2)), entry(gradients=grads()), NO_SLACK)
+    verdict = C.compare("t", entry(peak=10**9, gradients=grads(2)), entry(gradients=grads()), NO_SLACK)
     wire = json.loads(json.dumps(verdict.to_json()))
-    assert B.Verdict.from_json(wire) == verdict
+    assert C.Verdict.from_json(wire) == verdict
     e = entry(gradients=grads())
-    assert B.Entry.from_json(json.loads(json.dumps(e.to_json()))) == e
+    assert S.Entry.from_json(json.loads(json.dumps(e.to_json()))) == e
 
 
 def test_entry_validates_its_values() -> None:
@@ -513,24 +528,24 @@ def test_entry_validates_its_values() -> None:
     with pytest.raises(ValueError, match=r'phases\["f"\]'):
         entry(phases={"f": 1.5})  # type: ignore[dict-item]
     with pytest.raises(ValueError, match=r"identity\.device"):
-        B.DeviceIdentity("cuda", "")
+        S.DeviceIdentity("cuda", "")
 
 
 # ------------------------------------------------------------------------------- environment warnings
 
 
 def test_no_warning_when_versions_match(path: Path) -> None:
-    store = B.BaselineStore(path)
-    B.update(store, {"a": entry(), "b": entry()})
-    assert B.environment_warnings(store, H200, ENV) == []
-    assert B.environment_warnings(B.BaselineStore(path), H200, ENV) == []
+    store = S.BaselineStore(path)
+    S.update(store, {"a": entry(), "b": entry()})
+    assert C.environment_warnings(store, H200, ENV) == []
+    assert C.environment_warnings(S.BaselineStore(path), H200, ENV) == []
 
 
 def test_version_mismatch_is_one_warning(path: Path) -> None:
-    store = B.BaselineStore(path)
-    old = B.Environment("2.12.0", "12.4")
-    B.update(store, {"a": entry(env=old), "b": entry(env=old), "c": entry(), "d": entry(identity=A100)})
-    warnings = B.environment_warnings(store, H200, ENV)
+    store = S.BaselineStore(path)
+    old = S.Environment("2.12.0", "12.4")
+    S.update(store, {"a": entry(env=old), "b": entry(env=old), "c": entry(), "d": entry(identity=A100)})
+    warnings = C.environment_warnings(store, H200, ENV)
     assert warnings == [
         f"2 of 3 baselines in {path} for {H200.key} were recorded with torch 2.12.0 / CUDA 12.4 (2); "
         "this run uses torch 2.13.0 / CUDA 12.8: peaks can differ between versions "
@@ -539,9 +554,9 @@ def test_version_mismatch_is_one_warning(path: Path) -> None:
 
 
 def test_other_device_only_is_a_warning(path: Path) -> None:
-    store = B.BaselineStore(path)
-    B.update(store, {"a": entry(identity=A100), "b": entry(identity=A100), "c": entry(identity=TRACKER)})
-    (warning,) = B.environment_warnings(store, H200, ENV)
+    store = S.BaselineStore(path)
+    S.update(store, {"a": entry(identity=A100), "b": entry(identity=A100), "c": entry(identity=TRACKER)})
+    (warning,) = C.environment_warnings(store, H200, ENV)
     assert warning == (
         f"{path} has no baselines for this device ({H200.key}); it has baselines for {A100.key} (2), {TRACKER.key} (1)"
     )
@@ -555,8 +570,8 @@ def test_environment_from_torch_module() -> None:
         __version__ = "2.13.0+cu128"
         version = Version
 
-    assert B.Environment.from_torch(FakeTorch) == B.Environment("2.13.0+cu128", "12.8")
-    assert B.Environment("2.13.0", None).describe() == "torch 2.13.0 / no CUDA"
+    assert S.Environment.from_torch(FakeTorch) == S.Environment("2.13.0+cu128", "12.8")
+    assert S.Environment("2.13.0", None).describe() == "torch 2.13.0 / no CUDA"
 
 
 # ----------------------------------------------------------------------------------- update and prune
@@ -564,13 +579,13 @@ def test_environment_from_torch_module() -> None:
 
 def test_update_records_and_summarises(path: Path) -> None:
     store = sample_store(path)
-    B.write(store)
-    store = B.load(path)
+    S.write(store)
+    store = S.load(path)
     untouched = {
         ("tests/test_a.py::test_one", A100.key): store.entries["tests/test_a.py::test_one"][A100.key],
         ("tests/test_a.py::test_zero", H200.key): store.entries["tests/test_a.py::test_zero"][H200.key],
     }
-    summary = B.update(
+    summary = S.update(
         store,
         {
             "tests/test_a.py::test_one": entry(peak=1234, phases={}),  # same values
@@ -587,69 +602,74 @@ def test_update_records_and_summarises(path: Path) -> None:
     for (nodeid, key), value in untouched.items():
         assert store.entries[nodeid][key] is value
     assert store.get("tests/test_b.py::test_two[bf16-ünïcode]", H200) == entry(peak=1, gradients=grads())
-    B.write(store)
-    reloaded = B.load(path)
+    S.write(store)
+    reloaded = S.load(path)
     assert reloaded.entries == store.entries
 
 
 def test_update_without_changes_needs_no_write(path: Path) -> None:
     store = sample_store(path)
-    summary = B.update(store, {"tests/test_a.py::test_one": entry(peak=1234, phases={})})
+    summary = S.update(store, {"tests/test_a.py::test_one": entry(peak=1234, phases={})})
     assert not summary.changed
 
 
 def test_update_keep_within_tolerance_avoids_churn(path: Path) -> None:
-    store = B.BaselineStore(path)
-    B.update(store, {"a": entry(peak=1000, phases={"f": 1000}, gradients=grads())})
+    store = S.BaselineStore(path)
+    S.update(store, {"a": entry(peak=1000, phases={"f": 1000}, gradients=grads())})
     original = store.get("a", H200)
-    tol = B.Tolerance(5, 0)
-    summary = B.update(store, {"a": entry(peak=1040, phases={"f": 960}, gradients=grads())}, keep_within=tol)
+    tol = C.Tolerance(5, 0)
+    summary = S.update(
+        store,
+        {"a": entry(peak=1040, phases={"f": 960}, gradients=grads())},
+        keep=lambda old, new: C.equivalent(old, new, tol),
+    )
     assert summary.unchanged == ["a"] and store.get("a", H200) is original
     for changed in (
         entry(peak=1051, phases={"f": 1000}, gradients=grads()),
         entry(peak=1000, phases={"f": 1000, "g": 1}, gradients=grads()),
         entry(peak=1000, phases={"f": 1000}, gradients=grads(1.5)),
         entry(peak=1000, phases={"f": 1000}),
-        entry(peak=1000, phases={"f": 1000}, gradients=grads(), env=B.Environment("2.14.0", "12.8")),
+        entry(peak=1000, phases={"f": 1000}, gradients=grads(), env=S.Environment("2.14.0", "12.8")),
     ):
-        store = B.BaselineStore(path)
-        B.update(store, {"a": entry(peak=1000, phases={"f": 1000}, gradients=grads())})
-        assert B.update(store, {"a": changed}, keep_within=tol).updated == ["a"]
+        store = S.BaselineStore(path)
+        S.update(store, {"a": entry(peak=1000, phases={"f": 1000}, gradients=grads())})
+        assert S.update(store, {"a": changed}, keep=lambda old, new: C.equivalent(old, new, tol)).updated == ["a"]
 
 
 def test_unused_and_prune_touch_only_this_device(path: Path) -> None:
-    store = B.BaselineStore(path)
-    B.update(store, {"a": entry(), "b": entry(), "c": entry(), "d": entry(identity=A100)})
-    B.update(store, {"b": entry(identity=A100)})
-    stale = B.unused(store, H200, ["a", "x"])
+    store = S.BaselineStore(path)
+    S.update(store, {"a": entry(), "b": entry(), "c": entry(), "d": entry(identity=A100)})
+    S.update(store, {"b": entry(identity=A100)})
+    stale = S.unused(store, H200, ["a", "x"])
     assert stale == ["b", "c"]
-    assert B.unused(store, A100, ["a", "x"]) == ["b", "d"]
-    summary = B.update(store, {"a": entry(peak=5)})
-    B.prune(store, stale, H200, summary=summary)
+    assert S.unused(store, A100, ["a", "x"]) == ["b", "d"]
+    summary = S.update(store, {"a": entry(peak=5)})
+    S.prune(store, stale, H200, summary=summary)
     assert summary.removed == ["b", "c"]
     assert summary.describe() == "0 added, 1 updated, 0 unchanged, 2 removed"
     assert sorted(store.entries) == ["a", "b", "d"]
     assert list(store.entries["b"]) == [A100.key]
     assert store.nodeids(H200) == ["a"]
-    assert B.unused(store, H200, ["a"]) == []
-    assert B.prune(store, ["zzz"], H200).removed == []
-    B.write(store)
-    assert B.load(path).entries == store.entries
+    assert S.unused(store, H200, ["a"]) == []
+    assert S.prune(store, ["zzz"], H200).removed == []
+    S.write(store)
+    assert S.load(path).entries == store.entries
 
 
 # ----------------------------------------------------------------------------------- import and speed
 
 
-def test_baselines_module_does_not_import_torch() -> None:
-    code = "import sys, pytest_gpumem.baselines; sys.exit('torch' in sys.modules)"
+@pytest.mark.parametrize("module", ["store", "compare", "baselines"])
+def test_baseline_modules_do_not_import_torch(module: str) -> None:
+    code = f"import sys, pytest_gpumem.{module}; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
 def test_ten_thousand_entries_round_trip(path: Path) -> None:
     """Correct at scale; the time it takes is a benchmark (benchmarks/scale.py), not a test."""
     n = 10_000
-    store = B.BaselineStore(path)
-    B.update(
+    store = S.BaselineStore(path)
+    S.update(
         store,
         {
             f"tests/test_m{i % 50}.py::test_case[{i}]": entry(
@@ -658,17 +678,17 @@ def test_ten_thousand_entries_round_trip(path: Path) -> None:
             for i in range(n)
         },
     )
-    B.write(store)
+    S.write(store)
     current = {
         nodeid: entry(peak=10_000_000 + i * 200, phases={"forward": 6_000_000, "backward": 9_000_000, "step": 1})
         for i, nodeid in enumerate(sorted(store.entries))
     }
-    tol = B.Tolerance()
-    loaded = B.load(path)
-    B.environment_warnings(loaded, H200, ENV)
-    verdicts = [B.compare(nodeid, e, loaded.get(nodeid, H200), tol) for nodeid, e in current.items()]
-    summary = B.update(loaded, current)
-    B.write(loaded)
+    tol = C.Tolerance()
+    loaded = S.load(path)
+    C.environment_warnings(loaded, H200, ENV)
+    verdicts = [C.compare(nodeid, e, loaded.get(nodeid, H200), tol) for nodeid, e in current.items()]
+    summary = S.update(loaded, current)
+    S.write(loaded)
     assert len(verdicts) == n and len(summary.updated) + len(summary.unchanged) == n
     assert any(v.status == "REGRESSED" for v in verdicts)
-    assert B.dumps(B.load(path)) == B.dumps(loaded)
+    assert S.dumps(S.load(path)) == S.dumps(loaded)

@@ -1,0 +1,344 @@
+"""Judging a measurement against its baseline: the one tolerance arithmetic, the verdicts, version warnings.
+
+Comparison (``compare``) is one-sided. With tolerance ``t`` percent and slack ``s`` bytes, a stored peak
+``b`` allows ``b + floor(b * t / 100) + s`` bytes: one byte more is ``REGRESSED`` (fails). Below
+``b * (1 - t / 100) - s`` is ``IMPROVED`` (passes, "baseline can be lowered"). A test without a baseline
+for this device is ``NEW`` (passes unless strict). Integer arithmetic only, so the boundary is exact.
+``equivalent`` uses the same bounds to keep a re-recorded entry that only moved within the tolerance.
+
+Pure data in, data out: no files (``store.py``), no pytest, no torch. Typical use::
+
+    store = load(path)                                   # BaselineError -> pytest.UsageError
+    for line in environment_warnings(store, identity, env): warn once
+    verdict = compare(nodeid, current_entry, store.get(nodeid, identity), Tolerance(5, 1 << 20))
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Literal
+
+from pytest_gpumem.constants import DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT
+from pytest_gpumem.gradients import GradientComparison, compare_fingerprints
+from pytest_gpumem.sizes import format_size
+from pytest_gpumem.store import BaselineStore, DeviceIdentity, Entry, Environment, check_bytes, short
+
+__all__ = [
+    "GradientStatus",
+    "PhaseComparison",
+    "PhaseStatus",
+    "Status",
+    "Tolerance",
+    "Verdict",
+    "compare",
+    "environment_warnings",
+    "equivalent",
+]
+
+Status = Literal["ok", "REGRESSED", "IMPROVED", "NEW"]
+"""Memory verdict of a test (``Verdict.status``)."""
+PhaseStatus = Literal["ok", "REGRESSED", "IMPROVED", "NEW", "MISSING"]
+"""Per comparison; ``MISSING``: the baseline has this phase, the run did not measure it (a note)."""
+GradientStatus = Literal["ok", "CHANGED", "NEW"]
+
+SizeFormatter = Callable[[int], str]
+
+
+@dataclass(frozen=True, slots=True)
+class Tolerance:
+    """One-sided tolerance: ``percent`` of the stored value plus ``slack_bytes``.
+
+    ``upper(b)`` is the largest passing value for a stored ``b``; ``lower(b)`` the smallest value that is
+    not an improvement. Exact integer arithmetic (``percent`` is read as the decimal it prints as).
+    """
+
+    percent: float = DEFAULT_TOLERANCE_PERCENT
+    slack_bytes: int = DEFAULT_SLACK_BYTES
+    _num: int = field(init=False, repr=False, compare=False, default=0)
+    _den: int = field(init=False, repr=False, compare=False, default=1)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.percent, bool) or not isinstance(self.percent, (int, float)):
+            raise ValueError(f"tolerance must be a number of percent, got {short(self.percent)}")
+        if not math.isfinite(self.percent) or self.percent < 0:
+            raise ValueError(f"tolerance must be a finite percentage >= 0, got {self.percent!r}")
+        check_bytes(self.slack_bytes, "slack")
+        ratio = _ratio(float(self.percent))
+        object.__setattr__(self, "_num", ratio.numerator)
+        object.__setattr__(self, "_den", ratio.denominator)
+
+    def upper(self, stored: int) -> int:
+        return stored + (stored * self._num) // self._den + self.slack_bytes
+
+    def lower(self, stored: int) -> int:
+        # ceil(stored * (1 - p) - slack)
+        return -((-(stored * (self._den - self._num) - self.slack_bytes * self._den)) // self._den)
+
+    def describe(self, fmt: SizeFormatter = format_size) -> str:
+        pct = f"{self.percent:g}%"
+        return f"{pct} + {fmt(self.slack_bytes)}" if self.slack_bytes else pct
+
+
+@functools.lru_cache(maxsize=64)
+def _ratio(percent: float) -> Fraction:
+    return Fraction(repr(percent)) / 100
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseComparison:
+    """One compared peak: ``phase`` is ``None`` for the whole call phase."""
+
+    phase: str | None
+    baseline: int | None
+    current: int | None
+    allowed: int | None
+    change_percent: float | None
+    status: PhaseStatus
+    message: str | None = None
+
+    @property
+    def label(self) -> str:
+        return "call" if self.phase is None else self.phase
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "phase": self.phase,
+            "baseline": self.baseline,
+            "current": self.current,
+            "allowed": self.allowed,
+            "change_percent": self.change_percent,
+            "status": self.status,
+            "message": self.message,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> PhaseComparison:
+        return cls(**obj)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Outcome of comparing one test with its baseline.
+
+    ``status`` is the memory verdict (``REGRESSED`` if any peak regressed, else ``IMPROVED`` if any
+    improved, else ``NEW`` without a baseline, else ``ok``); ``gradient_status`` is ``None`` when no
+    gradients were compared. ``problems`` are the lines that made it fail (``failed``), ``notes`` inform.
+    """
+
+    nodeid: str
+    status: Status
+    comparisons: tuple[PhaseComparison, ...]
+    problems: tuple[str, ...]
+    notes: tuple[str, ...]
+    gradient_status: GradientStatus | None = None
+    failed: bool = False
+
+    @property
+    def messages(self) -> tuple[str, ...]:
+        return self.problems + self.notes
+
+    @property
+    def label(self) -> str:
+        """One word for a report column: ``REGRESSED``, ``CHANGED`` (gradients), else ``status``."""
+        if self.status == "REGRESSED":
+            return "REGRESSED"
+        if self.gradient_status == "CHANGED":
+            return "CHANGED"
+        return self.status
+
+    def failure_message(self) -> str:
+        """One line for the test's failure report (empty when not failed)."""
+        return "; ".join(self.problems)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "nodeid": self.nodeid,
+            "status": self.status,
+            "comparisons": [c.to_json() for c in self.comparisons],
+            "problems": list(self.problems),
+            "notes": list(self.notes),
+            "gradient_status": self.gradient_status,
+            "failed": self.failed,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> Verdict:
+        return cls(
+            nodeid=obj["nodeid"],
+            status=obj["status"],
+            comparisons=tuple(PhaseComparison.from_json(c) for c in obj["comparisons"]),
+            problems=tuple(obj["problems"]),
+            notes=tuple(obj["notes"]),
+            gradient_status=obj["gradient_status"],
+            failed=obj["failed"],
+        )
+
+
+def compare(
+    nodeid: str,
+    current: Entry,
+    baseline: Entry | None,
+    tolerance: Tolerance | None = None,
+    *,
+    strict: bool = False,
+    fmt: SizeFormatter = format_size,
+    grad_rtol: float | Mapping[str, float] | None = None,
+    grad_atol: float | None = None,
+) -> Verdict:
+    """Compare a measurement with its stored baseline (``store.get(nodeid, current.identity)``).
+
+    The whole-call peak and every phase are compared. Growth beyond ``tolerance.upper`` fails:
+    ``"forward peak 20.1 MiB is 25.6% above baseline 16.0 MiB (tolerance 5% + 1.0 MiB)"``. A drop below
+    ``tolerance.lower`` passes with an "improved" note. No baseline: ``NEW``, failing only when
+    ``strict`` (which also fails a phase or gradients without a baseline). Gradients are compared when
+    both sides have fingerprints (``grad_rtol``/``grad_atol`` as in ``compare_fingerprints``).
+    """
+    tol = tolerance if tolerance is not None else _DEFAULT_TOLERANCE
+    if baseline is None:
+        hint = f"no baseline for this test on {current.identity.key} (record one with --gpumem-update)"
+        comparisons = [PhaseComparison(None, None, current.peak_bytes, None, None, "NEW")]
+        comparisons.extend(PhaseComparison(n, None, v, None, None, "NEW") for n, v in current.phases.items())
+        return Verdict(
+            nodeid=nodeid,
+            status="NEW",
+            comparisons=tuple(comparisons),
+            problems=(hint,) if strict else (),
+            notes=() if strict else (hint,),
+            gradient_status=None if current.gradients is None else "NEW",
+            failed=strict,
+        )
+    results = [_compare_one(None, baseline.peak_bytes, current.peak_bytes, tol, fmt)]
+    base_phases = baseline.phases
+    for name, value in current.phases.items():
+        results.append(_compare_one(name, base_phases.get(name), value, tol, fmt))
+    for name, value in base_phases.items():
+        if name not in current.phases:
+            results.append(_compare_one(name, value, None, tol, fmt))
+    problems: list[str] = []
+    notes: list[str] = []
+    status: Status = "ok"
+    for c in results:
+        if c.status == "ok":
+            continue
+        if c.status == "REGRESSED":
+            status = "REGRESSED"
+        elif c.status == "IMPROVED" and status == "ok":
+            status = "IMPROVED"
+        if c.message is not None:
+            if c.status == "REGRESSED" or (strict and c.status == "NEW"):
+                problems.append(c.message)
+            else:
+                notes.append(c.message)
+
+    gradient_status: GradientStatus | None = None
+    if current.gradients is not None and baseline.gradients is not None:
+        grads: GradientComparison = compare_fingerprints(
+            baseline.gradients, current.gradients, rtol=grad_rtol, atol=grad_atol
+        )
+        gradient_status = "ok" if grads.ok else "CHANGED"
+        problems.extend(grads.messages)
+        notes.extend(grads.notes)
+    elif current.gradients is not None:
+        gradient_status = "NEW"
+        message = "gradients have no baseline (record one with --gpumem-update)"
+        (problems if strict else notes).append(message)
+    elif baseline.gradients is not None:
+        notes.append("the baseline has gradient fingerprints, this run recorded none")
+    return Verdict(
+        nodeid=nodeid,
+        status=status,
+        comparisons=tuple(results),
+        problems=tuple(problems),
+        notes=tuple(notes),
+        gradient_status=gradient_status,
+        failed=bool(problems),
+    )
+
+
+def _compare_one(
+    phase: str | None, stored: int | None, current: int | None, tol: Tolerance, fmt: SizeFormatter
+) -> PhaseComparison:
+    label = "call" if phase is None else phase
+    if stored is None:
+        assert current is not None
+        message = f"{label} peak {fmt(current)} has no baseline (record one with --gpumem-update)"
+        return PhaseComparison(phase, None, current, None, None, "NEW", message)
+    if current is None:
+        message = f"{label} has a baseline ({fmt(stored)}) but was not measured in this run"
+        return PhaseComparison(phase, stored, None, None, None, "MISSING", message)
+    allowed = tol.upper(stored)
+    change = (current - stored) * 100 / stored if stored else None
+    if current > allowed:
+        by = f"is {_pct(change, tol.percent)}% above" if change is not None else "is above"
+        message = f"{label} peak {fmt(current)} {by} baseline {fmt(stored)} (tolerance {tol.describe(fmt)})"
+        return PhaseComparison(phase, stored, current, allowed, change, "REGRESSED", message)
+    if current < stored and current < tol.lower(stored):  # lower(b) <= b: skip the arithmetic
+        drop = -change if change is not None else 0.0
+        message = (
+            f"{label} peak {fmt(current)} is {_pct(drop, tol.percent)}% below baseline {fmt(stored)} "
+            f"(tolerance {tol.describe(fmt)}): improved, baseline can be lowered (--gpumem-update)"
+        )
+        return PhaseComparison(phase, stored, current, allowed, change, "IMPROVED", message)
+    return PhaseComparison(phase, stored, current, allowed, change, "ok")
+
+
+def _pct(change: float, tolerance: float) -> str:
+    """One decimal, or more where one would hide that the change exceeds the tolerance (5.0% vs 5%)."""
+    text = f"{change:.1f}"
+    return text if float(text) > tolerance else f"{change:.6g}"
+
+
+def environment_warnings(store: BaselineStore, identity: DeviceIdentity, env: Environment) -> list[str]:
+    """Warnings to show once per run: baselines recorded with other torch/CUDA versions, or for other
+    devices only. Empty when everything matches (or the store is empty)."""
+    key = identity.key
+    mine = 0
+    others: dict[str, int] = {}
+    versions: dict[Environment, int] = {}
+    for per_device in store.entries.values():
+        for k, entry in per_device.items():
+            if k == key:
+                mine += 1
+                if entry.torch != env.torch or entry.cuda != env.cuda:
+                    e = entry.environment
+                    versions[e] = versions.get(e, 0) + 1
+            else:
+                others[k] = others.get(k, 0) + 1
+    warnings: list[str] = []
+    if mine == 0 and others:
+        listed = ", ".join(f"{k} ({n})" for k, n in sorted(others.items(), key=lambda kv: (-kv[1], kv[0]))[:3])
+        more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+        warnings.append(f"{store.path} has no baselines for this device ({key}); it has baselines for {listed}{more}")
+    if versions:
+        n = sum(versions.values())
+        ranked = sorted(versions.items(), key=lambda kv: (-kv[1], kv[0].describe()))
+        listed = ", ".join(f"{e.describe()} ({c})" for e, c in ranked[:3])
+        more = f" and {len(ranked) - 3} more" if len(ranked) > 3 else ""
+        warnings.append(
+            f"{n} of {mine} baselines in {store.path} for {key} were recorded with {listed}{more}; "
+            f"this run uses {env.describe()}: peaks can differ between versions "
+            "(refresh with --gpumem-update)"
+        )
+    return warnings
+
+
+def equivalent(old: Entry, new: Entry, tol: Tolerance) -> bool:
+    """Whether ``new`` re-measures ``old`` within ``tol``: same versions, phases and gradients, every peak
+    between ``tol.lower`` and ``tol.upper`` of the stored one (``store.update(keep=...)``)."""
+    if old.torch != new.torch or old.cuda != new.cuda or set(old.phases) != set(new.phases):
+        return False
+    if (old.gradients is None) != (new.gradients is None):
+        return False
+    pairs = [(old.peak_bytes, new.peak_bytes), *((old.phases[k], new.phases[k]) for k in old.phases)]
+    if any(not (tol.lower(b) <= c <= tol.upper(b)) for b, c in pairs):
+        return False
+    if old.gradients is not None and new.gradients is not None:
+        return compare_fingerprints(old.gradients, new.gradients).ok
+    return True
+
+
+_DEFAULT_TOLERANCE = Tolerance()
