@@ -3,9 +3,8 @@
     python benchmarks/third_party.py [--package einops==0.8.2] [--json PATH]
 
 Downloads the package's source distribution from the package index (its tests ship in it), runs its
-test suite with the plugin idle (`-p no:gpumem`) and with every test measured on the tracker (a
-`max_memory` limit no test reaches, added by the plugin module `measure_every_test` next to this
-file), and compares the outcome of each test. Nothing of the suite is kept here.
+test suite with the plugin disabled (`-p no:gpumem`) and with every test measured on the tracker
+(`--gpumem-all`), and compares the outcome of each test. Nothing of the suite is kept here.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from pathlib import Path
 
 import benchlib
 
-HERE = Path(__file__).resolve().parent
 SUITES = {"einops": ("einops/tests", {"EINOPS_TEST_BACKENDS": "torch"})}
 
 
@@ -46,9 +44,9 @@ def outcomes(junit: Path) -> dict[str, str]:
 
 
 def run(source: Path, tests: str, env: dict[str, str], measured: bool, junit: Path) -> float:
-    plugin = ["-p", "measure_every_test", "--gpumem-backend=tracker"] if measured else ["-p", "no:gpumem"]
+    plugin = ["--gpumem-all", "--gpumem-backend=tracker"] if measured else ["-p", "no:gpumem"]
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *plugin, tests]
-    path = os.pathsep.join([str(HERE), str(source)])
+    path = str(source)
     start = time.perf_counter()
     subprocess.run(command, cwd=source, env={**os.environ, **env, "PYTHONPATH": path}, capture_output=True)
     return time.perf_counter() - start

@@ -146,8 +146,9 @@ class GpuMem:
         rtol: float | None = None,
         atol: float | None = None,
     ) -> None:
-        """Fingerprint the gradients now (their `.grad`), to compare with the stored baseline after the
-        call; `rtol`/`atol` override the dtype's defaults. The fingerprint's own work is not measured."""
+        """Fingerprint the gradients now (a module's `.grad`; a dict's tensors are gradients themselves
+        unless they are parameters), to compare with the stored baseline after the call; `rtol`/`atol`
+        override the dtype's defaults. The fingerprint's own work is not measured."""
         __tracebackhide__ = True
         from pytest_gpumem.gradients import fingerprint
 

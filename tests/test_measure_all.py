@@ -87,7 +87,7 @@ def test_junit_xml_carries_peaks_as_properties(tracker: pytest.Pytester) -> None
     tracker.makepyfile(SUITE)
     tracker.runpytest("--gpumem-all", "--junitxml=junit.xml", "-p", "no:randomly").assert_outcomes(passed=4)
     cases = {case.get("name"): case for case in ET.parse(tracker.path / "junit.xml").iter("testcase")}
-    properties = {p.get("name"): p.get("value") for p in cases["test_phase_limit"].iter("property")}
+    properties = {p.get("name"): p.get("value", "") for p in cases["test_phase_limit"].iter("property")}
     assert properties["gpumem_status"] == "ok"
     assert properties["gpumem_peak_bytes"] == "4000"
     assert properties["gpumem_peak_bytes[made]"] == "4000"
