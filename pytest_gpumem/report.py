@@ -85,3 +85,25 @@ def document(results: Sequence[TestResult], backend: str | None, device: str | N
         "device": device,
         "tests": [r.to_dict() for r in results],
     }
+
+
+# the terminal summary's counts, in this order, under these names; any other status is counted by name
+_COUNTED = (
+    ("OVER BUDGET", "over budget"),
+    ("REGRESSED", "regressed"),
+    ("GRADIENTS CHANGED", "gradients changed"),
+    ("MISSING BASELINE", "missing baseline"),
+    ("error", "unmeasurable or failed"),
+    ("IMPROVED", "improved"),
+    ("NEW", "new"),
+    ("ok", "ok"),
+)
+
+
+def counts_line(results: Sequence[TestResult]) -> str:
+    """One line for the end of a run: how many measured tests had each status, the worst first."""
+    statuses = [result.status for result in results]
+    known = dict(_COUNTED)
+    parts = [f"{statuses.count(status)} {word}" for status, word in _COUNTED if status in statuses]
+    parts += [f"{statuses.count(s)} {s}" for s in dict.fromkeys(statuses) if s not in known]
+    return f"{len(results)} measured: " + ", ".join(parts) if results else "no test measured"

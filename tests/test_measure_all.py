@@ -92,3 +92,19 @@ def test_junit_xml_carries_peaks_as_properties(tracker: pytest.Pytester) -> None
     assert properties["gpumem_peak_bytes"] == "4000"
     assert properties["gpumem_peak_bytes[made]"] == "4000"
     assert json.loads(properties["gpumem"])["phases"]["made"]["peak_bytes"] == 4000
+
+
+def test_one_line_of_counts_at_the_end(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(SUITE)
+    result = tracker.runpytest("--gpumem-all", "--gpumem-max-memory=3999")
+    result.stdout.fnmatch_lines(["gpumem: 4 measured: 2 over budget, 2 ok"])
+
+
+def test_counts_line_orders_the_worst_first() -> None:
+    from pytest_gpumem.report import counts_line
+    from pytest_gpumem.results import TestResult
+
+    statuses = ["ok", "NEW", "REGRESSED", "error", "ok", "xfailed"]
+    results = [TestResult(f"t{i}", "tracker", "cpu", None, status=s) for i, s in enumerate(statuses)]
+    assert counts_line(results) == "6 measured: 1 regressed, 1 unmeasurable or failed, 1 new, 2 ok, 1 xfailed"
+    assert counts_line([]) == "no test measured"
