@@ -1,8 +1,9 @@
 """Reference strategies for memory-efficient losses and training steps, in plain PyTorch, measured by
 pytest-gpumem: `pytest --pyargs reference_losses --gpumem-report`.
 
-pytest-gpumem loads `reference_losses.fixtures` in every pytest run, which imports this package first;
-the strategies (and torch) are therefore imported only when one of these names is used.
+pytest-gpumem never imports this package unless asked (`--pyargs reference_losses`, or a user's
+`-p reference_losses.fixtures`); even then the strategies (and torch) are imported only when one of
+these names is used.
 """
 
 from __future__ import annotations

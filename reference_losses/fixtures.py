@@ -1,7 +1,10 @@
 """pytest fixtures, the `--gpumem-scale` option and the report section of the reference strategies.
 
-The plugin loads this module in every pytest run, so torch and the strategies are imported only
-inside fixtures and hooks that run when a reference strategy is used.
+Loaded only on request, never by pytest-gpumem itself: by the package's own conftest.py (runs of the
+shipped suite by path), by pytest-gpumem for `pytest --pyargs reference_losses` (before the command
+line is parsed, so that `--gpumem-scale` is known), or by a user with `-p reference_losses.fixtures` or
+`pytest_plugins = ["reference_losses.fixtures"]`. Every fixture name starts with `gpumem_`, so none
+collides with a project's own. torch and the strategies are imported only inside fixtures and hooks.
 """
 
 from __future__ import annotations
@@ -88,20 +91,20 @@ def gpumem_scale(pytestconfig: pytest.Config) -> float:
 
 
 @pytest.fixture(scope="session")
-def reference_outcomes() -> dict[tuple[Any, ...], Outcome]:
+def gpumem_reference_outcomes() -> dict[tuple[Any, ...], Outcome]:
     """Naive outcomes by (strategy, dtype, scale, device), computed once per session, unmeasured."""
     return {}
 
 
 @pytest.fixture(params=LOSS_NAMES)
-def loss_strategy(request: pytest.FixtureRequest) -> Strategy:
+def gpumem_loss_strategy(request: pytest.FixtureRequest) -> Strategy:
     from reference_losses.losses import LOSS_STRATEGIES
 
     return LOSS_STRATEGIES[request.param]
 
 
 @pytest.fixture(params=TRAINING_NAMES)
-def training_strategy(request: pytest.FixtureRequest) -> Strategy:
+def gpumem_training_strategy(request: pytest.FixtureRequest) -> Strategy:
     from reference_losses.training import TRAINING_STRATEGIES
 
     return TRAINING_STRATEGIES[request.param]
@@ -120,19 +123,19 @@ def _workload(gpumem: GpuMem, scale: float, name: str) -> Any:
 
 
 @pytest.fixture
-def net_model(gpumem: GpuMem, gpumem_scale: float) -> Any:
+def gpumem_net_model(gpumem: GpuMem, gpumem_scale: float) -> Any:
     """The Q&A's Net with an input batch and target on `gpumem.device` (a models.ModelWorkload)."""
     return _workload(gpumem, gpumem_scale, "net")
 
 
 @pytest.fixture
-def residual_model(gpumem: GpuMem, gpumem_scale: float) -> Any:
+def gpumem_residual_model(gpumem: GpuMem, gpumem_scale: float) -> Any:
     """The deep residual MLP with a batch and target on `gpumem.device` (a models.ModelWorkload)."""
     return _workload(gpumem, gpumem_scale, "residual")
 
 
 @pytest.fixture
-def lm_head(gpumem: GpuMem, gpumem_scale: float) -> Any:
+def gpumem_lm_head(gpumem: GpuMem, gpumem_scale: float) -> Any:
     """Hidden states, output embedding and targets on `gpumem.device` (a models.LMHeadWorkload)."""
     return _workload(gpumem, gpumem_scale, "lm_head")
 
@@ -182,20 +185,25 @@ def make_case(strategy: Strategy, gpumem: GpuMem, scale: float, cache: dict[tupl
 
 
 @pytest.fixture
-def loss_case(
-    loss_strategy: Strategy, gpumem: GpuMem, gpumem_scale: float, reference_outcomes: dict[tuple[Any, ...], Outcome]
+def gpumem_loss_case(
+    gpumem_loss_strategy: Strategy,
+    gpumem: GpuMem,
+    gpumem_scale: float,
+    gpumem_reference_outcomes: dict[tuple[Any, ...], Outcome],
 ) -> Case:
-    return make_case(loss_strategy, gpumem, gpumem_scale, reference_outcomes)
+    """A loss strategy (one per LOSS_NAMES) with its workload and naive references, built in setup."""
+    return make_case(gpumem_loss_strategy, gpumem, gpumem_scale, gpumem_reference_outcomes)
 
 
 @pytest.fixture
-def training_case(
-    training_strategy: Strategy,
+def gpumem_training_case(
+    gpumem_training_strategy: Strategy,
     gpumem: GpuMem,
     gpumem_scale: float,
-    reference_outcomes: dict[tuple[Any, ...], Outcome],
+    gpumem_reference_outcomes: dict[tuple[Any, ...], Outcome],
 ) -> Case:
-    return make_case(training_strategy, gpumem, gpumem_scale, reference_outcomes)
+    """A training strategy (one per TRAINING_NAMES) with its workload and naive references."""
+    return make_case(gpumem_training_strategy, gpumem, gpumem_scale, gpumem_reference_outcomes)
 
 
 # --- report ------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ def test_reference_report_only_when_asked(tracker: pytest.Pytester) -> None:
 
 @pytest.mark.parametrize("value", ["abc", "0", "-1", "inf"])
 def test_bad_scale_is_a_usage_error(pytester: pytest.Pytester, value: str) -> None:
-    result = pytester.runpytest(f"--gpumem-scale={value}")
+    result = pytester.runpytest("--pyargs", "reference_losses", f"--gpumem-scale={value}")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"*argument --gpumem-scale: invalid scale '{value}' (a positive number*"])
 
@@ -48,3 +48,21 @@ def test_scale_changes_the_workload(tracker: pytest.Pytester) -> None:
     )
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["naive_sum*2.0 MiB*4.0 MiB*-*4.0 MiB*"])
+
+
+# Strategies whose hand-derived bounds depend on which of activations (scale with the batch) and
+# parameter gradients (do not) dominate: at scale 1 the gradients do, at 2 (Net) and 0.25 (full_ce)
+# the other term does.
+SCALE_CASES = {
+    "2": ("test_training_strategy and (plain or checkpoint_layer or amp or clip_grad) and not residual", 4),
+    "0.25": ("full_ce or amp or optimizer_in_backward", 3),
+}
+
+
+@pytest.mark.parametrize("scale", sorted(SCALE_CASES))
+def test_bounds_follow_the_scale(tracker: pytest.Pytester, scale: str) -> None:
+    selection, count = SCALE_CASES[scale]
+    result = tracker.runpytest_subprocess(
+        "--pyargs", "reference_losses", f"--gpumem-scale={scale}", "-k", selection, "-p", "no:cacheprovider"
+    )
+    result.assert_outcomes(passed=count)
