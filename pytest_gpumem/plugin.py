@@ -74,6 +74,7 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(str(exc)) from None
     session = GpuMemSession(config, options, BaselineRun(baseline_options, store))
     config.stash[SESSION_KEY] = session
+    session.assign_device()
     if session.baselines.active:
         config.pluginmanager.register(session.baselines, "gpumem-baselines")
     if options.backend_given:
@@ -101,8 +102,9 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if any(_measures(item) for item in items):
-        config.stash[SESSION_KEY].measure_calls()
+    session = config.stash[SESSION_KEY]
+    if session.options.measure_all or any(_measures(item) for item in items):
+        session.measure_calls()
 
 
 def pytest_report_collectionfinish(config: pytest.Config) -> str | None:
@@ -156,6 +158,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
         terminalreporter.write_sep("=", "gpumem report")
         for line in session.report_lines():
             terminalreporter.write_line(line)
+    if session.results and not hasattr(config, "workerinput"):
+        from pytest_gpumem.report import counts_line
+
+        terminalreporter.write_line(f"gpumem: {counts_line(session.results)}")
 
 
 __all__ = ["METER_KEY", "SESSION_KEY", "gpumem"]
