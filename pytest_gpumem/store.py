@@ -537,9 +537,9 @@ def write(store: BaselineStore, path: str | os.PathLike[str] | None = None) -> P
         _remove_stale_temps(target)
         if target == own:
             _merge_with_file(store, target)
-        text = _write_atomically(store, target)
+        data = _write_atomically(store, target)
     if target == own:
-        store.digest = _digest(text.encode("utf-8"))
+        store.digest = _digest(data)
         store.existed = True
         store.changes.clear()
     _fsync_dir(target.parent)
@@ -563,13 +563,14 @@ def _merge_with_file(store: BaselineStore, target: Path) -> None:
     store.entries = now.entries
 
 
-def _write_atomically(store: BaselineStore, target: Path) -> str:
+def _write_atomically(store: BaselineStore, target: Path) -> bytes:
+    """Write the store to a temp file and rename it over ``target``; returns the bytes written."""
     tmp: str | None = None
     try:
-        text = dumps(store)
+        data = dumps(store).encode("utf-8")
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=target.parent)
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.chmod(tmp, _mode_for(target))
@@ -583,13 +584,13 @@ def _write_atomically(store: BaselineStore, target: Path) -> str:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-    return text
+    return data
 
 
 @contextlib.contextmanager
 def _locked(target: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``.<name>.lock`` next to ``target``; the lock file is removed after."""
-    if sys.platform == "win32":  # no flock: concurrent writers on Windows are not merged (last one wins)
+    if sys.platform == "win32":  # no flock: writes still merge, but two at the same instant can race
         yield
         return
     lock = target.with_name(f".{target.name}.lock")

@@ -100,6 +100,23 @@ def test_size_limit_is_checked_before_reading(path: Path, monkeypatch: pytest.Mo
         S.load(path)
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="no flock on Windows")
+def test_a_lock_held_too_long_fails_the_write_and_leaves_the_file(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import fcntl
+
+    store = S.BaselineStore(path)
+    S.update(store, {"t": entry(1)})
+    S.write(store)
+    before = path.read_bytes()
+    S.update(store, {"u": entry(2)})
+    monkeypatch.setattr(S, "LOCK_TIMEOUT_S", 0.2)
+    with open(path.with_name(f".{BASELINES}.lock"), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(S.BaselineError, match=r"cannot lock \.gpumem-baselines\.json\.lock: .*held it for 0\.2 s"):
+            S.write(store)
+    assert path.read_bytes() == before
+
+
 def test_write_refuses_a_file_corrupted_since_load_and_leaves_it(path: Path) -> None:
     store = S.BaselineStore(path)
     S.update(store, {"t": entry(1)})
