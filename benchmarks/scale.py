@@ -75,7 +75,7 @@ def baseline_rows(count: int, repeat: int) -> list[list[str]]:
 
         def merging_write() -> None:
             mine, other = s.load(path), s.load(path)
-            s.update(other, {"tests/test_other.py::test_other": entry(0)})
+            s.update(other, {f"tests/test_other.py::test_other[{len(merge_times)}]": entry(0)})
             s.write(other)
             s.update(mine, current)
             start = time.perf_counter()
