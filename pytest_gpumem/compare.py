@@ -342,3 +342,7 @@ def equivalent(old: Entry, new: Entry, tol: Tolerance) -> bool:
 
 
 _DEFAULT_TOLERANCE = Tolerance()
+
+
+# one peak against its stored value: the arithmetic of the baselines, shared by the compare command
+compare_peak = _compare_one

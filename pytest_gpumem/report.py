@@ -66,11 +66,14 @@ def markdown(results: Sequence[TestResult]) -> str:
     """The same table in GitHub Markdown, for CI step summaries."""
     if not results:
         return "No test was measured.\n"
-    headers, body = rows(results)
-    escaped = [[_escape_pipes(cell) for cell in row] for row in body]
-    return (
-        tabulate(escaped, headers=[_escape_pipes(h) for h in headers], tablefmt="github", disable_numparse=True) + "\n"
-    )
+    return markdown_table(*rows(results))
+
+
+def markdown_table(headers: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+    """GitHub Markdown, each cell on one line with its pipes escaped."""
+    cells = [[_escape_pipes(one_line(cell)) for cell in row] for row in body]
+    heads = [_escape_pipes(one_line(h)) for h in headers]
+    return tabulate(cells, headers=heads, tablefmt="github", disable_numparse=True) + "\n"
 
 
 def _escape_pipes(cell: str) -> str:

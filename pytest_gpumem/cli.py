@@ -1,0 +1,204 @@
+"""`pytest-gpumem compare OLD.json NEW.json` and `pytest-gpumem merge A.json B.json -o ALL.json`, over the
+reports that `--gpumem-json` writes. The verdicts use the baselines' own tolerance arithmetic, so a
+comparison in CI and on a laptop cannot disagree.
+
+Exit status: 0 nothing regressed (or merged), 1 something regressed, 2 bad input (one line naming it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pytest_gpumem.compare import PhaseComparison, Tolerance, compare_peak
+from pytest_gpumem.constants import DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT
+from pytest_gpumem.options import slack, tolerance
+from pytest_gpumem.report import JSON_VERSION, markdown_table
+from pytest_gpumem.sizes import format_size
+
+MAX_REPORT_BYTES = 256 * 1024 * 1024
+
+Tests = dict[str, dict[str, Any]]
+
+
+class ReportError(Exception):
+    """A report file that cannot be used; the message names the file."""
+
+
+def load_report(path: Path) -> Tests:
+    """The tests of a `--gpumem-json` report, by node id."""
+    try:
+        if not path.is_file():
+            raise ReportError(f"{path}: not a file")
+        if path.stat().st_size > MAX_REPORT_BYTES:
+            raise ReportError(f"{path}: too large (limit {format_size(MAX_REPORT_BYTES)})")
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ReportError(f"{path}: cannot read a gpumem report: {exc}") from None
+    tests = doc.get("tests") if isinstance(doc, dict) else None
+    if not isinstance(tests, list):
+        raise ReportError(f"{path}: not a gpumem report (no list of tests; written by --gpumem-json?)")
+    return _by_nodeid(path, tests)
+
+
+def _by_nodeid(path: Path, tests: list[Any]) -> Tests:
+    found: Tests = {}
+    for i, test in enumerate(tests):
+        if not isinstance(test, dict) or not isinstance(test.get("nodeid"), str):
+            raise ReportError(f"{path}: test {i} has no node id")
+        if not isinstance(test.get("phases", {}), dict) or not _is_size(test.get("peak_bytes")):
+            raise ReportError(f"{path}: {test['nodeid']}: peaks must be byte counts")
+        if test["nodeid"] in found and found[test["nodeid"]] != test:
+            raise ReportError(f"{path}: {test['nodeid']} appears twice with different figures")
+        found[test["nodeid"]] = test
+    return found
+
+
+def _is_size(value: object) -> bool:
+    return value is None or (type(value) is int and 0 <= value < 2**63)
+
+
+def _phase_peaks(test: dict[str, Any]) -> dict[str | None, int | None]:
+    """The whole call (None) and each phase's peak; None where it was not measured."""
+    peaks: dict[str | None, int | None] = {None: test.get("peak_bytes")}
+    for name, phase in test.get("phases", {}).items():
+        peak = phase.get("peak_bytes") if isinstance(phase, dict) else None
+        peaks[name] = peak if _is_size(peak) else None
+    return peaks
+
+
+@dataclass
+class Comparison:
+    rows: list[tuple[str, PhaseComparison]]
+    added: list[str]
+    removed: list[str]
+
+    @property
+    def regressed(self) -> list[tuple[str, PhaseComparison]]:
+        return [(nodeid, c) for nodeid, c in self.rows if c.status == "REGRESSED"]
+
+
+def compare_reports(old: Tests, new: Tests, tol: Tolerance) -> Comparison:
+    rows: list[tuple[str, PhaseComparison]] = []
+    for nodeid in (n for n in new if n in old):
+        before, after = _phase_peaks(old[nodeid]), _phase_peaks(new[nodeid])
+        for phase in dict.fromkeys([*before, *after]):
+            stored, current = before.get(phase), after.get(phase)
+            if stored is None and current is None:
+                continue
+            rows.append((nodeid, compare_peak(phase, stored, current, tol, format_size)))
+    return Comparison(rows, [n for n in new if n not in old], [n for n in old if n not in new])
+
+
+_HEADERS = ("test", "phase", "old", "new", "change", "status")
+
+
+def _table_rows(comparison: Comparison) -> list[list[str]]:
+    def size(n: int | None) -> str:
+        return "-" if n is None else format_size(n)
+
+    def change(c: PhaseComparison) -> str:
+        return "" if c.change_percent is None else f"{c.change_percent:+.1f}%"
+
+    return [[nodeid, c.label, size(c.baseline), size(c.current), change(c), c.status] for nodeid, c in comparison.rows]
+
+
+def summary(comparison: Comparison) -> str:
+    statuses = [c.status for _, c in comparison.rows]
+    tests = len({nodeid for nodeid, _ in comparison.rows})
+    counts = ", ".join(f"{statuses.count(s)} {s.lower()}" for s in ("REGRESSED", "IMPROVED") if s in statuses)
+    return (
+        f"{tests} tests compared ({len(comparison.rows)} peaks){': ' + counts if counts else ''}; "
+        f"{len(comparison.added)} added, {len(comparison.removed)} removed"
+    )
+
+
+def _text(comparison: Comparison) -> str:
+    from tabulate import tabulate
+
+    lines = [tabulate(_table_rows(comparison), headers=list(_HEADERS), tablefmt="simple", disable_numparse=True)]
+    lines += [f"added: {nodeid}" for nodeid in comparison.added]
+    lines += [f"removed: {nodeid}" for nodeid in comparison.removed]
+    lines += [f"regressed: {nodeid}: {c.message}" for nodeid, c in comparison.regressed]
+    return "\n".join([*lines, summary(comparison)])
+
+
+def _markdown(comparison: Comparison) -> str:
+    text = markdown_table(_HEADERS, _table_rows(comparison))
+    extra = [f"- added: `{n}`" for n in comparison.added] + [f"- removed: `{n}`" for n in comparison.removed]
+    return text + ("\n" + "\n".join(extra) + "\n" if extra else "") + f"\n{summary(comparison)}\n"
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    old, new = load_report(args.old), load_report(args.new)
+    comparison = compare_reports(old, new, Tolerance(args.tolerance, args.slack))
+    print(_text(comparison))
+    if args.markdown is not None:
+        _write(args.markdown, _markdown(comparison))
+    return 1 if comparison.regressed else 0
+
+
+def merge_reports(reports: Sequence[tuple[Path, Tests]]) -> dict[str, Any]:
+    """One report of a suite split across machines; a test in two reports must have the same figures."""
+    merged: Tests = {}
+    source: dict[str, Path] = {}
+    for path, tests in reports:
+        for nodeid, test in tests.items():
+            if nodeid in merged and merged[nodeid] != test:
+                raise ReportError(f"{nodeid} is in {source[nodeid]} and in {path} with different figures")
+            merged.setdefault(nodeid, test)
+            source.setdefault(nodeid, path)
+    backends = {t.get("backend") for t in merged.values()}
+    devices = {t.get("device") for t in merged.values()}
+    return {
+        "version": JSON_VERSION,
+        "backend": backends.pop() if len(backends) == 1 else None,
+        "device": devices.pop() if len(devices) == 1 else None,
+        "tests": list(merged.values()),
+    }
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    doc = merge_reports([(path, load_report(path)) for path in args.reports])
+    _write(args.output, json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    print(f"merged {len(args.reports)} reports, {len(doc['tests'])} tests, into {args.output}")
+    return 0
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise ReportError(f"{path}: cannot write: {exc.strerror or exc}") from None
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pytest-gpumem", description="Compare or merge --gpumem-json reports.")
+    commands = p.add_subparsers(dest="command", required=True)
+    c = commands.add_parser("compare", help="per-test and per-phase change from OLD to NEW; exit 1 on regression")
+    c.add_argument("old", type=Path, metavar="OLD.json")
+    c.add_argument("new", type=Path, metavar="NEW.json")
+    c.add_argument("--tolerance", type=tolerance, default=DEFAULT_TOLERANCE_PERCENT, metavar="PCT")
+    c.add_argument("--slack", type=slack, default=DEFAULT_SLACK_BYTES, metavar="SIZE")
+    c.add_argument("--markdown", type=Path, default=None, metavar="PATH", help="also write the table as Markdown")
+    c.set_defaults(run=run_compare)
+    m = commands.add_parser("merge", help="join the reports of a suite split across machines")
+    m.add_argument("reports", type=Path, nargs="+", metavar="REPORT.json")
+    m.add_argument("-o", "--output", type=Path, required=True, metavar="ALL.json")
+    m.set_defaults(run=run_merge)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        result: int = args.run(args)
+    except ReportError as exc:
+        print(f"pytest-gpumem {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return result

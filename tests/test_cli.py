@@ -1,0 +1,117 @@
+"""`pytest-gpumem compare` and `merge` over real `--gpumem-json` reports (tracker, exact bytes)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SUITE = """
+import os
+import pytest, torch
+
+N = int(os.environ["N"])  # float32 elements made in phase "made" by test_a
+
+def test_a(gpumem):
+    with gpumem.phase("made"):
+        torch.ones(N)
+
+@pytest.mark.skipif(os.environ.get("ONLY_A") == "1", reason="left out")
+def test_b(gpumem):
+    torch.ones(10)
+"""
+
+
+def _report(pytester: pytest.Pytester, name: str, n: int, only_a: bool = False) -> Path:
+    pytester.makepyfile(test_suite=SUITE)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("N", str(n))
+        mp.setenv("ONLY_A", "1" if only_a else "0")
+        pytester.runpytest(f"--gpumem-json={name}", "-p", "no:randomly")
+    return pytester.path / name
+
+
+def _cli(*args: object) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "pytest_gpumem", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, check=False)
+
+
+def test_same_figures_pass(tracker: pytest.Pytester) -> None:
+    old, new = _report(tracker, "old.json", 1000), _report(tracker, "new.json", 1000)
+    run = _cli("compare", old, new)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[-1] == "2 tests compared (3 peaks); 0 added, 0 removed"
+
+
+def test_growth_beyond_the_tolerance_fails_with_the_baselines_arithmetic(tracker: pytest.Pytester) -> None:
+    old = _report(tracker, "old.json", 1000)  # 4,000 B
+    at_limit, over = _report(tracker, "limit.json", 1100), _report(tracker, "over.json", 1101)  # 4,400 / 4,404 B
+    assert _cli("compare", old, at_limit, "--tolerance", "10", "--slack", "0").returncode == 0
+    run = _cli("compare", old, over, "--tolerance", "10", "--slack", "0")
+    assert run.returncode == 1
+    assert (
+        "regressed: test_suite.py::test_a: made peak 4.3 KiB is 10.1% above baseline 3.9 KiB (tolerance 10%)"
+        in run.stdout
+    )
+    assert "2 tests compared (3 peaks): 2 regressed; 0 added, 0 removed" in run.stdout  # phase and call
+    assert _cli("compare", old, over, "--tolerance", "10").returncode == 0  # the default 1 MiB slack
+
+
+def test_added_removed_and_markdown(tracker: pytest.Pytester) -> None:
+    old, new = _report(tracker, "old.json", 1000), _report(tracker, "new.json", 500, only_a=True)
+    run = _cli("compare", old, new, "--markdown", tracker.path / "diff.md")
+    assert run.returncode == 0
+    assert "removed: test_suite.py::test_b" in run.stdout
+    assert "IMPROVED" not in run.stdout  # 2,000 B below 4,000 B is within the default 1 MiB slack
+    md = (tracker.path / "diff.md").read_text(encoding="utf-8")
+    assert md.startswith("| test ")
+    assert "| test_suite.py::test_a | made    | 3.9 KiB | 2.0 KiB | -50.0%   | ok       |" in md
+    assert "- removed: `test_suite.py::test_b`" in md
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (None, "not a file"),
+        ("{", "cannot read a gpumem report"),
+        ('{"tests": 3}', "not a gpumem report"),
+        ('{"tests": [{"nodeid": "t", "peak_bytes": "big"}]}', "t: peaks must be byte counts"),
+    ],
+)
+def test_unreadable_input_exits_2_naming_the_file(tmp_path: Path, content: str | None, problem: str) -> None:
+    bad, good = tmp_path / "bad.json", tmp_path / "good.json"
+    good.write_text('{"tests": []}', encoding="utf-8")
+    if content is not None:
+        bad.write_text(content, encoding="utf-8")
+    run = _cli("compare", good, bad)
+    assert run.returncode == 2
+    assert run.stderr.startswith(f"pytest-gpumem compare: error: {bad}: {problem}")
+    assert len(run.stderr.splitlines()) == 1
+
+
+def test_merge_shards_and_refuse_disagreeing_duplicates(tracker: pytest.Pytester) -> None:
+    a = _report(tracker, "a.json", 1000, only_a=True)
+    b = _report(tracker, "b.json", 1000)
+    run = _cli("merge", a, b, "-o", tracker.path / "all.json")
+    assert run.returncode == 0, run.stderr
+    merged = json.loads((tracker.path / "all.json").read_text(encoding="utf-8"))
+    assert sorted(t["nodeid"] for t in merged["tests"]) == ["test_suite.py::test_a", "test_suite.py::test_b"]
+    assert (merged["version"], merged["backend"]) == (1, "tracker")
+    c = _report(tracker, "c.json", 2000)
+    run = _cli("merge", a, c, "-o", tracker.path / "bad.json")
+    assert run.returncode == 2
+    assert f"test_suite.py::test_a is in {a} and in {c} with different figures" in run.stderr
+    assert not (tracker.path / "bad.json").exists()
+
+
+def test_installed_as_a_command() -> None:
+    command = shutil.which("pytest-gpumem", path=str(Path(sys.executable).parent))
+    if command is None:
+        pytest.skip("the console script is installed by `pip install`")
+    run = subprocess.run([command, "compare", "--help"], capture_output=True, text=True, check=False)
+    assert run.returncode == 0
+    assert "--tolerance PCT" in run.stdout
