@@ -35,14 +35,14 @@ def identity_of(backend: Backend) -> DeviceIdentity:
 
 def verdict_status(verdict: Verdict) -> str:
     """The report's word for a baseline verdict: a test without a baseline is ``NEW`` when that passes,
-    ``MISSING BASELINE`` when it fails (``--gpumem-strict``)."""
+    ``MISSING BASELINE`` when it fails (``--gpumem-strict``, also for a phase or gradients without one)."""
     if verdict.status == "REGRESSED":
         return STATUS_REGRESSED
     if verdict.gradient_status == "CHANGED":
         return STATUS_GRADIENTS
-    if verdict.status == "NEW":
-        return STATUS_MISSING if verdict.failed else STATUS_NEW
-    return STATUS_IMPROVED if verdict.status == "IMPROVED" else "ok"
+    if verdict.failed:  # what else fails a verdict: something without a baseline, under strict
+        return STATUS_MISSING
+    return {"IMPROVED": STATUS_IMPROVED, "NEW": STATUS_NEW}.get(verdict.status, "ok")
 
 
 @dataclass

@@ -471,6 +471,23 @@ def test_new_test_passes_unless_strict() -> None:
     assert strict.status == "NEW" and strict.failed and strict.problems == verdict.notes
 
 
+def test_report_status_says_missing_baseline_only_when_that_fails() -> None:
+    from pytest_gpumem.regression import verdict_status
+
+    stored = entry(peak=1000, phases={"f": 1000})
+    cases = [
+        ("NEW", False, C.compare("t", stored, None)),
+        ("MISSING BASELINE", True, C.compare("t", stored, None, strict=True)),
+        ("MISSING BASELINE", True, C.compare("t", entry(peak=1000, phases={"f": 1000, "g": 1}), stored, strict=True)),
+        ("MISSING BASELINE", True, C.compare("t", entry(1000, {"f": 1000}, gradients=grads()), stored, strict=True)),
+        ("ok", False, C.compare("t", stored, stored, NO_SLACK, strict=True)),
+        ("IMPROVED", False, C.compare("t", entry(peak=500, phases={"f": 1000}), stored, NO_SLACK)),
+        ("REGRESSED", True, C.compare("t", entry(peak=2000, phases={"f": 1000}), stored, NO_SLACK)),
+    ]
+    for status, failed, verdict in cases:
+        assert (verdict_status(verdict), verdict.failed) == (status, failed)
+
+
 def test_new_phase_is_a_note_unless_strict() -> None:
     base = entry(peak=100, phases={"forward": 100})
     current = entry(peak=100, phases={"forward": 100, "optimizer": 50})
