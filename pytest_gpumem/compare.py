@@ -35,6 +35,7 @@ __all__ = [
     "Tolerance",
     "Verdict",
     "compare",
+    "compare_peak",
     "environment_warnings",
     "equivalent",
 ]
@@ -211,13 +212,13 @@ def compare(
             gradient_status=None if current.gradients is None else "NEW",
             failed=strict,
         )
-    results = [_compare_one(None, baseline.peak_bytes, current.peak_bytes, tol, fmt)]
+    results = [compare_peak(None, baseline.peak_bytes, current.peak_bytes, tol, fmt)]
     base_phases = baseline.phases
     for name, value in current.phases.items():
-        results.append(_compare_one(name, base_phases.get(name), value, tol, fmt))
+        results.append(compare_peak(name, base_phases.get(name), value, tol, fmt))
     for name, value in base_phases.items():
         if name not in current.phases:
-            results.append(_compare_one(name, value, None, tol, fmt))
+            results.append(compare_peak(name, value, None, tol, fmt))
     problems: list[str] = []
     notes: list[str] = []
     status: Status = "ok"
@@ -259,9 +260,11 @@ def compare(
     )
 
 
-def _compare_one(
+def compare_peak(
     phase: str | None, stored: int | None, current: int | None, tol: Tolerance, fmt: SizeFormatter
 ) -> PhaseComparison:
+    """One peak (``phase``; ``None``: the whole call) against its stored value; either may be missing.
+    The only place that decides ``REGRESSED`` and ``IMPROVED`` (also for ``pytest-gpumem compare``)."""
     label = "call" if phase is None else phase
     if stored is None:
         assert current is not None
@@ -342,7 +345,3 @@ def equivalent(old: Entry, new: Entry, tol: Tolerance) -> bool:
 
 
 _DEFAULT_TOLERANCE = Tolerance()
-
-
-# one peak against its stored value: the arithmetic of the baselines, shared by the compare command
-compare_peak = _compare_one
