@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +46,7 @@ class BaselineOptions:
     @property
     def wanted(self) -> bool:
         """Whether the run compares with baselines: the file exists, or recording or requiring them."""
-        return self.update or self.strict or self.prune or self.path.exists()
+        return self.update or self.strict or self.prune or os.path.lexists(self.path)
 
 
 def backend_name(value: str) -> str:
