@@ -42,6 +42,7 @@ class BaselineOptions:
     tolerance: float
     slack: int
     strict: bool
+    update_new_only: bool = False
 
     @property
     def wanted(self) -> bool:
@@ -58,6 +59,14 @@ def backend_name(value: str) -> str:
 def rounding(value: str) -> str:
     if value not in ROUNDINGS:
         raise argparse.ArgumentTypeError(f"invalid rounding {value!r} (choose from {', '.join(ROUNDINGS)})")
+    return value
+
+
+def update_mode(value: str) -> str:
+    if value not in ("new", "all"):
+        raise argparse.ArgumentTypeError(
+            f"invalid mode {value!r} (new or all; a path right after --gpumem-update needs --gpumem-update=all)"
+        )
     return value
 
 
@@ -135,9 +144,13 @@ def add_options(parser: pytest.Parser) -> None:
     )
     option(
         "--gpumem-update",
-        action="store_true",
-        default=False,
-        help="record or refresh the baselines of the tests that ran and passed; others stay as they are.",
+        nargs="?",
+        const="all",
+        default=None,
+        type=update_mode,
+        metavar="new|all",
+        help="record the baselines of the tests that ran and passed: all (the default) refreshes every "
+        "one of them, new records only those that have none; other entries stay as they are.",
     )
     option(
         "--gpumem-prune",
@@ -262,7 +275,8 @@ def read_options(config: pytest.Config) -> tuple[Options, BaselineOptions]:
     )
     baseline = BaselineOptions(
         path=_path(config, "gpumem_baseline_file", config.rootpath) or config.rootpath / DEFAULT_FILENAME,
-        update=bool(config.getoption("gpumem_update")),
+        update=config.getoption("gpumem_update") is not None,
+        update_new_only=config.getoption("gpumem_update") == "new",
         prune=bool(config.getoption("gpumem_prune")),
         tolerance=_given(config, "gpumem_tolerance", tolerance),
         slack=_given(config, "gpumem_slack", slack),

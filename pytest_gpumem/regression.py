@@ -82,8 +82,12 @@ class BaselineRun:
             self.partial = True
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
-        if report.failed:
+        if report.failed or report.skipped:  # a module that skipped itself: its tests did not run
             self.partial = True
+
+    def pytest_keyboard_interrupt(self) -> None:
+        """Also called for pytest.exit(), whatever return code it asks for: the run did not finish."""
+        self.partial = True
 
     def judge(self, nodeid: str, meter: GpuMem, budget: Budget | None) -> Judgement:
         import torch
@@ -132,6 +136,8 @@ class BaselineRun:
         summary = UpdateSummary()
         if self.options.update:
             passed = {n: e for n, e in entries.items() if n not in self.failed}
+            if self.options.update_new_only:  # stored entries stay byte for byte
+                passed = {n: e for n, e in passed.items() if self.store.get(n, e.identity) is None}
             update(self.store, passed, summary=summary)
         lines += self._prune_lines(stale, identity, summary)
         if summary.changed:

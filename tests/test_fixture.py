@@ -200,7 +200,10 @@ def test_info_must_be_json(tracker: pytest.Pytester) -> None:
     result = tracker.runpytest("--gpumem-json=out.json")
     result.assert_outcomes(passed=1, failed=2)
     result.stdout.fnmatch_lines(
-        ["*::test_shape: gpumem.info must hold JSON values (str, numbers, lists, dicts): *not JSON serializable"]
+        [
+            "*::test_shape: gpumem.info must be a dict of JSON values (str, numbers, lists, dicts): "
+            "*not JSON serializable"
+        ]
     )
     assert (tracker.path / "out.json").exists()
 

@@ -172,11 +172,11 @@ def test_{name}(gpumem):
 def test_two_concurrent_update_runs_keep_both_runs_entries(tracker: pytest.Pytester) -> None:
     tracker.makepyfile(test_a=SLOW_TEST.format(name="a", other="b"), test_b=SLOW_TEST.format(name="b", other="a"))
     tracker.makepyfile(test_old="def test_old(gpumem):\n    pass\n")
-    tracker.runpytest("--gpumem-update", "test_old.py").assert_outcomes(passed=1)
+    tracker.runpytest("--gpumem-update=all", "test_old.py").assert_outcomes(passed=1)
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     runs = [
         subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpumem-update", f"test_{n}.py"],
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpumem-update=all", f"test_{n}.py"],
             cwd=tracker.path,
             env=env,
             stdout=subprocess.PIPE,
