@@ -115,3 +115,13 @@ def test_installed_as_a_command() -> None:
     run = subprocess.run([command, "compare", "--help"], capture_output=True, text=True, check=False)
     assert run.returncode == 0
     assert "--tolerance PCT" in run.stdout
+
+
+def test_the_example_workflow_uses_real_options(pytester: pytest.Pytester) -> None:
+    import re
+
+    example = Path(__file__).parent.parent / "examples" / "github-actions.yml"
+    used = set(re.findall(r"--gpumem-[a-z-]+", example.read_text(encoding="utf-8")))
+    assert {"--gpumem-backend", "--gpumem-strict", "--gpumem-update"} <= used
+    help_text = pytester.runpytest("--help").stdout.str()
+    assert sorted(option for option in used if option not in help_text) == []
