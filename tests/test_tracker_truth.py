@@ -328,3 +328,25 @@ def test_reports_never_overwrite_the_baselines(tracker: pytest.Pytester, flag: s
         [f"ERROR: {flag}=*gpumem-baselines.json: that is the baseline file; write the report elsewhere"]
     )
     assert baselines.read_text(encoding="utf-8") == "precious"
+
+
+def test_fake_tensors_are_not_memory(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        """
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        def test_fake(gpumem):
+            real = torch.ones(1000)  # 4,000 B
+            with FakeTensorMode():
+                big = torch.empty(1000, 1000) * 2  # 4 MB each, on paper only
+            assert gpumem.peak() == 4000
+        """
+    )
+    result = tracker.runpytest("--gpumem-json=out.json")
+    result.assert_outcomes(passed=1)
+    (test,) = json.loads((tracker.path / "out.json").read_text())["tests"]
+    assert test["notes"] == [
+        "2 op outputs were fake tensors (FakeTensorMode): they hold no memory and were not counted; "
+        "the figures are what the test's real tensors used"
+    ]

@@ -76,6 +76,7 @@ class StorageLedger:
         self.allocated = 0
         self.peak_requested = 0
         self.peak_allocated = 0
+        self.fake_outputs = 0  # outputs of ops under FakeTensorMode, which hold no memory
         self._on_free = self._freed  # one bound method shared by every reference
 
     def add(self, storage: torch.UntypedStorage) -> None:
@@ -117,7 +118,7 @@ class StorageLedger:
     def forget(self) -> None:
         """Stop following every storage (their frees will no longer change the counters)."""
         self.live.clear()
-        self.requested = self.allocated = self.peak_requested = self.peak_allocated = 0
+        self.requested = self.allocated = self.peak_requested = self.peak_allocated = self.fake_outputs = 0
 
     def _follow(self, storage: torch.UntypedStorage, key: int, requested: int, base: int = 0) -> None:
         counted = requested if self.exact else self.round(requested)
@@ -169,6 +170,7 @@ _RESIZE = 3  # out= overloads and resize_/set_: storages that existed may grow
 _LIFT = 4  # lift_fresh: a constant made outside any mode (torch.tensor), or memory torch does not own
 _CHECKED = 5  # fresh by its schema, but may return its inputs' storages: count only the others
 _NOT_DENSE = object()  # marks the parts of a sparse tensor in a walk over storages
+_FAKE = object()  # marks a fake tensor (FakeTensorMode): shapes without memory, never counted
 
 _RESIZING_OPS = frozenset(("aten::resize_", "aten::resize_as_", "aten::set_"))
 _LIFTING_OPS = frozenset(("aten::lift_fresh",))  # returns its input, a constant made outside any mode
@@ -267,6 +269,7 @@ def _hide_from_dynamo(dispatch: Any) -> None:
 @functools.cache
 def _make_mode_class() -> type[Any]:
     import torch
+    from torch._subclasses.fake_tensor import FakeTensor as fake_type
     from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
     tensor_type = torch.Tensor
@@ -276,10 +279,12 @@ def _make_mode_class() -> type[Any]:
 
     def storages(out: object) -> Iterator[Any]:
         """The storages holding the memory of the tensors in `out`; before the parts of a sparse
-        tensor, `_NOT_DENSE`."""
+        tensor, `_NOT_DENSE`; for a fake tensor, `_FAKE`."""
         for tensor in _tensors(out, tensor_type):
             parts = sparse_parts.get(tensor.layout)
-            if parts is not None:
+            if isinstance(tensor, fake_type):
+                yield _FAKE
+            elif parts is not None:
                 yield _NOT_DENSE
                 yield from storages([getattr(tensor, part)() for part in parts])
             elif type(tensor) is not tensor_type and is_traceable_wrapper_subclass(tensor):
@@ -292,7 +297,8 @@ def _make_mode_class() -> type[Any]:
                     yield storage
 
     def input_keys(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> set[int]:
-        return {s._cdata for s in storages([*args, *(kwargs or {}).values()]) if s is not _NOT_DENSE}
+        found = storages([*args, *(kwargs or {}).values()])
+        return {s._cdata for s in found if s is not _NOT_DENSE and s is not _FAKE}
 
     class StorageTrackingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         def __init__(self, ledger: StorageLedger) -> None:
@@ -362,6 +368,8 @@ def _make_mode_class() -> type[Any]:
                 if storage is _NOT_DENSE:  # a sparse tensor's parts may be tensors it was given
                     if inputs is None:
                         inputs = input_keys(args, kwargs)
+                elif storage is _FAKE:
+                    self.ledger.fake_outputs += 1
                 elif inputs is None or storage._cdata not in inputs:
                     self.ledger.add(storage)
 
@@ -459,6 +467,11 @@ class TrackerBackend:
         finally:
             if self._patches is not None:
                 self._patches.undo()
+            if self.ledger.fake_outputs:
+                self._notes.append(
+                    f"{self.ledger.fake_outputs} op outputs were fake tensors (FakeTensorMode): they hold no memory "
+                    "and were not counted; the figures are what the test's real tensors used"
+                )
             self.ledger.forget()
 
     def notes(self) -> list[str]:
