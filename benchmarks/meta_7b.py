@@ -1,0 +1,246 @@
+"""A 7B-parameter decoder's training step measured on the meta device: sizes, no data, exact bytes.
+
+The model has the shape of a 7B LLaMA-style decoder (32 layers, hidden 4096, 32 heads, SwiGLU MLP 11008,
+vocabulary 32000, RMSNorm, untied embedding and head; no rotary embedding), sequence 2048, batch 1.
+It is built on `meta` in bfloat16: CPU autocast does not apply to meta tensors (an fp32 matmul of meta
+tensors under `torch.autocast("cpu", dtype=torch.bfloat16)` stays fp32, and autocast has no meta device
+type), so the parameters, gradients and AdamW states are all bf16 here (pure bf16 training, not
+mixed precision with fp32 master weights).
+
+Attention is `scaled_dot_product_attention(is_causal=True)`. On meta it takes the math decomposition:
+q, k, v upcast to fp32, the 32 x 2048 x 2048 scores and softmax materialised in fp32 (512 MiB a layer,
+saved for backward). CPU takes `_scaled_dot_product_flash_attention_for_cpu` and CUDA a flash or
+memory-efficient kernel, which save only the output and a (1, 32, 2048) fp32 logsumexp: this benchmark's
+activations are the math path's, far above a GPU's.
+
+Run: python benchmarks/meta_7b.py [--json PATH]
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from benchlib import BF16, FP32, parser, show, write_json
+from torch import nn
+
+from pytest_gpumem.backends.tracker import TrackerBackend
+from pytest_gpumem.meter import GpuMem
+from pytest_gpumem.results import PhaseResult
+from pytest_gpumem.sizes import format_size
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int = 32
+    hidden: int = 4096
+    heads: int = 32
+    mlp: int = 11008
+    vocab: int = 32000
+    seq: int = 2048
+    batch: int = 1
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * weight, in plain ops (so that its saved tensors can be counted)."""
+
+    def __init__(self, width: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Block(nn.Module):
+    def __init__(self, s: Shape) -> None:
+        super().__init__()
+        self.heads = s.heads
+        self.norm1, self.norm2 = RMSNorm(s.hidden), RMSNorm(s.hidden)
+        self.q, self.k, self.v, self.o = (nn.Linear(s.hidden, s.hidden, bias=False) for _ in range(4))
+        self.gate, self.up = nn.Linear(s.hidden, s.mlp, bias=False), nn.Linear(s.hidden, s.mlp, bias=False)
+        self.down = nn.Linear(s.mlp, s.hidden, bias=False)
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        q, k, v = (p(x).view(b, t, self.heads, h // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, t, h))  # type: ignore[no-any-return]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.norm1(x))
+        n = self.norm2(x)
+        return x + self.down(F.silu(self.gate(n)) * self.up(n))  # type: ignore[no-any-return]
+
+
+class Decoder(nn.Module):
+    def __init__(self, s: Shape) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(s.vocab, s.hidden)
+        self.blocks = nn.ModuleList(Block(s) for _ in range(s.layers))
+        self.norm = RMSNorm(s.hidden)
+        self.head = nn.Linear(s.hidden, s.vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))  # type: ignore[no-any-return]
+
+
+# ------------------------------------------------------------------------------------------ hand count
+
+
+def parameter_count(s: Shape) -> int:
+    per_layer = 4 * s.hidden * s.hidden + 3 * s.hidden * s.mlp + 2 * s.hidden
+    return s.layers * per_layer + 2 * s.vocab * s.hidden + s.hidden
+
+
+def parameter_tensors(s: Shape) -> int:
+    """9 a block (two norms, q, k, v, o, gate, up, down), plus the embedding, final norm and head."""
+    return 9 * s.layers + 3
+
+
+def saved_per_layer(s: Shape) -> int:
+    """Bytes a block's forward leaves for backward, on meta's math SDPA path (bf16 unless noted).
+
+    norm1: the input x (by pow and x*r), r = rsqrt(...) (t x 1), x*r (by *weight), the normed n1 (by q, k, v).
+    SDPA (math): fp32 q*scale, fp32 k^T*scale (by the first bmm), fp32 softmax (t x t per head) and fp32 v
+    (by the second bmm); the bf16 q, k, v and the fp32 scores are not kept. o: its contiguous input.
+    The residual sum h1 (by norm2's pow and h1*r), r2, h1*r2, n2 (by gate and up); gate (by silu),
+    silu(gate) and up (by the product), the product (by down). 7 t x h bf16, 3 t x h fp32, the t x t fp32
+    softmax per head, 4 t x mlp bf16, two t x 1 bf16.
+    """
+    th, tf = s.tokens * s.hidden, s.tokens * s.mlp
+    scores = s.batch * s.heads * s.seq * s.seq
+    return 7 * th * BF16 + 3 * th * FP32 + scores * FP32 + 4 * tf * BF16 + 2 * s.tokens * BF16
+
+
+def saved_outside_layers(s: Shape) -> int:
+    """The final norm (its input, r, x*r, the normed input the head saves) and the loss: cross_entropy on
+    fp32 logits keeps log_softmax's fp32 output; the loss and nll_loss's total_weight (4 B each)."""
+    th = s.tokens * s.hidden
+    return 3 * th * BF16 + s.tokens * BF16 + s.tokens * s.vocab * FP32 + 2 * FP32
+
+
+@dataclass(frozen=True)
+class HandCount:
+    params: int
+    grads: int
+    optimizer_state: int
+    activations: int
+
+    @classmethod
+    def of(cls, s: Shape) -> HandCount:
+        p = parameter_count(s)
+        # AdamW: exp_avg and exp_avg_sq like each parameter, and a `step` counter per parameter tensor,
+        # an fp32 scalar on the CPU (capturable=False)
+        states = 2 * p * BF16 + parameter_tensors(s) * FP32
+        return cls(p * BF16, p * BF16, states, s.layers * saved_per_layer(s) + saved_outside_layers(s))
+
+
+# --------------------------------------------------------------------------------------------- the run
+
+
+def build(s: Shape) -> tuple[Decoder, torch.Tensor, torch.Tensor]:
+    with torch.device("meta"):
+        model = Decoder(s).to(torch.bfloat16)
+        ids = torch.zeros(s.batch, s.seq, dtype=torch.long)
+        targets = torch.zeros(s.batch * s.seq, dtype=torch.long)
+    return model, ids, targets
+
+
+def measure_step(s: Shape) -> tuple[dict[str, PhaseResult], PhaseResult]:
+    model, ids, targets = build(s)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    meter = GpuMem(TrackerBackend(), "meta_7b")
+    meter.begin_call()
+    try:
+        with meter.phase("forward"):
+            logits = model(ids)
+            loss = F.cross_entropy(logits.float().view(-1, s.vocab), targets)
+            del logits
+        with meter.phase("backward"):
+            loss.backward()  # type: ignore[no-untyped-call]
+            del loss
+        with meter.phase("step"):
+            optimizer.step()
+    finally:
+        whole = meter.end_call()
+    return meter.phases, whole
+
+
+def table(phases: dict[str, PhaseResult], whole: PhaseResult, hand: HandCount) -> list[list[str]]:
+    """Measured peak and net per phase, next to the hand count of the net (and of the whole call's peak:
+    gradients + AdamW states + foreach temporaries the size of the parameters)."""
+    nets = {
+        "forward": ("activations", hand.activations),
+        "backward": ("grads - activations", hand.grads - hand.activations),
+        "step": ("AdamW states", hand.optimizer_state),
+    }
+    rows = [
+        [name, f"{r.peak_bytes:,}", f"{r.net_bytes:,}", f"{nets[name][0]}: {nets[name][1]:,}"]
+        for name, r in phases.items()
+    ]
+    whole_peak = hand.grads + hand.optimizer_state + hand.params
+    rows.append(
+        ["whole", f"{whole.peak_bytes:,}", f"{whole.net_bytes:,}", f"peak: grads + states + temps: {whole_peak:,}"]
+    )
+    return rows
+
+
+def differences(phases: dict[str, PhaseResult], whole: PhaseResult, hand: HandCount) -> dict[str, int]:
+    return {
+        "forward net": phases["forward"].net_bytes - hand.activations,
+        "backward net": phases["backward"].net_bytes - (hand.grads - hand.activations),
+        "step net": phases["step"].net_bytes - hand.optimizer_state,
+        "step peak": phases["step"].peak_bytes - (hand.optimizer_state + hand.params),
+        "whole peak": whole.peak_bytes - (hand.grads + hand.optimizer_state + hand.params),
+    }
+
+
+def main() -> None:
+    args = parser("A 7B decoder's forward, backward and AdamW step on the meta device, under the tracker").parse_args()
+    s = Shape()
+    start = time.perf_counter()
+    phases, whole = measure_step(s)
+    wall = time.perf_counter() - start
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    hand = HandCount.of(s)
+    rows = table(phases, whole, hand)
+    show(
+        f"7B decoder ({parameter_count(s):,} parameters, bf16) on meta, seq {s.seq}, batch {s.batch}",
+        ["phase", "peak (B)", "net (B)", "hand count (B)"],
+        rows,
+        [
+            f"wall {wall:.1f} s, peak host RSS {format_size(rss)} (whole process)",
+            f"parameters {format_size(hand.params)} exist before the call and are not in these figures",
+            f"measured - hand: {', '.join(f'{k} {v:,} B' for k, v in differences(phases, whole, hand).items())}",
+            "SDPA on meta takes the math path (fp32 softmax, seq x seq per head, saved); GPU flash kernels keep "
+            "only the output and a logsumexp, so forward's activations here are far above a GPU's",
+        ],
+    )
+    write_json(
+        args.json,
+        {
+            "wall_s": wall,
+            "peak_rss_bytes": rss,
+            "parameters": parameter_count(s),
+            "phases": {k: {"peak": v.peak_bytes, "net": v.net_bytes} for k, v in phases.items()},
+            "whole": {"peak": whole.peak_bytes, "net": whole.net_bytes},
+            "hand": vars(hand),
+            "measured_minus_hand": differences(phases, whole, hand),
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
