@@ -13,9 +13,10 @@ from pytest_gpumem.sizes import MAX_TEXT, format_size, is_binary, parse_size, sh
 
 MARKER = "max_memory"
 MARKER_SIGNATURE = (
-    "max_memory(limit=None, *, tolerance=None, **phase_limits): fail the test when the peak memory of "
-    "its call (limit) or of a named gpumem phase (e.g. forward='20 MB') exceeds the size given; sizes "
-    "are bytes or strings like '64 MiB', '1.5 GB'."
+    "max_memory(limit=None, *, tolerance=None, capacity=None, leak=None, **phase_limits): fail the test "
+    "when the peak memory of its call (limit) or of a named gpumem phase (e.g. forward='20 MB') exceeds "
+    "the size given, when it leaves more than leak= allocated, or (capacity=) run it on a device of that "
+    "size; sizes are bytes or strings like '64 MiB', '1.5 GB'."
 )
 
 
@@ -40,6 +41,8 @@ class Budget:
     total: Limit | None = None
     phases: Mapping[str, Limit] = field(default_factory=dict)
     tolerance: float | None = None
+    capacity: Limit | None = None  # the device's size: an allocation past it raises OutOfMemoryError
+    leak: Limit | None = None  # bytes the call may leave allocated after it returns
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {name: limit.bytes for name, limit in self.phases.items()}
@@ -47,12 +50,18 @@ class Budget:
             data["call"] = self.total.bytes
         if self.tolerance is not None:
             data["tolerance"] = self.tolerance
+        for name in ("capacity", "leak"):
+            limit = getattr(self, name)
+            if limit is not None:
+                data[name] = limit.bytes
         return data
 
     def describe(self) -> str:
         parts = [] if self.total is None else [self.total.written]
         parts += [f"{name}={limit.written}" for name, limit in self.phases.items()]
         parts += [] if self.tolerance is None else [f"tolerance {self.tolerance:g}%"]
+        parts += [] if self.capacity is None else [f"capacity {self.capacity.written}"]
+        parts += [] if self.leak is None else [f"leak {self.leak.written}"]
         return ", ".join(parts)
 
     def unopened(self, opened: Mapping[str, PhaseResult]) -> list[str]:
@@ -78,32 +87,38 @@ def all_of(budgets: Sequence[Budget]) -> Budget:
     """Markers on one level (stacked decorators, a parameter's marks): every limit holds, so the
     strictest of each wins."""
     total, tolerance, phases = None, None, dict[str, Limit]()
+    capacity: Limit | None = None
+    leak: Limit | None = None
     for budget in budgets:
         total = _stricter(total, budget.total)
+        capacity, leak = _stricter(capacity, budget.capacity), _stricter(leak, budget.leak)
         if budget.tolerance is not None:
             tolerance = budget.tolerance if tolerance is None else min(tolerance, budget.tolerance)
         for name, limit in budget.phases.items():
             phases[name] = _stricter(phases.get(name), limit) or limit
-    return Budget(total=total, phases=phases, tolerance=tolerance)
+    return Budget(total=total, phases=phases, tolerance=tolerance, capacity=capacity, leak=leak)
 
 
 def closest_first(levels: Sequence[Budget]) -> Budget:
     """Markers on several levels (function, class, module), closest first: each limit and the
     tolerance come from the closest level that sets them, as a function's marker overrides its module's."""
     total, tolerance, phases = None, None, dict[str, Limit]()
+    capacity: Limit | None = None
+    leak: Limit | None = None
     for budget in reversed(levels):
         total = budget.total or total
+        capacity, leak = budget.capacity or capacity, budget.leak or leak
         tolerance = budget.tolerance if budget.tolerance is not None else tolerance
         phases.update(budget.phases)
-    return Budget(total=total, phases=phases, tolerance=tolerance)
+    return Budget(total=total, phases=phases, tolerance=tolerance, capacity=capacity, leak=leak)
 
 
-def _limit(value: object, what: str) -> Limit:
+def _limit(value: object, what: str, zero: bool = False) -> Limit:
     try:
         size = parse_size(value)
     except GpuMemError as exc:
         raise GpuMemError(f"{what}: {exc}") from None
-    if size == 0:
+    if size == 0 and not zero:
         raise GpuMemError(f"{what}: a limit must be above zero, got {shorten(value)}")
     written = value if isinstance(value, str) else f"{value} B"
     return Limit(size, written.strip(), is_binary(value))
@@ -137,7 +152,8 @@ def budget_from_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Budg
         raise GpuMemError("max_memory: 'call' is the whole test call; give its limit positionally: max_memory('1 GiB')")
     total = args[0] if args else kwargs.pop("limit", None)
     tolerance = kwargs.pop("tolerance", None)
-    if total is None and not kwargs and tolerance is None:
+    capacity, leak = kwargs.pop("capacity", None), kwargs.pop("leak", None)
+    if total is None and not kwargs and tolerance is None and capacity is None and leak is None:
         raise GpuMemError(
             "max_memory needs a limit or a tolerance: max_memory('64 MiB'), max_memory(forward='20 MB') "
             "or max_memory(tolerance=10)"
@@ -146,4 +162,6 @@ def budget_from_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Budg
         total=None if total is None else _limit(total, "max_memory limit"),
         phases={name: _limit(value, f"max_memory {name}=") for name, value in kwargs.items()},
         tolerance=None if tolerance is None else _tolerance(tolerance),
+        capacity=None if capacity is None else _limit(capacity, "max_memory capacity="),
+        leak=None if leak is None else _limit(leak, "max_memory leak=", zero=True),
     )

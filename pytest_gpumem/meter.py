@@ -22,9 +22,11 @@ if TYPE_CHECKING:
 
     import torch
 
+    from pytest_gpumem.backends.recording import Survivor
     from pytest_gpumem.gradients import Fingerprint
 
 CALL = "call"
+SURVIVORS_SHOWN = 10
 
 
 @dataclass
@@ -102,6 +104,10 @@ class GpuMem:
         self._results: dict[str, PhaseResult] = {}
         self._call: PhaseResult | None = None
         self.notes: list[str] = []
+        self.leak_check = False  # collect garbage before the call ends, and keep the call's survivors
+        self.survivors: list[Survivor] = []
+        self.trace: dict[str, Any] | None = None
+        self.raised_in: str | None = None  # the phase an exception left, if any
         self.gradients: Fingerprint | None = None
         self.gradient_tolerance: tuple[float | None, float | None] = (None, None)
 
@@ -134,6 +140,9 @@ class GpuMem:
         self._phase = name
         try:
             yield
+        except BaseException:
+            self.raised_in = name
+            raise
         finally:
             if self._stack is stack and self._phase == name:
                 self._phase = None
@@ -190,6 +199,7 @@ class GpuMem:
         """Start measuring the call; a rerun of the test starts from nothing (info set by fixtures stays)."""
         self._results, self._call, self.notes = {}, None, []
         self.gradients, self.gradient_tolerance = None, (None, None)
+        self.survivors, self.trace, self.raised_in = [], None, None
         self._stack = RegionStack(self.backend)
         self.backend.start()
         self._stack.push(CALL, full_collect=getattr(self.backend, "sees_earlier_allocations", True))
@@ -199,9 +209,12 @@ class GpuMem:
         if stack is None:
             raise GpuMemError(f"gpumem: the call of {self.nodeid} was never begun")
         try:
+            if self.leak_check:
+                collect_garbage(True)  # what survives the call is what it leaves behind
             while len(stack.open) > 1:
                 self._record(stack.pop())
             self._call = stack.pop()
+            self._keep_evidence()
         finally:
             self._stack = None
             self._phase = None
@@ -209,6 +222,13 @@ class GpuMem:
             notes = getattr(self.backend, "notes", None)
             self.notes = list(notes()) if callable(notes) else []
         return self._call
+
+    def _keep_evidence(self) -> None:
+        """Read what the backend can tell about the call before it stops observing it."""
+        survivors, trace = getattr(self.backend, "survivors", None), getattr(self.backend, "trace", None)
+        if self.leak_check and callable(survivors) and self._call is not None and self._call.net_bytes > 0:
+            self.survivors = survivors(SURVIVORS_SHOWN)
+        self.trace = trace() if callable(trace) else None
 
     def end_call_if_running(self) -> None:
         """End the call if it is still measured (after an error on the way out): the backend's

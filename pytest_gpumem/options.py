@@ -15,7 +15,7 @@ import pytest
 from pytest_gpumem.constants import DEFAULT_FILENAME, DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT, ROUNDINGS
 from pytest_gpumem.devices import devices_spec
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.markers import Budget, budget_from_marker
+from pytest_gpumem.markers import Budget, Limit, budget_from_marker
 from pytest_gpumem.sizes import parse_size
 
 T = TypeVar("T")
@@ -32,6 +32,9 @@ class Options:
     measure_all: bool = False
     default_budget: Budget | None = None
     devices: str | tuple[int, ...] | None = None
+    capacity: Limit | None = None
+    leak: Limit | None = None
+    snapshot_dir: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,23 @@ def default_budget(value: str) -> Budget:
         raise argparse.ArgumentTypeError(f"invalid size {value!r}: {exc}") from None
     assert budget.total is not None
     return Budget(total=dataclasses.replace(budget.total, written=f"{budget.total.written} (--gpumem-max-memory)"))
+
+
+def _keyword_limit(keyword: str, flag: str) -> Callable[[str], Limit]:
+    def read(value: str) -> Limit:
+        try:
+            parse_size(value.strip())
+            limit = getattr(budget_from_marker((), {keyword: value.strip()}), keyword)
+        except GpuMemError as exc:
+            raise argparse.ArgumentTypeError(f"invalid size {value!r}: {exc}") from None
+        assert isinstance(limit, Limit)
+        return dataclasses.replace(limit, written=f"{limit.written} ({flag})")
+
+    return read
+
+
+capacity = _keyword_limit("capacity", "--gpumem-capacity")
+leak = _keyword_limit("leak", "--gpumem-leak")
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -197,6 +217,30 @@ def add_options(parser: pytest.Parser) -> None:
         help="with pytest-xdist, give each worker one device, round-robin over all the devices the caller "
         "can see (auto) or over the listed ordinals (e.g. 0,1). Default: off (ini gpumem_devices).",
     )
+    option(
+        "--gpumem-capacity",
+        type=capacity,
+        default=None,
+        metavar="SIZE",
+        help="run measured tests on a device of SIZE: the tracker raises torch.OutOfMemoryError at the "
+        "allocation past it; on CUDA the process is capped with set_per_process_memory_fraction. "
+        "max_memory(capacity=...) sets it per test. Default: none (ini gpumem_capacity).",
+    )
+    option(
+        "--gpumem-leak",
+        type=leak,
+        default=None,
+        metavar="SIZE",
+        help="fail a measured test that leaves more than SIZE allocated after its call returns and garbage "
+        "is collected; max_memory(leak=...) sets it per test. Default: none (ini gpumem_leak).",
+    )
+    option(
+        "--gpumem-snapshot-dir",
+        default=None,
+        metavar="DIR",
+        help="a test that runs out of memory, exceeds a budget, leaks or regresses leaves its memory trace "
+        "there (tracker: JSON; CUDA: a memory-history snapshot). Default: none (ini gpumem_snapshot_dir).",
+    )
     option("--gpumem-strict", action="store_true", default=None,
            help="fail a measured test that has no baseline. Default: off (ini gpumem_strict).")  # fmt: skip
     for name, help_text, kind, default in (
@@ -212,6 +256,9 @@ def add_options(parser: pytest.Parser) -> None:
         ("gpumem_all", "default for --gpumem-all", "bool", False),
         ("gpumem_max_memory", "default for --gpumem-max-memory", None, ""),
         ("gpumem_devices", "default for --gpumem-devices", None, ""),
+        ("gpumem_capacity", "default for --gpumem-capacity", None, ""),
+        ("gpumem_leak", "default for --gpumem-leak", None, ""),
+        ("gpumem_snapshot_dir", "default for --gpumem-snapshot-dir", None, ""),
     ):
         parser.addini(name, help_text, type=kind, default=default)  # type: ignore[arg-type]
 
@@ -235,6 +282,21 @@ def _optional(config: pytest.Config, name: str, check: Callable[[str], T]) -> T 
     if value is not None:
         return value  # type: ignore[no-any-return]
     return _ini(config, name, check) if str(config.getini(name)).strip() else None
+
+
+def _folder(config: pytest.Config, name: str) -> Path | None:
+    """A folder to write into, made if missing: relative to the invocation folder (option) or rootdir (ini)."""
+    given = config.getoption(name)
+    text = given if given else str(config.getini(name)).strip()
+    if not text:
+        return None
+    path = Path(config.invocation_params.dir if given else config.rootpath, text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        flag = f"--{name.replace('_', '-')}" if given else f"ini option {name}"
+        raise pytest.UsageError(f"{flag}={text}: cannot make folder {path}: {exc.strerror or exc}") from None
+    return path
 
 
 def _path(config: pytest.Config, name: str, base: Path) -> Path | None:
@@ -272,6 +334,9 @@ def read_options(config: pytest.Config) -> tuple[Options, BaselineOptions]:
         measure_all=_flag(config, "gpumem_all"),
         default_budget=_optional(config, "gpumem_max_memory", default_budget),
         devices=_optional(config, "gpumem_devices", devices_spec),
+        capacity=_optional(config, "gpumem_capacity", capacity),
+        leak=_optional(config, "gpumem_leak", leak),
+        snapshot_dir=_folder(config, "gpumem_snapshot_dir"),
     )
     baseline = BaselineOptions(
         path=_path(config, "gpumem_baseline_file", config.rootpath) or config.rootpath / DEFAULT_FILENAME,

@@ -92,7 +92,9 @@ def document(results: Sequence[TestResult], backend: str | None, device: str | N
 
 # the terminal summary's counts, in this order, under these names; any other status is counted by name
 _COUNTED = (
+    ("OUT OF MEMORY", "out of memory"),
     ("OVER BUDGET", "over budget"),
+    ("LEAKED", "leaked"),
     ("REGRESSED", "regressed"),
     ("GRADIENTS CHANGED", "gradients changed"),
     ("MISSING BASELINE", "missing baseline"),

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import pickle
 import warnings
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
@@ -14,6 +16,18 @@ import pytest
 from pytest_gpumem.backends.base import Backend
 from pytest_gpumem.devices import VISIBLE, Assignment, assign, visible_devices
 from pytest_gpumem.errors import GpuMemError, GpuMemWarning
+from pytest_gpumem.failures import (
+    EVIDENCE_STATUSES,
+    STATUS_LEAKED,
+    STATUS_OOM,
+    Watch,
+    is_out_of_memory,
+    leak_message,
+    out_of_memory_message,
+    release_memory,
+    survivors_section,
+    write_evidence,
+)
 from pytest_gpumem.markers import MARKER, Budget, all_of, budget_from_marker, closest_first
 from pytest_gpumem.meter import GpuMem
 from pytest_gpumem.options import Options
@@ -53,7 +67,7 @@ def with_default(budget: Budget | None, default: Budget | None) -> Budget | None
     is not a limit)."""
     if default is None or (budget is not None and (budget.total is not None or budget.phases)):
         return budget
-    return default if budget is None else Budget(total=default.total, tolerance=budget.tolerance)
+    return default if budget is None else dataclasses.replace(budget, total=default.total)
 
 
 def _not_json(info: object) -> str | None:
@@ -137,7 +151,14 @@ class GpuMemSession:
     def header(self) -> str:
         self.header_shown = True
         spread = "" if self.options.devices is None else f"; xdist workers get one device each ({self._spread()})"
-        return f"gpumem: {self.backend().describe()}{spread}"
+        capacity = self.options.capacity
+        cap = "" if capacity is None else f"; capacity {capacity.written}: {self._capacity_means()}"
+        return f"gpumem: {self.backend().describe()}{spread}{cap}"
+
+    def _capacity_means(self) -> str:
+        if self.backend().name == "cuda":
+            return "the process is capped with torch.cuda.set_per_process_memory_fraction"
+        return "an allocation past it raises torch.OutOfMemoryError"
 
     def _spread(self) -> str:
         spec = self.options.devices
@@ -190,7 +211,10 @@ class GpuMemSession:
         pytest.fail(error, pytrace=False)
 
     def _measured(self, item: pytest.Item, meter: GpuMem, budget: Budget | None) -> Generator[None, object, object]:
+        watch = self.watch(budget)
+        watch.apply(meter.backend, meter)
         meter.begin_call()
+        status = STATUS_ERROR
         try:
             outcome = yield
         except GpuMemError as exc:
@@ -199,17 +223,27 @@ class GpuMemSession:
             meter.end_call()
             raise
         except BaseException as exc:
-            try:
-                self._finish(item, meter, budget, STATUS_ERROR, _first_line(exc))
-            finally:
-                meter.end_call_if_running()
-            raise
+            if not is_out_of_memory(exc):
+                try:
+                    self._finish(item, meter, budget, STATUS_ERROR, _first_line(exc))
+                finally:
+                    meter.end_call_if_running()
+                raise
+            status, error = STATUS_OOM, out_of_memory_message(meter, budget, exc)
+            exc.__traceback__ = None  # its frames hold the test's tensors
         else:
-            self._judge(item, meter, budget)
+            self._judge(item, meter, budget, watch)
             return outcome
-        self._error(item, meter, budget, error)
+        if status == STATUS_OOM:
+            release_memory()
+        self._finish(item, meter, budget, status, error)
+        pytest.fail(error, pytrace=False)
 
-    def _judge(self, item: pytest.Item, meter: GpuMem, budget: Budget | None) -> None:
+    def watch(self, budget: Budget | None) -> Watch:
+        options = self.options
+        return Watch.of(budget, options.capacity, options.leak, evidence=options.snapshot_dir is not None)
+
+    def _judge(self, item: pytest.Item, meter: GpuMem, budget: Budget | None, watch: Watch) -> None:
         call = meter.end_call()
         bad_info = _not_json(meter.info)
         if bad_info:
@@ -221,16 +255,19 @@ class GpuMemSession:
             message = f"max_memory names phase {unopened[0]!r} that the test never opened (opened: {opened})"
             self._error(item, meter, budget, f"{item.nodeid}: {message}")
         over = [] if budget is None else budget.violations(call, meter.phases)
+        leaked = watch.leak is not None and call.net_bytes > watch.leak.bytes
         judgement = self.baselines.judge(item.nodeid, meter, budget) if self.baselines.active else None
-        section = breakdown(call, meter.phases)
+        section = breakdown(call, meter.phases) + survivors_section(meter)
         if judgement is not None and judgement.verdict.messages:
             section += "\n" + "\n".join(judgement.verdict.messages)
         section += "".join(f"\nnote: {note}" for note in meter.notes)
-        if budget is not None or judgement is not None or meter.notes:
+        if budget is not None or judgement is not None or meter.notes or leaked:
             item.add_report_section("call", "gpumem", section)
         failure: str | None
         if over:
             status, failure = STATUS_OVER, "; ".join(over)
+        elif leaked and watch.leak is not None:
+            status, failure = STATUS_LEAKED, leak_message(meter, watch.leak, call.net_bytes)
         elif judgement is not None:
             status = verdict_status(judgement.verdict)
             failure = judgement.verdict.failure_message() if judgement.fails else None
@@ -273,8 +310,21 @@ class GpuMemSession:
         )
         self.add(result)
         item.stash[RESULT_KEY] = result
+        self._keep_evidence(item, meter, result)
         _warn_notes(item, meter.notes)
         item.config.hook.pytest_gpumem_result(item=item, result=result)
+
+    def _keep_evidence(self, item: pytest.Item, meter: GpuMem, result: TestResult) -> None:
+        folder = self.options.snapshot_dir
+        if folder is None or result.status not in EVIDENCE_STATUSES:
+            return
+        try:
+            path = write_evidence(folder, item.nodeid, result.status, result.message, meter.trace)
+        except (OSError, TypeError, ValueError, pickle.PicklingError) as exc:
+            self.problems.append(f"--gpumem-snapshot-dir: cannot write the trace of {item.nodeid}: {exc}")
+            return
+        if path is not None:
+            item.add_report_section("call", "gpumem evidence", f"memory trace: {path}")
 
     def add(self, result: TestResult) -> None:
         """Keep `result`; a later attempt of the same test (a rerun) replaces the earlier one."""

@@ -63,3 +63,28 @@ def test_tracker_predicts_cuda_rounding(pytester: pytest.Pytester) -> None:
         """
     )
     pytester.runpytest("--gpumem-backend=tracker", "--gpumem-round=cuda").assert_outcomes(passed=1)
+
+
+OUT_OF_MEMORY = """
+import pytest, torch
+
+@pytest.mark.max_memory(capacity="64 MiB")
+def test_runs_out(gpumem):
+    with gpumem.phase("forward"):
+        torch.empty(128 * 1024**2, dtype=torch.uint8, device=gpumem.device)  # 128 MiB > 64 MiB
+
+def test_after(gpumem):
+    x = torch.empty(1024**2, dtype=torch.uint8, device=gpumem.device)
+    assert gpumem.peak() >= 1024**2
+"""
+
+
+def test_out_of_memory_capacity_and_snapshot_on_cuda(pytester: pytest.Pytester) -> None:
+    import pickle
+
+    pytester.makepyfile(OUT_OF_MEMORY)
+    result = pytester.runpytest("--gpumem-backend=cuda", "--gpumem-snapshot-dir=snaps", "-p", "no:randomly")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["out of memory in forward (tried to allocate 128.00 MiB) after a peak of *"])
+    (snapshot,) = (pytester.path / "snaps").glob("*test_runs_out-*.pickle")
+    assert "segments" in pickle.loads(snapshot.read_bytes())

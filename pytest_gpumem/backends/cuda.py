@@ -36,6 +36,16 @@ class CudaBackend:
                 f"built for CUDA {torch.version.cuda}, HIP {torch.version.hip})"
             )
         self._device = torch.device("cuda", torch.cuda.current_device())
+        self._capacity: int | None = None
+        self._history = False
+
+    HISTORY_ENTRIES = 100_000  # allocator events kept (bounds the history's memory and cost)
+
+    def configure(self, capacity: int | None, origins: bool, events: bool) -> None:
+        """For the next measurement: cap the process at `capacity` bytes of this device
+        (`set_per_process_memory_fraction`), and record the allocator's history when `events` is asked
+        for (a snapshot that PyTorch's memory visualizer opens)."""
+        self._capacity, self._history = capacity, events
 
     @property
     def device(self) -> torch.device:
@@ -64,10 +74,27 @@ class CudaBackend:
         )
 
     def start(self) -> None:
-        return None
+        import torch
+
+        if self._capacity is not None:
+            total = torch.cuda.get_device_properties(self._device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(self._capacity / total, 1.0), self._device)
+        if self._history:
+            torch.cuda.memory._record_memory_history(max_entries=self.HISTORY_ENTRIES, stacks="python", context="alloc")
 
     def stop(self) -> None:
-        return None
+        import torch
+
+        if self._capacity is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0, self._device)
+        if self._history:
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    def trace(self) -> Any:
+        """The allocator's memory-history snapshot of the call (before `stop` ends the recording)."""
+        import torch
+
+        return torch.cuda.memory._snapshot() if self._history else None
 
     def settle(self) -> None:
         import torch

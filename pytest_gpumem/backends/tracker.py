@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_gpumem.backends.base import Counters
 from pytest_gpumem.constants import ROUNDINGS
+from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
     import torch
 
+    from pytest_gpumem.backends.recording import Origin, Recorder, Survivor
     from pytest_gpumem.backends.tracker_hooks import Patches
 
 
@@ -54,12 +56,13 @@ _ROUNDERS: dict[str, Callable[[int], int]] = {"none": _exact, "cuda": cuda_block
 class _StorageRef(weakref.ref):  # type: ignore[type-arg]
     """A weak reference to a live storage, carrying the bytes it was counted with."""
 
-    __slots__ = ("base", "counted", "key", "requested")
+    __slots__ = ("base", "counted", "key", "origin", "requested")
 
     key: int
     requested: int
     counted: int
     base: int  # bytes the storage had before tracking began (made earlier, then grown by an op)
+    origin: Origin | None
 
 
 class StorageLedger:
@@ -77,6 +80,9 @@ class StorageLedger:
         self.peak_requested = 0
         self.peak_allocated = 0
         self.fake_outputs = 0  # outputs of ops under FakeTensorMode, which hold no memory
+        self.capacity: int | None = None  # allocated bytes past which an allocation raises OutOfMemoryError
+        self.recorder: Recorder | None = None  # origins (and events) of the storages, when asked for
+        self.op: object = None  # the op being dispatched, read only by the recorder
         self._on_free = self._freed  # one bound method shared by every reference
 
     def add(self, storage: torch.UntypedStorage) -> None:
@@ -110,9 +116,12 @@ class StorageLedger:
         if requested == ref.requested:
             return
         counted = requested if self.exact else self.round(requested)
+        self._check_capacity(counted - ref.counted)
         self.requested += requested - ref.requested
         self.allocated += counted - ref.counted
         ref.requested, ref.counted = requested, counted
+        if self.recorder is not None:
+            self.recorder.event("resize", requested, self.allocated, ref.origin)
         self._update_peaks()
 
     def forget(self) -> None:
@@ -122,11 +131,14 @@ class StorageLedger:
 
     def _follow(self, storage: torch.UntypedStorage, key: int, requested: int, base: int = 0) -> None:
         counted = requested if self.exact else self.round(requested)
+        self._check_capacity(counted)
         ref = _StorageRef(storage, self._on_free)
-        ref.key, ref.requested, ref.counted, ref.base = key, requested, counted, base
+        ref.key, ref.requested, ref.counted, ref.base, ref.origin = key, requested, counted, base, None
         self.live[key] = ref
         self.requested += requested
         self.allocated += counted
+        if self.recorder is not None:
+            ref.origin = self.recorder.allocated(self.op, requested, self.allocated)
         if self.allocated > self.peak_allocated:
             self.peak_allocated = self.allocated
         if self.requested > self.peak_requested:
@@ -145,6 +157,17 @@ class StorageLedger:
             del self.live[ref.key]
             self.requested -= ref.requested
             self.allocated -= ref.counted
+            if self.recorder is not None:
+                self.recorder.event("free", ref.requested, self.allocated, ref.origin)
+
+    def _check_capacity(self, growth: int) -> None:
+        if self.capacity is not None and growth > 0 and self.allocated + growth > self.capacity:
+            import torch
+
+            raise torch.OutOfMemoryError(
+                f"tracker: out of memory: tried to allocate {format_size(growth)} with {format_size(self.allocated)} "
+                f"of the capacity {format_size(self.capacity)} already allocated"
+            )
 
 
 def _tensors(out: object, tensor_type: type[torch.Tensor]) -> Iterator[torch.Tensor]:
@@ -335,6 +358,8 @@ def _make_mode_class() -> type[Any]:
 
         def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
             __tracebackhide__ = True
+            if self.ledger.recorder is not None:
+                self.ledger.op = func
             plan = plans.get(func)
             if plan is None:
                 plan = plans[func] = _op_plan(func)
@@ -477,6 +502,34 @@ class TrackerBackend:
     def notes(self) -> list[str]:
         """What the last measurement could not see, one sentence each."""
         return list(self._notes)
+
+    def configure(self, capacity: int | None, origins: bool, events: bool) -> None:
+        """For the next measurement: a device of `capacity` bytes (None: unlimited); record where each
+        storage came from (`origins`) and the sequence of allocations and frees (`events`)."""
+        from pytest_gpumem.backends.recording import Recorder
+
+        self.ledger.capacity = capacity
+        self.ledger.recorder = Recorder(events) if origins or events else None
+
+    def survivors(self, count: int) -> list[Survivor]:
+        """The largest storages the call made that are still allocated, with what they hold."""
+        from pytest_gpumem.backends.recording import Survivor, tensors_by_storage
+
+        refs = sorted(self.ledger.live.values(), key=lambda ref: ref.counted, reverse=True)[:count]
+        tensors = tensors_by_storage({ref.key for ref in refs})
+        found = []
+        for ref in refs:
+            tensor = tensors.get(ref.key)
+            shape = None if tensor is None else tuple(tensor.shape)
+            dtype = None if tensor is None else str(tensor.dtype).removeprefix("torch.")
+            device = None if tensor is None else str(tensor.device)
+            found.append(Survivor(ref.counted, shape, dtype, device, ref.origin))
+        return found
+
+    def trace(self) -> dict[str, Any] | None:
+        """The allocations and frees of the measurement, when events were recorded."""
+        recorder = self.ledger.recorder
+        return None if recorder is None or recorder.events is None else recorder.trace()
 
     def settle(self) -> None:
         return None

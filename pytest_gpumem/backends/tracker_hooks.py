@@ -73,6 +73,7 @@ def _counting_allocator(original: Callable[..., torch.Tensor], mode_class: type[
         out = original(*args)
         ledger = active_ledger(mode_class)
         if ledger is not None:
+            ledger.op = "a compiled program's buffer"
             ledger.add(out.untyped_storage())
         return out
 
@@ -144,6 +145,7 @@ class Patches:
             result: torch.UntypedStorage = original(storage, size)
             ledger = active_ledger(mode_class)
             if ledger is not None:
+                ledger.op = "UntypedStorage.resize_"
                 ledger.resized(storage, before)
             return result
 

@@ -1,0 +1,113 @@
+"""Where each tracked allocation came from (the op, and the line of the test's own code that led to it),
+and on request the sequence of allocations and frees. Leak reports, out-of-memory messages and traces
+read it; it costs nothing unless a run asks for it (a leak limit, a snapshot folder).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from pytest_gpumem.sizes import format_size
+
+if TYPE_CHECKING:
+    import torch
+
+MAX_EVENTS = 1_000_000
+"""A trace keeps at most this many events (about 100 MB of JSON); later ones are counted as dropped."""
+
+_NOT_USER_CODE = tuple(
+    os.sep + part + os.sep
+    for part in ("torch", "pytest_gpumem", "_pytest", "pluggy", "contextlib.py", "threading.py", "functools.py")
+)
+
+
+@dataclass(frozen=True)
+class Origin:
+    op: str
+    where: str | None  # "path/to/test_x.py:12", the innermost frame of the test's own code
+
+
+def user_line() -> str | None:
+    """The innermost frame that belongs to neither torch, nor this plugin, nor pytest."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not any(part in path or path.endswith(part.rstrip(os.sep)) for part in _NOT_USER_CODE):
+            return f"{os.path.relpath(path) if not path.startswith('<') else path}:{frame.f_lineno}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def op_name(op: object) -> str:
+    return str(op) if op is not None else "unknown op"
+
+
+class Recorder:
+    """Origins for every new storage; with `events`, also each allocation, resize and free in order."""
+
+    def __init__(self, events: bool) -> None:
+        self.events: list[dict[str, Any]] | None = [] if events else None
+        self.dropped = 0
+
+    def allocated(self, op: object, nbytes: int, total: int) -> Origin:
+        origin = Origin(op_name(op), user_line())
+        self.event("alloc", nbytes, total, origin)
+        return origin
+
+    def event(self, action: str, nbytes: int, total: int, origin: Origin | None) -> None:
+        if self.events is None:
+            return
+        if len(self.events) >= MAX_EVENTS:
+            self.dropped += 1
+            return
+        where = asdict(origin) if origin is not None else {"op": None, "where": None}
+        self.events.append({"action": action, "bytes": nbytes, "allocated": total, **where})
+
+    def trace(self) -> dict[str, Any]:
+        return {"format": "pytest-gpumem trace 1", "events": self.events or [], "dropped_events": self.dropped}
+
+
+@dataclass(frozen=True)
+class Survivor:
+    """A storage the call made that is still allocated after it returned."""
+
+    bytes: int
+    shape: tuple[int, ...] | None
+    dtype: str | None
+    device: str | None
+    origin: Origin | None
+
+    def describe(self, fmt: Callable[[int], str] = format_size) -> str:
+        what = "a storage no tensor shows" if self.dtype is None else f"{self.dtype}{list(self.shape or ())}"
+        made = (
+            ""
+            if self.origin is None
+            else f", made by {self.origin.op}" + (f" at {self.origin.where}" if self.origin.where else "")
+        )
+        device = f" on {self.device}" if self.device else ""
+        return f"{fmt(self.bytes)} {what}{device}{made}"
+
+
+def tensors_by_storage(keys: set[int]) -> dict[int, torch.Tensor]:
+    """A live tensor for each storage key (a scan of every object: run it only to explain a failure)."""
+    import torch
+
+    found: dict[int, torch.Tensor] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance() on some objects trips deprecation warnings
+        for obj in gc.get_objects():
+            if type(obj) is not torch.Tensor and not isinstance(obj, torch.Tensor):
+                continue
+            try:
+                key = obj.untyped_storage()._cdata
+            except (RuntimeError, NotImplementedError):
+                continue
+            if key in keys and key not in found:
+                found[key] = obj
+    return found

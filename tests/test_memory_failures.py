@@ -1,0 +1,176 @@
+"""Out of memory and leaks as test failures, a device of a given size on the tracker, and the evidence a
+failing test leaves (exact bytes: float32 = 4 bytes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+LEAKS = """
+import pytest, torch
+
+KEEP = []
+
+
+@pytest.mark.max_memory(leak="1 kB")
+def test_keeps_a_tensor(gpumem):
+    KEEP.append(torch.ones(1000))  # 4,000 B survive the call
+
+
+@pytest.mark.max_memory(leak="1 kB")
+def test_keeps_less(gpumem):
+    KEEP.append(torch.ones(100))  # 400 B: under the limit
+
+
+def test_cycle_is_collected(gpumem):
+    node = {"t": torch.ones(1000)}
+    node["self"] = node  # garbage once the call returns: not a leak
+
+
+def test_graph_kept_alive(gpumem):
+    x = torch.ones(250, requires_grad=True)
+    KEEP.append((x * 2).sum())  # the loss, its graph and x: 1,000 (x) + 4 (loss), mul saves only scalars
+"""
+
+
+def test_leaks_of_a_known_size(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(LEAKS)
+    result = tracker.runpytest("--gpumem-leak=0", "-p", "no:randomly", "--gpumem-json=out.json")
+    result.assert_outcomes(passed=2, failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "left 4.0 kB allocated after the call (leak limit 1 kB): "
+            "4.0 kB float32[[]1000[]] on cpu, made by aten.ones.default at test_leaks_of_a_known_size.py:8",
+            "left allocated: 3.9 KiB float32[[]1000[]] on cpu, made by aten.ones.default at *.py:8",
+        ]
+    )
+    tests = {t["nodeid"].split("::")[1]: t for t in json.loads((tracker.path / "out.json").read_text())["tests"]}
+    assert tests["test_keeps_a_tensor"]["status"] == "LEAKED"
+    assert tests["test_keeps_less"]["status"] == "ok"  # its marker's 1 kB wins over the option's 0 B
+    assert tests["test_graph_kept_alive"]["status"] == "LEAKED"  # the option's 0 B
+    assert tests["test_cycle_is_collected"]["status"] == "ok"
+    assert tests["test_graph_kept_alive"]["call"]["net_bytes"] == 1000 + 4
+
+
+def test_marker_limit_wins_and_nothing_is_checked_without_one(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        LEAKS.replace('@pytest.mark.max_memory(leak="1 kB")\ndef test_keeps_less', "def test_keeps_less")
+    )
+    result = tracker.runpytest("-p", "no:randomly", "-k", "keeps")
+    result.assert_outcomes(passed=1, failed=1)  # test_keeps_less has no limit of its own and no option
+
+
+def test_leak_limit_is_exact(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        """
+        import pytest, torch
+
+        KEEP = []
+
+        @pytest.mark.max_memory(leak=4000)
+        def test_at_the_limit(gpumem):
+            KEEP.append(torch.ones(1000))
+
+        @pytest.mark.max_memory(leak=3999)
+        def test_over_by_one(gpumem):
+            KEEP.append(torch.ones(1000))
+        """
+    )
+    tracker.runpytest("-p", "no:randomly").assert_outcomes(passed=1, failed=1)
+
+
+CAPACITY = """
+import pytest, torch
+
+
+@pytest.mark.max_memory(capacity=10_000)
+def test_raises_at_the_first_allocation_past_it(gpumem):
+    a, b = torch.ones(1000), torch.ones(1000)  # 8,000 B
+    c = torch.ones(500)  # 10,000 B: exactly the capacity, allowed
+    with pytest.raises(torch.OutOfMemoryError, match="tried to allocate 4 B with 9.8 KiB"):
+        torch.ones(1)  # 10,004 B would be past it
+    del c
+    d = torch.ones(500)  # room again
+
+
+@pytest.mark.max_memory(capacity="10 kB")
+def test_runs_out(gpumem):
+    a = torch.ones(1000)
+    with gpumem.phase("backward"):
+        b = torch.ones(2000)  # 4,000 + 8,000 B > 10 kB
+
+
+def test_after_measures_what_it_measures_alone(gpumem):
+    x = torch.ones(5000)  # 20,000 B: no capacity is left over from the test before
+    assert gpumem.peak() == 20_000
+"""
+
+
+def test_capacity_and_out_of_memory(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(CAPACITY)
+    result = tracker.runpytest("-p", "no:randomly", "--gpumem-json=out.json")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "out of memory in backward (tried to allocate 7.8 KiB) after a peak of 3.9 KiB; budget capacity 10 kB",
+        ]
+    )
+    result.stdout.no_fnmatch_line("*Traceback*")
+    tests = {t["nodeid"].split("::")[1]: t for t in json.loads((tracker.path / "out.json").read_text())["tests"]}
+    assert tests["test_runs_out"]["status"] == "OUT OF MEMORY"
+    assert tests["test_after_measures_what_it_measures_alone"]["peak_bytes"] == 20_000
+
+
+def test_capacity_option_and_header(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        """
+        import torch
+
+        def test_big(gpumem):
+            torch.ones(1000)
+        """
+    )
+    result = tracker.runpytest("--gpumem-capacity=3999")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "gpumem: tracker *; capacity 3999 (--gpumem-capacity): an allocation past it raises torch.OutOfMemoryError",
+            "*out of memory in the call (tried to allocate 3.9 KiB) after a peak of 0 B",
+        ]
+    )
+    assert tracker.runpytest("--gpumem-capacity=4000").ret == 0
+
+
+def test_failing_tests_leave_their_trace(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(CAPACITY)
+    tracker.makepyfile(test_leak=LEAKS)
+    result = tracker.runpytest("-p", "no:randomly", "--gpumem-snapshot-dir=traces")
+    result.assert_outcomes(passed=5, failed=2)
+    files = sorted(p.name.rsplit("-", 1)[0] for p in (tracker.path / "traces").iterdir())
+    assert files == ["test_failing_tests_leave_their_trace.py_test_runs_out", "test_leak.py_test_keeps_a_tensor"]
+    (trace,) = (tracker.path / "traces").glob("test_leak.py_test_keeps_a_tensor-*.json")
+    doc = json.loads(trace.read_text(encoding="utf-8"))
+    assert doc["status"] == "LEAKED"
+    assert doc["events"] == [
+        {"action": "alloc", "bytes": 4000, "allocated": 4000, "op": "aten.ones.default", "where": "test_leak.py:8"}
+    ]
+    (oom,) = (tracker.path / "traces").glob("*test_runs_out-*.json")
+    events = json.loads(oom.read_text(encoding="utf-8"))["events"]
+    # `a` (4,000 B); `b` was refused before it was counted, so the trace ends at the capacity's edge
+    assert [(e["action"], e["bytes"], e["op"]) for e in events][:1] == [("alloc", 4000, "aten.ones.default")]
+    assert all(e["bytes"] != 8000 for e in events)
+
+
+@pytest.mark.parametrize(
+    ("marker", "message"),
+    [
+        ("capacity=0", "max_memory capacity=: a limit must be above zero, got 0"),
+        ("leak='lots'", "max_memory leak=: cannot read size 'lots'*"),
+    ],
+)
+def test_bad_capacity_or_leak_fails_that_test_in_one_line(tracker: pytest.Pytester, marker: str, message: str) -> None:
+    tracker.makepyfile(f"import pytest\n\n@pytest.mark.max_memory({marker})\ndef test_x(gpumem):\n    pass\n")
+    result = tracker.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([f"*{message}"])
