@@ -7,8 +7,9 @@ a region's peak is then its maximum minus what was allocated when it opened.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     import torch
 
     from pytest_gpumem.backends.recording import Survivor
+    from pytest_gpumem.fit import BatchFit
     from pytest_gpumem.gradients import Fingerprint
 
 CALL = "call"
@@ -147,6 +149,42 @@ class GpuMem:
             if self._stack is stack and self._phase == name:
                 self._phase = None
                 self._record(stack.pop())
+
+    def fit(
+        self,
+        step: Callable[[int], object],
+        sizes: Sequence[int],
+        capacity: int | str,
+        *,
+        name: str = "fit",
+        tolerance: float | None = None,
+        slack: int | None = None,
+        confirm: bool = False,
+    ) -> BatchFit:
+        """Run `step(n)` for each n in `sizes`, each in its own phase `name[i]`, fit peak = a + b*n exactly
+        and return the largest n whose predicted peak fits `capacity` (see `pytest_gpumem.fit`)."""
+        __tracebackhide__ = True
+        from pytest_gpumem.fit import DEFAULT_SLACK, DEFAULT_TOLERANCE, fit_peaks
+
+        counter = itertools.count()
+
+        def measure(fn: Callable[[], object]) -> int:
+            phase = f"{name}[{next(counter)}]"
+            with self.phase(phase):
+                fn()  # what the step returns is dropped inside the phase: freed before the next size
+            return self._results[phase].peak_bytes
+
+        found = fit_peaks(
+            step,
+            sizes,
+            capacity,
+            measure,
+            tolerance=DEFAULT_TOLERANCE if tolerance is None else tolerance,
+            slack=DEFAULT_SLACK if slack is None else slack,
+            confirm=confirm,
+        )
+        self.info.setdefault("fits", []).append(found.describe())
+        return found
 
     def check_gradients(
         self,

@@ -203,3 +203,33 @@ def test_result_is_frozen() -> None:
     assert isinstance(fit, BatchFit)
     with pytest.raises(AttributeError):
         fit.largest = 1  # type: ignore[misc]
+
+
+def test_the_fixture_fits_a_batch_size(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\ngpumem_backend = tracker\n")
+    pytester.makepyfile(
+        """
+        import torch
+
+        def step(n):
+            fixed = torch.ones(1000)  # 4,000 B
+            return fixed, torch.ones(n, 256)  # 1,024 B per item
+
+        def test_fits(gpumem):
+            found = gpumem.fit(step, sizes=[1, 2, 4, 8], capacity=200_000)
+            assert (found.fixed, found.per_item, found.largest) == (4000, 1024, 191)
+            assert [gpumem.peak(f"fit[{i}]") for i in range(4)] == [5024, 6048, 8096, 12192]
+
+        def test_not_linear(gpumem):
+            gpumem.fit(lambda n: torch.ones(n * n * 64), sizes=[8, 16, 32, 64], capacity="1 GiB")
+        """
+    )
+    result = pytester.runpytest("-p", "no:randomly", "--gpumem-json=out.json")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*::test_not_linear: peak is not linear in the batch size, refusing to extrapolate*"])
+    import json
+
+    tests = json.loads((pytester.path / "out.json").read_text())["tests"]
+    assert tests[0]["info"]["fits"] == [
+        "largest batch that fits 195.3 KiB: 191 (predicted peak 194.9 KiB; peak = 3.9 KiB + 1.0 KiB x n, fit exact)"
+    ]
