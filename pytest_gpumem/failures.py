@@ -73,6 +73,20 @@ def _text(exc: BaseException) -> str:
         return ""
 
 
+_NEEDS_DATA = re.compile(r"meta tensor|no data|data-independent|'Meta' backend", re.IGNORECASE)
+
+
+def needs_real_values(exc: BaseException, device: object) -> str | None:
+    """On the meta device, an op that needs real values (`.item()`, `nonzero`, a boolean mask, copying
+    data out) fails; the one line that says so, or None for any other error."""
+    if str(device) != "meta" or not isinstance(exc, (RuntimeError, NotImplementedError)):
+        return None
+    text = _text(exc).strip().splitlines()
+    if not text or not _NEEDS_DATA.search(text[0]):
+        return None
+    return f"this test cannot run on the meta device (tensors without data): {text[0][:200]}"
+
+
 def release_memory() -> None:
     """After an out-of-memory error: collect what its frames held, and return cached blocks to the device."""
     gc.collect()

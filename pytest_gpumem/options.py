@@ -35,6 +35,7 @@ class Options:
     capacity: Limit | None = None
     leak: Limit | None = None
     snapshot_dir: Path | None = None
+    device: str = "cpu"
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,12 @@ def rounding(value: str) -> str:
     if value not in ROUNDINGS:
         raise argparse.ArgumentTypeError(f"invalid rounding {value!r} (choose from {', '.join(ROUNDINGS)})")
     return value
+
+
+def device_name(value: str) -> str:
+    if value.strip() not in ("cpu", "meta"):
+        raise argparse.ArgumentTypeError(f"invalid device {value!r} (cpu, or meta: a prediction without data)")
+    return value.strip()
 
 
 def update_mode(value: str) -> str:
@@ -218,6 +225,15 @@ def add_options(parser: pytest.Parser) -> None:
         "can see (auto) or over the listed ordinals (e.g. 0,1). Default: off (ini gpumem_devices).",
     )
     option(
+        "--gpumem-device",
+        type=device_name,
+        default=None,
+        metavar="cpu|meta",
+        help="tracker only: meta runs the tests with tensors that have sizes but no data, so a CPU runner "
+        "predicts the memory of models far larger than itself (gpumem.device is meta). Default: cpu "
+        "(ini gpumem_device).",
+    )
+    option(
         "--gpumem-capacity",
         type=capacity,
         default=None,
@@ -257,6 +273,7 @@ def add_options(parser: pytest.Parser) -> None:
         ("gpumem_max_memory", "default for --gpumem-max-memory", None, ""),
         ("gpumem_devices", "default for --gpumem-devices", None, ""),
         ("gpumem_capacity", "default for --gpumem-capacity", None, ""),
+        ("gpumem_device", "default for --gpumem-device", None, "cpu"),
         ("gpumem_leak", "default for --gpumem-leak", None, ""),
         ("gpumem_snapshot_dir", "default for --gpumem-snapshot-dir", None, ""),
     ):
@@ -337,6 +354,7 @@ def read_options(config: pytest.Config) -> tuple[Options, BaselineOptions]:
         capacity=_optional(config, "gpumem_capacity", capacity),
         leak=_optional(config, "gpumem_leak", leak),
         snapshot_dir=_folder(config, "gpumem_snapshot_dir"),
+        device=_given(config, "gpumem_device", device_name),
     )
     baseline = BaselineOptions(
         path=_path(config, "gpumem_baseline_file", config.rootpath) or config.rootpath / DEFAULT_FILENAME,

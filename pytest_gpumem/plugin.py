@@ -89,7 +89,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_gpumem_make_backend(config: pytest.Config, name: str) -> Backend | None:
     from pytest_gpumem.backends import make_builtin
 
-    return make_builtin(name, config.stash[SESSION_KEY].options.rounding)
+    options = config.stash[SESSION_KEY].options
+    return make_builtin(name, options.rounding, options.device)
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:

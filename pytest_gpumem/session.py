@@ -23,6 +23,7 @@ from pytest_gpumem.failures import (
     Watch,
     is_out_of_memory,
     leak_message,
+    needs_real_values,
     out_of_memory_message,
     release_memory,
     survivors_section,
@@ -91,6 +92,14 @@ def _plain_info(info: object) -> dict[str, Any]:
     except Exception:
         text = f"<{type(info).__name__} whose repr raised>"
     return {"unreadable": text[:1000]}
+
+
+def _memory_failure(meter: GpuMem, budget: Budget | None, exc: BaseException) -> tuple[str, str] | None:
+    """(status, one line) for an error that is about memory, not the test's code."""
+    if is_out_of_memory(exc):
+        return STATUS_OOM, out_of_memory_message(meter, budget, exc)
+    meta = needs_real_values(exc, meter.device)
+    return None if meta is None else (STATUS_ERROR, f"{meter.nodeid}: {meta}")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -223,13 +232,14 @@ class GpuMemSession:
             meter.end_call()
             raise
         except BaseException as exc:
-            if not is_out_of_memory(exc):
+            failure = _memory_failure(meter, budget, exc)
+            if failure is None:
                 try:
                     self._finish(item, meter, budget, STATUS_ERROR, _first_line(exc))
                 finally:
                     meter.end_call_if_running()
                 raise
-            status, error = STATUS_OOM, out_of_memory_message(meter, budget, exc)
+            status, error = failure
             exc.__traceback__ = None  # its frames hold the test's tensors
         else:
             self._judge(item, meter, budget, watch)

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from pytest_gpumem.backends.base import Backend, Counters
+from pytest_gpumem.errors import GpuMemError
 
 BUILTIN = ("auto", "cuda", "accelerator", "tracker")
 
 __all__ = ["BUILTIN", "Backend", "Counters", "make_builtin"]
 
 
-def make_builtin(name: str, rounding: str = "none") -> Backend | None:
+def make_builtin(name: str, rounding: str = "none", device: str = "cpu") -> Backend | None:
     """The built-in backend called `name`, or None for a name that is not built in.
 
     `auto` picks cuda if a CUDA/ROCm device is available, else another accelerator with memory
-    statistics, else the tracker. `rounding` applies to the tracker (allocators round by themselves).
+    statistics, else the tracker. `rounding` applies to the tracker (allocators round by themselves), and
+    so does `device="meta"` (a prediction: tensors have sizes and no data), which implies the tracker.
     Raises GpuMemError when the named backend cannot run here.
     """
     if name not in BUILTIN:
@@ -24,6 +26,10 @@ def make_builtin(name: str, rounding: str = "none") -> Backend | None:
     from pytest_gpumem.backends.cuda import CudaBackend
     from pytest_gpumem.backends.tracker import TrackerBackend
 
+    if device == "meta":
+        if name not in ("auto", "tracker"):
+            raise GpuMemError(f"--gpumem-device=meta is measured by the tracker, not --gpumem-backend={name}")
+        return TrackerBackend(rounding, device="meta")
     if name == "auto":
         if torch.cuda.is_available():
             name = "cuda"

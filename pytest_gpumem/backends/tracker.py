@@ -441,10 +441,13 @@ class TrackerBackend:
     name = "tracker"
     sees_earlier_allocations = False
 
-    def __init__(self, rounding: str = "none") -> None:
+    def __init__(self, rounding: str = "none", device: str = "cpu") -> None:
         if rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+        if device not in ("cpu", "meta"):
+            raise ValueError(f"device must be cpu or meta, got {device!r}")
         self.rounding = rounding
+        self._device_type = device
         _make_mode_class()  # its imports (torch._dynamo) happen now, not inside the first test's call
         self.ledger = StorageLedger(rounding)
         self._mode: Any = None
@@ -455,15 +458,21 @@ class TrackerBackend:
     def device(self) -> torch.device:
         import torch
 
-        return torch.device("cpu")
+        return torch.device(self._device_type)
 
     def identity(self) -> dict[str, Any]:
-        """What baselines are keyed by: rounding changes every figure, so it is part of the backend."""
-        backend = "tracker" if self.rounding == "none" else f"tracker (round {self.rounding})"
-        return {"backend": backend, "device": "cpu"}
+        """What baselines are keyed by: rounding changes every figure, so it is part of the backend, and
+        a meta run is a prediction that never mixes with measured figures."""
+        settings = [s for s in ("meta" if self._device_type == "meta" else "", self._rounding_text()) if s]
+        backend = "tracker" if not settings else f"tracker ({', '.join(settings)})"
+        return {"backend": backend, "device": self._device_type}
+
+    def _rounding_text(self) -> str:
+        return "" if self.rounding == "none" else f"round {self.rounding}"
 
     def describe(self) -> str:
-        line = f"tracker (storages created by ATen ops, rounding {self.rounding}), device cpu"
+        device = "meta (a prediction: sizes without data, nothing computed)" if self._device_type == "meta" else "cpu"
+        line = f"tracker (storages created by ATen ops, rounding {self.rounding}), device {device}"
         if self.rounding == "cuda":
             line += "; optimizers take foreach by default, as on CUDA"
         return line

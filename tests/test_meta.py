@@ -1,0 +1,99 @@
+"""--gpumem-device=meta: the same exact bytes as on CPU without data, one line for data-dependent ops,
+and predictions kept apart from measured figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+WORKLOAD = """
+import torch
+
+
+def test_step(gpumem):
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))
+    model = model.to(gpumem.device)
+    x = torch.randn(64, 512, device=gpumem.device)
+    with gpumem.phase("forward"):
+        loss = model(x).square().mean()
+    with gpumem.phase("backward"):
+        loss.backward()
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    with gpumem.phase("step"):
+        opt.step()
+    gpumem.info["device"] = str(x.device)
+"""
+
+
+def _figures(pytester: pytest.Pytester, *args: str) -> dict[str, object]:
+    pytester.runpytest("--gpumem-json=out.json", *args).assert_outcomes(passed=1)
+    (test,) = json.loads((pytester.path / "out.json").read_text(encoding="utf-8"))["tests"]
+    return test  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("rounding", ["none", "cuda"])
+def test_meta_bytes_equal_cpu_bytes(tracker: pytest.Pytester, rounding: str) -> None:
+    tracker.makepyfile(WORKLOAD)
+    cpu = _figures(tracker, f"--gpumem-round={rounding}")
+    meta = _figures(tracker, f"--gpumem-round={rounding}", "--gpumem-device=meta")
+    assert (cpu["info"], meta["info"]) == ({"device": "cpu"}, {"device": "meta"})
+    assert (cpu["device"], meta["device"]) == ("cpu", "meta")
+    assert meta["phases"] == cpu["phases"]
+    assert meta["call"] == cpu["call"]
+    # forward: the peak is ReLU's output made while the first Linear's (64 x 1024 float32 each) still
+    # exists; after ReLU only its output stays (saved by ReLU and the second Linear), then 64 x 256 twice
+    # and the 4-byte mean: 262,144 + 2 x 65,536 + 4 < 2 x 262,144
+    if rounding == "none":
+        assert meta["phases"]["forward"]["peak_bytes"] == 2 * 64 * 1024 * 4  # type: ignore[index]
+
+
+def test_header_and_identity_say_prediction(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(WORKLOAD)
+    result = tracker.runpytest("--gpumem-device=meta", "--gpumem-update")
+    result.stdout.fnmatch_lines(
+        ["gpumem: tracker (*), device meta (a prediction: sizes without data, nothing computed)"]
+    )
+    entries = json.loads((tracker.path / "gpumem-baselines.json").read_text(encoding="utf-8"))["entries"]
+    assert "tracker (meta)" in json.dumps(entries)
+    tracker.runpytest("--gpumem-update").assert_outcomes(passed=1)  # CPU figures go beside, not over them
+    text = (tracker.path / "gpumem-baselines.json").read_text(encoding="utf-8")
+    assert "tracker (meta)" in text
+    assert '"tracker|cpu"' in text or '"backend": "tracker"' in text
+
+
+@pytest.mark.parametrize(
+    ("code", "said"),
+    [
+        ("x.sum().item()", "Tensor.item() cannot be called on meta tensors"),
+        ("x[x > 0]", "The register_meta function for torch.nonzero() raises unimplemented*"),
+        ("x.tolist()", "Cannot copy out of meta tensor; no data!"),
+    ],
+)
+def test_data_dependent_ops_fail_in_one_line(tracker: pytest.Pytester, code: str, said: str) -> None:
+    tracker.makepyfile(
+        f"""
+        import torch
+
+        def test_needs_data(gpumem):
+            x = torch.ones(3, device=gpumem.device)
+            {code}
+        """
+    )
+    result = tracker.runpytest("--gpumem-device=meta")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [f"*::test_needs_data: this test cannot run on the meta device (tensors without data): {said}"]
+    )
+    result.stdout.no_fnmatch_line("*Traceback*")
+    result.stdout.no_fnmatch_line("*pytest_gpumem/*.py:*")
+
+
+def test_meta_needs_the_tracker(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(WORKLOAD)
+    result = tracker.runpytest("--gpumem-device=meta", "--gpumem-backend=cuda")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --gpumem-device=meta is measured by the tracker, not --gpumem-backend=cuda"])
+    result = tracker.runpytest("--gpumem-device=gpu")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--gpumem-device: invalid device 'gpu' (cpu, or meta*"])
