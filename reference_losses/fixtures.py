@@ -71,11 +71,12 @@ def _scale(config: pytest.Config) -> float:
 class Case:
     """A strategy, its workload as built (never run: each run takes a clone), and what it is checked
     against: `reference` (the naive strategy in fp32) and, for reduced-precision strategies, `truth`
-    (naive in fp64) and `naive_reduced` (naive in the strategy's dtype)."""
+    (naive in fp64) and `naive_reduced` (naive in the strategy's dtype). On the meta device there are
+    no values to compare: `reference` is None and only the bytes are checked."""
 
     strategy: Strategy
     workload: Any
-    reference: Outcome
+    reference: Outcome | None
     truth: Outcome | None = None
     naive_reduced: Outcome | None = None
     dtype: torch.dtype | None = None
@@ -169,8 +170,13 @@ def make_case(strategy: Strategy, gpumem: GpuMem, scale: float, cache: dict[tupl
     device = gpumem.device
     if strategy.needs_cuda and device.type != "cuda":
         pytest.skip(f"{strategy.name} needs a CUDA device (measuring on {device})")
+    if device.type == "meta" and strategy.no_meta is not None:
+        pytest.skip(f"{strategy.name} cannot run on the meta device: {strategy.no_meta}")
     naive = {**LOSS_STRATEGIES, **TRAINING_STRATEGIES}[strategy.reference]
     workload = _workload(gpumem, scale, strategy.workload)
+    if device.type == "meta":
+        # No values: the naive references cannot be computed (nor compared); only bytes are checked.
+        return Case(strategy, workload, None)
     key = (naive.name, scale, str(device))
     case = Case(strategy, workload, _naive(key, cache, naive, workload, torch.float32))
     case.dtype = strategy.precision(device)
@@ -209,26 +215,36 @@ def gpumem_training_case(
 # --- report ------------------------------------------------------------------------------------------
 
 
-def _rows(config: pytest.Config) -> list[dict[str, Any]]:
-    """The measured reference strategies when a report is asked for, from the plugin's results (which
-    hold those of xdist workers too)."""
+VALUES_NOT_CHECKED = (
+    "reference_losses: {count} on the meta device: bytes checked against every bound (the tracker counts "
+    "meta storages as on CPU); losses and gradients not compared with the naive reference (no values)"
+)
+
+
+def _rows(config: pytest.Config) -> tuple[list[dict[str, Any]], bool]:
+    """The measured reference strategies, from the plugin's results (which hold those of xdist workers
+    too), and whether a report is asked for."""
     from pytest_gpumem.plugin import SESSION_KEY
 
     session = config.stash.get(SESSION_KEY, None)
-    if session is None or not session.options.report:
-        return []
+    if session is None:
+        return [], False
     rows = []
     for result in session.results:
         info = result.info.get(INFO_KEY)
         if isinstance(info, dict):
             phases = {name: phase.requested_peak_bytes for name, phase in result.phases.items()}
-            rows.append({**info, "phases": phases, "backend": result.backend})
-    return rows
+            rows.append({**info, "phases": phases, "backend": result.backend, "device": result.device})
+    return rows, bool(session.options.report)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-    rows = _rows(config)
-    if not rows:
+    rows, report = _rows(config)
+    unchecked = sum(1 for row in rows if row.get("values_checked") is False)
+    if unchecked:
+        count = f"{unchecked} strateg{'y' if unchecked == 1 else 'ies'} measured"
+        terminalreporter.write_line(VALUES_NOT_CHECKED.format(count=count))
+    if not rows or not report:
         return
     from reference_losses.report import report_lines
 

@@ -1,7 +1,8 @@
 """Workloads: the models and tensors the strategies run on, with their sizes in one place.
 
 Every workload is built on the CPU from a seeded generator and then moved, so the numbers are the same
-on every device; `clone(dtype)` gives fresh leaf tensors (for the fp64 ground truth and for the naive
+on every device (on the meta device, which holds no data, it is made there directly, with the same
+sizes); `clone(dtype)` gives fresh leaf tensors (for the fp64 ground truth and for the naive
 implementation in a reduced dtype). Sizes are multiplied by the `--gpumem-scale` option.
 """
 
@@ -20,6 +21,14 @@ FP32 = 4  # bytes per float32 element; every byte formula in this package is wri
 def _scaled(base: int, scale: float, multiple: int = 1) -> int:
     """`base * scale`, rounded to a positive multiple of `multiple`."""
     return max(multiple, round(base * scale / multiple) * multiple)
+
+
+def _randn(gen: torch.Generator, device: torch.device, *shape: int) -> torch.Tensor:
+    """Seeded normal values on the CPU; on the meta device an empty tensor of that shape (meta tensors
+    hold no data, so nothing is drawn and no host memory is used, whatever the scale)."""
+    if device.type == "meta":
+        return torch.empty(shape, device=device)
+    return torch.randn(shape, generator=gen)
 
 
 def _leaf(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, grad: bool) -> torch.Tensor:
@@ -49,7 +58,7 @@ def build_product(scale: float, device: torch.device) -> ProductWorkload:
     rows = _scaled(1024, scale)
     gen = torch.Generator().manual_seed(0)
     # mean 0.5: the loss is ~N/4, so its relative error measures rounding rather than cancellation
-    x, y = torch.randn(2, rows, 1024, generator=gen) + 0.5
+    x, y = _randn(gen, device, 2, rows, 1024) + 0.5
     return ProductWorkload(_leaf(x, device, torch.float32, True), _leaf(y, device, torch.float32, True))
 
 
@@ -105,11 +114,13 @@ def model_loss(out: torch.Tensor, target: torch.Tensor, batch: int | None = None
 
 def _build_model(model: nn.Module, batch: int, width: int, device: torch.device) -> ModelWorkload:
     gen = torch.Generator().manual_seed(1)
+    if device.type == "meta":
+        model = model.to(device)  # parameters without data: nothing to draw
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) / (p.shape[-1] ** 0.5))
-    inputs = torch.randn(batch, width, generator=gen)
-    target = torch.randn(batch, width, generator=gen)
+            p.copy_(_randn(gen, p.device, *p.shape) / (p.shape[-1] ** 0.5))
+    inputs = _randn(gen, device, batch, width)
+    target = _randn(gen, device, batch, width)
     return ModelWorkload(model.to(device), _leaf(inputs, device, torch.float32, False), target.to(device))
 
 
@@ -203,9 +214,12 @@ class LMHeadWorkload:
 def build_lm_head(scale: float, device: torch.device) -> LMHeadWorkload:
     tokens, width, vocab = _scaled(512, scale, multiple=8), 256, 16384
     gen = torch.Generator().manual_seed(2)
-    hidden = torch.randn(tokens, width, generator=gen)
-    weight = torch.randn(vocab, width, generator=gen) / width**0.5
-    targets = torch.randint(0, vocab, (tokens,), generator=gen)
+    hidden = _randn(gen, device, tokens, width)
+    weight = _randn(gen, device, vocab, width) / width**0.5
+    if device.type == "meta":
+        targets = torch.empty(tokens, dtype=torch.long, device=device)
+    else:
+        targets = torch.randint(0, vocab, (tokens,), generator=gen)
     return LMHeadWorkload(
         _leaf(hidden, device, torch.float32, True), _leaf(weight, device, torch.float32, True), targets.to(device)
     )

@@ -39,6 +39,8 @@ def report_lines(rows: list[dict[str, Any]]) -> list[str]:
     lines: list[str] = []
     for workload in dict.fromkeys(row["workload"] for row in rows):
         picked = [row for row in rows if row["workload"] == workload]
-        lines += ["", f"workload {workload} ({picked[0]['backend']}; naive = {picked[0]['reference']}):"]
+        first = picked[0]
+        where = first["backend"] if first.get("device", "cpu") == "cpu" else f"{first['backend']}, {first['device']}"
+        lines += ["", f"workload {workload} ({where}; naive = {first['reference']}):"]
         lines += workload_table(picked).splitlines()
     return lines

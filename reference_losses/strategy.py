@@ -72,7 +72,8 @@ class Strategy:
     work in "step", and returns the Outcome. `reference` names the naive strategy on the same workload.
     `minimum(workload)` is the hand-derived least memory autograd needs (see each function's docstring).
     `expect(workload)` returns the bounds the shipped suite asserts. `precision(device)` is the reduced
-    dtype the strategy computes in (None for fp32).
+    dtype the strategy computes in (None for fp32). `no_meta`, when set, says which op keeps the strategy
+    from running on the meta device (tensors without data); it is skipped there with that reason.
     """
 
     name: str
@@ -84,6 +85,7 @@ class Strategy:
     expect: Callable[[Workload], list[Expectation]]
     precision: Callable[[torch.device], torch.dtype | None] = lambda device: None
     needs_cuda: bool = False
+    no_meta: str | None = None
 
     def run(self, gpumem: PhaseMeter, workload: Workload) -> Outcome:
         return self.step(gpumem, workload)

@@ -103,6 +103,12 @@ def amp_step(meter: PhaseMeter, w: ModelWorkload) -> Outcome:
     return _outcome(w, loss)
 
 
+AMP_NO_META = (
+    "torch.autocast has no meta device type (RuntimeError: unsupported autocast device_type 'meta'), and "
+    "CPU autocast leaves meta tensors in fp32"
+)
+
+
 def optimizer_in_backward_step(meter: PhaseMeter, w: ModelWorkload) -> Outcome:
     """Step each parameter from its post-accumulate-grad hook and drop its gradient at once, so
     gradients never coexist. Source: PyTorch tutorial "How to save memory by fusing the optimizer step
@@ -313,10 +319,16 @@ def grad_accumulation_step(meter: PhaseMeter, w: ModelWorkload, micro_batches: i
     return _outcome(w, total)
 
 
+def _storage_id(t: torch.Tensor) -> int:
+    """Identity of a tensor's storage, shared by its views. Not `data_ptr()`: on the meta device every
+    storage's data pointer is 0."""
+    return int(t.untyped_storage()._cdata)
+
+
 def _protected(w: ModelWorkload) -> set[int]:
     """Storages that exist before the step: copying them would add memory, not save it."""
     tensors: Iterator[torch.Tensor] = iter([*w.model.parameters(), w.inputs, w.target])
-    return {t.untyped_storage().data_ptr() for t in tensors}
+    return {_storage_id(t) for t in tensors}
 
 
 def compress_activations(w: ModelWorkload) -> torch.Tensor:
@@ -327,7 +339,7 @@ def compress_activations(w: ModelWorkload) -> torch.Tensor:
     keep = _protected(w)
 
     def pack(t: torch.Tensor) -> Any:
-        if t.dtype != torch.float32 or t.untyped_storage().data_ptr() in keep:
+        if t.dtype != torch.float32 or _storage_id(t) in keep:
             return t
         return (t.to(torch.bfloat16),)
 
@@ -382,15 +394,21 @@ def _residual_saved(name: str, w: ModelWorkload) -> tuple[int, str]:
 
 def _residual_expect(name: str) -> Callable[[ModelWorkload], list[Expectation]]:
     """What the forward keeps is exact; the total is bounded by what it keeps, plus P of gradients, plus
-    one block's saved bytes (recomputed, or the fp32 copies unpacked, for the block being processed)."""
+    one block's saved bytes (recomputed, or the fp32 copies unpacked, for the block being processed),
+    plus the gradient of one hidden activation (B*H*4: fc2's backward makes d(gelu output) while that
+    block's saved tensors are alive). The last term is hidden under P at scale 1 (not all of P exists
+    then) and is what exceeds "kept + P + one block" from scale 16 on (checkpoint_blocks; 64 for
+    compress_activations, whose excess is about B*D*4), as a meta run at --gpumem-scale=256 shows."""
 
     def expect(w: ModelWorkload) -> list[Expectation]:
         kept, why = _residual_saved(name, w)
-        slack = SMALL if name != "offload_activations" else _sizes(w).depth * SMALL
-        high = kept + w.param_bytes() + _sizes(w).block_saved_bytes() + SMALL
+        sizes = _sizes(w)
+        slack = SMALL if name != "offload_activations" else sizes.depth * SMALL
+        hidden_grad = FP32 * sizes.batch * sizes.hidden
+        high = kept + w.param_bytes() + sizes.block_saved_bytes() + hidden_grad + SMALL
         found = [Expectation("forward", kept, kept + slack, why, net=True)]
         if name != "residual_plain":
-            found.append(Expectation("total", w.param_bytes(), high, "kept + P + one block"))
+            found.append(Expectation("total", w.param_bytes(), high, "kept + P + one block + one B*H gradient"))
         return found
 
     return expect
@@ -402,6 +420,7 @@ def _training(
     step: Callable[[PhaseMeter, ModelWorkload], Outcome],
     precision: Callable[[torch.device], torch.dtype | None] = lambda device: None,
     needs_cuda: bool = False,
+    no_meta: str | None = None,
 ) -> Strategy:
     net = workload == "net"
     return Strategy(
@@ -414,6 +433,7 @@ def _training(
         expect=_net_expect(name) if net else _residual_expect(name),
         precision=precision,
         needs_cuda=needs_cuda,
+        no_meta=no_meta,
     )
 
 
@@ -422,7 +442,7 @@ TRAINING_STRATEGIES: dict[str, Strategy] = {
     for s in (
         _training("plain", "net", _standard_step(plain)),
         _training("checkpoint_layer", "net", _standard_step(checkpoint_layer)),
-        _training("amp", "net", amp_step, precision=amp_dtype),
+        _training("amp", "net", amp_step, precision=amp_dtype, no_meta=AMP_NO_META),
         _training("clip_grad", "net", _standard_step(plain, clip=True)),
         _training("optimizer_in_backward", "net", optimizer_in_backward_step),
         _training("residual_plain", "residual", _standard_step(residual_plain)),
