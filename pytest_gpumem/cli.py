@@ -72,11 +72,16 @@ def _phase_peaks(test: dict[str, Any]) -> dict[str | None, int | None]:
     return peaks
 
 
+PASSING = frozenset(("ok", "NEW", "IMPROVED", "xfailed"))
+
+
 @dataclass
 class Comparison:
     rows: list[tuple[str, PhaseComparison]]
     added: list[str]
     removed: list[str]
+    failed: list[tuple[str, str]]  # tests of the new run whose own status is a failure
+    mixed: list[str]  # tests measured on another backend or device than before
 
     @property
     def regressed(self) -> list[tuple[str, PhaseComparison]]:
@@ -92,7 +97,13 @@ def compare_reports(old: Tests, new: Tests, tol: Tolerance) -> Comparison:
             if stored is None and current is None:
                 continue
             rows.append((nodeid, compare_peak(phase, stored, current, tol, format_size)))
-    return Comparison(rows, [n for n in new if n not in old], [n for n in old if n not in new])
+    failed = [(n, str(t.get("status"))) for n, t in new.items() if t.get("status", "ok") not in PASSING]
+    mixed = [n for n in new if n in old and _where(old[n]) != _where(new[n])]
+    return Comparison(rows, [n for n in new if n not in old], [n for n in old if n not in new], failed, mixed)
+
+
+def _where(test: dict[str, Any]) -> tuple[object, object]:
+    return test.get("backend"), test.get("device")
 
 
 _HEADERS = ("test", "phase", "old", "new", "change", "status")
@@ -112,9 +123,10 @@ def summary(comparison: Comparison) -> str:
     statuses = [c.status for _, c in comparison.rows]
     tests = len({nodeid for nodeid, _ in comparison.rows})
     counts = ", ".join(f"{statuses.count(s)} {s.lower()}" for s in ("REGRESSED", "IMPROVED") if s in statuses)
+    failed = f", {len(comparison.failed)} failed in the new run" if comparison.failed else ""
     return (
         f"{tests} tests compared ({len(comparison.rows)} peaks){': ' + counts if counts else ''}; "
-        f"{len(comparison.added)} added, {len(comparison.removed)} removed"
+        f"{len(comparison.added)} added, {len(comparison.removed)} removed{failed}"
     )
 
 
@@ -125,12 +137,15 @@ def _text(comparison: Comparison) -> str:
     lines += [f"added: {nodeid}" for nodeid in comparison.added]
     lines += [f"removed: {nodeid}" for nodeid in comparison.removed]
     lines += [f"regressed: {nodeid}: {c.message}" for nodeid, c in comparison.regressed]
+    lines += [f"failed in the new run: {nodeid} ({status})" for nodeid, status in comparison.failed]
+    lines += [f"warning: {nodeid} was measured on another backend or device than before" for nodeid in comparison.mixed]
     return "\n".join([*lines, summary(comparison)])
 
 
 def _markdown(comparison: Comparison) -> str:
     text = markdown_table(_HEADERS, _table_rows(comparison))
     extra = [f"- added: `{n}`" for n in comparison.added] + [f"- removed: `{n}`" for n in comparison.removed]
+    extra += [f"- failed in the new run: `{n}` ({status})" for n, status in comparison.failed]
     return text + ("\n" + "\n".join(extra) + "\n" if extra else "") + f"\n{summary(comparison)}\n"
 
 
@@ -140,7 +155,7 @@ def run_compare(args: argparse.Namespace) -> int:
     print(_text(comparison))
     if args.markdown is not None:
         _write(args.markdown, _markdown(comparison))
-    return 1 if comparison.regressed else 0
+    return 1 if comparison.regressed or comparison.failed else 0
 
 
 def merge_reports(reports: Sequence[tuple[Path, Tests]]) -> dict[str, Any]:

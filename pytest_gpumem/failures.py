@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
@@ -50,6 +51,9 @@ class Watch:
         if callable(configure):
             capacity = None if self.capacity is None else self.capacity.bytes
             configure(capacity, origins=self.leak is not None or self.evidence, events=self.evidence)
+        elif self.capacity is not None or self.evidence:
+            asked = f"capacity {self.capacity.written}" if self.capacity is not None else "--gpumem-snapshot-dir"
+            raise GpuMemError(f"{asked}: the {backend.name} backend cannot set a capacity or record a trace")
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -59,7 +63,8 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 def out_of_memory_message(meter: GpuMem, budget: Budget | None, exc: BaseException) -> str:
     """One sentence: where it ran out, what it asked for, the peak so far and the limits."""
-    where = f"in {meter.raised_in}" if meter.raised_in else "in the call"
+    phase = meter.phase_left_by(exc)
+    where = f"in {phase}" if phase else "in the call"
     asked = re.search(r"[Tt]ried to allocate ([\d.,]+ ?[KMGTP]?i?B)", _text(exc))
     tried = f" (tried to allocate {asked.group(1)})" if asked else ""
     limits = "" if budget is None or not budget.describe() else f"; budget {budget.describe()}"

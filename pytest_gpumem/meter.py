@@ -7,6 +7,7 @@ a region's peak is then its maximum minus what was allocated when it opened.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -109,7 +110,7 @@ class GpuMem:
         self.leak_check = False  # collect garbage before the call ends, and keep the call's survivors
         self.survivors: list[Survivor] = []
         self.trace: dict[str, Any] | None = None
-        self.raised_in: str | None = None  # the phase an exception left, if any
+        self._fits = 0
         self.gradients: Fingerprint | None = None
         self.gradient_tolerance: tuple[float | None, float | None] = (None, None)
 
@@ -142,8 +143,9 @@ class GpuMem:
         self._phase = name
         try:
             yield
-        except BaseException:
-            self.raised_in = name
+        except BaseException as exc:
+            with contextlib.suppress(AttributeError):  # an exception class with __slots__
+                exc._gpumem_phase = name  # type: ignore[attr-defined]
             raise
         finally:
             if self._stack is stack and self._phase == name:
@@ -166,10 +168,12 @@ class GpuMem:
         __tracebackhide__ = True
         from pytest_gpumem.fit import DEFAULT_SLACK, DEFAULT_TOLERANCE, fit_peaks
 
+        self._fits += 1
+        label = name if self._fits == 1 else f"{name}#{self._fits}"  # each fit's phases are its own
         counter = itertools.count()
 
         def measure(fn: Callable[[], object]) -> int:
-            phase = f"{name}[{next(counter)}]"
+            phase = f"{label}[{next(counter)}]"
             with self.phase(phase):
                 fn()  # what the step returns is dropped inside the phase: freed before the next size
             return self._results[phase].peak_bytes
@@ -237,7 +241,7 @@ class GpuMem:
         """Start measuring the call; a rerun of the test starts from nothing (info set by fixtures stays)."""
         self._results, self._call, self.notes = {}, None, []
         self.gradients, self.gradient_tolerance = None, (None, None)
-        self.survivors, self.trace, self.raised_in = [], None, None
+        self.survivors, self.trace, self._fits = [], None, 0
         self._stack = RegionStack(self.backend)
         self.backend.start()
         self._stack.push(CALL, full_collect=getattr(self.backend, "sees_earlier_allocations", True))
@@ -267,6 +271,12 @@ class GpuMem:
         if self.leak_check and callable(survivors) and self._call is not None and self._call.net_bytes > 0:
             self.survivors = survivors(SURVIVORS_SHOWN)
         self.trace = trace() if callable(trace) else None
+
+    @staticmethod
+    def phase_left_by(exc: BaseException) -> str | None:
+        """The phase that `exc` propagated out of, if any (marked on the exception itself)."""
+        phase = getattr(exc, "_gpumem_phase", None)
+        return phase if isinstance(phase, str) else None
 
     def end_call_if_running(self) -> None:
         """End the call if it is still measured (after an error on the way out): the backend's

@@ -138,7 +138,7 @@ def gpumem(request: pytest.FixtureRequest) -> GpuMem:
         )
     session.measure_calls()  # also when a fixture asks for it with request.getfixturevalue
     try:
-        return session.meter(request.node)
+        return session.meter(request.node, fresh=True)
     except GpuMemError as exc:
         pytest.fail(f"{request.node.nodeid}: {exc}", pytrace=False)
 

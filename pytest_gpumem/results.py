@@ -126,8 +126,10 @@ def settle(result: TestResult, report: Any) -> None:
     if report.failed and result.status in _PASSING:
         result.status = STATUS_ERROR
         result.message = _first_line(str(report.longreprtext)) or "the test failed"
+    elif expected_failure and report.skipped:
+        result.status = "xfailed"
     elif expected_failure and result.status in _PASSING:
-        result.status = "xfailed" if report.skipped else "XPASS"
+        result.status = "XPASS"
     if not report.passed or expected_failure:
         result.record = None
 

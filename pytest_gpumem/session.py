@@ -94,6 +94,15 @@ def _plain_info(info: object) -> dict[str, Any]:
     return {"unreadable": text[:1000]}
 
 
+def _expected(item: pytest.Item, exc: BaseException) -> bool:
+    """Whether an xfail marker expects this very exception (then pytest, not the plugin, judges it)."""
+    mark = item.get_closest_marker("xfail")
+    if mark is None:
+        return False
+    raises = mark.kwargs.get("raises")
+    return raises is None or (isinstance(raises, (type, tuple)) and isinstance(exc, raises))
+
+
 def _memory_failure(meter: GpuMem, budget: Budget | None, exc: BaseException) -> tuple[str, str] | None:
     """(status, one line) for an error that is about memory, not the test's code."""
     if is_out_of_memory(exc):
@@ -174,20 +183,24 @@ class GpuMemSession:
         return "all visible, round-robin" if spec == "auto" else f"cuda:{', cuda:'.join(map(str, spec or ()))}"
 
     def assign_device(self) -> None:
-        """On an xdist worker under --gpumem-devices: see only this worker's device, before CUDA starts."""
+        """On an xdist worker under --gpumem-devices: see only this worker's device, before CUDA starts.
+        On the controller: refuse, in one line, devices the caller cannot see."""
         worker = getattr(self.config, "workerinput", {}).get("workerid")
-        if self.options.devices is None or worker is None:
+        if self.options.devices is None or (worker is None and not getattr(self.config.option, "numprocesses", None)):
             return
         try:
             visible = visible_devices(os.environ, _cuda_device_count)
-            self.assignment = assign(worker, self.options.devices, visible)
+            assignment = assign(worker or "gw0", self.options.devices, visible)  # the controller only checks
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
-        if self.assignment is not None:
-            os.environ[VISIBLE] = self.assignment.visible
+        if worker is not None and assignment is not None:
+            self.assignment = assignment
+            os.environ[VISIBLE] = assignment.visible
 
-    def meter(self, item: pytest.Item) -> GpuMem:
-        meter = item.stash.get(METER_KEY, None)
+    def meter(self, item: pytest.Item, fresh: bool = False) -> GpuMem:
+        """The item's meter; `fresh` (the fixture's setup, again on a rerun) starts a new one, so nothing of
+        an earlier attempt (its info) carries over."""
+        meter = None if fresh else item.stash.get(METER_KEY, None)
         if meter is None:
             meter = item.stash[METER_KEY] = GpuMem(self.backend(), item.nodeid)
         return meter
@@ -211,17 +224,22 @@ class GpuMemSession:
         try:
             budget = with_default(budget_of(marks), self.options.default_budget)
             meter = self.meter(item)
+            watch = self.watch(budget)
+            watch.apply(meter.backend, meter)
         except GpuMemError as exc:
             error = f"{item.nodeid}: {exc}"
         else:
-            return (yield from self._measured(item, meter, budget))
+            return (yield from self._measured(item, meter, budget, watch))
         backend = self._backend.name if self._backend else self.options.backend
-        self.add(TestResult(item.nodeid, backend, "", None, status=STATUS_ERROR, message=error))
+        result = TestResult(item.nodeid, backend, "", None, status=STATUS_ERROR, message=error)
+        self.add(result)
+        item.stash[RESULT_KEY] = result  # travels to the xdist controller with the report
+        item.config.hook.pytest_gpumem_result(item=item, result=result)
         pytest.fail(error, pytrace=False)
 
-    def _measured(self, item: pytest.Item, meter: GpuMem, budget: Budget | None) -> Generator[None, object, object]:
-        watch = self.watch(budget)
-        watch.apply(meter.backend, meter)
+    def _measured(
+        self, item: pytest.Item, meter: GpuMem, budget: Budget | None, watch: Watch
+    ) -> Generator[None, object, object]:
         meter.begin_call()
         status = STATUS_ERROR
         try:
@@ -240,6 +258,9 @@ class GpuMemSession:
                     meter.end_call_if_running()
                 raise
             status, error = failure
+            if _expected(item, exc):  # xfail(raises=...): the test behaves as it does unmeasured
+                self._finish(item, meter, budget, status, error)
+                raise
             exc.__traceback__ = None  # its frames hold the test's tensors
         else:
             self._judge(item, meter, budget, watch)
@@ -247,6 +268,8 @@ class GpuMemSession:
         if status == STATUS_OOM:
             release_memory()
         self._finish(item, meter, budget, status, error)
+        if meter.has_call_result:
+            item.add_report_section("call", "gpumem", breakdown(meter.result(), meter.phases))
         pytest.fail(error, pytrace=False)
 
     def watch(self, budget: Budget | None) -> Watch:
@@ -325,11 +348,15 @@ class GpuMemSession:
         item.config.hook.pytest_gpumem_result(item=item, result=result)
 
     def _keep_evidence(self, item: pytest.Item, meter: GpuMem, result: TestResult) -> None:
-        folder = self.options.snapshot_dir
+        folder, trace = self.options.snapshot_dir, meter.trace
+        meter.trace = None  # a passing test's trace is not kept for the rest of the run
         if folder is None or result.status not in EVIDENCE_STATUSES:
             return
+        snapshot = getattr(meter.backend, "snapshot", None)  # CUDA: the allocator's history, taken now
         try:
-            path = write_evidence(folder, item.nodeid, result.status, result.message, meter.trace)
+            if trace is None and callable(snapshot):
+                trace = snapshot()
+            path = write_evidence(folder, item.nodeid, result.status, result.message, trace)
         except (OSError, TypeError, ValueError, pickle.PicklingError) as exc:
             self.problems.append(f"--gpumem-snapshot-dir: cannot write the trace of {item.nodeid}: {exc}")
             return
@@ -356,7 +383,9 @@ class GpuMemSession:
             settle(result, report)
             properties = [*junit_properties(result), (REPORT_PROPERTY, json.dumps(result.to_dict(), allow_nan=False))]
             report.user_properties += properties
-            item.user_properties += properties  # the teardown report, which --junitxml reads, copies them
+            # the teardown report, which --junitxml reads, copies the item's; a rerun replaces them
+            item.user_properties[:] = [p for p in item.user_properties if not str(p[0]).startswith("gpumem")]
+            item.user_properties += properties
         return report
 
     def report_lines(self) -> list[str]:

@@ -38,6 +38,8 @@ class CudaBackend:
         self._device = torch.device("cuda", torch.cuda.current_device())
         self._capacity: int | None = None
         self._history = False
+        self._recording = False
+        self._fraction = 1.0
 
     HISTORY_ENTRIES = 100_000  # allocator events kept (bounds the history's memory and cost)
 
@@ -78,23 +80,25 @@ class CudaBackend:
 
         if self._capacity is not None:
             total = torch.cuda.get_device_properties(self._device).total_memory
+            self._fraction = torch.cuda.get_per_process_memory_fraction(self._device)
             torch.cuda.set_per_process_memory_fraction(min(self._capacity / total, 1.0), self._device)
-        if self._history:
+        if self._history and not self._recording:
+            # on from the first measured test: a test's snapshot is taken only if it fails
             torch.cuda.memory._record_memory_history(max_entries=self.HISTORY_ENTRIES, stacks="python", context="alloc")
+            self._recording = True
 
     def stop(self) -> None:
         import torch
 
         if self._capacity is not None:
-            torch.cuda.set_per_process_memory_fraction(1.0, self._device)
-        if self._history:
-            torch.cuda.memory._record_memory_history(enabled=None)
+            torch.cuda.set_per_process_memory_fraction(self._fraction, self._device)
 
-    def trace(self) -> Any:
-        """The allocator's memory-history snapshot of the call (before `stop` ends the recording)."""
+    def snapshot(self) -> Any:
+        """The allocator's memory history (its last HISTORY_ENTRIES events, the failing test's last), which
+        PyTorch's memory visualizer opens."""
         import torch
 
-        return torch.cuda.memory._snapshot() if self._history else None
+        return torch.cuda.memory._snapshot() if self._recording else None
 
     def settle(self) -> None:
         import torch

@@ -507,6 +507,7 @@ class TrackerBackend:
                     "and were not counted; the figures are what the test's real tensors used"
                 )
             self.ledger.forget()
+            self.ledger.recorder = None  # its events were read before the stop
 
     def notes(self) -> list[str]:
         """What the last measurement could not see, one sentence each."""
