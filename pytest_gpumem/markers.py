@@ -13,10 +13,11 @@ from pytest_gpumem.sizes import MAX_TEXT, format_size, is_binary, parse_size, sh
 
 MARKER = "max_memory"
 MARKER_SIGNATURE = (
-    "max_memory(limit=None, *, tolerance=None, capacity=None, leak=None, **phase_limits): fail the test "
-    "when the peak memory of its call (limit) or of a named gpumem phase (e.g. forward='20 MB') exceeds "
-    "the size given, when it leaves more than leak= allocated, or (capacity=) run it on a device of that "
-    "size; sizes are bytes or strings like '64 MiB', '1.5 GB'."
+    "max_memory(limit=None, *, tolerance=None, capacity=None, leak=None, device=None, **phase_limits): fail "
+    "the test when the peak memory of its call (limit) or of a named gpumem phase (e.g. forward='20 MB') "
+    "exceeds the size given, when it leaves more than leak= allocated, or (capacity=) run it on a device of "
+    "that size; device='meta' makes it a prediction on the meta device; sizes are bytes or strings like "
+    "'64 MiB', '1.5 GB'."
 )
 
 
@@ -43,6 +44,7 @@ class Budget:
     tolerance: float | None = None
     capacity: Limit | None = None  # the device's size: an allocation past it raises OutOfMemoryError
     leak: Limit | None = None  # bytes the call may leave allocated after it returns
+    device: str | None = None  # "meta": this test is a prediction on the meta device (tracker)
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {name: limit.bytes for name, limit in self.phases.items()}
@@ -54,6 +56,8 @@ class Budget:
             limit = getattr(self, name)
             if limit is not None:
                 data[name] = limit.bytes
+        if self.device is not None:
+            data["device"] = self.device
         return data
 
     def describe(self) -> str:
@@ -62,6 +66,7 @@ class Budget:
         parts += [] if self.tolerance is None else [f"tolerance {self.tolerance:g}%"]
         parts += [] if self.capacity is None else [f"capacity {self.capacity.written}"]
         parts += [] if self.leak is None else [f"leak {self.leak.written}"]
+        parts += [] if self.device is None else [f"on {self.device}"]
         return ", ".join(parts)
 
     def unopened(self, opened: Mapping[str, PhaseResult]) -> list[str]:
@@ -96,7 +101,8 @@ def all_of(budgets: Sequence[Budget]) -> Budget:
             tolerance = budget.tolerance if tolerance is None else min(tolerance, budget.tolerance)
         for name, limit in budget.phases.items():
             phases[name] = _stricter(phases.get(name), limit) or limit
-    return Budget(total=total, phases=phases, tolerance=tolerance, capacity=capacity, leak=leak)
+    device = next((b.device for b in budgets if b.device is not None), None)
+    return Budget(total=total, phases=phases, tolerance=tolerance, capacity=capacity, leak=leak, device=device)
 
 
 def closest_first(levels: Sequence[Budget]) -> Budget:
@@ -105,12 +111,14 @@ def closest_first(levels: Sequence[Budget]) -> Budget:
     total, tolerance, phases = None, None, dict[str, Limit]()
     capacity: Limit | None = None
     leak: Limit | None = None
+    device: str | None = None
     for budget in reversed(levels):
         total = budget.total or total
+        device = budget.device or device
         capacity, leak = budget.capacity or capacity, budget.leak or leak
         tolerance = budget.tolerance if budget.tolerance is not None else tolerance
         phases.update(budget.phases)
-    return Budget(total=total, phases=phases, tolerance=tolerance, capacity=capacity, leak=leak)
+    return Budget(total=total, phases=phases, tolerance=tolerance, capacity=capacity, leak=leak, device=device)
 
 
 def _limit(value: object, what: str, zero: bool = False) -> Limit:
@@ -152,8 +160,12 @@ def budget_from_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Budg
         raise GpuMemError("max_memory: 'call' is the whole test call; give its limit positionally: max_memory('1 GiB')")
     total = args[0] if args else kwargs.pop("limit", None)
     tolerance = kwargs.pop("tolerance", None)
-    capacity, leak = kwargs.pop("capacity", None), kwargs.pop("leak", None)
-    if total is None and not kwargs and tolerance is None and capacity is None and leak is None:
+    capacity, leak, device = kwargs.pop("capacity", None), kwargs.pop("leak", None), kwargs.pop("device", None)
+    if device is not None and device != "meta":
+        raise GpuMemError(
+            f"max_memory device=: only 'meta' (a prediction without data) is chosen per test, got {shorten(device)}"
+        )
+    if total is None and not kwargs and tolerance is None and capacity is None and leak is None and device is None:
         raise GpuMemError(
             "max_memory needs a limit or a tolerance: max_memory('64 MiB'), max_memory(forward='20 MB') "
             "or max_memory(tolerance=10)"
@@ -164,4 +176,5 @@ def budget_from_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Budg
         tolerance=None if tolerance is None else _tolerance(tolerance),
         capacity=None if capacity is None else _limit(capacity, "max_memory capacity="),
         leak=None if leak is None else _limit(leak, "max_memory leak=", zero=True),
+        device=device,
     )

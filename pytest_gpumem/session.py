@@ -57,6 +57,14 @@ def budget_of(marks: Sequence[tuple[object, pytest.Mark]]) -> Budget | None:
     return closest_first([all_of(budgets) for budgets in levels.values()]) if levels else None
 
 
+def _marked_meta(item: pytest.Item) -> bool:
+    """Whether the closest max_memory marker that names a device names meta (bad markers fail later)."""
+    for mark in item.iter_markers(MARKER):
+        if "device" in mark.kwargs:
+            return bool(mark.kwargs["device"] == "meta")
+    return False
+
+
 def _cuda_device_count() -> int:
     import torch
 
@@ -149,6 +157,7 @@ class GpuMemSession:
         self.baselines = baselines
         self._results: dict[str, TestResult] = {}
         self._backend: Backend | None = None
+        self._meta: Backend | None = None
         self.header_shown = False
         self.problems: list[str] = []
         self.baseline_lines: list[str] = []
@@ -202,8 +211,18 @@ class GpuMemSession:
         an earlier attempt (its info) carries over."""
         meter = None if fresh else item.stash.get(METER_KEY, None)
         if meter is None:
-            meter = item.stash[METER_KEY] = GpuMem(self.backend(), item.nodeid)
+            backend = self.meta_backend() if _marked_meta(item) else self.backend()
+            meter = item.stash[METER_KEY] = GpuMem(backend, item.nodeid)
         return meter
+
+    def meta_backend(self) -> Backend:
+        """The tracker on the meta device, for tests marked max_memory(device="meta") (any main backend)."""
+        if self._meta is None:
+            from pytest_gpumem.backends.tracker import TrackerBackend
+
+            main = self.backend()
+            self._meta = main if str(main.device) == "meta" else TrackerBackend(self.options.rounding, device="meta")
+        return self._meta
 
     @property
     def measuring(self) -> bool:

@@ -234,5 +234,5 @@ def test_markers_on_several_levels(tracker: pytest.Pytester) -> None:
 def test_marker_registered(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("--markers")
     result.stdout.fnmatch_lines(
-        ["@pytest.mark.max_memory(limit=None, *, tolerance=None, capacity=None, leak=None, **phase_limits)*"]
+        ["@pytest.mark.max_memory(limit=None, *, tolerance=None, capacity=None, leak=None, device=None, *"]
     )

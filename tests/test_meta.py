@@ -97,3 +97,54 @@ def test_meta_needs_the_tracker(tracker: pytest.Pytester) -> None:
     result = tracker.runpytest("--gpumem-device=gpu")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--gpumem-device: invalid device 'gpu' (cpu, or meta*"])
+
+
+FITS = """
+import pytest, torch
+
+def step(device, batch):
+    model = torch.nn.Linear(16384, 16384, device=device)  # 1 GiB of float32 weights
+    x = torch.randn(batch, 16384, device=device)
+    model(x).sum().backward()
+
+@pytest.mark.max_memory(capacity="3 GiB", device="meta")
+def test_batch_32_fits_in_3_gib(gpumem):
+    assert gpumem.device.type == "meta"
+    step(gpumem.device, 32)  # weights, bias and their gradients: just over 2 GiB
+
+@pytest.mark.max_memory(capacity="2 GiB", device="meta")
+def test_but_not_in_2_gib(gpumem):
+    step(gpumem.device, 32)
+
+def test_on_cpu(gpumem):
+    assert gpumem.device.type == "cpu"
+"""
+
+
+def test_a_marker_makes_one_test_a_prediction(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(FITS)
+    result = tracker.runpytest("--gpumem-json=out.json", "-p", "no:randomly")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "out of memory in the call (tried to allocate 1.0 GiB) after a peak of 1.0 GiB; "
+            "budget capacity 2 GiB, on meta"
+        ]
+    )
+    tests = {t["nodeid"].split("::")[1]: t for t in json.loads((tracker.path / "out.json").read_text())["tests"]}
+    assert {name: t["device"] for name, t in tests.items()} == {
+        "test_batch_32_fits_in_3_gib": "meta",
+        "test_but_not_in_2_gib": "meta",
+        "test_on_cpu": "cpu",
+    }
+    # 2 x (16384 x 16384 + 16384) x 4 B for weights, bias and gradients; the batch's few MiB on top
+    assert tests["test_batch_32_fits_in_3_gib"]["peak_bytes"] >= 2 * (16384 * 16384 + 16384) * 4
+
+
+def test_only_meta_is_chosen_per_test(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile("import pytest\n\n@pytest.mark.max_memory(device='cuda')\ndef test_x(gpumem):\n    pass\n")
+    result = tracker.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["*max_memory device=: only 'meta' (a prediction without data) is chosen per test, got 'cuda'"]
+    )
