@@ -180,7 +180,12 @@ class GpuMemSession:
         spread = "" if self.options.devices is None else f"; xdist workers get one device each ({self._spread()})"
         capacity = self.options.capacity
         cap = "" if capacity is None else f"; capacity {capacity.written}: {self._capacity_means()}"
-        return f"gpumem: {self.backend().describe()}{spread}{cap}"
+        traces = ""
+        if self.options.snapshot_dir is not None and not callable(getattr(self.backend(), "configure", None)):
+            traces = (
+                f"; --gpumem-snapshot-dir: the {self.backend().name} backend records no trace, none will be written"
+            )
+        return f"gpumem: {self.backend().describe()}{spread}{cap}{traces}"
 
     def _capacity_means(self) -> str:
         if self.backend().name == "cuda":

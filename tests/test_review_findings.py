@@ -196,4 +196,10 @@ def test_capacity_on_a_backend_that_cannot_is_one_line(pytester: pytest.Pytester
     pytester.makepyfile("import pytest\n\n@pytest.mark.max_memory(capacity='1 KiB')\ndef test_a():\n    pass\n")
     result = pytester.runpytest("--gpumem-backend=plain")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*capacity 1 KiB: the plain backend cannot set a capacity or record a trace"])
+    result.stdout.fnmatch_lines(["*capacity 1 KiB: the plain backend cannot set a capacity"])
+    pytester.makepyfile("def test_a(gpumem):\n    pass\n")
+    result = pytester.runpytest("--gpumem-backend=plain", "--gpumem-snapshot-dir=snaps")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        ["gpumem: *; --gpumem-snapshot-dir: the plain backend records no trace, none will be written"]
+    )
