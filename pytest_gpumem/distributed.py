@@ -1,0 +1,312 @@
+"""Run a function on the ranks of a torch.distributed world, each rank measured on its own backend.
+
+The parent spawns `world_size` processes (torch.multiprocessing, spawn context), which form a process
+group through a FileStore in a fresh temporary folder: no TCP port is chosen by us, so xdist workers
+starting worlds at the same time cannot collide and no port is left bound (gloo and NCCL connect their
+ranks over ports the OS assigns). Each rank runs `fn(rank, world_size, meter, *args)` with a `GpuMem`
+of the parent's kind (the tracker with the same rounding and device, or CUDA on `cuda:rank`) and sends
+its phases back on a queue. A rank that raises, dies or outlives the timeout ends every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import pickle
+import queue as queues
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pytest_gpumem.distributed_worker import DONE, ERROR, RankResult, RankSpec, run_rank
+from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.results import PhaseResult
+from pytest_gpumem.sizes import format_size, shorten
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+    from multiprocessing.queues import Queue
+
+    from pytest_gpumem.meter import GpuMem
+
+DEFAULT_TIMEOUT = 120.0
+"""Seconds the ranks may run the function, once all have joined the process group."""
+
+MIN_JOIN_TIMEOUT = 60.0
+"""Seconds at least that spawning the ranks and forming the group may take (importing torch included)."""
+
+RANK_SEPARATOR = "@rank"
+_POLL = 0.05
+_LAST_WORDS = 2.0  # seconds to wait for the message of a rank that has already exited
+_END_GRACE = 5.0  # seconds a finished rank gets to exit before it is killed
+_DEATH_NOTICE = 0.2  # seconds for the exit of a rank whose peers report a broken connection to be seen
+
+__all__ = ["DEFAULT_TIMEOUT", "DistributedError", "RankResult", "World", "run", "worst_call"]
+
+
+class DistributedError(GpuMemError):
+    """A rank failed (raised, died, or ran past the timeout); `rank` is the first one that did."""
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+@dataclass(frozen=True)
+class World:
+    """The ranks' results, and what the test's result records of them."""
+
+    ranks: list[RankResult]
+    process_group: str
+    name: str
+
+    def phases(self) -> list[PhaseResult]:
+        """Each rank's phases as `phase@rankN`, then each phase's worst rank as `phase`, the whole run of
+        the function as `name@rankN` and `name`."""
+        per_rank = [_on_rank(p, r.rank, f"{p.name}{RANK_SEPARATOR}{r.rank}") for r in self.ranks for p in _all(r, self)]
+        names = dict.fromkeys(p.name for r in self.ranks for p in _all(r, self))
+        worst = [self.worst(name) for name in names]
+        return per_rank + worst
+
+    def worst(self, name: str) -> PhaseResult:
+        """Phase `name` on the rank whose peak is highest (the lowest such rank)."""
+        found = [(p.peak_bytes, -r.rank, r.rank, p) for r in self.ranks for p in _all(r, self) if p.name == name]
+        _, _, rank, phase = max(found, key=lambda item: item[:3])
+        return _on_rank(phase, rank, name)
+
+    def summary(self) -> dict[str, Any]:
+        """For `gpumem.info["distributed"]`: plain JSON."""
+        worst = self.worst(self.name)
+        return {
+            "name": self.name,
+            "world_size": len(self.ranks),
+            "process_group": self.process_group,
+            "peak_bytes": {str(r.rank): r.call.peak_bytes for r in self.ranks},
+            "worst_rank": worst.rank,
+            "worst_peak": format_size(worst.peak_bytes),
+        }
+
+
+def _all(result: RankResult, world: World) -> list[PhaseResult]:
+    return [*result.phases.values(), replace(result.call, name=world.name)]
+
+
+def _on_rank(phase: PhaseResult, rank: int, name: str) -> PhaseResult:
+    return replace(phase, name=name, rank=rank)
+
+
+def worst_call(call: PhaseResult, ranks: PhaseResult | None) -> PhaseResult:
+    """The test's call: the parent's own, or the worst rank's whole run where that is higher."""
+    if ranks is None or ranks.peak_bytes <= call.peak_bytes:
+        return call
+    return replace(
+        call,
+        peak_bytes=ranks.peak_bytes,
+        requested_peak_bytes=max(call.requested_peak_bytes, ranks.requested_peak_bytes),
+        reserved_peak_bytes=ranks.reserved_peak_bytes,
+        rank=ranks.rank,
+    )
+
+
+def run(
+    meter: GpuMem,
+    fn: Callable[..., object],
+    world_size: int,
+    *,
+    args: Sequence[Any] = (),
+    backend: str | None = None,
+    timeout: float | None = None,
+    name: str = "ranks",
+) -> World:
+    """Start the world, wait for every rank, end them all; a failed rank raises `DistributedError`."""
+    _check(fn, world_size, timeout, name)
+    limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+    kind, rounding, device, capacity = _meter_kind(meter)
+    group = backend if backend is not None else _default_group(kind, world_size)
+    payload = _payload(fn, tuple(args))
+    with tempfile.TemporaryDirectory(prefix="gpumem-dist-") as folder:
+        spec = RankSpec(
+            nodeid=meter.nodeid,
+            world_size=world_size,
+            process_group=group,
+            store_path=str(Path(folder, "store")),
+            meter_kind=kind,
+            rounding=rounding,
+            device=device,
+            capacity=capacity,
+            join_timeout=max(limit, MIN_JOIN_TIMEOUT),
+            payload=payload,
+        )
+        ranks = _spawn(spec, limit)
+    return World(ranks, group, name)
+
+
+def _check(fn: object, world_size: object, timeout: object, name: object) -> None:
+    if not callable(fn):
+        raise GpuMemError(f"gpumem.distributed() needs a function fn(rank, world_size, meter), got {shorten(fn)}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise GpuMemError(f"gpumem.distributed(world_size=...) must be an int >= 1, got {shorten(world_size)}")
+    valid = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout)
+    if timeout is not None and not (valid and float(timeout) > 0):  # type: ignore[arg-type]
+        raise GpuMemError(f"gpumem.distributed(timeout=...) must be a number of seconds > 0, got {shorten(timeout)}")
+    if not isinstance(name, str) or not name or name == "call" or RANK_SEPARATOR in name:
+        raise GpuMemError(f"gpumem.distributed(name=...) must be a phase name other than 'call', got {shorten(name)}")
+
+
+def _meter_kind(meter: GpuMem) -> tuple[str, str, str, int | None]:
+    """(kind, rounding, tracker device, capacity) of the parent's backend, for the ranks to copy."""
+    backend: Any = meter.backend
+    if backend.name == "tracker":
+        device = str(backend.device)
+        return "tracker", str(backend.rounding), device, backend.ledger.capacity
+    if backend.name == "cuda":
+        return "cuda", "none", "cuda", getattr(backend, "_capacity", None)
+    raise GpuMemError(f"gpumem.distributed() measures ranks with the tracker or cuda backend, not {backend.name!r}")
+
+
+def _default_group(kind: str, world_size: int) -> str:
+    """gloo for the tracker; NCCL with one GPU per rank for CUDA."""
+    if kind != "cuda":
+        return "gloo"
+    import torch
+
+    visible = torch.cuda.device_count()
+    if visible < world_size:
+        raise GpuMemError(
+            f"gpumem.distributed(world_size={world_size}) on CUDA needs one device per rank, {visible} visible"
+        )
+    return "nccl"
+
+
+def _payload(fn: Callable[..., object], args: tuple[Any, ...]) -> bytes:
+    """(fn, args) pickled for the spawned ranks, which import fn by its module and name."""
+    try:
+        return pickle.dumps((fn, args))
+    except Exception as exc:
+        what = getattr(fn, "__qualname__", None) or type(fn).__name__
+        raise GpuMemError(
+            f"gpumem.distributed(): {what} and its args must be picklable to reach the ranks "
+            f"(define the function at module level, not a lambda or a local function): {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from None
+
+
+def _spawn(spec: RankSpec, limit: float) -> list[RankResult]:
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    messages: Queue[tuple[str, int, Any]] = context.Queue()
+    processes = [
+        context.Process(target=run_rank, args=(rank, spec, messages), name=f"gpumem-rank{rank}", daemon=True)
+        for rank in range(spec.world_size)
+    ]
+    grace = 0.0
+    try:
+        for process in processes:
+            process.start()
+        results = _Waiter(processes, messages, limit, spec.join_timeout).results()
+        grace = _END_GRACE
+        return results
+    finally:
+        _end(processes, grace)
+        messages.close()
+        messages.join_thread()
+
+
+def _end(processes: Sequence[BaseProcess], grace: float) -> None:
+    """Every rank has exited when this returns: finished ones on their own (within `grace` seconds),
+    the others killed."""
+    deadline = time.monotonic() + grace
+    for process in processes:
+        if process.pid is not None:
+            process.join(max(deadline - time.monotonic(), 0))
+    for process in processes:
+        if process.pid is not None and process.exitcode is None:
+            process.kill()
+            process.join()
+    for process in processes:
+        with contextlib.suppress(ValueError):
+            process.close()
+
+
+class _Waiter:
+    """Reads the ranks' messages until every rank is done, one fails, or time runs out."""
+
+    def __init__(
+        self, processes: Sequence[BaseProcess], messages: Queue[tuple[str, int, Any]], limit: float, join: float
+    ) -> None:
+        self.processes, self.messages, self.limit = processes, messages, limit
+        self.ready: set[int] = set()
+        self.done: dict[int, RankResult] = {}
+        self.deadline = time.monotonic() + join
+        self.joining = True
+
+    def results(self) -> list[RankResult]:
+        while len(self.done) < len(self.processes):
+            try:
+                self._take(self.messages.get(timeout=_POLL))
+            except queues.Empty:
+                self._check_time()
+                self._check_alive()
+        return [self.done[rank] for rank in range(len(self.processes))]
+
+    def _take(self, message: tuple[str, int, Any]) -> None:
+        kind, rank, body = message
+        if kind == ERROR:
+            self._check_dead()  # a rank that died makes its peers fail: the dead one is the cause
+            raise DistributedError(f"rank {rank} failed: {body}", rank)
+        if kind == DONE:
+            self.done[rank] = body
+        self.ready.add(rank)
+        if self.joining and len(self.ready) == len(self.processes):
+            self.joining, self.deadline = False, time.monotonic() + self.limit
+
+    def _check_time(self) -> None:
+        if time.monotonic() < self.deadline:
+            return
+        if self.joining:
+            late = [r for r in range(len(self.processes)) if r not in self.ready]
+            raise DistributedError(
+                f"{_ranks(late)} did not join the process group within {self.deadline_text()}", late[0]
+            )
+        late = [r for r in range(len(self.processes)) if r not in self.done]
+        raise DistributedError(
+            f"{_ranks(late)} did not finish within {self.limit:g} s (timeout=, --gpumem-dist-timeout); all ranks "
+            "were ended",
+            late[0],
+        )
+
+    def deadline_text(self) -> str:
+        return f"{max(self.limit, MIN_JOIN_TIMEOUT):g} s"
+
+    def _check_dead(self) -> None:
+        time.sleep(_DEATH_NOTICE)
+        for rank, process in enumerate(self.processes):
+            if rank not in self.done and process.exitcode not in (None, 0):
+                raise DistributedError(f"rank {rank} {_exit_text(process.exitcode)} before it finished", rank)
+
+    def _check_alive(self) -> None:
+        for rank, process in enumerate(self.processes):
+            if rank in self.done or process.exitcode is None:
+                continue
+            with contextlib.suppress(queues.Empty):  # its last message may still be on the way
+                self._take(self.messages.get(timeout=_LAST_WORDS))
+                return
+            raise DistributedError(f"rank {rank} {_exit_text(process.exitcode)} before it finished", rank)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _exit_text(code: int) -> str:
+    if code >= 0:
+        return f"exited with code {code}"
+    import signal
+
+    with contextlib.suppress(ValueError):
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"was killed by signal {-code}"
