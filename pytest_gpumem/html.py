@@ -257,6 +257,8 @@ _SCRIPT = r"""
     let text = "Peak " + formatSize(total) + " (" + digits(total) + " B) live at event " + digits(index);
     if (where.length) text += " in " + where.join(", ");
     if (start) text += ": +" + formatSize(total - start) + " over the " + formatSize(start) + " live at the start";
+    const unattributed = Number(call.unattributed_bytes || 0);
+    if (unattributed) text += "; the measured peak has " + formatSize(unattributed) + " more, unattributed (allocator)";
     const node = document.getElementById("gpumem-peak");
     node.textContent = text;
     node.setAttribute("data-bytes", String(total));

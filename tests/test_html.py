@@ -290,9 +290,11 @@ def test_browser_shows_the_measured_peak(chromium: str, tmp_path: Path, case: Ca
     assert body is not None and "data-pwned" not in body[0]
 
 
-def test_browser_draws_areas_bands_and_the_peak_label(chromium: str, tmp_path: Path) -> None:
+def test_browser_draws_areas_bands_the_peak_label_and_unattributed(chromium: str, tmp_path: Path) -> None:
     data, total, _ = spread_case(8, 20)
+    data["phases"]["call"]["unattributed_bytes"] = 4096
     dom = shown(chromium, write_html(tmp_path, data), tmp_path / "profile")
+    assert "the measured peak has 4.0 KiB more, unattributed" in element(dom, "gpumem-peak").text
     chart = dom.split('id="gpumem-chart"')[1].split("</svg>")[0]
     assert chart.count("<path") == len(CATEGORIES)
     assert ">forward</text>" in chart and ">backward</text>" in chart
