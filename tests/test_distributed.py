@@ -1,0 +1,326 @@
+"""gpumem.distributed(): functions run on spawned ranks (gloo on CPU), each rank measured by its own
+tracker; budgets and baselines per rank; a failing rank ends all ranks and fails its test in one line.
+
+Spawning a world costs seconds, so each scenario shares one pytester run (exact bytes: float32 = 4 B)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+import pytest
+
+from pytest_gpumem.distributed import World, worst_call
+from pytest_gpumem.distributed_worker import RankResult
+from pytest_gpumem.markers import budget_from_marker
+from pytest_gpumem.results import PhaseResult, TestResult
+
+FAULTS = """
+import os, time
+from pathlib import Path
+
+import pytest, torch
+import torch.distributed as dist
+
+PIDS = Path(__file__).with_name("pids")
+
+
+def _note(name, rank):
+    PIDS.mkdir(exist_ok=True)
+    (PIDS / f"{name}-{rank}").write_text(str(os.getpid()))
+
+
+def grow(rank, world_size, meter):
+    _note("grow", rank)
+    with meter.phase("forward"):
+        torch.ones(1000 * (rank + 1))  # rank r: 4,000 (r + 1) B
+    dist.barrier()
+    return rank * 10
+
+
+def raises(rank, world_size, meter):
+    if rank == 1:
+        with meter.phase("forward"):
+            raise ValueError("bad batch")
+    dist.barrier()
+
+
+def hangs(rank, world_size, meter):
+    _note("hangs", rank)
+    if rank == 1:
+        time.sleep(600)
+
+
+def exits(rank, world_size, meter):
+    _note("exits", rank)
+    if rank == 1:
+        os._exit(3)
+    dist.barrier()
+
+
+@pytest.mark.max_memory(forward="6 kB")
+def test_over_on_one_rank(gpumem):
+    gpumem.distributed(grow)
+
+
+def test_rank_raises(gpumem):
+    gpumem.distributed(raises)
+
+
+def test_rank_hangs(gpumem):
+    gpumem.distributed(hangs, timeout=2)
+
+
+def test_rank_exits(gpumem):
+    gpumem.distributed(exits)
+
+
+@pytest.mark.max_memory(capacity="6 kB")
+def test_rank_out_of_memory(gpumem):
+    gpumem.distributed(grow)
+
+
+def test_not_picklable(gpumem):
+    gpumem.distributed(lambda rank, world_size, meter: None)
+
+
+def test_runs_normally_after(gpumem):
+    ranks = gpumem.distributed(grow)
+    assert [r.value for r in ranks] == [0, 10]
+    assert [r.phases["forward"].peak_bytes for r in ranks] == [4000, 8000]
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _tests(pytester: pytest.Pytester) -> dict[str, dict[str, Any]]:
+    doc = json.loads((pytester.path / "out.json").read_text())
+    return {t["nodeid"].split("::")[1]: t for t in doc["tests"]}
+
+
+def test_faults_end_every_rank_and_fail_one_test_in_one_line(
+    tracker: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    own_tmp = tracker.mkdir("tmp")
+    monkeypatch.setenv("TMPDIR", str(own_tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    tracker.makepyfile(FAULTS)
+    result = tracker.runpytest("-p", "no:randomly", "--gpumem-json=out.json")
+    result.assert_outcomes(passed=1, failed=6)
+    result.stdout.fnmatch_lines(
+        [
+            "forward peak 8.0 kB on rank 1 exceeds max_memory forward=6 kB*",
+            "*::test_rank_raises: rank 1 failed: ValueError: bad batch (in phase 'forward')",
+            "*::test_rank_hangs: rank 1 did not finish within 2 s (timeout=, --gpumem-dist-timeout); all ranks "
+            "were ended",
+            "*::test_rank_exits: rank 1 exited with code 3 before it finished",
+            "*::test_rank_out_of_memory: rank 1 failed: OutOfMemoryError: tracker: out of memory: tried to allocate "
+            "7.8 KiB with 0 B of the capacity 5.9 KiB already allocated (in phase 'forward')",
+            "*::test_not_picklable: gpumem.distributed(): test_not_picklable.<locals>.<lambda> and its args must be "
+            "picklable to reach the ranks (define the function at module level, not a lambda or a local function): "
+            "AttributeError: Can't pickle local object *",
+        ]
+    )
+    tests = _tests(tracker)
+    assert [t["status"] for t in tests.values()] == ["OVER BUDGET", *["error"] * 5, "ok"]
+    assert all("\n" not in str(t["message"]) for t in tests.values())
+    over = tests["test_over_on_one_rank"]["phases"]
+    assert over["forward"] == {**over["forward@rank1"], "rank": 1}
+    assert (over["forward@rank0"]["peak_bytes"], over["forward@rank0"]["rank"]) == (4000, 0)
+    pids = [int(p.read_text()) for p in (tracker.path / "pids").iterdir()]
+    assert len(pids) == 2 * 3  # both ranks of grow (the last of its three worlds), hangs and exits
+    assert not [pid for pid in pids if _alive(pid)]
+    assert not list(own_tmp.glob("gpumem-dist-*"))  # the rendezvous folders are gone
+
+
+PER_RANK = """
+import os, pytest, torch
+from reference_losses.distributed import run_strategies
+
+
+def train(rank, world_size, meter):
+    run_strategies(rank, world_size, meter, 0.25)
+    if rank == 1 and os.environ.get("GROW_RANK1"):
+        with meter.phase("ddp.forward"):
+            torch.ones(1_000_000)
+
+
+def test_data_parallel(gpumem):
+    gpumem.distributed(train, 2)
+"""
+
+# The Net at scale 0.25 on 2 ranks (see reference_losses/distributed.py): 64 rows a rank,
+# P1 = 8,396,800, P2 = 8,392,704, P = 16,789,504, h1 = 64 * 2048 * 4 = 524,288, out = 262,144.
+EXPECTED = {
+    "ddp.setup": 16_789_504,  # P: the gradient buckets
+    "ddp.forward": 1_048_580,  # h1 + out + out*target + 4
+    "ddp.backward": 16_789_508,  # P + 4
+    "ddp.step": 16_789_504,  # P of momentum
+    "fsdp2.setup": 4_198_408,  # P1 / 2 + 8
+    "fsdp2.forward": 25_706_496,  # h1 + P1 + 2 * P2
+    "fsdp2.backward": 29_382_660,  # 2 * P1 + P2 + P2 / 2 + 4
+    "fsdp2.step": 8_394_752,  # P / 2 of momentum
+}
+
+
+def test_ddp_and_fsdp2_per_rank_bytes_and_baselines(tracker: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    tracker.makepyfile(PER_RANK)
+    tracker.runpytest("--gpumem-update", "--gpumem-json=out.json").assert_outcomes(passed=1)
+    phases = _tests(tracker)["test_data_parallel"]["phases"]
+    for rank in (0, 1):
+        assert {name: phases[f"{name}@rank{rank}"]["peak_bytes"] for name in EXPECTED} == EXPECTED
+    assert {name: phases[name]["peak_bytes"] for name in EXPECTED} == EXPECTED  # the worst rank's
+    stored = json.loads((tracker.path / "gpumem-baselines.json").read_text())
+    assert "ddp.forward@rank1" in json.dumps(stored)
+
+    monkeypatch.setenv("GROW_RANK1", "1")
+    result = tracker.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["ddp.forward@rank1 peak 3.8 MiB is 281.5% above baseline 1.0 MiB (tolerance 5% *"])
+    result.stdout.no_fnmatch_line("*ddp.forward@rank0 peak*above*")
+
+
+XDIST = """
+import torch
+
+def fill(rank, world_size, meter, n):
+    with meter.phase("made"):
+        torch.ones(n * (rank + 1))
+
+def test_{name}(gpumem):
+    gpumem.distributed(fill, 2, args=({n},))
+"""
+
+
+def test_two_xdist_workers_start_worlds_at_once(tracker: pytest.Pytester) -> None:
+    pytest.importorskip("xdist")
+    tracker.makepyfile(test_a=XDIST.format(name="a", n=1000), test_b=XDIST.format(name="b", n=3000))
+    result = tracker.runpytest_subprocess("-n", "2", "--gpumem-json=out.json")
+    result.assert_outcomes(passed=2)
+    tests = _tests(tracker)
+    assert {k: t["phases"]["made"]["peak_bytes"] for k, t in tests.items()} == {"test_a": 8000, "test_b": 24000}
+    assert {k: t["peak_bytes"] for k, t in tests.items()} == {"test_a": 8000, "test_b": 24000}
+
+
+BAD_CALLS = """
+import pytest
+
+def fn(rank, world_size, meter):
+    pass
+
+@pytest.mark.parametrize("kwargs", [
+    {"world_size": 0}, {"world_size": True}, {"timeout": -1}, {"timeout": float("nan")}, {"name": "call"},
+    {"name": "a@rank1"},
+])
+def test_bad(gpumem, kwargs):
+    gpumem.distributed(fn, **kwargs)
+
+def test_not_callable(gpumem):
+    gpumem.distributed(3)
+
+def test_inside_phase(gpumem):
+    with gpumem.phase("outer"):
+        gpumem.distributed(fn)
+
+def test_timeout_option(gpumem):
+    assert gpumem.dist_timeout == float(__import__("os").environ["EXPECTED_TIMEOUT"])
+"""
+
+
+def test_bad_calls_fail_in_one_line_naming_the_value(tracker: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    tracker.makepyfile(BAD_CALLS)
+    monkeypatch.setenv("EXPECTED_TIMEOUT", "7.5")
+    tracker.makeini("[pytest]\ngpumem_backend = tracker\ngpumem_dist_timeout = 30\n")
+    result = tracker.runpytest("-p", "no:randomly", "--gpumem-dist-timeout=7.5")
+    result.assert_outcomes(passed=1, failed=8)
+    result.stdout.fnmatch_lines(
+        [
+            "*gpumem.distributed(world_size=...) must be an int >= 1, got 0",
+            "*gpumem.distributed(world_size=...) must be an int >= 1, got True",
+            "*gpumem.distributed(timeout=...) must be a number of seconds > 0, got -1",
+            "*gpumem.distributed(timeout=...) must be a number of seconds > 0, got nan",
+            "*gpumem.distributed(name=...) must be a phase name other than 'call', got 'call'",
+            "*gpumem.distributed(name=...) must be a phase name other than 'call', got 'a@rank1'",
+            "*gpumem.distributed() needs a function fn(rank, world_size, meter), got 3",
+            "*gpumem.distributed() works only outside phase 'outer' in *test_inside_phase",
+        ]
+    )
+    monkeypatch.setenv("EXPECTED_TIMEOUT", "30")
+    tracker.runpytest("-k", "timeout_option").assert_outcomes(passed=1)  # the ini twin
+
+
+def test_timeout_option_refuses_a_bad_value(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest("--gpumem-dist-timeout=0")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--gpumem-dist-timeout: invalid timeout '0' (a number of seconds above 0)"])
+    assert "--gpumem-dist-timeout=SECONDS" in pytester.runpytest("--help").stdout.str()
+
+
+# --- without spawning -------------------------------------------------------------------------------
+
+
+def _phase(name: str, peak: int, rank: int | None = None) -> PhaseResult:
+    return PhaseResult(name, peak, peak, None, 0, rank=rank)
+
+
+def _world() -> World:
+    ranks = [
+        RankResult(0, _phase("call", 500), {"fwd": _phase("fwd", 300)}),
+        RankResult(1, _phase("call", 700), {"fwd": _phase("fwd", 300), "bwd": _phase("bwd", 50)}),
+    ]
+    return World(ranks, "gloo", "ranks")
+
+
+def test_world_records_each_rank_and_the_worst() -> None:
+    phases = {p.name: (p.peak_bytes, p.rank) for p in _world().phases()}
+    assert phases == {
+        "fwd@rank0": (300, 0),
+        "ranks@rank0": (500, 0),
+        "fwd@rank1": (300, 1),
+        "bwd@rank1": (50, 1),
+        "ranks@rank1": (700, 1),
+        "fwd": (300, 0),  # a tie goes to the lowest rank
+        "ranks": (700, 1),
+        "bwd": (50, 1),
+    }
+    assert _world().summary() == {
+        "name": "ranks",
+        "world_size": 2,
+        "process_group": "gloo",
+        "peak_bytes": {"0": 500, "1": 700},
+        "worst_rank": 1,
+        "worst_peak": "700 B",
+    }
+
+
+def test_the_call_is_the_worst_device() -> None:
+    parent = _phase("call", 600)
+    assert worst_call(parent, None) == parent
+    assert worst_call(parent, _phase("ranks", 500, rank=1)) == parent
+    assert worst_call(parent, _phase("ranks", 700, rank=1)) == _phase("call", 700, rank=1)
+
+
+def test_rank_travels_in_json_only_when_set() -> None:
+    plain, ranked = _phase("fwd", 10), _phase("fwd", 10, rank=3)
+    assert "rank" not in plain.to_dict()
+    result = TestResult("t", "tracker", "cpu", plain, phases={"fwd": ranked})
+    assert TestResult.from_dict(json.loads(json.dumps(result.to_dict()))).phases["fwd"] == ranked
+    assert ranked.merged(_phase("fwd", 20, rank=1)).rank == 1
+    assert ranked.merged(_phase("fwd", 5, rank=1)).rank == 3
+
+
+def test_budget_messages_name_the_rank() -> None:
+    budget = budget_from_marker(("1 kB",), {"fwd": "1 kB"})
+    found = budget.violations(_phase("call", 2000, rank=0), {"fwd": _phase("fwd", 3000, rank=2)})
+    assert found == [
+        "call peak 2.0 kB on rank 0 exceeds max_memory 1 kB",
+        "fwd peak 3.0 kB on rank 2 exceeds max_memory fwd=1 kB",
+    ]
