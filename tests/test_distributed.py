@@ -324,3 +324,33 @@ def test_budget_messages_name_the_rank() -> None:
         "call peak 2.0 kB on rank 0 exceeds max_memory 1 kB",
         "fwd peak 3.0 kB on rank 2 exceeds max_memory fwd=1 kB",
     ]
+
+
+NCCL = """
+import torch
+import torch.distributed as dist
+
+
+def fill(rank, world_size, meter):
+    assert meter.device == torch.device("cuda", rank)
+    with meter.phase("made"):
+        x = torch.ones(1000 * (rank + 1), device=meter.device)  # 4,000 (r + 1) B, in 512-byte blocks
+    dist.all_reduce(x)
+    return dist.get_backend()
+
+
+def test_nccl(gpumem):
+    ranks = gpumem.distributed(fill, {world_size})
+    assert [r.value for r in ranks] == ["nccl"] * {world_size}
+    assert [r.phases["made"].peak_bytes for r in ranks] == [4096, 8192][:{world_size}]
+"""
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_nccl_with_one_device_per_rank(pytester: pytest.Pytester, world_size: int) -> None:
+    import torch
+
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} CUDA devices, {torch.cuda.device_count()} visible")
+    pytester.makepyfile(NCCL.format(world_size=world_size))
+    pytester.runpytest_subprocess("--gpumem-backend=cuda").assert_outcomes(passed=1)
