@@ -44,7 +44,7 @@ _LAST_WORDS = 2.0  # seconds to wait for the message of a rank that has already 
 _END_GRACE = 5.0  # seconds a finished rank gets to exit before it is killed
 _DEATH_NOTICE = 0.2  # seconds for the exit of a rank whose peers report a broken connection to be seen
 
-__all__ = ["DEFAULT_TIMEOUT", "DistributedError", "RankResult", "World", "run", "worst_call"]
+__all__ = ["DEFAULT_TIMEOUT", "DistributedError", "RankResult", "World", "run", "simulate", "worst_call"]
 
 
 class DistributedError(GpuMemError):
@@ -142,6 +142,28 @@ def run(
         )
         ranks = _spawn(spec, limit)
     return World(ranks, group, name)
+
+
+def simulate(
+    meter: GpuMem, fn: Callable[..., object], world_size: int, *, rank: int = 0, args: Sequence[Any] = ()
+) -> Any:
+    """Run `fn(rank, world_size, meter, *args)` here, as rank `rank` of a world that only exists in this
+    process: torch's fake process group, whose collectives move no data. Allocations are the rank's own,
+    so its phases are an estimate of that rank's peaks at any world size, without starting the ranks."""
+    _check(fn, world_size, None, "ranks")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise GpuMemError(f"gpumem.simulate_rank(rank=...) must be an int in 0..{world_size - 1}, got {shorten(rank)}")
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise GpuMemError("gpumem.simulate_rank(): this process already has a process group; it cannot be simulated")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        return fn(rank, world_size, meter, *args)
+    finally:
+        dist.destroy_process_group()
 
 
 def _check(fn: object, world_size: object, timeout: object, name: object) -> None:

@@ -27,6 +27,10 @@ FSDP2 (reshard after forward, the default; all-gathers and reduce-scatters are f
 - step: P/N, the momentum buffers of the shards.
 State kept between steps per rank (parameters, gradient buffers, optimizer state): DDP 3P (and the
 gradients P while they exist), FSDP2 3P/N.
+
+Under torch's fake process group (`gpumem.simulate_rank`) the all-reduce gives DDP no tensor back, which
+its default hook refuses (an internal assert in comm.cpp): DDP then runs `noop_hook`, which hands the
+bucket back as it is; the memory is the same, as the real all-reduce works in place on the bucket.
 """
 
 from __future__ import annotations
@@ -138,7 +142,12 @@ def run_strategies(rank: int, world_size: int, meter: GpuMem, scale: float) -> d
 def _wrap_ddp(model: nn.Module) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(model, init_sync=False)
+    ddp = DistributedDataParallel(model, init_sync=False)
+    if dist.get_backend() == "fake":
+        from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+
+        ddp.register_comm_hook(None, noop_hook)
+    return ddp
 
 
 def _wrap_fsdp2(model: nn.Module) -> nn.Module:

@@ -354,3 +354,69 @@ def test_nccl_with_one_device_per_rank(pytester: pytest.Pytester, world_size: in
         pytest.skip(f"needs {world_size} CUDA devices, {torch.cuda.device_count()} visible")
     pytester.makepyfile(NCCL.format(world_size=world_size))
     pytester.runpytest_subprocess("--gpumem-backend=cuda").assert_outcomes(passed=1)
+
+
+SIMULATED = """
+import pytest
+from reference_losses.distributed import STEPS, sizes
+
+
+def step(name):
+    def run(rank, world_size, meter):
+        STEPS[name](rank, meter, sizes(0.25, world_size), 0.25)
+    return run
+
+
+ddp, fsdp2 = step("ddp"), step("fsdp2")
+
+
+@pytest.mark.parametrize("world_size", [2, 8])
+def test_simulated(gpumem, world_size):
+    gpumem.simulate_rank(ddp, world_size, rank=world_size - 1)
+    gpumem.simulate_rank(fsdp2, world_size, rank=world_size - 1)
+
+
+@pytest.mark.max_memory(device="meta")
+def test_ddp_on_meta(gpumem):
+    gpumem.simulate_rank(ddp, 8)
+
+
+@pytest.mark.max_memory(device="meta")
+def test_fsdp2_on_meta(gpumem):
+    gpumem.simulate_rank(fsdp2, 8)
+
+
+def test_bad_rank(gpumem):
+    gpumem.simulate_rank(ddp, 2, rank=2)
+"""
+
+# World size 8 (16 rows a rank): h1 = 131,072, out = 65,536; P1 / 8 = 1,049,600, P2 / 8 = 1,049,088.
+EXPECTED_8 = {
+    "ddp.setup": 16_789_504,
+    "ddp.forward": 262_148,  # h1 + 2 * out + 4
+    "ddp.backward": 16_789_508,
+    "ddp.step": 16_789_504,
+    "fsdp2.setup": 1_049_632,  # P1 / 8 + 4 * 8
+    "fsdp2.forward": 25_313_280,  # h1 + P1 + 2 * P2
+    "fsdp2.backward": 26_235_396,  # 2 * P1 + P2 + P2 / 8 + 4
+    "fsdp2.step": 2_098_688,  # P / 8
+}
+
+
+def test_simulated_ranks_estimate_the_real_figures(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(SIMULATED)
+    result = tracker.runpytest("-p", "no:randomly", "--gpumem-json=out.json")
+    result.assert_outcomes(passed=3, failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "E*RuntimeError: FSDP parameters should be materialized from meta device before training*",
+            "*::test_bad_rank: gpumem.simulate_rank(rank=...) must be an int in 0..1, got 2",
+        ]
+    )
+    tests = _tests(tracker)
+    simulated = {name: tests[f"test_simulated[{n}]"]["phases"] for name, n in (("2", 2), ("8", 8))}
+    assert {k: simulated["2"][k]["peak_bytes"] for k in EXPECTED} == EXPECTED  # as measured on 2 real ranks
+    assert {k: simulated["8"][k]["peak_bytes"] for k in EXPECTED_8} == EXPECTED_8
+    meta = tests["test_ddp_on_meta"]["phases"]
+    assert {k: v["peak_bytes"] for k, v in meta.items()} == {k: EXPECTED_8[k] for k in meta}
+    assert set(meta) == {"ddp.setup", "ddp.forward", "ddp.backward", "ddp.step"}
