@@ -11,12 +11,13 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from pytest_gpumem.compare import PhaseComparison, Tolerance, compare_peak
 from pytest_gpumem.constants import DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT
+from pytest_gpumem.explain import compact, what_grew
 from pytest_gpumem.options import slack, tolerance
 from pytest_gpumem.report import JSON_VERSION, markdown_table
 from pytest_gpumem.sizes import format_size
@@ -96,10 +97,27 @@ def compare_reports(old: Tests, new: Tests, tol: Tolerance) -> Comparison:
             stored, current = before.get(phase), after.get(phase)
             if stored is None and current is None:
                 continue
-            rows.append((nodeid, compare_peak(phase, stored, current, tol, format_size)))
+            compared = compare_peak(phase, stored, current, tol, format_size)
+            rows.append((nodeid, _what_grew(compared, old[nodeid], new[nodeid])))
     failed = [(n, str(t.get("status"))) for n, t in new.items() if t.get("status", "ok") not in PASSING]
     mixed = [n for n in new if n in old and _where(old[n]) != _where(new[n])]
     return Comparison(rows, [n for n in new if n not in old], [n for n in old if n not in new], failed, mixed)
+
+
+def _what_grew(compared: PhaseComparison, old: dict[str, Any], new: dict[str, Any]) -> PhaseComparison:
+    """A regression between two explained runs names what grew most."""
+    if compared.status != "REGRESSED":
+        return compared
+    grew = what_grew(_composition(old), _composition(new), compared.label)
+    return compared if grew is None else replace(compared, message=f"{compared.message}: {grew}")
+
+
+def _composition(test: dict[str, Any]) -> dict[str, Any] | None:
+    explanation = test.get("explanation")
+    try:
+        return compact(explanation) if isinstance(explanation, dict) else None
+    except (KeyError, TypeError, AttributeError, ValueError):  # a hand-edited report: no diff, no crash
+        return None
 
 
 def _where(test: dict[str, Any]) -> tuple[object, object]:
@@ -145,6 +163,7 @@ def _text(comparison: Comparison) -> str:
 def _markdown(comparison: Comparison) -> str:
     text = markdown_table(_HEADERS, _table_rows(comparison))
     extra = [f"- added: `{n}`" for n in comparison.added] + [f"- removed: `{n}`" for n in comparison.removed]
+    extra += [f"- regressed: `{n}`: {c.message}" for n, c in comparison.regressed]
     extra += [f"- failed in the new run: `{n}` ({status})" for n, status in comparison.failed]
     return text + ("\n" + "\n".join(extra) + "\n" if extra else "") + f"\n{summary(comparison)}\n"
 

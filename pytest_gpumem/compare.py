@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any, Literal
 
@@ -219,6 +219,7 @@ def compare(
     for name, value in base_phases.items():
         if name not in current.phases:
             results.append(compare_peak(name, value, None, tol, fmt))
+    results = [_with_growth(c, baseline, current) for c in results]
     problems: list[str] = []
     notes: list[str] = []
     status: Status = "ok"
@@ -258,6 +259,16 @@ def compare(
         gradient_status=gradient_status,
         failed=bool(problems),
     )
+
+
+def _with_growth(comparison: PhaseComparison, baseline: Entry, current: Entry) -> PhaseComparison:
+    """A regression's message, with what grew most when both sides have a composition."""
+    if comparison.status != "REGRESSED" or comparison.message is None:
+        return comparison
+    from pytest_gpumem.explain import what_grew
+
+    grew = what_grew(baseline.composition, current.composition, comparison.label)
+    return comparison if grew is None else replace(comparison, message=f"{comparison.message}: {grew}")
 
 
 def compare_peak(
@@ -335,6 +346,8 @@ def equivalent(old: Entry, new: Entry, tol: Tolerance) -> bool:
     if old.torch != new.torch or old.cuda != new.cuda or set(old.phases) != set(new.phases):
         return False
     if (old.gradients is None) != (new.gradients is None):
+        return False
+    if old.composition is None and new.composition is not None:  # an explained run adds what was missing
         return False
     pairs = [(old.peak_bytes, new.peak_bytes), *((old.phases[k], new.phases[k]) for k in old.phases)]
     if any(not (tol.lower(b) <= c <= tol.upper(b)) for b, c in pairs):

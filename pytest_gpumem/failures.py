@@ -35,22 +35,31 @@ class Watch:
     capacity: Limit | None
     leak: Limit | None
     evidence: bool
+    explain: bool = False
 
     @classmethod
-    def of(cls, budget: Budget | None, capacity: Limit | None, leak: Limit | None, evidence: bool) -> Watch:
+    def of(
+        cls, budget: Budget | None, capacity: Limit | None, leak: Limit | None, evidence: bool, explain: bool = False
+    ) -> Watch:
         """The test's own marker values first, then the run's options."""
         if budget is not None:
             capacity = budget.capacity or capacity
             leak = budget.leak if budget.leak is not None else leak
-        return cls(capacity, leak, evidence)
+            explain = explain or budget.explain
+        return cls(capacity, leak, evidence, explain)
 
     def apply(self, backend: Backend, meter: GpuMem) -> None:
         """Set up the backend for the next call (every measured test: nothing carries over)."""
         meter.leak_check = self.leak is not None
+        meter.explain = self.explain
         configure = getattr(backend, "configure", None)
         if callable(configure):
             capacity = None if self.capacity is None else self.capacity.bytes
-            configure(capacity, origins=self.leak is not None or self.evidence, events=self.evidence)
+            origins = self.leak is not None or self.evidence
+            if callable(getattr(backend, "attribution", None)):  # it explains its own peaks
+                configure(capacity, origins=origins, events=self.evidence, explain=self.explain)
+            else:
+                configure(capacity, origins=origins, events=self.evidence)
         elif self.capacity is not None:  # a test held to a capacity must not run without one
             raise GpuMemError(f"capacity {self.capacity.written}: the {backend.name} backend cannot set a capacity")
 

@@ -45,6 +45,7 @@ class Budget:
     capacity: Limit | None = None  # the device's size: an allocation past it raises OutOfMemoryError
     leak: Limit | None = None  # bytes the call may leave allocated after it returns
     device: str | None = None  # "meta": this test is a prediction on the meta device (tracker)
+    explain: bool = False  # explain the peaks: what was alive at each, who made it
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {name: limit.bytes for name, limit in self.phases.items()}
@@ -58,6 +59,8 @@ class Budget:
                 data[name] = limit.bytes
         if self.device is not None:
             data["device"] = self.device
+        if self.explain:
+            data["explain"] = True
         return data
 
     def describe(self) -> str:
@@ -67,6 +70,7 @@ class Budget:
         parts += [] if self.capacity is None else [f"capacity {self.capacity.written}"]
         parts += [] if self.leak is None else [f"leak {self.leak.written}"]
         parts += [] if self.device is None else [f"on {self.device}"]
+        parts += ["explained"] if self.explain else []
         return ", ".join(parts)
 
     def unopened(self, opened: Mapping[str, PhaseResult]) -> list[str]:
@@ -76,12 +80,19 @@ class Budget:
         """One sentence for each limit exceeded, e.g. 'backward peak 41.9 MB exceeds max_memory backward=40 MB'."""
         found = []
         if self.total is not None and call.peak_bytes > self.total.bytes:
-            found.append(f"call peak {self.total.fmt(call.peak_bytes)} exceeds max_memory {self.total.written}")
+            found.append(
+                f"call peak {self.total.fmt(call.peak_bytes)}{_on_rank(call)} exceeds max_memory {self.total.written}"
+            )
         for name, limit in self.phases.items():
             phase = phases.get(name)
             if phase is not None and phase.peak_bytes > limit.bytes:
-                found.append(f"{name} peak {limit.fmt(phase.peak_bytes)} exceeds max_memory {name}={limit.written}")
+                peak = f"{limit.fmt(phase.peak_bytes)}{_on_rank(phase)}"
+                found.append(f"{name} peak {peak} exceeds max_memory {name}={limit.written}")
         return found
+
+
+def _on_rank(phase: PhaseResult) -> str:
+    return "" if phase.rank is None else f" on rank {phase.rank}"
 
 
 def _stricter(a: Limit | None, b: Limit | None) -> Limit | None:
@@ -102,7 +113,10 @@ def all_of(budgets: Sequence[Budget]) -> Budget:
         for name, limit in budget.phases.items():
             phases[name] = _stricter(phases.get(name), limit) or limit
     device = next((b.device for b in budgets if b.device is not None), None)
-    return Budget(total=total, phases=phases, tolerance=tolerance, capacity=capacity, leak=leak, device=device)
+    explain = any(b.explain for b in budgets)
+    return Budget(
+        total=total, phases=phases, tolerance=tolerance, capacity=capacity, leak=leak, device=device, explain=explain
+    )
 
 
 def closest_first(levels: Sequence[Budget]) -> Budget:
@@ -118,7 +132,10 @@ def closest_first(levels: Sequence[Budget]) -> Budget:
         capacity, leak = budget.capacity or capacity, budget.leak or leak
         tolerance = budget.tolerance if budget.tolerance is not None else tolerance
         phases.update(budget.phases)
-    return Budget(total=total, phases=phases, tolerance=tolerance, capacity=capacity, leak=leak, device=device)
+    explain = any(b.explain for b in levels)
+    return Budget(
+        total=total, phases=phases, tolerance=tolerance, capacity=capacity, leak=leak, device=device, explain=explain
+    )
 
 
 def _limit(value: object, what: str, zero: bool = False) -> Limit:
@@ -161,11 +178,14 @@ def budget_from_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Budg
     total = args[0] if args else kwargs.pop("limit", None)
     tolerance = kwargs.pop("tolerance", None)
     capacity, leak, device = kwargs.pop("capacity", None), kwargs.pop("leak", None), kwargs.pop("device", None)
+    explain = kwargs.pop("explain", False)
+    if not isinstance(explain, bool):
+        raise GpuMemError(f"max_memory explain=: must be True or False, got {shorten(explain)}")
     if device is not None and device != "meta":
         raise GpuMemError(
             f"max_memory device=: only 'meta' (a prediction without data) is chosen per test, got {shorten(device)}"
         )
-    if total is None and not kwargs and tolerance is None and capacity is None and leak is None and device is None:
+    if not (explain or kwargs or any(v is not None for v in (total, tolerance, capacity, leak, device))):
         raise GpuMemError(
             "max_memory needs a limit or a tolerance: max_memory('64 MiB'), max_memory(forward='20 MB') "
             "or max_memory(tolerance=10)"
@@ -177,4 +197,5 @@ def budget_from_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Budg
         capacity=None if capacity is None else _limit(capacity, "max_memory capacity="),
         leak=None if leak is None else _limit(leak, "max_memory leak=", zero=True),
         device=device,
+        explain=explain,
     )

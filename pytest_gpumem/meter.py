@@ -24,7 +24,10 @@ if TYPE_CHECKING:
 
     import torch
 
+    from pytest_gpumem.backends.attribution import Attributor
     from pytest_gpumem.backends.recording import Survivor
+    from pytest_gpumem.backends.shadow import Shadow
+    from pytest_gpumem.distributed_worker import RankResult
     from pytest_gpumem.fit import BatchFit
     from pytest_gpumem.gradients import Fingerprint
 
@@ -40,10 +43,12 @@ class _Region:
 
 
 class RegionStack:
-    """Open regions over one backend, with the peak folding that lets them nest."""
+    """Open regions over one backend, with the peak folding that lets them nest; an attributor (when the
+    peaks are explained) is told where each region begins and ends."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, attribution: Attributor | None = None) -> None:
         self.backend = backend
+        self.attribution = attribution
         self.open: list[_Region] = []
 
     def push(self, name: str, full_collect: bool = False) -> None:
@@ -53,10 +58,14 @@ class RegionStack:
         self.backend.reset_peak()
         now = self.backend.current()
         self.open.append(_Region(name, now, now))
+        if self.attribution is not None:
+            self.attribution.open_region(name)
 
     def pop(self) -> PhaseResult:
         result = self.peek(len(self.open) - 1)
         self.open.pop()
+        if self.attribution is not None:
+            self.attribution.close_region()
         return result
 
     def peek(self, index: int) -> PhaseResult:
@@ -79,11 +88,15 @@ class RegionStack:
         open regions first and reset to the current value afterwards."""
         self.backend.settle()
         self._fold()
+        if self.attribution is not None:
+            self.attribution.pause()
         try:
             yield
         finally:
             self.backend.settle()
             self.backend.reset_peak()
+            if self.attribution is not None:
+                self.attribution.resume()
 
     def _fold(self) -> None:
         peak = self.backend.peak()
@@ -111,8 +124,13 @@ class GpuMem:
         self.survivors: list[Survivor] = []
         self.trace: dict[str, Any] | None = None
         self._fits = 0
+        self._ranks_call: PhaseResult | None = None  # the worst rank's whole run, of gpumem.distributed()
+        self.dist_timeout: float | None = None  # --gpumem-dist-timeout, set where the fixture is made
         self.gradients: Fingerprint | None = None
         self.gradient_tolerance: tuple[float | None, float | None] = (None, None)
+        self.explain = False  # explain the peaks of the next call (what was alive, who made it)
+        self.explanation: dict[str, Any] | None = None
+        self._shadow: Shadow | None = None
 
     @property
     def device(self) -> torch.device:
@@ -190,6 +208,49 @@ class GpuMem:
         self.info.setdefault("fits", []).append(found.describe())
         return found
 
+    def distributed(
+        self,
+        fn: Callable[..., object],
+        world_size: int = 2,
+        *,
+        args: Sequence[Any] = (),
+        backend: str | None = None,
+        timeout: float | None = None,
+        name: str = "ranks",
+    ) -> list[RankResult]:
+        """Run `fn(rank, world_size, meter, *args)` on `world_size` spawned ranks, each with a meter on its own
+        backend, and record their phases as `phase@rankN` and `phase` (the worst rank); see
+        `pytest_gpumem.distributed`. A failed rank fails the test in one line naming it."""
+        __tracebackhide__ = True
+        from pytest_gpumem.distributed import run
+
+        if self._stack is None or self._phase is not None:
+            where = "while the test function runs" if self._stack is None else f"outside phase {self._phase!r}"
+            raise GpuMemError(f"gpumem.distributed() works only {where} in {self.nodeid}")
+        timeout = self.dist_timeout if timeout is None else timeout
+        world = run(self, fn, world_size, args=args, backend=backend, timeout=timeout, name=name)
+        for result in world.phases():
+            self._record(result)
+        worst = world.worst(name)
+        self._ranks_call = worst if self._ranks_call is None else self._ranks_call.merged(worst)
+        self.info.setdefault("distributed", []).append(world.summary())
+        return world.ranks
+
+    def simulate_rank(
+        self, fn: Callable[..., object], world_size: int, *, rank: int = 0, args: Sequence[Any] = ()
+    ) -> Any:
+        """Run `fn(rank, world_size, meter, *args)` in this process as rank `rank` of a simulated world
+        (torch's fake process group: collectives move no data), `meter` being this one: an estimate of
+        that rank's peaks at a world size this machine cannot start (see `pytest_gpumem.distributed`)."""
+        __tracebackhide__ = True
+        from pytest_gpumem.distributed import simulate
+
+        if self._stack is None:
+            raise GpuMemError(f"gpumem.simulate_rank() works only while the test function of {self.nodeid} runs")
+        value = simulate(self, fn, world_size, rank=rank, args=args)
+        self.info.setdefault("simulated", []).append({"world_size": world_size, "rank": rank})
+        return value
+
     def check_gradients(
         self,
         model_or_named_tensors: torch.nn.Module | Mapping[str, torch.Tensor | None],
@@ -241,10 +302,25 @@ class GpuMem:
         """Start measuring the call; a rerun of the test starts from nothing (info set by fixtures stays)."""
         self._results, self._call, self.notes = {}, None, []
         self.gradients, self.gradient_tolerance = None, (None, None)
-        self.survivors, self.trace, self._fits = [], None, 0
-        self._stack = RegionStack(self.backend)
+        self.survivors, self.trace, self._fits, self.explanation = [], None, 0, None
+        self._ranks_call = None
         self.backend.start()
+        self._stack = RegionStack(self.backend, self._attribution())
         self._stack.push(CALL, full_collect=getattr(self.backend, "sees_earlier_allocations", True))
+
+    def _attribution(self) -> Attributor | None:
+        """The backend's own attributor when it explains; otherwise (cuda, accelerators) a shadow tracker
+        on the same device, whose figures the measured ones are compared with ("unattributed")."""
+        if not self.explain:
+            return None
+        own = getattr(self.backend, "attribution", None)
+        found = own() if callable(own) else None
+        if found is None:
+            from pytest_gpumem.backends.shadow import Shadow
+
+            self._shadow = Shadow()
+            found = self._shadow.start()
+        return found
 
     def end_call(self) -> PhaseResult:
         stack = self._stack
@@ -256,13 +332,22 @@ class GpuMem:
             while len(stack.open) > 1:
                 self._record(stack.pop())
             self._call = stack.pop()
+            if self._ranks_call is not None:
+                from pytest_gpumem.distributed import worst_call
+
+                self._call = worst_call(self._call, self._ranks_call)
             self._keep_evidence()
         finally:
             self._stack = None
             self._phase = None
-            self.backend.stop()
+            shadow, self._shadow = self._shadow, None
+            try:
+                if shadow is not None:
+                    shadow.stop()
+            finally:
+                self.backend.stop()
             notes = getattr(self.backend, "notes", None)
-            self.notes = list(notes()) if callable(notes) else []
+            self.notes = [*(notes() if callable(notes) else []), *self.notes]  # the backend's, then ours
         return self._call
 
     def _keep_evidence(self) -> None:
@@ -271,6 +356,20 @@ class GpuMem:
         if self.leak_check and callable(survivors) and self._call is not None and self._call.net_bytes > 0:
             self.survivors = survivors(SURVIVORS_SHOWN)
         self.trace = trace() if callable(trace) else None
+        stack = self._stack
+        if stack is not None and stack.attribution is not None and self._call is not None:
+            self.explanation = self._explained(stack.attribution, self._call)
+
+    def _explained(self, attribution: Attributor, call: PhaseResult) -> dict[str, Any] | None:
+        from pytest_gpumem.explain import explain
+
+        attribution.gradients_still_held()
+        name = self.backend.name if self._shadow is None else f"{self.backend.name} (composition from a shadow tracker)"
+        try:
+            return explain(attribution, {CALL: call, **self._results}, self.nodeid, name)
+        except Exception as exc:  # an explanation never changes the test's outcome
+            self.notes.append(f"the peak could not be explained: {type(exc).__name__}: {exc}")
+            return None
 
     @staticmethod
     def phase_left_by(exc: BaseException) -> str | None:

@@ -14,6 +14,7 @@ import pytest
 
 from pytest_gpumem.constants import DEFAULT_FILENAME, DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT, ROUNDINGS
 from pytest_gpumem.devices import devices_spec
+from pytest_gpumem.distributed import DEFAULT_TIMEOUT as DEFAULT_DIST_TIMEOUT
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.markers import Budget, Limit, budget_from_marker
 from pytest_gpumem.sizes import parse_size
@@ -35,7 +36,10 @@ class Options:
     capacity: Limit | None = None
     leak: Limit | None = None
     snapshot_dir: Path | None = None
+    explain: bool = False
+    html_dir: Path | None = None
     device: str = "cpu"
+    dist_timeout: float = DEFAULT_DIST_TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,16 @@ def tolerance(value: str) -> float:
     if not 0 <= percent < 1000:
         raise argparse.ArgumentTypeError(f"invalid tolerance {value!r} (between 0 and 1000 percent)")
     return percent
+
+
+def seconds(value: str) -> float:
+    try:
+        number = float(value.strip().removesuffix("s"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid timeout {value!r} (seconds, e.g. 120 or 2.5)") from None
+    if not (0 < number < float("inf")):
+        raise argparse.ArgumentTypeError(f"invalid timeout {value!r} (a number of seconds above 0)")
+    return number
 
 
 def slack(value: str) -> int:
@@ -257,6 +271,31 @@ def add_options(parser: pytest.Parser) -> None:
         help="a test that runs out of memory, exceeds a budget, leaks or regresses leaves its memory trace "
         "there (tracker: JSON; CUDA: a memory-history snapshot). Default: none (ini gpumem_snapshot_dir).",
     )
+    option(
+        "--gpumem-dist-timeout",
+        type=seconds,
+        default=None,
+        metavar="SECONDS",
+        help="how long the ranks of gpumem.distributed() may run the function before all are ended and the "
+        f"test fails (joining the group may take at least 60 s more). Default: {DEFAULT_DIST_TIMEOUT:g} "
+        "(ini gpumem_dist_timeout).",
+    )
+    option(
+        "--gpumem-explain",
+        action="store_true",
+        default=None,
+        help="explain the peaks of every measured test: what was alive at each phase's peak, by category "
+        "(parameters, gradients, optimizer state, saved for backward, temporaries, inputs) and by module, "
+        "and the largest tensors with the op and line that made them; max_memory(explain=True) does it per "
+        "test. Default: off (ini gpumem_explain).",
+    )
+    option(
+        "--gpumem-html",
+        default=None,
+        metavar="DIR",
+        help="write a self-contained HTML picture of each explained test's memory over time there "
+        "(stacked by category, phases shaded, the peak marked). Default: none (ini gpumem_html).",
+    )
     option("--gpumem-strict", action="store_true", default=None,
            help="fail a measured test that has no baseline. Default: off (ini gpumem_strict).")  # fmt: skip
     for name, help_text, kind, default in (
@@ -276,6 +315,9 @@ def add_options(parser: pytest.Parser) -> None:
         ("gpumem_device", "default for --gpumem-device", None, "cpu"),
         ("gpumem_leak", "default for --gpumem-leak", None, ""),
         ("gpumem_snapshot_dir", "default for --gpumem-snapshot-dir", None, ""),
+        ("gpumem_explain", "default for --gpumem-explain", "bool", False),
+        ("gpumem_html", "default for --gpumem-html", None, ""),
+        ("gpumem_dist_timeout", "default for --gpumem-dist-timeout", None, f"{DEFAULT_DIST_TIMEOUT:g}"),
     ):
         parser.addini(name, help_text, type=kind, default=default)  # type: ignore[arg-type]
 
@@ -354,7 +396,10 @@ def read_options(config: pytest.Config) -> tuple[Options, BaselineOptions]:
         capacity=_optional(config, "gpumem_capacity", capacity),
         leak=_optional(config, "gpumem_leak", leak),
         snapshot_dir=_folder(config, "gpumem_snapshot_dir"),
+        explain=_flag(config, "gpumem_explain"),
+        html_dir=_folder(config, "gpumem_html"),
         device=_given(config, "gpumem_device", device_name),
+        dist_timeout=_given(config, "gpumem_dist_timeout", seconds),
     )
     baseline = BaselineOptions(
         path=_path(config, "gpumem_baseline_file", config.rootpath) or config.rootpath / DEFAULT_FILENAME,

@@ -138,9 +138,11 @@ def gpumem(request: pytest.FixtureRequest) -> GpuMem:
         )
     session.measure_calls()  # also when a fixture asks for it with request.getfixturevalue
     try:
-        return session.meter(request.node, fresh=True)
+        meter = session.meter(request.node, fresh=True)
     except GpuMemError as exc:
         pytest.fail(f"{request.node.nodeid}: {exc}", pytrace=False)
+    meter.dist_timeout = session.options.dist_timeout
+    return meter
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from pytest_gpumem.explain import HOW_TO_EXPLAIN
 from pytest_gpumem.options import BaselineOptions
 
 if TYPE_CHECKING:
@@ -52,6 +54,19 @@ class Judgement:
     verdict: Verdict
     entry: Entry
     fails: bool
+    stored_composition: bool = False  # the stored baseline says what its peaks were made of
+
+    def failure_message(self) -> str:
+        """The verdict's line; a regression also says how to learn what grew, when it cannot say it."""
+        message = self.verdict.failure_message()
+        if self.verdict.status != "REGRESSED":
+            return message
+        if self.entry.composition is None:
+            return f"{message} ({HOW_TO_EXPLAIN})"
+        if not self.stored_composition:
+            hint = "the baseline has no composition to diff: record one with --gpumem-update --gpumem-explain"
+            return f"{message} ({hint})"
+        return message
 
 
 @dataclass(eq=False)  # registered as a plugin: hashed by identity
@@ -93,6 +108,7 @@ class BaselineRun:
         import torch
 
         from pytest_gpumem.compare import Tolerance, compare
+        from pytest_gpumem.explain import compact
         from pytest_gpumem.store import Entry, Environment
 
         assert self.store is not None, "judge() is called only when baselines are active"
@@ -104,19 +120,22 @@ class BaselineRun:
             call.peak_bytes,
             {name: phase.peak_bytes for name, phase in meter.phases.items()},
             meter.gradients,
+            None if meter.explanation is None else compact(meter.explanation),
         )
         percent = self.options.tolerance if budget is None or budget.tolerance is None else budget.tolerance
         rtol, atol = meter.gradient_tolerance
+        stored = self.store.get(nodeid, entry.identity)
         verdict = compare(
             nodeid,
             entry,
-            self.store.get(nodeid, entry.identity),
+            stored,
             Tolerance(percent, self.options.slack),
             strict=self.options.strict and not self.options.update,  # an update records what is missing
             grad_rtol=rtol,
             grad_atol=atol,
         )
-        return Judgement(verdict, entry, verdict.failed and not self.options.update)
+        fails = verdict.failed and not self.options.update
+        return Judgement(verdict, entry, fails, stored is not None and stored.composition is not None)
 
     def finish(self, records: Iterable[tuple[str, dict[str, Any]]], backend: Callable[[], Backend]) -> list[str]:
         """After the run: warnings, unused baselines, and under --gpumem-update/--gpumem-prune the new
@@ -138,6 +157,7 @@ class BaselineRun:
             passed = {n: e for n, e in entries.items() if n not in self.failed}
             if self.options.update_new_only:  # stored entries stay byte for byte
                 passed = {n: e for n, e in passed.items() if self.store.get(n, e.identity) is None}
+            passed = {n: self._keeping_composition(n, e) for n, e in passed.items()}
             update(self.store, passed, summary=summary)
         lines += self._prune_lines(stale, identity, summary)
         if summary.changed:
@@ -146,6 +166,17 @@ class BaselineRun:
         elif self.options.update:
             lines.append(f"{self.options.path} unchanged: {summary.describe()}")
         return lines
+
+    def _keeping_composition(self, nodeid: str, entry: Entry) -> Entry:
+        """A run without --gpumem-explain that measures exactly the stored peaks keeps their stored
+        composition (which still describes them); changed peaks make it stale, and it goes."""
+        assert self.store is not None
+        stored = self.store.get(nodeid, entry.identity)
+        if entry.composition is not None or stored is None or stored.composition is None:
+            return entry
+        if (stored.peak_bytes, dict(stored.phases)) != (entry.peak_bytes, dict(entry.phases)):
+            return entry
+        return dataclasses.replace(entry, composition=stored.composition)
 
     def _prune_lines(self, stale: list[str], identity: DeviceIdentity, summary: UpdateSummary) -> list[str]:
         from pytest_gpumem.store import prune

@@ -7,6 +7,7 @@ from typing import Any
 
 from tabulate import tabulate
 
+from pytest_gpumem.explain import summary
 from pytest_gpumem.results import TestResult
 from pytest_gpumem.sizes import format_size
 
@@ -38,21 +39,29 @@ def _baseline_cells(result: TestResult) -> list[str]:
     return [_cell(comparison.get("baseline")), "" if change is None else f"{change:+.1f}%"]
 
 
-def rows(results: Sequence[TestResult]) -> tuple[list[str], list[list[str]]]:
-    """Headers and rows: test, backend, device, each phase, the whole call, [baseline, change,] budget, status.
+def rows(results: Sequence[TestResult], links: bool = False) -> tuple[list[str], list[list[str]]]:
+    """Headers and rows: test, backend, device, each phase, the whole call, [baseline, change,] budget,
+    status, [what the call's peak was made of, [its picture (Markdown `links`)]].
 
     Every header and cell is one line (see `one_line`)."""
     phases = phase_names(results)
     with_baselines = any(r.baseline is not None for r in results)
+    explained = any(r.explanation is not None for r in results)
+    pictures = links and any(r.html for r in results)
     headers = ["test", "backend", "device", *phases, "call peak"]
     headers += ["baseline", "change"] if with_baselines else []
     headers += ["budget", "status"]
+    headers += ["call peak made of"] if explained else []
+    headers += ["picture"] if pictures else []
     body = []
     for r in results:
         row = [r.nodeid, r.backend, r.device, *(_cell(r.phases[p].peak_bytes) if p in r.phases else "" for p in phases)]
         row.append(_cell(r.peak_bytes))
         row += _baseline_cells(r) if with_baselines else []
-        body.append([one_line(cell) for cell in (*row, r.budget_text or "", r.status)])
+        row += [r.budget_text or "", r.status]
+        row += [summary(r.explanation) if r.explanation else ""] if explained else []
+        row += [f"[picture](<{r.html}>)" if r.html else ""] if pictures else []
+        body.append([one_line(cell) for cell in row])
     return [one_line(h) for h in headers], body
 
 
@@ -66,7 +75,7 @@ def markdown(results: Sequence[TestResult]) -> str:
     """The same table in GitHub Markdown, for CI step summaries."""
     if not results:
         return "No test was measured.\n"
-    return markdown_table(*rows(results))
+    return markdown_table(*rows(results, links=True))
 
 
 def markdown_table(headers: Sequence[str], body: Sequence[Sequence[str]]) -> str:

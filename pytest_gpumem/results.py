@@ -30,6 +30,7 @@ class PhaseResult:
     reserved_peak_bytes: int | None
     net_bytes: int
     count: int = 1
+    rank: int | None = None  # the distributed rank these figures are from (the worst one for a maximum)
 
     def merged(self, later: PhaseResult) -> PhaseResult:
         reserved = [r for r in (self.reserved_peak_bytes, later.reserved_peak_bytes) if r is not None]
@@ -40,11 +41,14 @@ class PhaseResult:
             reserved_peak_bytes=max(reserved) if reserved else None,
             net_bytes=later.net_bytes,
             count=self.count + later.count,
+            rank=later.rank if later.peak_bytes > self.peak_bytes else self.rank,
         )
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         del data["name"]
+        if self.rank is None:
+            del data["rank"]
         return data
 
 
@@ -68,6 +72,8 @@ class TestResult:
     record: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
     worker_device: str | None = None  # under --gpumem-devices: which of the caller's devices a worker used
+    explanation: dict[str, Any] | None = None  # what made each peak (pytest_gpumem.explain), when asked for
+    html: str | None = None  # the picture of an explained test (--gpumem-html)
 
     @property
     def peak_bytes(self) -> int | None:
@@ -95,6 +101,8 @@ class TestResult:
             "record": self.record,
             "notes": self.notes,
             "worker_device": self.worker_device,
+            "explanation": self.explanation,
+            "html": self.html,
         }
 
     @classmethod
@@ -115,6 +123,8 @@ class TestResult:
             record=data.get("record"),
             notes=list(data.get("notes", [])),
             worker_device=data.get("worker_device"),
+            explanation=data.get("explanation"),
+            html=data.get("html"),
         )
 
 

@@ -16,6 +16,8 @@ import pytest
 from pytest_gpumem.backends.base import Backend
 from pytest_gpumem.devices import VISIBLE, Assignment, assign, visible_devices
 from pytest_gpumem.errors import GpuMemError, GpuMemWarning
+from pytest_gpumem.explain import made_of, over_limit
+from pytest_gpumem.explain import section as explained
 from pytest_gpumem.failures import (
     EVIDENCE_STATUSES,
     STATUS_LEAKED,
@@ -298,7 +300,9 @@ class GpuMemSession:
 
     def watch(self, budget: Budget | None) -> Watch:
         options = self.options
-        return Watch.of(budget, options.capacity, options.leak, evidence=options.snapshot_dir is not None)
+        return Watch.of(
+            budget, options.capacity, options.leak, evidence=options.snapshot_dir is not None, explain=options.explain
+        )
 
     def _judge(self, item: pytest.Item, meter: GpuMem, budget: Budget | None, watch: Watch) -> None:
         call = meter.end_call()
@@ -314,20 +318,21 @@ class GpuMemSession:
         over = [] if budget is None else budget.violations(call, meter.phases)
         leaked = watch.leak is not None and call.net_bytes > watch.leak.bytes
         judgement = self.baselines.judge(item.nodeid, meter, budget) if self.baselines.active else None
-        section = breakdown(call, meter.phases) + survivors_section(meter)
+        section = breakdown(call, meter.phases) + survivors_section(meter) + explained(meter.explanation)
         if judgement is not None and judgement.verdict.messages:
             section += "\n" + "\n".join(judgement.verdict.messages)
         section += "".join(f"\nnote: {note}" for note in meter.notes)
-        if budget is not None or judgement is not None or meter.notes or leaked:
+        if budget is not None or judgement is not None or meter.notes or leaked or meter.explanation:
             item.add_report_section("call", "gpumem", section)
         failure: str | None
         if over:
-            status, failure = STATUS_OVER, "; ".join(over)
+            made = made_of(meter.explanation, over_limit(budget, call, meter.phases))
+            status, failure = STATUS_OVER, "; ".join(over) + made
         elif leaked and watch.leak is not None:
             status, failure = STATUS_LEAKED, leak_message(meter, watch.leak, call.net_bytes)
         elif judgement is not None:
             status = verdict_status(judgement.verdict)
-            failure = judgement.verdict.failure_message() if judgement.fails else None
+            failure = judgement.failure_message() if judgement.fails else None
         else:
             status, failure = STATUS_OK, None
         self._finish(item, meter, budget, status, failure, judgement)
@@ -364,12 +369,29 @@ class GpuMemSession:
             record=None if judgement is None else judgement.entry.to_json(),
             notes=meter.notes,
             worker_device=None if self.assignment is None else self.assignment.describe(),
+            explanation=meter.explanation,
         )
+        self._picture(item, result)
         self.add(result)
         item.stash[RESULT_KEY] = result
         self._keep_evidence(item, meter, result)
         _warn_notes(item, meter.notes)
         item.config.hook.pytest_gpumem_result(item=item, result=result)
+
+    def _picture(self, item: pytest.Item, result: TestResult) -> None:
+        """--gpumem-html: the explained test's memory over time, one self-contained file."""
+        folder = self.options.html_dir
+        if folder is None or result.explanation is None:
+            return
+        from pytest_gpumem.html import write_html
+
+        try:
+            path = write_html(folder, result.explanation)
+        except (OSError, TypeError, ValueError) as exc:
+            self.problems.append(f"--gpumem-html: cannot write the picture of {item.nodeid}: {exc}")
+            return
+        result.html = os.path.relpath(path)
+        item.add_report_section("call", "gpumem picture", f"memory over time: {path}")
 
     def _keep_evidence(self, item: pytest.Item, meter: GpuMem, result: TestResult) -> None:
         folder, trace = self.options.snapshot_dir, meter.trace

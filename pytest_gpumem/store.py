@@ -177,6 +177,7 @@ class Entry:
     torch: str | None
     cuda: str | None
     gradients: Fingerprint | None = None
+    composition: Mapping[str, Any] | None = None  # per phase: what its peak was made of (explain.compact)
 
     def __post_init__(self) -> None:
         if not isinstance(self.identity, DeviceIdentity):
@@ -197,6 +198,8 @@ class Entry:
                 raise ValueError(f"{attr}: expected a version string or null, got {short(value)}")
         if self.gradients is not None and not isinstance(self.gradients, Fingerprint):
             raise ValueError(f"gradients: expected a gradients.Fingerprint, got {short(self.gradients)}")
+        if self.composition is not None:
+            object.__setattr__(self, "composition", check_composition(self.composition))
 
     @classmethod
     def measured(
@@ -206,9 +209,10 @@ class Entry:
         peak_bytes: int,
         phases: Mapping[str, int],
         gradients: Fingerprint | None = None,
+        composition: Mapping[str, Any] | None = None,
     ) -> Entry:
         """A measurement of this run, ready for ``compare`` and ``update``."""
-        return cls(identity, peak_bytes, phases, env.torch, env.cuda, gradients)
+        return cls(identity, peak_bytes, phases, env.torch, env.cuda, gradients, composition)
 
     @property
     def environment(self) -> Environment:
@@ -225,6 +229,8 @@ class Entry:
         }
         if self.gradients is not None:
             out["gradients"] = self.gradients.to_json()
+        if self.composition is not None:
+            out["composition"] = self.composition
         return out
 
     @classmethod
@@ -248,10 +254,47 @@ class Entry:
             torch=obj["torch"],
             cuda=obj["cuda"],
             gradients=None if grads is None else Fingerprint.from_json(grads),
+            composition=obj.get("composition"),
         )
 
 
-_ENTRY_KEYS = frozenset(("identity", "peak_bytes", "phases", "torch", "cuda", "gradients"))
+_ENTRY_KEYS = frozenset(("identity", "peak_bytes", "phases", "torch", "cuda", "gradients", "composition"))
+
+
+def check_composition(obj: object) -> dict[str, Any]:
+    """``{phase: {"categories": {name: bytes}, "cells": [[category, module, bytes], ...]}}``; a byte count
+    may be negative (a phase that freed what was alive at its start)."""
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"composition: expected an object of phase name -> parts, got {short(obj)}")
+    out: dict[str, Any] = {}
+    for phase, parts in obj.items():
+        where = f"composition[{json_key(str(phase))}]"
+        if not isinstance(phase, str) or not phase:
+            raise ValueError(f"composition: phase names must be non-empty strings, got {short(phase)}")
+        parts = _exact_keys(parts, where, ("categories", "cells"))
+        categories, cells = parts["categories"], parts["cells"]
+        if not isinstance(categories, dict) or not all(
+            isinstance(k, str) and _signed_bytes(v) for k, v in categories.items()
+        ):
+            raise ValueError(f"{where}.categories: expected an object of category -> bytes, got {short(categories)}")
+        if not isinstance(cells, list) or not all(_is_cell(cell) for cell in cells):
+            raise ValueError(f"{where}.cells: expected a list of [category, module, bytes], got {short(cells)}")
+        out[phase] = {"categories": dict(categories), "cells": [list(cell) for cell in cells]}
+    return out
+
+
+def _signed_bytes(value: object) -> bool:
+    return type(value) is int and -MAX_BYTES < value < MAX_BYTES
+
+
+def _is_cell(cell: object) -> bool:
+    return (
+        isinstance(cell, list)
+        and len(cell) == 3
+        and isinstance(cell[0], str)
+        and isinstance(cell[1], str)
+        and _signed_bytes(cell[2])
+    )
 
 Slot = tuple[str, str]
 """``(node id, identity key)``: where an entry lives in the file."""

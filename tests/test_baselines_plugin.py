@@ -64,7 +64,8 @@ def test_regression_fails_with_one_sentence(tracker: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(
         [
             "call peak 4.9 KiB is 25.0% above baseline 3.9 KiB (tolerance 5%); "
-            "made peak 4.9 KiB is 25.0% above baseline 3.9 KiB (tolerance 5%)",
+            "made peak 4.9 KiB is 25.0% above baseline 3.9 KiB (tolerance 5%) "
+            "(see what made it with --gpumem-explain or max_memory(explain=True))",
             "*test_alloc?a?*+25.0%*REGRESSED",
         ]
     )

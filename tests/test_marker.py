@@ -42,7 +42,8 @@ def test_over_budget_message_and_section(tracker: pytest.Pytester) -> None:
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
-            "backward peak 4.0 kB exceeds max_memory backward=2 kB",
+            "backward peak 4.0 kB exceeds max_memory backward=2 kB "
+            "(see what made it with --gpumem-explain or max_memory(explain=True))",
             "*Captured gpumem call*",
             "forward: peak 3.9 KiB (requested 3.9 KiB), net 4 B, entered 1x",
             "backward: peak 3.9 KiB (requested 3.9 KiB), net 3.9 KiB, entered 1x",
@@ -224,9 +225,10 @@ def test_markers_on_several_levels(tracker: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(
         [
             "*_ test_module_cap_still_holds _*",
-            "call peak 3.9 KiB exceeds max_memory 1 KiB",
+            "call peak 3.9 KiB exceeds max_memory 1 KiB "
+            "(see what made it with --gpumem-explain or max_memory(explain=True))",
             "*_ test_stacked_strictest_wins _*",
-            "call peak 3.9 KiB exceeds max_memory 2 KiB",
+            "call peak 3.9 KiB exceeds max_memory 2 KiB (see what made it with --gpumem-explain*",
         ]
     )
 

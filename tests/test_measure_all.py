@@ -61,7 +61,12 @@ def test_default_limit_applies_where_markers_set_none(tracker: pytest.Pytester, 
     args = ["--gpumem-max-memory=3999"] if how == "option" else []
     result = tracker.runpytest("--gpumem-all", *args, "--gpumem-json=out.json", "-p", "no:randomly")
     result.assert_outcomes(passed=2, failed=2)
-    result.stdout.fnmatch_lines(["*call peak 4.0 kB (4,000 B) exceeds max_memory 3999 (--gpumem-max-memory)"])
+    result.stdout.fnmatch_lines(
+        [
+            "*call peak 4.0 kB (4,000 B) exceeds max_memory 3999 (--gpumem-max-memory) "
+            "(see what made it with --gpumem-explain or max_memory(explain=True))"
+        ]
+    )
     assert _statuses(tracker) == {
         "test_plain": ("OVER BUDGET", 4000),
         "test_own_limit": ("ok", 4000),  # its own limit wins

@@ -10,8 +10,8 @@ import os
 import sys
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pytest_gpumem.sizes import format_size
 
@@ -27,10 +27,19 @@ _NOT_USER_CODE = tuple(
 )
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Origin:
     op: str
     where: str | None  # "path/to/test_x.py:12", the innermost frame of the test's own code
+
+
+class Followed(Protocol):
+    """What the ledger knows of a storage it follows (its weak reference)."""
+
+    key: int
+    requested: int
+    counted: int
+    origin: Origin | None
 
 
 def user_line() -> str | None:
@@ -55,19 +64,25 @@ class Recorder:
         self.events: list[dict[str, Any]] | None = [] if events else None
         self.dropped = 0
 
-    def allocated(self, op: object, nbytes: int, total: int) -> Origin:
+    def entered(self) -> None:
+        """An op is about to run (the ledger's `op`)."""
+
+    def allocated(self, op: object, out: object, ref: Followed, total: int) -> Origin:
+        """`ref`, a storage among the outputs `out` of `op`, is followed from now on."""
         origin = Origin(op_name(op), user_line())
-        self.event("alloc", nbytes, total, origin)
+        ref.origin = origin
+        self.event("alloc", ref, total)
         return origin
 
-    def event(self, action: str, nbytes: int, total: int, origin: Origin | None) -> None:
+    def event(self, action: str, ref: Followed, total: int) -> None:
+        """`ref` was allocated, resized or freed, leaving `total` bytes allocated."""
         if self.events is None:
             return
         if len(self.events) >= MAX_EVENTS:
             self.dropped += 1
             return
-        where = asdict(origin) if origin is not None else {"op": None, "where": None}
-        self.events.append({"action": action, "bytes": nbytes, "allocated": total, **where})
+        op, where = (None, None) if ref.origin is None else (ref.origin.op, ref.origin.where)
+        self.events.append({"action": action, "bytes": ref.requested, "allocated": total, "op": op, "where": where})
 
     def trace(self) -> dict[str, Any]:
         return {"format": "pytest-gpumem trace 1", "events": self.events or [], "dropped_events": self.dropped}

@@ -19,6 +19,7 @@ from pytest_gpumem.sizes import format_size
 if TYPE_CHECKING:
     import torch
 
+    from pytest_gpumem.backends.attribution import Attributor
     from pytest_gpumem.backends.recording import Origin, Recorder, Survivor
     from pytest_gpumem.backends.tracker_hooks import Patches
 
@@ -82,7 +83,8 @@ class StorageLedger:
         self.fake_outputs = 0  # outputs of ops under FakeTensorMode, which hold no memory
         self.capacity: int | None = None  # allocated bytes past which an allocation raises OutOfMemoryError
         self.recorder: Recorder | None = None  # origins (and events) of the storages, when asked for
-        self.op: object = None  # the op being dispatched, read only by the recorder
+        self.op: object = None  # the op being dispatched and its outputs, read only by the recorder
+        self.out: object = None
         self._on_free = self._freed  # one bound method shared by every reference
 
     def add(self, storage: torch.UntypedStorage) -> None:
@@ -121,7 +123,7 @@ class StorageLedger:
         self.allocated += counted - ref.counted
         ref.requested, ref.counted = requested, counted
         if self.recorder is not None:
-            self.recorder.event("resize", requested, self.allocated, ref.origin)
+            self.recorder.event("resize", ref, self.allocated)
         self._update_peaks()
 
     def forget(self) -> None:
@@ -138,7 +140,7 @@ class StorageLedger:
         self.requested += requested
         self.allocated += counted
         if self.recorder is not None:
-            ref.origin = self.recorder.allocated(self.op, requested, self.allocated)
+            self.recorder.allocated(self.op, self.out, ref, self.allocated)
         if self.allocated > self.peak_allocated:
             self.peak_allocated = self.allocated
         if self.requested > self.peak_requested:
@@ -158,7 +160,7 @@ class StorageLedger:
             self.requested -= ref.requested
             self.allocated -= ref.counted
             if self.recorder is not None:
-                self.recorder.event("free", ref.requested, self.allocated, ref.origin)
+                self.recorder.event("free", ref, self.allocated)
 
     def _check_capacity(self, growth: int) -> None:
         if self.capacity is not None and growth > 0 and self.allocated + growth > self.capacity:
@@ -353,13 +355,16 @@ def _make_mode_class() -> type[Any]:
                     raise
                 return self._dispatch(func, numbers, kwargs)
             finally:
+                self.ledger.out = None  # the recorder's view of the outputs must not keep them alive
                 if set_eval_frame is not None:
                     set_eval_frame(prior)
 
         def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
             __tracebackhide__ = True
-            if self.ledger.recorder is not None:
+            recorder = self.ledger.recorder
+            if recorder is not None:
                 self.ledger.op = func
+                recorder.entered()
             plan = plans.get(func)
             if plan is None:
                 plan = plans[func] = _op_plan(func)
@@ -371,6 +376,8 @@ def _make_mode_class() -> type[Any]:
             if kind == _LIFT:
                 return self._dispatch_lifting(func, args, kwargs or {})
             out = func(*args, **kwargs) if kwargs else func(*args)
+            if recorder is not None:
+                self.ledger.out = out
             if kind == _SINGLE and type(out) is tensor_type:
                 try:
                     storage = out.untyped_storage()
@@ -400,7 +407,7 @@ def _make_mode_class() -> type[Any]:
 
         def _dispatch_lifting(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             __tracebackhide__ = True
-            out = func(*args, **kwargs)
+            out = self.ledger.out = func(*args, **kwargs)
             storage = _storage(out) if isinstance(out, tensor_type) else None
             # torch.tensor(data) fills a new, resizable storage; torch.as_tensor/from_numpy share
             # memory torch did not allocate (not resizable)
@@ -415,7 +422,7 @@ def _make_mode_class() -> type[Any]:
                 storage = _storage(tensor)
                 if storage is not None:
                     before[storage._cdata] = storage.nbytes()
-            out = func(*args, **kwargs)
+            out = self.ledger.out = func(*args, **kwargs)
             for tensor in _tensors(out, tensor_type):
                 storage = _storage(tensor)
                 if storage is None:
@@ -486,10 +493,15 @@ class TrackerBackend:
         self._patches = Patches(mode_class, self._notes)
         self._patches.install(predict_cuda=self.rounding == "cuda")
         self._mode = mode_class(self.ledger)
+        attribution = self.attribution()
         try:
+            if attribution is not None:
+                attribution.install()
             self._mode.__enter__()
         except BaseException:
             self._mode = None
+            if attribution is not None:
+                attribution.remove()
             self._patches.undo()
             raise
 
@@ -499,6 +511,9 @@ class TrackerBackend:
             if mode is not None:
                 _leave(mode)
         finally:
+            attribution = self.attribution()
+            if attribution is not None:
+                attribution.remove()
             if self._patches is not None:
                 self._patches.undo()
             if self.ledger.fake_outputs:
@@ -513,13 +528,25 @@ class TrackerBackend:
         """What the last measurement could not see, one sentence each."""
         return list(self._notes)
 
-    def configure(self, capacity: int | None, origins: bool, events: bool) -> None:
+    def configure(self, capacity: int | None, origins: bool, events: bool, explain: bool = False) -> None:
         """For the next measurement: a device of `capacity` bytes (None: unlimited); record where each
-        storage came from (`origins`) and the sequence of allocations and frees (`events`)."""
+        storage came from (`origins`), the sequence of allocations and frees (`events`), and what each
+        storage is for and which module made it (`explain`)."""
+        from pytest_gpumem.backends.attribution import Attributor
         from pytest_gpumem.backends.recording import Recorder
 
         self.ledger.capacity = capacity
-        self.ledger.recorder = Recorder(events) if origins or events else None
+        if explain:
+            self.ledger.recorder = Attributor(self.ledger.live, events)
+        else:
+            self.ledger.recorder = Recorder(events) if origins or events else None
+
+    def attribution(self) -> Attributor | None:
+        """The attributor of the measurement under way, when it explains its peaks."""
+        from pytest_gpumem.backends.attribution import Attributor
+
+        recorder = self.ledger.recorder
+        return recorder if isinstance(recorder, Attributor) else None
 
     def survivors(self, count: int) -> list[Survivor]:
         """The largest storages the call made that are still allocated, with what they hold."""

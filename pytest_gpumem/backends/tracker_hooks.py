@@ -73,8 +73,11 @@ def _counting_allocator(original: Callable[..., torch.Tensor], mode_class: type[
         out = original(*args)
         ledger = active_ledger(mode_class)
         if ledger is not None:
-            ledger.op = "a compiled program's buffer"
-            ledger.add(out.untyped_storage())
+            ledger.op, ledger.out = "a compiled program's buffer", out
+            try:
+                ledger.add(out.untyped_storage())
+            finally:
+                ledger.out = None
         return out
 
     return allocate
@@ -145,7 +148,7 @@ class Patches:
             result: torch.UntypedStorage = original(storage, size)
             ledger = active_ledger(mode_class)
             if ledger is not None:
-                ledger.op = "UntypedStorage.resize_"
+                ledger.op, ledger.out = "UntypedStorage.resize_", None
                 ledger.resized(storage, before)
             return result
 

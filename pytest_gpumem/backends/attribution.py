@@ -1,0 +1,366 @@
+"""What each tracked storage is for: its category (how the test used it) and the nn.Module that made it.
+
+Categories come from use, never from size:
+- parameters (and buffers): storages of a module's parameters or of what an optimizer updates;
+- gradients: what autograd accumulated into a tensor's `.grad` (post-accumulate-grad hooks on the
+  leaves a backward pass reaches, the gradients an optimizer reads);
+- optimizer state: the tensors in `optimizer.state` after a step;
+- saved for backward: tensors held by the autograd graph (its saved variables, read without unpacking
+  them when a backward pass begins, so that no saved-tensor hook runs and no checkpoint recomputes);
+- inputs and other: made by a factory op (no tensor arguments, or a `*_like`) in the test's own code,
+  outside any module, backward pass or optimizer step (an input the graph saves stays an input);
+- temporaries: everything else (intermediate results, outputs, workspaces).
+
+Modules: forward pre/post hooks (global, for the measured call only) keep a stack of qualified names;
+in backward, the autograd node being run is mapped to the module whose forward created it by its
+sequence number.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gc
+import warnings
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pytest_gpumem.backends.recording import Followed, Origin, Recorder, op_name, user_line
+
+if TYPE_CHECKING:
+    import torch
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "saved", "temporaries", "inputs")
+LABELS = {
+    "parameters": "parameters",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer state",
+    "saved": "saved for backward",
+    "temporaries": "temporaries",
+    "inputs": "inputs and other",
+}
+# which use wins when a storage has several: an input the graph saves stays an input
+_RANK = {category: rank for rank, category in enumerate((*CATEGORIES[:3], "inputs", "saved", "temporaries"))}
+NO_MODULE = "(outside modules)"
+STEP_MODULE = "(optimizer step)"
+_ACCUMULATE_GRAD_SEQUENCE = 2**64 - 1  # AccumulateGrad nodes carry no sequence number of their own
+
+
+@dataclass(eq=False)
+class Allocation(Origin):
+    """A storage the call made: where it came from, and (settled as the test runs) what it is for."""
+
+    id: int = 0
+    module: str = NO_MODULE
+    category: str = "temporaries"
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
+
+    def mark(self, category: str) -> None:
+        """A use was seen; the most specific one wins (a parameter saved for backward is a parameter)."""
+        if _RANK[category] < _RANK[self.category]:
+            self.category = category
+
+
+@dataclass(frozen=True)
+class Region:
+    """One entry into a measured region (the call or a phase): the event indices it spans."""
+
+    name: str
+    start: int
+    end: int
+
+
+class Attributor(Recorder):
+    """A recorder that also records, for each allocation, its category and module, and each change of a
+    storage's counted bytes in order (`ids`, `sizes`), so that any moment of the call can be replayed."""
+
+    def __init__(self, live: dict[int, Any], events: bool) -> None:
+        super().__init__(events)
+        self.live = live  # the ledger's storages by key: how a tensor seen in a hook finds its allocation
+        self.allocations: list[Allocation] = []
+        self.ids = array("q")  # per event: the allocation, and its counted bytes after the event (0: freed)
+        self.sizes = array("q")
+        self.regions: list[Region] = []
+        self.paused: list[tuple[int, int]] = []  # event spans the meter does not measure
+        self._open: list[tuple[str, int]] = []
+        self._pause_start: int | None = None
+        self._stack: list[str] = []
+        self._open_calls: list[tuple[int, str]] = []  # (sequence number at entry, module) per open call
+        self._names: dict[int, str] = {}  # id(module) -> qualified name
+        self._owners: dict[int, str] = {}  # id(parameter) -> the module that holds it
+        self._roots: set[int] = set()
+        self._starts: list[tuple[int, int, str]] = []  # (first sequence number, end, module) per module call
+        self._sorted = True
+        self._by_sequence: dict[int, str] = {}
+        self._tasks: set[int] = set()
+        self._hooked: set[int] = set()
+        self._handles: list[Any] = []
+        self._in_step = 0
+        self._factory: dict[object, bool] = {}
+
+    # --- regions, from the meter
+
+    def open_region(self, name: str) -> None:
+        self._open.append((name, len(self.ids)))
+
+    def close_region(self) -> None:
+        name, start = self._open.pop()
+        self.regions.append(Region(name, start, len(self.ids)))
+
+    def pause(self) -> None:
+        self._pause_start = len(self.ids)
+
+    def resume(self) -> None:
+        if self._pause_start is not None:
+            self.paused.append((self._pause_start, len(self.ids)))
+            self._pause_start = None
+
+    # --- the ledger's calls
+
+    def entered(self) -> None:
+        import torch
+
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task not in self._tasks:
+            self._tasks.add(task)
+            self._backward_begins()
+
+    def allocated(self, op: object, out: object, ref: Followed, total: int) -> Origin:
+        module, category = self._context(op)
+        allocation = Allocation(op_name(op), user_line(), len(self.allocations), module, category)
+        allocation.shape, allocation.dtype = _described(out, ref.key)
+        self.allocations.append(allocation)
+        ref.origin = allocation
+        self.ids.append(allocation.id)
+        self.sizes.append(ref.counted)
+        super().event("alloc", ref, total)
+        return allocation
+
+    def event(self, action: str, ref: Followed, total: int) -> None:
+        origin = ref.origin
+        if isinstance(origin, Allocation):
+            self.ids.append(origin.id)
+            self.sizes.append(0 if action == "free" else ref.counted)
+        super().event(action, ref, total)
+
+    # --- hooks, installed for the measured call only
+
+    def install(self) -> None:
+        from torch.nn.modules import module as nn_module
+        from torch.optim import optimizer
+
+        self._handles += [
+            nn_module.register_module_forward_pre_hook(self._module_entered),
+            nn_module.register_module_forward_hook(self._module_left, always_call=True),
+            optimizer.register_optimizer_step_pre_hook(self._step_begins),
+            optimizer.register_optimizer_step_post_hook(self._step_ends),
+        ]
+
+    def remove(self) -> None:
+        """Undo every hook (the global ones and those on leaves)."""
+        while self._handles:
+            self._handles.pop().remove()
+        self._stack.clear()
+
+    def gradients_still_held(self) -> None:
+        """Mark the `.grad` of leaves no hook reached (e.g. after `torch.autograd.grad`-free code paths that
+        set `.grad` by hand): a scan of every object, run once at the end of an explained call."""
+        import torch
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # isinstance() on some objects trips deprecation warnings
+            leaves = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and obj.is_leaf]
+        for leaf in leaves:
+            if leaf.grad is not None:
+                self._mark(leaf.grad, "gradients", self._owners.get(id(leaf)))
+
+    def _module_entered(self, module: torch.nn.Module, args: object) -> None:
+        import torch
+
+        if not self._stack and id(module) not in self._roots:
+            self._name_root(module)
+        name = self._names.get(id(module))
+        if name is None:
+            parent = self._stack[-1] if self._stack else ""
+            name = self._names[id(module)] = f"{parent}.{type(module).__name__}".lstrip(".")
+        self._stack.append(name)
+        self._open_calls.append((torch._C._autograd._get_sequence_nr(), name))
+
+    def _module_left(self, module: torch.nn.Module, args: object, output: object) -> None:
+        import torch
+
+        if not self._open_calls:
+            return
+        start, name = self._open_calls.pop()
+        if self._stack:
+            self._stack.pop()
+        end = torch._C._autograd._get_sequence_nr()
+        if end > start:
+            self._starts.append((start, end, name))
+            self._sorted = False
+
+    def _name_root(self, root: torch.nn.Module) -> None:
+        self._roots.add(id(root))
+        for name, sub in root.named_modules():
+            self._names.setdefault(id(sub), name or f"({type(root).__name__})")
+        for name, tensor in [*root.named_parameters(), *root.named_buffers()]:
+            owner = self._owners.setdefault(id(tensor), name.rpartition(".")[0] or f"({type(root).__name__})")
+            self._mark(tensor, "parameters", owner)
+
+    def _step_begins(self, opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        self._in_step += 1
+        for group in opt.param_groups:
+            for param in group["params"]:
+                self._mark(param, "parameters")
+                if param.grad is not None:
+                    self._mark(param.grad, "gradients")
+
+    def _step_ends(self, opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        import torch
+
+        self._in_step = max(self._in_step - 1, 0)
+        for param, state in opt.state.items():
+            owner = self._owners.get(id(param), STEP_MODULE)
+            for value in state.values() if isinstance(state, dict) else ():
+                if isinstance(value, torch.Tensor):
+                    self._mark(value, "optimizer_state", owner)
+
+    def _backward_begins(self) -> None:
+        """Read the graph a backward pass is about to run: its saved tensors, and the leaves it will
+        accumulate gradients into (hooked, to see the gradient's storage when it lands)."""
+        import torch
+
+        root = torch._C._current_autograd_node()
+        for node in _graph(root):
+            for tensor in _saved_tensors(node):
+                self._mark(tensor, "saved")
+            variable = getattr(node, "variable", None)
+            if isinstance(variable, torch.Tensor) and id(variable) not in self._hooked:
+                self._hooked.add(id(variable))
+                try:
+                    self._handles.append(variable.register_post_accumulate_grad_hook(self._grad_landed))  # type: ignore[no-untyped-call]
+                except RuntimeError:
+                    continue
+
+    def _grad_landed(self, tensor: torch.Tensor) -> None:
+        if tensor.grad is not None:
+            self._mark(tensor.grad, "gradients", self._owners.get(id(tensor)))
+
+    # --- where an allocation belongs
+
+    def _context(self, op: object) -> tuple[str, str]:
+        import torch
+
+        if self._stack:
+            return self._stack[-1], "temporaries"
+        if torch._C._current_graph_task_id() != -1:
+            return self._backward_module(), "temporaries"
+        if self._in_step:
+            return STEP_MODULE, "temporaries"
+        return NO_MODULE, "inputs" if self._is_factory(op) else "temporaries"
+
+    def _backward_module(self) -> str:
+        import torch
+
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return NO_MODULE
+        sequence = node._sequence_nr()
+        if sequence == _ACCUMULATE_GRAD_SEQUENCE:
+            variable = getattr(node, "variable", None)
+            return self._owners.get(id(variable), NO_MODULE)
+        found = self._by_sequence.get(sequence)
+        if found is None:
+            found = self._by_sequence[sequence] = self._innermost(sequence)
+        return found
+
+    def _innermost(self, sequence: int) -> str:
+        """The module whose forward call created node `sequence` (calls nest: the latest start that
+        still contains it is the innermost)."""
+        if not self._sorted:
+            self._starts.sort(key=lambda call: (call[0], -call[1]))
+            self._by_sequence.clear()
+            self._sorted = True
+        index = bisect.bisect_right(self._starts, (sequence, float("inf"), "")) - 1
+        while index >= 0:
+            start, end, name = self._starts[index]
+            if start <= sequence < end:
+                return name
+            index -= 1
+        return NO_MODULE
+
+    def _is_factory(self, op: object) -> bool:
+        found = self._factory.get(op)
+        if found is None:
+            schema = getattr(op, "_schema", None)
+            name = getattr(schema, "name", "")
+            takes_tensors = schema is not None and any("Tensor" in str(arg.type) for arg in schema.arguments)
+            found = self._factory[op] = (
+                schema is not None and (not takes_tensors or name.endswith("_like") or name == "aten::lift_fresh")
+            ) or op == "UntypedStorage.resize_"
+        return found
+
+    def _mark(self, tensor: object, category: str, module: str | None = None) -> None:
+        for key in _storage_keys(tensor):
+            ref = self.live.get(key)
+            allocation = None if ref is None else ref.origin
+            if isinstance(allocation, Allocation):
+                allocation.mark(category)
+                if module is not None and allocation.category == category:
+                    allocation.module = module
+
+
+def _storage_keys(tensor: object) -> Iterator[int]:
+    try:
+        yield tensor.untyped_storage()._cdata  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError, NotImplementedError):  # sparse and other layouts
+        return
+
+
+def _graph(root: Any) -> Iterator[Any]:
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node
+        stack.extend(child for child, _ in node.next_functions)
+
+
+_SAVED_ATTRIBUTES: dict[type, tuple[str, ...]] = {}
+
+
+def _saved_tensors(node: Any) -> Iterator[object]:
+    """The tensors a node holds for backward, read from its raw saved variables: a variable packed by a
+    hook (checkpointing, offloading) is never unpacked, and its packed form counts only if a tensor."""
+    names = _SAVED_ATTRIBUTES.get(type(node))
+    if names is None:
+        names = _SAVED_ATTRIBUTES[type(node)] = tuple(a for a in dir(node) if a.startswith("_raw_saved_"))
+    for name in names:
+        try:
+            raw = getattr(node, name)
+        except RuntimeError:  # released by an earlier backward pass
+            continue
+        for saved in raw if isinstance(raw, (list, tuple)) else (raw,):
+            data = getattr(saved, "data", None)
+            if data is not None:
+                yield data
+
+
+def _described(out: object, key: int) -> tuple[tuple[int, ...] | None, str | None]:
+    """Shape and dtype of the output whose storage is `key`."""
+    import torch
+
+    stack = [out]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if key in _storage_keys(item):
+                return tuple(item.shape), str(item.dtype).removeprefix("torch.")
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return None, None

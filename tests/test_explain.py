@@ -1,0 +1,317 @@
+"""Explaining a peak: what was alive at it, by category and module, on workloads whose composition is
+known by hand (float32: 4 bytes; N = 1,000 floats = 4,000 B)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "saved", "temporaries", "inputs")
+
+WORKLOADS = """
+import pytest, torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+N = 1000
+K = 1
+
+
+class A(nn.Module):
+    def forward(self, x):
+        return x.exp()  # exp saves its result
+
+
+class B(nn.Module):
+    def forward(self, x):
+        return x.repeat(1, K).sin()  # sin saves its input, the repeat
+
+
+class Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = A(), B()
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+@pytest.mark.max_memory(explain=True)
+def test_two(gpumem):
+    x = torch.randn(1, N, requires_grad=True)
+    model = Two()
+    with gpumem.phase("forward"):
+        out = model(x)
+    with gpumem.phase("backward"):
+        out.sum().backward()
+
+
+@pytest.mark.max_memory(explain=True)
+def test_adam(gpumem):
+    model = nn.Linear(10, 10, bias=False)
+    opt = torch.optim.Adam(model.parameters(), foreach=False)
+    model(torch.randn(4, 10)).sum().backward()
+    with gpumem.phase("step"):
+        opt.step()
+    gpumem.info["state"] = [v.untyped_storage().nbytes() for s in opt.state.values() for v in s.values()]
+
+
+class Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = A()
+
+    def forward(self, x):
+        return checkpoint(self.block, x, use_reentrant=False).sum()
+
+
+@pytest.mark.max_memory(explain=True)
+def test_checkpoint(gpumem):
+    x = torch.randn(1, N, requires_grad=True)
+    model = Checkpointed()
+    with gpumem.phase("forward"):
+        loss = model(x)
+    with gpumem.phase("backward"):
+        loss.backward()
+
+
+@pytest.mark.max_memory(explain=True)
+def test_twice(gpumem):
+    model = nn.Linear(N, 1, bias=False)
+    x = torch.randn(1, N)
+    with gpumem.phase("backward"):
+        model(x).sum().backward()
+        model(x).sum().backward()
+
+
+@pytest.mark.max_memory(explain=True)
+def test_freed(gpumem):
+    with gpumem.phase("work"):
+        t = torch.ones(2 * N)  # 8,000 B, freed before the 12,000 B peak
+        del t
+        a = torch.ones(N)
+        b = a.exp()
+        c = b.sin()
+"""
+
+
+NO_MODULE = "(outside modules)"
+
+
+def _line(text: str) -> int:
+    """The line of WORKLOADS holding `text`, as pytester writes the file (without the first blank line)."""
+    return next(i for i, line in enumerate(WORKLOADS.strip().splitlines(), 1) if text in line)
+
+
+def _explained(pytester: pytest.Pytester, *args: str, passed: int = 5) -> dict[str, dict[str, Any]]:
+    result = pytester.runpytest("--gpumem-json=out.json", "-p", "no:randomly", *args)
+    result.assert_outcomes(passed=passed)
+    tests = json.loads((pytester.path / "out.json").read_text())["tests"]
+    return {t["nodeid"].split("::")[1]: t for t in tests}
+
+
+def _parts(test: dict[str, Any], phase: str) -> dict[str, int]:
+    return {c: b for c, b in test["explanation"]["phases"][phase]["categories"].items() if b}
+
+
+def _cells(test: dict[str, Any], phase: str) -> dict[tuple[str, str], int]:
+    return {(c["category"], c["module"]): c["bytes"] for c in test["explanation"]["phases"][phase]["cells"]}
+
+
+@pytest.fixture
+def workloads(tracker: pytest.Pytester) -> dict[str, dict[str, Any]]:
+    tracker.makepyfile(test_work=WORKLOADS)
+    return _explained(tracker)
+
+
+def test_every_breakdown_adds_up_to_the_measured_peak(workloads: dict[str, dict[str, Any]]) -> None:
+    for name, test in workloads.items():
+        for phase, parts in test["explanation"]["phases"].items():
+            measured = test["peak_bytes"] if phase == "call" else test["phases"][phase]["peak_bytes"]
+            assert parts["unattributed_bytes"] == 0, (name, phase)
+            assert sum(parts["categories"].values()) == measured == parts["peak_bytes"], (name, phase)
+            assert sum(parts["modules"].values()) == measured, (name, phase)
+            assert set(parts["categories"]) == set(CATEGORIES)
+
+
+def test_forward_activations_by_module(workloads: dict[str, dict[str, Any]]) -> None:
+    two = workloads["test_two"]
+    # exp's result (saved by exp), the repeat (saved by sin), sin's output (the forward's result)
+    assert _parts(two, "forward") == {"saved": 8000, "temporaries": 4000}
+    assert _cells(two, "forward") == {("saved", "a"): 4000, ("saved", "b"): 4000, ("temporaries", "b"): 4000}
+    # the sin node runs in backward: grad * cos(x) needs cos(x) and the product, both b's
+    assert _cells(two, "backward")[("temporaries", "b")] == 8000
+    tensors = two["explanation"]["phases"]["forward"]["tensors"]
+    assert [(t["category"], t["module"]) for t in tensors] == [("inputs", NO_MODULE), ("saved", "a"), ("saved", "b"),
+                                                                ("temporaries", "b")]  # fmt: skip
+    assert all(t["bytes"] == 4000 and t["dtype"] == "float32" and t["shape"] == [1, 1000] for t in tensors)
+    assert [(t["op"], t["where"]) for t in tensors[:2]] == [
+        ("aten.randn.default", f"test_work.py:{_line('x = torch.randn')}"),
+        ("aten.exp.default", f"test_work.py:{_line('return x.exp()')}"),  # the line of the user's code
+    ]
+
+
+def test_adam_state_is_optimizer_state(workloads: dict[str, dict[str, Any]]) -> None:
+    adam = workloads["test_adam"]
+    state = adam["info"]["state"]
+    assert sorted(state)[-2:] == [400, 400]  # exp_avg and exp_avg_sq of a 10x10 float32 weight
+    assert _parts(adam, "step")["optimizer_state"] == sum(state)
+    # the call: the weight and its gradient were made inside it too
+    assert _parts(adam, "call")["parameters"] == 400
+    assert _parts(adam, "call")["gradients"] == 400
+
+
+def test_checkpoint_recomputes_in_backward_not_forward(workloads: dict[str, dict[str, Any]]) -> None:
+    ckpt = workloads["test_checkpoint"]
+    forward, backward = _cells(ckpt, "forward"), _cells(ckpt, "backward")
+    assert ("saved", "block") not in forward  # nothing of the block is kept for backward
+    assert forward[("temporaries", "block")] == 4000  # its output, consumed by the sum
+    assert backward[("temporaries", "block")] == 4000  # exp's result, recomputed
+    assert backward[("gradients", "block")] == 4000  # x.grad, made by exp's backward
+
+
+def test_gradients_accumulated_twice_count_once(workloads: dict[str, dict[str, Any]]) -> None:
+    twice = workloads["test_twice"]
+    parts = _parts(twice, "backward")
+    assert parts["gradients"] == 4000  # the weight's .grad, added to in place the second time
+    assert _cells(twice, "backward")[("temporaries", "(Linear)")] == 4000  # the second gradient, before adding
+
+
+def test_a_temporary_freed_before_the_peak_is_absent(workloads: dict[str, dict[str, Any]]) -> None:
+    freed = workloads["test_freed"]
+    work = freed["explanation"]["phases"]["work"]
+    assert work["peak_bytes"] == 12000
+    assert _parts(freed, "work") == {"inputs": 4000, "temporaries": 8000}
+    assert all(t["bytes"] == 4000 for t in work["tensors"]) and len(work["tensors"]) == 3
+
+
+def test_regression_names_the_module_that_grew(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(test_work=WORKLOADS)
+    first = tracker.runpytest("--gpumem-update", "--gpumem-explain", "--gpumem-slack=0", "-k", "test_two")
+    first.assert_outcomes(passed=1)
+    stored = json.loads((tracker.path / "gpumem-baselines.json").read_text())
+    assert "composition" in json.dumps(stored)
+    tracker.makepyfile(test_work=WORKLOADS.replace("K = 1", "K = 4"))  # only b's activations grow
+    second = tracker.runpytest("--gpumem-explain", "--gpumem-slack=0", "-k", "test_two")
+    second.assert_outcomes(failed=1)
+    message = next(line for line in second.outlines if line.startswith("call peak "))
+    forward = next(part for part in message.split("; ") if part.startswith("forward"))
+    assert forward.startswith("forward peak 35.2 KiB is 200.0% above baseline 11.7 KiB")  # 36,000 vs 12,000 B
+    assert forward.endswith(" of b +11.7 KiB")  # 12,000 B more of b's (saved or not), nothing of a's
+    assert " of a " not in message
+    tracker.makepyfile(test_work=WORKLOADS.replace("K = 1", "K = 4").replace("explain=True", "tolerance=5"))
+    unexplained = tracker.runpytest("--gpumem-slack=0", "-k", "test_two")
+    unexplained.assert_outcomes(failed=1)
+    unexplained.stdout.fnmatch_lines(["*see what made it with --gpumem-explain or max_memory(explain=True)*"])
+
+
+def test_update_without_explain_keeps_a_stored_composition(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(test_work=WORKLOADS)
+    tracker.runpytest("--gpumem-update", "--gpumem-explain", "-k", "test_two").assert_outcomes(passed=1)
+    before = (tracker.path / "gpumem-baselines.json").read_bytes()
+    tracker.makepyfile(test_work=WORKLOADS.replace("explain=True", "tolerance=5"))
+    tracker.runpytest("--gpumem-update", "-k", "test_two").assert_outcomes(passed=1)
+    assert (tracker.path / "gpumem-baselines.json").read_bytes() == before
+
+
+def test_budget_failure_says_what_made_the_peak(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        """
+        import pytest, torch
+
+        @pytest.mark.max_memory("10 kB", explain=True)
+        def test_over(gpumem):
+            x = torch.ones(1000)
+            y = x.exp()
+            z = y.sin()
+
+        @pytest.mark.max_memory("10 kB")
+        def test_over_unexplained(gpumem):
+            x = torch.ones(1000)
+            y = x.exp()
+            z = y.sin()
+        """
+    )
+    result = tracker.runpytest()
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*call peak 12.0 kB exceeds max_memory 10 kB; call peak made of temporaries of (outside modules) "
+            "8.0 kB, inputs and other of (outside modules) 4.0 kB, ...",
+            "*call peak 12.0 kB exceeds max_memory 10 kB (see what made it with --gpumem-explain*",
+        ]
+    )
+
+
+def test_explain_must_be_a_bool(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.max_memory(explain="yes")
+        def test_x(gpumem):
+            pass
+        """
+    )
+    result = tracker.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*max_memory explain=: must be True or False, got 'yes'"])
+    assert "Traceback" not in result.stdout.str()
+
+
+def test_report_and_markdown_carry_the_composition(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(test_work=WORKLOADS)
+    result = tracker.runpytest(
+        "--gpumem-report", "--gpumem-markdown=out.md", "--gpumem-html=pictures", "-k", "test_freed"
+    )
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*call peak made of*", "*test_freed*temporaries 7.8 KiB, inputs and other 3.9 KiB"])
+    markdown = (tracker.path / "out.md").read_text()
+    assert "[picture](<pictures/test_work.py_test_freed-" in markdown
+    assert len(list((tracker.path / "pictures").glob("*.html"))) == 1
+
+
+def test_compare_command_names_what_grew(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(test_work=WORKLOADS)
+    tracker.runpytest("--gpumem-explain", "--gpumem-json=old.json", "-k", "test_two").assert_outcomes(passed=1)
+    tracker.makepyfile(test_work=WORKLOADS.replace("K = 1", "K = 4"))
+    tracker.runpytest("--gpumem-explain", "--gpumem-json=new.json", "-k", "test_two").assert_outcomes(passed=1)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest_gpumem", "compare", "old.json", "new.json", "--slack=0"],
+        cwd=tracker.path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert "regressed: test_work.py::test_two: forward peak 35.2 KiB is 200.0% above" in done.stdout
+    assert " of b +11.7 KiB" in done.stdout
+
+
+def test_explained_on_the_meta_device(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(test_work=WORKLOADS.replace("torch.randn(1, N", "torch.randn(1, N, device='meta'"))
+    tests = _explained(tracker, "--gpumem-device=meta", "-k", "test_two or test_freed", passed=2)
+    assert _parts(tests["test_two"], "forward") == {"saved": 8000, "temporaries": 4000}
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs headless Chromium (Debian package chromium)")
+def test_the_picture_shows_the_measured_peak(tracker: pytest.Pytester, tmp_path: Path) -> None:
+    tracker.makepyfile(test_work=WORKLOADS)
+    result = tracker.runpytest("--gpumem-html=pictures", "--gpumem-json=out.json", "-k", "test_adam")
+    result.assert_outcomes(passed=1)
+    (test,) = json.loads((tracker.path / "out.json").read_text())["tests"]
+    (page,) = (tracker.path / "pictures").glob("*.html")
+    dom = subprocess.run(
+        ["chromium", "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path}", "--dump-dom",
+         page.as_uri()],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    peak = re.search(r'<[^>]*id="gpumem-peak"[^>]*>', dom)
+    assert peak is not None and f'data-bytes="{test["peak_bytes"]}"' in peak.group(0)
