@@ -56,12 +56,24 @@ def run_rank(rank: int, spec: RankSpec, queue: Queue[tuple[str, int, Any]]) -> N
     """The spawned process's target: any failure becomes one `error` line naming what went wrong."""
     try:
         queue.put((DONE, rank, _run(rank, spec, queue)))
+        _leave_together()
     except BaseException as exc:
         queue.put((ERROR, rank, describe(exc)))
     finally:
         queue.close()
         queue.join_thread()  # the message is in the pipe before the process ends
     _exit_now()
+
+
+def _leave_together() -> None:
+    """Wait for every rank before exiting: a rank that leaves early closes its connections while a slower
+    one may still be forming the group. After an error no rank waits (its exit, after its message, ends
+    the others' connections)."""
+    import torch.distributed as dist
+
+    with contextlib.suppress(Exception):  # what the parent needs was sent; a user's own teardown is fine
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _exit_now() -> None:
@@ -100,9 +112,7 @@ def _run(rank: int, spec: RankSpec, queue: Queue[tuple[str, int, Any]]) -> RankR
         timeout=timedelta(seconds=spec.join_timeout),
     )
     queue.put((READY, rank, None))
-    result = _measured(rank, spec, backend, fn, args)
-    dist.destroy_process_group()  # after an error it stays: the rank's exit, after its message, closes it
-    return result
+    return _measured(rank, spec, backend, fn, args)
 
 
 def _follow_torchrun(rank: int, world_size: int) -> None:
