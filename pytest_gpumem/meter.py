@@ -363,7 +363,6 @@ class GpuMem:
     def _explained(self, attribution: Attributor, call: PhaseResult) -> dict[str, Any] | None:
         from pytest_gpumem.explain import explain
 
-        attribution.gradients_still_held()
         name = self.backend.name if self._shadow is None else f"{self.backend.name} (composition from a shadow tracker)"
         try:
             return explain(attribution, {CALL: call, **self._results}, self.nodeid, name)

@@ -6,6 +6,7 @@ from typing import Any
 
 from tabulate import tabulate
 
+from pytest_gpumem.backends.attribution import LABELS
 from pytest_gpumem.sizes import format_size
 
 COLUMNS = ("forward", "backward", "step", "total")
@@ -20,19 +21,54 @@ def _ratio(value: Any, base: Any) -> str:
 
 
 def workload_table(rows: list[dict[str, Any]]) -> str:
-    """Rows of one workload: peaks per phase, total vs the naive strategy's total and vs the minimum."""
+    """Rows of one workload: peaks per phase, total vs the naive strategy's total and vs the minimum, and
+    (explained runs) which category of the total peak the difference from the naive one comes from."""
     naive = {row["strategy"]: row["phases"].get("total") for row in rows}
+    compositions = {row["strategy"]: row.get("composition") for row in rows}
+    explained = any(compositions.values())
     body = []
     for row in rows:
         phases = row["phases"]
         total = phases.get("total")
-        body.append(
-            [row["strategy"], *(_size(phases.get(c)) for c in COLUMNS),
-             _ratio(total, naive.get(row["reference"])), _ratio(total, row["minimum_bytes"]),
-             _size(row["minimum_bytes"])]
-        )  # fmt: skip
+        cells = [row["strategy"], *(_size(phases.get(c)) for c in COLUMNS),
+                 _ratio(total, naive.get(row["reference"])), _ratio(total, row["minimum_bytes"]),
+                 _size(row["minimum_bytes"])]  # fmt: skip
+        if explained:
+            cells.append(difference(compositions.get(row["reference"]), row.get("composition"), row))
+        body.append(cells)
     headers = ["strategy", *COLUMNS, "total/naive", "total/minimum", "minimum"]
+    headers += ["vs naive, comes from"] if explained else []
     return tabulate(body, headers=headers, disable_numparse=True)
+
+
+def difference(naive: Composition | None, own: Composition | None, row: dict[str, Any]) -> str:
+    """Where the strategy differs most from the naive one: the phase whose peak changed most (relative to
+    the naive peak, savings first) and the category that made most of it, e.g. "forward: temporaries
+    -100%" (relative to the naive strategy's bytes in that category)."""
+    if naive is None or own is None or row["strategy"] == row["reference"]:
+        return "-"
+    changes = {p: _changes(naive[p], own[p]) for p in COLUMNS if p in naive and p in own}
+    moved = {p: sum(c.values()) / max(sum(v for v in naive[p].values() if v > 0), 1) for p, c in changes.items()}
+    if not any(moved.values()):
+        return "no change"
+    phase = min(moved, key=lambda p: moved[p]) if min(moved.values()) < 0 else max(moved, key=lambda p: moved[p])
+    change = changes[phase]
+    category = (min if moved[phase] < 0 else max)(change, key=lambda c: change[c])
+    return f"{phase}: {LABELS.get(category, category)} {_relative(change[category], naive[phase].get(category, 0))}"
+
+
+Composition = dict[str, dict[str, int]]
+
+
+def _changes(naive: dict[str, int], own: dict[str, int]) -> dict[str, int]:
+    return {c: own.get(c, 0) - naive.get(c, 0) for c in dict.fromkeys([*naive, *own])}
+
+
+def _relative(change: int, before: int) -> str:
+    if before <= 0:
+        return ("+" if change > 0 else "-") + format_size(abs(change))
+    percent = change * 100 / before
+    return f"{percent:+.0f}%" if abs(percent) >= 1 else f"{percent:+.2g}%"
 
 
 def report_lines(rows: list[dict[str, Any]]) -> list[str]:

@@ -19,8 +19,6 @@ sequence number.
 from __future__ import annotations
 
 import bisect
-import gc
-import warnings
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -163,18 +161,6 @@ class Attributor(Recorder):
         while self._handles:
             self._handles.pop().remove()
         self._stack.clear()
-
-    def gradients_still_held(self) -> None:
-        """Mark the `.grad` of leaves no hook reached (e.g. after `torch.autograd.grad`-free code paths that
-        set `.grad` by hand): a scan of every object, run once at the end of an explained call."""
-        import torch
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # isinstance() on some objects trips deprecation warnings
-            leaves = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and obj.is_leaf]
-        for leaf in leaves:
-            if leaf.grad is not None:
-                self._mark(leaf.grad, "gradients", self._owners.get(id(leaf)))
 
     def _module_entered(self, module: torch.nn.Module, args: object) -> None:
         import torch

@@ -1,0 +1,69 @@
+"""What explaining a peak costs, and that it explains the measured figure exactly.
+
+    python benchmarks/explain.py [--json PATH] [--rounds 5] [--scale 1]
+
+Each reference_losses strategy (and the core workloads) is run measured on the tracker as a test's call
+is, once with the peaks explained and once without, interleaved; the ratio is the median time with over
+the median time without. Every explained phase's parts must add up to its measured peak (checked).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import benchlib
+
+from pytest_gpumem.backends.tracker import TrackerBackend
+from pytest_gpumem.meter import GpuMem
+
+
+def measured(run: benchlib.Run, explain: bool) -> GpuMem:
+    backend = TrackerBackend()
+    backend.configure(None, origins=False, events=False, explain=explain)
+    meter = GpuMem(backend, "bench")
+    meter.explain = explain
+    meter.begin_call()
+    try:
+        run(meter)
+    finally:
+        meter.end_call()
+    return meter
+
+
+def exact(meter: GpuMem) -> bool:
+    assert meter.explanation is not None
+    phases = meter.explanation["phases"]
+    figures = {"call": meter.result(), **meter.phases}
+    return all(sum(phases[n]["categories"].values()) == r.peak_bytes for n, r in figures.items())
+
+
+def timed(run: benchlib.Run, explain: bool) -> float:
+    return benchlib.per_call(lambda: measured(run, explain), 1)
+
+
+def main() -> None:
+    p = benchlib.parser(__doc__ or "")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--scale", type=float, default=1.0)
+    args = p.parse_args()
+    rows: list[list[Any]] = []
+    figures: dict[str, Any] = {}
+    for workload in [*benchlib.core_workloads(), *benchlib.strategy_workloads(args.scale)]:
+        run = workload.prepare(benchlib.torch.device("cpu"))
+        meter = measured(run, explain=True)
+        times = benchlib.interleaved({"off": lambda: timed(run, False), "on": lambda: timed(run, True)}, args.rounds)
+        off, on = benchlib.median(times["off"]), benchlib.median(times["on"])
+        figures[workload.name] = {"off_s": off, "on_s": on, "ratio": on / off, "exact": exact(meter)}
+        rows.append([workload.name, f"{off * 1000:.1f}", f"{on * 1000:.1f}", f"{on / off:.2f}", exact(meter)])
+    ratios = sorted(f["ratio"] for f in figures.values())
+    benchlib.show(
+        "explaining the peaks: time of one measured run (ms), median of interleaved rounds",
+        ["workload", "explain off", "explain on", "ratio", "parts add up"],
+        rows,
+        [f"median ratio {benchlib.median(ratios):.2f}, worst {ratios[-1]:.2f}, over {len(ratios)} workloads"],
+    )
+    benchlib.write_json(args.json, {"explain": figures})
+
+
+if __name__ == "__main__":
+    main()
