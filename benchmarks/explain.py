@@ -9,9 +9,11 @@ the median time without. Every explained phase's parts must add up to its measur
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import benchlib
+import torch
 
 from pytest_gpumem.backends.tracker import TrackerBackend
 from pytest_gpumem.meter import GpuMem
@@ -49,9 +51,10 @@ def main() -> None:
     rows: list[list[Any]] = []
     figures: dict[str, Any] = {}
     for workload in [*benchlib.core_workloads(), *benchlib.strategy_workloads(args.scale)]:
-        run = workload.prepare(benchlib.torch.device("cpu"))
+        run = workload.prepare(torch.device("cpu"))
         meter = measured(run, explain=True)
-        times = benchlib.interleaved({"off": lambda: timed(run, False), "on": lambda: timed(run, True)}, args.rounds)
+        candidates = {"off": functools.partial(timed, run, False), "on": functools.partial(timed, run, True)}
+        times = benchlib.interleaved(candidates, args.rounds)
         off, on = benchlib.median(times["off"]), benchlib.median(times["on"])
         figures[workload.name] = {"off_s": off, "on_s": on, "ratio": on / off, "exact": exact(meter)}
         rows.append([workload.name, f"{off * 1000:.1f}", f"{on * 1000:.1f}", f"{on / off:.2f}", exact(meter)])
