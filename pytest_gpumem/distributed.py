@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pytest_gpumem.distributed_worker import DONE, ERROR, RankResult, RankSpec, run_rank
+from pytest_gpumem.distributed_worker import DONE, ERROR, LOADED, RankResult, RankSpec, run_rank
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.results import PhaseResult
 from pytest_gpumem.sizes import format_size, shorten
@@ -42,6 +42,7 @@ RANK_SEPARATOR = "@rank"
 _POLL = 0.05
 _LAST_WORDS = 2.0  # seconds to wait for the message of a rank that has already exited
 _END_GRACE = 5.0  # seconds a finished rank gets to exit before it is killed
+_GROUP_MARGIN = 60.0  # seconds the group's own timeout is past the parent's limits
 _DEATH_NOTICE = 0.2  # seconds for the exit of a rank whose peers report a broken connection to be seen
 
 __all__ = ["DEFAULT_TIMEOUT", "DistributedError", "RankResult", "World", "run", "simulate", "worst_call"]
@@ -138,6 +139,7 @@ def run(
             device=device,
             capacity=capacity,
             join_timeout=max(limit, MIN_JOIN_TIMEOUT),
+            group_timeout=max(limit, MIN_JOIN_TIMEOUT) + limit + _GROUP_MARGIN,
             payload=payload,
         )
         ranks = _spawn(spec, limit)
@@ -260,7 +262,8 @@ class _Waiter:
     def __init__(
         self, processes: Sequence[BaseProcess], messages: Queue[tuple[str, int, Any]], limit: float, join: float
     ) -> None:
-        self.processes, self.messages, self.limit = processes, messages, limit
+        self.processes, self.messages, self.limit, self.join = processes, messages, limit, join
+        self.loaded: set[int] = set()
         self.ready: set[int] = set()
         self.done: dict[int, RankResult] = {}
         self.deadline = time.monotonic() + join
@@ -280,6 +283,9 @@ class _Waiter:
         if kind == ERROR:
             self._check_dead()  # a rank that died makes its peers fail: the dead one is the cause
             raise DistributedError(f"rank {rank} failed: {body}", rank)
+        if kind == LOADED:
+            self.loaded.add(rank)
+            return
         if kind == DONE:
             self.done[rank] = body
         self.ready.add(rank)
@@ -290,10 +296,7 @@ class _Waiter:
         if time.monotonic() < self.deadline:
             return
         if self.joining:
-            late = [r for r in range(len(self.processes)) if r not in self.ready]
-            raise DistributedError(
-                f"{_ranks(late)} did not join the process group within {self.deadline_text()}", late[0]
-            )
+            self._late_joining()
         late = [r for r in range(len(self.processes)) if r not in self.done]
         raise DistributedError(
             f"{_ranks(late)} did not finish within {self.limit:g} s (timeout=, --gpumem-dist-timeout); all ranks "
@@ -301,8 +304,16 @@ class _Waiter:
             late[0],
         )
 
-    def deadline_text(self) -> str:
-        return f"{max(self.limit, MIN_JOIN_TIMEOUT):g} s"
+    def _late_joining(self) -> None:
+        ranks = range(len(self.processes))
+        unloaded = [r for r in ranks if r not in self.loaded and r not in self.ready]
+        if unloaded:
+            raise DistributedError(
+                f"{_ranks(unloaded)} did not start within {self.join:g} s (still loading the function and its module)",
+                unloaded[0],
+            )
+        late = [r for r in ranks if r not in self.ready]
+        raise DistributedError(f"{_ranks(late)} did not form the process group within {self.join:g} s", late[0])
 
     def _check_dead(self) -> None:
         time.sleep(_DEATH_NOTICE)

@@ -1,8 +1,9 @@
 """One rank of a measured world, in its own spawned process: join the process group, run the user's
 function under a `GpuMem` on this rank's backend, and send the phases (or the error) to the parent.
 
-Messages on the queue are `(kind, rank, body)`: `ready` once the process group is formed, then `done`
-with a `RankResult` or `error` with one line. Imports are kept to what a rank needs (no pytest).
+Messages on the queue are `(kind, rank, body)`: `loaded` once the function is unpickled, `ready` once
+the process group is formed, then `done` with a `RankResult` or `error` with one line. Imports are
+kept to what a rank needs (no pytest).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 
     from pytest_gpumem.backends.base import Backend
 
-READY, DONE, ERROR = "ready", "done", "error"
+LOADED, READY, DONE, ERROR = "loaded", "ready", "done", "error"
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,8 @@ class RankSpec:
     rounding: str
     device: str  # the tracker's device: cpu or meta
     capacity: int | None
-    join_timeout: float
+    join_timeout: float  # the parent's limit on starting and forming the group
+    group_timeout: float  # the group's own (longer: the parent ends the ranks first and names the late one)
     payload: bytes  # pickle of (fn, args)
 
 
@@ -104,12 +106,13 @@ def _run(rank: int, spec: RankSpec, queue: Queue[tuple[str, int, Any]]) -> RankR
     _follow_torchrun(rank, spec.world_size)
     fn, args = _load(spec.payload)
     backend = _backend(rank, spec)
+    queue.put((LOADED, rank, None))
     dist.init_process_group(
         spec.process_group,
         init_method=f"file://{spec.store_path}",
         rank=rank,
         world_size=spec.world_size,
-        timeout=timedelta(seconds=spec.join_timeout),
+        timeout=timedelta(seconds=spec.group_timeout),
     )
     queue.put((READY, rank, None))
     return _measured(rank, spec, backend, fn, args)

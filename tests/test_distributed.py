@@ -94,6 +94,22 @@ def test_ranks_that_run_nothing(gpumem):
     gpumem.distributed(nothing, 2)  # a rank done at once waits for the others to have joined
 
 
+def _late():
+    _note("late", os.environ["RANK"])
+    if os.environ["RANK"] == "1":
+        time.sleep(600)
+
+
+class LateOnRank1:
+    def __reduce__(self):
+        return (_late, ())  # unpickled by each rank before it joins the group
+
+
+def test_rank_never_starts(gpumem, monkeypatch):
+    monkeypatch.setattr("pytest_gpumem.distributed.MIN_JOIN_TIMEOUT", 8.0)
+    gpumem.distributed(nothing, 2, args=(LateOnRank1(),), timeout=8)
+
+
 def test_runs_normally_after(gpumem):
     ranks = gpumem.distributed(grow)
     assert [r.value for r in ranks] == [0, 10]
@@ -122,7 +138,7 @@ def test_faults_end_every_rank_and_fail_one_test_in_one_line(
     monkeypatch.setattr(tempfile, "tempdir", None)
     tracker.makepyfile(FAULTS)
     result = tracker.runpytest("-p", "no:randomly", "--gpumem-json=out.json")
-    result.assert_outcomes(passed=2, failed=6)
+    result.assert_outcomes(passed=2, failed=7)
     result.stdout.fnmatch_lines(
         [
             "forward peak 8.0 kB on rank 1 exceeds max_memory forward=6 kB*",
@@ -135,16 +151,17 @@ def test_faults_end_every_rank_and_fail_one_test_in_one_line(
             "*::test_not_picklable: gpumem.distributed(): test_not_picklable.<locals>.<lambda> and its args must be "
             "picklable to reach the ranks (define the function at module level, not a lambda or a local function): "
             "AttributeError: Can't pickle local object *",
+            "*::test_rank_never_starts: rank 1 did not start within 8 s (still loading the function and its module)",
         ]
     )
     tests = _tests(tracker)
-    assert [t["status"] for t in tests.values()] == ["OVER BUDGET", *["error"] * 5, "ok", "ok"]
+    assert [t["status"] for t in tests.values()] == ["OVER BUDGET", *["error"] * 5, "ok", "error", "ok"]
     assert all("\n" not in str(t["message"]) for t in tests.values())
     over = tests["test_over_on_one_rank"]["phases"]
     assert over["forward"] == {**over["forward@rank1"], "rank": 1}
     assert (over["forward@rank0"]["peak_bytes"], over["forward@rank0"]["rank"]) == (4000, 0)
     pids = [int(p.read_text()) for p in (tracker.path / "pids").iterdir()]
-    assert len(pids) == 2 * 3  # both ranks of grow (the last of its three worlds), hangs and exits
+    assert len(pids) == 2 * 4  # both ranks of grow (the last of its three worlds), hangs, exits and late
     assert not [pid for pid in pids if _alive(pid)]
     assert not list(own_tmp.glob("gpumem-dist-*"))  # the rendezvous folders are gone
 
