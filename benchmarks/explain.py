@@ -10,6 +10,7 @@ the median time without. Every explained phase's parts must add up to its measur
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import benchlib
@@ -53,7 +54,10 @@ def main() -> None:
     for workload in [*benchlib.core_workloads(), *benchlib.strategy_workloads(args.scale)]:
         run = workload.prepare(torch.device("cpu"))
         meter = measured(run, explain=True)
-        candidates = {"off": functools.partial(timed, run, False), "on": functools.partial(timed, run, True)}
+        candidates: dict[str, Callable[[], float]] = {
+            "off": functools.partial(timed, run, False),
+            "on": functools.partial(timed, run, True),
+        }
         times = benchlib.interleaved(candidates, args.rounds)
         off, on = benchlib.median(times["off"]), benchlib.median(times["on"])
         figures[workload.name] = {"off_s": off, "on_s": on, "ratio": on / off, "exact": exact(meter)}

@@ -296,6 +296,7 @@ def _is_cell(cell: object) -> bool:
         and _signed_bytes(cell[2])
     )
 
+
 Slot = tuple[str, str]
 """``(node id, identity key)``: where an entry lives in the file."""
 
