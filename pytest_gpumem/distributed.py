@@ -173,11 +173,14 @@ def _check(fn: object, world_size: object, timeout: object, name: object) -> Non
         raise GpuMemError(f"gpumem.distributed() needs a function fn(rank, world_size, meter), got {shorten(fn)}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise GpuMemError(f"gpumem.distributed(world_size=...) must be an int >= 1, got {shorten(world_size)}")
-    valid = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout)
-    if timeout is not None and not (valid and float(timeout) > 0):  # type: ignore[arg-type]
+    if timeout is not None and not _seconds(timeout):
         raise GpuMemError(f"gpumem.distributed(timeout=...) must be a number of seconds > 0, got {shorten(timeout)}")
     if not isinstance(name, str) or not name or name == "call" or RANK_SEPARATOR in name:
         raise GpuMemError(f"gpumem.distributed(name=...) must be a phase name other than 'call', got {shorten(name)}")
+
+
+def _seconds(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def _meter_kind(meter: GpuMem) -> tuple[str, str, str, int | None]:
