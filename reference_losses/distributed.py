@@ -43,7 +43,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from reference_losses.fixtures import DIST_INFO_KEY
 from reference_losses.models import FP32, ModelWorkload, Net, _scaled, build_net, model_loss
 from reference_losses.strategy import Expectation
 
@@ -55,6 +54,7 @@ STRATEGIES = ("ddp", "fsdp2")
 PHASES = ("setup", "forward", "backward", "step")
 SMALL = 256 * 1024  # scalars and metadata, as in training.py
 LOSS = FP32  # a float32 scalar: the loss, its gradient
+INFO_KEY = "reference_distributed"  # the rows of the report, in gpumem.info (fixtures.DIST_INFO_KEY)
 MOMENTUM = 0.9
 
 
@@ -232,7 +232,7 @@ def report_lines(results: list[TestResult]) -> list[str]:
 
     from pytest_gpumem.sizes import format_size
 
-    rows = [row for result in results for row in result.info.get(DIST_INFO_KEY, [])]
+    rows = [row for result in results for row in result.info.get(INFO_KEY, [])]
     if not rows:
         return []
     ddp = {row["world_size"]: row for row in rows if row["strategy"] == "ddp"}

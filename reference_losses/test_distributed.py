@@ -7,8 +7,7 @@ import pytest
 
 from pytest_gpumem import GpuMem
 from reference_losses.checks import DEVICE_SLACK, EXACT_SLACK
-from reference_losses.distributed import PHASES, STRATEGIES, describe, expected, run_strategies, sizes
-from reference_losses.fixtures import DIST_INFO_KEY
+from reference_losses.distributed import INFO_KEY, PHASES, STRATEGIES, describe, expected, run_strategies, sizes
 from reference_losses.strategy import FP32_RTOL
 
 
@@ -29,7 +28,7 @@ def test_data_parallel(gpumem: GpuMem, gpumem_scale: float, world_size: int) -> 
     far = {(r.rank, k): e for r in ranks for k, e in r.value.items() if not e <= FP32_RTOL}
     assert not far, f"parameters after one step differ from one process on the whole batch: {far}"
     worst = {f"{s}.{p}": gpumem.result(f"{s}.{p}").requested_peak_bytes for s in STRATEGIES for p in PHASES}
-    gpumem.info[DIST_INFO_KEY] = describe(world_size, gpumem_scale, worst)
+    gpumem.info[INFO_KEY] = describe(world_size, gpumem_scale, worst)
     rel, extra = EXACT_SLACK if gpumem.backend_name == "tracker" else DEVICE_SLACK
     failures = []
     for strategy in STRATEGIES:
