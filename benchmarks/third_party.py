@@ -1,6 +1,6 @@
 """A third-party suite measured test by test: the same outcomes as unmeasured, and the time it costs.
 
-    python benchmarks/third_party.py [--package einops==0.8.2] [--json PATH]
+    python benchmarks/third_party.py [--package einops==0.8.2] [--explain] [--json PATH]
 
 Downloads the package's source distribution from the package index (its tests ship in it), runs its
 test suite with the plugin disabled (`-p no:gpumem`) and with every test measured on the tracker
@@ -43,8 +43,8 @@ def outcomes(junit: Path) -> dict[str, str]:
     return result
 
 
-def run(source: Path, tests: str, env: dict[str, str], measured: bool, junit: Path) -> float:
-    plugin = ["--gpumem-all", "--gpumem-backend=tracker"] if measured else ["-p", "no:gpumem"]
+def run(source: Path, tests: str, env: dict[str, str], measured: bool, junit: Path, extra: list[str]) -> float:
+    plugin = ["--gpumem-all", "--gpumem-backend=tracker", *extra] if measured else ["-p", "no:gpumem"]
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *plugin, tests]
     path = str(source)
     start = time.perf_counter()
@@ -56,6 +56,7 @@ def main() -> None:
     p = benchlib.parser(__doc__ or "")
     p.add_argument("--package", default="einops==0.8.2")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--explain", action="store_true", help="also explain every measured test's peaks")
     args = p.parse_args()
     name = args.package.split("==")[0]
     tests, env = SUITES[name]
@@ -66,7 +67,8 @@ def main() -> None:
         for _ in range(args.rounds):
             for measured in (False, True):
                 junit = Path(tmp) / f"{measured}.xml"
-                times[measured].append(run(source, tests, env, measured, junit))
+                extra = ["--gpumem-explain"] if args.explain else []
+                times[measured].append(run(source, tests, env, measured, junit, extra))
                 seen[measured] = outcomes(junit)
     differ = sorted(t for t in seen[False] if seen[False][t] != seen[True].get(t))
     idle, busy = benchlib.median(times[False]), benchlib.median(times[True])

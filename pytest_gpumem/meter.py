@@ -364,6 +364,7 @@ class GpuMem:
         from pytest_gpumem.explain import explain
 
         name = self.backend.name if self._shadow is None else f"{self.backend.name} (composition from a shadow tracker)"
+        self.notes += [f"the explanation may be incomplete: {problem}" for problem in attribution.problems]
         try:
             return explain(attribution, {CALL: call, **self._results}, self.nodeid, name)
         except Exception as exc:  # an explanation never changes the test's outcome

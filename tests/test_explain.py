@@ -387,3 +387,30 @@ def test_a_backend_without_attribution_is_explained_by_a_shadow(pytester: pytest
     assert test["peak_bytes"] == 8000 == call["peak_bytes"]
     assert {c: b for c, b in call["categories"].items() if b} == {"inputs": 4096, "temporaries": 4096}
     assert call["unattributed_bytes"] == 8000 - 8192
+
+
+def test_an_error_in_our_hooks_is_a_note_not_the_tests_failure() -> None:
+    from pytest_gpumem.backends.attribution import Attributor
+
+    attribution = Attributor({}, events=False)
+    attribution._module_entered(object(), ())  # type: ignore[arg-type]  # not a module: no names to read
+    attribution._module_entered(object(), ())  # type: ignore[arg-type]
+    assert attribution.problems == ["module_entered: AttributeError: 'object' object has no attribute 'named_modules'"]
+
+
+def test_compiled_modules_run_as_unexplained(tracker: pytest.Pytester) -> None:
+    """torch.compile traces modules' hooks: ours step aside while it traces (a fullgraph compile would
+    fail on them), and the warning torch gives for global hooks (ours, while measuring) is not the test's."""
+    tracker.makepyfile(
+        """
+        import pytest, torch, torch.nn as nn
+
+        @pytest.mark.max_memory(explain=True)
+        def test_compiled(gpumem):
+            model = torch.compile(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), fullgraph=True)
+            model(torch.randn(4, 8)).sum().backward()
+        """
+    )
+    result = tracker.runpytest("-W", "error::UserWarning", "-rA")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*call: peak * = parameters 288 B, gradients *"])  # 8x8 weight and 8 biases

@@ -19,10 +19,13 @@ sequence number.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import functools
+import warnings
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from pytest_gpumem.backends.recording import Followed, Origin, Recorder, op_name, user_line
 
@@ -40,9 +43,29 @@ LABELS = {
 }
 # which use wins when a storage has several: an input the graph saves stays an input
 _RANK = {category: rank for rank, category in enumerate((*CATEGORIES[:3], "inputs", "saved", "temporaries"))}
+_COMPILE_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
 NO_MODULE = "(outside modules)"
 STEP_MODULE = "(optimizer step)"
 _ACCUMULATE_GRAD_SEQUENCE = 2**64 - 1  # AccumulateGrad nodes carry no sequence number of their own
+
+
+_Hook = TypeVar("_Hook", bound=Callable[..., None])
+
+
+def _contained(hook: _Hook) -> _Hook:
+    """A hook of ours runs inside the test's code: an error in it is kept as a note, never raised there."""
+
+    @functools.wraps(hook)
+    def contained(self: Attributor, *args: Any) -> None:
+        if self.compiling():  # traced by torch.compile (a module's hooks): not a call, nothing to record
+            return
+        try:
+            hook(self, *args)
+        except Exception as exc:
+            if not self.problems:
+                self.problems.append(f"{hook.__name__.strip('_')}: {type(exc).__name__}: {exc}")
+
+    return cast(_Hook, contained)
 
 
 @dataclass(eq=False)
@@ -78,6 +101,9 @@ class Attributor(Recorder):
         super().__init__(events)
         self.live = live  # the ledger's storages by key: how a tensor seen in a hook finds its allocation
         self.allocations: list[Allocation] = []
+        self.problems: list[str] = []  # errors in our hooks: the explanation may be incomplete
+        self.compiling: Callable[[], bool] = _never
+        self._filter: Any = None
         self.ids = array("q")  # per event: the allocation, and its counted bytes after the event (0: freed)
         self.sizes = array("q")
         self.regions: list[Region] = []
@@ -117,6 +143,7 @@ class Attributor(Recorder):
 
     # --- the ledger's calls
 
+    @_contained
     def entered(self) -> None:
         import torch
 
@@ -126,9 +153,13 @@ class Attributor(Recorder):
             self._backward_begins()
 
     def allocated(self, op: object, out: object, ref: Followed, total: int) -> Origin:
-        module, category = self._context(op)
-        allocation = Allocation(op_name(op), user_line(), len(self.allocations), module, category)
-        allocation.shape, allocation.dtype = _described(out, ref.key)
+        allocation = Allocation(op_name(op), user_line(), len(self.allocations))
+        try:
+            allocation.module, allocation.category = self._context(op)
+            allocation.shape, allocation.dtype = _described(out, ref.key)
+        except Exception as exc:
+            if not self.problems:
+                self.problems.append(f"allocation: {type(exc).__name__}: {exc}")
         self.allocations.append(allocation)
         ref.origin = allocation
         self.ids.append(allocation.id)
@@ -146,7 +177,13 @@ class Attributor(Recorder):
     # --- hooks, installed for the measured call only
 
     def install(self) -> None:
+        import torch
         from torch.nn.modules import module as nn_module
+
+        self.compiling = torch.compiler.is_compiling
+        # torch.compile(module) warns when global module hooks exist, and ours exist only while measuring
+        warnings.filterwarnings("ignore", message=_COMPILE_WARNING, category=UserWarning)
+        self._filter = warnings.filters[0]
         from torch.optim import optimizer
 
         self._handles += [
@@ -160,8 +197,12 @@ class Attributor(Recorder):
         """Undo every hook (the global ones and those on leaves)."""
         while self._handles:
             self._handles.pop().remove()
+        with contextlib.suppress(ValueError):  # the test reset the filters itself
+            cast(list[Any], warnings.filters).remove(self._filter)
+        warnings._filters_mutated()  # type: ignore[attr-defined]
         self._stack.clear()
 
+    @_contained
     def _module_entered(self, module: torch.nn.Module, args: object) -> None:
         import torch
 
@@ -174,6 +215,7 @@ class Attributor(Recorder):
         self._stack.append(name)
         self._open_calls.append((torch._C._autograd._get_sequence_nr(), name))
 
+    @_contained
     def _module_left(self, module: torch.nn.Module, args: object, output: object) -> None:
         import torch
 
@@ -195,6 +237,7 @@ class Attributor(Recorder):
             owner = self._owners.setdefault(id(tensor), name.rpartition(".")[0] or f"({type(root).__name__})")
             self._mark(tensor, "parameters", owner)
 
+    @_contained
     def _step_begins(self, opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         self._in_step += 1
         for group in opt.param_groups:
@@ -203,6 +246,7 @@ class Attributor(Recorder):
                 if param.grad is not None:
                     self._mark(param.grad, "gradients")
 
+    @_contained
     def _step_ends(self, opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         import torch
 
@@ -230,6 +274,7 @@ class Attributor(Recorder):
                 except RuntimeError:
                     continue
 
+    @_contained
     def _grad_landed(self, tensor: torch.Tensor) -> None:
         if tensor.grad is not None:
             self._mark(tensor.grad, "gradients", self._owners.get(id(tensor)))
@@ -296,6 +341,10 @@ class Attributor(Recorder):
                 allocation.mark(category)
                 if module is not None and allocation.category == category:
                     allocation.module = module
+
+
+def _never() -> bool:
+    return False
 
 
 def _storage_keys(tensor: object) -> Iterator[int]:
