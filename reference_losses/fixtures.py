@@ -32,6 +32,7 @@ TRAINING_NAMES = (
 )  # fmt: skip
 
 INFO_KEY = "reference_strategy"
+DIST_INFO_KEY = "reference_distributed"  # reference_losses.distributed.INFO_KEY, read without importing torch
 
 
 def parse_scale(value: str) -> float:
@@ -234,11 +235,30 @@ def _rows(config: pytest.Config) -> tuple[list[dict[str, Any]], bool]:
         info = result.info.get(INFO_KEY)
         if isinstance(info, dict):
             phases = {name: phase.requested_peak_bytes for name, phase in result.phases.items()}
-            rows.append({**info, "phases": phases, "backend": result.backend, "device": result.device})
+            row = {**info, "phases": phases, "backend": result.backend, "device": result.device}
+            if result.explanation is not None:  # --gpumem-explain: what each phase's peak was made of
+                explained = result.explanation["phases"]
+                row["composition"] = {name: explained[name]["categories"] for name in phases if name in explained}
+            rows.append(row)
     return rows, bool(session.options.report)
 
 
+def _distributed_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    """The distributed strategies' table (reference_losses/distributed.py), when a report is asked for."""
+    from pytest_gpumem.plugin import SESSION_KEY
+
+    session = config.stash.get(SESSION_KEY, None)
+    if session is None or not session.options.report or not any(DIST_INFO_KEY in r.info for r in session.results):
+        return
+    from reference_losses.distributed import report_lines
+
+    terminalreporter.write_sep("=", "reference_losses: per-rank peaks of distributed strategies")
+    for line in report_lines(session.results):
+        terminalreporter.write_line(line)
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    _distributed_summary(terminalreporter, config)
     rows, report = _rows(config)
     unchecked = sum(1 for row in rows if row.get("values_checked") is False)
     if unchecked:
