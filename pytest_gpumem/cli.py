@@ -21,6 +21,7 @@ from pytest_gpumem.explain import compact, what_grew
 from pytest_gpumem.options import slack, tolerance
 from pytest_gpumem.report import JSON_VERSION, markdown_table
 from pytest_gpumem.sizes import format_size
+from pytest_gpumem.store import check_composition
 
 MAX_REPORT_BYTES = 256 * 1024 * 1024
 
@@ -115,7 +116,7 @@ def _what_grew(compared: PhaseComparison, old: dict[str, Any], new: dict[str, An
 def _composition(test: dict[str, Any]) -> dict[str, Any] | None:
     explanation = test.get("explanation")
     try:
-        return compact(explanation) if isinstance(explanation, dict) else None
+        return check_composition(compact(explanation)) if isinstance(explanation, dict) else None
     except (KeyError, TypeError, AttributeError, ValueError):  # a hand-edited report: no diff, no crash
         return None
 

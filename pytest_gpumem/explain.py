@@ -24,6 +24,7 @@ TOP_MODULES = 10
 TOP_CELLS = 10
 TOP_TENSORS = 10
 MAX_POINTS = 2000
+MAX_SPANS = 200  # of a phase entered more often, the first ones (`entries` says how many there were)
 OTHER_MODULES = "(other modules)"
 STORED_CELLS = 8
 
@@ -45,6 +46,9 @@ def explain(attributor: Attributor, measured: Mapping[str, PhaseResult], nodeid:
     chosen = _peaks(attributor.regions, attributor.paused, totals)
     wanted = sorted({i for region, peak in chosen.values() for i in (region.start, peak)})
     snapshots, points = _replay(attributor, wanted, _sampled(totals, chosen))
+    spans: dict[str, list[list[int]]] = {}
+    for each in attributor.regions:
+        spans.setdefault(each.name, []).append([each.start, each.end])
     phases: dict[str, Any] = {}
     for name, (region, peak) in chosen.items():
         result = measured.get(name)
@@ -55,7 +59,8 @@ def explain(attributor: Attributor, measured: Mapping[str, PhaseResult], nodeid:
             peak_bytes=computed if result is None else result.peak_bytes,
             start_bytes=totals[region.start],
             peak_index=peak,
-            spans=[[r.start, r.end] for r in attributor.regions if r.name == name],
+            spans=spans[name][:MAX_SPANS],
+            entries=len(spans[name]),
             unattributed_bytes=0 if result is None else result.peak_bytes - computed,
         )
         phases[name] = entry
@@ -100,9 +105,8 @@ def _peaks(
 
 
 def _sampled(totals: Sequence[int], chosen: Mapping[str, tuple[Region, int]]) -> set[int]:
-    """The moments a timeline shows: the highest of each bucket, plus every region's start, end and peak."""
-    keep = {i for region, peak in chosen.values() for i in (region.start, region.end, peak)}
-    keep |= {0, len(totals) - 1}
+    """The moments a timeline shows: the highest of each bucket, plus each phase's peak."""
+    keep = {peak for _, peak in chosen.values()} | {0, len(totals) - 1}
     bucket = max(1, -(-len(totals) // MAX_POINTS))
     for low in range(0, len(totals), bucket):
         keep.add(max(range(low, min(low + bucket, len(totals))), key=lambda i: totals[i]))
@@ -210,7 +214,8 @@ def what_grew(stored: Mapping[str, Any] | None, current: Mapping[str, Any] | Non
     old, new = stored[phase], current[phase]
     before = {(c, m): b for c, m, b in old.get("cells", [])}
     after = {(c, m): b for c, m, b in new.get("cells", [])}
-    cells = _growth(before, after)
+    # only the largest cells are stored: one on a single side may have been just off the other's list
+    cells = {cell: after[cell] - before[cell] for cell in after if cell in before}
     categories = _growth(old.get("categories", {}), new.get("categories", {}))
     parts = [(LABELS.get(c, c) + f" of {m}", b) for (c, m), b in cells.items()]
     parts += [(LABELS.get(c, c), b) for c, b in categories.items()]

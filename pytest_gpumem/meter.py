@@ -318,7 +318,7 @@ class GpuMem:
         if found is None:
             from pytest_gpumem.backends.shadow import Shadow
 
-            self._shadow = Shadow()
+            self._shadow = Shadow(self.backend.device)
             found = self._shadow.start()
         return found
 

@@ -18,10 +18,10 @@ sequence number.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import functools
 import warnings
+import weakref
 from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -68,7 +68,7 @@ def _contained(hook: _Hook) -> _Hook:
     return cast(_Hook, contained)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Allocation(Origin):
     """A storage the call made: where it came from, and (settled as the test runs) what it is for."""
 
@@ -98,6 +98,8 @@ class Attributor(Recorder):
     storage's counted bytes in order (`ids`, `sizes`), so that any moment of the call can be replayed."""
 
     def __init__(self, live: dict[int, Any], events: bool) -> None:
+        from torch.utils.weak import WeakIdKeyDictionary
+
         super().__init__(events)
         self.live = live  # the ledger's storages by key: how a tensor seen in a hook finds its allocation
         self.allocations: list[Allocation] = []
@@ -112,14 +114,13 @@ class Attributor(Recorder):
         self._pause_start: int | None = None
         self._stack: list[str] = []
         self._open_calls: list[tuple[int, str]] = []  # (sequence number at entry, module) per open call
-        self._names: dict[int, str] = {}  # id(module) -> qualified name
-        self._owners: dict[int, str] = {}  # id(parameter) -> the module that holds it
-        self._roots: set[int] = set()
-        self._starts: list[tuple[int, int, str]] = []  # (first sequence number, end, module) per module call
-        self._sorted = True
-        self._by_sequence: dict[int, str] = {}
-        self._tasks: set[int] = set()
-        self._hooked: set[int] = set()
+        # objects die during a call and their ids are reused: everything known of one is held weakly
+        self._names: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()  # module -> name
+        self._owners: Any = WeakIdKeyDictionary()  # parameter -> the module that holds it
+        self._hooked: Any = WeakIdKeyDictionary()  # leaves whose gradient is watched
+        self._by_sequence: dict[int, str] = {}  # autograd node -> the module whose forward made it
+        self._task = -1
+        self._walked: set[tuple[int, Any]] = set()  # nodes of the running backward already read
         self._handles: list[Any] = []
         self._in_step = 0
         self._factory: dict[object, bool] = {}
@@ -148,9 +149,13 @@ class Attributor(Recorder):
         import torch
 
         task = torch._C._current_graph_task_id()
-        if task != -1 and task not in self._tasks:
-            self._tasks.add(task)
-            self._backward_begins()
+        if task == -1:
+            return
+        if task != self._task:
+            self._task, self._walked = task, set()
+        node = torch._C._current_autograd_node()
+        if node is not None and _node_key(node) not in self._walked:
+            self._backward_reaches(node)
 
     def allocated(self, op: object, out: object, ref: Followed, total: int) -> Origin:
         allocation = Allocation(op_name(op), user_line(), len(self.allocations))
@@ -206,36 +211,37 @@ class Attributor(Recorder):
     def _module_entered(self, module: torch.nn.Module, args: object) -> None:
         import torch
 
-        if not self._stack and id(module) not in self._roots:
-            self._name_root(module)
-        name = self._names.get(id(module))
+        name = self._names.get(module)
         if name is None:
-            parent = self._stack[-1] if self._stack else ""
-            name = self._names[id(module)] = f"{parent}.{type(module).__name__}".lstrip(".")
+            name = self._name_tree(module)
         self._stack.append(name)
         self._open_calls.append((torch._C._autograd._get_sequence_nr(), name))
 
     @_contained
     def _module_left(self, module: torch.nn.Module, args: object, output: object) -> None:
-        import torch
-
         if not self._open_calls:
             return
         start, name = self._open_calls.pop()
         if self._stack:
             self._stack.pop()
-        end = torch._C._autograd._get_sequence_nr()
-        if end > start:
-            self._starts.append((start, end, name))
-            self._sorted = False
+        roots = [t.grad_fn for t in _tensors_in(output) if t.grad_fn is not None]
+        for node in _graph(roots, lambda n: not start <= n._sequence_nr() < _ACCUMULATE_GRAD_SEQUENCE):
+            if self._by_sequence.setdefault(node._sequence_nr(), name) == name:
+                for tensor in _saved_tensors(node):  # held for backward from now on
+                    self._mark(tensor, "saved")
 
-    def _name_root(self, root: torch.nn.Module) -> None:
-        self._roots.add(id(root))
-        for name, sub in root.named_modules():
-            self._names.setdefault(id(sub), name or f"({type(root).__name__})")
-        for name, tensor in [*root.named_parameters(), *root.named_buffers()]:
-            owner = self._owners.setdefault(id(tensor), name.rpartition(".")[0] or f"({type(root).__name__})")
-            self._mark(tensor, "parameters", owner)
+    def _name_tree(self, module: torch.nn.Module) -> str:
+        """Name `module` and everything below it (a root: its children by their qualified names), and
+        mark their parameters and buffers."""
+        base = f"({type(module).__name__})" if not self._stack else f"{self._stack[-1]}.{type(module).__name__}"
+        for path, sub in module.named_modules():
+            prefix = "" if not self._stack else f"{base}."
+            self._names.setdefault(sub, f"{prefix}{path}" if path else base)
+            owner = self._names[sub]
+            for tensor in [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]:
+                self._owners.setdefault(tensor, owner)
+                self._mark(tensor, "parameters", owner)
+        return self._names[module]
 
     @_contained
     def _step_begins(self, opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
@@ -252,32 +258,32 @@ class Attributor(Recorder):
 
         self._in_step = max(self._in_step - 1, 0)
         for param, state in opt.state.items():
-            owner = self._owners.get(id(param), STEP_MODULE)
+            owner = self._owners.get(param, STEP_MODULE)
             for value in state.values() if isinstance(state, dict) else ():
                 if isinstance(value, torch.Tensor):
                     self._mark(value, "optimizer_state", owner)
 
-    def _backward_begins(self) -> None:
-        """Read the graph a backward pass is about to run: its saved tensors, and the leaves it will
-        accumulate gradients into (hooked, to see the gradient's storage when it lands)."""
+    def _backward_reaches(self, node: Any) -> None:
+        """Read the graph a backward pass runs, from the node it runs now (once per node: a backward of
+        several roots reaches each in turn): its saved tensors, and the leaves it accumulates gradients
+        into (hooked, to see each gradient's storage when it lands)."""
         import torch
 
-        root = torch._C._current_autograd_node()
-        for node in _graph(root):
-            for tensor in _saved_tensors(node):
+        for found in _graph([node], lambda n: _node_key(n) in self._walked):
+            self._walked.add(_node_key(found))
+            for tensor in _saved_tensors(found):
                 self._mark(tensor, "saved")
-            variable = getattr(node, "variable", None)
-            if isinstance(variable, torch.Tensor) and id(variable) not in self._hooked:
-                self._hooked.add(id(variable))
-                try:
-                    self._handles.append(variable.register_post_accumulate_grad_hook(self._grad_landed))  # type: ignore[no-untyped-call]
-                except RuntimeError:
-                    continue
+            variable = getattr(found, "variable", None)
+            if isinstance(variable, torch.Tensor) and variable not in self._hooked:
+                self._hooked[variable] = True
+                with contextlib.suppress(RuntimeError):
+                    hook = variable.register_post_accumulate_grad_hook(self._grad_landed)  # type: ignore[no-untyped-call]
+                    self._handles.append(hook)
 
     @_contained
     def _grad_landed(self, tensor: torch.Tensor) -> None:
         if tensor.grad is not None:
-            self._mark(tensor.grad, "gradients", self._owners.get(id(tensor)))
+            self._mark(tensor.grad, "gradients", self._owners.get(tensor))
 
     # --- where an allocation belongs
 
@@ -301,26 +307,8 @@ class Attributor(Recorder):
         sequence = node._sequence_nr()
         if sequence == _ACCUMULATE_GRAD_SEQUENCE:
             variable = getattr(node, "variable", None)
-            return self._owners.get(id(variable), NO_MODULE)
-        found = self._by_sequence.get(sequence)
-        if found is None:
-            found = self._by_sequence[sequence] = self._innermost(sequence)
-        return found
-
-    def _innermost(self, sequence: int) -> str:
-        """The module whose forward call created node `sequence` (calls nest: the latest start that
-        still contains it is the innermost)."""
-        if not self._sorted:
-            self._starts.sort(key=lambda call: (call[0], -call[1]))
-            self._by_sequence.clear()
-            self._sorted = True
-        index = bisect.bisect_right(self._starts, (sequence, float("inf"), "")) - 1
-        while index >= 0:
-            start, end, name = self._starts[index]
-            if start <= sequence < end:
-                return name
-            index -= 1
-        return NO_MODULE
+            return str(self._owners.get(variable, NO_MODULE)) if variable is not None else NO_MODULE
+        return self._by_sequence.get(sequence, NO_MODULE)
 
     def _is_factory(self, op: object) -> bool:
         found = self._factory.get(op)
@@ -354,16 +342,37 @@ def _storage_keys(tensor: object) -> Iterator[int]:
         return
 
 
-def _graph(root: Any) -> Iterator[Any]:
+def _graph(roots: list[Any], outside: Callable[[Any], bool]) -> Iterator[Any]:
+    """The autograd nodes reachable from `roots`, not entering those `outside` says to leave out."""
     seen: set[int] = set()
-    stack = [root]
+    stack = list(roots)
     while stack:
         node = stack.pop()
-        if node is None or id(node) in seen:
+        if node is None or id(node) in seen or outside(node):
             continue
         seen.add(id(node))
         yield node
         stack.extend(child for child, _ in node.next_functions)
+
+
+def _node_key(node: Any) -> tuple[int, Any]:
+    """What tells autograd nodes apart (the Python objects for one node come and go, and their ids with
+    them): the sequence number, or for an AccumulateGrad node (which has none) its leaf."""
+    sequence = node._sequence_nr()
+    return (sequence, id(getattr(node, "variable", None))) if sequence == _ACCUMULATE_GRAD_SEQUENCE else (sequence, 0)
+
+
+def _tensors_in(output: object) -> Iterator[torch.Tensor]:
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (list, tuple)):
+        for item in output:
+            yield from _tensors_in(item)
+    elif isinstance(output, dict):
+        for item in output.values():
+            yield from _tensors_in(item)
 
 
 _SAVED_ATTRIBUTES: dict[type, tuple[str, ...]] = {}

@@ -27,7 +27,7 @@ _NOT_USER_CODE = tuple(
 )
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Origin:
     op: str
     where: str | None  # "path/to/test_x.py:12", the innermost frame of the test's own code
@@ -48,7 +48,7 @@ def user_line() -> str | None:
     while frame is not None:
         path = frame.f_code.co_filename
         if not any(part in path or path.endswith(part.rstrip(os.sep)) for part in _NOT_USER_CODE):
-            return f"{os.path.relpath(path) if not path.startswith('<') else path}:{frame.f_lineno}"
+            return sys.intern(f"{os.path.relpath(path) if not path.startswith('<') else path}:{frame.f_lineno}")
         frame = frame.f_back  # type: ignore[assignment]
     return None
 

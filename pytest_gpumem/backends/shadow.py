@@ -7,16 +7,19 @@ peak: what it cannot see (workspaces, fragmentation of cached blocks) is the "un
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_gpumem.backends.attribution import Attributor
 
+if TYPE_CHECKING:
+    import torch
+
+    from pytest_gpumem.backends.tracker import StorageLedger
+
 
 class Shadow:
-    def __init__(self) -> None:
-        from pytest_gpumem.backends.tracker import StorageLedger
-
-        self.ledger = StorageLedger("cuda")
+    def __init__(self, device: torch.device) -> None:
+        self.ledger = _device_ledger(device)
         self._mode: Any = None
 
     def start(self) -> Attributor:
@@ -46,3 +49,28 @@ class Shadow:
                 recorder.remove()
             self.ledger.forget()
             self.ledger.recorder = None
+
+
+def _device_ledger(device: torch.device) -> StorageLedger:
+    """A ledger of the storages on `device` only, rounded as the CUDA allocator rounds them: what the
+    measured backend counts (host tensors, a data table on the CPU, are not its memory)."""
+    from pytest_gpumem.backends.tracker import StorageLedger
+
+    def ours(storage: torch.UntypedStorage) -> bool:
+        found = storage.device
+        return found.type == device.type and (device.index is None or found.index in (None, device.index))
+
+    class DeviceLedger(StorageLedger):
+        def add(self, storage: torch.UntypedStorage) -> None:
+            if ours(storage):
+                super().add(storage)
+
+        def resized(self, storage: torch.UntypedStorage, before: int) -> None:
+            if ours(storage):
+                super().resized(storage, before)
+
+        def grow_existing(self, storage: torch.UntypedStorage, before: int) -> None:
+            if ours(storage):
+                super().grow_existing(storage, before)
+
+    return DeviceLedger("cuda")
