@@ -6,14 +6,15 @@ Categories come from use, never from size:
   leaves a backward pass reaches, the gradients an optimizer reads);
 - optimizer state: the tensors in `optimizer.state` after a step;
 - saved for backward: tensors held by the autograd graph (its saved variables, read without unpacking
-  them when a backward pass begins, so that no saved-tensor hook runs and no checkpoint recomputes);
+  them, so that no saved-tensor hook runs and no checkpoint recomputes: when a module's forward returns,
+  and when a backward pass reaches a node);
 - inputs and other: made by a factory op (no tensor arguments, or a `*_like`) in the test's own code,
   outside any module, backward pass or optimizer step (an input the graph saves stays an input);
 - temporaries: everything else (intermediate results, outputs, workspaces).
 
 Modules: forward pre/post hooks (global, for the measured call only) keep a stack of qualified names;
-in backward, the autograd node being run is mapped to the module whose forward created it by its
-sequence number.
+when a module's forward returns, the autograd nodes it made are recorded by sequence number, so that in
+backward the node being run names the module whose forward created it.
 """
 
 from __future__ import annotations
