@@ -20,9 +20,10 @@ FSDP2 (reshard after forward, the default; all-gathers and reduce-scatters are f
 - forward: h1 + P1 + 2*P2 at layer2's copy-out: layer1's all-gather buffer (P1) is freed only once the
   next all-gather is copied out, so it is still there with layer2's all-gather buffer (P2) and its
   unsharded parameters (P2). The sharding saves nothing here: buffers are whole layers.
-- backward: 2*P1 + P2 + P2/N + 4 when layer1's parameters are copied out of their all-gather (layer1's
-  buffer and unsharded parameters, 2*P1), while layer2's reduce-scatter input (P2, held like the
-  all-gather buffers) and its output shard (P2/N, layer2's gradient) exist; dh1 (made) and h1 (freed)
+- backward: 2*P1 + P2/N + 4, or 2*P1 + P2 + P2/N + 4, when layer1's parameters are copied out of their
+  all-gather (layer1's buffer and unsharded parameters, 2*P1), while layer2's output shard (P2/N, its
+  gradient) exists, and its reduce-scatter input (P2) too unless gloo's worker thread has already let
+  go of it: which one happens changes from run to run (both seen on 2 ranks); dh1 (made) and h1 (freed)
   are the same size.
 - step: P/N, the momentum buffers of the shards.
 State kept between steps per rank (parameters, gradient buffers, optimizer state): DDP 3P (and the
@@ -108,11 +109,17 @@ def expected(strategy: str, s: DistSizes) -> list[Expectation]:
         "fsdp2": [
             ("setup", s.p1 // n + LOSS * n, "layer1's shard while its full parameters exist (+4N B of FSDP's own)"),
             ("forward", s.h1 + s.p1 + 2 * s.p2, "h1 + layer1's all-gather buffer + layer2's buffer and parameters"),
-            ("backward", 2 * s.p1 + s.p2 + s.p2 // n + LOSS, "layer1 gathered twice + layer2's reduce-scatter in, out"),
+            ("backward", 2 * s.p1 + s.p2 // n + LOSS, "layer1 gathered twice + layer2's reduce-scatter out (+ in)"),
             ("step", p // n, "momentum buffers of the shards"),
         ],
     }[strategy]
-    found = [Expectation(f"{strategy}.{phase}", low, low + SMALL, why) for phase, low, why in derived]
+    # gloo's worker thread lets go of layer2's reduce-scatter input (P2) when it is done with it: at
+    # layer1's copy-out in backward it is there, or not, from run to run
+    late = {"fsdp2.backward": s.p2}
+    found = [
+        Expectation(f"{strategy}.{phase}", low, low + late.get(f"{strategy}.{phase}", 0) + SMALL, why)
+        for phase, low, why in derived
+    ]
     kept = s.h1 + LOSS
     found.append(Expectation(f"{strategy}.forward", kept, kept + SMALL, "keeps h1 (and the loss)", net=True))
     return found

