@@ -442,7 +442,11 @@ def test_simulated_ranks_estimate_the_real_figures(tracker: pytest.Pytester) -> 
     )
     tests = _tests(tracker)
     simulated = {name: tests[f"test_simulated[{n}]"]["phases"] for name, n in (("2", 2), ("8", 8))}
-    assert {k: simulated["2"][k]["peak_bytes"] for k in EXPECTED} == EXPECTED  # as measured on 2 real ranks
+    # as measured on 2 real ranks; no gloo thread holds the reduce-scatter input: the larger backward value
+    assert {k: simulated["2"][k]["peak_bytes"] for k in EXPECTED} == {
+        **EXPECTED,
+        "fsdp2.backward": EXPECTED["fsdp2.backward"] + P2,
+    }
     assert {k: simulated["8"][k]["peak_bytes"] for k in EXPECTED_8} == EXPECTED_8
     meta = tests["test_ddp_on_meta"]["phases"]
     assert {k: v["peak_bytes"] for k, v in meta.items()} == {k: EXPECTED_8[k] for k in meta}
