@@ -13,19 +13,14 @@ from typing import Any
 
 import pytest
 
+from pytest_gpumem.backends.attribution import CATEGORIES as ATTRIBUTED
+from pytest_gpumem.backends.attribution import LABELS as ATTRIBUTED_LABELS
 from pytest_gpumem.failures import write_evidence
 from pytest_gpumem.html import file_stem, render, write_html
 from pytest_gpumem.sizes import format_size
 
-CATEGORIES = ["parameters", "gradients", "optimizer_state", "saved", "temporaries", "inputs"]
-LABELS = {
-    "parameters": "parameters",
-    "gradients": "gradients",
-    "optimizer_state": "optimizer state",
-    "saved": "saved for backward",
-    "temporaries": "temporaries",
-    "inputs": "inputs and other",
-}
+CATEGORIES = list(ATTRIBUTED)
+LABELS = dict(ATTRIBUTED_LABELS)
 MIB = 2**20
 HOSTILE = "tests/test_x.py::test[</script><script>document.body.setAttribute('data-pwned','1')</script><!--&\"'>]"
 
