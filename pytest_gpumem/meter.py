@@ -305,7 +305,12 @@ class GpuMem:
         self.survivors, self.trace, self._fits, self.explanation = [], None, 0, None
         self._ranks_call = None
         self.backend.start()
-        self._stack = RegionStack(self.backend, self._attribution())
+        try:
+            attribution = self._attribution()
+        except BaseException:
+            self.backend.stop()  # the backend's observation never outlives a call that could not begin
+            raise
+        self._stack = RegionStack(self.backend, attribution)
         self._stack.push(CALL, full_collect=getattr(self.backend, "sees_earlier_allocations", True))
 
     def _attribution(self) -> Attributor | None:
