@@ -11,13 +11,13 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pytest_gpumem.compare import PhaseComparison, Tolerance, compare_peak
+from pytest_gpumem.compare import PhaseComparison, Tolerance, compare_peak, with_growth
 from pytest_gpumem.constants import DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT
-from pytest_gpumem.explain import compact, what_grew
+from pytest_gpumem.explain import compact
 from pytest_gpumem.options import slack, tolerance
 from pytest_gpumem.report import JSON_VERSION, markdown_table
 from pytest_gpumem.sizes import format_size
@@ -99,18 +99,10 @@ def compare_reports(old: Tests, new: Tests, tol: Tolerance) -> Comparison:
             if stored is None and current is None:
                 continue
             compared = compare_peak(phase, stored, current, tol, format_size)
-            rows.append((nodeid, _what_grew(compared, old[nodeid], new[nodeid])))
+            rows.append((nodeid, with_growth(compared, _composition(old[nodeid]), _composition(new[nodeid]))))
     failed = [(n, str(t.get("status"))) for n, t in new.items() if t.get("status", "ok") not in PASSING]
     mixed = [n for n in new if n in old and _where(old[n]) != _where(new[n])]
     return Comparison(rows, [n for n in new if n not in old], [n for n in old if n not in new], failed, mixed)
-
-
-def _what_grew(compared: PhaseComparison, old: dict[str, Any], new: dict[str, Any]) -> PhaseComparison:
-    """A regression between two explained runs names what grew most."""
-    if compared.status != "REGRESSED":
-        return compared
-    grew = what_grew(_composition(old), _composition(new), compared.label)
-    return compared if grew is None else replace(compared, message=f"{compared.message}: {grew}")
 
 
 def _composition(test: dict[str, Any]) -> dict[str, Any] | None:

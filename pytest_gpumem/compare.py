@@ -219,7 +219,7 @@ def compare(
     for name, value in base_phases.items():
         if name not in current.phases:
             results.append(compare_peak(name, value, None, tol, fmt))
-    results = [_with_growth(c, baseline, current) for c in results]
+    results = [with_growth(c, baseline.composition, current.composition) for c in results]
     problems: list[str] = []
     notes: list[str] = []
     status: Status = "ok"
@@ -261,13 +261,15 @@ def compare(
     )
 
 
-def _with_growth(comparison: PhaseComparison, baseline: Entry, current: Entry) -> PhaseComparison:
-    """A regression's message, with what grew most when both sides have a composition."""
+def with_growth(
+    comparison: PhaseComparison, stored: Mapping[str, Any] | None, current: Mapping[str, Any] | None
+) -> PhaseComparison:
+    """A regression's message, with what grew most when both sides have a composition (`explain.compact`)."""
     if comparison.status != "REGRESSED" or comparison.message is None:
         return comparison
     from pytest_gpumem.explain import what_grew
 
-    grew = what_grew(baseline.composition, current.composition, comparison.label)
+    grew = what_grew(stored, current, comparison.label)
     return comparison if grew is None else replace(comparison, message=f"{comparison.message}: {grew}")
 
 

@@ -151,15 +151,16 @@ def _snapshot(live: Mapping[int, int], allocations: Sequence[Allocation]) -> _Sn
     return snap
 
 
-def _growth(start: Mapping[Any, int], top: Mapping[Any, int]) -> dict[Any, int]:
+def growth(start: Mapping[Any, int], top: Mapping[Any, int]) -> dict[Any, int]:
+    """`top - start` for each key of either side, the keys that did not change left out."""
     keys = dict.fromkeys([*top, *start])
     grown = {key: top.get(key, 0) - start.get(key, 0) for key in keys}
     return {key: value for key, value in grown.items() if value}
 
 
 def _composition(start: _Snapshot, top: _Snapshot, allocations: Sequence[Allocation]) -> dict[str, Any]:
-    modules = _largest(_growth(start.modules, top.modules), TOP_MODULES)
-    cells = sorted(_growth(start.cells, top.cells).items(), key=lambda kv: (-abs(kv[1]), kv[0]))[:TOP_CELLS]
+    modules = _largest(growth(start.modules, top.modules), TOP_MODULES)
+    cells = sorted(growth(start.cells, top.cells).items(), key=lambda kv: (-abs(kv[1]), kv[0]))[:TOP_CELLS]
     return {
         "categories": {c: top.categories[c] - start.categories[c] for c in CATEGORIES},
         "live": dict(top.categories),
@@ -216,7 +217,7 @@ def what_grew(stored: Mapping[str, Any] | None, current: Mapping[str, Any] | Non
     after = {(c, m): b for c, m, b in new.get("cells", [])}
     # only the largest cells are stored: one on a single side may have been just off the other's list
     cells = {cell: after[cell] - before[cell] for cell in after if cell in before}
-    categories = _growth(old.get("categories", {}), new.get("categories", {}))
+    categories = growth(old.get("categories", {}), new.get("categories", {}))
     parts = [(LABELS.get(c, c) + f" of {m}", b) for (c, m), b in cells.items()]
     parts += [(LABELS.get(c, c), b) for c, b in categories.items()]
     grown = [(what, b) for what, b in parts if b > 0]

@@ -7,6 +7,7 @@ from typing import Any
 from tabulate import tabulate
 
 from pytest_gpumem.backends.attribution import LABELS
+from pytest_gpumem.explain import growth
 from pytest_gpumem.sizes import format_size
 
 COLUMNS = ("forward", "backward", "step", "total")
@@ -47,7 +48,7 @@ def difference(naive: Composition | None, own: Composition | None, row: dict[str
     -100%" (relative to the naive strategy's bytes in that category)."""
     if naive is None or own is None or row["strategy"] == row["reference"]:
         return "-"
-    changes = {p: _changes(naive[p], own[p]) for p in COLUMNS if p in naive and p in own}
+    changes = {p: growth(naive[p], own[p]) for p in COLUMNS if p in naive and p in own}
     moved = {p: sum(c.values()) / max(sum(v for v in naive[p].values() if v > 0), 1) for p, c in changes.items()}
     if not any(moved.values()):
         return "no change"
@@ -58,10 +59,6 @@ def difference(naive: Composition | None, own: Composition | None, row: dict[str
 
 
 Composition = dict[str, dict[str, int]]
-
-
-def _changes(naive: dict[str, int], own: dict[str, int]) -> dict[str, int]:
-    return {c: own.get(c, 0) - naive.get(c, 0) for c in dict.fromkeys([*naive, *own])}
 
 
 def _relative(change: int, before: int) -> str:
