@@ -398,14 +398,7 @@ def _saved_tensors(node: Any) -> Iterator[object]:
 
 def _described(out: object, key: int) -> tuple[tuple[int, ...] | None, str | None]:
     """Shape and dtype of the output whose storage is `key`."""
-    import torch
-
-    stack = [out]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            if key in _storage_keys(item):
-                return tuple(item.shape), str(item.dtype).removeprefix("torch.")
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
+    for tensor in _tensors_in(out):
+        if key in _storage_keys(tensor):
+            return tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")
     return None, None
