@@ -17,7 +17,7 @@ from pytest_gpumem.devices import devices_spec
 from pytest_gpumem.distributed import DEFAULT_TIMEOUT as DEFAULT_DIST_TIMEOUT
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.markers import Budget, Limit, budget_from_marker
-from pytest_gpumem.sizes import parse_size
+from pytest_gpumem.sizes import format_size, parse_size
 
 T = TypeVar("T")
 
@@ -139,187 +139,207 @@ capacity = _keyword_limit("capacity", "--gpumem-capacity")
 leak = _keyword_limit("leak", "--gpumem-leak")
 
 
+@dataclass(frozen=True)
+class Option:
+    """One command-line option and its ini twin: the one source of addoption, addini and the options page."""
+
+    flag: str
+    help: str
+    parse: Callable[[str], object] | None = None
+    metavar: str | None = None
+    shown_default: str | None = None
+    """The default in words, for the help text and the docs; None for an option without an ini twin."""
+    ini_default: str | bool = ""
+    switch: bool = False
+    const: str | None = None
+    """The value when the option is given without one (the option then takes an optional value)."""
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+    @property
+    def ini(self) -> str | None:
+        """The ini twin's name, read when the option is not given; None when the option has none."""
+        return self.dest if self.shown_default is not None else None
+
+    @property
+    def full_help(self) -> str:
+        if self.ini is None:
+            return self.help
+        return f"{self.help} Default: {self.shown_default} (ini {self.ini})."
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        "--gpumem-backend",
+        "how to measure: auto (cuda, else another accelerator, else tracker), cuda, accelerator, "
+        "tracker, or a name a plugin provides.",
+        backend_name,
+        "NAME",
+        "auto",
+        "auto",
+    ),
+    Option(
+        "--gpumem-round",
+        "tracker only: 'cuda' rounds sizes as the CUDA caching allocator does, to predict GPU figures.",
+        rounding,
+        "none|cuda",
+        "none",
+        "none",
+    ),
+    Option("--gpumem-report", "print a table of every measured test at the end.", None, None, "off", False, True),
+    Option("--gpumem-json", "write every measured test's figures to PATH as JSON.", None, "PATH", "none"),
+    Option(
+        "--gpumem-markdown", "write the report table to PATH as Markdown (CI step summaries).", None, "PATH", "none"
+    ),
+    Option(
+        "--gpumem-baseline-file",
+        "stored baselines to compare with.",
+        None,
+        "PATH",
+        f"{DEFAULT_FILENAME} in the rootdir",
+    ),
+    Option(
+        "--gpumem-update",
+        "record the baselines of the tests that ran and passed: all (the default) refreshes every one of them, "
+        "new records only those that have none; other entries stay as they are.",
+        update_mode,
+        "new|all",
+        const="all",
+    ),
+    Option("--gpumem-prune", "remove the baselines that no test used (only after a full run).", switch=True),
+    Option(
+        "--gpumem-tolerance",
+        "growth over a baseline allowed before a test fails; max_memory(tolerance=...) overrides it per test.",
+        tolerance,
+        "PERCENT",
+        f"{DEFAULT_TOLERANCE_PERCENT:g}",
+        f"{DEFAULT_TOLERANCE_PERCENT:g}",
+    ),
+    Option(
+        "--gpumem-slack",
+        "bytes allowed over a baseline on top of the tolerance (allocator rounding).",
+        slack,
+        "SIZE",
+        format_size(DEFAULT_SLACK_BYTES),
+        f"{DEFAULT_SLACK_BYTES}",
+    ),
+    Option("--gpumem-strict", "fail a measured test that has no baseline.", None, None, "off", False, True),
+    Option(
+        "--gpumem-all",
+        "measure the call of every test, with or without the gpumem fixture or a max_memory marker.",
+        None,
+        None,
+        "off",
+        False,
+        True,
+    ),
+    Option(
+        "--gpumem-max-memory",
+        "limit on the whole call of every measured test whose max_memory markers set no limit.",
+        default_budget,
+        "SIZE",
+        "none",
+    ),
+    Option(
+        "--gpumem-devices",
+        "with pytest-xdist, give each worker one device, round-robin over all the devices the caller can see "
+        "(auto) or over the listed ordinals (e.g. 0,1).",
+        devices_spec,
+        "auto|LIST",
+        "off",
+    ),
+    Option(
+        "--gpumem-device",
+        "tracker only: meta runs the tests with tensors that have sizes but no data, so a CPU runner predicts "
+        "the memory of models far larger than itself (gpumem.device is meta).",
+        device_name,
+        "cpu|meta",
+        "cpu",
+        "cpu",
+    ),
+    Option(
+        "--gpumem-capacity",
+        "run measured tests on a device of SIZE: the tracker raises torch.OutOfMemoryError at the allocation "
+        "past it; on CUDA the process is capped with set_per_process_memory_fraction. max_memory(capacity=...) "
+        "sets it per test.",
+        capacity,
+        "SIZE",
+        "none",
+    ),
+    Option(
+        "--gpumem-leak",
+        "fail a measured test that leaves more than SIZE allocated after its call returns and garbage is "
+        "collected; max_memory(leak=...) sets it per test.",
+        leak,
+        "SIZE",
+        "none",
+    ),
+    Option(
+        "--gpumem-snapshot-dir",
+        "a test that runs out of memory, exceeds a budget, leaks or regresses leaves its memory trace there "
+        "(tracker: JSON; CUDA: a memory-history snapshot).",
+        None,
+        "DIR",
+        "none",
+    ),
+    Option(
+        "--gpumem-dist-timeout",
+        "how long the ranks of gpumem.distributed() may run the function before all are ended and the test "
+        "fails (joining the group may take at least 60 s more).",
+        seconds,
+        "SECONDS",
+        f"{DEFAULT_DIST_TIMEOUT:g}",
+        f"{DEFAULT_DIST_TIMEOUT:g}",
+    ),
+    Option(
+        "--gpumem-explain",
+        "explain the peaks of every measured test: what was alive at each phase's peak, by category "
+        "(parameters, gradients, optimizer state, saved for backward, temporaries, inputs) and by module, and "
+        "the largest tensors with the op and line that made them; max_memory(explain=True) does it per test.",
+        None,
+        None,
+        "off",
+        False,
+        True,
+    ),
+    Option(
+        "--gpumem-html",
+        "write a self-contained HTML picture of each explained test's memory over time there (stacked by "
+        "category, phases shaded, the peak marked).",
+        None,
+        "DIR",
+        "none",
+    ),
+)
+
+
 def add_options(parser: pytest.Parser) -> None:
     group = parser.getgroup("gpumem", "GPU memory budgets (pytest-gpumem)")
-    option = group.addoption
-    option(
-        "--gpumem-backend",
-        type=backend_name,
-        default=None,
-        metavar="NAME",
-        help="how to measure: auto (cuda, else another accelerator, else tracker), cuda, accelerator, "
-        "tracker, or a name a plugin provides. Default: auto (ini gpumem_backend).",
-    )
-    option(
-        "--gpumem-round",
-        type=rounding,
-        default=None,
-        metavar="none|cuda",
-        help="tracker only: 'cuda' rounds sizes as the CUDA caching allocator does, to predict GPU "
-        "figures. Default: none (ini gpumem_round).",
-    )
-    option(
-        "--gpumem-report",
-        action="store_true",
-        default=None,
-        help="print a table of every measured test at the end. Default: off (ini gpumem_report).",
-    )
-    option(
-        "--gpumem-json",
-        default=None,
-        metavar="PATH",
-        help="write every measured test's figures to PATH as JSON. Default: none (ini gpumem_json).",
-    )
-    option(
-        "--gpumem-markdown",
-        default=None,
-        metavar="PATH",
-        help="write the report table to PATH as Markdown (CI step summaries). Default: none (ini gpumem_markdown).",
-    )
-    option(
-        "--gpumem-baseline-file",
-        default=None,
-        metavar="PATH",
-        help=f"stored baselines to compare with. Default: {DEFAULT_FILENAME} in the rootdir "
-        "(ini gpumem_baseline_file).",
-    )
-    option(
-        "--gpumem-update",
-        nargs="?",
-        const="all",
-        default=None,
-        type=update_mode,
-        metavar="new|all",
-        help="record the baselines of the tests that ran and passed: all (the default) refreshes every "
-        "one of them, new records only those that have none; other entries stay as they are.",
-    )
-    option(
-        "--gpumem-prune",
-        action="store_true",
-        default=False,
-        help="remove the baselines that no test used (only after a full run).",
-    )
-    option(
-        "--gpumem-tolerance",
-        type=tolerance,
-        default=None,
-        metavar="PERCENT",
-        help=f"growth over a baseline allowed before a test fails. Default: {DEFAULT_TOLERANCE_PERCENT:g} "
-        "(ini gpumem_tolerance); max_memory(tolerance=...) overrides it per test.",
-    )
-    option(
-        "--gpumem-slack",
-        type=slack,
-        default=None,
-        metavar="SIZE",
-        help="bytes allowed over a baseline on top of the tolerance (allocator rounding). Default: 1 MiB "
-        "(ini gpumem_slack).",
-    )
-    option(
-        "--gpumem-all",
-        action="store_true",
-        default=None,
-        help="measure the call of every test, with or without the gpumem fixture or a max_memory marker. "
-        "Default: off (ini gpumem_all).",
-    )
-    option(
-        "--gpumem-max-memory",
-        type=default_budget,
-        default=None,
-        metavar="SIZE",
-        help="limit on the whole call of every measured test whose max_memory markers set no limit. "
-        "Default: none (ini gpumem_max_memory).",
-    )
-    option(
-        "--gpumem-devices",
-        type=devices_spec,
-        default=None,
-        metavar="auto|LIST",
-        help="with pytest-xdist, give each worker one device, round-robin over all the devices the caller "
-        "can see (auto) or over the listed ordinals (e.g. 0,1). Default: off (ini gpumem_devices).",
-    )
-    option(
-        "--gpumem-device",
-        type=device_name,
-        default=None,
-        metavar="cpu|meta",
-        help="tracker only: meta runs the tests with tensors that have sizes but no data, so a CPU runner "
-        "predicts the memory of models far larger than itself (gpumem.device is meta). Default: cpu "
-        "(ini gpumem_device).",
-    )
-    option(
-        "--gpumem-capacity",
-        type=capacity,
-        default=None,
-        metavar="SIZE",
-        help="run measured tests on a device of SIZE: the tracker raises torch.OutOfMemoryError at the "
-        "allocation past it; on CUDA the process is capped with set_per_process_memory_fraction. "
-        "max_memory(capacity=...) sets it per test. Default: none (ini gpumem_capacity).",
-    )
-    option(
-        "--gpumem-leak",
-        type=leak,
-        default=None,
-        metavar="SIZE",
-        help="fail a measured test that leaves more than SIZE allocated after its call returns and garbage "
-        "is collected; max_memory(leak=...) sets it per test. Default: none (ini gpumem_leak).",
-    )
-    option(
-        "--gpumem-snapshot-dir",
-        default=None,
-        metavar="DIR",
-        help="a test that runs out of memory, exceeds a budget, leaks or regresses leaves its memory trace "
-        "there (tracker: JSON; CUDA: a memory-history snapshot). Default: none (ini gpumem_snapshot_dir).",
-    )
-    option(
-        "--gpumem-dist-timeout",
-        type=seconds,
-        default=None,
-        metavar="SECONDS",
-        help="how long the ranks of gpumem.distributed() may run the function before all are ended and the "
-        f"test fails (joining the group may take at least 60 s more). Default: {DEFAULT_DIST_TIMEOUT:g} "
-        "(ini gpumem_dist_timeout).",
-    )
-    option(
-        "--gpumem-explain",
-        action="store_true",
-        default=None,
-        help="explain the peaks of every measured test: what was alive at each phase's peak, by category "
-        "(parameters, gradients, optimizer state, saved for backward, temporaries, inputs) and by module, "
-        "and the largest tensors with the op and line that made them; max_memory(explain=True) does it per "
-        "test. Default: off (ini gpumem_explain).",
-    )
-    option(
-        "--gpumem-html",
-        default=None,
-        metavar="DIR",
-        help="write a self-contained HTML picture of each explained test's memory over time there "
-        "(stacked by category, phases shaded, the peak marked). Default: none (ini gpumem_html).",
-    )
-    option("--gpumem-strict", action="store_true", default=None,
-           help="fail a measured test that has no baseline. Default: off (ini gpumem_strict).")  # fmt: skip
-    for name, help_text, kind, default in (
-        ("gpumem_backend", "default for --gpumem-backend", None, "auto"),
-        ("gpumem_round", "default for --gpumem-round", None, "none"),
-        ("gpumem_report", "default for --gpumem-report", "bool", False),
-        ("gpumem_json", "default for --gpumem-json", None, ""),
-        ("gpumem_markdown", "default for --gpumem-markdown", None, ""),
-        ("gpumem_baseline_file", "default for --gpumem-baseline-file", None, ""),
-        ("gpumem_tolerance", "default for --gpumem-tolerance", None, f"{DEFAULT_TOLERANCE_PERCENT:g}"),
-        ("gpumem_slack", "default for --gpumem-slack", None, f"{DEFAULT_SLACK_BYTES}"),
-        ("gpumem_strict", "default for --gpumem-strict", "bool", False),
-        ("gpumem_all", "default for --gpumem-all", "bool", False),
-        ("gpumem_max_memory", "default for --gpumem-max-memory", None, ""),
-        ("gpumem_devices", "default for --gpumem-devices", None, ""),
-        ("gpumem_capacity", "default for --gpumem-capacity", None, ""),
-        ("gpumem_device", "default for --gpumem-device", None, "cpu"),
-        ("gpumem_leak", "default for --gpumem-leak", None, ""),
-        ("gpumem_snapshot_dir", "default for --gpumem-snapshot-dir", None, ""),
-        ("gpumem_explain", "default for --gpumem-explain", "bool", False),
-        ("gpumem_html", "default for --gpumem-html", None, ""),
-        ("gpumem_dist_timeout", "default for --gpumem-dist-timeout", None, f"{DEFAULT_DIST_TIMEOUT:g}"),
-    ):
-        parser.addini(name, help_text, type=kind, default=default)  # type: ignore[arg-type]
+    for option in OPTIONS:
+        if option.switch:
+            group.addoption(
+                option.flag, action="store_true", default=None if option.ini else False, help=option.full_help
+            )
+        elif option.const is not None:
+            group.addoption(
+                option.flag,
+                nargs="?",
+                const=option.const,
+                default=None,
+                type=option.parse,
+                metavar=option.metavar,
+                help=option.full_help,
+            )
+        else:
+            group.addoption(option.flag, default=None, type=option.parse, metavar=option.metavar, help=option.full_help)
+        if option.ini is None:
+            continue
+        if option.switch:
+            parser.addini(option.ini, f"default for {option.flag}", type="bool", default=option.ini_default)
+        else:
+            parser.addini(option.ini, f"default for {option.flag}", default=option.ini_default)
 
 
 def _ini(config: pytest.Config, name: str, check: Callable[[str], T]) -> T:
