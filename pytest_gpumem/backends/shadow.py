@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpumem.backends.attribution import Attributor
+from pytest_gpumem.backends.tracker_mode import leave, mode_class
 
 if TYPE_CHECKING:
     import torch
@@ -23,13 +24,11 @@ class Shadow:
         self._mode: Any = None
 
     def start(self) -> Attributor:
-        from pytest_gpumem.backends.tracker import _make_mode_class
-
         attribution = Attributor(self.ledger.live, events=False)
         self.ledger.recorder = attribution
         attribution.install()
         try:
-            self._mode = _make_mode_class()(self.ledger)
+            self._mode = mode_class()(self.ledger)
             self._mode.__enter__()
         except BaseException:
             attribution.remove()
@@ -37,12 +36,10 @@ class Shadow:
         return attribution
 
     def stop(self) -> None:
-        from pytest_gpumem.backends.tracker import _leave
-
         mode, self._mode = self._mode, None
         try:
             if mode is not None:
-                _leave(mode)
+                leave(mode)
         finally:
             recorder = self.ledger.recorder
             if isinstance(recorder, Attributor):

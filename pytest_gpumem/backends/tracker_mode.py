@@ -1,0 +1,299 @@
+"""The tracker's dispatch mode: every ATen op's fresh output storages, told to a ledger.
+
+A `TorchDispatchMode` sees every op below autograd, those run by backward, checkpoint recomputation and
+autocast casts included. Each output whose schema says it is fresh (not an alias of an input) brings a
+new storage, which the ledger follows until a weak reference to it dies. The tracker backend and the
+shadow both count through `mode_class()`, and take the mode off with `leave`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from pytest_gpumem.backends.tracker_hooks import Ledger, count_compiled_allocations
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _tensors(out: object, tensor_type: type[torch.Tensor]) -> Iterator[torch.Tensor]:
+    if isinstance(out, tensor_type):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for item in out:
+            yield from _tensors(item, tensor_type)
+
+
+def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse, nested and other storage-less layouts
+        return None
+
+
+# What an op's schema says about its outputs, decided once per op (`_op_plan`):
+_PASS = 0  # every return aliases an input (views, in-place ops) or there is none: nothing new
+_SINGLE = 1  # one fresh Tensor: count its storage without walking the result
+_MANY = 2  # fresh tensors among several returns or in lists: count those positions
+_RESIZE = 3  # out= overloads and resize_/set_: storages that existed may grow
+_LIFT = 4  # lift_fresh: a constant made outside any mode (torch.tensor), or memory torch does not own
+_CHECKED = 5  # fresh by its schema, but may return its inputs' storages: count only the others
+_NOT_DENSE = object()  # marks the parts of a sparse tensor in a walk over storages
+_FAKE = object()  # marks a fake tensor (FakeTensorMode): shapes without memory, never counted
+
+_RESIZING_OPS = frozenset(("aten::resize_", "aten::resize_as_", "aten::set_"))
+_LIFTING_OPS = frozenset(("aten::lift_fresh",))  # returns its input, a constant made outside any mode
+# views (or sparse tensors built on their inputs) whose schemas carry no alias annotation
+_UNANNOTATED_ALIASES = frozenset(
+    (
+        "aten::_unsafe_view",
+        "aten::unsafe_split",
+        "aten::unsafe_split_with_sizes",
+        "aten::unsafe_chunk",
+        "aten::sparse_coo_tensor",
+        "aten::_sparse_coo_tensor_unsafe",
+        "aten::_sparse_coo_tensor_with_dims_and_tensors",
+        "aten::sparse_compressed_tensor",
+        "aten::_sparse_compressed_tensor_unsafe",
+        "aten::sparse_csr_tensor",
+        "aten::_sparse_csr_tensor_unsafe",
+    )
+)
+
+
+def _op_plan(func: Any) -> tuple[int, tuple[int, ...] | None]:
+    """(kind, positions of the fresh returns) for an op overload; for _MANY, None means the one return
+    (a list, an optional tensor) is walked whole."""
+    schema = func._schema
+    returns = schema.returns
+    if schema.name in _RESIZING_OPS or any(arg.is_out for arg in schema.arguments):
+        return _RESIZE, ()
+    if schema.name in _LIFTING_OPS:
+        return _LIFT, (0,)
+    fresh = tuple(i for i, ret in enumerate(returns) if ret.alias_info is None)
+    if not fresh:
+        return _PASS, ()
+    if schema.name in _UNANNOTATED_ALIASES:
+        return _CHECKED, None
+    if len(returns) == 1:
+        return (_SINGLE, fresh) if str(returns[0].type) == "Tensor" else (_MANY, None)
+    return _MANY, fresh
+
+
+def _rewrapped_numbers(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """`args` with 0-dim tensors again where a Tensor argument arrived as a Python number, or None.
+
+    TorchScript passes numbers as "wrapped number" tensors (`prim::NumToTensor`); on the way into a
+    Python dispatch mode they become Python numbers, which the op then refuses.
+    """
+    import torch
+
+    numbers = [
+        i
+        for i, (arg, value) in enumerate(zip(func._schema.arguments, args, strict=False))
+        if isinstance(value, (bool, int, float, complex)) and str(arg.type) == "Tensor"
+    ]
+    if not numbers:
+        return None
+    return tuple(torch.tensor(value) if i in numbers else value for i, value in enumerate(args))
+
+
+def _sparse_parts() -> dict[Any, tuple[str, ...]]:
+    """The component tensors that hold a sparse tensor's memory, by layout."""
+    import torch
+
+    compressed_rows = ("crow_indices", "col_indices", "values")
+    compressed_cols = ("ccol_indices", "row_indices", "values")
+    return {
+        torch.sparse_coo: ("_indices", "_values"),
+        torch.sparse_csr: compressed_rows,
+        torch.sparse_bsr: compressed_rows,
+        torch.sparse_csc: compressed_cols,
+        torch.sparse_bsc: compressed_cols,
+    }
+
+
+def _dynamo_guard() -> Callable[[Any], Any] | None:
+    """`set_eval_frame`, to keep TorchDynamo out of the mode's frames more cheaply than the wrapper that
+    `TorchDispatchMode` otherwise adds (two extra Python frames per op); None where torch lacks it."""
+    try:
+        from torch._C._dynamo.eval_frame import set_eval_frame
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:
+        return None
+    if not callable(set_eval_frame) or not callable(skip_code):
+        return None
+    return set_eval_frame
+
+
+def _hide_from_dynamo(dispatch: Any) -> None:
+    """What `torch._disable_dynamo` gives a function, without its wrapper: Dynamo neither compiles the
+    frame (`skip_code`) nor inlines it when tracing a compiled function under the mode (the flag)."""
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(dispatch.__code__)
+    dispatch._torchdynamo_disable = True
+
+
+@functools.cache
+def mode_class() -> type[Any]:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor as fake_type
+    from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+    tensor_type = torch.Tensor
+    sparse_parts = _sparse_parts()
+    set_eval_frame = _dynamo_guard()
+    plans: dict[Any, tuple[int, tuple[int, ...] | None]] = {}
+
+    def storages(out: object) -> Iterator[Any]:
+        """The storages holding the memory of the tensors in `out`; before the parts of a sparse
+        tensor, `_NOT_DENSE`; for a fake tensor, `_FAKE`."""
+        for tensor in _tensors(out, tensor_type):
+            parts = sparse_parts.get(tensor.layout)
+            if isinstance(tensor, fake_type):
+                yield _FAKE
+            elif parts is not None:
+                yield _NOT_DENSE
+                yield from storages([getattr(tensor, part)() for part in parts])
+            elif type(tensor) is not tensor_type and is_traceable_wrapper_subclass(tensor):
+                # a wrapper's own storage is nominal; its inner tensors hold the memory
+                attrs, _ = tensor.__tensor_flatten__()
+                yield from storages([getattr(tensor, attr) for attr in attrs])
+            else:
+                storage = _storage(tensor)
+                if storage is not None:
+                    yield storage
+
+    def input_keys(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> set[int]:
+        found = storages([*args, *(kwargs or {}).values()])
+        return {s._cdata for s in found if s is not _NOT_DENSE and s is not _FAKE}
+
+    class StorageTrackingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+        def __init__(self, ledger: Ledger) -> None:
+            super().__init__()  # type: ignore[no-untyped-call]
+            self.ledger = ledger
+
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            # Dynamo compiles under the mode (instead of falling back to eager), with the mode off
+            # while compiling and on while the compiled program runs (its allocators are wrapped).
+            return True
+
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            # True makes TorchDispatchMode wrap __torch_dispatch__ in torch._disable_dynamo; the
+            # guard below does the same (no eval-frame callback inside the mode) for less.
+            return set_eval_frame is None
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+        ) -> Any:
+            __tracebackhide__ = True  # a user's error in an op shows the user's frames, not ours
+            prior = None if set_eval_frame is None else set_eval_frame(None)
+            try:
+                return self._dispatch(func, args, kwargs)
+            except RuntimeError:
+                numbers = _rewrapped_numbers(func, args)
+                if numbers is None:
+                    raise
+                return self._dispatch(func, numbers, kwargs)
+            finally:
+                self.ledger.out = None  # the recorder's view of the outputs must not keep them alive
+                if set_eval_frame is not None:
+                    set_eval_frame(prior)
+
+        def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+            __tracebackhide__ = True
+            recorder = self.ledger.recorder
+            if recorder is not None:
+                self.ledger.op = func
+                recorder.entered()
+            plan = plans.get(func)
+            if plan is None:
+                plan = plans[func] = _op_plan(func)
+            kind = plan[0]
+            if kind == _PASS:
+                return func(*args, **kwargs) if kwargs else func(*args)
+            if kind == _RESIZE:
+                return self._dispatch_resizing(func, args, kwargs or {})
+            if kind == _LIFT:
+                return self._dispatch_lifting(func, args, kwargs or {})
+            out = func(*args, **kwargs) if kwargs else func(*args)
+            if recorder is not None:
+                self.ledger.out = out
+            if kind == _SINGLE and type(out) is tensor_type:
+                try:
+                    storage = out.untyped_storage()
+                except (RuntimeError, NotImplementedError):  # sparse and other layouts without one storage
+                    self._count(out, args, kwargs)
+                    return out
+                self.ledger.add(storage)
+                return out
+            positions = plan[1]
+            fresh = out if positions is None or kind == _SINGLE else [out[i] for i in positions]
+            self._count(fresh, args, kwargs, checked=kind == _CHECKED)
+            return out
+
+        def _count(
+            self, out: object, args: tuple[Any, ...], kwargs: dict[str, Any] | None, checked: bool = False
+        ) -> None:
+            """Count the storages of `out`; `checked` (or a sparse output) leaves out the inputs' own."""
+            inputs = input_keys(args, kwargs) if checked else None
+            for storage in storages(out):
+                if storage is _NOT_DENSE:  # a sparse tensor's parts may be tensors it was given
+                    if inputs is None:
+                        inputs = input_keys(args, kwargs)
+                elif storage is _FAKE:
+                    self.ledger.fake_outputs += 1
+                elif inputs is None or storage._cdata not in inputs:
+                    self.ledger.add(storage)
+
+        def _dispatch_lifting(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            __tracebackhide__ = True
+            out = self.ledger.out = func(*args, **kwargs)
+            storage = _storage(out) if isinstance(out, tensor_type) else None
+            # torch.tensor(data) fills a new, resizable storage; torch.as_tensor/from_numpy share
+            # memory torch did not allocate (not resizable)
+            if storage is not None and storage.resizable():
+                self.ledger.add(storage)
+            return out
+
+        def _dispatch_resizing(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            __tracebackhide__ = True
+            before: dict[int, int] = {}
+            for tensor in _tensors([*args, *kwargs.values()], tensor_type):
+                storage = _storage(tensor)
+                if storage is not None:
+                    before[storage._cdata] = storage.nbytes()
+            out = self.ledger.out = func(*args, **kwargs)
+            for tensor in _tensors(out, tensor_type):
+                storage = _storage(tensor)
+                if storage is None:
+                    continue
+                previous = before.get(storage._cdata)
+                if previous is None:
+                    self.ledger.add(storage)
+                else:
+                    self.ledger.grow_existing(storage, previous)
+            return out
+
+    if set_eval_frame is not None:
+        _hide_from_dynamo(StorageTrackingMode.__torch_dispatch__)
+    count_compiled_allocations(StorageTrackingMode)
+    return StorageTrackingMode
+
+
+def leave(mode: Any) -> None:
+    """Take the tracker's mode off this thread's dispatch stack, also when the test left modes of its
+    own above it (they are taken off too: they were entered inside the measured call)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
+
+    stack = _get_current_dispatch_mode_stack()
+    if mode not in stack:
+        return
+    while _get_current_dispatch_mode_stack()[-1] is not mode:
+        _pop_mode()
+    mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
