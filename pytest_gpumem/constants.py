@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 ROUNDINGS = ("none", "cuda")
+PATHS = ("cpu", "gpu")  # whose code paths the tracker runs: the CPU's, or a GPU's (foreach, fused attention)
 DEFAULT_FILENAME = "gpumem-baselines.json"
 DEFAULT_TOLERANCE_PERCENT = 5.0
 DEFAULT_SLACK_BYTES = 1 << 20

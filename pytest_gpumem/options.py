@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from pytest_gpumem.constants import DEFAULT_FILENAME, DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT, ROUNDINGS
+from pytest_gpumem.constants import DEFAULT_FILENAME, DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT, PATHS, ROUNDINGS
 from pytest_gpumem.devices import devices_spec
 from pytest_gpumem.distributed import DEFAULT_TIMEOUT as DEFAULT_DIST_TIMEOUT
 from pytest_gpumem.errors import GpuMemError
@@ -40,6 +40,7 @@ class Options:
     html_dir: Path | None = None
     device: str = "cpu"
     dist_timeout: float = DEFAULT_DIST_TIMEOUT
+    paths: str | None = None  # the tracker's code paths (cpu, gpu); None: gpu on meta or with CUDA rounding
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,12 @@ def rounding(value: str) -> str:
     if value not in ROUNDINGS:
         raise argparse.ArgumentTypeError(f"invalid rounding {value!r} (choose from {', '.join(ROUNDINGS)})")
     return value
+
+
+def code_paths(value: str) -> str:
+    if value.strip() not in PATHS:
+        raise argparse.ArgumentTypeError(f"invalid paths {value!r} (cpu or gpu: whose code paths the tracker runs)")
+    return value.strip()
 
 
 def device_name(value: str) -> str:
@@ -260,6 +267,16 @@ OPTIONS: tuple[Option, ...] = (
         "cpu",
     ),
     Option(
+        "--gpumem-paths",
+        "tracker only: whose code paths the tests take: gpu (optimizers default to foreach; on meta,"
+        " attention is counted as the fused kernels flash and memory-efficient keep it) or cpu (single-tensor"
+        " optimizers; on meta, attention's math path, which saves the S x S weights).",
+        code_paths,
+        "cpu|gpu",
+        "gpu on meta and with --gpumem-round=cuda, else cpu",
+        "",
+    ),
+    Option(
         "--gpumem-capacity",
         "run measured tests on a device of SIZE: the tracker raises torch.OutOfMemoryError at the allocation "
         "past it; on CUDA the process is capped with set_per_process_memory_fraction. max_memory(capacity=...) "
@@ -420,6 +437,7 @@ def read_options(config: pytest.Config) -> tuple[Options, BaselineOptions]:
         html_dir=_folder(config, "gpumem_html"),
         device=_given(config, "gpumem_device", device_name),
         dist_timeout=_given(config, "gpumem_dist_timeout", seconds),
+        paths=_optional(config, "gpumem_paths", code_paths),
     )
     baseline = BaselineOptions(
         path=_path(config, "gpumem_baseline_file", config.rootpath) or config.rootpath / DEFAULT_FILENAME,

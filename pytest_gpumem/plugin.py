@@ -90,7 +90,7 @@ def pytest_gpumem_make_backend(config: pytest.Config, name: str) -> Backend | No
     from pytest_gpumem.backends import make_builtin
 
     options = config.stash[SESSION_KEY].options
-    return make_builtin(name, options.rounding, options.device)
+    return make_builtin(name, options.rounding, options.device, options.paths)
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
@@ -159,12 +159,21 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
             terminalreporter.write_line(line, yellow=line.startswith("warning"))
     if session.options.report and not hasattr(config, "workerinput"):
         terminalreporter.write_sep("=", "gpumem report")
-        for line in session.report_lines():
+        for line in session.report_lines(_report_width(terminalreporter), config.get_verbosity() > 0):
             terminalreporter.write_line(line)
     if session.results and not hasattr(config, "workerinput"):
         from pytest_gpumem.report import counts_line
 
         terminalreporter.write_line(f"gpumem: {counts_line(session.results)}")
+
+
+def _report_width(terminalreporter: pytest.TerminalReporter) -> int:
+    """pytest's terminal width, or 120 columns when it writes to no terminal (a CI log)."""
+    from pytest_gpumem.report import DEFAULT_WIDTH
+
+    if terminalreporter.isatty or os.environ.get("COLUMNS", "").strip().isdigit():
+        return max(int(terminalreporter.config.get_terminal_writer().fullwidth), 40)
+    return DEFAULT_WIDTH
 
 
 __all__ = ["METER_KEY", "SESSION_KEY", "gpumem"]

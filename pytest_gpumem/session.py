@@ -36,7 +36,7 @@ from pytest_gpumem.meter import GpuMem
 from pytest_gpumem.options import Options
 from pytest_gpumem.regression import BaselineRun, Judgement, verdict_status
 from pytest_gpumem.results import (
-    REPORT_PROPERTY,
+    REPORT_ATTRIBUTE,
     STATUS_ERROR,
     STATUS_OK,
     STATUS_OVER,
@@ -228,7 +228,8 @@ class GpuMemSession:
             from pytest_gpumem.backends.tracker import TrackerBackend
 
             main = self.backend()
-            self._meta = main if str(main.device) == "meta" else TrackerBackend(self.options.rounding, device="meta")
+            meta = main if str(main.device) == "meta" else None
+            self._meta = meta or TrackerBackend(self.options.rounding, device="meta", paths=self.options.paths)
         return self._meta
 
     @property
@@ -250,7 +251,7 @@ class GpuMemSession:
         try:
             budget = with_default(budget_of(marks), self.options.default_budget)
             meter = self.meter(item)
-            watch = self.watch(budget)
+            watch = self.watch(budget, explain=self.baselines.explains(item.nodeid, meter.backend))
             watch.apply(meter.backend, meter)
         except GpuMemError as exc:
             error = f"{item.nodeid}: {exc}"
@@ -298,10 +299,11 @@ class GpuMemSession:
             item.add_report_section("call", "gpumem", breakdown(meter.result(), meter.phases))
         pytest.fail(error, pytrace=False)
 
-    def watch(self, budget: Budget | None) -> Watch:
+    def watch(self, budget: Budget | None, explain: bool = False) -> Watch:
         options = self.options
+        explain = explain or options.explain
         return Watch.of(
-            budget, options.capacity, options.leak, evidence=options.snapshot_dir is not None, explain=options.explain
+            budget, options.capacity, options.leak, evidence=options.snapshot_dir is not None, explain=explain
         )
 
     def _judge(self, item: pytest.Item, meter: GpuMem, budget: Budget | None, watch: Watch) -> None:
@@ -390,7 +392,10 @@ class GpuMemSession:
         except (OSError, TypeError, ValueError) as exc:
             self.problems.append(f"--gpumem-html: cannot write the picture of {item.nodeid}: {exc}")
             return
-        result.html = os.path.relpath(path)
+        try:
+            result.html = Path(os.path.relpath(path, self.config.rootpath)).as_posix()
+        except ValueError:  # on another drive than the rootdir (Windows)
+            result.html = path.as_posix()
         item.add_report_section("call", "gpumem picture", f"memory over time: {path}")
 
     def _keep_evidence(self, item: pytest.Item, meter: GpuMem, result: TestResult) -> None:
@@ -421,25 +426,27 @@ class GpuMemSession:
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_makereport(self, item: pytest.Item) -> Generator[None, pytest.TestReport, pytest.TestReport]:
         """Settle the measured test's status with pytest's verdict, and send it along with the report
-        (plain JSON text: xdist hands it to the controller test by test)."""
+        (JSON text in an attribute that xdist hands to the controller test by test and --junitxml does not
+        print; the JUnit properties are the short ones)."""
         report = yield
         result = item.stash.get(RESULT_KEY, None)
         if result is not None and report.when == "call":
             del item.stash[RESULT_KEY]
             settle(result, report)
-            properties = [*junit_properties(result), (REPORT_PROPERTY, json.dumps(result.to_dict(), allow_nan=False))]
+            setattr(report, REPORT_ATTRIBUTE, json.dumps(result.to_dict(), allow_nan=False))
+            properties = junit_properties(result)
             report.user_properties += properties
             # the teardown report, which --junitxml reads, copies the item's; a rerun replaces them
             item.user_properties[:] = [p for p in item.user_properties if not str(p[0]).startswith("gpumem")]
             item.user_properties += properties
         return report
 
-    def report_lines(self) -> list[str]:
+    def report_lines(self, width: int, long: bool = False) -> list[str]:
         if not self.results:
             return ["no test was measured (use the gpumem fixture or @pytest.mark.max_memory)"]
-        from pytest_gpumem.report import table
+        from pytest_gpumem.report import table_lines
 
-        return table(self.results).splitlines()
+        return table_lines(self.results, width, long)
 
     def finish(self, session: pytest.Session, exitstatus: int) -> None:
         """At the end of the run: workers hand their results over; the controller writes the files."""
@@ -478,7 +485,8 @@ class GpuMemSession:
     def _markdown_text(self) -> str:
         from pytest_gpumem.report import markdown
 
-        return markdown(self.results)
+        folder = None if self.options.markdown_path is None else self.options.markdown_path.parent
+        return markdown(self.results, self.config.get_verbosity() > 0, self.config.rootpath, folder)
 
     def _json_text(self) -> str:
         from pytest_gpumem.report import document

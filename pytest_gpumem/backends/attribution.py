@@ -104,6 +104,7 @@ class Attributor(Recorder):
         super().__init__(events)
         self.live = live  # the ledger's storages by key: how a tensor seen in a hook finds its allocation
         self.allocations: list[Allocation] = []
+        self.kinds: dict[str, str] = {}  # module name -> its class name (repeated blocks are folded by it)
         self.problems: list[str] = []  # errors in our hooks: the explanation may be incomplete
         self.compiling: Callable[[], bool] = _never
         self._filter: Any = None
@@ -239,6 +240,7 @@ class Attributor(Recorder):
             prefix = "" if not self._stack else f"{base}."
             self._names.setdefault(sub, f"{prefix}{path}" if path else base)
             owner = self._names[sub]
+            self.kinds.setdefault(owner, type(sub).__name__)
             for tensor in [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]:
                 self._owners.setdefault(tensor, owner)
                 self._mark(tensor, "parameters", owner)

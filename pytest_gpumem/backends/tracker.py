@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from pytest_gpumem.backends.base import Counters
 from pytest_gpumem.backends.tracker_hooks import Patches
 from pytest_gpumem.backends.tracker_mode import leave, mode_class
-from pytest_gpumem.constants import ROUNDINGS
+from pytest_gpumem.constants import PATHS, ROUNDINGS
 from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
@@ -173,19 +173,28 @@ class StorageLedger:
             )
 
 
+def default_paths(rounding: str, device: str) -> str:
+    """A GPU's code paths where the run predicts a GPU (the meta device, CUDA rounding), else the CPU's."""
+    return "gpu" if device == "meta" or rounding == "cuda" else "cpu"
+
+
 class TrackerBackend:
     """Counts tensor storages on any device; `rounding="cuda"` predicts the CUDA allocator's counts."""
 
     name = "tracker"
     sees_earlier_allocations = False
 
-    def __init__(self, rounding: str = "none", device: str = "cpu") -> None:
+    def __init__(self, rounding: str = "none", device: str = "cpu", paths: str | None = None) -> None:
         if rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
         if device not in ("cpu", "meta"):
             raise ValueError(f"device must be cpu or meta, got {device!r}")
+        if paths is not None and paths not in PATHS:
+            raise ValueError(f"paths must be one of {PATHS}, got {paths!r}")
         self.rounding = rounding
         self._device_type = device
+        self._default_paths = default_paths(rounding, device)
+        self.paths = paths or self._default_paths
         mode_class()  # its imports (torch._dynamo) happen now, not inside the first test's call
         self.ledger = StorageLedger(rounding)
         self._mode: Any = None
@@ -201,7 +210,8 @@ class TrackerBackend:
     def identity(self) -> dict[str, Any]:
         """What baselines are keyed by: rounding changes every figure, so it is part of the backend, and
         a meta run is a prediction that never mixes with measured figures."""
-        settings = [s for s in ("meta" if self._device_type == "meta" else "", self._rounding_text()) if s]
+        paths = "" if self.paths == self._default_paths else f"{self.paths} paths"
+        settings = [s for s in ("meta" if self._device_type == "meta" else "", self._rounding_text(), paths) if s]
         backend = "tracker" if not settings else f"tracker ({', '.join(settings)})"
         return {"backend": backend, "device": self._device_type}
 
@@ -211,16 +221,24 @@ class TrackerBackend:
     def describe(self) -> str:
         device = "meta (a prediction: sizes without data, nothing computed)" if self._device_type == "meta" else "cpu"
         line = f"tracker (storages created by ATen ops, rounding {self.rounding}), device {device}"
-        if self.rounding == "cuda":
-            line += "; optimizers take foreach by default, as on CUDA"
-        return line
+        predicting = self._device_type == "meta" or self.rounding == "cuda"
+        return line + self._paths_text() if predicting or self.paths == "gpu" else line
+
+    def _paths_text(self) -> str:
+        meta = self._device_type == "meta"
+        if self.paths == "cpu":
+            attention = ", math attention (S x S weights)" if meta else ""
+            return f"; the CPU's code paths: single-tensor optimizers{attention} (--gpumem-paths=gpu for a GPU's)"
+        attention = ", fused attention (flash, efficient)" if meta else ""
+        return f"; a GPU's code paths: foreach optimizers{attention} (--gpumem-paths=cpu for the CPU's)"
 
     def start(self) -> None:
         tracking_mode = mode_class()
         self.ledger.forget()
         self._notes = []
         self._patches = Patches(tracking_mode, self._notes)
-        self._patches.install(predict_cuda=self.rounding == "cuda")
+        gpu = self.paths == "gpu"
+        self._patches.install(foreach=gpu, fused_attention=gpu and self._device_type == "meta")
         self._mode = tracking_mode(self.ledger)
         attribution = self.attribution()
         try:

@@ -4,7 +4,7 @@
   (`empty_strided_cpu` and its siblings, bound when a generated module loads): wrapped once per process.
 - `UntypedStorage.resize_` is a storage method, not an ATen op (FSDP2 frees and regrows parameters so).
 - `torch.jit.trace` cannot trace under any dispatch mode: the tracker steps aside and says so.
-- Optimizers default to `foreach` only on CUDA-like devices: a run that predicts CUDA takes that path.
+- A GPU's code paths (`gpu_paths`): foreach optimizers, and on meta the fused attention kernels.
 - Threads started inside the call run without the mode: they are noticed and reported (but for the
   compiler's own worker threads).
 
@@ -118,13 +118,17 @@ class Patches:
         self._undo: list[Callable[[], None]] = []
         self.threads: list[str] = []
 
-    def install(self, predict_cuda: bool) -> None:
+    def install(self, foreach: bool = False, fused_attention: bool = False) -> None:
+        """The patches every measurement needs, with the GPU's optimizer path (`foreach`) and attention
+        kernels (`fused_attention`) where asked."""
         try:
             self._resize()
             self._jit_trace()
             self._threads()
-            if predict_cuda:
+            if foreach:
                 self._foreach()
+            if fused_attention:
+                self._fused_attention()
         except BaseException:
             self.undo()
             raise
@@ -204,6 +208,13 @@ class Patches:
             return [*original(), *_FOREACH_DEVICES_ADDED]
 
         self._replace(optimizer, "_get_foreach_kernels_supported_devices", devices)
+
+    def _fused_attention(self) -> None:
+        from pytest_gpumem.backends.gpu_paths import fused_attention_mode, leave_function_mode
+
+        mode = fused_attention_mode()
+        mode.__enter__()
+        self._undo.append(lambda: leave_function_mode(mode))
 
     def _threads(self) -> None:
         previous = threading.getprofile()
