@@ -86,18 +86,13 @@ def _text(exc: BaseException) -> str:
         return ""
 
 
-_NEEDS_DATA = re.compile(r"meta tensor|no data|data-independent|'Meta' backend", re.IGNORECASE)
-
-
 def needs_real_values(exc: BaseException, device: object) -> str | None:
     """On the meta device, an op that needs real values (`.item()`, `nonzero`, a boolean mask, copying
-    data out) fails; the one line that says so, or None for any other error."""
-    if str(device) != "meta" or not isinstance(exc, (RuntimeError, NotImplementedError)):
-        return None
-    text = _text(exc).strip().splitlines()
-    if not text or not _NEEDS_DATA.search(text[0]):
-        return None
-    return f"this test cannot run on the meta device (tensors without data): {text[0][:200]}"
+    data out) fails; the one line that says so, naming the op, or None for any other error."""
+    from pytest_gpumem.backends.meta_errors import cannot_run_on_meta
+
+    reason = cannot_run_on_meta(exc) if str(device) == "meta" else None
+    return None if reason is None else f"this test cannot run on the meta device (tensors without data): {reason}"
 
 
 def release_memory() -> None:
