@@ -8,7 +8,7 @@ to its peak, so its parts add up to the phase's peak; `live` is what was alive a
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +26,9 @@ TOP_TENSORS = 10
 MAX_POINTS = 2000
 MAX_SPANS = 200  # of a phase entered more often, the first ones (`entries` says how many there were)
 OTHER_MODULES = "(other modules)"
-STORED_CELLS = 8
+STORED_CELLS = 8  # of an explanation made before folding
+FOLDED_CELLS = 24  # category x module-group parts a phase keeps (baselines store them all)
+TOP_GROWN = 3  # module groups a regression names
 
 
 @dataclass
@@ -41,7 +43,6 @@ class _Snapshot:
 
 def explain(attributor: Attributor, measured: Mapping[str, PhaseResult], nodeid: str, backend: str) -> dict[str, Any]:
     """The explanation of a measured call (`measured`: the call and its phases, by name)."""
-    allocations = attributor.allocations
     totals = _running_totals(attributor)
     chosen = _peaks(attributor.regions, attributor.paused, totals)
     wanted = sorted({i for region, peak in chosen.values() for i in (region.start, peak)})
@@ -49,12 +50,13 @@ def explain(attributor: Attributor, measured: Mapping[str, PhaseResult], nodeid:
     spans: dict[str, list[list[int]]] = {}
     for each in attributor.regions:
         spans.setdefault(each.name, []).append([each.start, each.end])
+    folded = repeated_blocks(attributor.kinds)
     phases: dict[str, Any] = {}
     for name, (region, peak) in chosen.items():
         result = measured.get(name)
         start, top = snapshots[region.start], snapshots[peak]
         computed = totals[peak] - totals[region.start]
-        entry = _composition(start, top, allocations)
+        entry = _composition(start, top, folded)
         entry.update(
             peak_bytes=computed if result is None else result.peak_bytes,
             start_bytes=totals[region.start],
@@ -70,6 +72,7 @@ def explain(attributor: Attributor, measured: Mapping[str, PhaseResult], nodeid:
         "backend": backend,
         "categories": list(CATEGORIES),
         "labels": dict(LABELS),
+        "folded": folded,
         "phases": phases,
         "timeline": {"events": len(totals) - 1, "points": points},
     }
@@ -158,14 +161,16 @@ def growth(start: Mapping[Any, int], top: Mapping[Any, int]) -> dict[Any, int]:
     return {key: value for key, value in grown.items() if value}
 
 
-def _composition(start: _Snapshot, top: _Snapshot, allocations: Sequence[Allocation]) -> dict[str, Any]:
+def _composition(start: _Snapshot, top: _Snapshot, folded: Collection[str]) -> dict[str, Any]:
     modules = _largest(growth(start.modules, top.modules), TOP_MODULES)
-    cells = sorted(growth(start.cells, top.cells).items(), key=lambda kv: (-abs(kv[1]), kv[0]))[:TOP_CELLS]
+    grown = growth(start.cells, top.cells)
+    cells = sorted(grown.items(), key=lambda kv: (-abs(kv[1]), kv[0]))[:TOP_CELLS]
     return {
         "categories": {c: top.categories[c] - start.categories[c] for c in CATEGORIES},
         "live": dict(top.categories),
         "modules": modules,
         "cells": [{"category": c, "module": m, "bytes": b} for (c, m), b in cells],
+        "groups": _folded_cells(grown, folded),
         "tensors": [_tensor(size, allocation) for size, allocation in top.tensors],
     }
 
@@ -196,35 +201,168 @@ def _tensor(size: int, allocation: Allocation) -> dict[str, Any]:
 
 
 def compact(explanation: Mapping[str, Any]) -> dict[str, Any]:
-    """Per phase: the growth by category (sums to the peak) and the largest category x module cells."""
+    """Per phase: the growth by category (sums to the peak), the category x module-group parts (all of
+    them, repeated blocks folded, or the largest ones of an explanation made before folding) and how many
+    blocks each folded group has."""
+    folded = explanation.get("folded")
     out: dict[str, Any] = {}
     for name, phase in explanation["phases"].items():
         categories = {c: b for c, b in phase["categories"].items() if b}
         if phase.get("unattributed_bytes"):
             categories["unattributed"] = phase["unattributed_bytes"]
-        cells = [[cell["category"], cell["module"], cell["bytes"]] for cell in phase["cells"][:STORED_CELLS]]
-        out[name] = {"categories": categories, "cells": cells}
+        if isinstance(folded, dict) and isinstance(phase.get("groups"), list):
+            cells = [[cell["category"], cell["module"], cell["bytes"]] for cell in phase["groups"]]
+            blocks = {group: count for group, count in folded.items() if any(cell[1] == group for cell in cells)}
+            out[name] = {"categories": categories, "cells": cells, "folded": blocks}
+        else:
+            cells = [[cell["category"], cell["module"], cell["bytes"]] for cell in phase["cells"][:STORED_CELLS]]
+            out[name] = {"categories": categories, "cells": cells}
     return out
 
 
 def what_grew(stored: Mapping[str, Any] | None, current: Mapping[str, Any] | None, phase: str) -> str | None:
-    """The part of `phase` (compact compositions) that grew most against the baseline, e.g.
-    "saved for backward of decoder.1 +3.9 MiB"; None when either side has no composition."""
+    """Where `phase` (compact compositions) grew against the baseline: the module groups ranked by their
+    growth, repeated blocks folded, modules new or gone named, e.g. "blocks.* +3.0 MiB (4 blocks), saved
+    for backward; head +64.0 KiB (new), parameters"; None when either side has no composition."""
     if not stored or not current or phase not in stored or phase not in current:
         return None
     old, new = stored[phase], current[phase]
-    before = {(c, m): b for c, m, b in old.get("cells", [])}
-    after = {(c, m): b for c, m, b in new.get("cells", [])}
-    # only the largest cells are stored: one on a single side may have been just off the other's list
-    cells = {cell: after[cell] - before[cell] for cell in after if cell in before}
-    categories = growth(old.get("categories", {}), new.get("categories", {}))
-    parts = [(LABELS.get(c, c) + f" of {m}", b) for (c, m), b in cells.items()]
-    parts += [(LABELS.get(c, c), b) for c, b in categories.items()]
-    grown = [(what, b) for what, b in parts if b > 0]
+    return describe_growth(Growth.of(old, new)) or _category_growth(old, new)
+
+
+@dataclass
+class Growth:
+    """A phase's change between two compact compositions, by module group and category."""
+
+    groups: dict[str, dict[str, int]]  # group -> category -> change (bytes)
+    added: list[str]  # groups only the current side has (None of it when a side lists only its largest)
+    gone: list[str]
+    blocks: dict[str, int]  # folded group -> how many blocks now
+    was: dict[str, int]  # folded group -> how many blocks in the baseline
+
+    @classmethod
+    def of(cls, old: Mapping[str, Any], new: Mapping[str, Any]) -> Growth:
+        was, blocks = dict(old.get("folded") or {}), dict(new.get("folded") or {})
+        folds = {*was, *blocks}
+        before, after = _by_cell(old, folds), _by_cell(new, folds)
+        complete = "folded" in old and "folded" in new
+        if not complete:  # a side lists only its largest cells: one missing there may just be off the list
+            common = before.keys() & after.keys()
+            before = {k: v for k, v in before.items() if k in common}
+            after = {k: v for k, v in after.items() if k in common}
+        groups: dict[str, dict[str, int]] = {}
+        for (category, group), size in growth(before, after).items():
+            groups.setdefault(group, {})[category] = size
+        old_groups, new_groups = {g for _, g in before}, {g for _, g in after}
+        added = sorted(new_groups - old_groups - {OTHER_MODULES}) if complete else []
+        gone = sorted(old_groups - new_groups - {OTHER_MODULES}) if complete else []
+        return cls(groups, added, gone, blocks, was)
+
+    def ranked(self) -> list[tuple[str, int]]:
+        """The groups that grew, most first."""
+        totals = [(group, sum(parts.values())) for group, parts in self.groups.items()]
+        return sorted(((g, t) for g, t in totals if t > 0), key=lambda gt: (-gt[1], gt[0]))
+
+
+def describe_growth(grew: Growth, count: int = TOP_GROWN, fmt: Any = format_size) -> str:
+    """The `count` groups that grew most, then the other new and gone ones by name."""
+    ranked = grew.ranked()[:count]
+    parts = [f"{g} +{fmt(total)}{_blocks_note(grew, g)}{_by_category(grew.groups[g], fmt)}" for g, total in ranked]
+    shown = {group for group, _ in ranked}
+    added = [group for group in grew.added if group not in shown]
+    if added:
+        parts.append(f"new: {_names(added)}")
+    if grew.gone:
+        parts.append(f"gone: {_names(grew.gone)}")
+    return "; ".join(parts)
+
+
+def _blocks_note(grew: Growth, group: str) -> str:
+    if group in grew.added:
+        return " (new)"
+    now, was = grew.blocks.get(group), grew.was.get(group)
+    if now is None:
+        return ""
+    return f" ({now} blocks, was {was})" if was is not None and was != now else f" ({now} blocks)"
+
+
+def _by_category(parts: Mapping[str, int], fmt: Any) -> str:
+    grown = sorted(((b, c) for c, b in parts.items() if b > 0), key=lambda bc: (-bc[0], bc[1]))
+    if len(grown) == 1:
+        return f", {LABELS.get(grown[0][1], grown[0][1])}"
+    return ": " + ", ".join(f"{LABELS.get(c, c)} +{fmt(b)}" for b, c in grown[:2])
+
+
+def _names(groups: Sequence[str], shown: int = 3) -> str:
+    more = f" and {len(groups) - shown} more" if len(groups) > shown else ""
+    return ", ".join(groups[:shown]) + more
+
+
+def _by_cell(side: Mapping[str, Any], folds: set[str]) -> dict[tuple[str, str], int]:
+    cells: dict[tuple[str, str], int] = {}
+    for category, module, size in side.get("cells", []):
+        key = (category, fold(module, folds))
+        cells[key] = cells.get(key, 0) + size
+    return cells
+
+
+def _category_growth(old: Mapping[str, Any], new: Mapping[str, Any]) -> str | None:
+    grown = [(c, b) for c, b in growth(old.get("categories", {}), new.get("categories", {})).items() if b > 0]
     if not grown:
         return None
-    what, size = max(grown, key=lambda part: part[1])
-    return f"{what} +{format_size(size)}"
+    category, size = max(grown, key=lambda part: part[1])
+    return f"{LABELS.get(category, category)} +{format_size(size)}"
+
+
+# --- repeated blocks, folded
+
+
+def repeated_blocks(kinds: Mapping[str, str]) -> dict[str, int]:
+    """Lists of one kind of module: each parent whose numbered children (`h.0`, `h.1`, ...) are two or
+    more of one class, as its group (`h.*`) with how many there are."""
+    classes: dict[str, set[str]] = {}
+    numbers: dict[str, set[str]] = {}
+    for name, kind in kinds.items():
+        parent, _, last = name.rpartition(".")
+        if last.isdigit():
+            classes.setdefault(parent, set()).add(kind)
+            numbers.setdefault(parent, set()).add(last)
+    return {
+        _group(parent): len(numbers[parent])
+        for parent, found in classes.items()
+        if len(found) == 1 and len(numbers[parent]) > 1
+    }
+
+
+def fold(module: str, folds: Collection[str]) -> str:
+    """The group of `module`: the path up to its first number in a folded list, the number made `*`
+    (`transformer.h.3.mlp` -> `transformer.h.*`); other modules are their own group."""
+    if not folds:
+        return module
+    parts = module.split(".")
+    for index, part in enumerate(parts):
+        if part.isdigit() and _group(".".join(parts[:index])) in folds:
+            return _group(".".join(parts[:index]))
+    return module
+
+
+def _group(parent: str) -> str:
+    return f"{parent}.*" if parent else "*"
+
+
+def _folded_cells(cells: Mapping[tuple[str, str], int], folds: Collection[str]) -> list[dict[str, Any]]:
+    """Category x module-group parts, largest change first; past `FOLDED_CELLS`, the rest of each
+    category in one "(other modules)" part (the sum stays exact)."""
+    grouped: dict[tuple[str, str], int] = {}
+    for (category, module), size in cells.items():
+        key = (category, fold(module, folds))
+        grouped[key] = grouped.get(key, 0) + size
+    ordered = sorted(((k, v) for k, v in grouped.items() if v), key=lambda kv: (-abs(kv[1]), kv[0]))
+    kept = dict(ordered[:FOLDED_CELLS])
+    for (category, _), size in ordered[FOLDED_CELLS:]:
+        key = (category, OTHER_MODULES)
+        kept[key] = kept.get(key, 0) + size
+    return [{"category": c, "module": m, "bytes": b} for (c, m), b in kept.items() if b]
 
 
 # --- text
@@ -235,12 +373,28 @@ def describe(explanation: Mapping[str, Any], fmt: Any = format_size) -> list[str
     lines = [f"peak explained ({explanation['backend']}):"]
     for name, phase in explanation["phases"].items():
         lines.append(f"  {name}: peak {fmt(phase['peak_bytes'])} = {_parts(phase, fmt)}")
-        modules = ", ".join(f"{m} {_signed(b, fmt)}" for m, b in phase["modules"].items())
+        modules = ", ".join(f"{m} {_signed(b, fmt)}{_blocks(explanation, m)}" for m, b in _by_group(phase).items())
         if modules:
             lines.append(f"    by module: {modules}")
         for tensor in phase["tensors"][:3]:
             lines.append(f"    alive at the peak: {describe_tensor(tensor, fmt)}")
     return lines
+
+
+def _by_group(phase: Mapping[str, Any]) -> dict[str, int]:
+    """Growth by module group (repeated blocks folded), largest first; `modules` of an explanation made
+    before folding."""
+    if not isinstance(phase.get("groups"), list):
+        return dict(phase["modules"])
+    totals: dict[str, int] = {}
+    for cell in phase["groups"]:
+        totals[cell["module"]] = totals.get(cell["module"], 0) + cell["bytes"]
+    return _largest(growth({}, totals), TOP_MODULES)
+
+
+def _blocks(explanation: Mapping[str, Any], group: str) -> str:
+    count = (explanation.get("folded") or {}).get(group)
+    return "" if count is None else f" ({count} blocks)"
 
 
 def _parts(phase: Mapping[str, Any], fmt: Any) -> str:
@@ -300,6 +454,10 @@ def made_of(explanation: Mapping[str, Any] | None, over: Sequence[tuple[str, Lim
     phase = explanation["phases"].get(region)
     if phase is None:
         return ""
-    cells = [c for c in phase["cells"] if c["bytes"] > 0][:2]
-    parts = [f"{LABELS[c['category']]} of {c['module']} {limit.fmt(c['bytes'])}" for c in cells]
+    listed = phase["groups"] if isinstance(phase.get("groups"), list) else phase["cells"]
+    cells = [c for c in listed if c["bytes"] > 0][:2]
+    parts = [
+        f"{LABELS[c['category']]} of {c['module']}{_blocks(explanation, c['module'])} {limit.fmt(c['bytes'])}"
+        for c in cells
+    ]
     return f"; {region} peak made of {', '.join(parts)}, ..." if parts else ""

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import shlex
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpumem.explain import HOW_TO_EXPLAIN
 from pytest_gpumem.options import BaselineOptions
 
 if TYPE_CHECKING:
@@ -61,11 +61,12 @@ class Judgement:
         message = self.verdict.failure_message()
         if self.verdict.status != "REGRESSED":
             return message
-        if self.entry.composition is None:
-            return f"{message} ({HOW_TO_EXPLAIN})"
+        test = shlex.quote(self.verdict.nodeid)
         if not self.stored_composition:
-            hint = "the baseline has no composition to diff: record one with --gpumem-update --gpumem-explain"
-            return f"{message} ({hint})"
+            how = f"pytest {test} --gpumem-update --gpumem-explain"
+            return f"{message} (to see what grew, record the baseline with its composition: {how})"
+        if self.entry.composition is None:
+            return f"{message} (see what made it: pytest {test} --gpumem-explain)"
         return message
 
 
@@ -103,6 +104,12 @@ class BaselineRun:
     def pytest_keyboard_interrupt(self) -> None:
         """Also called for pytest.exit(), whatever return code it asks for: the run did not finish."""
         self.partial = True
+
+    def explains(self, nodeid: str, backend: Backend) -> bool:
+        """Whether the stored baseline of `nodeid` says what its peaks were made of: the run then explains
+        the test too (it is measured once), so that a regression can name what grew."""
+        stored = None if self.store is None else self.store.get(nodeid, identity_of(backend))
+        return stored is not None and stored.composition is not None
 
     def judge(self, nodeid: str, meter: GpuMem, budget: Budget | None) -> Judgement:
         import torch

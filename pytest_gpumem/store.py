@@ -262,7 +262,8 @@ _ENTRY_KEYS = frozenset(("identity", "peak_bytes", "phases", "torch", "cuda", "g
 
 
 def check_composition(obj: object) -> dict[str, Any]:
-    """``{phase: {"categories": {name: bytes}, "cells": [[category, module, bytes], ...]}}``; a byte count
+    """``{phase: {"categories": {name: bytes}, "cells": [[category, module, bytes], ...], "folded": {group:
+    blocks}}}`` ("folded" is absent in compositions made before repeated blocks were folded); a byte count
     may be negative (a phase that freed what was alive at its start)."""
     if not isinstance(obj, Mapping):
         raise ValueError(f"composition: expected an object of phase name -> parts, got {short(obj)}")
@@ -271,8 +272,11 @@ def check_composition(obj: object) -> dict[str, Any]:
         where = f"composition[{json_key(str(phase))}]"
         if not isinstance(phase, str) or not phase:
             raise ValueError(f"composition: phase names must be non-empty strings, got {short(phase)}")
-        parts = _exact_keys(parts, where, ("categories", "cells"))
+        folded = parts.get("folded") if isinstance(parts, dict) else None
+        parts = _exact_keys(parts, where, ("categories", "cells", *(("folded",) if folded is not None else ())))
         categories, cells = parts["categories"], parts["cells"]
+        if folded is not None and not _is_folded(folded):
+            raise ValueError(f"{where}.folded: expected an object of module group -> blocks, got {short(folded)}")
         if not isinstance(categories, dict) or not all(
             isinstance(k, str) and _signed_bytes(v) for k, v in categories.items()
         ):
@@ -280,7 +284,13 @@ def check_composition(obj: object) -> dict[str, Any]:
         if not isinstance(cells, list) or not all(_is_cell(cell) for cell in cells):
             raise ValueError(f"{where}.cells: expected a list of [category, module, bytes], got {short(cells)}")
         out[phase] = {"categories": dict(categories), "cells": [list(cell) for cell in cells]}
+        if folded is not None:
+            out[phase]["folded"] = dict(folded)
     return out
+
+
+def _is_folded(obj: object) -> bool:
+    return isinstance(obj, dict) and all(isinstance(g, str) and _signed_bytes(n) and n > 0 for g, n in obj.items())
 
 
 def _signed_bytes(value: object) -> bool:

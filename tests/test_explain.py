@@ -204,12 +204,23 @@ def test_regression_names_the_module_that_grew(tracker: pytest.Pytester) -> None
     message = next(line for line in second.outlines if line.startswith("call peak "))
     forward = next(part for part in message.split("; ") if part.startswith("forward"))
     assert forward.startswith("forward peak 35.2 KiB is 200.0% above baseline 11.7 KiB")  # 36,000 vs 12,000 B
-    assert forward.endswith(" of b +11.7 KiB")  # 12,000 B more of b's (saved or not), nothing of a's
-    assert " of a " not in message
+    # 12,000 B more saved (the repeat) and 12,000 B more temporaries (sin's output), all b's, nothing of a's
+    assert forward.endswith(": b +23.4 KiB: saved for backward +11.7 KiB, temporaries +11.7 KiB")
+    assert "a +" not in message
+    # the baseline has a composition: the run explains the test by itself, measured once
     tracker.makepyfile(test_work=WORKLOADS.replace("K = 1", "K = 4").replace("explain=True", "tolerance=5"))
     unexplained = tracker.runpytest("--gpumem-slack=0", "-k", "test_two")
     unexplained.assert_outcomes(failed=1)
-    unexplained.stdout.fnmatch_lines(["*see what made it with --gpumem-explain or max_memory(explain=True)*"])
+    unexplained.stdout.fnmatch_lines(["forward peak 35.2 KiB * b +23.4 KiB: saved for backward +11.7 KiB, *"])
+    (tracker.path / "gpumem-baselines.json").unlink()
+    tracker.runpytest("--gpumem-update", "-k", "test_two").assert_outcomes(passed=1)
+    tracker.makepyfile(test_work=WORKLOADS.replace("K = 1", "K = 16").replace("explain=True", "tolerance=5"))
+    bare = tracker.runpytest("--gpumem-slack=0", "-k", "test_two")
+    bare.assert_outcomes(failed=1)
+    bare.stdout.fnmatch_lines(
+        ["*(to see what grew, record the baseline with its composition: "
+         "pytest test_work.py::test_two --gpumem-update --gpumem-explain)"]
+    )  # fmt: skip
 
 
 def test_update_without_explain_keeps_a_stored_composition(tracker: pytest.Pytester) -> None:
@@ -292,7 +303,7 @@ def test_compare_command_names_what_grew(tracker: pytest.Pytester) -> None:
     )
     assert done.returncode == 1
     assert "regressed: test_work.py::test_two: forward peak 35.2 KiB is 200.0% above" in done.stdout
-    assert " of b +11.7 KiB" in done.stdout
+    assert ": b +23.4 KiB: saved for backward +11.7 KiB, temporaries +11.7 KiB" in done.stdout
 
 
 def test_explained_on_the_meta_device(tracker: pytest.Pytester) -> None:
