@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -173,7 +173,7 @@ class GpuMem:
     def fit(
         self,
         step: Callable[[int], object],
-        sizes: Sequence[int],
+        sizes: Iterable[int],
         capacity: int | str,
         *,
         name: str = "fit",
@@ -184,17 +184,32 @@ class GpuMem:
         """Run `step(n)` for each n in `sizes`, each in its own phase `name[i]`, fit peak = a + b*n exactly
         and return the largest n whose predicted peak fits `capacity` (see `pytest_gpumem.fit`)."""
         __tracebackhide__ = True
-        from pytest_gpumem.fit import DEFAULT_SLACK, DEFAULT_TOLERANCE, fit_peaks
+        from pytest_gpumem.failures import is_out_of_memory, release_memory
+        from pytest_gpumem.fit import DEFAULT_SLACK, DEFAULT_TOLERANCE, Sample, fit_peaks
 
         self._fits += 1
         label = name if self._fits == 1 else f"{name}#{self._fits}"  # each fit's phases are its own
         counter = itertools.count()
 
-        def measure(fn: Callable[[], object]) -> int:
+        def measure(fn: Callable[[], object], limit: int | None = None) -> Sample:
+            __tracebackhide__ = True
             phase = f"{label}[{next(counter)}]"
-            with self.phase(phase):
-                fn()  # what the step returns is dropped inside the phase: freed before the next size
-            return self._results[phase].peak_bytes
+            hold = getattr(self.backend, "held_to", None)
+            held = limit is not None and callable(hold)
+            start, out_of_memory = 0, False
+            try:
+                with self.phase(phase):
+                    start = self.backend.current().allocated  # the phase's start: what is live before the step
+                    with hold(limit) if held else contextlib.nullcontext():  # type: ignore[misc]
+                        fn()  # what the step returns is dropped inside the phase: freed before the next size
+            except Exception as exc:
+                if limit is None or not is_out_of_memory(exc):
+                    raise
+                exc.__traceback__, out_of_memory = None, True  # its frames hold the step's tensors
+                del exc
+                release_memory()
+            result = self._results[phase]
+            return Sample(start, start + result.peak_bytes, start + result.net_bytes, out_of_memory, held)
 
         found = fit_peaks(
             step,
