@@ -1,0 +1,243 @@
+"""What `gpumem.advise` found, as plain data: one row per strategy (or combination) tried on the step.
+
+No torch here: the failure line and the report section read an Advice without importing it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.sizes import format_size, parse_size
+
+if TYPE_CHECKING:
+    from pytest_gpumem.markers import Budget
+    from pytest_gpumem.results import PhaseResult
+
+AS_IS = "as-is"
+NOT_CHECKED = "not checked"
+
+
+@dataclass(frozen=True)
+class PhasePeak:
+    name: str
+    peak_bytes: int
+
+
+@dataclass(frozen=True)
+class Row:
+    """One strategy (or combination, `strategies` naming its parts) and what it measured: peaks above
+    what existed when the step began, FLOPs counted over the whole step, and the gradients' check."""
+
+    name: str
+    description: str
+    strategies: tuple[str, ...]
+    peak_bytes: int | None = None
+    phases: tuple[PhasePeak, ...] = ()
+    saving_bytes: int | None = None
+    flops: int | None = None
+    extra_flops: int | None = None
+    gradients: str = NOT_CHECKED  # "equal", "differ: ...", "not checked: ..."
+    gradients_equal: bool | None = None
+    fits: bool | None = None
+    skipped: str | None = None  # why it was not measured (does not apply, or failed)
+
+    @property
+    def measured(self) -> bool:
+        return self.skipped is None and self.peak_bytes is not None
+
+    def region_peak(self, name: str) -> int | None:
+        """The peak of phase `name` (forward, backward, step), or of the whole step for any other name."""
+        for phase in self.phases:
+            if phase.name == name:
+                return phase.peak_bytes
+        return self.peak_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"name": self.name, "description": self.description, "strategies": list(self.strategies)}
+        if self.skipped is not None:
+            data["skipped"] = self.skipped
+            return data
+        data.update(
+            peak_bytes=self.peak_bytes,
+            phases={p.name: p.peak_bytes for p in self.phases},
+            saving_bytes=self.saving_bytes,
+            flops=self.flops,
+            extra_flops=self.extra_flops,
+            gradients=self.gradients,
+            gradients_equal=self.gradients_equal,
+            fits=self.fits,
+        )
+        return data
+
+
+@dataclass(frozen=True)
+class Advice:
+    """The rows (as-is first), the capacity they were judged against (None: not judged), the bytes the
+    step starts from (parameters, buffers, gradients and optimizer state: with a row's peak, what must
+    fit the capacity), and which strategies cannot be combined."""
+
+    rows: tuple[Row, ...]
+    capacity: int | None
+    resident_bytes: int
+    backend: str
+    device: str
+    conflicts: tuple[str, ...] = ()
+    seconds: float = 0.0
+
+    @property
+    def as_is(self) -> Row:
+        return self.rows[0]
+
+    def row(self, name: str) -> Row:
+        for row in self.rows:
+            if row.name == name:
+                return row
+        raise GpuMemError(f"advice has no row {name!r} (rows: {', '.join(r.name for r in self.rows)})")
+
+    def fits(self, row: Row, capacity: int) -> bool:
+        return row.peak_bytes is not None and self.resident_bytes + row.peak_bytes <= capacity
+
+    def best(self, capacity: int | str | None = None) -> Row | None:
+        """The cheapest row (least extra compute, then lowest peak) whose step fits `capacity` (default:
+        the one given to advise) with what it starts from, and whose gradients were not found to differ;
+        None if none fits. The as-is row is a candidate: when it fits, it is the answer."""
+        limit = self.capacity if capacity is None else parse_size(capacity)
+        if limit is None:
+            raise GpuMemError("Advice.best() needs a capacity (none was given to gpumem.advise)")
+        return _cheapest([r for r in self._usable() if self.fits(r, limit)])
+
+    def best_within(self, limits: Mapping[str, int], observed: Mapping[str, int]) -> tuple[Row, dict[str, int]] | None:
+        """The cheapest strategy (not as-is) that keeps every region within its limit, with the figures
+        predicted for those regions: what the test measured, moved by the row's change of that region's
+        peak against as-is (`observed[region] - as_is + row`)."""
+        base = self.as_is
+        fitting = []
+        for row in self._usable():
+            if row.name == AS_IS:
+                continue
+            predicted = {region: _moved(observed[region], base, row, region) for region in limits}
+            if all(value <= limits[region] for region, value in predicted.items()):
+                fitting.append((row, predicted))
+        if not fitting:
+            return None
+        chosen = _cheapest([row for row, _ in fitting])
+        return next(pair for pair in fitting if pair[0] is chosen)
+
+    def _usable(self) -> list[Row]:
+        return [r for r in self.rows if r.measured and r.gradients_equal is not False]
+
+    def compute(self, row: Row) -> str:
+        """'+31% compute' (extra FLOPs against as-is), 'no extra compute', or '+N FLOPs'."""
+        extra, base = row.extra_flops, self.as_is.flops
+        if extra is None:
+            return "compute unknown"
+        if extra == 0:
+            return "no extra compute"
+        if base:
+            return f"{extra / base:+.0%} compute"
+        return f"{extra:+,} FLOPs"
+
+    def lines(self) -> list[str]:
+        """The report section: a row per strategy, then the skipped ones and the conflicts."""
+        cap = "" if self.capacity is None else f"; capacity {format_size(self.capacity)} with "
+        cap += "" if self.capacity is None else f"{format_size(self.resident_bytes)} resident"
+        found = [f"advice ({self.backend} on {self.device}, {self.seconds:.1f} s{cap}):"]
+        for row in self.rows:
+            if not row.measured:
+                continue
+            assert row.peak_bytes is not None
+            phases = ", ".join(f"{p.name} {format_size(p.peak_bytes)}" for p in row.phases)
+            saving = "" if row.name == AS_IS else f", saves {format_size(row.saving_bytes or 0)}"
+            fits = "" if row.fits is None else ("; fits" if row.fits else "; does not fit")
+            found.append(
+                f"  {row.name}: peak {format_size(row.peak_bytes)} ({phases}){saving}; {self.compute(row)}; "
+                f"gradients {row.gradients}{fits}"
+            )
+        found += [f"  skipped {row.name}: {row.skipped}" for row in self.rows if row.skipped is not None]
+        found += [f"  conflict: {text}" for text in self.conflicts]
+        return found
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "capacity": self.capacity,
+            "resident_bytes": self.resident_bytes,
+            "backend": self.backend,
+            "device": self.device,
+            "seconds": round(self.seconds, 3),
+            "rows": [row.to_json() for row in self.rows],
+            "conflicts": list(self.conflicts),
+        }
+
+
+def _moved(observed: int, base: Row, row: Row, region: str) -> int:
+    before, after = base.region_peak(region), row.region_peak(region)
+    if before is None or after is None:
+        return observed
+    return max(0, observed - before + after)
+
+
+def _cheapest(rows: list[Row]) -> Row | None:
+    if not rows:
+        return None
+    return min(rows, key=lambda r: (r.extra_flops if r.extra_flops is not None else math.inf, r.peak_bytes or 0))
+
+
+def advice_clause(
+    advice: Advice | None, budget: Budget | None, call: PhaseResult, phases: Mapping[str, PhaseResult], oom: bool
+) -> str:
+    """What a failure line adds when the test called gpumem.advise: the cheapest strategy that fits,
+    e.g. '; checkpointing the 12 `GPT2Block`s fits: 5.2 GiB, +31% compute', or that none does."""
+    if advice is None:
+        return ""
+    capacity = advice.capacity if budget is None or budget.capacity is None else budget.capacity.bytes
+    if oom:
+        if capacity is None:
+            return ""
+        row = _cheapest([r for r in advice._usable() if r.name != AS_IS and advice.fits(r, capacity)])
+        if row is None:
+            return _none_fits(advice, f"{format_size(capacity)}")
+        assert row.peak_bytes is not None
+        total = format_size(advice.resident_bytes + row.peak_bytes)
+        return f"; {row.description} fits {format_size(capacity)}: {total}, {advice.compute(row)}"
+    limits, observed, shown = _limits(budget, call, phases)
+    if not limits:
+        return ""
+    found = advice.best_within(limits, observed)
+    if found is None:
+        return _none_fits(advice, "the budget")
+    row, predicted = found
+    region = next(iter(shown))
+    return f"; {row.description} fits: {shown[region](predicted[region])}, {advice.compute(row)}"
+
+
+def _limits(
+    budget: Budget | None, call: PhaseResult, phases: Mapping[str, PhaseResult]
+) -> tuple[dict[str, int], dict[str, int], dict[str, Any]]:
+    """Every limit of the budget on a region the test measured, what it measured there, and how each
+    limit writes its figures; the exceeded regions come first."""
+    limits: dict[str, int] = {}
+    observed: dict[str, int] = {}
+    shown: dict[str, Any] = {}
+    if budget is None:
+        return limits, observed, shown
+    regions = [("call", budget.total, call)] if budget.total is not None else []
+    regions += [(name, limit, phases[name]) for name, limit in budget.phases.items() if name in phases]
+    regions.sort(key=lambda item: item[2].peak_bytes <= item[1].bytes)
+    for name, limit, result in regions:
+        assert limit is not None
+        limits[name], observed[name], shown[name] = limit.bytes, result.peak_bytes, limit.fmt
+    return limits, observed, shown
+
+
+def _none_fits(advice: Advice, what: str) -> str:
+    tried = [r for r in advice._usable() if r.name != AS_IS]
+    if not tried:
+        return "; gpumem.advise found no strategy to try"
+    lowest = min(tried, key=lambda r: r.peak_bytes or 0)
+    assert lowest.peak_bytes is not None
+    peak = format_size(lowest.peak_bytes)
+    return f"; none of the {len(tried)} strategies advise measured fits {what} (lowest: {lowest.name}, peak {peak})"

@@ -1,0 +1,433 @@
+"""`gpumem.advise`: the user's training step measured as it is and with each memory-saving strategy.
+
+Every run starts from the same state (parameters, buffers, gradients, optimizer state and RNG as they
+were when advise was called) and is split into phases from outside: "step" while the optimizer's step
+runs, "backward" while autograd's engine runs an op (`torch._C._current_graph_task_id() != -1`),
+"forward" otherwise. One dispatch mode above the backend's opens those regions and counts FLOPs with
+torch's flop counter formulas (`torch.utils.flop_counter.flop_registry`, which work on meta). The copies
+that make runs repeatable are made with every dispatch mode disabled, so no backend counts them, and
+everything is put back when advise returns: the same parameter, gradient and state objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils.flop_counter import flop_registry
+
+from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.measure.advice import AS_IS, NOT_CHECKED, Advice, PhasePeak, Row
+from pytest_gpumem.measure.strategies import (
+    OptimizerShim,
+    Patch,
+    Run,
+    Strategy,
+    Target,
+    all_strategies,
+    conflict,
+    find_blocks,
+    ordered,
+)
+from pytest_gpumem.meter import RegionStack
+from pytest_gpumem.sizes import parse_size, shorten
+
+if TYPE_CHECKING:
+    from pytest_gpumem.backends.base import Backend
+    from pytest_gpumem.meter import GpuMem
+    from pytest_gpumem.results import PhaseResult
+
+PHASE_ORDER = ("forward", "backward", "step")
+MAX_COMBINATIONS = 4
+# Largest relative error (the norm of the difference over the norm of the as-is gradient, or of the
+# as-is parameter update) that counts as equal, by the dtype the step computes in. fp32: reordered sums
+# of up to ~1e4 terms move a result by ~1e-5 (reference_losses' FP32_RTOL); bf16 keeps 8 bits, so one
+# rounding of every activation moves a gradient by up to ~2**-8 per layer.
+GRADIENT_RTOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 2.0**-4, torch.float16: 2.0**-7}
+
+
+class _Splitter(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Opens a region per phase on `stack` as the ops run, and counts their FLOPs."""
+
+    def __init__(self, stack: RegionStack, shim: OptimizerShim | None) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.stack, self.shim = stack, shim
+        self.current: str | None = None
+        self.phases: dict[str, PhaseResult] = {}
+        self.flops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.shim is not None and self.shim.in_step:
+            phase = "step"
+        else:
+            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        if phase != self.current:
+            self.close()
+            self.stack.push(phase)
+            self.current = phase
+        out = func(*args, **kwargs)
+        count = flop_registry.get(func._overloadpacket)
+        if count is not None:
+            self.flops += int(count(*args, **kwargs, out_val=out))
+        return out
+
+    def close(self) -> None:
+        if self.current is None:
+            return
+        result = self.stack.pop()
+        self.current = None
+        earlier = self.phases.get(result.name)
+        self.phases[result.name] = result if earlier is None else earlier.merged(result)
+
+
+def _copy(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+class _Saved:
+    """The state every run starts from, and what advise leaves behind: the very objects it found."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        with _disable_current_modes(), torch.no_grad():
+            self.params = [(p, p.detach().clone()) for p in target.parameters()]
+            self.buffers = [(b, b.detach().clone()) for b in target.model.buffers()]
+        self.grads = [(p, p.grad) for p, _ in self.params]
+        optimizer = target.optimizer
+        self.state = None if optimizer is None else optimizer.state
+        self.groups = None if optimizer is None else optimizer.param_groups
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
+
+    def _values(self) -> None:
+        with _disable_current_modes(), torch.no_grad():
+            for tensor, saved in [*self.params, *self.buffers]:
+                tensor.copy_(saved)
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+    def prepare(self) -> None:
+        """Before a run: the saved values, fresh copies of gradients and of the optimizer's state."""
+        self._values()
+        with _disable_current_modes(), torch.no_grad():
+            for p, grad in self.grads:
+                p.grad = None if grad is None else grad.detach().clone()
+            optimizer = self.target.optimizer
+            if optimizer is not None and self.state is not None and self.groups is not None:
+                state = {key: {k: _copy(v) for k, v in entry.items()} for key, entry in self.state.items()}
+                optimizer.state = defaultdict(dict, state)
+                optimizer.param_groups = [dict(group) for group in self.groups]
+
+    def restore(self) -> None:
+        self._values()
+        for p, grad in self.grads:
+            p.grad = grad
+        optimizer = self.target.optimizer
+        if optimizer is not None and self.state is not None and self.groups is not None:
+            optimizer.state = self.state
+            optimizer.param_groups = self.groups
+
+    def outcome(self) -> dict[str, torch.Tensor]:
+        """Copies of what the step produced: updated parameters (with an optimizer) and gradients."""
+        found: dict[str, torch.Tensor] = {}
+        with _disable_current_modes(), torch.no_grad():
+            for index, (p, _) in enumerate(self.params):
+                if self.target.optimizer is not None:
+                    found[f"param:{index}"] = p.detach().clone()
+                if p.grad is not None:
+                    found[f"grad:{index}"] = p.grad.detach().clone()
+        return found
+
+    def scales(self, outcome: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        """What errors are relative to: a gradient's norm, or the norm of a parameter's update."""
+        found = {}
+        with _disable_current_modes(), torch.no_grad():
+            for key, value in outcome.items():
+                kind, index = key.split(":")
+                ref = value.double()
+                if kind == "param":
+                    ref = ref - self.params[int(index)][1].double()
+                found[key] = max(float(ref.norm()), 1e-30)
+        return found
+
+
+@dataclass
+class _Measured:
+    total: PhaseResult
+    phases: dict[str, PhaseResult]
+    flops: int
+    outcome: dict[str, torch.Tensor] | None
+    dtype: torch.dtype
+
+
+def _measure(backend: Backend, target: Target, saved: _Saved, chosen: Sequence[Strategy], check: bool) -> _Measured:
+    patch = Patch()
+    shim = None if target.optimizer is None else OptimizerShim(target.optimizer)
+    run = Run(target, patch, target.step, shim, target.param_dtype())
+    saved.prepare()
+    try:
+        if shim is not None:
+            shim.install(patch)
+        for strategy in ordered(list(chosen)):
+            strategy.apply(run)
+        stack = RegionStack(backend)
+        splitter = _Splitter(stack, shim)
+        stack.push("total")
+        try:
+            with splitter:
+                run.call()
+        finally:
+            splitter.close()
+            total = stack.pop()
+        outcome = saved.outcome() if check else None
+    finally:
+        patch.undo()
+    return _Measured(total, splitter.phases, splitter.flops, outcome, run.dtype)
+
+
+def _compare(
+    got: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor], scales: Mapping[str, float], dtype: torch.dtype
+) -> tuple[str, bool | None]:
+    keys = [key for key in got if key in ref]
+    if not keys:
+        return f"{NOT_CHECKED}: no gradients or updated parameters to compare", None
+    rtol = GRADIENT_RTOL.get(dtype, GRADIENT_RTOL[torch.float32])
+    worst_key, worst = keys[0], 0.0
+    with _disable_current_modes(), torch.no_grad():
+        for key in keys:
+            error = float((got[key].double() - ref[key].double()).norm()) / scales[key]
+            if not error <= worst:  # NaN counts as the worst
+                worst_key, worst = key, error
+    if worst <= rtol:
+        return f"equal (relative error {worst:.1e} <= {rtol:.1e})", True
+    return f"differ: relative error {worst:.1e} > {rtol:.1e} in {worst_key}", False
+
+
+def _resident(target: Target) -> int:
+    """Bytes of distinct storages the step starts from: parameters, buffers, gradients, optimizer state."""
+    tensors: list[torch.Tensor] = [*target.parameters(), *target.model.buffers()]
+    tensors += [p.grad for p in target.parameters() if p.grad is not None]
+    if target.optimizer is not None:
+        for entry in target.optimizer.state.values():
+            tensors += [v for v in entry.values() if isinstance(v, torch.Tensor)]
+    sizes = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        sizes[storage._cdata] = storage.nbytes()
+    return sum(sizes.values())
+
+
+class _Advisor:
+    def __init__(self, backend: Backend, target: Target, capacity: int | None, chosen: list[Strategy]) -> None:
+        self.backend, self.target, self.capacity, self.chosen = backend, target, capacity, chosen
+        self.check = target.device.type != "meta"
+        self.saved = _Saved(target)
+        self.resident = _resident(target)
+        self.reference: dict[str, torch.Tensor] | None = None
+        self.scales: dict[str, float] = {}
+        self.base: _Measured | None = None
+
+    def run(self) -> Advice:
+        started = time.perf_counter()
+        try:
+            self.base = _measure(self.backend, self.target, self.saved, [], self.check)
+            if self.base.outcome is not None:
+                self.reference, self.scales = self.base.outcome, self.saved.scales(self.base.outcome)
+            rows = [self._row(AS_IS, "the step as it is", (), self.base)]
+            applicable: list[Strategy] = []
+            for strategy in self.chosen:
+                reason = strategy.skip_reason(self.target)
+                if reason is None:
+                    applicable.append(strategy)
+                    rows.append(self._try([strategy]))
+                else:
+                    rows.append(Row(strategy.name, strategy.describe(self.target), (strategy.name,), skipped=reason))
+            conflicts = [
+                f"{a.name} and {b.name}: {why}"
+                for i, a in enumerate(applicable)
+                for b in applicable[i + 1 :]
+                if (why := conflict(a, b)) is not None
+            ]
+            rows += self._combinations(applicable, rows)
+        finally:
+            self.saved.restore()
+        elapsed = time.perf_counter() - started
+        device = str(self.target.device)
+        return Advice(tuple(rows), self.capacity, self.resident, self.backend.name, device, tuple(conflicts), elapsed)
+
+    def _try(self, strategies: list[Strategy]) -> Row:
+        name = " + ".join(s.name for s in strategies)
+        description = " and ".join(s.describe(self.target) for s in strategies)
+        names = tuple(s.name for s in strategies)
+        try:
+            measured = _measure(self.backend, self.target, self.saved, strategies, self.check)
+        except torch.OutOfMemoryError as exc:
+            return Row(name, description, names, skipped=f"ran out of memory: {str(exc).splitlines()[0][:160]}")
+        except Exception as exc:  # a strategy the step does not survive is reported, not raised
+            text = str(exc).strip().splitlines()
+            return Row(
+                name,
+                description,
+                names,
+                skipped=f"the step raised {type(exc).__name__}: {text[0][:160] if text else ''}",
+            )
+        return self._row(name, description, names, measured)
+
+    def _row(self, name: str, description: str, names: tuple[str, ...], measured: _Measured) -> Row:
+        assert self.base is not None
+        phases = sorted(measured.phases.values(), key=lambda r: PHASE_ORDER.index(r.name))
+        peak = measured.total.peak_bytes
+        if measured.outcome is None or self.reference is None:
+            gradients, equal = f"{NOT_CHECKED} (meta: no data)", None
+        else:
+            gradients, equal = _compare(measured.outcome, self.reference, self.scales, measured.dtype)
+        return Row(
+            name,
+            description,
+            names,
+            peak_bytes=peak,
+            phases=tuple(PhasePeak(r.name, r.peak_bytes) for r in phases),
+            saving_bytes=self.base.total.peak_bytes - peak,
+            flops=measured.flops,
+            extra_flops=measured.flops - self.base.flops,
+            gradients=gradients,
+            gradients_equal=equal,
+            fits=None if self.capacity is None else self.resident + peak <= self.capacity,
+        )
+
+    def _combinations(self, applicable: list[Strategy], rows: list[Row]) -> list[Row]:
+        """Stack the strategies that saved memory greedily, best saving per extra FLOP first; keep a
+        strategy in the stack only when it lowers the combination's peak."""
+        by_name = {s.name: s for s in applicable}
+        singles = [r for r in rows if r.name in by_name and r.measured and (r.saving_bytes or 0) > 0]
+        singles = [r for r in singles if r.gradients_equal is not False]
+        singles.sort(key=lambda r: (-_per_flop(r), -(r.saving_bytes or 0)))
+        if len(singles) < 2:
+            return []
+        stack = [by_name[singles[0].name]]
+        best_peak = singles[0].peak_bytes or 0
+        found: list[Row] = []
+        for row in singles[1:]:
+            candidate = by_name[row.name]
+            if len(found) >= MAX_COMBINATIONS:
+                break
+            if any(conflict(candidate, s) is not None for s in stack):
+                continue
+            combined = self._try([*stack, candidate])
+            found.append(combined)
+            if combined.measured and (combined.peak_bytes or 0) < best_peak and combined.gradients_equal is not False:
+                stack.append(candidate)
+                best_peak = combined.peak_bytes or 0
+        return found
+
+
+def _per_flop(row: Row) -> float:
+    extra = row.extra_flops or 0
+    return float("inf") if extra <= 0 else (row.saving_bytes or 0) / extra
+
+
+def _strategies(names: Sequence[str] | None) -> list[Strategy]:
+    known = all_strategies()
+    if names is None:
+        return known
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise GpuMemError(f"gpumem.advise(strategies=...) must be a list of names, got {shorten(names)}")
+    by_name = {s.name: s for s in known}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise GpuMemError(f"gpumem.advise: no strategy {unknown[0]!r} (known: {', '.join(by_name)})")
+    return [by_name[n] for n in dict.fromkeys(names)]
+
+
+def _target(
+    step: Callable[..., object],
+    model: object,
+    optimizer: object,
+    loss: object,
+    batch_size: object,
+    device: torch.device,
+) -> Target:
+    if not callable(step):
+        raise GpuMemError(f"gpumem.advise() needs a callable step, got {shorten(step)}")
+    if not isinstance(model, nn.Module):
+        raise GpuMemError(f"gpumem.advise(model=...) must be a torch.nn.Module, got {shorten(model)}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise GpuMemError(f"gpumem.advise(optimizer=...) must be a torch.optim.Optimizer, got {shorten(optimizer)}")
+    if loss is not None and not isinstance(loss, nn.Module):
+        raise GpuMemError(f"gpumem.advise(loss=...) must be a torch.nn.Module, got {shorten(loss)}")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise GpuMemError(f"gpumem.advise(batch_size=...) must be a positive int, got {shorten(batch_size)}")
+    first = next(model.parameters(), None)
+    return Target(
+        step, model, optimizer, device if first is None else first.device, loss, batch_size, find_blocks(model)
+    )
+
+
+def advise(
+    step: Callable[..., object],
+    *,
+    model: nn.Module,
+    backend: Backend,
+    optimizer: torch.optim.Optimizer | None = None,
+    capacity: int | str | None = None,
+    strategies: Sequence[str] | None = None,
+    loss: nn.Module | None = None,
+    batch_size: int | None = None,
+) -> Advice:
+    """Measure `step()` as it is and with each strategy on `backend` (already observing), and return the
+    Advice. Model, optimizer and RNG are as they were afterwards."""
+    limit = None if capacity is None else _capacity(capacity)
+    target = _target(step, model, optimizer, loss, batch_size, backend.device)
+    return _Advisor(backend, target, limit, _strategies(strategies)).run()
+
+
+def _capacity(value: object) -> int:
+    try:
+        return parse_size(value)
+    except (GpuMemError, ValueError, TypeError) as exc:
+        raise GpuMemError(f"gpumem.advise(capacity=...): {exc}") from None
+
+
+@contextlib.contextmanager
+def _null_phase(name: str) -> Iterator[None]:
+    yield
+
+
+@contextlib.contextmanager
+def _advising(meter: GpuMem) -> Iterator[None]:
+    """While advise runs inside a test: its runs are not the test's call (the call's peak is folded
+    before and reset after), the step's own gpumem.phase() blocks measure nothing, and a capacity set on
+    the tracker is lifted (advise judges the capacity itself)."""
+    stack = meter._stack
+    if stack is None:
+        raise GpuMemError(f"gpumem.advise() works only while the test function of {meter.nodeid} runs")
+    if meter._phase is not None:
+        raise GpuMemError(f"gpumem.advise() called inside phase {meter._phase!r}: call it outside phases")
+    patch = Patch()
+    ledger = getattr(meter.backend, "ledger", None)
+    with stack.unmeasured():
+        try:
+            patch.set_attr(meter, "phase", _null_phase)
+            if ledger is not None and getattr(ledger, "capacity", None) is not None:
+                patch.set_attr(ledger, "capacity", None)
+            yield
+        finally:
+            patch.undo()
+
+
+def advise_in_test(meter: GpuMem, step: Callable[..., object], **options: Any) -> Advice:
+    """`gpumem.advise`: the advice is also kept on the meter, for the failure line, report and JSON."""
+    with _advising(meter):
+        found = advise(step, backend=meter.backend, **options)
+    meter.advice = found
+    meter.info["advice"] = found.to_json()
+    return found
