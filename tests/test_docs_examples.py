@@ -1,0 +1,147 @@
+"""The README's and the guides' examples run as written, and show the output they really print.
+
+A page's Python blocks are files (```python title="test_x.py"```), written in order into one pytester folder;
+a ```console block runs each `$ pytest ...` or `$ pytest-gpumem ...` line there and checks that the lines it
+shows appear in that order in the real output (run times are free; `...` stands for omitted lines). A test
+file that no console block runs must pass on its own.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
+FENCE = re.compile(r"^```(?P<lang>[\w-]*)(?P<attrs>[^\n]*)\n(?P<body>.*?)^```\s*$", re.M | re.S)
+TITLE = re.compile(r'title="(?P<name>[^"]+)"')
+TIME = re.compile(r"\d+(\.\d+)?s( \(\d+:\d\d:\d\d\))?(?= =*$)")
+
+
+@dataclass
+class Block:
+    line: int
+    lang: str
+    title: str | None
+    body: str
+
+
+@dataclass
+class Command:
+    line: int
+    argv: list[str]
+    shown: list[str] = field(default_factory=list)
+
+
+def blocks(page: Path) -> list[Block]:
+    text = page.read_text(encoding="utf-8")
+    found = []
+    for match in FENCE.finditer(text):
+        title = TITLE.search(match["attrs"])
+        line = text.count("\n", 0, match.start()) + 1
+        found.append(Block(line, match["lang"], title["name"] if title else None, match["body"]))
+    return found
+
+
+def commands(block: Block) -> list[Command]:
+    result: list[Command] = []
+    for offset, text in enumerate(block.body.splitlines(), start=1):
+        if text.startswith("$ "):
+            result.append(Command(block.line + offset, shlex.split(text[2:])))
+        elif result and text.strip() and text.strip() != "...":
+            result[-1].shown.append(text.rstrip())
+    return result
+
+
+def glob(shown: str) -> str:
+    """A shown line as an fnmatch pattern: literal but for the run time at the end of a summary line."""
+    timed = TIME.sub("\0", shown)
+    escaped = "".join(f"[{c}]" if c in "[]*?" else c for c in timed)
+    return escaped.replace("\0", "*")
+
+
+def examples() -> list[object]:
+    pages = [page for page in PAGES if any(b.lang == "python" or b.lang == "console" for b in blocks(page))]
+    return [pytest.param(page, id=str(page.relative_to(ROOT))) for page in pages]
+
+
+def test_every_python_block_is_a_file_that_runs() -> None:
+    untitled = [
+        f"{page.relative_to(ROOT)}:{block.line}"
+        for page in PAGES
+        for block in blocks(page)
+        if block.lang == "python" and block.title is None
+    ]
+    assert not untitled, f'python blocks without title="FILE.py" (so never run): {", ".join(untitled)}'
+
+
+@pytest.mark.parametrize("page", examples())
+def test_page_examples_print_what_they_show(pytester: pytest.Pytester, page: Path) -> None:
+    pytester.makeini("[pytest]\ngpumem_backend = tracker\n")
+    ran: set[str] = set()
+    written: list[str] = []
+    for block in blocks(page):
+        if block.lang == "python" and block.title:
+            path = pytester.path / block.title
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(block.body, encoding="utf-8")
+            written.append(block.title)
+        elif block.lang == "console":
+            for command in commands(block):
+                where = f"{page.relative_to(ROOT)}:{command.line}"
+                output = run(pytester, command.argv, where)
+                ran.update(arg for arg in command.argv if arg in written)
+                if command.argv[0] == "pytest" and not any(arg in written for arg in command.argv[1:]):
+                    ran.update(written)
+                missing = first_missing(output, command.shown)
+                assert missing is None, f"{where}: shown line not printed: {missing!r}\n--- printed:\n{output}"
+    for name in written:
+        if Path(name).name.startswith("test_") and name not in ran:
+            result = pytester.runpytest("-p", "no:cacheprovider", name)
+            assert result.ret == 0, f"{page.relative_to(ROOT)}: {name} fails:\n{result.stdout.str()}"
+
+
+def run(pytester: pytest.Pytester, argv: list[str], where: str) -> str:
+    if argv[0] == "pytest":
+        result = pytester.runpytest("-p", "no:cacheprovider", *argv[1:])
+    elif argv[0] == "pytest-gpumem":
+        result = pytester.run(sys.executable, "-m", "pytest_gpumem", *argv[1:])
+    else:
+        pytest.fail(f"{where}: only pytest and pytest-gpumem commands run: {' '.join(argv)}", pytrace=False)
+    return "\n".join([*result.outlines, *result.errlines])
+
+
+def first_missing(output: str, shown: list[str]) -> str | None:
+    """The first shown line that the output does not print after the lines before it, or None."""
+    lines = [line.rstrip() for line in output.splitlines()]
+    position = 0
+    for expected in shown:
+        wanted = glob(expected)
+        while position < len(lines) and not fnmatch.fnmatchcase(lines[position], wanted):
+            position += 1
+        if position == len(lines):
+            return expected
+        position += 1
+    return None
+
+
+@pytest.mark.parametrize(
+    ("shown", "printed"),
+    [
+        ("=== 1 failed in 7.96s ===", "=== 1 failed in 0.51s ==="),
+        ("x float32[1000] *", "x float32[1000] *"),
+        ("gpumem: 1 measured", "gpumem: 1 measured   "),
+    ],
+)
+def test_shown_lines_match_the_printed_ones_but_for_time(shown: str, printed: str) -> None:
+    assert first_missing(printed, [shown]) is None
+
+
+def test_a_changed_figure_is_missing() -> None:
+    assert first_missing("forward: peak 256.0 KiB", ["forward: peak 255.0 KiB"]) == "forward: peak 255.0 KiB"
