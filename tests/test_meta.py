@@ -6,6 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+import torch.nn.functional as F
+
+from pytest_gpumem.backends.meta_errors import cannot_run_on_meta
+from pytest_gpumem.backends.tracker import TrackerBackend
 
 WORKLOAD = """
 import torch
@@ -52,7 +57,7 @@ def test_header_and_identity_say_prediction(tracker: pytest.Pytester) -> None:
     tracker.makepyfile(WORKLOAD)
     result = tracker.runpytest("--gpumem-device=meta", "--gpumem-update")
     result.stdout.fnmatch_lines(
-        ["gpumem: tracker (*), device meta (a prediction: sizes without data, nothing computed)"]
+        ["gpumem: tracker (*), device meta (a prediction: sizes without data, nothing computed); a GPU*s code paths*"]
     )
     entries = json.loads((tracker.path / "gpumem-baselines.json").read_text(encoding="utf-8"))["entries"]
     assert "tracker (meta)" in json.dumps(entries)
@@ -62,22 +67,16 @@ def test_header_and_identity_say_prediction(tracker: pytest.Pytester) -> None:
     assert '"tracker|cpu"' in text or '"backend": "tracker"' in text
 
 
-@pytest.mark.parametrize(
-    ("code", "said"),
-    [
-        ("x.sum().item()", "Tensor.item() cannot be called on meta tensors"),
-        ("x[x > 0]", "The register_meta function for torch.nonzero() raises unimplemented*"),
-        ("x.tolist()", "Cannot copy out of meta tensor; no data!"),
-    ],
-)
-def test_data_dependent_ops_fail_in_one_line(tracker: pytest.Pytester, code: str, said: str) -> None:
+def test_data_dependent_ops_fail_in_one_line(tracker: pytest.Pytester) -> None:
+    """End to end for one case (a TypeError from torch); the others are unit tests below."""
+    said = "Tensor.numpy() needs values"
     tracker.makepyfile(
-        f"""
+        """
         import torch
 
         def test_needs_data(gpumem):
             x = torch.ones(3, device=gpumem.device)
-            {code}
+            x.numpy()
         """
     )
     result = tracker.runpytest("--gpumem-device=meta")
@@ -148,3 +147,161 @@ def test_only_meta_is_chosen_per_test(tracker: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(
         ["*max_memory device=: only 'meta' (a prediction without data) is chosen per test, got 'cuda'"]
     )
+
+
+# ---------------------------------------------------------------- a GPU's code paths on meta (unit)
+
+B, H, S, D = 2, 4, 100, 64  # S is not a multiple of 32: the efficient kernel's logsumexp is padded to 128
+BF16, FP32 = 2, 4
+
+
+def _qkv(dtype: torch.dtype, d: int = D) -> list[torch.Tensor]:
+    """q, k, v as a projection makes them: (B, S, H, D) transposed to (B, H, S, D), needing gradients."""
+    return [torch.empty(B, S, H, d, device="meta", dtype=dtype).transpose(1, 2).requires_grad_() for _ in range(3)]
+
+
+def _attention(paths: str | None, dtype: torch.dtype, d: int = D, **kwargs: object) -> tuple[int, int, int]:
+    """(bytes the forward keeps, backward's peak above its start, bytes after backward) of SDPA on meta."""
+    q, k, v = _qkv(dtype, d)
+    backend = TrackerBackend(device="meta", paths=paths)
+    backend.start()
+    try:
+        out = F.scaled_dot_product_attention(q, k, v, **kwargs)  # type: ignore[arg-type]
+        kept = backend.current().requested
+        grad = torch.empty_like(out)
+        backend.reset_peak()
+        start = backend.current().requested
+        out.backward(grad)  # type: ignore[no-untyped-call]
+        del out, grad
+        backward_peak = backend.peak().requested - start
+        after = backend.current().requested
+    finally:
+        backend.stop()
+    return kept, backward_peak, after
+
+
+def test_flash_attention_on_meta_keeps_output_logsumexp_and_rng_state() -> None:
+    # bf16, no mask: flash. Output like q (B*H*S*D bf16), logsumexp (B, H, S) fp32, the philox seed
+    # (2 uint64) and offset (1 uint64): 102,400 + 3,200 + 24; no S x S matrix
+    kept, backward_peak, after = _attention(None, torch.bfloat16, is_causal=True)
+    assert kept == B * H * S * D * BF16 + B * H * S * FP32 + 3 * 8 == 105_624
+    # backward: the gradients of q, k, v (3 x 102,400), made while everything forward kept is alive; the
+    # forward's output and logsumexp go when backward has run
+    assert backward_peak == 3 * B * H * S * D * BF16
+    assert after == 3 * B * H * S * D * BF16
+
+
+def test_efficient_attention_on_meta_pads_logsumexp_to_32_queries() -> None:
+    # fp32 (flash takes only half precision): memory-efficient. Output 204,800 B, logsumexp (B, H, 128)
+    # fp32 = 4,096 B (S = 100 rounded up to a multiple of 32), seed and offset int64 (16 B)
+    kept, backward_peak, _ = _attention(None, torch.float32)
+    assert kept == B * H * S * D * FP32 + B * H * 128 * FP32 + 2 * 8 == 208_912
+    assert backward_peak == 3 * B * H * S * D * FP32
+
+
+def test_efficient_attention_with_a_boolean_mask_keeps_the_additive_mask() -> None:
+    # a (S, S) boolean mask (10,000 B, made before) becomes additive in the query's dtype (S x S fp32,
+    # 40,000 B) whose row stride 100 is not a multiple of 8: padded to (S, 104), 41,600 B, kept for backward
+    q, k, v = _qkv(torch.float32)
+    mask = torch.empty(S, S, dtype=torch.bool, device="meta")
+    backend = TrackerBackend(device="meta")
+    backend.start()
+    try:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        kept = backend.current().requested
+        del out
+    finally:
+        backend.stop()
+    assert kept == B * H * S * D * FP32 + B * H * 128 * FP32 + 2 * 8 + S * 104 * FP32
+
+
+def test_flash_pads_a_head_dimension_that_is_not_a_multiple_of_8() -> None:
+    # D = 60: q, k, v are padded to 64 (copies kept for backward, 3 x B*H*S*64 bf16), the padded output
+    # (B*H*S*64 bf16) is kept and sliced, logsumexp and RNG state as before
+    kept, _, _ = _attention(None, torch.bfloat16, d=60)
+    assert kept == 4 * B * H * S * 64 * BF16 + B * H * S * FP32 + 3 * 8
+
+
+def test_cpu_paths_keep_the_math_path_and_its_s_by_s_weights() -> None:
+    gpu, _, _ = _attention("gpu", torch.bfloat16, is_causal=True)
+    cpu, _, _ = _attention("cpu", torch.bfloat16, is_causal=True)
+    assert cpu - gpu > B * H * S * S * FP32  # the fp32 softmax the math path saves, at least
+
+
+def test_sdpa_kernel_choice_is_honoured() -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):
+        math, _, _ = _attention(None, torch.bfloat16, is_causal=True)
+    assert math == _attention("cpu", torch.bfloat16, is_causal=True)[0]
+
+
+def _adamw_step_peak(paths: str | None, foreach: bool | None = None) -> int:
+    """Peak bytes of a warmed-up AdamW step on meta over 4 x Linear(256, 256, bias=False) fp32."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(256, 256, bias=False) for _ in range(4))).to("meta")
+    for p in model.parameters():
+        p.grad = torch.empty_like(p)
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=foreach)
+    optimizer.step()
+    backend = TrackerBackend(device="meta", paths=paths)
+    backend.start()
+    try:
+        optimizer.step()
+        return backend.peak().requested
+    finally:
+        backend.stop()
+
+
+WEIGHT = 256 * 256 * FP32
+
+
+def test_optimizers_default_to_foreach_on_meta() -> None:
+    # foreach: _foreach_sqrt(exp_avg_sqs) makes one temporary per parameter, all alive at once (4 x 262,144);
+    # single-tensor: sqrt and its division by the bias correction (the denominator), made while the previous
+    # parameter's denominator is still bound to the loop's variable: three of one parameter's size
+    assert _adamw_step_peak(None) == 4 * WEIGHT
+    assert _adamw_step_peak("cpu") == 3 * WEIGHT
+    assert _adamw_step_peak(None, foreach=False) == 3 * WEIGHT  # an explicit choice stays
+
+
+def test_foreach_default_is_restored_after_the_measurement() -> None:
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    params = [torch.empty(3, device="meta")]
+    assert _default_to_fused_or_foreach(params, differentiable=False) == (False, False)
+    _adamw_step_peak(None)
+    assert _default_to_fused_or_foreach(params, differentiable=False) == (False, False)
+
+
+def test_identity_names_paths_only_when_not_the_default() -> None:
+    assert TrackerBackend(device="meta").identity()["backend"] == "tracker (meta)"
+    assert TrackerBackend(device="meta", paths="cpu").identity()["backend"] == "tracker (meta, cpu paths)"
+    assert TrackerBackend("cuda").paths == "gpu"
+    assert TrackerBackend().paths == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("code", "said"),
+    [
+        ("x.numpy()", "Tensor.numpy() needs values"),
+        ("float(x.sum())", "Tensor.item() needs a value (so do float(), int(), bool(), `if` on a tensor)"),
+        ("x.tolist()", "copying out of a meta tensor (.cpu(), .to(), .tolist(), copy_()) needs values"),
+        ("x[x > 0]", "torch.nonzero's output size depends on the values (boolean masks, nonzero, where(cond))"),
+        ("torch.unique(x)", "aten::_unique2 has no meta kernel (its output depends on the values, or is not *"),
+        ("torch.Generator(device='meta')", "there is no torch.Generator on meta (random ops there need none)"),
+        ("x + torch.ones(3)", "an op got a cpu tensor among meta tensors (put every tensor on gpumem.device)"),
+        ("torch.utils.dlpack.to_dlpack(x)", "to_dlpack needs the tensor's memory"),
+    ],
+)
+def test_what_needs_values_is_named_in_one_line(code: str, said: str) -> None:
+    import fnmatch
+
+    with pytest.raises(BaseException) as caught:
+        exec(code, {"torch": torch, "x": torch.ones(3, device="meta")})
+    reason = cannot_run_on_meta(caught.value)
+    assert reason is not None and fnmatch.fnmatchcase(reason, said), reason
+
+
+def test_other_errors_are_not_blamed_on_meta() -> None:
+    assert cannot_run_on_meta(ValueError("bad")) is None
+    assert cannot_run_on_meta(RuntimeError("shape mismatch")) is None
