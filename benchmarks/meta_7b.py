@@ -7,13 +7,14 @@ tensors under `torch.autocast("cpu", dtype=torch.bfloat16)` stays fp32, and auto
 type), so the parameters, gradients and AdamW states are all bf16 here (pure bf16 training, not
 mixed precision with fp32 master weights).
 
-Attention is `scaled_dot_product_attention(is_causal=True)`. On meta it takes the math decomposition:
-q, k, v upcast to fp32, the 32 x 2048 x 2048 scores and softmax materialised in fp32 (512 MiB a layer,
-saved for backward). CPU takes `_scaled_dot_product_flash_attention_for_cpu` and CUDA a flash or
-memory-efficient kernel, which save only the output and a (1, 32, 2048) fp32 logsumexp: this benchmark's
-activations are the math path's, far above a GPU's.
+Attention is `scaled_dot_product_attention(is_causal=True)`. On meta the tracker takes a GPU's code
+paths by default: SDPA runs as CUDA's flash kernel (bf16, no mask), which saves q, k, v, the output and a
+(1, 32, 2048) fp32 logsumexp with the RNG seed and offset, and AdamW takes the foreach path (one sqrt
+temporary per parameter, all alive at once). `--paths cpu` measures the CPU's paths instead: the math
+decomposition (q, k, v upcast to fp32, the 32 x 2048 x 2048 fp32 softmax saved, 512 MiB a layer) and the
+single-tensor AdamW loop.
 
-Run: python benchmarks/meta_7b.py [--json PATH]
+Run: python benchmarks/meta_7b.py [--paths gpu|cpu] [--json PATH]
 """
 
 from __future__ import annotations
@@ -109,8 +110,8 @@ def parameter_tensors(s: Shape) -> int:
     return 9 * s.layers + 3
 
 
-def saved_per_layer(s: Shape) -> int:
-    """Bytes a block's forward leaves for backward, on meta's math SDPA path (bf16 unless noted).
+def saved_per_layer(s: Shape, paths: str = "gpu") -> int:
+    """Bytes a block's forward leaves for backward (bf16 unless noted); `paths="cpu"`: meta's math SDPA.
 
     norm1: the input x (by pow and x*r), r = rsqrt(...) (t x 1), x*r (by *weight), the normed n1 (by q, k, v).
     SDPA (math): fp32 q*scale, fp32 k^T*scale (by the first bmm), fp32 softmax (t x t per head) and fp32 v
@@ -118,10 +119,17 @@ def saved_per_layer(s: Shape) -> int:
     The residual sum h1 (by norm2's pow and h1*r), r2, h1*r2, n2 (by gate and up); gate (by silu),
     silu(gate) and up (by the product), the product (by down). 7 t x h bf16, 3 t x h fp32, the t x t fp32
     softmax per head, 4 t x mlp bf16, two t x 1 bf16.
+
+    Flash (paths="gpu"): q, k, v (the projections' outputs) and the output, whose (b, t, h, d) layout makes
+    o's input a view of it; logsumexp (b, heads, t) fp32; the philox seed (2 x uint64) and offset (uint64).
+    10 t x h bf16, no fp32 t x h, no t x t.
     """
     th, tf = s.tokens * s.hidden, s.tokens * s.mlp
+    common = 4 * tf * BF16 + 2 * s.tokens * BF16
+    if paths == "gpu":
+        return 10 * th * BF16 + s.batch * s.heads * s.seq * FP32 + 3 * 8 + common
     scores = s.batch * s.heads * s.seq * s.seq
-    return 7 * th * BF16 + 3 * th * FP32 + scores * FP32 + 4 * tf * BF16 + 2 * s.tokens * BF16
+    return 7 * th * BF16 + 3 * th * FP32 + scores * FP32 + common
 
 
 def saved_outside_layers(s: Shape) -> int:
@@ -137,14 +145,19 @@ class HandCount:
     grads: int
     optimizer_state: int
     activations: int
+    step_temporaries: int
 
     @classmethod
-    def of(cls, s: Shape) -> HandCount:
+    def of(cls, s: Shape, paths: str = "gpu") -> HandCount:
         p = parameter_count(s)
         # AdamW: exp_avg and exp_avg_sq like each parameter, and a `step` counter per parameter tensor,
         # an fp32 scalar on the CPU (capturable=False)
         states = 2 * p * BF16 + parameter_tensors(s) * FP32
-        return cls(p * BF16, p * BF16, states, s.layers * saved_per_layer(s) + saved_outside_layers(s))
+        # foreach: one sqrt of exp_avg_sq per parameter, all alive at once (the parameters' size); the
+        # single-tensor loop: the head's sqrt and denominator while the final norm's denominator is still bound
+        temps = p * BF16 if paths == "gpu" else 2 * s.vocab * s.hidden * BF16 + s.hidden * BF16
+        activations = s.layers * saved_per_layer(s, paths) + saved_outside_layers(s)
+        return cls(p * BF16, p * BF16, states, activations, temps)
 
 
 # --------------------------------------------------------------------------------------------- the run
@@ -158,10 +171,10 @@ def build(s: Shape) -> tuple[Decoder, torch.Tensor, torch.Tensor]:
     return model, ids, targets
 
 
-def measure_step(s: Shape) -> tuple[dict[str, PhaseResult], PhaseResult]:
+def measure_step(s: Shape, paths: str = "gpu") -> tuple[dict[str, PhaseResult], PhaseResult]:
     model, ids, targets = build(s)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    meter = GpuMem(TrackerBackend(), "meta_7b")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # torch's default: foreach only on GPU paths
+    meter = GpuMem(TrackerBackend(device="meta", paths=paths), "meta_7b")
     meter.begin_call()
     try:
         with meter.phase("forward"):
@@ -180,7 +193,7 @@ def measure_step(s: Shape) -> tuple[dict[str, PhaseResult], PhaseResult]:
 
 def table(phases: dict[str, PhaseResult], whole: PhaseResult, hand: HandCount) -> list[list[str]]:
     """Measured peak and net per phase, next to the hand count of the net (and of the whole call's peak:
-    gradients + AdamW states + foreach temporaries the size of the parameters)."""
+    gradients + AdamW states + the step's temporaries)."""
     nets = {
         "forward": ("activations", hand.activations),
         "backward": ("grads - activations", hand.grads - hand.activations),
@@ -190,7 +203,7 @@ def table(phases: dict[str, PhaseResult], whole: PhaseResult, hand: HandCount) -
         [name, f"{r.peak_bytes:,}", f"{r.net_bytes:,}", f"{nets[name][0]}: {nets[name][1]:,}"]
         for name, r in phases.items()
     ]
-    whole_peak = hand.grads + hand.optimizer_state + hand.params
+    whole_peak = hand.grads + hand.optimizer_state + hand.step_temporaries
     rows.append(
         ["whole", f"{whole.peak_bytes:,}", f"{whole.net_bytes:,}", f"peak: grads + states + temps: {whole_peak:,}"]
     )
@@ -202,35 +215,39 @@ def differences(phases: dict[str, PhaseResult], whole: PhaseResult, hand: HandCo
         "forward net": phases["forward"].net_bytes - hand.activations,
         "backward net": phases["backward"].net_bytes - (hand.grads - hand.activations),
         "step net": phases["step"].net_bytes - hand.optimizer_state,
-        "step peak": phases["step"].peak_bytes - (hand.optimizer_state + hand.params),
-        "whole peak": whole.peak_bytes - (hand.grads + hand.optimizer_state + hand.params),
+        "step peak": phases["step"].peak_bytes - (hand.optimizer_state + hand.step_temporaries),
+        "whole peak": whole.peak_bytes - (hand.grads + hand.optimizer_state + hand.step_temporaries),
     }
 
 
 def main() -> None:
-    args = parser("A 7B decoder's forward, backward and AdamW step on the meta device, under the tracker").parse_args()
+    cli = parser("A 7B decoder's forward, backward and AdamW step on the meta device, under the tracker")
+    cli.add_argument("--paths", choices=("gpu", "cpu"), default="gpu", help="whose code paths (default: gpu)")
+    args = cli.parse_args()
     s = Shape()
     start = time.perf_counter()
-    phases, whole = measure_step(s)
+    phases, whole = measure_step(s, args.paths)
     wall = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    hand = HandCount.of(s)
+    hand = HandCount.of(s, args.paths)
     rows = table(phases, whole, hand)
     show(
-        f"7B decoder ({parameter_count(s):,} parameters, bf16) on meta, seq {s.seq}, batch {s.batch}",
+        f"7B decoder ({parameter_count(s):,} parameters, bf16) on meta, seq {s.seq}, batch {s.batch}, "
+        f"{args.paths} paths",
         ["phase", "peak (B)", "net (B)", "hand count (B)"],
         rows,
         [
             f"wall {wall:.1f} s, peak host RSS {format_size(rss)} (whole process)",
             f"parameters {format_size(hand.params)} exist before the call and are not in these figures",
             f"measured - hand: {', '.join(f'{k} {v:,} B' for k, v in differences(phases, whole, hand).items())}",
-            "SDPA on meta takes the math path (fp32 softmax, seq x seq per head, saved); GPU flash kernels keep "
-            "only the output and a logsumexp, so forward's activations here are far above a GPU's",
+            "gpu paths: SDPA as CUDA's flash kernel (no seq x seq matrix), AdamW foreach; cpu paths: the math "
+            "SDPA (fp32 softmax saved) and the single-tensor AdamW loop",
         ],
     )
     write_json(
         args.json,
         {
+            "paths": args.paths,
             "wall_s": wall,
             "peak_rss_bytes": rss,
             "parameters": parameter_count(s),
