@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.errors import GpuMemWarning as GpuMemWarning
     from pytest_gpumem.markers import Budget as Budget
     from pytest_gpumem.markers import budget_from_marker as budget_from_marker
+    from pytest_gpumem.measure.advice import Advice as Advice
     from pytest_gpumem.meter import GpuMem as GpuMem
     from pytest_gpumem.results import PhaseResult as PhaseResult
     from pytest_gpumem.results import TestResult as TestResult
@@ -27,6 +28,7 @@ _HOMES = {
     "GpuMemError": "pytest_gpumem.errors",
     "GpuMemWarning": "pytest_gpumem.errors",
     "Budget": "pytest_gpumem.markers",
+    "Advice": "pytest_gpumem.measure.advice",
     "budget_from_marker": "pytest_gpumem.markers",
     "GpuMem": "pytest_gpumem.meter",
     "PhaseResult": "pytest_gpumem.results",

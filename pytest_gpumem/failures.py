@@ -76,7 +76,10 @@ def out_of_memory_message(meter: GpuMem, budget: Budget | None, exc: BaseExcepti
     asked = re.search(r"[Tt]ried to allocate ([\d.,]+ ?[KMGTP]?i?B)", _text(exc))
     tried = f" (tried to allocate {asked.group(1)})" if asked else ""
     limits = "" if budget is None or not budget.describe() else f"; budget {budget.describe()}"
-    return f"out of memory {where}{tried} after a peak of {format_size(meter.peak())}{limits}"
+    from pytest_gpumem.measure.advice import advice_clause
+
+    advised = advice_clause(meter.advice, budget, oom=True)
+    return f"out of memory {where}{tried} after a peak of {format_size(meter.peak())}{limits}{advised}"
 
 
 def _text(exc: BaseException) -> str:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.distributed_worker import RankResult
     from pytest_gpumem.fit import BatchFit
     from pytest_gpumem.gradients import Fingerprint
+    from pytest_gpumem.measure.advice import Advice
 
 CALL = "call"
 SURVIVORS_SHOWN = 10
@@ -131,6 +132,7 @@ class GpuMem:
         self.explain = False  # explain the peaks of the next call (what was alive, who made it)
         self.explanation: dict[str, Any] | None = None
         self._shadow: Shadow | None = None
+        self.advice: Advice | None = None  # the last gpumem.advise() of the call
 
     @property
     def device(self) -> torch.device:
@@ -222,6 +224,34 @@ class GpuMem:
         )
         self.info.setdefault("fits", []).append(found.describe())
         return found
+
+    def advise(
+        self,
+        step: Callable[..., object],
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        capacity: int | str | None = None,
+        strategies: Sequence[str] | None = None,
+        loss: torch.nn.Module | None = None,
+        batch_size: int | None = None,
+    ) -> Advice:
+        """Measure the training step `step()` as it is and with each memory-saving strategy applied to
+        `model` and `optimizer` from outside, leaving both as they were (see `pytest_gpumem.measure.advise`).
+        The advice's runs are not part of the call's peak; a failing budget names its best strategy."""
+        __tracebackhide__ = True
+        from pytest_gpumem.measure.advise import advise_in_test
+
+        return advise_in_test(
+            self,
+            step,
+            model=model,
+            optimizer=optimizer,
+            capacity=capacity,
+            strategies=strategies,
+            loss=loss,
+            batch_size=batch_size,
+        )
 
     def distributed(
         self,
@@ -318,6 +348,7 @@ class GpuMem:
         self._results, self._call, self.notes = {}, None, []
         self.gradients, self.gradient_tolerance = None, (None, None)
         self.survivors, self.trace, self._fits, self.explanation = [], None, 0, None
+        self.advice = None
         self._ranks_call = None
         self.backend.start()
         try:

@@ -32,6 +32,7 @@ from pytest_gpumem.failures import (
     write_evidence,
 )
 from pytest_gpumem.markers import MARKER, Budget, all_of, budget_from_marker, closest_first
+from pytest_gpumem.measure.advice import advice_clause, advice_section
 from pytest_gpumem.meter import GpuMem
 from pytest_gpumem.options import Options
 from pytest_gpumem.regression import BaselineRun, Judgement, verdict_status
@@ -321,15 +322,17 @@ class GpuMemSession:
         leaked = watch.leak is not None and call.net_bytes > watch.leak.bytes
         judgement = self.baselines.judge(item.nodeid, meter, budget) if self.baselines.active else None
         section = breakdown(call, meter.phases) + survivors_section(meter) + explained(meter.explanation)
+        section += advice_section(meter.advice)
         if judgement is not None and judgement.verdict.messages:
             section += "\n" + "\n".join(judgement.verdict.messages)
         section += "".join(f"\nnote: {note}" for note in meter.notes)
-        if budget is not None or judgement is not None or meter.notes or leaked or meter.explanation:
+        if budget is not None or judgement is not None or meter.notes or leaked or meter.explanation or meter.advice:
             item.add_report_section("call", "gpumem", section)
         failure: str | None
         if over:
             made = made_of(meter.explanation, over_limit(budget, call, meter.phases))
-            status, failure = STATUS_OVER, "; ".join(over) + made
+            advised = advice_clause(meter.advice, budget, call, meter.phases)
+            status, failure = STATUS_OVER, "; ".join(over) + made + advised
         elif leaked and watch.leak is not None:
             status, failure = STATUS_LEAKED, leak_message(meter, watch.leak, call.net_bytes)
         elif judgement is not None:

@@ -40,7 +40,7 @@ class Row:
     saving_bytes: int | None = None
     flops: int | None = None
     extra_flops: int | None = None
-    gradients: str = NOT_CHECKED  # "equal", "differ: ...", "not checked: ..."
+    gradients: str = NOT_CHECKED  # "equal (...)", "differ (...)", "not checked ..."
     gradients_equal: bool | None = None
     fits: bool | None = None
     skipped: str | None = None  # why it was not measured (does not apply, or failed)
@@ -104,7 +104,7 @@ class Advice:
     def best(self, capacity: int | str | None = None) -> Row | None:
         """The cheapest row (least extra compute, then lowest peak) whose step fits `capacity` (default:
         the one given to advise) with what it starts from, and whose gradients were not found to differ;
-        None if none fits. The as-is row is a candidate: when it fits, it is the answer."""
+        None if none fits. The as-is row is a candidate: when it fits, nothing needs to change."""
         limit = self.capacity if capacity is None else parse_size(capacity)
         if limit is None:
             raise GpuMemError("Advice.best() needs a capacity (none was given to gpumem.advise)")
@@ -183,11 +183,24 @@ def _moved(observed: int, base: Row, row: Row, region: str) -> int:
 def _cheapest(rows: list[Row]) -> Row | None:
     if not rows:
         return None
-    return min(rows, key=lambda r: (r.extra_flops if r.extra_flops is not None else math.inf, r.peak_bytes or 0))
+    return min(
+        rows,
+        key=lambda r: (r.extra_flops if r.extra_flops is not None else math.inf, r.name != AS_IS, r.peak_bytes or 0),
+    )
+
+
+def advice_section(advice: Advice | None) -> str:
+    """The test's report section lines of its advice ('' when it did not call gpumem.advise)."""
+    return "" if advice is None else "\n" + "\n".join(advice.lines())
 
 
 def advice_clause(
-    advice: Advice | None, budget: Budget | None, call: PhaseResult, phases: Mapping[str, PhaseResult], oom: bool
+    advice: Advice | None,
+    budget: Budget | None,
+    call: PhaseResult | None = None,
+    phases: Mapping[str, PhaseResult] | None = None,
+    *,
+    oom: bool = False,
 ) -> str:
     """What a failure line adds when the test called gpumem.advise: the cheapest strategy that fits,
     e.g. '; checkpointing the 12 `GPT2Block`s fits: 5.2 GiB, +31% compute', or that none does."""
@@ -203,7 +216,9 @@ def advice_clause(
         assert row.peak_bytes is not None
         total = format_size(advice.resident_bytes + row.peak_bytes)
         return f"; {row.description} fits {format_size(capacity)}: {total}, {advice.compute(row)}"
-    limits, observed, shown = _limits(budget, call, phases)
+    if call is None:
+        return ""
+    limits, observed, shown = _limits(budget, call, phases or {})
     if not limits:
         return ""
     found = advice.best_within(limits, observed)

@@ -208,8 +208,8 @@ def _compare(
             if not error <= worst:  # NaN counts as the worst
                 worst_key, worst = key, error
     if worst <= rtol:
-        return f"equal (relative error {worst:.1e} <= {rtol:.1e})", True
-    return f"differ: relative error {worst:.1e} > {rtol:.1e} in {worst_key}", False
+        return f"equal (error {worst:.0e} <= {rtol:.0e})", True
+    return f"differ (error {worst:.0e} > {rtol:.0e} in {worst_key})", False
 
 
 def _resident(target: Target) -> int:

@@ -1,0 +1,399 @@
+"""gpumem.advise: strategies measured on the user's own step with the exact tracker, and undone."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pytest_gpumem.backends.tracker import TrackerBackend
+from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.measure.advice import AS_IS, Advice, PhasePeak, Row, advice_clause
+from pytest_gpumem.measure.advise import advise
+from pytest_gpumem.meter import GpuMem
+from reference_losses.models import ModelWorkload, build_net, build_residual
+from reference_losses.training import TRAINING_STRATEGIES, NetBytes, plain, residual_plain
+
+F4 = 4  # bytes of a float32
+B, D, H, L = 8, 16, 32, 4  # rows, width, hidden width (2 D), blocks of the hand-derived stack
+SEED = 4  # the 0-d gradient seed torch.autograd.backward makes before autograd's engine runs
+
+
+class Pair(nn.Module):
+    """fc2(fc1(x)) without biases: saves its input x (B x D) for fc1 and h (B x H) for fc2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(D, H, bias=False), nn.Linear(H, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.fc1(x))  # type: ignore[no-any-return]
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(Pair() for _ in range(L)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)  # type: ignore[no-any-return]
+
+
+def _tracked(fn: Callable[[TrackerBackend], Any], device: str = "cpu") -> Any:
+    backend = TrackerBackend(device=device)
+    backend.start()
+    try:
+        return fn(backend)
+    finally:
+        backend.stop()
+
+
+def _stack_step(device: str = "cpu", optimizer: type[torch.optim.Optimizer] = torch.optim.SGD) -> Any:
+    torch.manual_seed(0)
+    model = Stack().to(device)
+    opt = optimizer(model.parameters(), lr=0.1)
+    x, target = torch.randn(B, D, device=device), torch.randn(B, D, device=device)
+
+    def step(batch: slice = slice(None)) -> None:
+        loss = (model(x[batch]) * target[batch]).sum() / x[batch].shape[0]
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        opt.zero_grad()
+
+    return model, opt, step
+
+
+def _advise_stack(names: list[str] | None = None, **options: Any) -> Advice:
+    model, opt, step = _stack_step()
+    return _tracked(lambda be: advise(step, model=model, optimizer=opt, backend=be, strategies=names, **options))
+
+
+def test_checkpointing_all_blocks_keeps_only_block_outputs_and_recomputes_each_block_once() -> None:
+    advice = _advise_stack(["checkpoint-blocks"])
+    bd, bh = B * D * F4, B * H * F4
+    # plain forward: block outputs x1..xL (L BD) and each block's h (L BH), when the product x_L * target
+    # (BD) is made; x_L, not saved by mul (target needs no gradient), dies before the sum's 4 B
+    assert advice.as_is.region_peak("forward") == (L + 1) * bd + L * bh
+    # checkpointed: block outputs so far (L-1 BD) + the last block's h (BH) and output (BD); the
+    # product later is smaller, (L+1) BD + 4, as H = 2 D
+    row = advice.row("checkpoint-blocks")
+    assert row.region_peak("forward") == (L - 1) * bd + bh + bd
+    assert row.description == "checkpointing the 4 `Pair`s"
+    # backward recomputes each block's fc1 (2 B D H FLOPs): non-reentrant checkpoint stops recomputing
+    # once every tensor the block saved is back, and fc2 saves its input, not its output
+    assert row.extra_flops == L * 2 * B * D * H
+    assert row.gradients_equal is True
+
+
+def test_fused_step_on_the_qa_net_never_holds_two_weight_gradients() -> None:
+    w = build_net(1 / 64, torch.device("cpu"))
+    opt = torch.optim.SGD(w.model.parameters(), lr=w.lr)
+
+    def step() -> None:
+        plain(w).backward()  # type: ignore[no-untyped-call]
+        opt.step()
+
+    advice = _tracked(lambda be: advise(step, model=w.model, optimizer=opt, backend=be, strategies=["fused-step"]))
+    b = NetBytes.of(w)
+    bias2 = F4 * 1024
+    # as-is backward ends with every gradient: P. Fused: layer2's backward makes dout, dW2, db2 and dh1
+    # before its hooks step and free dW2 and db2; layer1's gradients then come one at a time
+    assert advice.as_is.region_peak("backward") == b.params
+    row = advice.row("fused-step")
+    assert row.region_peak("backward") == b.out + b.w2 + bias2 + b.acts
+    assert [p.name for p in row.phases] == ["forward", "backward"]  # no optimizer step left after backward
+    assert row.saving_bytes == b.params - (b.out + b.w2 + bias2 + b.acts)
+    assert row.extra_flops == 0 and row.gradients_equal is True
+
+
+def _reference(name: str, w: ModelWorkload) -> tuple[int, dict[str, int]]:
+    meter = GpuMem(TrackerBackend(), name)
+    meter.begin_call()
+    TRAINING_STRATEGIES[name].step(meter, w)
+    call = meter.end_call()
+    return call.peak_bytes, {k: v.peak_bytes for k, v in meter.phases.items()}
+
+
+def _advise_workload(w: ModelWorkload, forward: Callable[[ModelWorkload], torch.Tensor], names: list[str]) -> Advice:
+    opt = torch.optim.SGD(w.model.parameters(), lr=w.lr)
+
+    def step(batch: slice = slice(None)) -> None:
+        forward(ModelWorkload(w.model, w.inputs[batch], w.target[batch])).backward()  # type: ignore[no-untyped-call]
+        opt.step()
+
+    return _tracked(
+        lambda be: advise(step, model=w.model, optimizer=opt, backend=be, strategies=names, batch_size=w.batch)
+    )
+
+
+@pytest.mark.parametrize(
+    ("workload", "pairs"),
+    [
+        ("net", {AS_IS: "plain", "fused-step": "optimizer_in_backward", "bf16-autocast": "amp"}),
+        (
+            "residual",
+            {
+                AS_IS: "residual_plain",
+                "checkpoint-blocks": "checkpoint_blocks",
+                "selective-checkpoint": "selective_checkpoint",
+                "micro-batch-4": "grad_accumulation",
+            },
+        ),
+    ],
+)
+def test_advice_rows_measure_the_bytes_of_the_reference_strategies(workload: str, pairs: dict[str, str]) -> None:
+    build, forward = (build_net, plain) if workload == "net" else (build_residual, residual_plain)
+    scale = 1 / 32
+    advice = _advise_workload(build(scale, torch.device("cpu")), forward, [n for n in pairs if n != AS_IS])
+    for row_name, reference in pairs.items():
+        total, phases = _reference(reference, build(scale, torch.device("cpu")))
+        row = advice.row(row_name)
+        # grad_accumulation's `total += loss.detach()` keeps one more 0-d float than the user's step
+        assert row.peak_bytes == total - (4 if reference == "grad_accumulation" else 0), row_name
+        assert row.region_peak("forward") == phases["forward"], row_name
+        # the reference's backward phase also holds the gradient seed, made before autograd's engine runs
+        assert row.region_peak("backward") == phases["backward"] - SEED, row_name
+
+
+def test_gradients_that_a_strategy_changes_are_reported_as_different() -> None:
+    torch.manual_seed(0)
+    model = Stack()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(B, D)
+
+    def clipped_step() -> None:
+        model(x).square().sum().backward()  # type: ignore[no-untyped-call]
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)  # a fused step runs before clipping
+        opt.step()
+
+    advice = _tracked(lambda be: advise(clipped_step, model=model, optimizer=opt, backend=be))
+    assert advice.row("fused-step").gradients_equal is False
+    assert advice.row("fused-step").gradients.startswith("differ (error ")
+    assert advice.row("checkpoint-blocks").gradients_equal is True
+    assert advice.row("bf16-autocast").gradients_equal is True  # within bf16's tolerance
+    assert all("fused-step" not in r.strategies for r in advice.rows if r.gradients_equal)
+
+
+def test_strategies_that_do_not_apply_are_skipped_with_their_reason() -> None:
+    model = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+
+    class Custom(torch.optim.SGD):
+        pass
+
+    opt = Custom(model.parameters(), lr=0.1)
+
+    def step() -> None:
+        model(x).sum().backward()  # type: ignore[no-untyped-call]
+        opt.step()
+
+    advice = _tracked(lambda be: advise(step, model=model, optimizer=opt, backend=be))
+    reasons = {r.name: r.skipped for r in advice.rows}
+    assert reasons["checkpoint-blocks"] == (
+        "no repeated blocks: no nn.ModuleList or nn.Sequential of two or more modules of one class"
+    )
+    assert reasons["save-on-cpu"] == "on cpu the saved activations are in host memory already"
+    assert (
+        reasons["fused-step"] == "Custom is not one of torch's per-parameter optimizers: its step may couple parameters"
+    )
+    assert reasons["foreach-off"] == "Custom already takes the per-tensor loop on cpu"
+    assert reasons["micro-batch-2"] == "the step has no optional `batch` parameter (a slice of the batch rows)"
+    assert reasons["chunked-ce"] is not None and reasons["chunked-ce"].startswith("no loss= given")
+    assert "  skipped save-on-cpu: on cpu the saved activations are in host memory already" in advice.lines()
+
+
+def _hooks(model: nn.Module) -> list[Any]:
+    found: list[Any] = []
+    for module in model.modules():
+        found += [
+            dict(getattr(module, n))
+            for n in vars(module)
+            if n.endswith("_hooks") and isinstance(getattr(module, n), dict)
+        ]
+        found.append("forward" in vars(module))
+    found += [p._post_accumulate_grad_hooks for p in model.parameters()]
+    found += [dict(p._backward_hooks or {}) for p in model.parameters()]
+    return found
+
+
+def test_advise_leaves_model_optimizer_and_rng_exactly_as_they_were() -> None:
+    model, opt, step = _stack_step(optimizer=torch.optim.Adam)
+    step()  # Adam now has state (step, exp_avg, exp_avg_sq) and the parameters moved
+    params = list(model.parameters())
+    state_before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_state = opt.state_dict()
+    opt_before = {i: {k: v.clone() for k, v in s.items()} for i, s in opt_state["state"].items()}
+    groups, state_object, hooks = opt.param_groups, opt.state, _hooks(model)
+    torch.manual_seed(123)
+    rng = torch.get_rng_state()
+
+    def measured_step(backend: TrackerBackend) -> int:
+        backend.reset_peak()
+        start = backend.current().allocated
+        step()
+        return backend.peak().allocated - start
+
+    def check(backend: TrackerBackend) -> tuple[int, int]:
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        opt_saved = {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}
+        first = measured_step(backend)
+        model.load_state_dict(saved)
+        for p, entry in zip(params, opt_saved.values(), strict=True):
+            for k, v in entry.items():
+                opt.state[p][k].copy_(v)
+        torch.set_rng_state(rng)
+        advice = advise(step, model=model, optimizer=opt, backend=backend, batch_size=B)
+        assert advice.row("fused-step").measured and advice.row("micro-batch-2").measured
+        assert torch.equal(torch.get_rng_state(), rng)
+        assert list(model.parameters()) == params and all(
+            a is b for a, b in zip(model.parameters(), params, strict=True)
+        )
+        assert opt.param_groups is groups and opt.state is state_object and _hooks(model) == hooks
+        after = model.state_dict()
+        assert all(torch.equal(after[k], saved[k]) for k in saved)
+        for i, entry in opt.state_dict()["state"].items():
+            assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(opt_saved[i][k])) for k, v in entry.items())
+        return first, measured_step(backend)
+
+    first, again = _tracked(check)
+    assert first == again  # the step after advise allocates what it did before
+    assert state_before.keys() == model.state_dict().keys() and opt_before.keys() == opt.state_dict()["state"].keys()
+
+
+def test_advise_runs_on_meta_without_data_and_checks_no_gradients() -> None:
+    w = build_net(1 / 64, torch.device("meta"))
+    opt = torch.optim.SGD(w.model.parameters(), lr=1.0)
+
+    def step() -> None:
+        plain(w).backward()  # type: ignore[no-untyped-call]
+        opt.step()
+
+    advice = _tracked(lambda be: advise(step, model=w.model, optimizer=opt, backend=be, capacity="64 MiB"), "meta")
+    b = NetBytes.of(w)
+    assert advice.row("fused-step").region_peak("backward") == b.out + b.w2 + F4 * 1024 + b.acts
+    assert advice.as_is.gradients == "not checked (meta: no data)" and advice.as_is.gradients_equal is None
+    assert advice.row("bf16-autocast").skipped is not None and "meta" in advice.row("bf16-autocast").skipped
+    assert advice.resident_bytes == b.params
+    best = advice.best()
+    assert best is not None and best.name == AS_IS  # 16 MiB of parameters + its peak fit 64 MiB
+
+
+class Head(nn.Module):
+    """The loss a user hands to advise: cross-entropy of hidden @ weight.T."""
+
+    def __init__(self, width: int, vocab: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(vocab, width) / width**0.5)
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(hidden @ self.weight.T, targets)
+
+
+def test_chunked_cross_entropy_swaps_the_loss_module_and_keeps_the_gradients() -> None:
+    torch.manual_seed(0)
+    tokens, width, vocab = 64, 16, 1024
+    trunk, head = nn.Linear(width, width), Head(width, vocab)
+    model = nn.ModuleDict({"trunk": trunk, "head": head})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(tokens, width), torch.randint(0, vocab, (tokens,))
+
+    def step() -> None:
+        head(trunk(x), y).backward()  # type: ignore[no-untyped-call]
+        opt.step()
+
+    advice = _tracked(
+        lambda be: advise(step, model=model, optimizer=opt, backend=be, loss=head, strategies=["chunked-ce"])
+    )
+    row = advice.row("chunked-ce")
+    logits = F4 * tokens * vocab
+    # as-is keeps the full logits' log-softmax (L) after making the logits (L); chunked keeps 1/8 at a time
+    assert advice.as_is.region_peak("forward") >= 2 * logits
+    # the trunk's output, one chunk's logits and log-softmax, and four 0-d floats of the running sums
+    assert row.region_peak("forward") == F4 * tokens * width + 2 * (logits // 8) + 4 * F4
+    assert row.gradients_equal is True
+    assert "forward" not in vars(head)
+
+
+def test_bad_arguments_fail_in_one_line() -> None:
+    model, _, step = _stack_step()
+    with pytest.raises(GpuMemError, match=r"no strategy 'checkpoint' \(known: checkpoint-blocks, "):
+        _tracked(lambda be: advise(step, model=model, backend=be, strategies=["checkpoint"]))
+    with pytest.raises(GpuMemError, match=r"model=\.\.\.\) must be a torch.nn.Module, got 3"):
+        _tracked(lambda be: advise(step, model=3, backend=be))  # type: ignore[arg-type]
+    with pytest.raises(GpuMemError, match=r"capacity=\.\.\.\): "):
+        _tracked(lambda be: advise(step, model=model, backend=be, capacity="2 apples"))
+    with pytest.raises(GpuMemError, match=r"needs a capacity"):
+        Advice((Row(AS_IS, "", (), peak_bytes=1),), None, 0, "tracker", "cpu").best()
+
+
+def _row(name: str, peak: int, extra: int, forward: int | None = None, equal: bool | None = True) -> Row:
+    phases = () if forward is None else (PhasePeak("forward", forward),)
+    return Row(name, f"doing {name}", (name,), peak_bytes=peak, phases=phases, extra_flops=extra, gradients_equal=equal)
+
+
+def test_best_is_the_least_extra_compute_that_fits_with_what_the_step_starts_from() -> None:
+    rows = (_row(AS_IS, 100, 0), _row("a", 60, 50), _row("b", 40, 10), _row("c", 10, 0, equal=False))
+    advice = Advice(rows, None, 20, "tracker", "cpu")
+    assert advice.best(120) is rows[0]  # as-is fits: nothing to change
+    assert advice.best(70) is rows[2]  # b (+10 FLOPs) before a (+50); c's gradients differ
+    assert advice.best(50) is None
+
+
+def test_failure_clause_moves_the_measured_peak_by_the_strategys_change() -> None:
+    from pytest_gpumem.markers import Budget, Limit
+    from pytest_gpumem.results import PhaseResult
+
+    base = Row(AS_IS, "", (), peak_bytes=100, phases=(PhasePeak("forward", 90),), flops=100, extra_flops=0)
+    advice = Advice((base, _row("ckpt", 70, 31, forward=50)), None, 0, "tracker", "cpu")
+    budget = Budget(phases={"forward": Limit(80, "80 B", binary=True)})
+    forward, call = PhaseResult("forward", 95, 95, None, 95), PhaseResult("call", 110, 110, None, 0)
+    # 95 B measured - 90 B as-is + 50 B with the strategy
+    assert advice_clause(advice, budget, call, {"forward": forward}) == "; doing ckpt fits: 55 B, +31% compute"
+    tight = Budget(phases={"forward": Limit(40, "40 B", binary=True)})
+    assert advice_clause(advice, tight, call, {"forward": forward}) == (
+        "; none of the 1 strategies advise measured fits the budget (lowest: ckpt, peak 70 B)"
+    )
+    assert advice_clause(None, budget, call, {"forward": forward}) == ""
+
+
+def test_failing_budget_names_the_best_strategy_and_reports_the_rows(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        """
+        import pytest, torch
+        from reference_losses.models import build_net
+        from reference_losses.training import plain
+
+        @pytest.mark.max_memory(backward="12 MiB")
+        def test_train(gpumem):
+            w = build_net(1 / 64, torch.device("cpu"))
+            opt = torch.optim.SGD(w.model.parameters(), lr=1.0)
+            def step():
+                with gpumem.phase("forward"):
+                    loss = plain(w)
+                with gpumem.phase("backward"):
+                    loss.backward()
+                opt.step()
+            gpumem.advise(step, model=w.model, optimizer=opt, strategies=["checkpoint-blocks", "fused-step"])
+            step()
+        """
+    )
+    result = tracker.runpytest("-p", "no:cacheprovider", "--gpumem-json=out.json")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            # moved from the measured 16.0 MiB to dout + dW2 + db2 + dh1 = 32 KiB + 8 MiB + 4 KiB + 64 KiB
+            "*backward peak 16.0 MiB exceeds max_memory backward=12 MiB*; the optimizer step fused into backward "
+            "fits: 8.1 MiB, no extra compute",
+            "*advice (tracker on cpu*",
+            "*skipped checkpoint-blocks: no repeated blocks*",
+        ]
+    )
+    doc = json.loads((tracker.path / "out.json").read_text())
+    (test,) = doc["tests"] if isinstance(doc, dict) and "tests" in doc else doc
+    rows = test["info"]["advice"]["rows"]
+    assert [r["name"] for r in rows] == [AS_IS, "checkpoint-blocks", "fused-step"]
