@@ -217,7 +217,9 @@ def test_optimizers_take_foreach_when_predicting_cuda(tracker: pytest.Pytester) 
     tracker.runpytest("-k", "cpu_default").assert_outcomes(passed=1)
     result = tracker.runpytest("--gpumem-round=cuda", "-k", "cuda_prediction")
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["gpumem: tracker (*rounding cuda), device cpu; optimizers take foreach by default, *"])
+    result.stdout.fnmatch_lines(
+        ["gpumem: tracker (*rounding cuda), device cpu; a GPU's code paths: foreach optimizers *"]
+    )
 
 
 COMPILED = """
