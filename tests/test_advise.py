@@ -44,7 +44,7 @@ class Stack(nn.Module):
         return self.blocks(x)  # type: ignore[no-any-return]
 
 
-def _tracked(fn: Callable[[TrackerBackend], Any], device: str = "cpu") -> Any:
+def _tracked(fn: Callable[[TrackerBackend], Any], device: str = "cpu") -> Any:  # returns what fn does
     backend = TrackerBackend(device=device)
     backend.start()
     try:
@@ -53,7 +53,7 @@ def _tracked(fn: Callable[[TrackerBackend], Any], device: str = "cpu") -> Any:
         backend.stop()
 
 
-def _stack_step(device: str = "cpu", optimizer: type[torch.optim.Optimizer] = torch.optim.SGD) -> Any:
+def _stack_step(device: str = "cpu", optimizer: Any = torch.optim.SGD) -> Any:
     torch.manual_seed(0)
     model = Stack().to(device)
     opt = optimizer(model.parameters(), lr=0.1)
@@ -61,7 +61,7 @@ def _stack_step(device: str = "cpu", optimizer: type[torch.optim.Optimizer] = to
 
     def step(batch: slice = slice(None)) -> None:
         loss = (model(x[batch]) * target[batch]).sum() / x[batch].shape[0]
-        loss.backward()  # type: ignore[no-untyped-call]
+        loss.backward()
         opt.step()
         opt.zero_grad()
 
@@ -70,7 +70,10 @@ def _stack_step(device: str = "cpu", optimizer: type[torch.optim.Optimizer] = to
 
 def _advise_stack(names: list[str] | None = None, **options: Any) -> Advice:
     model, opt, step = _stack_step()
-    return _tracked(lambda be: advise(step, model=model, optimizer=opt, backend=be, strategies=names, **options))
+    found: Advice = _tracked(
+        lambda be: advise(step, model=model, optimizer=opt, backend=be, strategies=names, **options)
+    )
+    return found
 
 
 def test_checkpointing_all_blocks_keeps_only_block_outputs_and_recomputes_each_block_once() -> None:
@@ -126,9 +129,10 @@ def _advise_workload(w: ModelWorkload, forward: Callable[[ModelWorkload], torch.
         forward(ModelWorkload(w.model, w.inputs[batch], w.target[batch])).backward()  # type: ignore[no-untyped-call]
         opt.step()
 
-    return _tracked(
+    found: Advice = _tracked(
         lambda be: advise(step, model=w.model, optimizer=opt, backend=be, strategies=names, batch_size=w.batch)
     )
+    return found
 
 
 @pytest.mark.parametrize(
@@ -167,7 +171,7 @@ def test_gradients_that_a_strategy_changes_are_reported_as_different() -> None:
     x = torch.randn(B, D)
 
     def clipped_step() -> None:
-        model(x).square().sum().backward()  # type: ignore[no-untyped-call]
+        model(x).square().sum().backward()
         nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)  # a fused step runs before clipping
         opt.step()
 
@@ -189,7 +193,7 @@ def test_strategies_that_do_not_apply_are_skipped_with_their_reason() -> None:
     opt = Custom(model.parameters(), lr=0.1)
 
     def step() -> None:
-        model(x).sum().backward()  # type: ignore[no-untyped-call]
+        model(x).sum().backward()
         opt.step()
 
     advice = _tracked(lambda be: advise(step, model=model, optimizer=opt, backend=be))
@@ -303,7 +307,7 @@ def test_chunked_cross_entropy_swaps_the_loss_module_and_keeps_the_gradients() -
     x, y = torch.randn(tokens, width), torch.randint(0, vocab, (tokens,))
 
     def step() -> None:
-        head(trunk(x), y).backward()  # type: ignore[no-untyped-call]
+        head(trunk(x), y).backward()
         opt.step()
 
     advice = _tracked(

@@ -136,28 +136,21 @@ class _Saved:
             optimizer.state = self.state
             optimizer.param_groups = self.groups
 
-    def outcome(self) -> dict[str, torch.Tensor]:
-        """Copies of what the step produced: updated parameters (with an optimizer) and gradients."""
+    def outcome(self, stepped: Mapping[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The gradients the optimizer stepped with (`stepped`, by id of the parameter), or without an
+        optimizer step the gradients the step left, copied to the host."""
         found: dict[str, torch.Tensor] = {}
         with _disable_current_modes(), torch.no_grad():
             for index, (p, _) in enumerate(self.params):
-                if self.target.optimizer is not None:
-                    found[f"param:{index}"] = p.detach().clone()
-                if p.grad is not None:
-                    found[f"grad:{index}"] = p.grad.detach().clone()
+                grad = stepped.get(id(p)) if stepped else p.grad
+                if grad is not None:
+                    found[f"grad:{index}"] = grad.detach().to("cpu", copy=True)
         return found
 
     def scales(self, outcome: Mapping[str, torch.Tensor]) -> dict[str, float]:
-        """What errors are relative to: a gradient's norm, or the norm of a parameter's update."""
-        found = {}
+        """What errors are relative to: each gradient's norm."""
         with _disable_current_modes(), torch.no_grad():
-            for key, value in outcome.items():
-                kind, index = key.split(":")
-                ref = value.double()
-                if kind == "param":
-                    ref = ref - self.params[int(index)][1].double()
-                found[key] = max(float(ref.norm()), 1e-30)
-        return found
+            return {key: max(float(value.float().norm()), 1e-30) for key, value in outcome.items()}
 
 
 @dataclass
@@ -172,13 +165,21 @@ class _Measured:
 def _measure(backend: Backend, target: Target, saved: _Saved, chosen: Sequence[Strategy], check: bool) -> _Measured:
     patch = Patch()
     shim = None if target.optimizer is None else OptimizerShim(target.optimizer)
-    run = Run(target, patch, target.step, shim, target.param_dtype())
+    run = Run(target, patch, target.step, shim, target.param_dtype(), check=check)
     saved.prepare()
     try:
         if shim is not None:
             shim.install(patch)
         for strategy in ordered(list(chosen)):
             strategy.apply(run)
+        if shim is not None:
+            params = target.parameters()
+
+            def keep() -> None:  # after the strategies' own preparations (micro-batching's averaging)
+                for p in params:
+                    run.keep_grad(p)
+
+            shim.before_step.append(keep)
         stack = RegionStack(backend)
         splitter = _Splitter(stack, shim)
         stack.push("total")
@@ -188,7 +189,7 @@ def _measure(backend: Backend, target: Target, saved: _Saved, chosen: Sequence[S
         finally:
             splitter.close()
             total = stack.pop()
-        outcome = saved.outcome() if check else None
+        outcome = saved.outcome(run.grads) if check else None
     finally:
         patch.undo()
     return _Measured(total, splitter.phases, splitter.flops, outcome, run.dtype)
@@ -199,12 +200,12 @@ def _compare(
 ) -> tuple[str, bool | None]:
     keys = [key for key in got if key in ref]
     if not keys:
-        return f"{NOT_CHECKED}: no gradients or updated parameters to compare", None
+        return f"{NOT_CHECKED}: no gradients to compare", None
     rtol = GRADIENT_RTOL.get(dtype, GRADIENT_RTOL[torch.float32])
     worst_key, worst = keys[0], 0.0
     with _disable_current_modes(), torch.no_grad():
         for key in keys:
-            error = float((got[key].double() - ref[key].double()).norm()) / scales[key]
+            error = float((got[key].float() - ref[key].float()).norm()) / scales[key]
             if not error <= worst:  # NaN counts as the worst
                 worst_key, worst = key, error
     if worst <= rtol:

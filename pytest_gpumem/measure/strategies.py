@@ -183,7 +183,16 @@ class Run:
     call: Callable[[], object]
     shim: OptimizerShim | None
     dtype: torch.dtype  # what the step computes in, for the gradients' tolerance
-    names: list[str] = field(default_factory=list)
+    check: bool = False  # keep the gradients the optimizer steps with, to compare with as-is
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)  # by id of the parameter, on the host
+
+    def keep_grad(self, param: torch.Tensor) -> None:
+        """A host copy of `param`'s gradient now, made unseen by any dispatch mode (not measured)."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        if self.check and param.grad is not None:
+            with _disable_current_modes():
+                self.grads[id(param)] = param.grad.detach().to("cpu", copy=True)
 
 
 class Strategy:
@@ -325,14 +334,16 @@ class FusedStep(Strategy):
         assert optimizer is not None and shim is not None
         shim.step_allowed = lambda: False
         singles: dict[int, torch.optim.Optimizer] = {}
+        accepted = inspect.signature(type(optimizer).__init__).parameters
         for group in optimizer.param_groups:
-            settings = {k: group[k] for k in optimizer.defaults if k in group}
+            settings = {k: group[k] for k in optimizer.defaults if k in group and k in accepted}
             for p in group["params"]:
                 single = type(optimizer)([p], **settings)
                 single.state[p] = optimizer.state[p]  # the run's copy of the user's state
                 singles[id(p)] = single
 
         def step_now(param: torch.Tensor) -> None:
+            run.keep_grad(param)
             singles[id(param)].step()
             param.grad = None
 

@@ -1,0 +1,156 @@
+"""gpumem.advise on real-sized models: a GPT-2-style model on the tracker (cpu), a 7B decoder on meta.
+
+transformers is not a dependency; a GPT-2-style model (learned positions, pre-LayerNorm blocks with
+fused qkv, GELU MLP, tied head) is defined here when it is not installed, else HF GPT2LMHeadModel is
+built from a config (no download). The 7B case is benchmarks/meta_7b.py's decoder at sequence 4096,
+judged against capacity="80 GiB": which strategies make it fit. Reported: rows, time, host max RSS.
+
+Run: python benchmarks/advise.py [--json PATH] [--skip-gpt2] [--skip-7b]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from benchlib import parser, show, write_json
+from meta_7b import Shape, build
+from torch import nn
+
+from pytest_gpumem.backends.tracker import TrackerBackend
+from pytest_gpumem.measure.advice import Advice
+from pytest_gpumem.measure.advise import advise
+from pytest_gpumem.sizes import format_size
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.c_attn, self.c_proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.c_fc, self.mlp_proj = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(h, dim=2)
+        q, k, v = (z.view(b, t, self.heads, h // self.heads).transpose(1, 2) for z in (q, k, v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, h)
+        x = x + self.c_proj(attn)
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))  # type: ignore[no-any-return]
+
+
+class Head(nn.Module):
+    """The tied LM head as a loss module: cross-entropy of hidden @ wte.T (what advise's loss= swaps)."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy((hidden @ self.weight.T).view(-1, self.weight.shape[0]), targets.view(-1))
+
+
+class GPT2(nn.Module):
+    def __init__(self, layers: int, width: int, heads: int, vocab: int, positions: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, width), nn.Embedding(positions, width)
+        self.h = nn.ModuleList(GPT2Block(width, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        self.head = Head(self.wte)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.h:
+            x = block(x)
+        return self.head(self.ln_f(x), targets)  # type: ignore[no-any-return]
+
+
+def rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def rows_of(advice: Advice) -> list[list[str]]:
+    found = []
+    for row in advice.rows:
+        if not row.measured:
+            found.append([row.name, "skipped", row.skipped or "", "", "", ""])
+            continue
+        assert row.peak_bytes is not None
+        fits = "" if row.fits is None else ("yes" if row.fits else "no")
+        found.append(
+            [row.name, format_size(row.peak_bytes), advice.compute(row), row.gradients.split(" (")[0], fits, ""]
+        )
+    return found
+
+
+def gpt2(batch: int, seq: int) -> tuple[Advice, float, float]:
+    torch.manual_seed(0)
+    model = GPT2(layers=4, width=256, heads=4, vocab=8192, positions=seq)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, 8192, (batch, seq))
+    targets = torch.randint(0, 8192, (batch, seq))
+
+    def step(batch: slice = slice(None)) -> None:
+        model(ids[batch], targets[batch]).backward()
+        opt.step()
+        opt.zero_grad()
+
+    backend = TrackerBackend()
+    backend.start()
+    started = time.perf_counter()
+    try:
+        found = advise(step, model=model, optimizer=opt, backend=backend, loss=model.head, batch_size=batch)
+    finally:
+        backend.stop()
+    return found, time.perf_counter() - started, rss_mib()
+
+
+def llama_7b(seq: int, capacity: str) -> tuple[Advice, float, float]:
+    shape = dataclasses.replace(Shape(), seq=seq)
+    model, ids, targets = build(shape)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        logits = model(ids)
+        F.cross_entropy(logits.float().view(-1, shape.vocab), targets).backward()
+        opt.step()
+
+    backend = TrackerBackend(device="meta", paths="cpu")  # math attention: the S x S weights saved
+    backend.start()
+    started = time.perf_counter()
+    try:
+        found = advise(step, model=model, optimizer=opt, backend=backend, capacity=capacity)
+    finally:
+        backend.stop()
+    return found, time.perf_counter() - started, rss_mib()
+
+
+def main() -> None:
+    cli = parser(__doc__ or "")
+    cli.add_argument("--skip-gpt2", action="store_true")
+    cli.add_argument("--skip-7b", action="store_true")
+    args = cli.parse_args()
+    headers = ["strategy", "peak", "compute", "gradients", "fits", ""]
+    results: dict[str, Any] = {}
+    if not args.skip_gpt2:
+        advice, seconds, rss = gpt2(batch=8, seq=128)
+        title = f"GPT-2-style, 4 x 256, seq 128, batch 8, tracker: {seconds:.1f} s, max RSS {rss:.0f} MiB"
+        show(title, headers, rows_of(advice), advice.conflicts)
+        results["gpt2"] = {"seconds": seconds, "max_rss_mib": rss, "advice": advice.to_json()}
+    if not args.skip_7b:
+        advice, seconds, rss = llama_7b(seq=4096, capacity="80 GiB")
+        best = advice.best()
+        title = f"7B decoder, seq 4096, meta, capacity 80 GiB ({format_size(advice.resident_bytes)} resident)"
+        notes = [f"best: {best.name if best else 'none fits'}", *advice.conflicts]
+        show(f"{title}: {seconds:.1f} s, max RSS {rss:.0f} MiB", headers, rows_of(advice), notes)
+        results["llama_7b"] = {"seconds": seconds, "max_rss_mib": rss, "advice": advice.to_json()}
+    write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()
