@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.backends.recording import Survivor
     from pytest_gpumem.backends.shadow import Shadow
     from pytest_gpumem.distributed_worker import RankResult
+    from pytest_gpumem.failures import Holding
     from pytest_gpumem.fit import BatchFit
     from pytest_gpumem.gradients import Fingerprint
     from pytest_gpumem.measure.advice import Advice
@@ -123,6 +124,7 @@ class GpuMem:
         self.notes: list[str] = []
         self.leak_check = False  # collect garbage before the call ends, and keep the call's survivors
         self.survivors: list[Survivor] = []
+        self.leak_holding: Holding | None = None  # who keeps the survivors allocated, when it can be seen
         self.trace: dict[str, Any] | None = None
         self._fits = 0
         self._ranks_call: PhaseResult | None = None  # the worst rank's whole run, of gpumem.distributed()
@@ -348,6 +350,7 @@ class GpuMem:
         self._results, self._call, self.notes = {}, None, []
         self.gradients, self.gradient_tolerance = None, (None, None)
         self.survivors, self.trace, self._fits, self.explanation = [], None, 0, None
+        self.leak_holding = None
         self.advice = None
         self._ranks_call = None
         self.backend.start()
@@ -406,6 +409,11 @@ class GpuMem:
         survivors, trace = getattr(self.backend, "survivors", None), getattr(self.backend, "trace", None)
         if self.leak_check and callable(survivors) and self._call is not None and self._call.net_bytes > 0:
             self.survivors = survivors(SURVIVORS_SHOWN)
+            live = getattr(self.backend, "live_storages", None)
+            if callable(live):
+                from pytest_gpumem.failures import leak_holding
+
+                self.leak_holding = leak_holding(live())
         self.trace = trace() if callable(trace) else None
         stack = self._stack
         if stack is not None and stack.attribution is not None and self._call is not None:

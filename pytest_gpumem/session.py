@@ -31,7 +31,7 @@ from pytest_gpumem.failures import (
     survivors_section,
     write_evidence,
 )
-from pytest_gpumem.markers import MARKER, Budget, all_of, budget_from_marker, closest_first
+from pytest_gpumem.markers import MARKER, Budget, Limit, all_of, budget_from_marker, closest_first
 from pytest_gpumem.measure.advice import advice_clause, advice_section
 from pytest_gpumem.meter import GpuMem
 from pytest_gpumem.options import Options
@@ -114,10 +114,12 @@ def _expected(item: pytest.Item, exc: BaseException) -> bool:
     return raises is None or (isinstance(raises, (type, tuple)) and isinstance(exc, raises))
 
 
-def _memory_failure(meter: GpuMem, budget: Budget | None, exc: BaseException) -> tuple[str, str] | None:
+def _memory_failure(
+    meter: GpuMem, budget: Budget | None, exc: BaseException, capacity: Limit | None
+) -> tuple[str, str] | None:
     """(status, one line) for an error that is about memory, not the test's code."""
     if is_out_of_memory(exc):
-        return STATUS_OOM, out_of_memory_message(meter, budget, exc)
+        return STATUS_OOM, out_of_memory_message(meter, budget, exc, capacity)
     meta = needs_real_values(exc, meter.device)
     return None if meta is None else (STATUS_ERROR, f"{meter.nodeid}: {meta}")
 
@@ -278,7 +280,7 @@ class GpuMemSession:
             meter.end_call()
             raise
         except BaseException as exc:
-            failure = _memory_failure(meter, budget, exc)
+            failure = _memory_failure(meter, budget, exc, watch.capacity)
             if failure is None:
                 try:
                     self._finish(item, meter, budget, STATUS_ERROR, _first_line(exc))

@@ -3,9 +3,16 @@ failing test leaves (exact bytes: float32 = 4 bytes)."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import types
+from collections.abc import Callable, Iterator
 
 import pytest
+import torch
+
+from pytest_gpumem.backends.tracker import TrackerBackend
+from pytest_gpumem.failures import leak_holding
 
 LEAKS = """
 import pytest, torch
@@ -34,14 +41,131 @@ def test_graph_kept_alive(gpumem):
 """
 
 
+def test_a_kept_loss_names_the_graph_and_who_keeps_it(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        test_losses="""
+        import torch
+
+        LOSSES = []
+
+        def test_keeps_losses(gpumem):
+            model = torch.nn.Linear(64, 64)
+            LOSSES.append(model(torch.ones(8, 64)).pow(2).sum())
+        """
+    )
+    result = tracker.runpytest("--gpumem-leak=0")
+    result.assert_outcomes(failed=1)
+    # weight 16,384 + bias 256 B; pow saves its input, addmm's output (2,048 B), addmm saves the input
+    # x (2,048 B); the loss (4 B) is the graph's output
+    result.stdout.fnmatch_lines(
+        [
+            "left 20.7 kB allocated after the call (leak limit 0 (--gpumem-leak)): parameters 16.6 kB, saved for "
+            "backward 4.1 kB, graph outputs 4 B, held by an autograd graph kept alive by global LOSSES of "
+            "test_losses (a list); largest: 16.4 kB float32[[]64, 64[]] on cpu, made by aten.empty.memory_format at *"
+        ]
+    )
+
+
+KEPT: list[object] = []
+CACHE: dict[str, object] = {}
+
+
+def _counts(device: str = "cpu") -> TrackerBackend:
+    backend = TrackerBackend(device=device)
+    backend.configure(None, origins=True, events=False)
+    backend.start()
+    return backend
+
+
+def _generator() -> Iterator[torch.Tensor]:
+    kept = torch.ones(10)
+    yield kept
+
+
+@pytest.mark.parametrize(
+    ("keep", "holder"),
+    [
+        (lambda: KEPT.append(torch.ones(10)), "global KEPT of *test_memory_failures (a list)"),
+        (lambda: CACHE.update(x=torch.ones(10)), "global CACHE of *test_memory_failures (a dict)"),
+        (
+            lambda: KEPT.append(next(g := _generator()) is None or g),
+            "global KEPT of *test_memory_failures (the suspended generator _generator)",
+        ),
+        (
+            lambda: KEPT.append(types.SimpleNamespace(t=torch.ones(10))),
+            "global KEPT of * (a dict)",
+        ),  # the namespace's __dict__
+    ],
+)
+def test_who_keeps_a_survivor_is_named(keep: Callable[[], object], holder: str) -> None:
+    backend = _counts()
+    try:
+        keep()
+        holding = leak_holding(backend.live_storages())
+    finally:
+        backend.stop()
+        KEPT.clear()
+        CACHE.clear()
+    assert holding is not None and holding.kinds == () and not holding.graph
+    assert fnmatch.fnmatch(holding.describe(str), f"kept by {holder}")
+
+
+def test_an_unreachable_survivor_names_no_holder() -> None:
+    backend = _counts()
+    try:
+        ring: dict[str, object] = {"t": torch.ones(10)}
+        ring["self"] = ring
+        holding = leak_holding(backend.live_storages())  # alive only through a local: no global holds it
+    finally:
+        backend.stop()
+    assert holding is None
+    del ring
+
+
+@pytest.mark.parametrize(
+    ("marker", "option", "message"),
+    [
+        # the option's 200 MB binds; the budget (256 MB) is not the cause and was not exceeded
+        ('"256 MB"', "200MB", "after a peak of 160.0 MB: past the capacity 200MB (--gpumem-capacity)"),
+        # a budget the peak had already passed is named as well
+        (
+            '"100 MB"',
+            "200MB",
+            "after a peak of 160.0 MB: past the capacity 200MB (--gpumem-capacity); "
+            "over its budget 100 MB too, at 160.0 MB",
+        ),
+        (
+            '"1 GB", capacity="190 MB"',
+            "200MB",
+            "after a peak of 160.0 MB: past the capacity 190 MB (max_memory capacity=)",
+        ),
+    ],
+)
+def test_out_of_memory_names_the_limit_hit(tracker: pytest.Pytester, marker: str, option: str, message: str) -> None:
+    tracker.makepyfile(
+        f"""
+        import pytest, torch
+
+        @pytest.mark.max_memory({marker})
+        def test_big(gpumem):
+            a = torch.ones(40_000_000)  # 160,000,000 B
+            b = torch.ones(20_000_000)  # 80,000,000 B more: past 200 MB
+        """
+    )
+    result = tracker.runpytest(f"--gpumem-capacity={option}")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([f"*out of memory in the call (tried to allocate 76.3 MiB) {message}"])
+    result.stdout.no_fnmatch_line("*budget 256 MB*")
+
+
 def test_leaks_of_a_known_size(tracker: pytest.Pytester) -> None:
     tracker.makepyfile(LEAKS)
     result = tracker.runpytest("--gpumem-leak=0", "-p", "no:randomly", "--gpumem-json=out.json")
     result.assert_outcomes(passed=2, failed=2)
     result.stdout.fnmatch_lines(
         [
-            "left 4.0 kB allocated after the call (leak limit 1 kB): "
-            "4.0 kB float32[[]1000[]] on cpu, made by aten.ones.default at test_leaks_of_a_known_size.py:8",
+            "left 4.0 kB allocated after the call (leak limit 1 kB): kept by global KEEP of test_leaks_of_a_known_size "
+            "(a list); largest: 4.0 kB float32[[]1000[]] on cpu, made by aten.ones.default at *.py:8",
             "left allocated: 3.9 KiB float32[[]1000[]] on cpu, made by aten.ones.default at *.py:8",
         ]
     )
@@ -113,7 +237,8 @@ def test_capacity_and_out_of_memory(tracker: pytest.Pytester) -> None:
     result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines(
         [
-            "out of memory in backward (tried to allocate 7.8 KiB) after a peak of 3.9 KiB; budget capacity 10 kB",
+            "out of memory in backward (tried to allocate 7.8 KiB) after a peak of 4.0 kB: "
+            "past the capacity 10 kB (max_memory capacity=)",
         ]
     )
     result.stdout.no_fnmatch_line("*Traceback*")
@@ -136,7 +261,8 @@ def test_capacity_option_and_header(tracker: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(
         [
             "gpumem: tracker *; capacity 3999 (--gpumem-capacity): an allocation past it raises torch.OutOfMemoryError",
-            "*out of memory in the call (tried to allocate 3.9 KiB) after a peak of 0 B",
+            "*out of memory in the call (tried to allocate 3.9 KiB) after a peak of 0 B: "
+            "past the capacity 3999 (--gpumem-capacity)",
         ]
     )
     assert tracker.runpytest("--gpumem-capacity=4000").ret == 0

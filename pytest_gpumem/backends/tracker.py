@@ -321,6 +321,10 @@ class TrackerBackend:
             found.append(Survivor(ref.counted, shape, dtype, device, ref.origin))
         return found
 
+    def live_storages(self) -> dict[int, tuple[int, Origin | None]]:
+        """Each storage the call made that is still allocated, by key: its counted bytes and its origin."""
+        return {ref.key: (ref.counted, ref.origin) for ref in self.ledger.live.values()}
+
     def trace(self) -> dict[str, Any] | None:
         """The allocations and frees of the measurement, when events were recorded."""
         recorder = self.ledger.recorder
