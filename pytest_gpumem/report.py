@@ -1,17 +1,34 @@
-"""Pure functions from results to the report table (text or Markdown) and the JSON document."""
+"""Pure functions from results to the report: the terminal table fitted to a width, Markdown, JSON.
+
+The short form has fixed columns (test, call peak, [baseline, change,] budget, status), a column for
+each phase that most tests share, and one cell for every other phase ("forward 4.0 MiB · backward
+8.0 MiB"); per-rank phases (`phase@rankN`) fold into the worst rank ("28.0 MiB @rank1"). The long form
+has one row per test and phase.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from tabulate import tabulate
 
 from pytest_gpumem.explain import summary
-from pytest_gpumem.results import TestResult
+from pytest_gpumem.results import RANK_SEPARATOR, PhaseResult, TestResult
 from pytest_gpumem.sizes import format_size
 
 JSON_VERSION = 1
+DEFAULT_WIDTH = 120  # when pytest writes to no terminal
+GAP = "  "
+JOIN = " · "
+ELLIPSIS = "…"
+# how narrow a column may get (narrowed in this order): first while phases keep their own columns, then
+# (when nothing else fits) at the last resort; a test id keeps this share of the width before phases fold
+_ID_SHARE = 0.35
+_FLOORS = ({"test": 0, "made of": 20, "other phases": 12}, {"other phases": 8, "made of": 10, "test": 16, "budget": 12})
 
 
 def phase_names(results: Sequence[TestResult]) -> list[str]:
@@ -27,55 +44,344 @@ def one_line(text: str) -> str:
     return " ".join(text.splitlines()) if text else text
 
 
-def _cell(n: int | None) -> str:
-    return "" if n is None else format_size(n)
+def elide(text: str, width: int) -> str:
+    """`text` cut in the middle to `width` characters, the end kept (where parametrized ids differ)."""
+    return _cut(text, width, (width - 1) // 2) if width >= 2 or len(text) <= width else ELLIPSIS[:width]
 
 
-def _baseline_cells(result: TestResult) -> list[str]:
-    comparison = result.call_comparison()
-    if comparison is None:
-        return ["", ""]
-    change = comparison.get("change_percent")
-    return [_cell(comparison.get("baseline")), "" if change is None else f"{change:+.1f}%"]
+def elide_apart(texts: Sequence[str], width: int) -> list[str]:
+    """Each of `texts` cut in the middle to `width`, at the same place for all, chosen so that texts that
+    differ stay different (two parametrized ids must not both read "test_a…sequences]")."""
+    if all(len(text) <= width for text in texts) or width < 2:
+        return [elide(text, width) for text in texts]
+    distinct = len(set(texts))
+    balanced = (width - 1) // 2
+    for head in [balanced, *range(balanced - 1, -1, -1), *range(balanced + 1, width)]:
+        cut = [_cut(text, width, head) for text in texts]
+        if len(set(cut)) == distinct:
+            return cut
+    return [elide(text, width) for text in texts]
 
 
-def rows(results: Sequence[TestResult], links: bool = False) -> tuple[list[str], list[list[str]]]:
-    """Headers and rows: test, backend, device, each phase, the whole call, [baseline, change,] budget,
-    status, [what the call's peak was made of, [its picture (Markdown `links`)]].
-
-    Every header and cell is one line (see `one_line`)."""
-    phases = phase_names(results)
-    with_baselines = any(r.baseline is not None for r in results)
-    explained = any(r.explanation is not None for r in results)
-    pictures = links and any(r.html for r in results)
-    headers = ["test", "backend", "device", *phases, "call peak"]
-    headers += ["baseline", "change"] if with_baselines else []
-    headers += ["budget", "status"]
-    headers += ["call peak made of"] if explained else []
-    headers += ["picture"] if pictures else []
-    body = []
-    for r in results:
-        row = [r.nodeid, r.backend, r.device, *(_cell(r.phases[p].peak_bytes) if p in r.phases else "" for p in phases)]
-        row.append(_cell(r.peak_bytes))
-        row += _baseline_cells(r) if with_baselines else []
-        row += [r.budget_text or "", r.status]
-        row += [summary(r.explanation) if r.explanation else ""] if explained else []
-        row += [f"[picture](<{r.html}>)" if r.html else ""] if pictures else []
-        body.append([one_line(cell) for cell in row])
-    return [one_line(h) for h in headers], body
+def _cut(text: str, width: int, head: int) -> str:
+    return text if len(text) <= width else text[:head] + ELLIPSIS + text[len(text) - (width - 1 - head) :]
 
 
-def table(results: Sequence[TestResult]) -> str:
-    """The `--gpumem-report` table: one row a test, a column for each phase and for the whole call."""
-    headers, body = rows(results)
-    return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True)
+def truncate(text: str, width: int) -> str:
+    """`text` cut at the end to `width` characters."""
+    return text if len(text) <= width else text[: max(width - 1, 0)] + ELLIPSIS[:width]
 
 
-def markdown(results: Sequence[TestResult]) -> str:
-    """The same table in GitHub Markdown, for CI step summaries."""
+def join_fitting(parts: Sequence[str], width: int) -> str:
+    """`parts` joined by " · ", as many as fit in `width`, then how many more there are ("+3 more")."""
+    keep = fitting(parts, width)
+    if keep == len(parts):
+        return JOIN.join(parts)
+    shown = JOIN.join([*parts[:keep], f"+{len(parts) - keep} more"])
+    return shown if len(shown) <= width else truncate(shown, width)
+
+
+def fitting(parts: Sequence[str], width: int) -> int:
+    """How many of `parts` `join_fitting` shows in `width`."""
+    if len(JOIN.join(parts)) <= width:
+        return len(parts)
+    for keep in range(len(parts) - 1, 0, -1):
+        if len(JOIN.join([*parts[:keep], f"+{len(parts) - keep} more"])) <= width:
+            return keep
+    return 0
+
+
+def common_prefix(nodeids: Sequence[str]) -> str:
+    """What every id starts with, up to a "/" or "::" (pytest's own separators) and never into
+    parameters; empty for fewer than two ids or when an id would be left empty."""
+    if len(nodeids) < 2:
+        return ""
+    low, high = min(nodeids), max(nodeids)  # what these two share, every id between them shares
+    same = next((i for i, (a, b) in enumerate(zip(low, high, strict=False)) if a != b), len(low))
+    prefix = low[:same].split("[")[0]
+    cut = max(prefix.rfind("/") + 1, prefix.rfind("::") + 2 if "::" in prefix else 0)
+    prefix = prefix[:cut]
+    return prefix if all(len(nodeid) > len(prefix) for nodeid in nodeids) else ""
+
+
+def fold_ranks(phases: Mapping[str, PhaseResult]) -> dict[str, PhaseResult]:
+    """The phases with each `name@rankN` folded into `name`: the worst rank's figures, its rank kept
+    (the distributed run records that phase already; a lone per-rank phase is folded here)."""
+    bases: dict[str, list[PhaseResult]] = {}
+    for name, phase in phases.items():
+        base, rank = _rank_of(name)
+        bases.setdefault(base, [])
+        if rank is not None:
+            bases[base].append(phase if phase.rank is not None else _with_rank(phase, rank))
+    folded = {}
+    for base, ranks in bases.items():
+        if base in phases:
+            folded[base] = phases[base]
+        else:
+            folded[base] = max(ranks, key=lambda p: (p.peak_bytes, -(p.rank or 0)))
+    return folded
+
+
+def _rank_of(name: str) -> tuple[str, int | None]:
+    base, separator, rank = name.rpartition(RANK_SEPARATOR)
+    return (base, int(rank)) if separator and base and rank.isdigit() and rank.isascii() else (name, None)
+
+
+def _with_rank(phase: PhaseResult, rank: int) -> PhaseResult:
+    return PhaseResult(
+        phase.name, phase.peak_bytes, phase.requested_peak_bytes, phase.reserved_peak_bytes, phase.net_bytes,
+        phase.count, rank,
+    )  # fmt: skip
+
+
+def peak_cell(phase: PhaseResult | None) -> str:
+    """A peak, with the rank it is from: "28.0 MiB @rank1"."""
+    if phase is None:
+        return ""
+    return format_size(phase.peak_bytes) + ("" if phase.rank is None else f" @rank{phase.rank}")
+
+
+def shared_phases(folded: Sequence[Mapping[str, PhaseResult]]) -> list[str]:
+    """The phases that more than half of the tests have, most shared first (then in the order first seen)."""
+    counts: dict[str, int] = {}
+    for phases in folded:
+        for name in phases:
+            counts[name] = counts.get(name, 0) + 1
+    shared = [name for name, count in counts.items() if 2 * count > len(folded)]
+    return sorted(shared, key=lambda name: -counts[name])
+
+
+@dataclass
+class Column:
+    """One column: a header and, for each row, its parts (one, or several joined by " · ")."""
+
+    header: str
+    cells: list[list[str]]
+    right: bool = False  # figures align right
+    middle: bool = False  # cut in the middle (test ids), not at the end
+    parts: bool = False  # cut between parts, saying how many more ("+3 more"), never inside one
+    key: str = ""  # what `shrink` calls it: the header, or "phase:NAME" for a phase's own column
+    width: int = field(default=0)
+    _cache: tuple[int, list[str]] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.key = self.key or self.header
+        self.header = one_line(self.header)
+        self.cells = [[one_line(part) for part in cell] for cell in self.cells]
+        self.width = self.natural
+
+    @property
+    def natural(self) -> int:
+        return max([len(self.header), *(len(JOIN.join(cell)) for cell in self.cells)])
+
+    def text(self, row: int) -> str:
+        parts = self.cells[row]
+        if self.parts:
+            return join_fitting(parts, self.width)
+        if self.middle:
+            return self._elided()[row]
+        return truncate(parts[0] if parts else "", self.width)
+
+    def _elided(self) -> list[str]:
+        if self._cache is None or self._cache[0] != self.width:
+            texts = [cell[0] if cell else "" for cell in self.cells]
+            self._cache = self.width, elide_apart(texts, self.width)
+        return self._cache[1]
+
+    def head(self) -> str:
+        return truncate(self.header, self.width)
+
+
+def render(columns: Sequence[Column], rows: int) -> list[str]:
+    """The columns as pytest-benchmark-style text: headers, a rule, rows; cells two spaces apart."""
+
+    def line(cells: Sequence[str]) -> str:
+        padded = [
+            c.rjust(col.width) if col.right else c.ljust(col.width) for c, col in zip(cells, columns, strict=True)
+        ]
+        return GAP.join(padded).rstrip()
+
+    lines = [line([col.head() for col in columns]), GAP.join("-" * col.width for col in columns)]
+    return lines + [line([col.text(row) for col in columns]) for row in range(rows)]
+
+
+def total_width(columns: Sequence[Column]) -> int:
+    return sum(col.width for col in columns) + len(GAP) * (len(columns) - 1)
+
+
+def shrink(columns: Sequence[Column], width: int, floors: Mapping[str, int]) -> bool:
+    """Narrow the columns named in `floors` (in that order, each at most to its floor) until the table
+    fits in `width`; whether it does."""
+    for name, floor in floors.items():
+        excess = total_width(columns) - width
+        if excess <= 0:
+            break
+        for col in columns:
+            if col.key == name and col.width > floor:
+                col.width -= min(excess, col.width - floor)
+    return total_width(columns) <= width
+
+
+def _baseline(result: TestResult, phase: str | None) -> tuple[str, str, str]:
+    """A region's baseline, change and verdict cells ("call" is None)."""
+    comparisons = [] if result.baseline is None else result.baseline.get("comparisons", [])
+    found = next((c for c in comparisons if c.get("phase") == phase), None)
+    if found is None:
+        return "", "", ""
+    base, change, status = found.get("baseline"), found.get("change_percent"), found.get("status")
+    return ("" if base is None else format_size(base), "" if change is None else f"{change:+.1f}%", str(status or ""))
+
+
+def _devices(results: Sequence[TestResult]) -> list[str] | None:
+    """Each test's backend and device, when they are not the same for all (the header names them then)."""
+    where = [f"{r.backend} {r.device}".strip() for r in results]
+    return where if len(set(where)) > 1 else None
+
+
+def _ids(results: Sequence[TestResult], shorten: bool) -> tuple[str, list[str]]:
+    nodeids = [r.nodeid for r in results]
+    prefix = common_prefix(nodeids) if shorten else ""
+    return prefix, [nodeid[len(prefix) :] for nodeid in nodeids]
+
+
+def short_columns(
+    results: Sequence[TestResult], shared: int | None = None, ids: Sequence[str] | None = None,
+    links: Callable[[str], str] | None = None,
+) -> list[Column]:  # fmt: skip
+    """The short form's columns, with the first `shared` of the shared phases (all by default) in their
+    own columns and the others in one cell; `links` makes Markdown links of the pictures."""
+    folded = [fold_ranks(r.phases) for r in results]
+    own = shared_phases(folded)[:shared]
+    others = [[f"{name} {peak_cell(p)}" for name, p in phases.items() if name not in own] for phases in folded]
+    columns = [Column("test", [[i] for i in (ids or [r.nodeid for r in results])], middle=True)]
+    where = _devices(results)
+    columns += [] if where is None else [Column("backend", [[w] for w in where])]
+    columns += [
+        Column(name, [[peak_cell(phases.get(name))] for phases in folded], right=True, key=f"phase:{name}")
+        for name in own
+    ]
+    columns.append(Column("call peak", [[peak_cell(r.call)] for r in results], right=True))
+    if any(r.baseline is not None for r in results):
+        compared = [_baseline(r, None) for r in results]
+        columns.append(Column("baseline", [[base] for base, _, _ in compared], right=True))
+        columns.append(Column("change", [[change] for _, change, _ in compared], right=True))
+    columns.append(Column("budget", [[r.budget_text or ""] for r in results]))
+    columns.append(Column("status", [[r.status] for r in results]))
+    if any(others):
+        columns.append(Column("other phases" if own else "phases", others, parts=True, key="other phases"))
+    if any(r.explanation is not None for r in results):
+        columns.append(Column("made of", [[summary(r.explanation) if r.explanation else ""] for r in results]))
+    if links is not None and any(r.html for r in results):
+        columns.append(Column("picture", [[f"[picture](<{links(r.html)}>)" if r.html else ""] for r in results]))
+    return columns
+
+
+def long_columns(
+    results: Sequence[TestResult], ids: Sequence[str] | None = None, links: Callable[[str], str] | None = None
+) -> tuple[list[Column], int]:
+    """The long form: for each test a row for the whole call, then one for each phase (ranks apart)."""
+    names = ids or [r.nodeid for r in results]
+    rows: list[dict[str, str]] = []
+    for nodeid, r in zip(names, results, strict=True):
+        base, change, _ = _baseline(r, None)
+        rows.append(
+            {"test": nodeid, "phase": "call", "peak": peak_cell(r.call), "net": _net(r.call), "baseline": base,
+             "change": change, "budget": r.budget_text or "", "status": r.status,
+             "made of": summary(r.explanation) if r.explanation else "",
+             "picture": f"[picture](<{links(r.html)}>)" if links and r.html else ""}
+        )  # fmt: skip
+        for name, phase in r.phases.items():
+            base, change, verdict = _baseline(r, name)
+            made = summary(r.explanation, name) if r.explanation else ""
+            peak = format_size(phase.peak_bytes) if _rank_of(name)[1] is not None else peak_cell(phase)
+            rows.append(
+                {"test": "", "phase": name, "peak": peak, "net": _net(phase), "baseline": base,
+                 "change": change, "status": verdict, "made of": made}
+            )  # fmt: skip
+    headers = ["test", "phase", "peak", "net", "baseline", "change", "budget", "status", "made of", "picture"]
+    optional = {"baseline", "change", "budget", "made of", "picture"}
+    figures = {"peak", "net", "baseline", "change"}
+    columns = [
+        Column(h, [[row.get(h, "")] for row in rows], right=h in figures, middle=h in ("test", "phase"), key=h)
+        for h in headers
+        if h not in optional or any(row.get(h) for row in rows)
+    ]
+    return columns, len(rows)
+
+
+def _net(phase: PhaseResult | None) -> str:
+    return "" if phase is None else format_size(phase.net_bytes)
+
+
+def table(results: Sequence[TestResult], width: int | None = DEFAULT_WIDTH, long: bool = False) -> str:
+    """The `--gpumem-report` table, every line at most `width` characters (no limit for None)."""
+    return "\n".join(table_lines(results, width, long))
+
+
+def table_lines(results: Sequence[TestResult], width: int | None = DEFAULT_WIDTH, long: bool = False) -> list[str]:
+    prefix, ids = _ids(results, shorten=True)
+    caption = [truncate(f"test ids without their common prefix {prefix}", width or len(prefix) + 40)] if prefix else []
+    if long:
+        columns, count = long_columns(results, ids)
+        if width is not None:
+            shrink(columns, width, {"made of": 20, "test": 24, "phase": 16, "budget": 12})
+            shrink(columns, width, {"made of": 8, "test": 12, "phase": 10, "budget": 8})
+        return caption + render(columns, count)
+    return caption + render(_fitted(results, ids, width), len(results))
+
+
+def _fitted(results: Sequence[TestResult], ids: Sequence[str], width: int | None) -> list[Column]:
+    """The short form in `width`: test ids cut to a share of the width, then the least shared phases
+    leave their columns for the cell of the others (which shows at least how many there are); when
+    nothing fits, everything is cut to its last floor."""
+    every = len(shared_phases([fold_ranks(r.phases) for r in results]))
+    columns = short_columns(results, ids=ids)
+    if width is None:
+        return columns
+    for stage, floors in enumerate(_FLOORS):
+        if stage == 0:
+            floors = {**floors, "test": max(_FLOORS[1]["test"], int(width * _ID_SHARE))}
+        for shared in range(every, -1, -1):
+            columns = short_columns(results, shared, ids)
+            if shrink(columns, width, floors):
+                return _settled(columns, width)
+    return columns
+
+
+def _settled(columns: list[Column], width: int) -> list[Column]:
+    """The cell of other phases as wide as what it shows, the room it leaves back to the test ids."""
+    for col in columns:
+        if col.parts:
+            col.width = max([len(col.header), *(len(col.text(row)) for row in range(len(col.cells)))])
+    test = columns[0]
+    test.width = min(test.natural, test.width + width - total_width(columns))
+    return columns
+
+
+def markdown(
+    results: Sequence[TestResult], long: bool = False, root: Path | None = None, folder: Path | None = None
+) -> str:
+    """The table in GitHub Markdown, for CI step summaries: the short form (all phases in their columns
+    or one cell) or the long one. Pictures link relative to `folder` (the file's), their paths being
+    relative to `root`."""
     if not results:
         return "No test was measured.\n"
-    return markdown_table(*rows(results, links=True))
+
+    def link(html: str) -> str:
+        if root is None or folder is None:
+            return html
+        target = Path(root, html)
+        try:
+            return Path(os.path.relpath(target, folder)).as_posix()
+        except ValueError:  # another drive (Windows)
+            return target.as_posix()
+
+    if long:
+        columns, count = long_columns(results, links=link)
+    else:
+        columns, count = short_columns(results, links=link), len(results)
+    body = [[col.text(row) for col in columns] for row in range(count)]
+    return markdown_table([col.header for col in columns], body)
 
 
 def markdown_table(headers: Sequence[str], body: Sequence[Sequence[str]]) -> str:

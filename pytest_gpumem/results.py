@@ -8,7 +8,8 @@ from typing import Any
 STATUS_OK = "ok"
 STATUS_OVER = "OVER BUDGET"
 STATUS_ERROR = "error"
-REPORT_PROPERTY = "gpumem"  # the user property of a test report that carries its result as JSON text
+REPORT_ATTRIBUTE = "gpumem_result"  # the test report's attribute that carries its result (JSON text) to xdist
+RANK_SEPARATOR = "@rank"  # a distributed test's per-rank phases are named `phase@rankN`
 # statuses of a test that passed as far as the measurement knows
 _PASSING = frozenset((STATUS_OK, "NEW", "IMPROVED"))
 

@@ -1,5 +1,8 @@
 """pytest-xdist: each measured test's result reaches the controller with its report, so a worker that
-dies takes at most the test it was running; the controller alone reports and writes files."""
+dies takes at most the test it was running; the controller alone reports and writes files.
+
+The result rides on the report as an attribute (JSON text): pytest serializes a report's attributes for
+xdist (`pytest_report_to_serializable`), and junitxml, which prints `user_properties`, never sees it."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_gpumem.results import REPORT_PROPERTY, TestResult
+from pytest_gpumem.results import REPORT_ATTRIBUTE, TestResult
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -23,6 +26,6 @@ class XdistResults:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when != "call" or getattr(report, "node", None) is None:  # local: serial run, or a worker
             return
-        for name, value in report.user_properties:
-            if name == REPORT_PROPERTY and isinstance(value, str):
-                self.add(TestResult.from_dict(json.loads(value)))
+        carried = getattr(report, REPORT_ATTRIBUTE, None)
+        if isinstance(carried, str):
+            self.add(TestResult.from_dict(json.loads(carried)))

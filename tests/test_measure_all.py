@@ -96,7 +96,7 @@ def test_junit_xml_carries_peaks_as_properties(tracker: pytest.Pytester) -> None
     assert properties["gpumem_status"] == "ok"
     assert properties["gpumem_peak_bytes"] == "4000"
     assert properties["gpumem_peak_bytes[made]"] == "4000"
-    assert json.loads(properties["gpumem"])["phases"]["made"]["peak_bytes"] == 4000
+    assert set(properties) == {"gpumem_status", "gpumem_peak_bytes", "gpumem_peak_bytes[made]"}
 
 
 def test_one_line_of_counts_at_the_end(tracker: pytest.Pytester) -> None:
