@@ -143,6 +143,7 @@ def run(
             payload=payload,
         )
         ranks = _spawn(spec, limit)
+    meter.notes.extend(f"rank {r.rank}: {note}" for r in ranks for note in r.notes)
     return World(ranks, group, name)
 
 

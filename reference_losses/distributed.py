@@ -7,12 +7,14 @@ Sizes per rank (fp32): P1 = layer1 (W1 2048x1024, b1) = 8,396,800 B, P2 = layer2
 `setup` wraps a model that already exists; every phase is relative to what was allocated when it began.
 
 DDP (gradient buckets separate from .grad, the default; `init_sync=False`, as every rank builds the
-same seeded model: the default broadcasts a flat copy of the parameters, P more, which gloo's worker
-thread frees at a moment that races with the phases after it):
+same seeded model; the default broadcasts a flat copy of the parameters first, P, freed before the
+buckets are made: a rank waits for gloo's worker to let go of it, see pytest_gpumem.distributed_worker):
 - setup: P, the reducer's gradient buckets.
 - forward: h1 + out + out*target + 4 (their sum); keeps h1 and the 4-byte loss.
-- backward: P + 4 (the loss's gradient): all four gradients; each is copied into its bucket,
-  all-reduced there and copied back, so buckets add nothing now. dh1 is made as h1 is freed.
+- backward: the larger of two moments: P + 4 (the loss's gradient) once all four gradients exist (each
+  is copied into its bucket, all-reduced there and copied back, so buckets add nothing now; dh1 is
+  made as h1 is freed), or P2 + h1 + out + 4 in layer2's backward (its gradients, dh1 and the output's
+  gradient), the larger once h1 + out > P1 (b > 683 rows: 2 ranks at scale 4).
 - step: P, the momentum buffers (clones of the gradients) made by the first step.
 FSDP2 (reshard after forward, the default; all-gathers and reduce-scatters are flat buffers):
 - setup: P1/N + 4N: layer1's shard is made while its full parameters still exist (they are freed
@@ -20,11 +22,16 @@ FSDP2 (reshard after forward, the default; all-gathers and reduce-scatters are f
 - forward: h1 + P1 + 2*P2 at layer2's copy-out: layer1's all-gather buffer (P1) is freed only once the
   next all-gather is copied out, so it is still there with layer2's all-gather buffer (P2) and its
   unsharded parameters (P2). The sharding saves nothing here: buffers are whole layers.
-- backward: 2*P1 + P2/N + 4, or 2*P1 + P2 + P2/N + 4, when layer1's parameters are copied out of their
-  all-gather (layer1's buffer and unsharded parameters, 2*P1), while layer2's output shard (P2/N, its
-  gradient) exists, and its reduce-scatter input (P2) too unless gloo's worker thread has already let
-  go of it: which one happens changes from run to run (both seen on 2 ranks); dh1 (made) and h1 (freed)
-  are the same size.
+- backward: the larger of two moments; the first grows with the batch and is the larger once
+  h1 + out > P1 - P2 + P2/N (b > 341 rows on 2 ranks, b > 171 on 4: from scale 2 on):
+  - layer2's backward: its unsharded parameters (P2) and their gradients (P2), layer1's all-gather
+    buffer (P1, prefetched), dh1 (h1) and the output's gradient (out), and the loss's gradient (4);
+  - layer1's parameters copied out of their all-gather (its buffer and unsharded parameters, 2*P1),
+    while layer2's reduce-scatter input (P2, which FSDP keeps until layer1's reduce-scatter) and output
+    shard (P2/N, its gradient) exist, and the loss's gradient (4); dh1 (made) and h1 (freed) are the
+    same size.
+  Every phase of a rank begins and ends once gloo's worker threads are idle: layer2's forward
+  all-gather buffer, which only gloo's worker may still hold as forward ends, is gone before backward.
 - step: P/N, the momentum buffers of the shards.
 State kept between steps per rank (parameters, gradient buffers, optimizer state): DDP 3P (and the
 gradients P while they exist), FSDP2 3P/N.
@@ -103,26 +110,28 @@ def expected(strategy: str, s: DistSizes) -> list[Expectation]:
         "ddp": [
             ("setup", p, "the gradient buckets"),
             ("forward", s.h1 + 2 * s.out + LOSS, "h1 + out + out*target + their sum"),
-            ("backward", p + LOSS, "the four gradients + the loss's gradient"),
+            ("backward", max(p, s.p2 + s.h1 + s.out) + LOSS, "the four gradients, or layer2's and dh1 and dout"),
             ("step", p, "momentum buffers"),
         ],
         "fsdp2": [
             ("setup", s.p1 // n + LOSS * n, "layer1's shard while its full parameters exist (+4N B of FSDP's own)"),
             ("forward", s.h1 + s.p1 + 2 * s.p2, "h1 + layer1's all-gather buffer + layer2's buffer and parameters"),
-            ("backward", 2 * s.p1 + s.p2 // n + LOSS, "layer1 gathered twice + layer2's reduce-scatter out (+ in)"),
+            ("backward", _fsdp2_backward(s), "the larger of layer2's backward and layer1's copy-out"),
             ("step", p // n, "momentum buffers of the shards"),
         ],
     }[strategy]
-    # gloo's worker thread lets go of layer2's reduce-scatter input (P2) when it is done with it: at
-    # layer1's copy-out in backward it is there, or not, from run to run
-    late = {"fsdp2.backward": s.p2}
-    found = [
-        Expectation(f"{strategy}.{phase}", low, low + late.get(f"{strategy}.{phase}", 0) + SMALL, why)
-        for phase, low, why in derived
-    ]
+    found = [Expectation(f"{strategy}.{phase}", low, low + SMALL, why) for phase, low, why in derived]
     kept = s.h1 + LOSS
     found.append(Expectation(f"{strategy}.forward", kept, kept + SMALL, "keeps h1 (and the loss)", net=True))
     return found
+
+
+def _fsdp2_backward(s: DistSizes) -> int:
+    """The larger of FSDP2's two backward moments (the module docstring derives each)."""
+    n = s.world_size
+    layer2 = s.p1 + 2 * s.p2 + s.h1 + s.out + LOSS
+    layer1 = 2 * s.p1 + s.p2 + s.p2 // n + LOSS
+    return max(layer2, layer1)
 
 
 def state_bytes(strategy: str, s: DistSizes) -> int:
