@@ -457,12 +457,40 @@ class GpuMemSession:
         """At the end of the run: workers hand their results over; the controller writes the files."""
         if hasattr(self.config, "workerinput"):
             return  # each result went to the controller with its test's report
+        self._progress(exitstatus)
         self._write(self.options.json_path, "--gpumem-json", self._json_text)
         self._write(self.options.markdown_path, "--gpumem-markdown", self._markdown_text)
         if self.baselines.active:
             self._finish_baselines(session, exitstatus)
         if self.problems and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def _progress(self, exitstatus: int) -> None:
+        """What the end of a run is about to do that takes time on a large suite, in one line each
+        (nothing under -q): writing the report files, recording the baselines."""
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is None or self.config.get_verbosity() < 0:
+            return
+        files = [self._shown(p) for p in (self.options.json_path, self.options.markdown_path) if p is not None]
+        count = f"{len(self.results):,} result{'s' if len(self.results) != 1 else ''}"
+        if files:
+            reporter.write_line(f"gpumem: writing {count} to {' and '.join(files)}")
+        options = self.baselines.options
+        if not self.baselines.active or exitstatus == pytest.ExitCode.INTERRUPTED:
+            return
+        if options.update:
+            passed = sum(1 for r in self.results if r.record)
+            tests = f"{passed:,} passed test{'s' if passed != 1 else ''}"
+            reporter.write_line(f"gpumem: updating {self._shown(options.path)} from {tests}")
+        elif options.prune:
+            reporter.write_line(f"gpumem: removing the baselines that no test used from {self._shown(options.path)}")
+
+    def _shown(self, path: Path) -> str:
+        """`path` relative to where pytest was started, when it is below it."""
+        try:
+            return str(path.relative_to(self.config.invocation_params.dir))
+        except ValueError:
+            return str(path)
 
     def _finish_baselines(self, session: pytest.Session, exitstatus: int) -> None:
         if exitstatus == pytest.ExitCode.INTERRUPTED:
