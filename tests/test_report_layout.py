@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -255,3 +256,31 @@ def test_verbose_report_and_markdown_have_a_row_per_phase(tracker: pytest.Pytest
     markdown_lines = (tracker.path / "reports" / "m.md").read_text().splitlines()
     phases = [line.split("|")[2].strip() for line in markdown_lines[2:]]
     assert phases.count("call") == 5 and len(phases) == 5 + 3 * 2 + 4 + 2  # each test's call and phases
+
+
+def test_markdown_links_pictures_relative_to_its_own_folder(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(test_pic="import torch\n\ndef test_pic(gpumem):\n    torch.ones(1000)\n")
+    (tracker.path / "reports" / "ci").mkdir(parents=True)
+    args = ("--gpumem-explain", "--gpumem-html=pictures", "--gpumem-markdown=reports/ci/m.md", "--gpumem-json=o.json")
+    tracker.runpytest(*args).assert_outcomes(passed=1)
+    text = (tracker.path / "reports" / "ci" / "m.md").read_text(encoding="utf-8")
+    link = text.split("[picture](<", 1)[1].split(">)", 1)[0]
+    assert link.startswith("../../pictures/test_pic.py_test_pic-") and link.endswith(".html")
+    assert (tracker.path / "reports" / "ci" / link).is_file()
+    html = json.loads((tracker.path / "o.json").read_text(encoding="utf-8"))["tests"][0]["html"]
+    assert (tracker.path / html).resolve() == (tracker.path / "reports" / "ci" / link).resolve()  # rootdir-relative
+
+
+def test_the_end_of_the_run_says_what_it_writes_unless_quiet(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        test_two="import torch\n\ndef test_a(gpumem):\n    torch.ones(10)\n\ndef test_b(gpumem):\n    pass\n"
+    )
+    args = ("--gpumem-update", "--gpumem-json=out.json", "--gpumem-markdown=m.md", "-p", "no:cacheprovider")
+    result = tracker.runpytest(*args)
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(
+        ["gpumem: writing 2 results to out.json and m.md", "gpumem: updating gpumem-baselines.json from 2 passed tests"]
+    )
+    quiet = tracker.runpytest(*args, "-q")
+    quiet.assert_outcomes(passed=2)
+    assert not [line for line in quiet.outlines if line.startswith(("gpumem: writing", "gpumem: updating"))]
