@@ -8,6 +8,7 @@ to its peak, so its parts add up to the phase's peak; `live` is what was alive a
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,11 @@ class _Snapshot:
 
 def explain(attributor: Attributor, measured: Mapping[str, PhaseResult], nodeid: str, backend: str) -> dict[str, Any]:
     """The explanation of a measured call (`measured`: the call and its phases, by name)."""
+    if attributor.overflowed:
+        raise ValueError(
+            f"the call made more than {attributor.limit:,} allocations, resizes and frees, the most an explanation "
+            "follows (its host memory stays under about 100 MB)"
+        )
     totals = _running_totals(attributor)
     chosen = _peaks(attributor.regions, attributor.paused, totals)
     wanted = sorted({i for region, peak in chosen.values() for i in (region.start, peak)})
@@ -78,11 +84,11 @@ def explain(attributor: Attributor, measured: Mapping[str, PhaseResult], nodeid:
     }
 
 
-def _running_totals(attributor: Attributor) -> list[int]:
+def _running_totals(attributor: Attributor) -> array[int]:
     """Bytes allocated after each event (index 0: before the first)."""
-    sizes = [0] * len(attributor.allocations)
+    sizes = array("q", bytes(8 * len(attributor.allocations)))
     total = 0
-    totals = [0]
+    totals = array("q", [0])
     for allocation, size in zip(attributor.ids, attributor.sizes, strict=True):
         total += size - sizes[allocation]
         sizes[allocation] = size
@@ -91,15 +97,13 @@ def _running_totals(attributor: Attributor) -> list[int]:
 
 
 def _peaks(
-    regions: Sequence[Region], paused: Sequence[tuple[int, int]], totals: Sequence[int]
+    regions: Sequence[Region], paused: Sequence[tuple[int, int]], totals: array[int]
 ) -> dict[str, tuple[Region, int]]:
     """For each region name, the entry with the highest peak above its start and that peak's moment
     (the first moment of the largest total, outside spans the meter does not measure)."""
-    hidden = {i for low, high in paused for i in range(low + 1, high)}
     chosen: dict[str, tuple[Region, int]] = {}
     for region in regions:
-        moments = [i for i in range(region.start, min(region.end, len(totals) - 1) + 1) if i not in hidden]
-        peak = max(moments, key=lambda i: (totals[i], -i))
+        peak = _first_highest(totals, region.start, min(region.end, len(totals) - 1) + 1, paused)
         previous = chosen.get(region.name)
         rise = totals[peak] - totals[region.start]
         if previous is None or rise > totals[previous[1]] - totals[previous[0].start]:
@@ -107,12 +111,29 @@ def _peaks(
     return chosen
 
 
-def _sampled(totals: Sequence[int], chosen: Mapping[str, tuple[Region, int]]) -> set[int]:
+def _first_highest(totals: array[int], low: int, high: int, paused: Sequence[tuple[int, int]] = ()) -> int:
+    """The first moment in [low, high) of the largest total, leaving out the moments inside paused spans."""
+    best: int | None = None
+    start = low
+    for begin, end in [*sorted(paused), (high, high)]:
+        stop = min(max(begin + 1, start), high)
+        if stop > start:
+            part = totals[start:stop]
+            top = max(part)
+            if best is None or top > totals[best]:
+                best = start + part.index(top)
+        start = max(start, end)
+        if start >= high:
+            break
+    return low if best is None else best
+
+
+def _sampled(totals: array[int], chosen: Mapping[str, tuple[Region, int]]) -> set[int]:
     """The moments a timeline shows: the highest of each bucket, plus each phase's peak."""
     keep = {peak for _, peak in chosen.values()} | {0, len(totals) - 1}
     bucket = max(1, -(-len(totals) // MAX_POINTS))
     for low in range(0, len(totals), bucket):
-        keep.add(max(range(low, min(low + bucket, len(totals))), key=lambda i: totals[i]))
+        keep.add(_first_highest(totals, low, min(low + bucket, len(totals))))
     return keep
 
 
@@ -149,8 +170,8 @@ def _snapshot(live: Mapping[int, int], allocations: Sequence[Allocation]) -> _Sn
         snap.modules[allocation.module] = snap.modules.get(allocation.module, 0) + size
         cell = (allocation.category, allocation.module)
         snap.cells[cell] = snap.cells.get(cell, 0) + size
-    snap.tensors = sorted(((size, allocations[i]) for i, size in live.items()), key=lambda t: (-t[0], t[1].id))
-    del snap.tensors[TOP_TENSORS:]
+    largest = sorted(live.items(), key=lambda kv: (-kv[1], kv[0]))[:TOP_TENSORS]
+    snap.tensors = [(size, allocations[i]) for i, size in largest]
     return snap
 
 

@@ -525,7 +525,8 @@ def _tensor_table(phase: dict[str, Any], explanation: dict[str, Any]) -> str:
 
 
 def _tensor_row(tensor: dict[str, Any], explanation: dict[str, Any]) -> str:
-    shape = "[" + ", ".join(str(size) for size in tensor.get("shape", [])) + "]"
+    dims = tensor.get("shape")
+    shape = "a storage" if not isinstance(dims, list) else "[" + ", ".join(str(size) for size in dims) + "]"
     size = int(tensor.get("bytes", 0))
     cells = [
         f'<td class="code">{_text(shape)}</td>',

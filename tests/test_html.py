@@ -199,6 +199,22 @@ def test_text_in_tables_is_escaped() -> None:
     assert "&lt;b&gt;evil&lt;/b&gt;" in page and "a&lt;b&gt;.py:1" in page
 
 
+def test_markup_in_every_name_stays_text_and_a_bare_storage_renders() -> None:
+    points, _ = spread_peak(8, 20)
+    data = explanation(points, 8, nodeid=HOSTILE)
+    data["backend"] = data["labels"]["saved"] = HOSTILE
+    data["phases"][HOSTILE] = data["phases"].pop("forward")
+    tensor = data["phases"]["call"]["tensors"][0]
+    tensor.update(op=HOSTILE, module=HOSTILE, dtype=HOSTILE, where=HOSTILE, shape=None)
+    data["phases"]["call"]["cells"][0]["module"] = HOSTILE
+    page = render(data)
+    outside = re.sub(r'<script type="application/json" id="gpumem-[a-z]+">.*?</script>', "", page, flags=re.S)
+    assert "<script><" not in outside and "</script><script>" not in outside and "<!--" not in outside
+    assert outside.count("<script") == 1  # the page's own
+    assert '<td class="code">a storage</td>' in page
+    assert embedded(page) == data
+
+
 def test_a_phase_without_tensors_or_cells_still_renders() -> None:
     data = explanation([[0, [0] * 6], [1, [0, 0, 0, 0, 8, 0]]], 1)
     data["phases"] = {"call": {"peak_bytes": 8, "start_bytes": 0, "peak_index": 1, "spans": [[0, 1]]}}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import warnings
 import weakref
 from array import array
@@ -47,6 +48,10 @@ _RANK = {category: rank for rank, category in enumerate((*CATEGORIES[:3], "input
 _COMPILE_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
 NO_MODULE = "(outside modules)"
 STEP_MODULE = "(optimizer step)"
+MAX_EVENTS = 4_000_000
+"""The most allocations, resizes and frees an explanation follows (16 B each, and 8 B per allocation);
+a call that makes more is measured but not explained."""
+MAX_SHARED = 65_536  # freed allocations alike in every field share one record, of this many kinds at most
 _ACCUMULATE_GRAD_SEQUENCE = 2**64 - 1  # AccumulateGrad nodes carry no sequence number of their own
 
 
@@ -108,6 +113,9 @@ class Attributor(Recorder):
         self.problems: list[str] = []  # errors in our hooks: the explanation may be incomplete
         self.compiling: Callable[[], bool] = _never
         self._filter: Any = None
+        self.limit = MAX_EVENTS
+        self.overflowed = False  # more than `limit` events: the call cannot be explained
+        self._shared: dict[tuple[Any, ...], Allocation] = {}
         self.ids = array("q")  # per event: the allocation, and its counted bytes after the event (0: freed)
         self.sizes = array("q")
         self.regions: list[Region] = []
@@ -126,6 +134,7 @@ class Attributor(Recorder):
         self._handles: list[Any] = []
         self._in_step = 0
         self._factory: dict[object, bool] = {}
+        self._thread = threading.get_ident()  # the test's: module and optimizer hooks fire in every thread
 
     # --- regions, from the meter
 
@@ -160,6 +169,9 @@ class Attributor(Recorder):
             self._backward_reaches(node)
 
     def allocated(self, op: object, out: object, ref: Followed, total: int) -> Origin:
+        if len(self.ids) >= self.limit:
+            self.overflowed = True
+            return super().allocated(op, out, ref, total)
         allocation = Allocation(op_name(op), user_line(), len(self.allocations))
         try:
             allocation.module, allocation.category = self._context(op)
@@ -177,9 +189,24 @@ class Attributor(Recorder):
     def event(self, action: str, ref: Followed, total: int) -> None:
         origin = ref.origin
         if isinstance(origin, Allocation):
-            self.ids.append(origin.id)
-            self.sizes.append(0 if action == "free" else ref.counted)
+            if len(self.ids) >= self.limit:
+                self.overflowed = True
+            else:
+                self.ids.append(origin.id)
+                self.sizes.append(0 if action == "free" else ref.counted)
+                if action == "free":  # settled: what it was for cannot change any more
+                    self.allocations[origin.id] = self._shared_record(origin)
         super().event(action, ref, total)
+
+    def _shared_record(self, allocation: Allocation) -> Allocation:
+        """One record for freed allocations alike in every field (a loop's temporaries): millions of them
+        cost a list entry each."""
+        key = (allocation.op, allocation.where, allocation.module, allocation.category, allocation.shape,
+               allocation.dtype)  # fmt: skip
+        found = self._shared.get(key)
+        if found is None and len(self._shared) < MAX_SHARED:
+            found = self._shared[key] = allocation
+        return found or allocation
 
     # --- hooks, installed for the measured call only
 
@@ -188,6 +215,7 @@ class Attributor(Recorder):
         from torch.nn.modules import module as nn_module
 
         self.compiling = torch.compiler.is_compiling
+        self._thread = threading.get_ident()
         # torch.compile(module) warns when global module hooks exist, and ours exist only while measuring
         warnings.filterwarnings("ignore", message=_COMPILE_WARNING, category=UserWarning)
         self._filter = warnings.filters[0]
@@ -213,6 +241,9 @@ class Attributor(Recorder):
     def _module_entered(self, module: torch.nn.Module, args: object) -> None:
         import torch
 
+        if threading.get_ident() != self._thread:  # another thread's: its tensors are not followed
+            return
+
         name = self._names.get(module)
         if name is None:
             name = self._name_tree(module)
@@ -221,6 +252,8 @@ class Attributor(Recorder):
 
     @_contained
     def _module_left(self, module: torch.nn.Module, args: object, output: object) -> None:
+        if threading.get_ident() != self._thread:  # another thread's: its tensors are not followed
+            return
         if not self._open_calls:
             return
         start, name = self._open_calls.pop()
@@ -248,6 +281,8 @@ class Attributor(Recorder):
 
     @_contained
     def _step_begins(self, opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        if threading.get_ident() != self._thread:  # another thread's: its tensors are not followed
+            return
         self._in_step += 1
         for group in opt.param_groups:
             for param in group["params"]:
@@ -258,6 +293,9 @@ class Attributor(Recorder):
     @_contained
     def _step_ends(self, opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         import torch
+
+        if threading.get_ident() != self._thread:  # another thread's: its tensors are not followed
+            return
 
         self._in_step = max(self._in_step - 1, 0)
         for param, state in opt.state.items():

@@ -42,19 +42,46 @@ class Followed(Protocol):
     origin: Origin | None
 
 
+_SHOWN: dict[str, str | None] = {}  # a code file -> how a line of it is shown (None: not the test's code)
+_SHOWN_FROM: list[str] = [""]  # the working directory those were made relative to
+_OP_NAMES: dict[object, str] = {}
+
+
 def user_line() -> str | None:
     """The innermost frame that belongs to neither torch, nor this plugin, nor pytest."""
+    cwd = os.getcwd()
+    if cwd != _SHOWN_FROM[0]:
+        _SHOWN.clear()
+        _SHOWN_FROM[0] = cwd
     frame = sys._getframe(1)
     while frame is not None:
         path = frame.f_code.co_filename
-        if not any(part in path or path.endswith(part.rstrip(os.sep)) for part in _NOT_USER_CODE):
-            return sys.intern(f"{os.path.relpath(path) if not path.startswith('<') else path}:{frame.f_lineno}")
+        try:
+            shown = _SHOWN[path]
+        except KeyError:
+            shown = _SHOWN[path] = _shown(path)
+        if shown is not None:
+            return sys.intern(f"{shown}:{frame.f_lineno}")
         frame = frame.f_back  # type: ignore[assignment]
     return None
 
 
+def _shown(path: str) -> str | None:
+    if any(part in path or path.endswith(part.rstrip(os.sep)) for part in _NOT_USER_CODE):
+        return None
+    return path if path.startswith("<") else os.path.relpath(path)
+
+
 def op_name(op: object) -> str:
-    return str(op) if op is not None else "unknown op"
+    if op is None:
+        return "unknown op"
+    try:
+        return _OP_NAMES[op]
+    except KeyError:
+        name = _OP_NAMES[op] = str(op)
+        return name
+    except TypeError:  # not hashable
+        return str(op)
 
 
 class Recorder:
