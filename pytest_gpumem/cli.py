@@ -8,7 +8,10 @@ Exit status: 0 nothing regressed (or merged), 1 something regressed, 2 bad input
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +23,7 @@ from pytest_gpumem.constants import DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCE
 from pytest_gpumem.explain import compact
 from pytest_gpumem.options import slack, tolerance
 from pytest_gpumem.report import JSON_VERSION, markdown_table
-from pytest_gpumem.sizes import format_size
+from pytest_gpumem.sizes import format_size, shorten
 from pytest_gpumem.store import check_composition
 
 MAX_REPORT_BYTES = 256 * 1024 * 1024
@@ -39,26 +42,76 @@ def load_report(path: Path) -> Tests:
             raise ReportError(f"{path}: not a file")
         if path.stat().st_size > MAX_REPORT_BYTES:
             raise ReportError(f"{path}: too large (limit {format_size(MAX_REPORT_BYTES)})")
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_bytes().decode("utf-8-sig")
+        doc = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ReportError(f"{path}: cannot read a gpumem report: {exc}") from None
+        raise ReportError(f"{path}: cannot read a gpumem report: {_first_line(exc)}") from None
     tests = doc.get("tests") if isinstance(doc, dict) else None
     if not isinstance(tests, list):
         raise ReportError(f"{path}: not a gpumem report (no list of tests; written by --gpumem-json?)")
+    version = doc.get("version", JSON_VERSION)
+    if type(version) is not int or not 1 <= version <= JSON_VERSION:
+        raise ReportError(
+            f"{path}: report version {shorten(version)} is not one this pytest-gpumem reads (1 to {JSON_VERSION})"
+        )
     return _by_nodeid(path, tests)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"duplicate key {json.dumps(key)}")
+            seen.add(key)
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+def _first_line(exc: BaseException) -> str:
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    text = str(exc).splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 def _by_nodeid(path: Path, tests: list[Any]) -> Tests:
     found: Tests = {}
     for i, test in enumerate(tests):
-        if not isinstance(test, dict) or not isinstance(test.get("nodeid"), str):
+        if not isinstance(test, dict) or not isinstance(test.get("nodeid"), str) or not test["nodeid"]:
             raise ReportError(f"{path}: test {i} has no node id")
-        if not isinstance(test.get("phases", {}), dict) or not _is_size(test.get("peak_bytes")):
-            raise ReportError(f"{path}: {test['nodeid']}: peaks must be byte counts")
-        if test["nodeid"] in found and found[test["nodeid"]] != test:
-            raise ReportError(f"{path}: {test['nodeid']} appears twice with different figures")
-        found[test["nodeid"]] = test
+        nodeid = test["nodeid"]
+        where = f"{path}: {json.dumps(nodeid)[1:-1]}"
+        if not _printable(nodeid):
+            raise ReportError(f"{where}: a node id must be printable text (no control characters, no lone surrogates)")
+        phases = test.get("phases", {})
+        if not isinstance(phases, dict) or not _is_size(test.get("peak_bytes")):
+            raise ReportError(f"{where}: peaks must be byte counts")
+        bad = next((name for name, phase in phases.items() if not _is_phase(name, phase)), None)
+        if bad is not None:
+            raise ReportError(f"{where}: phase {json.dumps(bad)} must be an object with a peak_bytes byte count")
+        if not isinstance(test.get("status", "ok"), str):
+            raise ReportError(f"{where}: status must be a string, got {shorten(test['status'])}")
+        if nodeid in found and found[nodeid] != test:
+            raise ReportError(f"{where} appears twice with different figures")
+        found[nodeid] = test
     return found
+
+
+def _printable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return not any(ord(c) < 32 or ord(c) == 127 for c in text)
+
+
+def _is_phase(name: str, phase: object) -> bool:
+    return bool(name) and _printable(name) and isinstance(phase, dict) and _is_size(phase.get("peak_bytes"))
 
 
 def _is_size(value: object) -> bool:
@@ -69,8 +122,7 @@ def _phase_peaks(test: dict[str, Any]) -> dict[str | None, int | None]:
     """The whole call (None) and each phase's peak; None where it was not measured."""
     peaks: dict[str | None, int | None] = {None: test.get("peak_bytes")}
     for name, phase in test.get("phases", {}).items():
-        peak = phase.get("peak_bytes") if isinstance(phase, dict) else None
-        peaks[name] = peak if _is_size(peak) else None
+        peaks[name] = phase.get("peak_bytes")
     return peaks
 
 
@@ -162,6 +214,8 @@ def _markdown(comparison: Comparison) -> str:
 
 
 def run_compare(args: argparse.Namespace) -> int:
+    if args.markdown is not None:
+        _not_an_input(args.markdown, "--markdown", [args.old, args.new])
     old, new = load_report(args.old), load_report(args.new)
     comparison = compare_reports(old, new, Tolerance(args.tolerance, args.slack))
     print(_text(comparison))
@@ -191,16 +245,36 @@ def merge_reports(reports: Sequence[tuple[Path, Tests]]) -> dict[str, Any]:
 
 
 def run_merge(args: argparse.Namespace) -> int:
+    _not_an_input(args.output, "-o", args.reports)
     doc = merge_reports([(path, load_report(path)) for path in args.reports])
-    _write(args.output, json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    _write(args.output, json.dumps(doc, indent=2, sort_keys=True, allow_nan=False) + "\n")
     print(f"merged {len(args.reports)} reports, {len(doc['tests'])} tests, into {args.output}")
     return 0
 
 
+def _not_an_input(output: Path, flag: str, inputs: Sequence[Path]) -> None:
+    """Writing onto a report being read would lose it: refuse before reading anything."""
+    for path in inputs:
+        try:
+            same = output.resolve() == path.resolve() or (output.exists() and output.samefile(path))
+        except (OSError, RuntimeError):  # a link loop, a path that cannot be resolved: not an input
+            same = False
+        if same:
+            raise ReportError(f"{flag} {output} is one of the input reports; write the output elsewhere")
+
+
 def _write(path: Path, text: str) -> None:
+    """Write through a temporary file in the same folder, so that a failure leaves the old file whole."""
+    path = Path(os.path.realpath(path))  # through a symbolic link, as the baseline file is written
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        path.write_text(text, encoding="utf-8")
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "is a directory")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
     except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
         raise ReportError(f"{path}: cannot write: {exc.strerror or exc}") from None
 
 

@@ -189,6 +189,7 @@ def compare(
     fmt: SizeFormatter = format_size,
     grad_rtol: float | Mapping[str, float] | None = None,
     grad_atol: float | None = None,
+    record: str = "--gpumem-update",
 ) -> Verdict:
     """Compare a measurement with its stored baseline (``store.get(nodeid, current.identity)``).
 
@@ -196,11 +197,12 @@ def compare(
     ``"forward peak 20.1 MiB is 25.6% above baseline 16.0 MiB (tolerance 5% + 1.0 MiB)"``. A drop below
     ``tolerance.lower`` passes with an "improved" note. No baseline: ``NEW``, failing only when
     ``strict`` (which also fails a phase or gradients without a baseline). Gradients are compared when
-    both sides have fingerprints (``grad_rtol``/``grad_atol`` as in ``compare_fingerprints``).
+    both sides have fingerprints (``grad_rtol``/``grad_atol`` as in ``compare_fingerprints``). ``record``
+    is how the messages say to record what has no baseline.
     """
     tol = tolerance if tolerance is not None else _DEFAULT_TOLERANCE
     if baseline is None:
-        hint = f"no baseline for this test on {current.identity.key} (record one with --gpumem-update)"
+        hint = f"no baseline for this test on {current.identity.key} (record one with {record})"
         comparisons = [PhaseComparison(None, None, current.peak_bytes, None, None, "NEW")]
         comparisons.extend(PhaseComparison(n, None, v, None, None, "NEW") for n, v in current.phases.items())
         return Verdict(
@@ -215,7 +217,7 @@ def compare(
     results = [compare_peak(None, baseline.peak_bytes, current.peak_bytes, tol, fmt)]
     base_phases = baseline.phases
     for name, value in current.phases.items():
-        results.append(compare_peak(name, base_phases.get(name), value, tol, fmt))
+        results.append(compare_peak(name, base_phases.get(name), value, tol, fmt, record))
     for name, value in base_phases.items():
         if name not in current.phases:
             results.append(compare_peak(name, value, None, tol, fmt))
@@ -246,7 +248,7 @@ def compare(
         notes.extend(grads.notes)
     elif current.gradients is not None:
         gradient_status = "NEW"
-        message = "gradients have no baseline (record one with --gpumem-update)"
+        message = f"gradients have no baseline (record one with {record})"
         (problems if strict else notes).append(message)
     elif baseline.gradients is not None:
         notes.append("the baseline has gradient fingerprints, this run recorded none")
@@ -274,14 +276,19 @@ def with_growth(
 
 
 def compare_peak(
-    phase: str | None, stored: int | None, current: int | None, tol: Tolerance, fmt: SizeFormatter
+    phase: str | None,
+    stored: int | None,
+    current: int | None,
+    tol: Tolerance,
+    fmt: SizeFormatter,
+    record: str = "--gpumem-update",
 ) -> PhaseComparison:
     """One peak (``phase``; ``None``: the whole call) against its stored value; either may be missing.
     The only place that decides ``REGRESSED`` and ``IMPROVED`` (also for ``pytest-gpumem compare``)."""
     label = "call" if phase is None else phase
     if stored is None:
         assert current is not None
-        message = f"{label} peak {fmt(current)} has no baseline (record one with --gpumem-update)"
+        message = f"{label} peak {fmt(current)} has no baseline (record one with {record})"
         return PhaseComparison(phase, None, current, None, None, "NEW", message)
     if current is None:
         message = f"{label} has a baseline ({fmt(stored)}) but was not measured in this run"

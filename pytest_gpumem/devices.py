@@ -14,7 +14,10 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from pytest_gpumem.sizes import MAX_TEXT, shorten
+
 VISIBLE = "CUDA_VISIBLE_DEVICES"
+_ORDINAL = re.compile(r"[0-9]{1,6}")
 
 
 @dataclass(frozen=True)
@@ -36,11 +39,11 @@ def devices_spec(value: str) -> str | tuple[int, ...]:
     if text == "auto":
         return "auto"
     parts = [part.strip() for part in text.split(",")]
-    if not parts or not all(part.isdigit() for part in parts):
-        raise argparse.ArgumentTypeError(f"invalid devices {value!r} (auto, or ordinals like 0,1)")
+    if len(text) > MAX_TEXT or not all(_ORDINAL.fullmatch(part) for part in parts):
+        raise argparse.ArgumentTypeError(f"invalid devices {shorten(value)} (auto, or ordinals like 0,1)")
     ordinals = tuple(int(part) for part in parts)
     if len(set(ordinals)) != len(ordinals):
-        raise argparse.ArgumentTypeError(f"invalid devices {value!r}: a device is named twice")
+        raise argparse.ArgumentTypeError(f"invalid devices {shorten(value)}: a device is named twice")
     return ordinals
 
 

@@ -171,8 +171,10 @@ class ParamFingerprint:
     def from_json(cls, obj: object, where: str) -> ParamFingerprint:
         d = _exact_keys(obj, where, ("shape", "dtype", "grad"))
         shape = d["shape"]
-        if shape is not None and (not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape)):
-            raise ValueError(f"{where}.shape: expected a list of integers >= 0 or null, got {_short(shape)}")
+        if shape is not None and (
+            not isinstance(shape, list) or not all(type(s) is int and 0 <= s < 2**63 for s in shape)
+        ):
+            raise ValueError(f"{where}.shape: expected a list of integers 0 <= n < 2**63 or null, got {_short(shape)}")
         dtype = d["dtype"]
         if dtype is not None and (not isinstance(dtype, str) or not dtype):
             raise ValueError(f"{where}.dtype: expected a dtype name or null, got {_short(dtype)}")
@@ -610,10 +612,17 @@ def _float_to_json(x: float) -> float | str:
 
 def _float_from_json(v: object, where: str) -> float:
     if type(v) is float or type(v) is int:
-        return float(v)
+        number = float(v) if type(v) is float or abs(v) < _FLOAT_INT_LIMIT else math.inf
+        if math.isfinite(number):
+            return number
+        raise ValueError(f'{where}: a number beyond the float range ({_short(v)}); write "inf" or "-inf" if meant')
     if isinstance(v, str) and v in _NONFINITE:
         return _NONFINITE[v]
     raise ValueError(f'{where}: expected a number (or "nan", "inf", "-inf"), got {_short(v)}')
+
+
+_FLOAT_INT_LIMIT = 2**1024
+"""An integer at least this large has no float (``float()`` raises ``OverflowError``)."""
 
 
 def _exact_keys(obj: object, where: str, keys: tuple[str, ...]) -> dict[str, Any]:
@@ -633,5 +642,10 @@ def _key(name: str) -> str:
 
 
 def _short(v: object, limit: int = 60) -> str:
-    text = repr(v)
+    if type(v) is int and v.bit_length() > 200:
+        return f"an integer of {math.floor(math.log10(abs(v))) + 1:,} digits"  # str() raises past 4,300
+    try:
+        text = repr(v)
+    except Exception:
+        text = f"<a {type(v).__name__} whose repr raised>"
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpumem.options import BaselineOptions
+from pytest_gpumem.options import BaselineOptions, Options
 
 if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
@@ -33,6 +33,16 @@ def identity_of(backend: Backend) -> DeviceIdentity:
     own = getattr(backend, "identity", None)
     data: dict[str, Any] = own() if callable(own) else {"backend": backend.name, "device": str(backend.device)}
     return DeviceIdentity(data["backend"], data["device"], data.get("capability"), data.get("total_memory"))
+
+
+def selection_flags(options: Options) -> list[str]:
+    """The options that decide which tests a run measures and for which device identity: a run that
+    records baselines needs the same ones as the run that enforces them, or it records other tests."""
+    flags = [f"--gpumem-backend={options.backend}"] if options.backend_given else []
+    flags += [] if options.rounding == "none" else [f"--gpumem-round={options.rounding}"]
+    flags += [] if options.device == "cpu" else [f"--gpumem-device={options.device}"]
+    flags += [] if options.paths is None else [f"--gpumem-paths={options.paths}"]
+    return [*flags, "--gpumem-all"] if options.measure_all else flags
 
 
 def verdict_status(verdict: Verdict) -> str:
@@ -80,6 +90,12 @@ class BaselineRun:
     failed: set[str] = field(default_factory=set)
     seen: set[str] = field(default_factory=set)
     partial: bool = False
+    selection: list[str] = field(default_factory=list)  # selection_flags() of the run
+
+    @property
+    def record_command(self) -> str:
+        """How to record the baselines this run lacks, measuring what this run measures."""
+        return shlex.join(["pytest", *self.selection, "--gpumem-update=new"])
 
     @property
     def active(self) -> bool:
@@ -140,13 +156,20 @@ class BaselineRun:
             strict=self.options.strict and not self.options.update,  # an update records what is missing
             grad_rtol=rtol,
             grad_atol=atol,
+            record=self.record_command,
         )
         fails = verdict.failed and not self.options.update
         return Judgement(verdict, entry, fails, stored is not None and stored.composition is not None)
 
-    def finish(self, records: Iterable[tuple[str, dict[str, Any]]], backend: Callable[[], Backend]) -> list[str]:
-        """After the run: warnings, unused baselines, and under --gpumem-update/--gpumem-prune the new
-        file. Returns the lines for the terminal summary."""
+    def finish(
+        self,
+        records: Iterable[tuple[str, dict[str, Any]]],
+        backend: Callable[[], Backend],
+        missing: Sequence[str] = (),
+    ) -> list[str]:
+        """After the run: warnings, unused baselines, the tests that failed for want of a baseline
+        (`missing`), and under --gpumem-update/--gpumem-prune the new file. Returns the lines for the
+        terminal summary."""
         from pytest_gpumem.compare import environment_warnings
         from pytest_gpumem.store import Entry, UpdateSummary, unused, update, write
 
@@ -163,9 +186,15 @@ class BaselineRun:
         if self.options.update:
             passed = {n: e for n, e in entries.items() if n not in self.failed}
             if self.options.update_new_only:  # stored entries stay byte for byte
+                summary.kept = [n for n, e in passed.items() if self.store.get(n, e.identity) is not None]
                 passed = {n: e for n, e in passed.items() if self.store.get(n, e.identity) is None}
             passed = {n: self._keeping_composition(n, e) for n, e in passed.items()}
             update(self.store, passed, summary=summary)
+        if missing:
+            lines.append(
+                f"{len(missing)} measured tests have no baseline for {identity.key} in {self.options.path.name}: "
+                f"record them, measuring what this run measures, with: {self.record_command}"
+            )
         lines += self._prune_lines(stale, identity, summary)
         if summary.changed:
             path = write(self.store, self.options.path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from decimal import Decimal, InvalidOperation
 
@@ -68,13 +69,23 @@ def _bounded(size: int, value: object) -> int:
 def shorten(value: object, limit: int = 60) -> str:
     """`repr(value)`, cut in the middle when longer than `limit`, with its length: a bad value echoed in a
     one-line message stays one readable line ('99999...99999 GiB' (5,004 characters))."""
-    text = repr(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > _REPR_BITS:
+        digits = math.floor(math.log10(abs(value))) + 1  # str() of it raises past sys.get_int_max_str_digits()
+        return f"{'a negative' if value < 0 else 'an'} integer of {digits:,} digits"
+    try:
+        text = repr(value)
+    except Exception:
+        return f"<a {type(value).__name__} whose repr raised>"
     if len(text) <= limit:
         return text
     half = (limit - 5) // 2
     what = "digits" if isinstance(value, int) else "characters"
     size = len(text) - (value < 0 if isinstance(value, int) else 2)
     return f"{text[:half]}...{text[-half:]} ({size:,} {what})"
+
+
+_REPR_BITS = 10_000
+"""Integers longer than this are described, not printed (about 3,000 digits, under Python's 4,300 limit)."""
 
 
 def is_binary(value: object) -> bool:

@@ -482,6 +482,8 @@ def _loads(data: str | bytes, p: Path) -> dict[str, dict[str, Entry]]:
     if not text.strip():
         raise fail("file is empty (truncated?); fix or delete it")
     obj = _parse(text, fail)
+    if _ESCAPED_SURROGATE.search(text) and not _encodable(obj):
+        raise fail(r"a string holds a lone surrogate (an escape like \ud800 that is half of no pair); fix or delete it")
     if not isinstance(obj, dict) or obj.get("schema") != SCHEMA:
         raise fail(f'not a pytest-gpumem baseline file (no "schema": "{SCHEMA}")')
     version = obj.get("version")
@@ -501,12 +503,26 @@ def _loads(data: str | bytes, p: Path) -> dict[str, dict[str, Entry]]:
     for nodeid, per_device in raw_entries.items():
         if not nodeid:
             raise fail("entries: empty test node id")
+        if _CONTROL.search(nodeid):
+            raise fail(f"entries: node id {json_key(nodeid)} holds a control character; fix or delete it")
         if not isinstance(per_device, dict):
             raise fail(f"entries[{json_key(nodeid)}]: expected an object of device -> entry, got {short(per_device)}")
         built = _entries_of(nodeid, per_device, fail)
         if built:
             entries[nodeid] = built
     return entries
+
+
+_ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _encodable(obj: object) -> bool:
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _parse(text: str, fail: Callable[[str], BaselineError]) -> Any:
@@ -765,6 +781,8 @@ class UpdateSummary:
     updated: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+    """Measured, not re-recorded: the stored entry stays as it is (``--gpumem-update=new``)."""
 
     @property
     def changed(self) -> bool:
@@ -772,10 +790,11 @@ class UpdateSummary:
         return bool(self.added or self.updated or self.removed)
 
     def describe(self) -> str:
-        """``"2 added, 1 updated, 10 unchanged, 0 removed"``."""
+        """``"2 added, 1 updated, 10 unchanged, 0 removed"`` (and ``", 3 kept"`` when some were kept)."""
+        kept = f", {len(self.kept)} kept" if self.kept else ""
         return (
             f"{len(self.added)} added, {len(self.updated)} updated, "
-            f"{len(self.unchanged)} unchanged, {len(self.removed)} removed"
+            f"{len(self.unchanged)} unchanged, {len(self.removed)} removed{kept}"
         )
 
     def to_json(self) -> dict[str, list[str]]:
@@ -784,6 +803,7 @@ class UpdateSummary:
             "updated": list(self.updated),
             "unchanged": list(self.unchanged),
             "removed": list(self.removed),
+            "kept": list(self.kept),
         }
 
 

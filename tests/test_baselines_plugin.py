@@ -131,7 +131,9 @@ def test_missing_baseline_is_new_unless_strict_then_missing_baseline(tracker: py
     result.stdout.fnmatch_lines(["*test_alloc?b?*NEW"])
     strict = run(tracker, "--gpumem-strict", "--gpumem-report")
     strict.assert_outcomes(passed=1, failed=1)
-    strict.stdout.fnmatch_lines(["*no baseline for this test on tracker | cpu (record one with --gpumem-update)*"])
+    strict.stdout.fnmatch_lines(
+        ["*no baseline for this test on tracker | cpu (record one with pytest --gpumem-backend=tracker --gpumem-update=new)*"]
+    )
     strict.stdout.fnmatch_lines(["*test_alloc?b?*MISSING BASELINE"])
     strict.stdout.no_fnmatch_line("*test_alloc?b?*NEW")
     recorded = run(tracker, "--gpumem-strict", "--gpumem-update", "--gpumem-report")

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+import shlex
+from pathlib import Path
 
 import pytest
 
@@ -103,3 +106,114 @@ def test_prune_keeps_everything_after_pytest_exit(tracker: pytest.Pytester, retu
     )
     tracker.runpytest("--gpumem-prune", "-p", "no:randomly")
     assert (tracker.path / BASELINES).read_bytes() == before
+
+
+# ------------------------------------------------------------------- the example workflow, end to end
+
+WORKFLOW = Path(__file__).parent.parent / "examples" / "github-actions.yml"
+
+
+def _workflow() -> tuple[dict[str, str], dict[str, dict[str, str]], list[str]]:
+    """The example's top-level env, each job's `run:` commands by step name (folded as YAML folds `>`),
+    and the commands its comments document. A reader of this one file's shape, not of YAML in general."""
+    env: dict[str, str] = {}
+    runs: dict[str, dict[str, str]] = {}
+    documented: list[str] = []
+    section = job = step = ""
+    lines = WORKFLOW.read_text(encoding="utf-8").splitlines()
+    for i, line in enumerate(lines):
+        if re.fullmatch(r"#\s+(\.venv/bin/)?pytest .*", line):
+            documented.append(line.lstrip("# "))
+        elif re.fullmatch(r"[a-z_]+:.*", line):
+            section = line.split(":")[0]
+        elif section == "env" and (found := re.fullmatch(r"  ([A-Z_]+): (.+)", line)):
+            env[found[1]] = found[2]
+        elif section == "jobs" and (found := re.fullmatch(r"  ([a-z-]+):", line)):
+            job = found[1]
+            runs[job] = {}
+        elif found := re.fullmatch(r"\s+- name: (.+)", line):
+            step = found[1].strip('"')
+        elif found := re.fullmatch(r"(\s+)run: >", line):
+            indent = len(found[1])
+            block = [text.strip() for text in _indented(lines[i + 1 :], indent)]
+            runs[job][step] = " ".join(block)
+    return env, runs, documented
+
+
+def _indented(lines: list[str], indent: int) -> list[str]:
+    block = []
+    for text in lines:
+        if len(text) - len(text.lstrip()) <= indent:
+            break
+        block.append(text)
+    return block
+
+
+def _pytest_args(command: str, env: dict[str, str]) -> list[str]:
+    """The pytest arguments of a workflow command, its variables and inputs filled in."""
+    for name, value in env.items():
+        command = command.replace(f'"${name}"', shlex.quote(value)).replace(f"${name}", value)
+    command = command.replace("${{ inputs.mode }}", "new")
+    program, *args = shlex.split(command)
+    assert program.endswith("pytest"), command
+    return args
+
+
+APP = """
+import torch
+
+def test_annotated(gpumem):
+    torch.zeros(256, 256)  # 256 * 256 * 4 = 262,144 B
+
+def test_plain():
+    torch.zeros({n}, 256)  # {n} * 256 * 4 B; measured only under --gpumem-all
+"""
+
+
+def test_the_example_workflow_records_what_it_enforces(pytester: pytest.Pytester) -> None:
+    env, runs, documented = _workflow()
+    env["GITHUB_STEP_SUMMARY"] = str(pytester.path / "summary.md")
+    enforce_cpu = _pytest_args(runs["cpu"]["Memory tests on the tracker (exact, no GPU needed)"], env)
+    enforce_gpu = runs["gpu"]["Memory tests on the GPU"]
+    record_gpu = runs["gpu-record"]["Record the GPU baselines"]
+    assert "$GPU_TESTS" in enforce_gpu and "$GPU_TESTS" in record_gpu  # one selection for both GPU jobs
+    (record_cpu,) = (_pytest_args(c, env) for c in documented if "--gpumem-update=new" in c)
+    assert shlex.split(env["CPU_TESTS"]) == [a for a in record_cpu if a != "--gpumem-update=new"]
+    assert "--gpumem-strict" in enforce_cpu
+
+    pytester.makepyfile(test_app=APP.format(n=256))
+    recorded = pytester.runpytest(*record_cpu)  # on the developer's machine
+    recorded.assert_outcomes(passed=2)
+    recorded.stdout.fnmatch_lines(["wrote *gpumem-baselines.json: 2 added, 0 updated, 0 unchanged, 0 removed"])
+    pytester.runpytest(*enforce_cpu).assert_outcomes(passed=2)  # the pull request's CPU job
+    summary = Path(env["GITHUB_STEP_SUMMARY"]).read_text(encoding="utf-8")
+    assert re.search(r"\| test_app.py::test_plain +\| 256.0 KiB +\| 256.0 KiB +\|", summary), summary
+
+    pytester.makepyfile(test_app=APP.format(n=4096))  # test_plain now makes 4,194,304 B: 16x
+    regressed = pytester.runpytest(*enforce_cpu)
+    regressed.assert_outcomes(passed=1, failed=1)
+    regressed.stdout.fnmatch_lines(
+        ["call peak 4.0 MiB is 1500.0% above baseline 256.0 KiB (tolerance 5% + 1.0 MiB)*"]
+    )
+
+    pytester.makepyfile(test_app=APP.format(n=256), test_later="def test_later():\n    pass\n")
+    before = (pytester.path / BASELINES).read_bytes()
+    missing = pytester.runpytest(*enforce_cpu)  # a new test without a baseline fails under --gpumem-strict
+    missing.assert_outcomes(passed=2, failed=1)
+    missing.stdout.fnmatch_lines(
+        [
+            "*no baseline for this test on tracker | cpu (record one with "
+            "pytest --gpumem-backend=tracker --gpumem-all --gpumem-update=new)",
+            "1 measured tests have no baseline for tracker | cpu in gpumem-baselines.json: record them, measuring "
+            "what this run measures, with: pytest --gpumem-backend=tracker --gpumem-all --gpumem-update=new",
+        ]
+    )
+    assert (pytester.path / BASELINES).read_bytes() == before
+    added = pytester.runpytest(*record_cpu)
+    added.stdout.fnmatch_lines(["wrote *: 1 added, 0 updated, 0 unchanged, 0 removed, 2 kept"])
+    assert sorted(_entries(pytester)) == [
+        "test_app.py::test_annotated",
+        "test_app.py::test_plain",
+        "test_later.py::test_later",
+    ]
+    pytester.runpytest(*enforce_cpu).assert_outcomes(passed=3)

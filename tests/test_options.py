@@ -157,12 +157,12 @@ def test_bad_ini_flag_names_the_option(pytester: pytest.Pytester) -> None:
     result.stderr.fnmatch_lines(["ERROR: ini option gpumem_report: *maybe*"])
 
 
-def test_unwritable_json_fails_the_run(tracker: pytest.Pytester) -> None:
+def test_a_folder_given_as_the_json_file_is_refused_before_the_run(tracker: pytest.Pytester) -> None:
     tracker.makepyfile(TWO_TESTS)
     (tracker.path / "out").mkdir()
     result = tracker.runpytest("--gpumem-json=out")
-    result.stdout.fnmatch_lines(["gpumem: --gpumem-json: cannot write */out: *"])
-    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stderr.fnmatch_lines(["ERROR: --gpumem-json=out: */out is a folder, not a file"])
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
 
 
 def test_markdown_escapes_pipes(tracker: pytest.Pytester) -> None:
