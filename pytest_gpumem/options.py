@@ -17,7 +17,7 @@ from pytest_gpumem.devices import devices_spec
 from pytest_gpumem.distributed import DEFAULT_TIMEOUT as DEFAULT_DIST_TIMEOUT
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.markers import Budget, Limit, budget_from_marker
-from pytest_gpumem.sizes import format_size, parse_size
+from pytest_gpumem.sizes import format_size, parse_size, shorten
 
 T = TypeVar("T")
 
@@ -61,32 +61,34 @@ class BaselineOptions:
 
 def backend_name(value: str) -> str:
     if not value.strip() or not value.replace("_", "").replace("-", "").isalnum():
-        raise argparse.ArgumentTypeError(f"invalid backend name {value!r} (auto, cuda, accelerator, tracker)")
+        raise argparse.ArgumentTypeError(f"invalid backend name {shorten(value)} (auto, cuda, accelerator, tracker)")
     return value.strip()
 
 
 def rounding(value: str) -> str:
     if value not in ROUNDINGS:
-        raise argparse.ArgumentTypeError(f"invalid rounding {value!r} (choose from {', '.join(ROUNDINGS)})")
+        raise argparse.ArgumentTypeError(f"invalid rounding {shorten(value)} (choose from {', '.join(ROUNDINGS)})")
     return value
 
 
 def code_paths(value: str) -> str:
     if value.strip() not in PATHS:
-        raise argparse.ArgumentTypeError(f"invalid paths {value!r} (cpu or gpu: whose code paths the tracker runs)")
+        raise argparse.ArgumentTypeError(
+            f"invalid paths {shorten(value)} (cpu or gpu: whose code paths the tracker runs)"
+        )
     return value.strip()
 
 
 def device_name(value: str) -> str:
     if value.strip() not in ("cpu", "meta"):
-        raise argparse.ArgumentTypeError(f"invalid device {value!r} (cpu, or meta: a prediction without data)")
+        raise argparse.ArgumentTypeError(f"invalid device {shorten(value)} (cpu, or meta: a prediction without data)")
     return value.strip()
 
 
 def update_mode(value: str) -> str:
     if value not in ("new", "all"):
         raise argparse.ArgumentTypeError(
-            f"invalid mode {value!r} (new or all; a path right after --gpumem-update needs --gpumem-update=all)"
+            f"invalid mode {shorten(value)} (new or all; a path right after --gpumem-update needs --gpumem-update=all)"
         )
     return value
 
@@ -95,9 +97,9 @@ def tolerance(value: str) -> float:
     try:
         percent = float(value.strip().removesuffix("%"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid tolerance {value!r} (a percentage, e.g. 5 or 2.5%)") from None
+        raise argparse.ArgumentTypeError(f"invalid tolerance {shorten(value)} (a percentage, e.g. 5 or 2.5%)") from None
     if not 0 <= percent < 1000:
-        raise argparse.ArgumentTypeError(f"invalid tolerance {value!r} (between 0 and 1000 percent)")
+        raise argparse.ArgumentTypeError(f"invalid tolerance {shorten(value)} (between 0 and 1000 percent)")
     return percent
 
 
@@ -105,9 +107,9 @@ def seconds(value: str) -> float:
     try:
         number = float(value.strip().removesuffix("s"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid timeout {value!r} (seconds, e.g. 120 or 2.5)") from None
+        raise argparse.ArgumentTypeError(f"invalid timeout {shorten(value)} (seconds, e.g. 120 or 2.5)") from None
     if not (0 < number < float("inf")):
-        raise argparse.ArgumentTypeError(f"invalid timeout {value!r} (a number of seconds above 0)")
+        raise argparse.ArgumentTypeError(f"invalid timeout {shorten(value)} (a number of seconds above 0)")
     return number
 
 
@@ -115,7 +117,7 @@ def slack(value: str) -> int:
     try:
         return parse_size(value.strip())
     except GpuMemError as exc:
-        raise argparse.ArgumentTypeError(f"invalid slack {value!r}: {exc}") from None
+        raise argparse.ArgumentTypeError(f"invalid slack {shorten(value)}: {exc}") from None
 
 
 def default_budget(value: str) -> Budget:
@@ -124,7 +126,7 @@ def default_budget(value: str) -> Budget:
         parse_size(value.strip())
         budget = budget_from_marker((value.strip(),), {})
     except GpuMemError as exc:
-        raise argparse.ArgumentTypeError(f"invalid size {value!r}: {exc}") from None
+        raise argparse.ArgumentTypeError(f"invalid size {shorten(value)}: {exc}") from None
     assert budget.total is not None
     return Budget(total=dataclasses.replace(budget.total, written=f"{budget.total.written} (--gpumem-max-memory)"))
 
@@ -135,7 +137,7 @@ def _keyword_limit(keyword: str, flag: str) -> Callable[[str], Limit]:
             parse_size(value.strip())
             limit = getattr(budget_from_marker((), {keyword: value.strip()}), keyword)
         except GpuMemError as exc:
-            raise argparse.ArgumentTypeError(f"invalid size {value!r}: {exc}") from None
+            raise argparse.ArgumentTypeError(f"invalid size {shorten(value)}: {exc}") from None
         assert isinstance(limit, Limit)
         return dataclasses.replace(limit, written=f"{limit.written} ({flag})")
 
@@ -402,9 +404,10 @@ def _path(config: pytest.Config, name: str, base: Path) -> Path | None:
     if not text:
         return None
     path = Path(base, text)
-    if not path.parent.is_dir():
+    if not path.parent.is_dir() or path.is_dir():
         flag = f"--{name.replace('_', '-')}" if given else f"ini option {name}"
-        raise pytest.UsageError(f"{flag}={text}: folder {path.parent} does not exist")
+        problem = f"{path} is a folder, not a file" if path.is_dir() else f"folder {path.parent} does not exist"
+        raise pytest.UsageError(f"{flag}={text}: {problem}")
     return path
 
 

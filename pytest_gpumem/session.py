@@ -35,7 +35,7 @@ from pytest_gpumem.markers import MARKER, Budget, Limit, all_of, budget_from_mar
 from pytest_gpumem.measure.advice import advice_clause, advice_section
 from pytest_gpumem.meter import GpuMem
 from pytest_gpumem.options import Options
-from pytest_gpumem.regression import BaselineRun, Judgement, verdict_status
+from pytest_gpumem.regression import STATUS_MISSING, BaselineRun, Judgement, selection_flags, verdict_status
 from pytest_gpumem.results import (
     REPORT_ATTRIBUTE,
     STATUS_ERROR,
@@ -160,6 +160,7 @@ class GpuMemSession:
         self.config = config
         self.options = options
         self.baselines = baselines
+        baselines.selection = selection_flags(options)
         self._results: dict[str, TestResult] = {}
         self._backend: Backend | None = None
         self._meta: Backend | None = None
@@ -248,6 +249,7 @@ class GpuMemSession:
     def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, object, object]:
         """Measure the call of a test that asks for it (a max_memory marker or the gpumem fixture), or
         of every test under --gpumem-all."""
+        __tracebackhide__ = True  # the test's own failure shows the test's frames, not this wrapper's
         marks = list(item.iter_markers_with_node(MARKER))
         if not marks and METER_KEY not in item.stash and not self.options.measure_all:
             return (yield)
@@ -270,6 +272,7 @@ class GpuMemSession:
     def _measured(
         self, item: pytest.Item, meter: GpuMem, budget: Budget | None, watch: Watch
     ) -> Generator[None, object, object]:
+        __tracebackhide__ = True
         meter.begin_call()
         status = STATUS_ERROR
         try:
@@ -499,7 +502,8 @@ class GpuMemSession:
         self.baselines.partial |= self._partial(session)
         try:
             records = [(r.nodeid, r.record) for r in self.results if r.record]
-            self.baseline_lines += self.baselines.finish(records, self.backend)
+            missing = [r.nodeid for r in self.results if r.status == STATUS_MISSING]
+            self.baseline_lines += self.baselines.finish(records, self.backend, missing)
         except GpuMemError as exc:
             self.problems.append(str(exc))
 
