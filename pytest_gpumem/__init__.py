@@ -37,6 +37,7 @@ _HOMES = {
     "parse_size": "pytest_gpumem.sizes",
 }
 
+__version__ = "0.1.0"
 __all__ = sorted(_HOMES)
 
 
