@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pytest_gpumem.distributed_worker import DONE, ERROR, LOADED, RankResult, RankSpec, run_rank
+from pytest_gpumem.distributed_worker import DONE, ERROR, IN_RANK, LOADED, RankResult, RankSpec, describe, run_rank
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.results import PhaseResult
 from pytest_gpumem.sizes import format_size, shorten
@@ -37,6 +37,9 @@ DEFAULT_TIMEOUT = 120.0
 
 MIN_JOIN_TIMEOUT = 60.0
 """Seconds at least that spawning the ranks and forming the group may take (importing torch included)."""
+
+MAX_WORLD = 64
+"""The most ranks started (each is a process that imports torch); `simulate` estimates larger worlds."""
 
 RANK_SEPARATOR = "@rank"
 _POLL = 0.05
@@ -124,6 +127,7 @@ def run(
 ) -> World:
     """Start the world, wait for every rank, end them all; a failed rank raises `DistributedError`."""
     _check(fn, world_size, timeout, name)
+    _check_started(world_size)
     limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
     kind, rounding, device, capacity = _meter_kind(meter)
     group = backend if backend is not None else _default_group(kind, world_size)
@@ -178,6 +182,21 @@ def _check(fn: object, world_size: object, timeout: object, name: object) -> Non
         raise GpuMemError(f"gpumem.distributed(timeout=...) must be a number of seconds > 0, got {shorten(timeout)}")
     if not isinstance(name, str) or not name or name == "call" or RANK_SEPARATOR in name:
         raise GpuMemError(f"gpumem.distributed(name=...) must be a phase name other than 'call', got {shorten(name)}")
+
+
+def _check_started(world_size: int) -> None:
+    """Refusals that only concern started ranks (not simulated ones)."""
+    import os
+
+    if world_size > MAX_WORLD:
+        raise GpuMemError(
+            f"gpumem.distributed(world_size=...) starts at most {MAX_WORLD} ranks (each a process that imports "
+            f"torch; gpumem.simulate_rank() estimates one rank of a larger world), got {world_size}"
+        )
+    if IN_RANK in os.environ:
+        raise GpuMemError(
+            f"gpumem.distributed() was called inside a rank of {os.environ[IN_RANK]}: ranks cannot start ranks"
+        )
 
 
 def _seconds(value: object) -> bool:
@@ -275,17 +294,26 @@ class _Waiter:
 
     def results(self) -> list[RankResult]:
         while len(self.done) < len(self.processes):
-            try:
-                self._take(self.messages.get(timeout=_POLL))
-            except queues.Empty:
+            message = self._next(_POLL)
+            if message is None:
                 self._check_time()
                 self._check_alive()
+            else:
+                self._take(message)
         return [self.done[rank] for rank in range(len(self.processes))]
+
+    def _next(self, timeout: float) -> tuple[str, int, Any] | None:
+        try:
+            return self.messages.get(timeout=timeout)
+        except queues.Empty:
+            return None
+        except Exception as exc:  # a rank's value that pickles there but does not load here
+            raise DistributedError(f"a rank's result cannot be loaded in the parent: {describe(exc)}") from None
 
     def _take(self, message: tuple[str, int, Any]) -> None:
         kind, rank, body = message
         if kind == ERROR:
-            self._check_dead()  # a rank that died makes its peers fail: the dead one is the cause
+            self._check_dead(rank)  # a rank that died makes its peers fail: the dead one is the cause
             raise DistributedError(f"rank {rank} failed: {body}", rank)
         if kind == LOADED:
             self.loaded.add(rank)
@@ -319,7 +347,10 @@ class _Waiter:
         late = [r for r in ranks if r not in self.ready]
         raise DistributedError(f"{_ranks(late)} did not form the process group within {self.join:g} s", late[0])
 
-    def _check_dead(self) -> None:
+    def _check_dead(self, reporting: int) -> None:
+        """The reporting rank exits right after its message; by then a peer whose death broke its
+        connections has long exited too."""
+        self.processes[reporting].join(_LAST_WORDS)
         time.sleep(_DEATH_NOTICE)
         for rank, process in enumerate(self.processes):
             if rank not in self.done and process.exitcode not in (None, 0):
@@ -329,8 +360,9 @@ class _Waiter:
         for rank, process in enumerate(self.processes):
             if rank in self.done or process.exitcode is None:
                 continue
-            with contextlib.suppress(queues.Empty):  # its last message may still be on the way
-                self._take(self.messages.get(timeout=_LAST_WORDS))
+            message = self._next(_LAST_WORDS)  # its last message may still be on the way
+            if message is not None:
+                self._take(message)
                 return
             raise DistributedError(f"rank {rank} {_exit_text(process.exitcode)} before it finished", rank)
 

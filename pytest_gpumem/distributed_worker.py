@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from pytest_gpumem.meter import GpuMem
 from pytest_gpumem.results import PhaseResult
 
 if TYPE_CHECKING:
@@ -26,6 +25,12 @@ if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
 
 LOADED, READY, DONE, ERROR = "loaded", "ready", "done", "error"
+IN_RANK = "GPUMEM_RANK_OF"  # set in a rank's environment (to the test's node id): ranks start no ranks
+NOT_SHARED = (
+    "ranks import only the test module; conftest.py, fixtures and environment changes made in the parent do not "
+    "reach them"
+)
+_MISSING = (NameError, ImportError, AttributeError, KeyError)  # what a rank lacking the parent's set-up raises
 GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives each of gloo's worker threads
 SETTLE_LIMIT = 5.0  # seconds a phase boundary waits for gloo's worker threads to go idle
 _QUIET = 0.001  # seconds a worker thread must not run, the GIL free, to count as idle
@@ -66,7 +71,7 @@ def run_rank(rank: int, spec: RankSpec, queue: Queue[tuple[str, int, Any]]) -> N
         queue.put((DONE, rank, _run(rank, spec, queue)))
         _leave_together()
     except BaseException as exc:
-        queue.put((ERROR, rank, describe(exc)))
+        queue.put((ERROR, rank, describe(exc) + (f" ({NOT_SHARED})" if isinstance(exc, _MISSING) else "")))
     finally:
         queue.close()
         queue.join_thread()  # the message is in the pipe before the process ends
@@ -102,6 +107,8 @@ def describe(exc: BaseException) -> str:
     except Exception:
         text = f"<{type(exc).__name__}.__str__ raised>"
     line = f"{type(exc).__name__}: {text}".splitlines()[0] if text else type(exc).__name__
+    from pytest_gpumem.meter import GpuMem
+
     phase = GpuMem.phase_left_by(exc)
     return line if phase is None else f"{line} (in phase {phase!r})"
 
@@ -109,7 +116,7 @@ def describe(exc: BaseException) -> str:
 def _run(rank: int, spec: RankSpec, queue: Queue[tuple[str, int, Any]]) -> RankResult:
     import torch.distributed as dist
 
-    _follow_torchrun(rank, spec.world_size)
+    _follow_torchrun(rank, spec.world_size, spec.nodeid)
     fn, args = _load(spec.payload)
     backend = _backend(rank, spec)
     queue.put((LOADED, rank, None))
@@ -126,11 +133,11 @@ def _run(rank: int, spec: RankSpec, queue: Queue[tuple[str, int, Any]]) -> RankR
     return _measured(rank, spec, backend, fn, args)
 
 
-def _follow_torchrun(rank: int, world_size: int) -> None:
+def _follow_torchrun(rank: int, world_size: int, nodeid: str) -> None:
     """The environment torchrun gives a rank, and its one thread per rank unless OMP_NUM_THREADS says."""
     import torch
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), **{IN_RANK: nodeid})
     os.environ.update(LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0")
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
@@ -140,7 +147,8 @@ def _load(payload: bytes) -> tuple[Any, tuple[Any, ...]]:
     try:
         fn, args = pickle.loads(payload)
     except Exception as exc:
-        raise RuntimeError(f"cannot load the function to run: {describe(exc)}") from None
+        hint = f" ({NOT_SHARED})" if isinstance(exc, _MISSING) else ""
+        raise RuntimeError(f"cannot load the function to run: {describe(exc)}{hint}") from None
     return fn, tuple(args)
 
 
@@ -247,6 +255,8 @@ class _SettledBoundaries:
 
 
 def _measured(rank: int, spec: RankSpec, backend: Backend, fn: Any, args: tuple[Any, ...]) -> RankResult:
+    from pytest_gpumem.meter import GpuMem
+
     boundaries = _SettledBoundaries(backend)
     setattr(backend, "settle", boundaries)  # noqa: B010  (this rank's own backend, for its lifetime)
     meter = GpuMem(backend, f"{spec.nodeid} rank {rank}")

@@ -49,8 +49,7 @@ def raises(rank, world_size, meter):
 
 def hangs(rank, world_size, meter):
     _note("hangs", rank)
-    if rank == 1:
-        time.sleep(600)
+    time.sleep(600)  # every rank: which ranks are late is then known whatever the machine's load
 
 
 def exits(rank, world_size, meter):
@@ -96,24 +95,81 @@ def test_ranks_that_run_nothing(gpumem):
 
 def _late():
     _note("late", os.environ["RANK"])
-    if os.environ["RANK"] == "1":
-        time.sleep(600)
+    time.sleep(600)
 
 
-class LateOnRank1:
+class Late:
     def __reduce__(self):
-        return (_late, ())  # unpickled by each rank before it joins the group
+        return (_late, ())  # unpickled by each rank before it joins the group: no rank ever starts
 
 
 def test_rank_never_starts(gpumem, monkeypatch):
-    monkeypatch.setattr("pytest_gpumem.distributed.MIN_JOIN_TIMEOUT", 8.0)
-    gpumem.distributed(nothing, 2, args=(LateOnRank1(),), timeout=8)
+    monkeypatch.setattr("pytest_gpumem.distributed.MIN_JOIN_TIMEOUT", 3.0)
+    gpumem.distributed(nothing, 2, args=(Late(),), timeout=3)
+
+
+def uses_conftest(rank, world_size, meter):
+    from conftest import SETTINGS
+
+    return SETTINGS["lr"]  # set by the parent's autouse fixture, not in a rank
+
+
+def test_rank_lacks_the_conftest_set_up(gpumem):
+    gpumem.distributed(uses_conftest, 1)
+
+
+def nested(rank, world_size, meter):
+    meter.distributed(nothing, 1)
+
+
+def test_rank_starts_ranks(gpumem):
+    gpumem.distributed(nested, 1)
+
+
+def returns_a_lock(rank, world_size, meter):
+    import threading
+
+    return threading.Lock()
+
+
+def test_rank_returns_what_cannot_be_sent(gpumem):
+    gpumem.distributed(returns_a_lock, 1)
+
+
+def _load_in_ranks_only():
+    if "RANK" not in os.environ:
+        raise RuntimeError("not here")
+
+
+class LoadsOnlyInRanks:
+    def __reduce__(self):
+        return (_load_in_ranks_only, ())
+
+
+def returns_unloadable(rank, world_size, meter):
+    return LoadsOnlyInRanks()
+
+
+def test_rank_returns_what_cannot_be_loaded(gpumem):
+    gpumem.distributed(returns_unloadable, 1)
 
 
 def test_runs_normally_after(gpumem):
     ranks = gpumem.distributed(grow)
     assert [r.value for r in ranks] == [0, 10]
     assert [r.phases["forward"].peak_bytes for r in ranks] == [4000, 8000]
+"""
+
+
+CONFTEST = """
+import pytest
+
+SETTINGS = {}
+
+
+@pytest.fixture(autouse=True)
+def configured():
+    SETTINGS["lr"] = 0.1
 """
 
 
@@ -137,13 +193,14 @@ def test_faults_end_every_rank_and_fail_one_test_in_one_line(
     monkeypatch.setenv("TMPDIR", str(own_tmp))
     monkeypatch.setattr(tempfile, "tempdir", None)
     tracker.makepyfile(FAULTS)
+    tracker.makeconftest(CONFTEST)
     result = tracker.runpytest("-p", "no:randomly", "--gpumem-json=out.json")
-    result.assert_outcomes(passed=2, failed=7)
+    result.assert_outcomes(passed=2, failed=11)
     result.stdout.fnmatch_lines(
         [
             "forward peak 8.0 kB on rank 1 exceeds max_memory forward=6 kB*",
             "*::test_rank_raises: rank 1 failed: ValueError: bad batch (in phase 'forward')",
-            "*::test_rank_hangs: rank 1 did not finish within 2 s (timeout=, --gpumem-dist-timeout); all ranks "
+            "*::test_rank_hangs: ranks 0, 1 did not finish within 2 s (timeout=, --gpumem-dist-timeout); all ranks "
             "were ended",
             "*::test_rank_exits: rank 1 exited with code 3 before it finished",
             "*::test_rank_out_of_memory: rank 1 failed: OutOfMemoryError: tracker: out of memory: tried to allocate "
@@ -151,18 +208,29 @@ def test_faults_end_every_rank_and_fail_one_test_in_one_line(
             "*::test_not_picklable: gpumem.distributed(): test_not_picklable.<locals>.<lambda> and its args must be "
             "picklable to reach the ranks (define the function at module level, not a lambda or a local function): "
             "AttributeError: Can't pickle local object *",
-            "*::test_rank_never_starts: rank 1 did not start within 8 s (still loading the function and its module)",
+            "*::test_rank_never_starts: ranks 0, 1 did not start within 3 s (still loading the function and its "
+            "module)",
+            "*::test_rank_lacks_the_conftest_set_up: rank 0 failed: KeyError: 'lr' (ranks import only the test module; "
+            "conftest.py, fixtures and environment changes made in the parent do not reach them)",
+            "*::test_rank_starts_ranks: rank 0 failed: GpuMemError: gpumem.distributed() was called inside a rank of "
+            "*::test_rank_starts_ranks: ranks cannot start ranks",
+            "*::test_rank_returns_what_cannot_be_sent: rank 0 failed: TypeError: the function returned a value that "
+            "cannot be sent back: TypeError: cannot pickle '_thread.lock' object",
+            "*::test_rank_returns_what_cannot_be_loaded: a rank's result cannot be loaded in the parent: RuntimeError: "
+            "not here",
         ]
     )
+    result.stdout.no_fnmatch_line("*INTERNALERROR*")
+    result.stdout.no_fnmatch_line("*pytest_gpumem/distributed*.py:*")
     tests = _tests(tracker)
-    assert [t["status"] for t in tests.values()] == ["OVER BUDGET", *["error"] * 5, "ok", "error", "ok"]
+    assert [t["status"] for t in tests.values()] == ["OVER BUDGET", *["error"] * 5, "ok", "error", *["error"] * 4, "ok"]
     assert all("\n" not in str(t["message"]) for t in tests.values())
     over = tests["test_over_on_one_rank"]["phases"]
     assert over["forward"] == {**over["forward@rank1"], "rank": 1}
     assert (over["forward@rank0"]["peak_bytes"], over["forward@rank0"]["rank"]) == (4000, 0)
-    pids = [int(p.read_text()) for p in (tracker.path / "pids").iterdir()]
-    assert len(pids) == 2 * 4  # both ranks of grow (the last of its three worlds), hangs, exits and late
-    assert not [pid for pid in pids if _alive(pid)]
+    pids = {p.name: int(p.read_text()) for p in (tracker.path / "pids").iterdir()}
+    assert {f"{name}-{rank}" for name in ("grow", "hangs", "exits") for rank in (0, 1)} <= set(pids)  # late: maybe
+    assert not [pid for pid in pids.values() if _alive(pid)]
     assert not list(own_tmp.glob("gpumem-dist-*"))  # the rendezvous folders are gone
 
 
@@ -467,3 +535,70 @@ def test_simulated_ranks_estimate_the_real_figures(tracker: pytest.Pytester) -> 
     meta = tests["test_ddp_on_meta"]["phases"]
     assert {k: v["peak_bytes"] for k, v in meta.items()} == {k: EXPECTED_8[k] for k in meta}
     assert set(meta) == {"ddp.setup", "ddp.forward", "ddp.backward", "ddp.step"}
+
+
+class _Process:
+    exitcode = None
+
+
+def _waiter(loaded: set[int], ready: set[int]) -> Any:
+    from pytest_gpumem.distributed import _Waiter
+
+    waiter = _Waiter([_Process(), _Process(), _Process()], None, 1.0, 8.0)  # type: ignore[arg-type, list-item]
+    waiter.loaded, waiter.ready, waiter.deadline = loaded, ready, 0.0
+    return waiter
+
+
+@pytest.mark.parametrize(
+    ("loaded", "ready", "message"),
+    [
+        ({0, 2}, set(), "rank 1 did not start within 8 s (still loading the function and its module)"),
+        (set(), {0}, "ranks 1, 2 did not start within 8 s (still loading the function and its module)"),
+        ({0, 1, 2}, {1}, "ranks 0, 2 did not form the process group within 8 s"),
+    ],
+)
+def test_late_ranks_are_named_by_how_far_they_got(loaded: set[int], ready: set[int], message: str) -> None:
+    from pytest_gpumem.distributed import DistributedError
+
+    with pytest.raises(DistributedError) as info:
+        _waiter(loaded, ready)._check_time()
+    assert (str(info.value), info.value.rank) == (message, int(message.split()[1].rstrip(",")))
+
+
+@pytest.mark.parametrize(
+    ("world_size", "message"),
+    [
+        (-2, "must be an int >= 1, got -2"),
+        (2.0, "must be an int >= 1, got 2.0"),
+        ("2", "must be an int >= 1, got '2'"),
+        (
+            10**6,
+            "starts at most 64 ranks (each a process that imports torch; gpumem.simulate_rank() estimates "
+            "one rank of a larger world), got 1000000",
+        ),
+    ],
+)
+def test_world_sizes_refused_in_one_line(world_size: Any, message: str) -> None:
+    from pytest_gpumem.distributed import _check, _check_started
+    from pytest_gpumem.errors import GpuMemError
+
+    with pytest.raises(GpuMemError) as info:
+        _check(print, world_size, None, "ranks")
+        _check_started(world_size)
+    assert str(info.value) == f"gpumem.distributed(world_size=...) {message}"
+
+
+def test_a_rank_starts_no_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_gpumem.distributed import _check_started
+    from pytest_gpumem.distributed_worker import IN_RANK
+    from pytest_gpumem.errors import GpuMemError
+
+    monkeypatch.setenv(IN_RANK, "t.py::test_a")
+    with pytest.raises(GpuMemError, match=r"inside a rank of t\.py::test_a: ranks cannot start ranks$"):
+        _check_started(1)
+
+
+def test_idle_when_this_process_has_no_gloo_threads() -> None:
+    from pytest_gpumem.distributed_worker import collectives_settled
+
+    assert collectives_settled(limit=0.0)
