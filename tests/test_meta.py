@@ -236,6 +236,90 @@ def test_sdpa_kernel_choice_is_honoured() -> None:
     assert math == _attention("cpu", torch.bfloat16, is_causal=True)[0]
 
 
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _checkpointed(paths: str | None, reentrant: bool, grad_api: bool = False) -> tuple[int, int, int]:
+    """(bytes the checkpointed forward keeps, backward's peak above its start, bytes after backward) of
+    causal SDPA in bf16 on meta inside `torch.utils.checkpoint`."""
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v = _qkv(torch.bfloat16)
+    backend = TrackerBackend(device="meta", paths=paths)
+    backend.start()
+    try:
+        out = checkpoint(_causal_attention, q, k, v, use_reentrant=reentrant)
+        kept = backend.current().requested
+        grad = torch.empty_like(out)
+        backend.reset_peak()
+        start = backend.current().requested
+        if grad_api:
+            grads = torch.autograd.grad(out, (q, k, v), grad)
+        else:
+            out.backward(grad)
+        del out, grad
+        backward_peak = backend.peak().requested - start
+        after = backend.current().requested
+    finally:
+        backend.stop()
+    if grad_api:
+        del grads
+    return kept, backward_peak, after
+
+
+@pytest.mark.parametrize(
+    ("reentrant", "grad_api"),
+    [(False, False), (True, False), (False, True)],
+    ids=["non-reentrant", "reentrant", "autograd.grad"],
+)
+def test_checkpoint_recomputes_attention_on_the_fused_path(reentrant: bool, grad_api: bool) -> None:
+    # forward keeps only the output (102,400 B); backward recomputes it with flash, which keeps its output,
+    # logsumexp and RNG state (102,400 + 3,200 + 24, the same as un-checkpointed), then makes the gradients
+    # of q, k, v (3 x 102,400) while all of it is alive; the math path would keep S x S weights instead
+    kept, backward_peak, after = _checkpointed(None, reentrant, grad_api)
+    assert kept == B * H * S * D * BF16 == 102_400
+    assert backward_peak == (B * H * S * D * BF16 + B * H * S * FP32 + 3 * 8) + 3 * B * H * S * D * BF16 == 412_824
+    assert after == 3 * B * H * S * D * BF16  # the gradients (in .grad or returned by autograd.grad)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpoint_with_cpu_paths_recomputes_the_math_path(reentrant: bool) -> None:
+    kept, backward_peak, after = _checkpointed("cpu", reentrant)
+    assert kept == B * H * S * D * BF16
+    assert backward_peak - _checkpointed(None, reentrant)[1] >= B * H * S * S * FP32  # the fp32 softmax, at least
+    assert after == 3 * B * H * S * D * BF16
+
+
+def test_the_autograd_engine_is_restored_after_the_measurement() -> None:
+    import torch.autograd.graph
+
+    def engine_entries() -> tuple[object, object]:
+        return (torch.autograd.graph._engine_run_backward, torch.autograd._engine_run_backward)  # type: ignore[attr-defined]
+
+    before = engine_entries()
+    _checkpointed(None, reentrant=False)
+    assert engine_entries() == before
+
+
+def test_torch_compile_traces_attention_as_written_on_meta() -> None:
+    # the graph is traced to ATen at compile time without the interception (Inductor cannot lower the
+    # flash kernel's meta graph): a compiled region takes the CPU's path, whatever the paths
+    compiled = torch.compile(_causal_attention, backend="aot_eager")
+    kept = {}
+    for paths in (None, "cpu"):
+        q, k, v = _qkv(torch.bfloat16)
+        backend = TrackerBackend(device="meta", paths=paths)
+        backend.start()
+        try:
+            out = compiled(q, k, v)
+            kept[paths] = backend.current().requested
+            del out
+        finally:
+            backend.stop()
+    assert kept[None] == kept["cpu"] > B * H * S * S * FP32
+
+
 def _adamw_step_peak(paths: str | None, foreach: bool | None = None) -> int:
     """Peak bytes of a warmed-up AdamW step on meta over 4 x Linear(256, 256, bias=False) fp32."""
     model = torch.nn.Sequential(*(torch.nn.Linear(256, 256, bias=False) for _ in range(4))).to("meta")

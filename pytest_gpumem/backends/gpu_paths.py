@@ -9,6 +9,15 @@
   `scaled_dot_product_attention` calls, with the same padding of its inputs, so that torch's own meta
   kernels make (and autograd saves) what the GPU's kernels make.
 
+Backward runs where the mode is not: `Tensor.backward` and `torch.autograd.grad` are torch functions, so
+their engine runs inside the mode's handler, which torch calls with the mode off its stack, and backward
+keeps that stack. The tracker puts the mode back for each engine run (`on_stack`), so that what
+backward runs (a checkpoint's recomputed forward, reentrant or not; a custom Function's backward) takes
+the path the forward took.
+
+While torch.compile traces, the mode steps aside: the graph holds the op as written (Inductor cannot
+lower the flash kernel's meta graph), so a compiled region on meta takes the path it takes on CPU.
+
 Not modelled: the kernels' workspaces inside one call (flash backward's float32 accumulator of the
 query's gradient, the memory-efficient kernel's float32 output accumulator), which are freed by the
 kernel before it returns.
@@ -16,7 +25,9 @@ kernel before it returns.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -183,7 +194,7 @@ def fused_attention_mode() -> Any:
             self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
         ) -> Any:
             __tracebackhide__ = True
-            if func is sdpa:
+            if func is sdpa and not torch.compiler.is_compiling():
                 bound = sdpa_arguments(args, kwargs)
                 query = None if bound is None else bound["query"]
                 if isinstance(query, torch.Tensor) and query.device.type == "meta":
@@ -193,6 +204,21 @@ def fused_attention_mode() -> Any:
             return func(*args, **(kwargs or {}))
 
     return FusedAttention()
+
+
+@contextlib.contextmanager
+def on_stack(mode: Any) -> Iterator[None]:
+    """Within the block, `mode` is on this thread's torch-function mode stack (pushed if it is not)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    if mode in _get_current_function_mode_stack():  # type: ignore[no-untyped-call]
+        yield
+        return
+    mode.__enter__()
+    try:
+        yield
+    finally:
+        leave_function_mode(mode)
 
 
 def leave_function_mode(mode: Any) -> None:

@@ -215,6 +215,27 @@ class Patches:
         mode = fused_attention_mode()
         mode.__enter__()
         self._undo.append(lambda: leave_function_mode(mode))
+        self._backward_under(mode)
+
+    def _backward_under(self, mode: Any) -> None:
+        """Each run of the autograd engine with `mode` on the torch-function stack (see `gpu_paths`)."""
+        import torch.autograd
+        import torch.autograd.graph as graph
+
+        from pytest_gpumem.backends.gpu_paths import on_stack
+
+        original = getattr(graph, "_engine_run_backward", None)
+        if original is None:  # torch before 2.4's engine entry: backward runs without the mode
+            return
+
+        @functools.wraps(original)
+        def run_backward(*args: Any, **kwargs: Any) -> Any:
+            with on_stack(mode):
+                return original(*args, **kwargs)
+
+        self._replace(graph, "_engine_run_backward", run_backward)
+        if getattr(torch.autograd, "_engine_run_backward", None) is original:
+            self._replace(torch.autograd, "_engine_run_backward", run_backward)
 
     def _threads(self) -> None:
         previous = threading.getprofile()
