@@ -270,7 +270,8 @@ def short_columns(
     if any(others):
         columns.append(Column("other phases" if own else "phases", others, parts=True, key="other phases"))
     if any(r.explanation is not None for r in results):
-        columns.append(Column("made of", [[summary(r.explanation) if r.explanation else ""] for r in results]))
+        made = [[summary(r.explanation) if r.explanation else ""] for r in results]
+        columns.append(Column("call peak made of", made, key="made of"))
     if links is not None and any(r.html for r in results):
         columns.append(Column("picture", [[f"[picture](<{links(r.html)}>)" if r.html else ""] for r in results]))
     return columns
