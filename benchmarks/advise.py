@@ -120,7 +120,7 @@ def llama_7b(seq: int, capacity: str) -> tuple[Advice, float, float]:
         F.cross_entropy(logits.float().view(-1, shape.vocab), targets).backward()
         opt.step()
 
-    backend = TrackerBackend(device="meta", paths="cpu")  # math attention: the S x S weights saved
+    backend = TrackerBackend(device="meta")  # a GPU's paths: flash attention, foreach AdamW
     backend.start()
     started = time.perf_counter()
     try:

@@ -236,6 +236,26 @@ def test_sdpa_kernel_choice_is_honoured() -> None:
     assert math == _attention("cpu", torch.bfloat16, is_causal=True)[0]
 
 
+def test_multihead_attention_takes_the_fused_path() -> None:
+    # E = 256 in 4 heads of 64, (2, 100, 256) bf16, q = k = v: the packed projection (2, 100, 768) made
+    # contiguous per head (307,200 B; the linear's own output goes), flash's output, logsumexp and RNG state
+    # (102,400 + 3,200 + 24), its output made contiguous for out_proj (102,400) and out_proj's (102,400)
+    attn = torch.nn.MultiheadAttention(H * D, H, batch_first=True, device="meta", dtype=torch.bfloat16)
+    x = torch.empty(B, S, H * D, device="meta", dtype=torch.bfloat16)
+    backend = TrackerBackend(device="meta")
+    backend.start()
+    try:
+        out = attn(x, x, x, need_weights=False)[0]
+        kept = backend.current().requested
+        del out
+    finally:
+        backend.stop()
+    assert (
+        kept == 3 * B * S * H * D * BF16 + (B * H * S * D * BF16 + B * H * S * FP32 + 3 * 8) + 2 * B * S * H * D * BF16
+    )
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
+
+
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 

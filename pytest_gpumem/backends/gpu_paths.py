@@ -13,7 +13,8 @@ Backward runs where the mode is not: `Tensor.backward` and `torch.autograd.grad`
 their engine runs inside the mode's handler, which torch calls with the mode off its stack, and backward
 keeps that stack. The tracker puts the mode back for each engine run (`on_stack`), so that what
 backward runs (a checkpoint's recomputed forward, reentrant or not; a custom Function's backward) takes
-the path the forward took.
+the path the forward took. `F.multi_head_attention_forward` (`nn.MultiheadAttention`) is a torch function
+calling SDPA in its body: for its calls, `F.scaled_dot_product_attention` goes through the mode.
 
 While torch.compile traces, the mode steps aside: the graph holds the op as written (Inductor cannot
 lower the flash kernel's meta graph), so a compiled region on meta takes the path it takes on CPU.
@@ -188,6 +189,7 @@ def fused_attention_mode() -> Any:
     from torch.overrides import TorchFunctionMode
 
     sdpa = F.scaled_dot_product_attention
+    multi_head = F.multi_head_attention_forward
 
     class FusedAttention(TorchFunctionMode):
         def __torch_function__(
@@ -201,7 +203,19 @@ def fused_attention_mode() -> Any:
                     out = attention(**bound)  # type: ignore[arg-type]
                     if out is not None:
                         return out
+            if func is multi_head and F.scaled_dot_product_attention is sdpa:
+                # a torch function itself, so its body runs with the mode off the stack: the SDPA it
+                # calls (by the module's global name) is sent through the mode for the call
+                F.scaled_dot_product_attention = self.fused
+                try:
+                    return func(*args, **(kwargs or {}))
+                finally:
+                    F.scaled_dot_product_attention = sdpa
             return func(*args, **(kwargs or {}))
+
+        def fused(self, *args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True
+            return self.__torch_function__(sdpa, (), args, kwargs)
 
     return FusedAttention()
 
