@@ -491,7 +491,7 @@ def _loads(data: str | bytes, p: Path) -> dict[str, dict[str, Entry]]:
         raise fail(f'"version" must be an integer >= 1, got {short(version)}')
     if version > VERSION:
         raise fail(
-            f"schema version {version} is newer than this pytest-gpumem reads ({VERSION}); upgrade pytest-gpumem"
+            f"schema version {short(version)} is newer than this pytest-gpumem reads ({VERSION}); upgrade pytest-gpumem"
         )
     for key in obj:
         if key not in ("schema", "version", "entries"):
@@ -603,6 +603,8 @@ def write(store: BaselineStore, path: str | os.PathLike[str] | None = None) -> P
     """
     own = Path(os.path.realpath(store.path))
     target = own if path is None else Path(os.path.realpath(path))
+    if not target.parent.is_dir():
+        raise BaselineError(f"could not write baseline file {target}: folder {target.parent} does not exist")
     with _locked(target):
         _remove_stale_temps(target)
         if target == own:

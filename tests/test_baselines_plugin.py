@@ -65,7 +65,8 @@ def test_regression_fails_with_one_sentence(tracker: pytest.Pytester) -> None:
         [
             "call peak 4.9 KiB is 25.0% above baseline 3.9 KiB (tolerance 5%); "
             "made peak 4.9 KiB is 25.0% above baseline 3.9 KiB (tolerance 5%) "
-            "(see what made it with --gpumem-explain or max_memory(explain=True))",
+            "(to see what grew, record the baseline with its composition: "
+            "pytest 'test_suite.py::test_alloc[a]' --gpumem-update --gpumem-explain)",
             "*test_alloc?a?*+25.0%*REGRESSED",
         ]
     )
@@ -132,7 +133,10 @@ def test_missing_baseline_is_new_unless_strict_then_missing_baseline(tracker: py
     strict = run(tracker, "--gpumem-strict", "--gpumem-report")
     strict.assert_outcomes(passed=1, failed=1)
     strict.stdout.fnmatch_lines(
-        ["*no baseline for this test on tracker | cpu (record one with pytest --gpumem-backend=tracker --gpumem-update=new)*"]
+        [
+            "*no baseline for this test on tracker | cpu "
+            "(record one with pytest --gpumem-backend=tracker --gpumem-update=new)*"
+        ]
     )
     strict.stdout.fnmatch_lines(["*test_alloc?b?*MISSING BASELINE"])
     strict.stdout.no_fnmatch_line("*test_alloc?b?*NEW")

@@ -192,9 +192,7 @@ def test_the_example_workflow_records_what_it_enforces(pytester: pytest.Pytester
     pytester.makepyfile(test_app=APP.format(n=4096))  # test_plain now makes 4,194,304 B: 16x
     regressed = pytester.runpytest(*enforce_cpu)
     regressed.assert_outcomes(passed=1, failed=1)
-    regressed.stdout.fnmatch_lines(
-        ["call peak 4.0 MiB is 1500.0% above baseline 256.0 KiB (tolerance 5% + 1.0 MiB)*"]
-    )
+    regressed.stdout.fnmatch_lines(["call peak 4.0 MiB is 1500.0% above baseline 256.0 KiB (tolerance 5% + 1.0 MiB)*"])
 
     pytester.makepyfile(test_app=APP.format(n=256), test_later="def test_later():\n    pass\n")
     before = (pytester.path / BASELINES).read_bytes()
