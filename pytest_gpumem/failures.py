@@ -76,13 +76,15 @@ def out_of_memory_message(
     meter: GpuMem, budget: Budget | None, exc: BaseException, capacity: Limit | None = None
 ) -> str:
     """One sentence: where it ran out, what it asked for, the peak so far, and the limit it hit (the
-    capacity the test ran under, or the device's own memory); the budget only when it was already over."""
+    capacity the test ran under, or the device's own memory); the budget only when it was already over;
+    on the meta device, that it is a prediction."""
     phase = meter.phase_left_by(exc)
     where = f"in {phase}" if phase else "in the call"
     asked = re.search(r"[Tt]ried to allocate ([\d.,]+ ?[KMGTP]?i?B)", _text(exc))
     tried = f" (tried to allocate {asked.group(1)})" if asked else ""
     limits = ": the device's memory ran out" if capacity is None else f": past the {_capacity_hit(budget, capacity)}"
     limits += _budget_over(budget, meter, phase)
+    limits += "; a prediction on meta" if str(meter.device) == "meta" else ""
     from pytest_gpumem.measure.advice import advice_clause
 
     advised = advice_clause(meter.advice, budget, oom=True)

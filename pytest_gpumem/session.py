@@ -124,6 +124,12 @@ def _memory_failure(
     return None if meta is None else (STATUS_ERROR, f"{meter.nodeid}: {meta}")
 
 
+def _fail(message: str) -> NoReturn:
+    """Fail the test with our one line. Not hidden: when every frame of a failure is hidden (the call
+    wrappers hide theirs), pytest adds a line about `--full-trace` under it."""
+    pytest.fail(message, pytrace=False)
+
+
 def _first_line(exc: BaseException) -> str:
     """`Type: message` of the test's exception, also when its `__str__` raises."""
     try:
@@ -267,7 +273,7 @@ class GpuMemSession:
         self.add(result)
         item.stash[RESULT_KEY] = result  # travels to the xdist controller with the report
         item.config.hook.pytest_gpumem_result(item=item, result=result)
-        pytest.fail(error, pytrace=False)
+        _fail(error)
 
     def _measured(
         self, item: pytest.Item, meter: GpuMem, budget: Budget | None, watch: Watch
@@ -303,7 +309,7 @@ class GpuMemSession:
         self._finish(item, meter, budget, status, error)
         if meter.has_call_result:
             item.add_report_section("call", "gpumem", breakdown(meter.result(), meter.phases))
-        pytest.fail(error, pytrace=False)
+        _fail(error)
 
     def watch(self, budget: Budget | None, explain: bool = False) -> Watch:
         options = self.options
