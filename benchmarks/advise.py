@@ -74,17 +74,22 @@ def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+HEADERS = ["strategy", "peak", "above start", "in", "compute", "gradients", "fits"]
+
+
 def rows_of(advice: Advice) -> list[list[str]]:
+    """Absolute peaks (what was live when the step began + the step's peak above that), the phase of the
+    peak, the extra compute, the gradients' check and whether the absolute peak is within the capacity."""
     found = []
     for row in advice.rows:
         if not row.measured:
-            found.append([row.name, "skipped", row.skipped or "", "", "", ""])
+            found.append([row.name, "skipped", row.skipped or "", "", "", "", ""])
             continue
         assert row.peak_bytes is not None
         fits = "" if row.fits is None else ("yes" if row.fits else "no")
-        found.append(
-            [row.name, format_size(row.peak_bytes), advice.compute(row), row.gradients.split(" (")[0], fits, ""]
-        )
+        peak, above = format_size(advice.absolute(row)), format_size(row.peak_bytes)
+        gradients = row.gradients.split(" (")[0]
+        found.append([row.name, peak, above, row.peak_phase or "", advice.compute(row), gradients, fits])
     return found
 
 
@@ -135,19 +140,19 @@ def main() -> None:
     cli.add_argument("--skip-gpt2", action="store_true")
     cli.add_argument("--skip-7b", action="store_true")
     args = cli.parse_args()
-    headers = ["strategy", "peak", "compute", "gradients", "fits", ""]
     results: dict[str, Any] = {}
     if not args.skip_gpt2:
         advice, seconds, rss = gpt2(batch=8, seq=128)
         title = f"GPT-2-style, 4 x 256, seq 128, batch 8, tracker: {seconds:.1f} s, max RSS {rss:.0f} MiB"
-        show(title, headers, rows_of(advice), advice.conflicts)
+        show(title, HEADERS, rows_of(advice), advice.conflicts)
         results["gpt2"] = {"seconds": seconds, "max_rss_mib": rss, "advice": advice.to_json()}
     if not args.skip_7b:
         advice, seconds, rss = llama_7b(seq=4096, capacity="80 GiB")
         best = advice.best()
-        title = f"7B decoder, seq 4096, meta, capacity 80 GiB ({format_size(advice.resident_bytes)} resident)"
+        live = format_size(advice.live_bytes)
+        title = f"7B decoder, seq 4096, meta, capacity 80 GiB, {live} live at the step's start (the parameters)"
         notes = [f"best: {best.name if best else 'none fits'}", *advice.conflicts]
-        show(f"{title}: {seconds:.1f} s, max RSS {rss:.0f} MiB", headers, rows_of(advice), notes)
+        show(f"{title}: {seconds:.1f} s, max RSS {rss:.0f} MiB", HEADERS, rows_of(advice), notes)
         results["llama_7b"] = {"seconds": seconds, "max_rss_mib": rss, "advice": advice.to_json()}
     write_json(args.json, results)
 

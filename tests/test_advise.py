@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 from collections.abc import Callable
 from typing import Any
@@ -340,6 +342,47 @@ def _row(name: str, peak: int, extra: int, forward: int | None = None, equal: bo
     return Row(name, f"doing {name}", (name,), peak_bytes=peak, phases=phases, extra_flops=extra, gradients_equal=equal)
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["first-step", "later-step"])
+def test_best_judges_the_absolute_peak_what_is_live_at_the_start_plus_the_step_above_it(warm: bool) -> None:
+    p, bh = L * 2 * D * H * F4, B * H * F4  # parameters (= each gradient set, = SGD's momentum buffers)
+    model, opt, step = _stack_step(optimizer=functools.partial(torch.optim.SGD, momentum=0.9))
+    if warm:
+        step()  # the momentum buffers now exist: the step starts from them
+    advice: Advice = _tracked(
+        lambda be: advise(step, model=model, optimizer=opt, backend=be, strategies=["checkpoint-blocks"])
+    )
+    # made before the tracker observed: counted from the model's storages, not from the backend
+    assert advice.live_bytes == advice.resident_bytes == (2 * p if warm else p)
+    row = advice.as_is
+    if not warm:
+        # the first step makes the momentum buffers (P) while the gradients (P) and the loss (4 B) live
+        assert row.peak_bytes == 2 * p + 4 and row.peak_phase == "step"
+        assert advice.absolute(row) == 3 * p + 4
+    else:
+        # later steps peak in backward: every gradient, the first fc1's output gradient (B H), the loss
+        # and the gradient seed (4 B each); the step only updates buffers in place
+        assert row.peak_bytes == p + bh + 8 and row.peak_phase == "backward"
+        assert row.region_peak("step") == 0 and row.phases[-1].above_start == p + 4
+        assert advice.absolute(row) == 3 * p + bh + 8
+        assert (
+            advice.lines()[1]
+            == "  as-is: peak 49.0 KiB in backward = 32.0 KiB at the start + 17.0 KiB; no extra compute"
+        )
+    assert advice.best(advice.absolute(row)) is row
+    assert advice.best(advice.absolute(row) - 1) is None  # checkpointing lowers neither peak
+
+
+def test_live_bytes_count_what_the_backend_saw_allocated_once() -> None:
+    def made_while_tracked(backend: TrackerBackend) -> Advice:
+        model, opt, step = _stack_step()
+        return advise(step, model=model, optimizer=opt, backend=backend, strategies=[])
+
+    advice: Advice = _tracked(made_while_tracked)
+    # the parameters (counted by the tracker, not again from the model) and the step's x and target
+    assert advice.live_bytes == L * 2 * D * H * F4 + 2 * B * D * F4
+    assert advice.resident_bytes == L * 2 * D * H * F4
+
+
 def test_best_is_the_least_extra_compute_that_fits_with_what_the_step_starts_from() -> None:
     rows = (_row(AS_IS, 100, 0), _row("a", 60, 50), _row("b", 40, 10), _row("c", 10, 0, equal=False))
     advice = Advice(rows, None, 20, "tracker", "cpu")
@@ -357,12 +400,23 @@ def test_failure_clause_moves_the_measured_peak_by_the_strategys_change() -> Non
     budget = Budget(phases={"forward": Limit(80, "80 B", binary=True)})
     forward, call = PhaseResult("forward", 95, 95, None, 95), PhaseResult("call", 110, 110, None, 0)
     # 95 B measured - 90 B as-is + 50 B with the strategy
-    assert advice_clause(advice, budget, call, {"forward": forward}) == "; doing ckpt fits: 55 B, +31% compute"
+    assert (
+        advice_clause(advice, budget, call, {"forward": forward})
+        == "; doing ckpt fits: forward peak 55 B, +31% compute"
+    )
     tight = Budget(phases={"forward": Limit(40, "40 B", binary=True)})
     assert advice_clause(advice, tight, call, {"forward": forward}) == (
-        "; none of the 1 strategies advise measured fits the budget (lowest: ckpt, peak 70 B)"
+        "; none of the 1 strategies advise measured fits the budget (lowest: ckpt, step peak 70 B above its start)"
     )
     assert advice_clause(None, budget, call, {"forward": forward}) == ""
+    # out of memory: the absolute peak, 20 B live at the start + 70 B, against the capacity
+    oom = Advice((base, _row("ckpt", 70, 31, forward=50)), 100, 20, "tracker", "cpu")
+    assert advice_clause(oom, None, oom=True) == (
+        "; doing ckpt fits 100 B: peak 90 B with the 20 B live when the step starts, +31% compute"
+    )
+    assert advice_clause(dataclasses.replace(oom, capacity=89), None, oom=True) == (
+        "; none of the 1 strategies advise measured fits 89 B (lowest: ckpt, peak 90 B with the 20 B live at the start)"
+    )
 
 
 def test_failing_budget_names_the_best_strategy_and_reports_the_rows(tracker: pytest.Pytester) -> None:
@@ -392,8 +446,9 @@ def test_failing_budget_names_the_best_strategy_and_reports_the_rows(tracker: py
         [
             # moved from the measured 16.0 MiB to dout + dW2 + db2 + dh1 = 32 KiB + 8 MiB + 4 KiB + 64 KiB
             "*backward peak 16.0 MiB exceeds max_memory backward=12 MiB*; the optimizer step fused into backward "
-            "fits: 8.1 MiB, no extra compute",
-            "*advice (tracker on cpu*",
+            "fits: backward peak 8.1 MiB, no extra compute",
+            "*advice (tracker on cpu*): absolute peaks; * live at the step's start, 16.0 MiB of it model state",
+            "*fused-step: peak * in backward = * at the start + *, saves *; no extra compute",
             "*skipped checkpoint-blocks: no repeated blocks*",
         ]
     )

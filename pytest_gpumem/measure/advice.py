@@ -23,14 +23,24 @@ NOT_CHECKED = "not checked"
 
 @dataclass(frozen=True)
 class PhasePeak:
+    """A phase's peak above what was allocated when the phase began (`peak_bytes`: what a test's
+    gpumem.phase() of the same code measures), and above what was allocated when the step began
+    (`above_start`: what the step holds at the phase's peak, the earlier phases' leftovers included)."""
+
     name: str
     peak_bytes: int
+    above_start: int | None = None
+
+    @property
+    def step_peak(self) -> int:
+        return self.peak_bytes if self.above_start is None else self.above_start
 
 
 @dataclass(frozen=True)
 class Row:
-    """One strategy (or combination, `strategies` naming its parts) and what it measured: peaks above
-    what existed when the step began, FLOPs counted over the whole step, and the gradients' check."""
+    """One strategy (or combination, `strategies` naming its parts) and what it measured: `peak_bytes`,
+    the step's peak above what was allocated when it began (the absolute peak is `Advice.absolute(row)`),
+    each phase's peaks, FLOPs counted over the whole step, and the gradients' check."""
 
     name: str
     description: str
@@ -56,14 +66,25 @@ class Row:
                 return phase.peak_bytes
         return self.peak_bytes
 
-    def to_json(self) -> dict[str, Any]:
+    @property
+    def peak_phase(self) -> str | None:
+        """The phase in which the step's peak came (the first of equal ones), None without phases."""
+        if not self.phases:
+            return None
+        return max(self.phases, key=lambda p: p.step_peak).name
+
+    def to_json(self, live: int = 0) -> dict[str, Any]:
         data: dict[str, Any] = {"name": self.name, "description": self.description, "strategies": list(self.strategies)}
         if self.skipped is not None:
             data["skipped"] = self.skipped
             return data
+        assert self.peak_bytes is not None
         data.update(
+            absolute_peak_bytes=live + self.peak_bytes,
             peak_bytes=self.peak_bytes,
+            peak_phase=self.peak_phase,
             phases={p.name: p.peak_bytes for p in self.phases},
+            absolute_phases={p.name: live + p.step_peak for p in self.phases},
             saving_bytes=self.saving_bytes,
             flops=self.flops,
             extra_flops=self.extra_flops,
@@ -76,15 +97,19 @@ class Row:
 
 @dataclass(frozen=True)
 class Advice:
-    """The rows (as-is first), the capacity they were judged against (None: not judged), the bytes the
-    step starts from (parameters, buffers, gradients and optimizer state: with a row's peak, what must
-    fit the capacity), and which strategies cannot be combined."""
+    """The rows (as-is first), the capacity they were judged against (None: not judged), and which
+    strategies cannot be combined. `live_bytes`: what was allocated when the step began, as the backend
+    counts it, plus the model's state it did not see allocated (parameters made before it observed);
+    a row's absolute peak, judged against the capacity, is `live_bytes` + its peak above the start (as
+    `pytest_gpumem.fit` judges a batch). `resident_bytes`: the part of it that is the model's
+    parameters, buffers, gradients and optimizer state."""
 
     rows: tuple[Row, ...]
     capacity: int | None
-    resident_bytes: int
+    live_bytes: int
     backend: str
     device: str
+    resident_bytes: int = 0
     conflicts: tuple[str, ...] = ()
     seconds: float = 0.0
 
@@ -98,12 +123,18 @@ class Advice:
                 return row
         raise GpuMemError(f"advice has no row {name!r} (rows: {', '.join(r.name for r in self.rows)})")
 
+    def absolute(self, row: Row) -> int:
+        """The row's absolute peak: what was live when the step began + the step's peak above that."""
+        if row.peak_bytes is None:
+            raise GpuMemError(f"advice row {row.name!r} was not measured: {row.skipped}")
+        return self.live_bytes + row.peak_bytes
+
     def fits(self, row: Row, capacity: int) -> bool:
-        return row.peak_bytes is not None and self.resident_bytes + row.peak_bytes <= capacity
+        return row.peak_bytes is not None and self.absolute(row) <= capacity
 
     def best(self, capacity: int | str | None = None) -> Row | None:
-        """The cheapest row (least extra compute, then lowest peak) whose step fits `capacity` (default:
-        the one given to advise) with what it starts from, and whose gradients were not found to differ;
+        """The cheapest row (least extra compute, then lowest peak) whose absolute peak is within
+        `capacity` (default: the one given to advise) and whose gradients were not found to differ;
         None if none fits. The as-is row is a candidate: when it fits, nothing needs to change."""
         limit = self.capacity if capacity is None else parse_size(capacity)
         if limit is None:
@@ -142,21 +173,27 @@ class Advice:
         return f"{extra:+,} FLOPs"
 
     def lines(self) -> list[str]:
-        """The report section: a row per strategy, then the skipped ones and the conflicts."""
-        cap = "" if self.capacity is None else f"; capacity {format_size(self.capacity)} with "
-        cap += "" if self.capacity is None else f"{format_size(self.resident_bytes)} resident"
-        found = [f"advice ({self.backend} on {self.device}, {self.seconds:.1f} s{cap}):"]
+        """The report section: two lines per measured row (absolute peaks), then the skipped ones and
+        the conflicts."""
+        cap = "" if self.capacity is None else f"; capacity {format_size(self.capacity)}"
+        found = [
+            f"advice ({self.backend} on {self.device}, {self.seconds:.1f} s{cap}): absolute peaks; "
+            f"{format_size(self.live_bytes)} live at the step's start, {format_size(self.resident_bytes)} of it "
+            "model state"
+        ]
         for row in self.rows:
             if not row.measured:
                 continue
             assert row.peak_bytes is not None
-            phases = ", ".join(f"{p.name} {format_size(p.peak_bytes)}" for p in row.phases)
             saving = "" if row.name == AS_IS else f", saves {format_size(row.saving_bytes or 0)}"
             fits = "" if row.fits is None else ("; fits" if row.fits else "; does not fit")
+            where = "" if row.peak_phase is None else f" in {row.peak_phase}"
             found.append(
-                f"  {row.name}: peak {format_size(row.peak_bytes)} ({phases}){saving}; {self.compute(row)}; "
-                f"gradients {row.gradients}{fits}"
+                f"  {row.name}: peak {format_size(self.absolute(row))}{where} = {format_size(self.live_bytes)} at "
+                f"the start + {format_size(row.peak_bytes)}{saving}; {self.compute(row)}{fits}"
             )
+            phases = ", ".join(f"{p.name} {format_size(self.live_bytes + p.step_peak)}" for p in row.phases)
+            found.append(f"    {phases + '; ' if phases else ''}gradients {row.gradients}")
         found += [f"  skipped {row.name}: {row.skipped}" for row in self.rows if row.skipped is not None]
         found += [f"  conflict: {text}" for text in self.conflicts]
         return found
@@ -164,11 +201,12 @@ class Advice:
     def to_json(self) -> dict[str, Any]:
         return {
             "capacity": self.capacity,
+            "live_bytes": self.live_bytes,
             "resident_bytes": self.resident_bytes,
             "backend": self.backend,
             "device": self.device,
             "seconds": round(self.seconds, 3),
-            "rows": [row.to_json() for row in self.rows],
+            "rows": [row.to_json(self.live_bytes) for row in self.rows],
             "conflicts": list(self.conflicts),
         }
 
@@ -203,7 +241,8 @@ def advice_clause(
     oom: bool = False,
 ) -> str:
     """What a failure line adds when the test called gpumem.advise: the cheapest strategy that fits,
-    e.g. '; checkpointing the 12 `GPT2Block`s fits: 5.2 GiB, +31% compute', or that none does."""
+    e.g. '; checkpointing the 12 `GPT2Block`s fits: forward peak 5.2 GiB, +31% compute' (the region's
+    peak as the budget counts it), or that none does."""
     if advice is None:
         return ""
     capacity = advice.capacity if budget is None or budget.capacity is None else budget.capacity.bytes
@@ -212,10 +251,12 @@ def advice_clause(
             return ""
         row = _cheapest([r for r in advice._usable() if r.name != AS_IS and advice.fits(r, capacity)])
         if row is None:
-            return _none_fits(advice, f"{format_size(capacity)}")
-        assert row.peak_bytes is not None
-        total = format_size(advice.resident_bytes + row.peak_bytes)
-        return f"; {row.description} fits {format_size(capacity)}: {total}, {advice.compute(row)}"
+            return _none_fits(advice, format_size(capacity), absolute=True)
+        peak, live = format_size(advice.absolute(row)), format_size(advice.live_bytes)
+        return (
+            f"; {row.description} fits {format_size(capacity)}: peak {peak} with the {live} live when the step "
+            f"starts, {advice.compute(row)}"
+        )
     if call is None:
         return ""
     limits, observed, shown = _limits(budget, call, phases or {})
@@ -226,7 +267,7 @@ def advice_clause(
         return _none_fits(advice, "the budget")
     row, predicted = found
     region = next(iter(shown))
-    return f"; {row.description} fits: {shown[region](predicted[region])}, {advice.compute(row)}"
+    return f"; {row.description} fits: {region} peak {shown[region](predicted[region])}, {advice.compute(row)}"
 
 
 def _limits(
@@ -248,11 +289,16 @@ def _limits(
     return limits, observed, shown
 
 
-def _none_fits(advice: Advice, what: str) -> str:
+def _none_fits(advice: Advice, what: str, *, absolute: bool = False) -> str:
     tried = [r for r in advice._usable() if r.name != AS_IS]
     if not tried:
         return "; gpumem.advise found no strategy to try"
     lowest = min(tried, key=lambda r: r.peak_bytes or 0)
     assert lowest.peak_bytes is not None
-    peak = format_size(lowest.peak_bytes)
-    return f"; none of the {len(tried)} strategies advise measured fits {what} (lowest: {lowest.name}, peak {peak})"
+    if absolute:
+        peak = (
+            f"peak {format_size(advice.absolute(lowest))} with the {format_size(advice.live_bytes)} live at the start"
+        )
+    else:
+        peak = f"step peak {format_size(lowest.peak_bytes)} above its start"
+    return f"; none of the {len(tried)} strategies advise measured fits {what} (lowest: {lowest.name}, {peak})"

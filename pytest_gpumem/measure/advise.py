@@ -3,7 +3,8 @@
 Every run starts from the same state (parameters, buffers, gradients, optimizer state and RNG as they
 were when advise was called) and is split into phases from outside: "step" while the optimizer's step
 runs, "backward" while autograd's engine runs an op (`torch._C._current_graph_task_id() != -1`),
-"forward" otherwise. One dispatch mode above the backend's opens those regions and counts FLOPs with
+"forward" otherwise; each phase's peak is taken above its own start (what a test's gpumem.phase()
+measures) and above the step's start. One dispatch mode above the backend's opens those regions and counts FLOPs with
 torch's flop counter formulas (`torch.utils.flop_counter.flop_registry`, which work on meta). The copies
 that make runs repeatable are made with every dispatch mode disabled, so no backend counts them, and
 everything is put back when advise returns: the same parameter, gradient and state objects.
@@ -23,6 +24,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.flop_counter import flop_registry
 
+from pytest_gpumem.backends.tracker import cuda_block_size
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.measure.advice import AS_IS, NOT_CHECKED, Advice, PhasePeak, Row
 from pytest_gpumem.measure.strategies import (
@@ -61,6 +63,9 @@ class _Splitter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.stack, self.shim = stack, shim
         self.current: str | None = None
         self.phases: dict[str, PhaseResult] = {}
+        self.above_start: dict[str, int] = {}  # each phase's highest peak above the step's start
+        self.offset = 0  # bytes allocated above the step's start when the current phase began
+        self.allocating: set[str] = set()  # phases with an entry that allocated
         self.flops = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -72,6 +77,7 @@ class _Splitter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if phase != self.current:
             self.close()
             self.stack.push(phase)
+            self.offset = self.stack.open[-1].start.allocated - self.stack.open[0].start.allocated
             self.current = phase
         out = func(*args, **kwargs)
         count = flop_registry.get(func._overloadpacket)
@@ -86,6 +92,14 @@ class _Splitter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.current = None
         earlier = self.phases.get(result.name)
         self.phases[result.name] = result if earlier is None else earlier.merged(result)
+        # An entry that allocated nothing (zero_grad's profiler op after the step, a loss.item()) holds
+        # what the phase before it left, not a peak of its own: it counts only for a phase without others.
+        name, high = result.name, self.offset + result.peak_bytes
+        if result.peak_bytes > 0 and name not in self.allocating:
+            self.above_start[name] = high
+            self.allocating.add(name)
+        elif result.peak_bytes > 0 or name not in self.allocating:
+            self.above_start[name] = max(self.above_start.get(name, high), high)
 
 
 def _copy(value: Any) -> Any:
@@ -157,6 +171,7 @@ class _Saved:
 class _Measured:
     total: PhaseResult
     phases: dict[str, PhaseResult]
+    above_start: dict[str, int]
     flops: int
     outcome: dict[str, torch.Tensor] | None
     dtype: torch.dtype
@@ -192,7 +207,7 @@ def _measure(backend: Backend, target: Target, saved: _Saved, chosen: Sequence[S
         outcome = saved.outcome(run.grads) if check else None
     finally:
         patch.undo()
-    return _Measured(total, splitter.phases, splitter.flops, outcome, run.dtype)
+    return _Measured(total, splitter.phases, splitter.above_start, splitter.flops, outcome, run.dtype)
 
 
 def _compare(
@@ -213,8 +228,9 @@ def _compare(
     return f"differ (error {worst:.0e} > {rtol:.0e} in {worst_key})", False
 
 
-def _resident(target: Target) -> int:
-    """Bytes of distinct storages the step starts from: parameters, buffers, gradients, optimizer state."""
+def _resident(target: Target) -> dict[int, int]:
+    """Bytes of each distinct storage the step starts from (parameters, buffers, gradients, optimizer
+    state), by storage key."""
     tensors: list[torch.Tensor] = [*target.parameters(), *target.model.buffers()]
     tensors += [p.grad for p in target.parameters() if p.grad is not None]
     if target.optimizer is not None:
@@ -224,15 +240,31 @@ def _resident(target: Target) -> int:
     for tensor in tensors:
         storage = tensor.untyped_storage()
         sizes[storage._cdata] = storage.nbytes()
-    return sum(sizes.values())
+    return sizes
+
+
+def _live(backend: Backend, resident: Mapping[int, int]) -> int:
+    """What is allocated when the step begins: what the backend counts, plus the model's state that a
+    backend counting only what it saw allocated (the tracker) did not see (made before it observed),
+    as it would have counted it. Taken before advise makes its own copies."""
+    backend.settle()
+    counted = backend.current().allocated
+    if getattr(backend, "sees_earlier_allocations", True):
+        return counted
+    live_storages = getattr(backend, "live_storages", None)
+    seen = live_storages() if callable(live_storages) else {}
+    rounded = cuda_block_size if getattr(backend, "rounding", "none") == "cuda" else int
+    return counted + sum(rounded(size) for key, size in resident.items() if key not in seen)
 
 
 class _Advisor:
     def __init__(self, backend: Backend, target: Target, capacity: int | None, chosen: list[Strategy]) -> None:
         self.backend, self.target, self.capacity, self.chosen = backend, target, capacity, chosen
         self.check = target.device.type != "meta"
+        resident = _resident(target)
+        self.resident = sum(resident.values())
+        self.live = _live(backend, resident)
         self.saved = _Saved(target)
-        self.resident = _resident(target)
         self.reference: dict[str, torch.Tensor] | None = None
         self.scales: dict[str, float] = {}
         self.base: _Measured | None = None
@@ -263,7 +295,16 @@ class _Advisor:
             self.saved.restore()
         elapsed = time.perf_counter() - started
         device = str(self.target.device)
-        return Advice(tuple(rows), self.capacity, self.resident, self.backend.name, device, tuple(conflicts), elapsed)
+        return Advice(
+            tuple(rows),
+            self.capacity,
+            self.live,
+            self.backend.name,
+            device,
+            self.resident,
+            tuple(conflicts),
+            elapsed,
+        )
 
     def _try(self, strategies: list[Strategy]) -> Row:
         name = " + ".join(s.name for s in strategies)
@@ -296,13 +337,13 @@ class _Advisor:
             description,
             names,
             peak_bytes=peak,
-            phases=tuple(PhasePeak(r.name, r.peak_bytes) for r in phases),
+            phases=tuple(PhasePeak(r.name, r.peak_bytes, measured.above_start[r.name]) for r in phases),
             saving_bytes=self.base.total.peak_bytes - peak,
             flops=measured.flops,
             extra_flops=measured.flops - self.base.flops,
             gradients=gradients,
             gradients_equal=equal,
-            fits=None if self.capacity is None else self.resident + peak <= self.capacity,
+            fits=None if self.capacity is None else self.live + peak <= self.capacity,
         )
 
     def _combinations(self, applicable: list[Strategy], rows: list[Row]) -> list[Row]:
