@@ -122,7 +122,7 @@ def llama_7b(seq: int, capacity: str) -> tuple[Advice, float, float]:
 
     def step() -> None:
         logits = model(ids)
-        F.cross_entropy(logits.float().view(-1, shape.vocab), targets).backward()
+        F.cross_entropy(logits.float().view(-1, shape.vocab), targets).backward()  # type: ignore[no-untyped-call]
         opt.step()
 
     backend = TrackerBackend(device="meta")  # a GPU's paths: flash attention, foreach AdamW
