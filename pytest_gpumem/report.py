@@ -1,16 +1,18 @@
 """Pure functions from results to the report: the terminal table fitted to a width, Markdown, JSON.
 
-The short form has fixed columns (test, call peak, [baseline, change,] budget, status), a column for
-each phase that most tests share, and one cell for every other phase ("forward 4.0 MiB · backward
-8.0 MiB"); per-rank phases (`phase@rankN`) fold into the worst rank ("28.0 MiB @rank1"). The long form
-has one row per test and phase.
+The short form has fixed columns (test, call peak, baseline, change, budget, status; those empty in every
+row left out), a column for each phase that most tests share, and one cell for every other phase
+("forward 4.0 MiB · backward 8.0 MiB", the largest where not all fit); per-rank phases (`phase@rankN`)
+fold into the worst rank ("28.0 MiB @rank1", no rank where all ranks agree). Test ids too long for their
+column lose whole leading parts ("…test_x[a]") before they are cut in the middle. The long form has one
+row per test and phase.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,23 +74,33 @@ def truncate(text: str, width: int) -> str:
     return text if len(text) <= width else text[: max(width - 1, 0)] + ELLIPSIS[:width]
 
 
-def join_fitting(parts: Sequence[str], width: int) -> str:
-    """`parts` joined by " · ", as many as fit in `width`, then how many more there are ("+3 more")."""
-    keep = fitting(parts, width)
-    if keep == len(parts):
+def join_fitting(parts: Sequence[str], width: int, rank: Sequence[int] | None = None) -> str:
+    """`parts` joined by " · ", as many as fit in `width`, then how many more there are ("+3 more"): each
+    part taken in turn (their own order, or `rank`'s, lowest first) where it still fits, all shown in
+    their own order."""
+    if len(JOIN.join(parts)) <= width:
         return JOIN.join(parts)
-    shown = JOIN.join([*parts[:keep], f"+{len(parts) - keep} more"])
+    chosen: list[int] = []
+    for i in sorted(range(len(parts)), key=lambda i: i if rank is None else rank[i]):
+        if len(_shown(parts, [*chosen, i])) <= width:
+            chosen.append(i)
+    shown = _shown(parts, chosen)
     return shown if len(shown) <= width else truncate(shown, width)
 
 
-def fitting(parts: Sequence[str], width: int) -> int:
-    """How many of `parts` `join_fitting` shows in `width`."""
-    if len(JOIN.join(parts)) <= width:
-        return len(parts)
-    for keep in range(len(parts) - 1, 0, -1):
-        if len(JOIN.join([*parts[:keep], f"+{len(parts) - keep} more"])) <= width:
-            return keep
-    return 0
+def _shown(parts: Sequence[str], chosen: Sequence[int]) -> str:
+    return JOIN.join([*(parts[i] for i in sorted(chosen)), f"+{len(parts) - len(chosen)} more"])
+
+
+def cell_rank(names: Sequence[str], sizes: Sequence[int]) -> list[int]:
+    """Which phases a cell too narrow for all shows first: the largest of each group (phases named
+    `group.phase`, as a distributed test's strategies name theirs), then the others, the larger first."""
+    groups = [name.rpartition(".")[0] or name for name in names]
+    top = {g: max(s for g2, s in zip(groups, sizes, strict=True) if g2 == g) for g in groups}
+    firsts = {g: next(i for i, g2 in enumerate(groups) if g2 == g and sizes[i] == top[g]) for g in top}
+    first = set(firsts.values())
+    order = sorted(range(len(names)), key=lambda i: (i not in first, -sizes[i], i))
+    return [order.index(i) for i in range(len(names))]
 
 
 def common_prefix(nodeids: Sequence[str]) -> str:
@@ -104,9 +116,44 @@ def common_prefix(nodeids: Sequence[str]) -> str:
     return prefix if all(len(nodeid) > len(prefix) for nodeid in nodeids) else ""
 
 
+def shorten_ids(ids: Sequence[str], width: int) -> list[str]:
+    """Each id in `width`: first without whole leading parts (up to a "/" or "::" before the parameters,
+    "…" in their place), the test's name and parameters kept; where even those do not fit, or two ids
+    would read the same, cut in the middle as `elide_apart` does."""
+    cut = [_without_leading_parts(nodeid, width) for nodeid in ids]
+    if len(set(cut)) != len(set(ids)):
+        return elide_apart(ids, width)
+    long = [i for i, text in enumerate(cut) if len(text) > width]
+    names = elide_apart([_last_part(ids[i]) for i in long], width)
+    for i, name in zip(long, names, strict=True):
+        cut[i] = name
+    return cut if len(set(cut)) == len(set(ids)) else elide_apart(ids, width)
+
+
+def _without_leading_parts(nodeid: str, width: int) -> str:
+    if len(nodeid) <= width:
+        return nodeid
+    starts = _part_starts(nodeid)
+    return next((ELLIPSIS + nodeid[start:] for start in starts if len(nodeid) - start < width), nodeid)
+
+
+def _last_part(nodeid: str) -> str:
+    starts = _part_starts(nodeid)
+    return nodeid[starts[-1] :] if starts else nodeid
+
+
+def _part_starts(nodeid: str) -> list[int]:
+    """Where each part after the first begins: after a "/" or "::" that comes before the parameters."""
+    names = nodeid.split("[", 1)[0]
+    starts = [i + 1 for i, char in enumerate(names) if char == "/"]
+    starts += [i + 2 for i in range(len(names) - 1) if names.startswith("::", i)]
+    return sorted(start for start in set(starts) if start < len(names))
+
+
 def fold_ranks(phases: Mapping[str, PhaseResult]) -> dict[str, PhaseResult]:
     """The phases with each `name@rankN` folded into `name`: the worst rank's figures, its rank kept
-    (the distributed run records that phase already; a lone per-rank phase is folded here)."""
+    unless every rank has the same peak (the distributed run records that phase already; a lone per-rank
+    phase is folded here)."""
     bases: dict[str, list[PhaseResult]] = {}
     for name, phase in phases.items():
         base, rank = _rank_of(name)
@@ -115,10 +162,9 @@ def fold_ranks(phases: Mapping[str, PhaseResult]) -> dict[str, PhaseResult]:
             bases[base].append(phase if phase.rank is not None else _with_rank(phase, rank))
     folded = {}
     for base, ranks in bases.items():
-        if base in phases:
-            folded[base] = phases[base]
-        else:
-            folded[base] = max(ranks, key=lambda p: (p.peak_bytes, -(p.rank or 0)))
+        worst = phases[base] if base in phases else max(ranks, key=lambda p: (p.peak_bytes, -(p.rank or 0)))
+        agree = len(ranks) > 1 and len({p.peak_bytes for p in ranks}) == 1
+        folded[base] = replace(worst, rank=None) if agree and worst.rank is not None else worst
     return folded
 
 
@@ -158,8 +204,9 @@ class Column:
     header: str
     cells: list[list[str]]
     right: bool = False  # figures align right
-    middle: bool = False  # cut in the middle (test ids), not at the end
+    middle: bool = False  # test ids: shortened by `shorten_ids`, not cut at the end
     parts: bool = False  # cut between parts, saying how many more ("+3 more"), never inside one
+    rank: list[list[int]] | None = None  # for parts: which `join_fitting` shows first
     key: str = ""  # what `shrink` calls it: the header, or "phase:NAME" for a phase's own column
     width: int = field(default=0)
     _cache: tuple[int, list[str]] | None = field(default=None, repr=False)
@@ -177,7 +224,7 @@ class Column:
     def text(self, row: int) -> str:
         parts = self.cells[row]
         if self.parts:
-            return join_fitting(parts, self.width)
+            return join_fitting(parts, self.width, None if self.rank is None else self.rank[row])
         if self.middle:
             return self._elided()[row]
         return truncate(parts[0] if parts else "", self.width)
@@ -185,7 +232,7 @@ class Column:
     def _elided(self) -> list[str]:
         if self._cache is None or self._cache[0] != self.width:
             texts = [cell[0] if cell else "" for cell in self.cells]
-            self._cache = self.width, elide_apart(texts, self.width)
+            self._cache = self.width, shorten_ids(texts, self.width)
         return self._cache[1]
 
     def head(self) -> str:
@@ -222,6 +269,26 @@ def shrink(columns: Sequence[Column], width: int, floors: Mapping[str, int]) -> 
     return total_width(columns) <= width
 
 
+_OPTIONAL = frozenset(("baseline", "change", "budget"))  # fixed columns left out when empty in every row
+
+
+def _run_phase(result: TestResult) -> str | None:
+    """The phase of the distributed run that the call's figures are taken from (the call peak column
+    shows it), or None."""
+    call = result.call
+    if call is None or call.rank is None:
+        return None
+    same = [name for name, p in result.phases.items() if (p.peak_bytes, p.rank) == (call.peak_bytes, call.rank)]
+    return next((name for name in same if f"{name}{RANK_SEPARATOR}{call.rank}" in result.phases), None)
+
+
+def _call(result: TestResult, folded: Mapping[str, PhaseResult], run: str | None) -> PhaseResult | None:
+    """The call, without the rank it is from where every rank of the run it is taken from agrees."""
+    call = result.call
+    agree = call is not None and run is not None and run in folded and folded[run].rank is None
+    return replace(call, rank=None) if agree and call is not None else call
+
+
 def _baseline(result: TestResult, phase: str | None) -> tuple[str, str, str]:
     """A region's baseline, change and verdict cells ("call" is None)."""
     comparisons = [] if result.baseline is None else result.baseline.get("comparisons", [])
@@ -252,7 +319,13 @@ def short_columns(
     own columns and the others in one cell; `links` makes Markdown links of the pictures."""
     folded = [fold_ranks(r.phases) for r in results]
     own = shared_phases(folded)[:shared]
-    others = [[f"{name} {peak_cell(p)}" for name, p in phases.items() if name not in own] for phases in folded]
+    runs = [_run_phase(r) for r in results]
+    calls = [_call(r, phases, run) for r, phases, run in zip(results, folded, runs, strict=True)]
+    rest = [
+        [(name, p) for name, p in phases.items() if name not in own and name != run]
+        for phases, run in zip(folded, runs, strict=True)
+    ]
+    others = [[f"{name} {peak_cell(p)}" for name, p in phases] for phases in rest]
     columns = [Column("test", [[i] for i in (ids or [r.nodeid for r in results])], middle=True)]
     where = _devices(results)
     columns += [] if where is None else [Column("backend", [[w] for w in where])]
@@ -260,15 +333,16 @@ def short_columns(
         Column(name, [[peak_cell(phases.get(name))] for phases in folded], right=True, key=f"phase:{name}")
         for name in own
     ]
-    columns.append(Column("call peak", [[peak_cell(r.call)] for r in results], right=True))
-    if any(r.baseline is not None for r in results):
-        compared = [_baseline(r, None) for r in results]
-        columns.append(Column("baseline", [[base] for base, _, _ in compared], right=True))
-        columns.append(Column("change", [[change] for _, change, _ in compared], right=True))
+    columns.append(Column("call peak", [[peak_cell(call)] for call in calls], right=True))
+    compared = [_baseline(r, None) for r in results]
+    columns.append(Column("baseline", [[base] for base, _, _ in compared], right=True))
+    columns.append(Column("change", [[change] for _, change, _ in compared], right=True))
     columns.append(Column("budget", [[r.budget_text or ""] for r in results]))
+    columns = [col for col in columns if col.header not in _OPTIONAL or any(any(cell) for cell in col.cells)]
     columns.append(Column("status", [[r.status] for r in results]))
     if any(others):
-        columns.append(Column("other phases" if own else "phases", others, parts=True, key="other phases"))
+        rank = [cell_rank([name for name, _ in phases], [p.peak_bytes for _, p in phases]) for phases in rest]
+        columns.append(Column("other phases" if own else "phases", others, parts=True, key="other phases", rank=rank))
     if any(r.explanation is not None for r in results):
         made = [[summary(r.explanation) if r.explanation else ""] for r in results]
         columns.append(Column("call peak made of", made, key="made of"))
@@ -332,21 +406,34 @@ def table_lines(results: Sequence[TestResult], width: int | None = DEFAULT_WIDTH
 
 
 def _fitted(results: Sequence[TestResult], ids: Sequence[str], width: int | None) -> list[Column]:
-    """The short form in `width`: test ids cut to a share of the width, then the least shared phases
-    leave their columns for the cell of the others (which shows at least how many there are); when
-    nothing fits, everything is cut to its last floor."""
+    """The short form in `width`: as many of the shared phases in their own columns as fit (the least
+    shared leave theirs for the cell of the others first), test ids cut to their test names and
+    parameters (up to half the width) or else to a share of it; of those, the first whose cell shows a
+    phase in each row. When nothing fits, everything is cut to its last floor."""
     every = len(shared_phases([fold_ranks(r.phases) for r in results]))
     columns = short_columns(results, ids=ids)
     if width is None:
         return columns
-    for stage, floors in enumerate(_FLOORS):
-        if stage == 0:
-            floors = {**floors, "test": max(_FLOORS[1]["test"], int(width * _ID_SHARE))}
-        for shared in range(every, -1, -1):
+    names = max(len(_last_part(i)) + len(ELLIPSIS) for i in ids)
+    share = max(_FLOORS[1]["test"], int(width * _ID_SHARE))
+    for shared in range(every, -1, -1):
+        fits = []
+        for test in dict.fromkeys((max(share, min(names, width // 2)), share)):
             columns = short_columns(results, shared, ids)
-            if shrink(columns, width, floors):
-                return _settled(columns, width)
+            if shrink(columns, width, {**_FLOORS[0], "test": test}):
+                fits.append(columns)
+        if fits:
+            return _settled(next((c for c in fits if _shows_a_phase(c)), fits[0]), width)
+    columns = short_columns(results, 0, ids)
+    shrink(columns, width, _FLOORS[1])
     return columns
+
+
+def _shows_a_phase(columns: Sequence[Column]) -> bool:
+    """Whether the cell of other phases shows at least one of them in each row that has any."""
+    cell = next((col for col in columns if col.parts), None)
+    rows = [] if cell is None else [row for row, parts in enumerate(cell.cells) if parts]
+    return cell is None or all(not cell.text(row).startswith("+") for row in rows)
 
 
 def _settled(columns: list[Column], width: int) -> list[Column]:

@@ -258,6 +258,6 @@ def report_lines(results: list[TestResult]) -> list[str]:
         saved = "-" if base is None or row is base else format_size(base["state_bytes"] - row["state_bytes"])
         peaks = [format_size(row["peaks"][p]) if row["peaks"][p] is not None else "-" for p in PHASES]
         body.append([row["strategy"], row["world_size"], *peaks, format_size(row["state_bytes"]), saved])
-    headers = ["strategy", "ranks", *(f"{p} (worst rank)" for p in PHASES), "state/rank", "saved vs DDP"]
-    note = "state/rank: parameters, gradient buffers and momentum kept between steps (hand-derived)"
-    return [*tabulate(body, headers=headers, disable_numparse=True).splitlines(), note]
+    headers = ["strategy", "ranks", *PHASES, "state/rank", "saved vs DDP"]
+    note = "phase peaks: the worst rank's; state/rank: parameters, gradient buffers and momentum kept between steps"
+    return [*tabulate(body, headers=headers, disable_numparse=True).splitlines(), note + " (hand-derived)"]

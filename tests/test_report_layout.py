@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 
 from pytest_gpumem.report import (
+    cell_rank,
     common_prefix,
     elide,
     fold_ranks,
     join_fitting,
     markdown,
     shared_phases,
+    shorten_ids,
     table_lines,
 )
 from pytest_gpumem.results import RANK_SEPARATOR, PhaseResult, TestResult
@@ -101,6 +103,36 @@ def test_join_fitting_says_how_many_more() -> None:
     assert join_fitting(parts, 100) == "forward 4.0 MiB · backward 8.0 MiB · step 1 B"
     assert join_fitting(parts, 34) == "forward 4.0 MiB · +2 more"
     assert join_fitting(parts, 8) == "+3 more"
+    # a part that does not fit is passed over for one that does; by rank: backward first, forward has no
+    # room then, step has; shown in their own order
+    assert join_fitting(parts, 37) == "forward 4.0 MiB · step 1 B · +1 more"
+    assert join_fitting(parts, 37, rank=[1, 0, 2]) == "backward 8.0 MiB · step 1 B · +1 more"
+    assert join_fitting(parts, 26, rank=[1, 0, 2]) == "backward 8.0 MiB · +2 more"
+
+
+def test_a_narrow_cell_shows_the_largest_phase_of_each_group_first() -> None:
+    names = ["ddp.setup", "ddp.backward", "fsdp2.forward", "fsdp2.backward", "load"]
+    sizes = [16, 16, 26, 28, 1]
+    # the largest of ddp (setup, the first of two alike), fsdp2 and load, then the others by size
+    assert cell_rank(names, sizes) == [1, 4, 3, 0, 2]
+
+
+@pytest.mark.parametrize(
+    ("ids", "width", "shown"),
+    [
+        (
+            ["a/b/test_m.py::TestC::test_x[p]", "a/b/test_m.py::TestC::test_y[p]"],
+            20,
+            ["…TestC::test_x[p]", "…TestC::test_y[p]"],
+        ),
+        (["a/test_m.py::test_x[1]", "a/test_m.py::test_x[2]"], 13, ["…test_x[1]", "…test_x[2]"]),
+        (["test_m.py::test_x[a/b::c]", "short"], 20, ["…test_x[a/b::c]", "short"]),  # never into the parameters
+        (["a.py::test_x", "b.py::test_x"], 10, ["a.py…est_x", "b.py…est_x"]),  # would read the same: cut apart
+        (["t.py::test_a_long_name[p1]", "t.py::test_a_long_name[p2]"], 14, ["test_a…ame[p1]", "test_a…ame[p2]"]),
+    ],
+)
+def test_ids_lose_whole_leading_parts_before_they_are_cut(ids: list[str], width: int, shown: list[str]) -> None:
+    assert shorten_ids(ids, width) == shown
 
 
 @pytest.mark.parametrize("width", [80, 100, 120, 200])
@@ -114,20 +146,22 @@ def test_short_form_at_120_columns() -> None:
     lines = table_lines(main_job(), 120)
     assert lines[0] == "test ids without their common prefix reference_losses/"
     head, rule, ddp, *strategies = lines[1:]
-    # every shared phase keeps its column; ids are cut in the middle to fit
-    assert head.split()[:6] == ["test", "forward", "backward", "total", "call", "peak"]
-    assert head.split()[6:] == ["budget", "status", "other", "phases"]
+    # every shared phase keeps its column, no budget column (no test has one); ids lose their module
+    # first, and are cut in the middle only where the name still does not fit, so that the cell shows a
+    # phase of the distributed test (the 28 MiB ones of rank 1 need 37 columns with the count)
+    assert head.split() == ["test", "forward", "backward", "total", "call", "peak", "status", "other", "phases"]
     assert ddp.startswith("test_distributed.py::test_data_parallel[2] ")
-    assert ddp.endswith("128.0 MiB          ok      +4 more")
-    assert strategies[-1].startswith("test_strategies.py::test_…egy[selective_checkpoint]  4.0 MiB   8.0 MiB")
-    assert len(rule) == 120  # the ids take the room that the cell of other phases does not use
+    assert ddp.endswith("128.0 MiB  ok      ddp.setup 16.0 MiB · +3 more")
+    assert strategies[0].startswith("…test_training_strategy[naive_sum]  ")
+    assert strategies[-1].startswith("test_training_strateg…selective_checkpoint]  4.0 MiB   8.0 MiB")
+    assert len(rule) == 120
 
 
 def test_phases_leave_their_columns_when_the_width_is_short() -> None:
     lines = table_lines(main_job(), 80)
-    # at 80 columns the ids keep 35% (28), two of the three shared phases go to the cell, which says so
-    assert lines[1].split() == ["test", "forward", "call", "peak", "budget", "status", "other", "phases"]
-    assert lines[-1].endswith("4.0 MiB   40.0 MiB          ok      +2 more")
+    # at 80 columns the ids keep 35% (28), the least shared phase (total) goes to the cell, which says so
+    assert lines[1].split() == ["test", "forward", "backward", "call", "peak", "status", "other", "phases"]
+    assert lines[-1].endswith("4.0 MiB   8.0 MiB   40.0 MiB  ok      +1 more")
     assert max(map(len, lines)) <= 80
 
 
@@ -135,7 +169,8 @@ def test_wide_terminal_keeps_every_shared_phase_and_whole_ids() -> None:
     lines = table_lines(main_job(), 250)
     assert lines[1].split()[:4] == ["test", "forward", "backward", "total"]
     assert "test_strategies.py::test_training_strategy[selective_checkpoint]" in lines[-1]
-    assert lines[3].endswith("ddp.setup 16.0 MiB @rank0 · ddp.forward 28.0 MiB @rank1 · "
+    # setup: both ranks 16 MiB, so no rank named
+    assert lines[3].endswith("ddp.setup 16.0 MiB · ddp.forward 28.0 MiB @rank1 · "
                              "ddp.backward 28.0 MiB @rank1 · ddp.step 28.0 MiB @rank1")  # fmt: skip
 
 
@@ -164,7 +199,7 @@ def test_long_form_shows_each_phase_against_its_baseline() -> None:
 
 def test_short_markdown_keeps_whole_ids_and_every_phase() -> None:
     lines = markdown(main_job()).splitlines()
-    assert lines[0].replace(" ", "") == "|test|forward|backward|total|callpeak|budget|status|otherphases|"
+    assert lines[0].replace(" ", "") == "|test|forward|backward|total|callpeak|status|otherphases|"
     assert "reference_losses/test_strategies.py::test_training_strategy[selective_checkpoint]" in lines[-1]
     assert "ddp.backward 28.0 MiB @rank1 · ddp.step 28.0 MiB @rank1" in lines[2]
 
@@ -180,6 +215,76 @@ def test_markdown_links_pictures_from_its_own_folder(tmp_path: Path) -> None:
     text = markdown([result], root=tmp_path, folder=tmp_path / "reports" / "ci")
     assert "[picture](<../../pictures/dot.html>)" in text
     assert "[picture](<pictures/dot.html>)" in markdown([result], root=tmp_path, folder=tmp_path)
+
+
+def test_fixed_columns_empty_in_every_row_are_left_out() -> None:
+    plain, budgeted = strategy("a"), strategy("b")
+    assert table_lines([plain, budgeted])[1].split() == [
+        "test",
+        "forward",
+        "backward",
+        "total",
+        "call",
+        "peak",
+        "status",
+    ]
+    budgeted.budget_text = "50 MiB"
+    budgeted.baseline = {"comparisons": []}  # NEW: a baseline run, nothing to compare with
+    assert "budget" in table_lines([plain, budgeted])[1] and "baseline" not in table_lines([plain, budgeted])[1]
+
+
+def test_one_compared_test_keeps_its_whole_id_at_80_columns() -> None:
+    # 1250 float32 = 5,000 B = 4.9 KiB against a baseline of 4,000 B = 3.9 KiB: +25.0%
+    made = PhaseResult("made", 5000, 5000, None, 0)
+    result = TestResult("test_suite.py::test_alloc[a]", "tracker", "cpu", made, {"made": made}, status="REGRESSED")
+    result.baseline = {"comparisons": [{"phase": None, "baseline": 4000, "change_percent": 25.0}]}
+    lines = table_lines([result], 80)
+    assert lines[0].split() == ["test", "made", "call", "peak", "baseline", "change", "status"]
+    assert lines[2].split() == [
+        "test_suite.py::test_alloc[a]",
+        "4.9",
+        "KiB",
+        "4.9",
+        "KiB",
+        "3.9",
+        "KiB",
+        "+25.0%",
+        "REGRESSED",
+    ]
+
+
+def test_per_rank_phases_fold_into_their_phase_column() -> None:
+    ranks = {p.name: p for p in (phase("forward@rank0", 3, 0), phase("forward@rank1", 5, 1), phase("load@rank0", 1, 0))}
+    results = [strategy("a"), strategy("b"), TestResult("t.py::test_ranks", "tracker", "cpu", phase("call", 9), ranks)]
+    head, _, *rows = table_lines(results, 120)  # no common prefix, no caption
+    assert head.split()[:2] == ["test", "forward"]
+    assert rows[-1].split()[:4] == ["t.py::test_ranks", "5.0", "MiB", "@rank1"]  # rank 1's, the worst
+    assert rows[-1].endswith("load 1.0 MiB @rank0")
+
+
+def world(peaks: dict[str, list[float]]) -> TestResult:
+    """A result as gpumem.distributed records it: `phase@rankN` of each rank, each phase's worst rank as
+    `phase`, the run of the ranks as `ranks@rankN` and `ranks`, the call taken from the worst run."""
+    phases: dict[str, PhaseResult] = {}
+    for name, by_rank in {**peaks, "ranks": [sum(v) for v in zip(*peaks.values(), strict=True)]}.items():
+        for r, mib in enumerate(by_rank):
+            phases[f"{name}@rank{r}"] = phase(f"{name}@rank{r}", mib, r)
+        worst = max(range(len(by_rank)), key=lambda r: (by_rank[r], -r))
+        phases[name] = phase(name, by_rank[worst], worst)
+    run = phases["ranks"]
+    return TestResult("t.py::test_world", "tracker", "cpu", phase("call", run.peak_bytes / MIB, run.rank), phases)
+
+
+def test_a_distributed_run_is_its_call_peak_and_agreeing_ranks_are_not_named() -> None:
+    def rows(peaks: dict[str, list[float]]) -> list[str]:
+        head, _, run, _ = table_lines([world(peaks), strategy("a")], 120)  # ids apart from "t.py::": no caption
+        assert head.split() == ["test", "call", "peak", "status", "phases"]  # the run is the call peak, no phase
+        return [cell.strip() for cell in run.split("  ")]
+
+    alike = [cell for cell in rows({"ddp.forward": [4, 4], "ddp.backward": [16, 16]}) if cell]
+    assert alike[1:] == ["20.0 MiB", "ok", "ddp.forward 4.0 MiB · ddp.backward 16.0 MiB"]  # 4 + 16 MiB on each rank
+    apart = [cell for cell in rows({"ddp.forward": [4, 6], "ddp.backward": [16, 16]}) if cell]
+    assert apart[1:] == ["22.0 MiB @rank1", "ok", "ddp.forward 6.0 MiB @rank1 · ddp.backward 16.0 MiB"]
 
 
 def test_backend_column_only_when_tests_differ() -> None:
