@@ -1,13 +1,27 @@
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch._dynamo
+import torch._dynamo.repro.after_dynamo  # what torch.compile imports for any backend
 
 # pytester's in-process runs drop modules first imported inside them; torch registers operator
-# libraries on import (torch._dynamo -> torch._inductor.test_operators), which must not happen twice,
-# so everything that inner runs may import lazily is imported here first.
+# libraries on import (torch._dynamo -> torch._inductor.test_operators) and torch.compile's cache
+# artifacts (torch._inductor.runtime.autotune_cache), which must not happen twice, so everything that
+# inner runs may import lazily is imported here first.
 torch.utils.checkpoint.checkpoint  # noqa: B018
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.script_method, in torch's own modules
+    import torch._inductor.compile_fx  # what the default backend imports
+
+
+@pytest.fixture(autouse=True)
+def _no_terminal_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inner runs fit their report to COLUMNS: without it they use the width of no terminal, whatever
+    the terminal the suite runs in (a test that wants a width sets it)."""
+    monkeypatch.delenv("COLUMNS", raising=False)
 
 
 @pytest.fixture
