@@ -424,8 +424,10 @@ def _fitted(results: Sequence[TestResult], ids: Sequence[str], width: int | None
                 fits.append(columns)
         if fits:
             return _settled(next((c for c in fits if _shows_a_phase(c)), fits[0]), width)
-    columns = short_columns(results, 0, ids)
-    shrink(columns, width, _FLOORS[1])
+    for shared in range(every, -1, -1):
+        columns = short_columns(results, shared, ids)
+        if shrink(columns, width, _FLOORS[1]):
+            return _settled(columns, width)
     return columns
 
 
