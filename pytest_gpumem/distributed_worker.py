@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 LOADED, READY, DONE, ERROR = "loaded", "ready", "done", "error"
 IN_RANK = "GPUMEM_RANK_OF"  # set in a rank's environment (to the test's node id): ranks start no ranks
 NOT_SHARED = (
-    "ranks import only the test module; conftest.py, fixtures and environment changes made in the parent do not "
-    "reach them"
+    "ranks import only the test module; conftest.py, fixtures, module globals and torch settings made in the "
+    "parent do not reach them"
 )
 _MISSING = (NameError, ImportError, AttributeError, KeyError)  # what a rank lacking the parent's set-up raises
 GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives each of gloo's worker threads

@@ -192,7 +192,8 @@ class BaselineRun:
             update(self.store, passed, summary=summary)
         if missing:
             lines.append(
-                f"{len(missing)} measured tests have no baseline for {identity.key} in {self.options.path.name}: "
+                f"{len(missing)} measured {'test has' if len(missing) == 1 else 'tests have'} no baseline for "
+                f"{identity.key} in {self.options.path.name}: "
                 f"record them, measuring what this run measures, with: {self.record_command}"
             )
         lines += self._prune_lines(stale, identity, summary)

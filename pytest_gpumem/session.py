@@ -341,8 +341,8 @@ class GpuMemSession:
             item.add_report_section("call", "gpumem", section)
         failure: str | None
         if over:
-            made = made_of(meter.explanation, over_limit(budget, call, meter.phases))
             advised = advice_clause(meter.advice, budget, call, meter.phases)
+            made = made_of(meter.explanation, over_limit(budget, call, meter.phases)) if not advised else ""
             status, failure = STATUS_OVER, "; ".join(over) + made + advised
         elif leaked and watch.leak is not None:
             status, failure = STATUS_LEAKED, leak_message(meter, watch.leak, call.net_bytes)

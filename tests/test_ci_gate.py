@@ -202,7 +202,7 @@ def test_the_example_workflow_records_what_it_enforces(pytester: pytest.Pytester
         [
             "*no baseline for this test on tracker | cpu (record one with "
             "pytest --gpumem-backend=tracker --gpumem-all --gpumem-update=new)",
-            "1 measured tests have no baseline for tracker | cpu in gpumem-baselines.json: record them, measuring "
+            "1 measured test has no baseline for tracker | cpu in gpumem-baselines.json: record them, measuring "
             "what this run measures, with: pytest --gpumem-backend=tracker --gpumem-all --gpumem-update=new",
         ]
     )

@@ -211,7 +211,7 @@ def test_faults_end_every_rank_and_fail_one_test_in_one_line(
             "*::test_rank_never_starts: ranks 0, 1 did not start within 3 s (still loading the function and its "
             "module)",
             "*::test_rank_lacks_the_conftest_set_up: rank 0 failed: KeyError: 'lr' (ranks import only the test module; "
-            "conftest.py, fixtures and environment changes made in the parent do not reach them)",
+            "conftest.py, fixtures, module globals and torch settings made in the parent do not reach them)",
             "*::test_rank_starts_ranks: rank 0 failed: GpuMemError: gpumem.distributed() was called inside a rank of "
             "*::test_rank_starts_ranks: ranks cannot start ranks",
             "*::test_rank_returns_what_cannot_be_sent: rank 0 failed: TypeError: the function returned a value that "
