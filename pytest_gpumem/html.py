@@ -3,7 +3,7 @@ category, phases shaded, the peak marked with its top contributors, and the larg
 
 The page loads nothing (a Content-Security-Policy forbids it): the explanation travels inside it as JSON,
 an inline script draws the chart from it and computes the peak a reader sees, and the tables are written
-here, in Python."""
+here, in Python. A test that called gpumem.advise also gets the advice's rows as a table."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from pytest_gpumem.measure.advice import AS_IS, Advice, PhasePeak, Row
 from pytest_gpumem.sizes import format_size
 
 COLOURS = ("#4e79a7", "#f28e2b", "#e15759", "#59a14f", "#edc948", "#b07aa1", "#76b7b2", "#ff9da7", "#9c755f")
@@ -49,6 +50,10 @@ th, td { padding: 2px 8px; text-align: left; border-bottom: 1px solid #eee; }
 td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 tr.total td { font-weight: 600; border-top: 1px solid #bbb; }
 td.code { font-family: ui-monospace, monospace; font-size: 12px; }
+td .what { display: block; color: #666; font-size: 12px; }
+tr.best td { background: #e6f2dd; }
+.badge { font-size: 11px; font-weight: 600; color: #fff; background: #3f7f2f; border-radius: 3px; padding: 0 4px;
+         margin-left: 6px; }
 """
 
 _SCRIPT = r"""
@@ -360,15 +365,17 @@ _SCRIPT_HASH = base64.b64encode(hashlib.sha256(_SCRIPT.encode()).digest()).decod
 _CSP = f"default-src 'none'; style-src 'unsafe-inline'; script-src 'sha256-{_SCRIPT_HASH}'"
 
 
-def render(explanation: dict[str, Any]) -> str:
-    """The whole page for one explanation: one HTML document that needs nothing else to open."""
+def render(explanation: dict[str, Any], advice: object = None) -> str:
+    """The whole page for one explanation: one HTML document that needs nothing else to open. `advice`:
+    the test's `info["advice"]` (`Advice.to_json`), shown as a table; anything else shows nothing."""
     nodeid = str(explanation.get("nodeid", ""))
     head = (
         f'<meta charset="utf-8">\n<meta http-equiv="Content-Security-Policy" content="{_CSP}">\n'
         f"<title>gpumem: {_text(nodeid)}</title>\n<style>{_CSS}</style>"
     )
     body = "\n".join(
-        [
+        part
+        for part in [
             f'<h1 id="gpumem-test">{_text(nodeid)}</h1>',
             f'<p class="meta">memory of the test call, measured by {_text(explanation.get("backend", "?"))}</p>',
             '<p id="gpumem-peak">Peak: needs JavaScript to draw the chart.</p>',
@@ -376,20 +383,23 @@ def render(explanation: dict[str, Any]) -> str:
             '<svg id="gpumem-chart" viewBox="0 0 1000 440" role="img" aria-label="live memory over the test call">'
             "</svg>",
             '<div id="gpumem-tip"></div>',
+            _advice_section(advice),
             *(_phase_section(name, phase, explanation) for name, phase in _phases(explanation)),
             f'<script type="application/json" id="gpumem-data">{_script_json(explanation)}</script>',
             f'<script type="application/json" id="gpumem-colours">{_script_json(list(COLOURS))}</script>',
             f"<script>{_SCRIPT}</script>",
         ]
+        if part
     )
     return f'<!DOCTYPE html>\n<html lang="en">\n<head>\n{head}\n</head>\n<body>\n{body}\n</body>\n</html>\n'
 
 
-def write_html(folder: Path, explanation: dict[str, Any]) -> Path:
-    """Writes the page of one explanation into `folder` (made if missing), named after its test; returns it."""
+def write_html(folder: Path, explanation: dict[str, Any], advice: object = None) -> Path:
+    """Writes the page of one explanation (and the test's advice, if any) into `folder` (made if missing),
+    named after its test; returns it."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{file_stem(str(explanation.get('nodeid', '')))}.html"
-    path.write_text(render(explanation), encoding="utf-8")
+    path.write_text(render(explanation, advice), encoding="utf-8")
     return path
 
 
@@ -539,3 +549,133 @@ def _tensor_row(tensor: dict[str, Any], explanation: dict[str, Any]) -> str:
         f'<td class="code">{_text(tensor.get("module", ""))}</td>',
     ]
     return f"<tr>{''.join(cells)}</tr>"
+
+
+_ADVICE_COLUMNS = (
+    ("strategy", ""),
+    ("peak", "num"),
+    ("above the start", "num"),
+    ("peak in", ""),
+    ("each phase's peak", ""),
+    ("saves vs as-is", "num"),
+    ("extra compute", "num"),
+    ("gradients", ""),
+    ("fits", ""),
+)
+
+
+def read_advice(data: object) -> Advice | None:
+    """The Advice that `Advice.to_json` wrote, or None for anything not shaped like it (a test may put
+    its own value under info["advice"])."""
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list) or not data["rows"]:
+        return None
+    try:
+        live = int(data.get("live_bytes") or 0)
+        capacity = data.get("capacity")
+        return Advice(
+            rows=tuple(_read_row(row, live) for row in data["rows"]),
+            capacity=None if capacity is None else int(capacity),
+            live_bytes=live,
+            backend=str(data.get("backend", "?")),
+            device=str(data.get("device", "?")),
+            resident_bytes=int(data.get("resident_bytes") or 0),
+            conflicts=tuple(str(text) for text in data.get("conflicts", [])),
+            seconds=float(data.get("seconds") or 0.0),
+        )
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _read_row(data: dict[str, Any], live: int) -> Row:
+    name, description = str(data["name"]), str(data.get("description", ""))
+    strategies = tuple(str(part) for part in data.get("strategies", []))
+    if data.get("skipped") is not None:
+        return Row(name, description, strategies, skipped=str(data["skipped"]))
+    absolute: dict[str, int] = data.get("absolute_phases", {})
+    phases = tuple(
+        PhasePeak(str(phase), int(peak), int(absolute[phase]) - live if phase in absolute else None)
+        for phase, peak in data.get("phases", {}).items()
+    )
+    return Row(
+        name,
+        description,
+        strategies,
+        peak_bytes=int(data["peak_bytes"]),
+        phases=phases,
+        saving_bytes=_int_or_none(data.get("saving_bytes")),
+        flops=_int_or_none(data.get("flops")),
+        extra_flops=_int_or_none(data.get("extra_flops")),
+        gradients=str(data.get("gradients", "")),
+        gradients_equal=None if data.get("gradients_equal") is None else bool(data["gradients_equal"]),
+        fits=None if data.get("fits") is None else bool(data["fits"]),
+    )
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _advice_section(data: object) -> str:
+    advice = read_advice(data)
+    if advice is None:
+        return ""
+    best = None if advice.capacity is None else advice.best()
+    head = "".join(f"<th{' class=num' if cls else ''}>{_text(name)}</th>" for name, cls in _ADVICE_COLUMNS)
+    body = "".join(_advice_row(advice, row, row is best) for row in advice.rows if row.measured)
+    skipped = "".join(
+        f'<tr><td class="code">{_text(row.name)}</td><td>{_text(row.skipped)}</td></tr>'
+        for row in advice.rows
+        if row.skipped is not None
+    )
+    parts = [
+        '<section id="gpumem-advice">\n<h2>advice: the step with each memory-saving strategy</h2>',
+        f'<p class="meta" id="gpumem-advice-summary">{_text(_advice_summary(advice, best))}</p>',
+        f'<table class="advice"><tr>{head}</tr>{body}</table>',
+    ]
+    if skipped:
+        parts.append(
+            f'<h3>skipped</h3>\n<table class="skipped"><tr><th>strategy</th><th>why</th></tr>{skipped}</table>'
+        )
+    if advice.conflicts:
+        items = "".join(f"<li>{_text(text)}</li>" for text in advice.conflicts)
+        parts.append(f'<h3>not combined</h3>\n<ul class="conflicts">{items}</ul>')
+    return "\n".join(parts) + "\n</section>"
+
+
+def _advice_summary(advice: Advice, best: Row | None) -> str:
+    measured = (
+        f"gpumem.advise ran the step on {advice.backend} ({advice.device}) in {advice.seconds:.1f} s, apart from "
+        f"the test's call. Peaks are absolute: the {format_size(advice.live_bytes)} live at the step's start "
+        f"({format_size(advice.resident_bytes)} of it model state) plus the step's peak above it."
+    )
+    if advice.capacity is None:
+        return f"{measured} No capacity was given, so none is judged to fit."
+    capacity = format_size(advice.capacity)
+    if best is None:
+        return f"{measured} None fits the capacity of {capacity}."
+    if best.name == AS_IS:
+        return f"{measured} The step fits the capacity of {capacity} as it is."
+    return f"{measured} Best: {best.name}, the least extra compute that fits the capacity of {capacity}."
+
+
+def _advice_row(advice: Advice, row: Row, best: bool) -> str:
+    assert row.peak_bytes is not None
+    absolute = advice.absolute(row)
+    badge = '<span class="badge">best</span>' if best else ""
+    what = f'<span class="what">{_text(row.description)}</span>' if row.description else ""
+    phases = ", ".join(f"{p.name} {format_size(advice.live_bytes + p.step_peak)}" for p in row.phases)
+    saving = "" if row.name == AS_IS or row.saving_bytes is None else format_size(row.saving_bytes)
+    flops = "" if row.extra_flops is None else f' title="{row.extra_flops:+,} FLOPs"'
+    fits = "" if row.fits is None else ("yes" if row.fits else "no")
+    cells = [
+        f'<td><span class="code">{_text(row.name)}</span>{badge}{what}</td>',
+        f'<td class="num" title="{absolute:,} B">{format_size(absolute)}</td>',
+        f'<td class="num" title="{row.peak_bytes:,} B">+{format_size(row.peak_bytes)}</td>',
+        f"<td>{_text(row.peak_phase or '')}</td>",
+        f"<td>{_text(phases)}</td>",
+        f'<td class="num">{saving}</td>',
+        f'<td class="num"{flops}>{_text(advice.compute(row))}</td>',
+        f"<td>{_text(row.gradients)}</td>",
+        f"<td>{fits}</td>",
+    ]
+    return f'<tr{" class=best" if best else ""} data-strategy="{_text(row.name)}">{"".join(cells)}</tr>'

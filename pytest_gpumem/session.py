@@ -402,7 +402,7 @@ class GpuMemSession:
         from pytest_gpumem.html import write_html
 
         try:
-            path = write_html(folder, result.explanation)
+            path = write_html(folder, result.explanation, result.info.get("advice"))
         except (OSError, TypeError, ValueError) as exc:
             self.problems.append(f"--gpumem-html: cannot write the picture of {item.nodeid}: {exc}")
             return

@@ -16,7 +16,8 @@ import pytest
 from pytest_gpumem.backends.attribution import CATEGORIES as ATTRIBUTED
 from pytest_gpumem.backends.attribution import LABELS as ATTRIBUTED_LABELS
 from pytest_gpumem.failures import write_evidence
-from pytest_gpumem.html import file_stem, render, write_html
+from pytest_gpumem.html import file_stem, read_advice, render, write_html
+from pytest_gpumem.measure.advice import AS_IS, Advice, PhasePeak, Row
 from pytest_gpumem.sizes import format_size
 
 CATEGORIES = list(ATTRIBUTED)
@@ -238,6 +239,182 @@ def test_file_name_matches_the_evidence_of_the_same_test(tmp_path: Path) -> None
     for nodeid in ("tests/test_x.py::test_step[cpu]", HOSTILE, "x" * 500):
         evidence = write_evidence(tmp_path, nodeid, "failed", None, {"format": "pytest-gpumem trace"})
         assert evidence is not None and evidence.stem == file_stem(nodeid)
+
+
+# --- the advice table ---------------------------------------------------------------------------------------
+
+EQUAL = "equal (error 0e+00 <= 1e-04)"
+MARKUP = "needs <b>cuda</b></script><script>document.body.setAttribute('data-pwned','1')</script><!--&"
+
+
+def advice(capacity: int | None = 16 * MIB) -> Advice:
+    """8 MiB live at the step's start; peaks above it: as-is 10 MiB, checkpointing 9 MiB (+31% of 100
+    FLOPs), the fused step 7 MiB (no extra compute: 8 + 7 = 15 MiB, the only one that fits 16 MiB with
+    equal gradients), bf16 4 MiB but its gradients differ; save-on-cpu skipped."""
+
+    def measured(name: str, forward: int, backward: int, extra: int, **rest: Any) -> Row:
+        phases = (PhasePeak("forward", forward * MIB, forward * MIB), PhasePeak("backward", MIB, backward * MIB))
+        peak = max(forward, backward) * MIB
+        fits = None if capacity is None else 8 * MIB + peak <= capacity
+        return Row(name, f"doing {name}", (name,), peak, phases, 10 * MIB - peak, 100 + extra, extra, **rest, fits=fits)
+
+    rows = (
+        measured(AS_IS, 6, 10, 0, gradients=EQUAL, gradients_equal=True),
+        measured("checkpoint-blocks", 3, 9, 31, gradients=EQUAL, gradients_equal=True),
+        measured("fused-step", 6, 7, 0, gradients=EQUAL, gradients_equal=True),
+        measured("bf16-autocast", 3, 4, 0, gradients="differ (error 1e-01 > 6e-02)", gradients_equal=False),
+        Row("save-on-cpu", "saved activations on the host", ("save-on-cpu",), skipped=MARKUP),
+    )
+    conflicts = ("checkpoint-blocks and <checkpoint-every-2>: both wrap the blocks' forward",)
+    return Advice(rows, capacity, 8 * MIB, "tracker", "cpu", 6 * MIB, conflicts, 1.25)
+
+
+class Rows(HTMLParser):
+    """Each row of the tables whose class is given: its attributes and its cells' text."""
+
+    def __init__(self, table_class: str) -> None:
+        super().__init__()
+        self.table_class, self.inside = table_class, False
+        self.rows: list[tuple[dict[str, str | None], list[str]]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "table":
+            self.inside = dict(attrs).get("class") == self.table_class
+        elif self.inside and tag == "tr":
+            self.rows.append((dict(attrs), []))
+        elif self.inside and tag in ("td", "th"):
+            self.rows[-1][1].append("")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "table":
+            self.inside = False
+
+    def handle_data(self, data: str) -> None:
+        if self.inside and self.rows and self.rows[-1][1]:
+            self.rows[-1][1][-1] += data
+
+
+def rows(page: str, table_class: str) -> list[tuple[dict[str, str | None], list[str]]]:
+    found = Rows(table_class)
+    found.feed(page)
+    return found.rows
+
+
+def advice_page(data: object) -> str:
+    points, _ = spread_peak(8, 20)
+    return render(explanation(points, 8), data)
+
+
+def advice_summary(page: str) -> str:
+    return element(page, "gpumem-advice-summary").text
+
+
+def test_advice_table_shows_each_measured_strategy_and_marks_the_best() -> None:
+    page = advice_page(advice().to_json())
+    head, *table = rows(page, "advice")
+    assert head[1] == [
+        "strategy", "peak", "above the start", "peak in", "each phase's peak", "saves vs as-is", "extra compute",
+        "gradients", "fits",
+    ]  # fmt: skip
+    assert [cells for _, cells in table] == [
+        ["as-is" "doing as-is", "18.0 MiB", "+10.0 MiB", "backward", "forward 14.0 MiB, backward 18.0 MiB", "",
+         "no extra compute", EQUAL, "no"],
+        ["checkpoint-blocks" "doing checkpoint-blocks", "17.0 MiB", "+9.0 MiB", "backward",
+         "forward 11.0 MiB, backward 17.0 MiB", "1.0 MiB", "+31% compute", EQUAL, "no"],
+        ["fused-step" "best" "doing fused-step", "15.0 MiB", "+7.0 MiB", "backward",
+         "forward 14.0 MiB, backward 15.0 MiB", "3.0 MiB", "no extra compute", EQUAL, "yes"],
+        ["bf16-autocast" "doing bf16-autocast", "12.0 MiB", "+4.0 MiB", "backward",
+         "forward 11.0 MiB, backward 12.0 MiB", "6.0 MiB", "no extra compute", "differ (error 1e-01 > 6e-02)", "yes"],
+    ]  # fmt: skip
+    assert [attrs.get("class") for attrs, _ in table] == [None, None, "best", None]
+    assert f'title="{18 * MIB:,} B">18.0 MiB' in page
+    summary = advice_summary(page)
+    assert "the 8.0 MiB live at the step's start (6.0 MiB of it model state)" in summary
+    assert "Best: fused-step, the least extra compute that fits the capacity of 16.0 MiB." in summary
+
+
+def test_advice_read_back_from_its_json_is_the_same_advice() -> None:
+    assert read_advice(advice().to_json()) == advice()
+    assert read_advice(advice(None).to_json()) == advice(None)
+
+
+def test_skipped_strategies_and_conflicts_show_their_reasons_as_text() -> None:
+    page = advice_page(advice().to_json())
+    assert [cells for _, cells in rows(page, "skipped")] == [["strategy", "why"], ["save-on-cpu", MARKUP]]
+    assert "both wrap the blocks&#x27; forward" in page and "&lt;checkpoint-every-2&gt;" in page
+    outside = re.sub(r'<script type="application/json" id="gpumem-[a-z]+">.*?</script>', "", page, flags=re.S)
+    assert outside.count("<script") == 1 and "<b>" not in outside and "<!--" not in outside
+
+
+@pytest.mark.parametrize(
+    ("capacity", "best", "says"),
+    [
+        (None, None, "No capacity was given, so none is judged to fit."),
+        (18 * MIB, AS_IS, "The step fits the capacity of 18.0 MiB as it is."),
+        (14 * MIB, None, "None fits the capacity of 14.0 MiB."),  # only bf16 (12 MiB), whose gradients differ
+    ],
+)
+def test_advice_summary_says_which_fits(capacity: int | None, best: str | None, says: str) -> None:
+    page = advice_page(advice(capacity).to_json())
+    marked = [attrs.get("data-strategy") for attrs, _ in rows(page, "advice") if attrs.get("class") == "best"]
+    assert marked == ([] if best is None else [best])
+    assert says in advice_summary(page)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [None, "advice", {"rows": []}, {"rows": "x"}, {"rows": [{"name": "as-is", "peak_bytes": "lots"}]}],
+    ids=["none", "text", "no-rows", "rows-text", "bad-row"],
+)
+def test_a_value_not_written_by_advise_shows_no_advice(data: object) -> None:
+    page = advice_page(data)
+    assert "gpumem-advice" not in page and 'data-phase="call"' in page
+
+
+def test_an_explained_test_that_advised_shows_the_advice_and_one_not_explained_gets_no_page(
+    tracker: pytest.Pytester,
+) -> None:
+    tracker.makepyfile(
+        """
+        import pytest, torch
+
+        def advised(gpumem):
+            torch.manual_seed(0)
+            model = torch.nn.Linear(64, 64)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            x = torch.randn(32, 64)
+            def step():
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            gpumem.advise(step, model=model, optimizer=opt, capacity="1 MiB",
+                          strategies=["checkpoint-blocks", "fused-step"])
+            step()
+
+        @pytest.mark.max_memory(explain=True)
+        def test_explained(gpumem):
+            advised(gpumem)
+
+        def test_not_explained(gpumem):
+            advised(gpumem)
+        """
+    )
+    result = tracker.runpytest("-p", "no:cacheprovider", "--gpumem-html=pictures", "--gpumem-json=out.json")
+    result.assert_outcomes(passed=2)
+    tests = {
+        test["nodeid"].split("::")[-1]: test for test in json.loads((tracker.path / "out.json").read_text())["tests"]
+    }
+    assert tests["test_not_explained"]["html"] is None and tests["test_not_explained"]["info"]["advice"]["rows"]
+    (page,) = (tracker.path / "pictures").glob("*.html")
+    assert page.name == file_stem(tests["test_explained"]["nodeid"]) + ".html"
+    text = page.read_text(encoding="utf-8")
+    written = tests["test_explained"]["info"]["advice"]["rows"]
+    assert [r["name"] for r in written] == [AS_IS, "checkpoint-blocks", "fused-step"]
+    assert [(attrs["data-strategy"], cells[1]) for attrs, cells in rows(text, "advice")[1:]] == [
+        (row["name"], format_size(row["absolute_peak_bytes"])) for row in written if "skipped" not in row
+    ]
+    assert rows(text, "skipped")[1][1] == ["checkpoint-blocks", written[1]["skipped"]]
+    assert written[1]["skipped"].startswith("no repeated blocks")
 
 
 # --- in a browser ------------------------------------------------------------------------------------------
