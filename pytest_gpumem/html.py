@@ -49,7 +49,7 @@ table { border-collapse: collapse; font-size: 13px; }
 th, td { padding: 2px 8px; text-align: left; border-bottom: 1px solid #eee; }
 td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 tr.total td { font-weight: 600; border-top: 1px solid #bbb; }
-td.code { font-family: ui-monospace, monospace; font-size: 12px; }
+td.code, span.code { font-family: ui-monospace, monospace; font-size: 12px; }
 td .what { display: block; color: #666; font-size: 12px; }
 tr.best td { background: #e6f2dd; }
 .badge { font-size: 11px; font-weight: 600; color: #fff; background: #3f7f2f; border-radius: 3px; padding: 0 4px;
