@@ -38,6 +38,9 @@ DEFAULT_TIMEOUT = 120.0
 MIN_JOIN_TIMEOUT = 60.0
 """Seconds at least that spawning the ranks and forming the group may take (importing torch included)."""
 
+SLOW_START = 5.0
+"""Seconds of starting the ranks and forming their group after which the ranks not yet in it are named."""
+
 MAX_WORLD = 64
 """The most ranks started (each is a process that imports torch); `simulate` estimates larger worlds."""
 
@@ -80,6 +83,29 @@ class World:
         found = [(p.peak_bytes, -r.rank, r.rank, p) for r in self.ranks for p in _all(r, self) if p.name == name]
         _, _, rank, phase = max(found, key=lambda item: item[:3])
         return _on_rank(phase, rank, name)
+
+    def explained(self) -> dict[str, Any] | None:
+        """The ranks' explanations as one, for the test's (`explain.with_ranks`): each rank's phases as
+        `phase@rankN`, each phase's worst rank as `phase`, the whole run as `name@rankN` and `name` (and as
+        `call`, the test's call where it is the peak); None when no rank explained its peaks."""
+        from pytest_gpumem.explain import on_rank
+
+        explained = [(r.rank, r.explanation) for r in self.ranks if r.explanation is not None]
+        if not explained:
+            return None
+        phases: dict[str, Any] = {}
+        folded: dict[str, int] = {}
+        for rank, explanation in explained:
+            for name, entry in explanation["phases"].items():
+                phase = self.name if name == "call" else name
+                phases[f"{phase}{RANK_SEPARATOR}{rank}"] = on_rank(entry, rank)
+            folded.update(explanation.get("folded") or {})
+        measured = {p.name for r in self.ranks for p in _all(r, self)}
+        for name in dict.fromkeys(n.rpartition(RANK_SEPARATOR)[0] for n in list(phases)):
+            worst = f"{name}{RANK_SEPARATOR}{self.worst(name).rank}" if name in measured else None
+            if worst in phases:
+                phases[name] = phases[worst]
+        return {"phases": phases, "folded": folded, "call": phases.get(self.name)}
 
     def summary(self) -> dict[str, Any]:
         """For `gpumem.info["distributed"]`: plain JSON."""
@@ -145,8 +171,9 @@ def run(
             join_timeout=max(limit, MIN_JOIN_TIMEOUT),
             group_timeout=max(limit, MIN_JOIN_TIMEOUT) + limit + _GROUP_MARGIN,
             payload=payload,
+            explain=meter.explain,
         )
-        ranks = _spawn(spec, limit)
+        ranks = _spawn(spec, limit, meter.say)
     meter.notes.extend(f"rank {r.rank}: {note}" for r in ranks for note in r.notes)
     return World(ranks, group, name)
 
@@ -241,7 +268,7 @@ def _payload(fn: Callable[..., object], args: tuple[Any, ...]) -> bytes:
         ) from None
 
 
-def _spawn(spec: RankSpec, limit: float) -> list[RankResult]:
+def _spawn(spec: RankSpec, limit: float, say: Callable[[str], None] | None = None) -> list[RankResult]:
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")
@@ -254,7 +281,7 @@ def _spawn(spec: RankSpec, limit: float) -> list[RankResult]:
     try:
         for process in processes:
             process.start()
-        results = _Waiter(processes, messages, limit, spec.join_timeout).results()
+        results = _Waiter(processes, messages, limit, spec.join_timeout, say).results()
         grace = _END_GRACE
         return results
     finally:
@@ -283,12 +310,18 @@ class _Waiter:
     """Reads the ranks' messages until every rank is done, one fails, or time runs out."""
 
     def __init__(
-        self, processes: Sequence[BaseProcess], messages: Queue[tuple[str, int, Any]], limit: float, join: float
+        self,
+        processes: Sequence[BaseProcess],
+        messages: Queue[tuple[str, int, Any]],
+        limit: float,
+        join: float,
+        say: Callable[[str], None] | None = None,
     ) -> None:
-        self.processes, self.messages, self.limit, self.join = processes, messages, limit, join
+        self.processes, self.messages, self.limit, self.join, self.say = processes, messages, limit, join, say
         self.loaded: set[int] = set()
         self.ready: set[int] = set()
         self.done: dict[int, RankResult] = {}
+        self.slow = time.monotonic() + SLOW_START  # when the ranks still joining are named, once
         self.deadline = time.monotonic() + join
         self.joining = True
 
@@ -325,7 +358,13 @@ class _Waiter:
             self.joining, self.deadline = False, time.monotonic() + self.limit
 
     def _check_time(self) -> None:
-        if time.monotonic() < self.deadline:
+        now = time.monotonic()
+        say = self.say
+        if self.joining and say is not None and now >= self.slow:
+            self.say = None
+            joining = _ranks([r for r in range(len(self.processes)) if r not in self.ready])
+            say(f"gpumem: waiting for {joining} to start ({SLOW_START:g} s; each imports torch and the test module)")
+        if now < self.deadline:
             return
         if self.joining:
             self._late_joining()

@@ -51,6 +51,7 @@ class RankSpec:
     join_timeout: float  # the parent's limit on starting and forming the group
     group_timeout: float  # the group's own (longer: the parent ends the ranks first and names the late one)
     payload: bytes  # pickle of (fn, args)
+    explain: bool = False  # record what each phase's peak is made of (the test is explained)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class RankResult:
     value: Any = None
     info: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    explanation: dict[str, Any] | None = None  # the rank's own (explain.explain), when the test is explained
 
 
 def run_rank(rank: int, spec: RankSpec, queue: Queue[tuple[str, int, Any]]) -> None:
@@ -165,7 +167,9 @@ def _backend(rank: int, spec: RankSpec) -> Backend:
         from pytest_gpumem.backends.tracker import TrackerBackend
 
         backend = TrackerBackend(spec.rounding, device=spec.device)
-    if spec.capacity is not None:
+    if spec.explain and callable(getattr(backend, "attribution", None)):  # it explains its own peaks
+        backend.configure(spec.capacity, origins=False, events=False, explain=True)
+    elif spec.capacity is not None:
         backend.configure(spec.capacity, origins=False, events=False)
     result: Backend = backend
     return result
@@ -260,6 +264,7 @@ def _measured(rank: int, spec: RankSpec, backend: Backend, fn: Any, args: tuple[
     boundaries = _SettledBoundaries(backend)
     setattr(backend, "settle", boundaries)  # noqa: B010  (this rank's own backend, for its lifetime)
     meter = GpuMem(backend, f"{spec.nodeid} rank {rank}")
+    meter.explain = spec.explain
     meter.begin_call()
     try:
         value = fn(rank, spec.world_size, meter, *args)
@@ -270,4 +275,5 @@ def _measured(rank: int, spec: RankSpec, backend: Backend, fn: Any, args: tuple[
         pickle.dumps(value)
     except Exception as exc:
         raise TypeError(f"the function returned a value that cannot be sent back: {describe(exc)}") from None
-    return RankResult(rank, call, meter.phases, value, dict(meter.info), [*meter.notes, *boundaries.notes()])
+    notes = [*meter.notes, *boundaries.notes()]
+    return RankResult(rank, call, meter.phases, value, dict(meter.info), notes, meter.explanation)

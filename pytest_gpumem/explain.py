@@ -218,6 +218,47 @@ def _tensor(size: int, allocation: Allocation) -> dict[str, Any]:
     }
 
 
+# --- the ranks of gpumem.distributed()
+
+
+def on_rank(entry: Mapping[str, Any], rank: int) -> dict[str, Any]:
+    """A rank's phase as part of the test's explanation: the rank named; its events, on the rank's own
+    timeline, are not spans of the test's (`rank_peak_index` keeps where its peak was)."""
+    kept = {key: value for key, value in entry.items() if key not in ("spans", "peak_index")}
+    return {**kept, "rank": rank, "spans": [], "rank_peak_index": entry.get("peak_index")}
+
+
+def highest(phases: Mapping[str, Any], more: Mapping[str, Any]) -> dict[str, Any]:
+    """Both sets of phase entries, the one with the higher peak where a name is in both."""
+    out = dict(phases)
+    for name, entry in more.items():
+        if name not in out or entry["peak_bytes"] > out[name]["peak_bytes"]:
+            out[name] = entry
+    return out
+
+
+def of_worlds(earlier: Mapping[str, Any], later: Mapping[str, Any]) -> dict[str, Any]:
+    """Two worlds' explained ranks (`World.explained`) as one: the higher peak of each phase and of the
+    whole run (`call`)."""
+    calls = [c for c in (earlier.get("call"), later.get("call")) if c is not None]
+    return {
+        "phases": highest(earlier["phases"], later["phases"]),
+        "folded": {**earlier["folded"], **later["folded"]},
+        "call": max(calls, key=lambda c: c["peak_bytes"]) if calls else None,
+    }
+
+
+def with_ranks(explanation: Mapping[str, Any], ranks: Mapping[str, Any], ranks_peak: bool) -> dict[str, Any]:
+    """The test's explanation with its explained ranks (`World.explained`: per-rank entries as `phase@rankN`,
+    the worst rank's as `phase`) added; the worst rank's whole run is the call's composition when that run
+    is the call's peak (`ranks_peak`)."""
+    phases = highest(explanation["phases"], ranks["phases"])
+    if ranks_peak and ranks.get("call") is not None:
+        phases["call"] = ranks["call"]
+    folded = {**ranks["folded"], **(explanation.get("folded") or {})}
+    return {**explanation, "phases": phases, "folded": folded}
+
+
 # --- compact form (baselines) and what grew
 
 

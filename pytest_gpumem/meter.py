@@ -128,7 +128,9 @@ class GpuMem:
         self.trace: dict[str, Any] | None = None
         self._fits = 0
         self._ranks_call: PhaseResult | None = None  # the worst rank's whole run, of gpumem.distributed()
+        self._ranks_explained: dict[str, Any] | None = None  # their explanations (World.explained), when explained
         self.dist_timeout: float | None = None  # --gpumem-dist-timeout, set where the fixture is made
+        self.say: Callable[[str], None] | None = None  # a line to the terminal (none when quiet), set there too
         self.gradients: Fingerprint | None = None
         self.gradient_tolerance: tuple[float | None, float | None] = (None, None)
         self.explain = False  # explain the peaks of the next call (what was alive, who made it)
@@ -280,6 +282,12 @@ class GpuMem:
             self._record(result)
         worst = world.worst(name)
         self._ranks_call = worst if self._ranks_call is None else self._ranks_call.merged(worst)
+        explained = world.explained()
+        if explained is not None:
+            from pytest_gpumem.explain import of_worlds
+
+            earlier = self._ranks_explained
+            self._ranks_explained = explained if earlier is None else of_worlds(earlier, explained)
         self.info.setdefault("distributed", []).append(world.summary())
         return world.ranks
 
@@ -352,7 +360,7 @@ class GpuMem:
         self.survivors, self.trace, self._fits, self.explanation = [], None, 0, None
         self.leak_holding = None
         self.advice = None
-        self._ranks_call = None
+        self._ranks_call, self._ranks_explained = None, None
         self.backend.start()
         try:
             attribution = self._attribution()
@@ -425,7 +433,13 @@ class GpuMem:
         name = self.backend.name if self._shadow is None else f"{self.backend.name} (composition from a shadow tracker)"
         self.notes += [f"the explanation may be incomplete: {problem}" for problem in attribution.problems]
         try:
-            return explain(attribution, {CALL: call, **self._results}, self.nodeid, name)
+            explained = explain(attribution, {CALL: call, **self._results}, self.nodeid, name)
+            ranks = self._ranks_explained
+            if ranks is None:
+                return explained
+            from pytest_gpumem.explain import with_ranks
+
+            return with_ranks(explained, ranks, ranks_peak=call.rank is not None)
         except Exception as exc:  # an explanation never changes the test's outcome
             self.notes.append(f"the peak could not be explained: {type(exc).__name__}: {exc}")
             return None

@@ -142,6 +142,9 @@ def gpumem(request: pytest.FixtureRequest) -> GpuMem:
     except GpuMemError as exc:
         pytest.fail(f"{request.node.nodeid}: {exc}", pytrace=False)
     meter.dist_timeout = session.options.dist_timeout
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and request.config.get_verbosity() >= 0:
+        meter.say = reporter.write_line
     return meter
 
 

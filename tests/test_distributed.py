@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -59,7 +60,7 @@ def exits(rank, world_size, meter):
     dist.barrier()
 
 
-@pytest.mark.max_memory(forward="6 kB")
+@pytest.mark.max_memory(forward="6 kB", explain=True)
 def test_over_on_one_rank(gpumem):
     gpumem.distributed(grow)
 
@@ -154,10 +155,12 @@ def test_rank_returns_what_cannot_be_loaded(gpumem):
     gpumem.distributed(returns_unloadable, 1)
 
 
-def test_runs_normally_after(gpumem):
+def test_runs_normally_after(gpumem, monkeypatch):
+    monkeypatch.setattr("pytest_gpumem.distributed.SLOW_START", 0.5)  # ranks importing torch are later than that
     ranks = gpumem.distributed(grow)
     assert [r.value for r in ranks] == [0, 10]
     assert [r.phases["forward"].peak_bytes for r in ranks] == [4000, 8000]
+    assert [r.explanation for r in ranks] == [None, None]  # not explained: the ranks record nothing
 """
 
 
@@ -198,7 +201,8 @@ def test_faults_end_every_rank_and_fail_one_test_in_one_line(
     result.assert_outcomes(passed=2, failed=11)
     result.stdout.fnmatch_lines(
         [
-            "forward peak 8.0 kB on rank 1 exceeds max_memory forward=6 kB*",
+            "forward peak 8.0 kB on rank 1 exceeds max_memory forward=6 kB; forward peak made of inputs and other of "
+            "(outside modules) 8.0 kB, ...",
             "*::test_rank_raises: rank 1 failed: ValueError: bad batch (in phase 'forward')",
             "*::test_rank_hangs: ranks 0, 1 did not finish within 2 s (timeout=, --gpumem-dist-timeout); all ranks "
             "were ended",
@@ -220,6 +224,9 @@ def test_faults_end_every_rank_and_fail_one_test_in_one_line(
             "not here",
         ]
     )
+    result.stdout.fnmatch_lines(
+        ["gpumem: waiting for ranks 0, 1 to start (0.5 s; each imports torch and the test module)"]
+    )
     result.stdout.no_fnmatch_line("*INTERNALERROR*")
     result.stdout.no_fnmatch_line("*pytest_gpumem/distributed*.py:*")
     tests = _tests(tracker)
@@ -228,6 +235,17 @@ def test_faults_end_every_rank_and_fail_one_test_in_one_line(
     over = tests["test_over_on_one_rank"]["phases"]
     assert over["forward"] == {**over["forward@rank1"], "rank": 1}
     assert (over["forward@rank0"]["peak_bytes"], over["forward@rank0"]["rank"]) == (4000, 0)
+    explained = tests["test_over_on_one_rank"]["explanation"]["phases"]
+    assert {name: (explained[name]["peak_bytes"], explained[name]["rank"]) for name in over} == {
+        "forward@rank0": (4000, 0),  # rank r: torch.ones(1000 (r + 1)), float32
+        "forward@rank1": (8000, 1),
+        "forward": (8000, 1),
+        "ranks@rank0": (4000, 0),
+        "ranks@rank1": (8000, 1),
+        "ranks": (8000, 1),
+    }
+    assert explained["call"]["rank"] == 1  # the worst rank's run is the call's peak
+    assert tests["test_runs_normally_after"]["explanation"] is None
     pids = {p.name: int(p.read_text()) for p in (tracker.path / "pids").iterdir()}
     assert {f"{name}-{rank}" for name in ("grow", "hangs", "exits") for rank in (0, 1)} <= set(pids)  # late: maybe
     assert not [pid for pid in pids.values() if _alive(pid)]
@@ -439,6 +457,71 @@ def test_budget_messages_name_the_rank() -> None:
         "call peak 2.0 kB on rank 0 exceeds max_memory 1 kB",
         "fwd peak 3.0 kB on rank 2 exceeds max_memory fwd=1 kB",
     ]
+
+
+def _entry(peak: int, module: str, index: int) -> dict[str, Any]:
+    """A phase of a rank's explanation whose peak is one module's activations."""
+    cell = {"category": "saved", "module": module, "bytes": peak}
+    return {
+        "peak_bytes": peak,
+        "categories": {"saved": peak},
+        "groups": [cell],
+        "cells": [cell],
+        "tensors": [],
+        "spans": [[index, index + 1]],
+        "peak_index": index,
+    }
+
+
+def _explained_world() -> World:
+    explained: list[dict[str, Any]] = [
+        {"phases": {"call": _entry(500, "h.0", 4), "fwd": _entry(300, "h.0", 2)}, "folded": {"h.*": 2}},
+        {
+            "phases": {"call": _entry(700, "h.1", 6), "fwd": _entry(300, "h.1", 3), "bwd": _entry(50, "head", 5)},
+            "folded": {},
+        },
+    ]
+    return World([replace(r, explanation=e) for r, e in zip(_world().ranks, explained, strict=True)], "gloo", "ranks")
+
+
+def test_ranks_explanations_merge_into_the_tests_under_their_phase_names() -> None:
+    from pytest_gpumem.explain import made_of, of_worlds, with_ranks
+
+    ranks = _explained_world().explained()
+    assert ranks is not None
+    phases = ranks["phases"]
+    measured = {p.name: (p.peak_bytes, p.rank) for p in _world().phases()}
+    assert {name: (e["peak_bytes"], e["rank"]) for name, e in phases.items()} == measured  # names, peaks, worst ranks
+    assert phases["fwd"]["groups"][0]["module"] == "h.0"  # a tie goes to the lowest rank, as for the phases
+    assert (phases["fwd@rank1"]["spans"], phases["fwd@rank1"]["rank_peak_index"]) == ([], 3)  # not the test's events
+    assert ranks["call"] == phases["ranks"] and ranks["folded"] == {"h.*": 2}
+
+    parent: dict[str, Any] = {
+        "backend": "tracker",
+        "phases": {"call": _entry(600, "(outside modules)", 9), "bwd": _entry(80, "x", 1)},
+    }
+    test = with_ranks(parent, ranks, ranks_peak=True)  # the ranks' 700 B run is the call's peak
+    assert (test["phases"]["call"]["rank"], test["phases"]["bwd"]["peak_bytes"]) == (1, 80)  # the test's own is higher
+    assert with_ranks(parent, ranks, ranks_peak=False)["phases"]["call"] == parent["phases"]["call"]
+    budget = budget_from_marker((), {"fwd@rank1": "200 B"})
+    assert made_of(test, [("fwd@rank1", budget.phases["fwd@rank1"])]) == (
+        "; fwd@rank1 peak made of saved for backward of h.1 300 B, ..."
+    )
+    twice = of_worlds(ranks, {"phases": {"fwd": _entry(900, "w", 1)}, "folded": {}, "call": _entry(900, "w", 1)})
+    assert (twice["phases"]["fwd"]["peak_bytes"], twice["call"]["peak_bytes"], twice["phases"]["bwd"]["rank"]) == (
+        900,
+        900,
+        1,
+    )
+
+
+def test_ranks_slow_to_start_are_named_once() -> None:
+    said: list[str] = []
+    waiter = _waiter(set(), {0})
+    waiter.say, waiter.slow, waiter.deadline = said.append, 0.0, float("inf")
+    waiter._check_time()
+    waiter._check_time()
+    assert said == ["gpumem: waiting for ranks 1, 2 to start (5 s; each imports torch and the test module)"]
 
 
 NCCL = """
