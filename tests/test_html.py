@@ -41,7 +41,7 @@ def explanation(
         "nodeid": nodeid,
         "backend": "tracker",
         "categories": CATEGORIES,
-        "labels": LABELS,
+        "labels": dict(LABELS),
         "phases": {
             "call": call,
             "forward": phase(total, peak_index, [[0, half]], growth),
