@@ -84,6 +84,18 @@ def test_every_python_block_is_a_file_that_runs() -> None:
     assert not untitled, f'python blocks without title="FILE.py" (so never run): {", ".join(untitled)}'
 
 
+def test_no_example_file_shares_a_name_with_a_test_module_of_this_suite() -> None:
+    """Examples run in this suite's process (pytester), where a module name can be imported only once."""
+    ours = {path.name for path in (ROOT / "tests").glob("*.py")}
+    clashing = [
+        f"{page.relative_to(ROOT)}:{block.line} {block.title}"
+        for page in PAGES
+        for block in blocks(page)
+        if block.title in ours and block.title != "conftest.py"
+    ]
+    assert not clashing, f"example files named like this suite's test modules: {', '.join(clashing)}"
+
+
 @pytest.mark.parametrize("page", examples())
 def test_page_examples_print_what_they_show(pytester: pytest.Pytester, page: Path) -> None:
     pytester.makeini("[pytest]\ngpumem_backend = tracker\n")
