@@ -143,7 +143,7 @@ def gpumem(request: pytest.FixtureRequest) -> GpuMem:
         pytest.fail(f"{request.node.nodeid}: {exc}", pytrace=False)
     meter.dist_timeout = session.options.dist_timeout
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None and request.config.get_verbosity() >= 0:
+    if reporter is not None and request.config.get_verbosity() >= 1:  # -v: a line per test, none broken into
         meter.say = reporter.write_line
     return meter
 

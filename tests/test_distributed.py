@@ -197,7 +197,7 @@ def test_faults_end_every_rank_and_fail_one_test_in_one_line(
     monkeypatch.setattr(tempfile, "tempdir", None)
     tracker.makepyfile(FAULTS)
     tracker.makeconftest(CONFTEST)
-    result = tracker.runpytest("-p", "no:randomly", "--gpumem-json=out.json")
+    result = tracker.runpytest("-v", "-p", "no:randomly", "--gpumem-json=out.json")
     result.assert_outcomes(passed=2, failed=11)
     result.stdout.fnmatch_lines(
         [
