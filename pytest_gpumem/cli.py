@@ -24,7 +24,7 @@ from pytest_gpumem.explain import compact
 from pytest_gpumem.options import slack, tolerance
 from pytest_gpumem.report import JSON_VERSION, markdown_table
 from pytest_gpumem.sizes import format_size, shorten
-from pytest_gpumem.store import check_composition
+from pytest_gpumem.store import check_composition, strict_json
 
 MAX_REPORT_BYTES = 256 * 1024 * 1024
 
@@ -43,7 +43,7 @@ def load_report(path: Path) -> Tests:
         if path.stat().st_size > MAX_REPORT_BYTES:
             raise ReportError(f"{path}: too large (limit {format_size(MAX_REPORT_BYTES)})")
         text = path.read_bytes().decode("utf-8-sig")
-        doc = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+        doc = strict_json(text)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ReportError(f"{path}: cannot read a gpumem report: {_first_line(exc)}") from None
     tests = doc.get("tests") if isinstance(doc, dict) else None
@@ -55,21 +55,6 @@ def load_report(path: Path) -> Tests:
             f"{path}: report version {shorten(version)} is not one this pytest-gpumem reads (1 to {JSON_VERSION})"
         )
     return _by_nodeid(path, tests)
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise ValueError(f"duplicate key {json.dumps(key)}")
-            seen.add(key)
-    return out
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a valid JSON number")
 
 
 def _first_line(exc: BaseException) -> str:

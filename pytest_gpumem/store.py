@@ -527,7 +527,7 @@ def _encodable(obj: object) -> bool:
 
 def _parse(text: str, fail: Callable[[str], BaselineError]) -> Any:
     try:
-        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+        return strict_json(text)
     except _JSONRefused as exc:
         raise fail(f"{exc}; fix or delete it") from None
     except json.JSONDecodeError as exc:
@@ -564,6 +564,11 @@ def _entries_of(nodeid: str, per_device: dict[str, Any], fail: Callable[[str], B
 
 class _JSONRefused(ValueError):
     pass
+
+
+def strict_json(text: str) -> Any:
+    """JSON that refuses a duplicate key and NaN or Infinity (a ValueError naming the key or the constant)."""
+    return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
