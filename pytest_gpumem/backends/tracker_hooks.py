@@ -176,11 +176,10 @@ class Patches:
         import torch.jit._trace as trace_module
 
         for name in _JIT_TRACERS:
-            original = getattr(trace_module, name)
-            stepping_aside = self._stepping_aside(original)
-            self._replace(trace_module, name, stepping_aside)
-            if getattr(torch.jit, name, None) is original:
-                self._replace(torch.jit, name, stepping_aside)
+            for owner in (trace_module, torch.jit):  # each wrapped as it is (one may be another module's copy)
+                original = getattr(owner, name, None)
+                if callable(original):
+                    self._replace(owner, name, self._stepping_aside(original))
 
     def _stepping_aside(self, trace: Callable[..., Any]) -> Callable[..., Any]:
         from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
