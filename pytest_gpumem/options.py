@@ -179,6 +179,11 @@ class Option:
         return f"{self.help} Default: {self.shown_default} (ini {self.ini})."
 
 
+def switch(flag: str, help: str) -> Option:
+    """An option without a value, off by default, with an ini twin of the same name."""
+    return Option(flag, help, shown_default="off", ini_default=False, switch=True)
+
+
 OPTIONS: tuple[Option, ...] = (
     Option(
         "--gpumem-backend",
@@ -197,7 +202,7 @@ OPTIONS: tuple[Option, ...] = (
         "none",
         "none",
     ),
-    Option("--gpumem-report", "print a table of every measured test at the end.", None, None, "off", False, True),
+    switch("--gpumem-report", "print a table of every measured test at the end."),
     Option("--gpumem-json", "write every measured test's figures to PATH as JSON.", None, "PATH", "none"),
     Option(
         "--gpumem-markdown", "write the report table to PATH as Markdown (CI step summaries).", None, "PATH", "none"
@@ -234,15 +239,10 @@ OPTIONS: tuple[Option, ...] = (
         format_size(DEFAULT_SLACK_BYTES),
         f"{DEFAULT_SLACK_BYTES}",
     ),
-    Option("--gpumem-strict", "fail a measured test that has no baseline.", None, None, "off", False, True),
-    Option(
+    switch("--gpumem-strict", "fail a measured test that has no baseline."),
+    switch(
         "--gpumem-all",
         "measure the call of every test, with or without the gpumem fixture or a max_memory marker.",
-        None,
-        None,
-        "off",
-        False,
-        True,
     ),
     Option(
         "--gpumem-max-memory",
@@ -312,16 +312,11 @@ OPTIONS: tuple[Option, ...] = (
         f"{DEFAULT_DIST_TIMEOUT:g}",
         f"{DEFAULT_DIST_TIMEOUT:g}",
     ),
-    Option(
+    switch(
         "--gpumem-explain",
         "explain the peaks of every measured test: what was alive at each phase's peak, by category "
         "(parameters, gradients, optimizer state, saved for backward, temporaries, inputs) and by module, and "
         "the largest tensors with the op and line that made them; max_memory(explain=True) does it per test.",
-        None,
-        None,
-        "off",
-        False,
-        True,
     ),
     Option(
         "--gpumem-html",
