@@ -70,8 +70,7 @@ def shorten(value: object, limit: int = 60) -> str:
     """`repr(value)`, cut in the middle when longer than `limit`, with its length: a bad value echoed in a
     one-line message stays one readable line ('99999...99999 GiB' (5,004 characters))."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > _REPR_BITS:
-        digits = math.floor(math.log10(abs(value))) + 1  # str() of it raises past sys.get_int_max_str_digits()
-        return f"{'a negative' if value < 0 else 'an'} integer of {digits:,} digits"
+        return integer_words(value)
     try:
         text = repr(value)
     except Exception:
@@ -82,6 +81,16 @@ def shorten(value: object, limit: int = 60) -> str:
     what = "digits" if isinstance(value, int) else "characters"
     size = len(text) - (value < 0 if isinstance(value, int) else 2)
     return f"{text[:half]}...{text[-half:]} ({size:,} {what})"
+
+
+def integer_words(value: int) -> str:
+    """'an integer of 5,001 digits': an integer named by its length, which str() cannot print past
+    sys.get_int_max_str_digits()."""
+    size = abs(value)
+    digits = max(1, math.floor(size.bit_length() * math.log10(2)))  # within one of the count, never above it
+    while 10**digits <= size:
+        digits += 1
+    return f"{'a negative' if value < 0 else 'an'} integer of {digits:,} digits"
 
 
 _REPR_BITS = 10_000

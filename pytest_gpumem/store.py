@@ -64,7 +64,7 @@ from typing import Any, Literal
 from pytest_gpumem.constants import DEFAULT_FILENAME
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.gradients import Fingerprint
-from pytest_gpumem.sizes import format_size
+from pytest_gpumem.sizes import format_size, integer_words
 
 __all__ = [
     "DEFAULT_FILENAME",
@@ -898,11 +898,7 @@ def json_key(name: str) -> str:
 
 def short(v: object, limit: int = 60) -> str:
     """``repr`` cut to ``limit`` characters (a 400-digit number names its first digits)."""
-    if type(v) is int and v.bit_length() > 200:
-        digits = str(len(str(abs(v)))) if v.bit_length() < 14_000 else "over 4,000"  # str() stops at 4,300
-        text = f"an integer of {digits} digits"
-    else:
-        text = repr(v)
+    text = integer_words(v) if type(v) is int and v.bit_length() > 200 else repr(v)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
