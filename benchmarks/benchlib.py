@@ -23,8 +23,8 @@ from tabulate import tabulate
 from torch import nn
 
 from pytest_gpumem.backends.base import Backend
-from pytest_gpumem.backends.tracker import TrackerBackend
-from pytest_gpumem.meter import GpuMem
+from pytest_gpumem.backends.tracker.backend import TrackerBackend
+from pytest_gpumem.measure.meter import GpuMem
 from pytest_gpumem.results import PhaseResult
 
 PHASES = ("forward", "backward")

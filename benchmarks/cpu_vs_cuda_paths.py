@@ -16,7 +16,7 @@ import benchlib
 import torch
 import torch.nn.functional as F
 
-from pytest_gpumem.backends.tracker import TrackerBackend
+from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from reference_losses.models import ResidualMLP
 
 

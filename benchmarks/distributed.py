@@ -13,8 +13,8 @@ from typing import Any
 
 import benchlib
 
-from pytest_gpumem.backends.tracker import TrackerBackend
-from pytest_gpumem.meter import GpuMem
+from pytest_gpumem.backends.tracker.backend import TrackerBackend
+from pytest_gpumem.measure.meter import GpuMem
 from reference_losses.distributed import PHASES, STRATEGIES, expected, run_strategies, sizes
 
 WORLD_SIZES = (2, 4)

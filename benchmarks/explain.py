@@ -16,8 +16,8 @@ from typing import Any
 import benchlib
 import torch
 
-from pytest_gpumem.backends.tracker import TrackerBackend
-from pytest_gpumem.meter import GpuMem
+from pytest_gpumem.backends.tracker.backend import TrackerBackend
+from pytest_gpumem.measure.meter import GpuMem
 
 
 def measured(run: benchlib.Run, explain: bool) -> GpuMem:

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from benchlib import parser, show, write_json
 from meta_7b import HandCount, Shape, build, parameter_count
 
-from pytest_gpumem.backends.tracker import TrackerBackend
-from pytest_gpumem.meter import GpuMem
+from pytest_gpumem.backends.tracker.backend import TrackerBackend
+from pytest_gpumem.measure.meter import GpuMem
 from pytest_gpumem.sizes import parse_size
 
 

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from benchlib import BF16, FP32, parser, show, write_json
 from torch import nn
 
-from pytest_gpumem.backends.tracker import TrackerBackend
-from pytest_gpumem.meter import GpuMem
+from pytest_gpumem.backends.tracker.backend import TrackerBackend
+from pytest_gpumem.measure.meter import GpuMem
 from pytest_gpumem.results import PhaseResult
 from pytest_gpumem.sizes import format_size
 

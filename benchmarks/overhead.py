@@ -30,7 +30,7 @@ import benchlib
 import torch
 from torch import nn
 
-from pytest_gpumem.backends.tracker import TrackerBackend
+from pytest_gpumem.backends.tracker.backend import TrackerBackend
 
 IDLE_TESTS = 2000
 MEASURED_TESTS = 200

@@ -16,7 +16,7 @@ from typing import Any
 
 import benchlib
 
-from pytest_gpumem.report import table
+from pytest_gpumem.report.terminal import table
 from pytest_gpumem.results import PhaseResult, TestResult
 
 PHASE_NAMES = ("forward", "backward", "step")
@@ -51,8 +51,8 @@ def report_rows(count: int, repeat: int) -> list[list[str]]:
 
 def baseline_rows(count: int, repeat: int) -> list[list[str]]:
     """load, compare, update and write on a store of `count` entries; their sum is the figure to watch."""
-    from pytest_gpumem import compare as c
-    from pytest_gpumem import store as s
+    from pytest_gpumem.baselines import compare as c
+    from pytest_gpumem.baselines import store as s
 
     identity = s.DeviceIdentity("tracker", "cpu")
     env = s.Environment("2.13.0", None)

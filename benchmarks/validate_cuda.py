@@ -26,8 +26,8 @@ import torch
 from benchlib import Workload
 
 from pytest_gpumem.backends.base import Backend
-from pytest_gpumem.backends.tracker import TrackerBackend
-from pytest_gpumem.meter import GpuMem
+from pytest_gpumem.backends.tracker.backend import TrackerBackend
+from pytest_gpumem.measure.meter import GpuMem
 from pytest_gpumem.results import PhaseResult
 
 CPU_STAND_IN = "tracker (no CUDA)"

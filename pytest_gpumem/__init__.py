@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend as Backend
     from pytest_gpumem.backends.base import Counters as Counters
+    from pytest_gpumem.budget import Budget as Budget
+    from pytest_gpumem.budget import budget_from_marker as budget_from_marker
     from pytest_gpumem.errors import GpuMemError as GpuMemError
     from pytest_gpumem.errors import GpuMemWarning as GpuMemWarning
-    from pytest_gpumem.markers import Budget as Budget
-    from pytest_gpumem.markers import budget_from_marker as budget_from_marker
     from pytest_gpumem.measure.advice import Advice as Advice
-    from pytest_gpumem.meter import GpuMem as GpuMem
+    from pytest_gpumem.measure.meter import GpuMem as GpuMem
     from pytest_gpumem.results import PhaseResult as PhaseResult
     from pytest_gpumem.results import TestResult as TestResult
     from pytest_gpumem.sizes import format_size as format_size
@@ -27,10 +27,10 @@ _HOMES = {
     "Counters": "pytest_gpumem.backends.base",
     "GpuMemError": "pytest_gpumem.errors",
     "GpuMemWarning": "pytest_gpumem.errors",
-    "Budget": "pytest_gpumem.markers",
+    "Budget": "pytest_gpumem.budget",
     "Advice": "pytest_gpumem.measure.advice",
-    "budget_from_marker": "pytest_gpumem.markers",
-    "GpuMem": "pytest_gpumem.meter",
+    "budget_from_marker": "pytest_gpumem.budget",
+    "GpuMem": "pytest_gpumem.measure.meter",
     "PhaseResult": "pytest_gpumem.results",
     "TestResult": "pytest_gpumem.results",
     "format_size": "pytest_gpumem.sizes",

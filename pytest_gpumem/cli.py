@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pytest_gpumem.compare import PhaseComparison, Tolerance, compare_peak, with_growth
+from pytest_gpumem.baselines.compare import PhaseComparison, Tolerance, compare_peak, with_growth
+from pytest_gpumem.baselines.store import check_composition, strict_json
+from pytest_gpumem.config import slack, tolerance
 from pytest_gpumem.constants import DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT
-from pytest_gpumem.explain import compact
-from pytest_gpumem.options import slack, tolerance
-from pytest_gpumem.report import JSON_VERSION, markdown_table
+from pytest_gpumem.explain.replay import compact
+from pytest_gpumem.report.terminal import JSON_VERSION, markdown_table
 from pytest_gpumem.sizes import format_size, shorten
-from pytest_gpumem.store import check_composition, strict_json
 
 MAX_REPORT_BYTES = 256 * 1024 * 1024
 

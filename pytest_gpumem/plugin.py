@@ -8,15 +8,15 @@ from typing import TYPE_CHECKING
 import pytest
 
 from pytest_gpumem import hookspecs
+from pytest_gpumem.budget import MARKER, MARKER_SIGNATURE
+from pytest_gpumem.config import add_options, read_options
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.markers import MARKER, MARKER_SIGNATURE
-from pytest_gpumem.options import add_options, read_options
-from pytest_gpumem.regression import BaselineRun
-from pytest_gpumem.session import METER_KEY, GpuMemSession
+from pytest_gpumem.run.regression import BaselineRun
+from pytest_gpumem.run.session import METER_KEY, GpuMemSession
 
 if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
-    from pytest_gpumem.meter import GpuMem
+    from pytest_gpumem.measure.meter import GpuMem
 
 SESSION_KEY = pytest.StashKey[GpuMemSession]()
 
@@ -66,7 +66,7 @@ def pytest_configure(config: pytest.Config) -> None:
     options, baseline_options = read_options(config)
     store = None
     if baseline_options.wanted:
-        from pytest_gpumem.baselines import load
+        from pytest_gpumem.baselines.store import load
 
         try:
             store = load(baseline_options.path)
@@ -80,7 +80,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if options.backend_given:
         _header(session)
     if config.pluginmanager.hasplugin("xdist"):
-        from pytest_gpumem.xdist import XdistResults
+        from pytest_gpumem.run.xdist import XdistResults
 
         config.pluginmanager.register(XdistResults(session.add), "gpumem-xdist")
 
@@ -165,14 +165,14 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
         for line in session.report_lines(_report_width(terminalreporter), config.get_verbosity() > 0):
             terminalreporter.write_line(line)
     if session.results and not hasattr(config, "workerinput"):
-        from pytest_gpumem.report import counts_line
+        from pytest_gpumem.report.terminal import counts_line
 
         terminalreporter.write_line(f"gpumem: {counts_line(session.results)}")
 
 
 def _report_width(terminalreporter: pytest.TerminalReporter) -> int:
     """pytest's terminal width, or 120 columns when it writes to no terminal (a CI log)."""
-    from pytest_gpumem.report import DEFAULT_WIDTH
+    from pytest_gpumem.report.terminal import DEFAULT_WIDTH
 
     if terminalreporter.isatty or os.environ.get("COLUMNS", "").strip().isdigit():
         return max(int(terminalreporter.config.get_terminal_writer().fullwidth), 40)

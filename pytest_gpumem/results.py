@@ -73,7 +73,7 @@ class TestResult:
     record: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
     worker_device: str | None = None  # under --gpumem-devices: which of the caller's devices a worker used
-    explanation: dict[str, Any] | None = None  # what made each peak (pytest_gpumem.explain), when asked for
+    explanation: dict[str, Any] | None = None  # what made each peak (pytest_gpumem.explain.replay), when asked for
     html: str | None = None  # the picture of an explained test (--gpumem-html)
 
     @property

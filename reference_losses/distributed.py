@@ -8,7 +8,7 @@ Sizes per rank (fp32): P1 = layer1 (W1 2048x1024, b1) = 8,396,800 B, P2 = layer2
 
 DDP (gradient buckets separate from .grad, the default; `init_sync=False`, as every rank builds the
 same seeded model; the default broadcasts a flat copy of the parameters first, P, freed before the
-buckets are made: a rank waits for gloo's worker to let go of it, see pytest_gpumem.distributed_worker):
+buckets are made: a rank waits for gloo's worker to let go of it, see pytest_gpumem.distributed.worker):
 - setup: P, the reducer's gradient buckets.
 - forward: h1 + out + out*target + 4 (their sum); keeps h1 and the 4-byte loss.
 - backward: the larger of two moments: P + 4 (the loss's gradient) once all four gradients exist (each

@@ -13,11 +13,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pytest_gpumem.backends.tracker import TrackerBackend
+from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.measure.advice import AS_IS, Advice, PhasePeak, Row, advice_clause
 from pytest_gpumem.measure.advise import advise
-from pytest_gpumem.meter import GpuMem
+from pytest_gpumem.measure.meter import GpuMem
 from reference_losses.models import ModelWorkload, build_net, build_residual
 from reference_losses.training import TRAINING_STRATEGIES, NetBytes, plain, residual_plain
 
@@ -392,7 +392,7 @@ def test_best_is_the_least_extra_compute_that_fits_with_what_the_step_starts_fro
 
 
 def test_failure_clause_moves_the_measured_peak_by_the_strategys_change() -> None:
-    from pytest_gpumem.markers import Budget, Limit
+    from pytest_gpumem.budget import Budget, Limit
     from pytest_gpumem.results import PhaseResult
 
     base = Row(AS_IS, "", (), peak_bytes=100, phases=(PhasePeak("forward", 90),), flops=100, extra_flops=0)

@@ -1,4 +1,4 @@
-"""Unit tests of pytest_gpumem.store and .compare: file format, validation, atomic writes, comparison, update."""
+"""The baseline store and the comparison, unit by unit: file format, validation, atomic writes, update."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from pytest_gpumem import compare as C
-from pytest_gpumem import store as S
+from pytest_gpumem.baselines import compare as C
+from pytest_gpumem.baselines import store as S
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.gradients import Fingerprint, GradStats, ParamFingerprint
+from pytest_gpumem.gradients.fingerprint import Fingerprint, GradStats, ParamFingerprint
 from pytest_gpumem.sizes import format_size
 
 H200 = S.DeviceIdentity("cuda", "NVIDIA H200", "9.0", 150_754_820_096)
@@ -472,7 +472,7 @@ def test_new_test_passes_unless_strict() -> None:
 
 
 def test_report_status_says_missing_baseline_only_when_that_fails() -> None:
-    from pytest_gpumem.regression import verdict_status
+    from pytest_gpumem.run.regression import verdict_status
 
     stored = entry(peak=1000, phases={"f": 1000})
     cases = [
@@ -676,7 +676,7 @@ def test_unused_and_prune_touch_only_this_device(path: Path) -> None:
 # ----------------------------------------------------------------------------------- import and speed
 
 
-@pytest.mark.parametrize("module", ["store", "compare", "baselines"])
+@pytest.mark.parametrize("module", ["baselines", "baselines.store", "baselines.compare"])
 def test_baseline_modules_do_not_import_torch(module: str) -> None:
     code = f"import sys, pytest_gpumem.{module}; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

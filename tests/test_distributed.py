@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from pytest_gpumem.distributed import World, worst_call
-from pytest_gpumem.distributed_worker import RankResult
-from pytest_gpumem.markers import budget_from_marker
+from pytest_gpumem.budget import budget_from_marker
+from pytest_gpumem.distributed.spawn import World, worst_call
+from pytest_gpumem.distributed.worker import RankResult
 from pytest_gpumem.results import PhaseResult, TestResult
 
 FAULTS = """
@@ -105,7 +105,7 @@ class Late:
 
 
 def test_rank_never_starts(gpumem, monkeypatch):
-    monkeypatch.setattr("pytest_gpumem.distributed.MIN_JOIN_TIMEOUT", 3.0)
+    monkeypatch.setattr("pytest_gpumem.distributed.spawn.MIN_JOIN_TIMEOUT", 3.0)
     gpumem.distributed(nothing, 2, args=(Late(),), timeout=3)
 
 
@@ -156,7 +156,7 @@ def test_rank_returns_what_cannot_be_loaded(gpumem):
 
 
 def test_runs_normally_after(gpumem, monkeypatch):
-    monkeypatch.setattr("pytest_gpumem.distributed.SLOW_START", 0.5)  # ranks importing torch are later than that
+    monkeypatch.setattr("pytest_gpumem.distributed.spawn.SLOW_START", 0.5)  # ranks importing torch are later than that
     ranks = gpumem.distributed(grow)
     assert [r.value for r in ranks] == [0, 10]
     assert [r.phases["forward"].peak_bytes for r in ranks] == [4000, 8000]
@@ -485,7 +485,7 @@ def _explained_world() -> World:
 
 
 def test_ranks_explanations_merge_into_the_tests_under_their_phase_names() -> None:
-    from pytest_gpumem.explain import made_of, of_worlds, with_ranks
+    from pytest_gpumem.explain.replay import made_of, of_worlds, with_ranks
 
     ranks = _explained_world().explained()
     assert ranks is not None
@@ -625,7 +625,7 @@ class _Process:
 
 
 def _waiter(loaded: set[int], ready: set[int]) -> Any:
-    from pytest_gpumem.distributed import _Waiter
+    from pytest_gpumem.distributed.spawn import _Waiter
 
     waiter = _Waiter([_Process(), _Process(), _Process()], None, 1.0, 8.0)  # type: ignore[arg-type, list-item]
     waiter.loaded, waiter.ready, waiter.deadline = loaded, ready, 0.0
@@ -641,7 +641,7 @@ def _waiter(loaded: set[int], ready: set[int]) -> Any:
     ],
 )
 def test_late_ranks_are_named_by_how_far_they_got(loaded: set[int], ready: set[int], message: str) -> None:
-    from pytest_gpumem.distributed import DistributedError
+    from pytest_gpumem.distributed.spawn import DistributedError
 
     with pytest.raises(DistributedError) as info:
         _waiter(loaded, ready)._check_time()
@@ -662,7 +662,7 @@ def test_late_ranks_are_named_by_how_far_they_got(loaded: set[int], ready: set[i
     ],
 )
 def test_world_sizes_refused_in_one_line(world_size: Any, message: str) -> None:
-    from pytest_gpumem.distributed import _check, _check_started
+    from pytest_gpumem.distributed.spawn import _check, _check_started
     from pytest_gpumem.errors import GpuMemError
 
     with pytest.raises(GpuMemError) as info:
@@ -672,8 +672,8 @@ def test_world_sizes_refused_in_one_line(world_size: Any, message: str) -> None:
 
 
 def test_a_rank_starts_no_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pytest_gpumem.distributed import _check_started
-    from pytest_gpumem.distributed_worker import IN_RANK
+    from pytest_gpumem.distributed.spawn import _check_started
+    from pytest_gpumem.distributed.worker import IN_RANK
     from pytest_gpumem.errors import GpuMemError
 
     monkeypatch.setenv(IN_RANK, "t.py::test_a")
@@ -682,6 +682,6 @@ def test_a_rank_starts_no_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_idle_when_this_process_has_no_gloo_threads() -> None:
-    from pytest_gpumem.distributed_worker import collectives_settled
+    from pytest_gpumem.distributed.worker import collectives_settled
 
     assert collectives_settled(limit=0.0)

@@ -348,7 +348,7 @@ def test_reference_report_says_where_each_saving_comes_from(tracker: pytest.Pyte
 
 
 STAND_IN = """
-from pytest_gpumem.backends.tracker import TrackerBackend
+from pytest_gpumem.backends.tracker.backend import TrackerBackend
 
 
 class StandIn:
@@ -401,7 +401,7 @@ def test_a_backend_without_attribution_is_explained_by_a_shadow(pytester: pytest
 
 
 def test_an_error_in_our_hooks_is_a_note_not_the_tests_failure() -> None:
-    from pytest_gpumem.backends.attribution import Attributor
+    from pytest_gpumem.backends.tracker.attribution import Attributor
 
     attribution = Attributor({}, events=False)
     attribution._module_entered(object(), ())  # type: ignore[arg-type]  # not a module: no names to read
@@ -482,7 +482,7 @@ def test_reviewed_cases(tracker: pytest.Pytester) -> None:
 
 
 def test_what_grew_never_names_a_cell_the_baseline_may_have_cut() -> None:
-    from pytest_gpumem.explain import what_grew
+    from pytest_gpumem.explain.replay import what_grew
 
     stored = {"call": {"categories": {"temporaries": 100}, "cells": [["temporaries", "a", 100]]}}
     current = {
@@ -641,9 +641,9 @@ def test_hostile_workloads_are_explained_exactly(tracker: pytest.Pytester) -> No
 def test_a_call_past_the_event_limit_is_measured_but_not_explained(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from pytest_gpumem.backends import attribution
-    from pytest_gpumem.backends.tracker import TrackerBackend
-    from pytest_gpumem.meter import GpuMem
+    from pytest_gpumem.backends.tracker import attribution as attribution
+    from pytest_gpumem.backends.tracker.backend import TrackerBackend
+    from pytest_gpumem.measure.meter import GpuMem
 
     monkeypatch.setattr(attribution, "MAX_EVENTS", 100)
     backend = TrackerBackend()
@@ -665,8 +665,8 @@ def test_a_call_past_the_event_limit_is_measured_but_not_explained(monkeypatch: 
 def test_freed_allocations_alike_share_one_record() -> None:
     import torch
 
-    from pytest_gpumem.backends.tracker import TrackerBackend
-    from pytest_gpumem.meter import GpuMem
+    from pytest_gpumem.backends.tracker.backend import TrackerBackend
+    from pytest_gpumem.measure.meter import GpuMem
 
     backend = TrackerBackend()
     backend.configure(None, origins=False, events=False, explain=True)

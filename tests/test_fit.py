@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from pytest_gpumem.backends.tracker import TrackerBackend
+from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.fit import MAX_BATCH, BatchFit, Sample, fit_measured, fit_peaks, fit_samples, least_squares
-from pytest_gpumem.meter import GpuMem
+from pytest_gpumem.measure.fit import MAX_BATCH, BatchFit, Sample, fit_measured, fit_peaks, fit_samples, least_squares
+from pytest_gpumem.measure.meter import GpuMem
 
 FIXED = 1000 * 4  # torch.zeros(1000), float32
 ROW = 256 * 4  # one row of torch.ones(n, 256), float32

@@ -1,4 +1,4 @@
-"""Unit tests of pytest_gpumem.gradients: fingerprints and their comparison."""
+"""Unit tests of pytest_gpumem.gradients.fingerprint: fingerprints and their comparison."""
 
 from __future__ import annotations
 
@@ -13,8 +13,14 @@ import pytest
 import torch
 from torch import nn
 
-from pytest_gpumem import gradients as G
-from pytest_gpumem.gradients import Fingerprint, GradStats, ParamFingerprint, compare_fingerprints, fingerprint
+from pytest_gpumem.gradients import fingerprint as G
+from pytest_gpumem.gradients.fingerprint import (
+    Fingerprint,
+    GradStats,
+    ParamFingerprint,
+    compare_fingerprints,
+    fingerprint,
+)
 
 
 def model_with_grads(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Sequential:
@@ -167,7 +173,7 @@ def test_non_finite_gradients_survive_json() -> None:
 
 
 def test_gradients_module_does_not_import_torch() -> None:
-    code = "import sys, pytest_gpumem.gradients; sys.exit('torch' in sys.modules)"
+    code = "import sys, pytest_gpumem.gradients.fingerprint; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 

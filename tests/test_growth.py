@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from pytest_gpumem.explain import FOLDED_CELLS, OTHER_MODULES, compact, fold, repeated_blocks, what_grew
-from pytest_gpumem.store import check_composition
+from pytest_gpumem.baselines.store import check_composition
+from pytest_gpumem.explain.replay import FOLDED_CELLS, OTHER_MODULES, compact, fold, repeated_blocks, what_grew
 
 KIB = 1024
 
@@ -132,7 +132,7 @@ def test_the_store_refuses_a_bad_block_count(bad: object) -> None:
 
 
 def test_past_the_stored_parts_the_rest_of_each_category_is_one_part() -> None:
-    from pytest_gpumem.explain import _folded_cells
+    from pytest_gpumem.explain.replay import _folded_cells
 
     cells = {("temporaries", f"m{i:02}"): 100 + i for i in range(FOLDED_CELLS + 5)}
     kept = _folded_cells(cells, set())

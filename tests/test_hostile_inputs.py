@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from pytest_gpumem.gradients import compare_fingerprints, fingerprint
-from pytest_gpumem.report import markdown, table
+from pytest_gpumem.gradients.fingerprint import compare_fingerprints, fingerprint
+from pytest_gpumem.report.terminal import markdown, table
 from pytest_gpumem.results import PhaseResult, TestResult
 
 BASELINES = "gpumem-baselines.json"
@@ -306,7 +306,7 @@ BAD_BASELINES = [
 
 @pytest.mark.parametrize(("text", "problem"), [c[1:] for c in BAD_BASELINES], ids=[c[0] for c in BAD_BASELINES])
 def test_a_hand_edited_baseline_file_is_refused_in_one_line_naming_it(text: str, problem: str) -> None:
-    from pytest_gpumem.store import BaselineError, loads
+    from pytest_gpumem.baselines.store import BaselineError, loads
 
     with pytest.raises(BaselineError) as refused:
         loads(text, "ci/gpumem-baselines.json")
@@ -317,7 +317,7 @@ def test_a_hand_edited_baseline_file_is_refused_in_one_line_naming_it(text: str,
 
 
 def test_unicode_node_ids_and_an_escaped_pair_round_trip() -> None:
-    from pytest_gpumem.store import dumps, loads
+    from pytest_gpumem.baselines.store import dumps, loads
 
     ids = ["t.py::test[ü\u2028]", "t.py::test[\U0001f600]"]
     text = "\n".join(baseline_text(nodeid=i) for i in ids[:1]).replace("\\u00fc", "ü")
@@ -349,8 +349,8 @@ HUGE = 10**5000  # past Python's 4,300-digit limit for str(int)
 def test_a_hostile_marker_argument_is_one_short_line(
     args: tuple[Any, ...], kwargs: dict[str, Any], problem: str
 ) -> None:
+    from pytest_gpumem.budget import budget_from_marker
     from pytest_gpumem.errors import GpuMemError
-    from pytest_gpumem.markers import budget_from_marker
 
     with pytest.raises(GpuMemError) as refused:
         budget_from_marker(args, kwargs)
@@ -379,7 +379,8 @@ def test_a_hostile_marker_argument_is_one_short_line(
 def test_a_hostile_option_value_is_one_short_line(parse: str, value: str, problem: str) -> None:
     import argparse
 
-    from pytest_gpumem import devices, options
+    from pytest_gpumem import config as options
+    from pytest_gpumem.run import devices
 
     function = getattr(devices if parse == "devices_spec" else options, parse)
     with pytest.raises(argparse.ArgumentTypeError) as refused:

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from pytest_gpumem.backends.attribution import CATEGORIES as ATTRIBUTED
-from pytest_gpumem.backends.attribution import LABELS as ATTRIBUTED_LABELS
-from pytest_gpumem.failures import write_evidence
-from pytest_gpumem.html import file_stem, read_advice, render, write_html
+from pytest_gpumem.backends.tracker.attribution import CATEGORIES as ATTRIBUTED
+from pytest_gpumem.backends.tracker.attribution import LABELS as ATTRIBUTED_LABELS
+from pytest_gpumem.explain.html import file_stem, read_advice, render, write_html
 from pytest_gpumem.measure.advice import AS_IS, Advice, PhasePeak, Row
+from pytest_gpumem.measure.failures import write_evidence
 from pytest_gpumem.sizes import format_size
 
 CATEGORIES = list(ATTRIBUTED)

@@ -13,7 +13,7 @@ import torch._dynamo
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from pytest_gpumem.backends.tracker import TrackerBackend
+from pytest_gpumem.backends.tracker.backend import TrackerBackend
 
 
 def test_an_inner_run_that_compiles_leaves_torch_compile_working(pytester: pytest.Pytester) -> None:

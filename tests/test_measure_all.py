@@ -106,7 +106,7 @@ def test_one_line_of_counts_at_the_end(tracker: pytest.Pytester) -> None:
 
 
 def test_counts_line_orders_the_worst_first() -> None:
-    from pytest_gpumem.report import counts_line
+    from pytest_gpumem.report.terminal import counts_line
     from pytest_gpumem.results import TestResult
 
     statuses = ["ok", "NEW", "REGRESSED", "error", "ok", "xfailed"]

@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from pytest_gpumem.backends.tracker import TrackerBackend
-from pytest_gpumem.failures import leak_holding
+from pytest_gpumem.backends.tracker.backend import TrackerBackend
+from pytest_gpumem.measure.failures import leak_holding
 
 LEAKS = """
 import pytest, torch

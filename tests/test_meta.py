@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pytest_gpumem.backends.meta_errors import cannot_run_on_meta
-from pytest_gpumem.backends.tracker import TrackerBackend
+from pytest_gpumem.backends.tracker.backend import TrackerBackend
+from pytest_gpumem.backends.tracker.meta_errors import cannot_run_on_meta
 
 WORKLOAD = """
 import torch

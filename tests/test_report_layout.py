@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpumem.report import (
+from pytest_gpumem.report.terminal import (
     cell_rank,
     common_prefix,
     elide,
@@ -51,7 +51,7 @@ def main_job() -> list[TestResult]:
 
 
 def test_rank_separator_is_the_one_distributed_names_phases_with() -> None:
-    from pytest_gpumem.distributed import RANK_SEPARATOR as NAMED
+    from pytest_gpumem.distributed.spawn import RANK_SEPARATOR as NAMED
 
     assert RANK_SEPARATOR == NAMED
 

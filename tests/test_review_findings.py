@@ -126,7 +126,7 @@ def test_passing_tests_do_not_keep_their_trace(tracker: pytest.Pytester) -> None
     tracker.makeconftest(
         """
         import pytest
-        from pytest_gpumem.session import METER_KEY
+        from pytest_gpumem.run.session import METER_KEY
 
         KEPT = []
 
@@ -183,7 +183,7 @@ def test_compare_fails_on_a_test_that_failed_in_the_new_run(tmp_path: Any) -> No
 def test_capacity_on_a_backend_that_cannot_is_one_line(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(
         """
-        from pytest_gpumem.backends.tracker import TrackerBackend
+        from pytest_gpumem.backends.tracker.backend import TrackerBackend
 
         class Plain(TrackerBackend):
             name = "plain"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_gpumem.backends.tracker import cuda_block_size
+from pytest_gpumem.backends.tracker.backend import cuda_block_size
 
 WORKLOADS = """
 import pytest, torch

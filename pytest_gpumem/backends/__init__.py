@@ -25,7 +25,7 @@ def make_builtin(name: str, rounding: str = "none", device: str = "cpu", paths: 
 
     from pytest_gpumem.backends.accelerator import AcceleratorBackend, accelerator_module
     from pytest_gpumem.backends.cuda import CudaBackend
-    from pytest_gpumem.backends.tracker import TrackerBackend
+    from pytest_gpumem.backends.tracker.backend import TrackerBackend
 
     if device == "meta":
         if name not in ("auto", "tracker"):

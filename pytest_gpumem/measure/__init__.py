@@ -1,1 +1,1 @@
-"""Measuring beyond one call: memory-saving strategies tried on the user's own training step (`advise`)."""
+"""The gpumem fixture object and what it measures beyond one call: phases, fit, advise, OOM and leaks."""

@@ -14,7 +14,7 @@ from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.sizes import format_size, parse_size
 
 if TYPE_CHECKING:
-    from pytest_gpumem.markers import Budget
+    from pytest_gpumem.budget import Budget
     from pytest_gpumem.results import PhaseResult
 
 AS_IS = "as-is"
@@ -101,7 +101,7 @@ class Advice:
     strategies cannot be combined. `live_bytes`: what was allocated when the step began, as the backend
     counts it, plus the model's state it did not see allocated (parameters made before it observed);
     a row's absolute peak, judged against the capacity, is `live_bytes` + its peak above the start (as
-    `pytest_gpumem.fit` judges a batch). `resident_bytes`: the part of it that is the model's
+    `pytest_gpumem.measure.fit` judges a batch). `resident_bytes`: the part of it that is the model's
     parameters, buffers, gradients and optimizer state."""
 
     rows: tuple[Row, ...]

@@ -24,9 +24,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.flop_counter import flop_registry
 
-from pytest_gpumem.backends.tracker import cuda_block_size
+from pytest_gpumem.backends.tracker.backend import cuda_block_size
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.measure.advice import AS_IS, NOT_CHECKED, Advice, PhasePeak, Row
+from pytest_gpumem.measure.meter import RegionStack
 from pytest_gpumem.measure.strategies import (
     OptimizerShim,
     Patch,
@@ -38,12 +39,11 @@ from pytest_gpumem.measure.strategies import (
     find_blocks,
     ordered,
 )
-from pytest_gpumem.meter import RegionStack
 from pytest_gpumem.sizes import parse_size, shorten
 
 if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
-    from pytest_gpumem.meter import GpuMem
+    from pytest_gpumem.measure.meter import GpuMem
     from pytest_gpumem.results import PhaseResult
 
 PHASE_ORDER = ("forward", "backward", "step")

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from pytest_gpumem.backends.recording import Followed, Origin, Recorder, op_name, user_line
+from pytest_gpumem.backends.tracker.recording import Followed, Origin, Recorder, op_name, user_line
 
 if TYPE_CHECKING:
     import torch

@@ -12,7 +12,7 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from pytest_gpumem.backends.tracker_hooks import Ledger, count_compiled_allocations
+from pytest_gpumem.backends.tracker.patches import Ledger, count_compiled_allocations
 
 if TYPE_CHECKING:
     import torch

@@ -13,11 +13,11 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pytest_gpumem.backends.attribution import CATEGORIES, LABELS, Allocation, Attributor, Region
+from pytest_gpumem.backends.tracker.attribution import CATEGORIES, LABELS, Allocation, Attributor, Region
 from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
-    from pytest_gpumem.markers import Budget, Limit
+    from pytest_gpumem.budget import Budget, Limit
     from pytest_gpumem.results import PhaseResult
 
 FORMAT = "pytest-gpumem explanation 1"

@@ -109,7 +109,7 @@ def describe(exc: BaseException) -> str:
     except Exception:
         text = f"<{type(exc).__name__}.__str__ raised>"
     line = f"{type(exc).__name__}: {text}".splitlines()[0] if text else type(exc).__name__
-    from pytest_gpumem.meter import GpuMem
+    from pytest_gpumem.measure.meter import GpuMem
 
     phase = GpuMem.phase_left_by(exc)
     return line if phase is None else f"{line} (in phase {phase!r})"
@@ -164,7 +164,7 @@ def _backend(rank: int, spec: RankSpec) -> Backend:
         torch.cuda.set_device(rank)
         backend: Any = CudaBackend()
     else:
-        from pytest_gpumem.backends.tracker import TrackerBackend
+        from pytest_gpumem.backends.tracker.backend import TrackerBackend
 
         backend = TrackerBackend(spec.rounding, device=spec.device)
     if spec.explain and callable(getattr(backend, "attribution", None)):  # it explains its own peaks
@@ -259,7 +259,7 @@ class _SettledBoundaries:
 
 
 def _measured(rank: int, spec: RankSpec, backend: Backend, fn: Any, args: tuple[Any, ...]) -> RankResult:
-    from pytest_gpumem.meter import GpuMem
+    from pytest_gpumem.measure.meter import GpuMem
 
     boundaries = _SettledBoundaries(backend)
     setattr(backend, "settle", boundaries)  # noqa: B010  (this rank's own backend, for its lifetime)

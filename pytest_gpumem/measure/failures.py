@@ -20,8 +20,8 @@ from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
-    from pytest_gpumem.markers import Budget, Limit
-    from pytest_gpumem.meter import GpuMem
+    from pytest_gpumem.budget import Budget, Limit
+    from pytest_gpumem.measure.meter import GpuMem
 
 STATUS_OOM = "OUT OF MEMORY"
 STATUS_LEAKED = "LEAKED"
@@ -122,7 +122,7 @@ def _text(exc: BaseException) -> str:
 def needs_real_values(exc: BaseException, device: object) -> str | None:
     """On the meta device, an op that needs real values (`.item()`, `nonzero`, a boolean mask, copying
     data out) fails; the one line that says so, naming the op, or None for any other error."""
-    from pytest_gpumem.backends.meta_errors import cannot_run_on_meta
+    from pytest_gpumem.backends.tracker.meta_errors import cannot_run_on_meta
 
     reason = cannot_run_on_meta(exc) if str(device) == "meta" else None
     return None if reason is None else f"this test cannot run on the meta device (tensors without data): {reason}"
@@ -171,7 +171,7 @@ def leak_holding(live: Mapping[int, tuple[int, Any]]) -> Holding | None:
                 key = _storage_key(obj)
                 if key in live:
                     tensors.setdefault(key, []).append(obj)
-    from pytest_gpumem.backends.attribution import LABELS, Allocation, _graph, _saved_tensors
+    from pytest_gpumem.backends.tracker.attribution import LABELS, Allocation, _graph, _saved_tensors
 
     kind: dict[int, str] = {}
     roots = [t for found in tensors.values() for t in found if t.grad_fn is not None]

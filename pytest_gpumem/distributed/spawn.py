@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pytest_gpumem.distributed_worker import DONE, ERROR, IN_RANK, LOADED, RankResult, RankSpec, describe, run_rank
+from pytest_gpumem.distributed.worker import DONE, ERROR, IN_RANK, LOADED, RankResult, RankSpec, describe, run_rank
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.results import PhaseResult
 from pytest_gpumem.sizes import format_size, shorten
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
     from multiprocessing.queues import Queue
 
-    from pytest_gpumem.meter import GpuMem
+    from pytest_gpumem.measure.meter import GpuMem
 
 DEFAULT_TIMEOUT = 120.0
 """Seconds the ranks may run the function, once all have joined the process group."""
@@ -88,7 +88,7 @@ class World:
         """The ranks' explanations as one, for the test's (`explain.with_ranks`): each rank's phases as
         `phase@rankN`, each phase's worst rank as `phase`, the whole run as `name@rankN` and `name` (and as
         `call`, the test's call where it is the peak); None when no rank explained its peaks."""
-        from pytest_gpumem.explain import on_rank
+        from pytest_gpumem.explain.replay import on_rank
 
         explained = [(r.rank, r.explanation) for r in self.ranks if r.explanation is not None]
         if not explained:

@@ -209,7 +209,7 @@ class Patches:
         self._replace(optimizer, "_get_foreach_kernels_supported_devices", devices)
 
     def _fused_attention(self) -> None:
-        from pytest_gpumem.backends.gpu_paths import fused_attention_mode, leave_function_mode
+        from pytest_gpumem.backends.tracker.gpu_paths import fused_attention_mode, leave_function_mode
 
         mode = fused_attention_mode()
         mode.__enter__()
@@ -221,7 +221,7 @@ class Patches:
         import torch.autograd
         import torch.autograd.graph as graph
 
-        from pytest_gpumem.backends.gpu_paths import on_stack
+        from pytest_gpumem.backends.tracker.gpu_paths import on_stack
 
         original = getattr(graph, "_engine_run_backward", None)
         if original is None:  # torch before 2.4's engine entry: backward runs without the mode

@@ -63,7 +63,7 @@ from typing import Any, Literal
 
 from pytest_gpumem.constants import DEFAULT_FILENAME
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.gradients import Fingerprint
+from pytest_gpumem.gradients.fingerprint import Fingerprint
 from pytest_gpumem.sizes import format_size, integer_words
 
 __all__ = [

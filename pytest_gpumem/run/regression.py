@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpumem.options import BaselineOptions, Options
+from pytest_gpumem.config import BaselineOptions, Options
 
 if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
-    from pytest_gpumem.compare import Verdict
-    from pytest_gpumem.markers import Budget
-    from pytest_gpumem.meter import GpuMem
-    from pytest_gpumem.store import BaselineStore, DeviceIdentity, Entry, UpdateSummary
+    from pytest_gpumem.baselines.compare import Verdict
+    from pytest_gpumem.baselines.store import BaselineStore, DeviceIdentity, Entry, UpdateSummary
+    from pytest_gpumem.budget import Budget
+    from pytest_gpumem.measure.meter import GpuMem
 
 STATUS_REGRESSED = "REGRESSED"
 STATUS_GRADIENTS = "GRADIENTS CHANGED"
@@ -28,7 +28,7 @@ STATUS_MISSING = "MISSING BASELINE"
 
 def identity_of(backend: Backend) -> DeviceIdentity:
     """What a baseline is valid for: the backend's own `identity()`, else its name and device."""
-    from pytest_gpumem.store import DeviceIdentity
+    from pytest_gpumem.baselines.store import DeviceIdentity
 
     own = getattr(backend, "identity", None)
     data: dict[str, Any] = own() if callable(own) else {"backend": backend.name, "device": str(backend.device)}
@@ -130,9 +130,9 @@ class BaselineRun:
     def judge(self, nodeid: str, meter: GpuMem, budget: Budget | None) -> Judgement:
         import torch
 
-        from pytest_gpumem.compare import Tolerance, compare
-        from pytest_gpumem.explain import compact
-        from pytest_gpumem.store import Entry, Environment
+        from pytest_gpumem.baselines.compare import Tolerance, compare
+        from pytest_gpumem.baselines.store import Entry, Environment
+        from pytest_gpumem.explain.replay import compact
 
         assert self.store is not None, "judge() is called only when baselines are active"
 
@@ -170,8 +170,8 @@ class BaselineRun:
         """After the run: warnings, unused baselines, the tests that failed for want of a baseline
         (`missing`), and under --gpumem-update/--gpumem-prune the new file. Returns the lines for the
         terminal summary."""
-        from pytest_gpumem.compare import environment_warnings
-        from pytest_gpumem.store import Entry, UpdateSummary, unused, update, write
+        from pytest_gpumem.baselines.compare import environment_warnings
+        from pytest_gpumem.baselines.store import Entry, UpdateSummary, unused, update, write
 
         assert self.store is not None, "finish() is called only when baselines are active"
         entries = {nodeid: Entry.from_json(data) for nodeid, data in records}
@@ -216,7 +216,7 @@ class BaselineRun:
         return dataclasses.replace(entry, composition=stored.composition)
 
     def _prune_lines(self, stale: list[str], identity: DeviceIdentity, summary: UpdateSummary) -> list[str]:
-        from pytest_gpumem.store import prune
+        from pytest_gpumem.baselines.store import prune
 
         assert self.store is not None
         if self.options.prune and self.partial:

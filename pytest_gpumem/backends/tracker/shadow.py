@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pytest_gpumem.backends.attribution import Attributor
-from pytest_gpumem.backends.tracker_mode import leave, mode_class
+from pytest_gpumem.backends.tracker.attribution import Attributor
+from pytest_gpumem.backends.tracker.mode import leave, mode_class
 
 if TYPE_CHECKING:
     import torch
 
-    from pytest_gpumem.backends.tracker import StorageLedger
+    from pytest_gpumem.backends.tracker.backend import StorageLedger
 
 
 class Shadow:
@@ -51,7 +51,7 @@ class Shadow:
 def _device_ledger(device: torch.device) -> StorageLedger:
     """A ledger of the storages on `device` only, rounded as the CUDA allocator rounds them: what the
     measured backend counts (host tensors, a data table on the CPU, are not its memory)."""
-    from pytest_gpumem.backends.tracker import StorageLedger
+    from pytest_gpumem.backends.tracker.backend import StorageLedger
 
     def ours(storage: torch.UntypedStorage) -> bool:
         found = storage.device

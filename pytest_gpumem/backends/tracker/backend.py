@@ -13,16 +13,16 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpumem.backends.base import Counters
-from pytest_gpumem.backends.tracker_hooks import Patches
-from pytest_gpumem.backends.tracker_mode import leave, mode_class
+from pytest_gpumem.backends.tracker.mode import leave, mode_class
+from pytest_gpumem.backends.tracker.patches import Patches
 from pytest_gpumem.constants import PATHS, ROUNDINGS
 from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
     import torch
 
-    from pytest_gpumem.backends.attribution import Attributor
-    from pytest_gpumem.backends.recording import Origin, Recorder, Survivor
+    from pytest_gpumem.backends.tracker.attribution import Attributor
+    from pytest_gpumem.backends.tracker.recording import Origin, Recorder, Survivor
 
 
 _KIB = 1024
@@ -279,8 +279,8 @@ class TrackerBackend:
         """For the next measurement: a device of `capacity` bytes (None: unlimited); record where each
         storage came from (`origins`), the sequence of allocations and frees (`events`), and what each
         storage is for and which module made it (`explain`)."""
-        from pytest_gpumem.backends.attribution import Attributor
-        from pytest_gpumem.backends.recording import Recorder
+        from pytest_gpumem.backends.tracker.attribution import Attributor
+        from pytest_gpumem.backends.tracker.recording import Recorder
 
         self.ledger.capacity = capacity
         if explain:
@@ -301,14 +301,14 @@ class TrackerBackend:
 
     def attribution(self) -> Attributor | None:
         """The attributor of the measurement under way, when it explains its peaks."""
-        from pytest_gpumem.backends.attribution import Attributor
+        from pytest_gpumem.backends.tracker.attribution import Attributor
 
         recorder = self.ledger.recorder
         return recorder if isinstance(recorder, Attributor) else None
 
     def survivors(self, count: int) -> list[Survivor]:
         """The largest storages the call made that are still allocated, with what they hold."""
-        from pytest_gpumem.backends.recording import Survivor, tensors_by_storage
+        from pytest_gpumem.backends.tracker.recording import Survivor, tensors_by_storage
 
         refs = sorted(self.ledger.live.values(), key=lambda ref: ref.counted, reverse=True)[:count]
         tensors = tensors_by_storage({ref.key for ref in refs})

@@ -14,11 +14,13 @@ from typing import Any, NoReturn
 import pytest
 
 from pytest_gpumem.backends.base import Backend
-from pytest_gpumem.devices import VISIBLE, Assignment, assign, visible_devices
+from pytest_gpumem.budget import MARKER, Budget, Limit, all_of, budget_from_marker, closest_first
+from pytest_gpumem.config import Options
 from pytest_gpumem.errors import GpuMemError, GpuMemWarning
-from pytest_gpumem.explain import made_of, over_limit
-from pytest_gpumem.explain import section as explained
-from pytest_gpumem.failures import (
+from pytest_gpumem.explain.replay import made_of, over_limit
+from pytest_gpumem.explain.replay import section as explained
+from pytest_gpumem.measure.advice import advice_clause, advice_section
+from pytest_gpumem.measure.failures import (
     EVIDENCE_STATUSES,
     STATUS_LEAKED,
     STATUS_OOM,
@@ -31,11 +33,7 @@ from pytest_gpumem.failures import (
     survivors_section,
     write_evidence,
 )
-from pytest_gpumem.markers import MARKER, Budget, Limit, all_of, budget_from_marker, closest_first
-from pytest_gpumem.measure.advice import advice_clause, advice_section
-from pytest_gpumem.meter import GpuMem
-from pytest_gpumem.options import Options
-from pytest_gpumem.regression import STATUS_MISSING, BaselineRun, Judgement, selection_flags, verdict_status
+from pytest_gpumem.measure.meter import GpuMem
 from pytest_gpumem.results import (
     REPORT_ATTRIBUTE,
     STATUS_ERROR,
@@ -46,6 +44,8 @@ from pytest_gpumem.results import (
     junit_properties,
     settle,
 )
+from pytest_gpumem.run.devices import VISIBLE, Assignment, assign, visible_devices
+from pytest_gpumem.run.regression import STATUS_MISSING, BaselineRun, Judgement, selection_flags, verdict_status
 from pytest_gpumem.sizes import format_size
 
 METER_KEY = pytest.StashKey[GpuMem]()
@@ -235,7 +235,7 @@ class GpuMemSession:
     def meta_backend(self) -> Backend:
         """The tracker on the meta device, for tests marked max_memory(device="meta") (any main backend)."""
         if self._meta is None:
-            from pytest_gpumem.backends.tracker import TrackerBackend
+            from pytest_gpumem.backends.tracker.backend import TrackerBackend
 
             main = self.backend()
             meta = main if str(main.device) == "meta" else None
@@ -399,7 +399,7 @@ class GpuMemSession:
         folder = self.options.html_dir
         if folder is None or result.explanation is None:
             return
-        from pytest_gpumem.html import write_html
+        from pytest_gpumem.explain.html import write_html
 
         try:
             path = write_html(folder, result.explanation, result.info.get("advice"))
@@ -458,7 +458,7 @@ class GpuMemSession:
     def report_lines(self, width: int, long: bool = False) -> list[str]:
         if not self.results:
             return ["no test was measured (use the gpumem fixture or @pytest.mark.max_memory)"]
-        from pytest_gpumem.report import table_lines
+        from pytest_gpumem.report.terminal import table_lines
 
         return table_lines(self.results, width, long)
 
@@ -526,13 +526,13 @@ class GpuMemSession:
         return not whole or narrowed or bool(session.shouldstop) or bool(session.shouldfail)
 
     def _markdown_text(self) -> str:
-        from pytest_gpumem.report import markdown
+        from pytest_gpumem.report.terminal import markdown
 
         folder = None if self.options.markdown_path is None else self.options.markdown_path.parent
         return markdown(self.results, self.config.get_verbosity() > 0, self.config.rootpath, folder)
 
     def _json_text(self) -> str:
-        from pytest_gpumem.report import document
+        from pytest_gpumem.report.terminal import document
 
         backend = self._backend
         first = self.results[0] if self.results else None

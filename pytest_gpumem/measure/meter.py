@@ -24,14 +24,14 @@ if TYPE_CHECKING:
 
     import torch
 
-    from pytest_gpumem.backends.attribution import Attributor
-    from pytest_gpumem.backends.recording import Survivor
-    from pytest_gpumem.backends.shadow import Shadow
-    from pytest_gpumem.distributed_worker import RankResult
-    from pytest_gpumem.failures import Holding
-    from pytest_gpumem.fit import BatchFit
-    from pytest_gpumem.gradients import Fingerprint
+    from pytest_gpumem.backends.tracker.attribution import Attributor
+    from pytest_gpumem.backends.tracker.recording import Survivor
+    from pytest_gpumem.backends.tracker.shadow import Shadow
+    from pytest_gpumem.distributed.worker import RankResult
+    from pytest_gpumem.gradients.fingerprint import Fingerprint
     from pytest_gpumem.measure.advice import Advice
+    from pytest_gpumem.measure.failures import Holding
+    from pytest_gpumem.measure.fit import BatchFit
 
 CALL = "call"
 SURVIVORS_SHOWN = 10
@@ -188,10 +188,10 @@ class GpuMem:
         confirm: bool = False,
     ) -> BatchFit:
         """Run `step(n)` for each n in `sizes`, each in its own phase `name[i]`, fit peak = a + b*n exactly
-        and return the largest n whose predicted peak fits `capacity` (see `pytest_gpumem.fit`)."""
+        and return the largest n whose predicted peak fits `capacity` (see `pytest_gpumem.measure.fit`)."""
         __tracebackhide__ = True
-        from pytest_gpumem.failures import is_out_of_memory, release_memory
-        from pytest_gpumem.fit import DEFAULT_SLACK, DEFAULT_TOLERANCE, Sample, fit_peaks
+        from pytest_gpumem.measure.failures import is_out_of_memory, release_memory
+        from pytest_gpumem.measure.fit import DEFAULT_SLACK, DEFAULT_TOLERANCE, Sample, fit_peaks
 
         self._fits += 1
         label = name if self._fits == 1 else f"{name}#{self._fits}"  # each fit's phases are its own
@@ -269,9 +269,9 @@ class GpuMem:
     ) -> list[RankResult]:
         """Run `fn(rank, world_size, meter, *args)` on `world_size` spawned ranks, each with a meter on its own
         backend, and record their phases as `phase@rankN` and `phase` (the worst rank); see
-        `pytest_gpumem.distributed`. A failed rank fails the test in one line naming it."""
+        `pytest_gpumem.distributed.spawn`. A failed rank fails the test in one line naming it."""
         __tracebackhide__ = True
-        from pytest_gpumem.distributed import run
+        from pytest_gpumem.distributed.spawn import run
 
         if self._stack is None or self._phase is not None:
             where = "while the test function runs" if self._stack is None else f"outside phase {self._phase!r}"
@@ -284,7 +284,7 @@ class GpuMem:
         self._ranks_call = worst if self._ranks_call is None else self._ranks_call.merged(worst)
         explained = world.explained()
         if explained is not None:
-            from pytest_gpumem.explain import of_worlds
+            from pytest_gpumem.explain.replay import of_worlds
 
             earlier = self._ranks_explained
             self._ranks_explained = explained if earlier is None else of_worlds(earlier, explained)
@@ -296,9 +296,9 @@ class GpuMem:
     ) -> Any:
         """Run `fn(rank, world_size, meter, *args)` in this process as rank `rank` of a simulated world
         (torch's fake process group: collectives move no data), `meter` being this one: an estimate of
-        that rank's peaks at a world size this machine cannot start (see `pytest_gpumem.distributed`)."""
+        that rank's peaks at a world size this machine cannot start (see `pytest_gpumem.distributed.spawn`)."""
         __tracebackhide__ = True
-        from pytest_gpumem.distributed import simulate
+        from pytest_gpumem.distributed.spawn import simulate
 
         if self._stack is None:
             raise GpuMemError(f"gpumem.simulate_rank() works only while the test function of {self.nodeid} runs")
@@ -317,7 +317,7 @@ class GpuMem:
         unless they are parameters), to compare with the stored baseline after the call; `rtol`/`atol`
         override the dtype's defaults. The fingerprint's own work is not measured."""
         __tracebackhide__ = True
-        from pytest_gpumem.gradients import fingerprint
+        from pytest_gpumem.gradients.fingerprint import fingerprint
 
         if self._stack is None:
             raise GpuMemError(f"gpumem.check_gradients() works only while the test function of {self.nodeid} runs")
@@ -378,7 +378,7 @@ class GpuMem:
         own = getattr(self.backend, "attribution", None)
         found = own() if callable(own) else None
         if found is None:
-            from pytest_gpumem.backends.shadow import Shadow
+            from pytest_gpumem.backends.tracker.shadow import Shadow
 
             self._shadow = Shadow(self.backend.device)
             found = self._shadow.start()
@@ -395,7 +395,7 @@ class GpuMem:
                 self._record(stack.pop())
             self._call = stack.pop()
             if self._ranks_call is not None:
-                from pytest_gpumem.distributed import worst_call
+                from pytest_gpumem.distributed.spawn import worst_call
 
                 self._call = worst_call(self._call, self._ranks_call)
             self._keep_evidence()
@@ -419,7 +419,7 @@ class GpuMem:
             self.survivors = survivors(SURVIVORS_SHOWN)
             live = getattr(self.backend, "live_storages", None)
             if callable(live):
-                from pytest_gpumem.failures import leak_holding
+                from pytest_gpumem.measure.failures import leak_holding
 
                 self.leak_holding = leak_holding(live())
         self.trace = trace() if callable(trace) else None
@@ -428,7 +428,7 @@ class GpuMem:
             self.explanation = self._explained(stack.attribution, self._call)
 
     def _explained(self, attribution: Attributor, call: PhaseResult) -> dict[str, Any] | None:
-        from pytest_gpumem.explain import explain
+        from pytest_gpumem.explain.replay import explain
 
         name = self.backend.name if self._shadow is None else f"{self.backend.name} (composition from a shadow tracker)"
         self.notes += [f"the explanation may be incomplete: {problem}" for problem in attribution.problems]
@@ -437,7 +437,7 @@ class GpuMem:
             ranks = self._ranks_explained
             if ranks is None:
                 return explained
-            from pytest_gpumem.explain import with_ranks
+            from pytest_gpumem.explain.replay import with_ranks
 
             return with_ranks(explained, ranks, ranks_peak=call.rank is not None)
         except Exception as exc:  # an explanation never changes the test's outcome

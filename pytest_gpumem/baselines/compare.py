@@ -22,10 +22,10 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any, Literal
 
+from pytest_gpumem.baselines.store import BaselineStore, DeviceIdentity, Entry, Environment, check_bytes, short
 from pytest_gpumem.constants import DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT
-from pytest_gpumem.gradients import GradientComparison, compare_fingerprints
+from pytest_gpumem.gradients.fingerprint import GradientComparison, compare_fingerprints
 from pytest_gpumem.sizes import format_size
-from pytest_gpumem.store import BaselineStore, DeviceIdentity, Entry, Environment, check_bytes, short
 
 __all__ = [
     "GradientStatus",
@@ -269,7 +269,7 @@ def with_growth(
     """A regression's message, with what grew most when both sides have a composition (`explain.compact`)."""
     if comparison.status != "REGRESSED" or comparison.message is None:
         return comparison
-    from pytest_gpumem.explain import what_grew
+    from pytest_gpumem.explain.replay import what_grew
 
     grew = what_grew(stored, current, comparison.label)
     return comparison if grew is None else replace(comparison, message=f"{comparison.message}: {grew}")

@@ -12,11 +12,11 @@ from typing import Any, TypeVar
 
 import pytest
 
+from pytest_gpumem.budget import Budget, Limit, budget_from_marker
 from pytest_gpumem.constants import DEFAULT_FILENAME, DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT, PATHS, ROUNDINGS
-from pytest_gpumem.devices import devices_spec
-from pytest_gpumem.distributed import DEFAULT_TIMEOUT as DEFAULT_DIST_TIMEOUT
+from pytest_gpumem.distributed.spawn import DEFAULT_TIMEOUT as DEFAULT_DIST_TIMEOUT
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.markers import Budget, Limit, budget_from_marker
+from pytest_gpumem.run.devices import devices_spec
 from pytest_gpumem.sizes import format_size, parse_size, shorten
 
 T = TypeVar("T")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpumem import store as S
+from pytest_gpumem.baselines import store as S
 
 BASELINES = S.DEFAULT_FILENAME
 TRACKER = S.DeviceIdentity("tracker", "cpu")
@@ -132,7 +132,7 @@ def test_write_refuses_a_file_corrupted_since_load_and_leaves_it(path: Path) -> 
 WRITER = """
 import sys, time
 from pathlib import Path
-from pytest_gpumem import store as S
+from pytest_gpumem.baselines import store as S
 
 path, name, go = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 tracker = S.DeviceIdentity("tracker", "cpu")
@@ -239,7 +239,7 @@ def test_write_removes_temp_files_of_dead_or_old_writers_only(path: Path) -> Non
 KILLED_WRITER = """
 import os, sys, time
 from pathlib import Path
-from pytest_gpumem import store as S
+from pytest_gpumem.baselines import store as S
 
 def stuck(src, dst):
     Path(sys.argv[2]).touch()

@@ -18,7 +18,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from pytest_gpumem.explain import summary
+from pytest_gpumem.explain.replay import summary
 from pytest_gpumem.results import RANK_SEPARATOR, PhaseResult, TestResult
 from pytest_gpumem.sizes import format_size
 

@@ -1,0 +1,1 @@
+"""Gradient fingerprints: made from a test's gradients, compared with stored ones, and their schema."""

@@ -1,0 +1,1 @@
+"""Pure functions from results to what people read: the terminal table, Markdown and JSON."""
