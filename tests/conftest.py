@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import json
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -31,3 +34,14 @@ def tracker(pytester: pytest.Pytester) -> pytest.Pytester:
     """A pytester whose runs measure with the exact tracker, whatever the machine has."""
     pytester.makeini("[pytest]\ngpumem_backend = tracker\n")
     return pytester
+
+
+@pytest.fixture
+def reported(pytester: pytest.Pytester) -> Callable[..., dict[str, dict[str, Any]]]:
+    """The tests of an inner run's JSON report (`--gpumem-json=out.json`), by the name after the file's."""
+
+    def read(name: str = "out.json") -> dict[str, dict[str, Any]]:
+        doc = json.loads((pytester.path / name).read_text(encoding="utf-8"))
+        return {test["nodeid"].split("::", 1)[1]: test for test in doc["tests"]}
+
+    return read
