@@ -1,10 +1,17 @@
-"""Exact bytes from the tracker, on workloads whose sizes are derived by hand (float32 = 4 bytes)."""
+"""Exact bytes from the tracker, on workloads whose sizes are derived by hand (float32 = 4 bytes), and the
+ledger under it: storages followed until they die, peaks, a capacity, the CUDA allocator's rounding."""
 
 from __future__ import annotations
 
-import pytest
+import gc
+import subprocess
+import sys
 
-from pytest_gpumem.backends.tracker.backend import cuda_block_size
+import pytest
+import torch
+
+from pytest_gpumem.backends.tracker.backend import TrackerBackend
+from pytest_gpumem.backends.tracker.ledger import StorageLedger, cuda_block_size
 
 WORKLOADS = """
 import pytest, torch
@@ -157,21 +164,17 @@ def test_exact_bytes(tracker: pytest.Pytester) -> None:
     result.assert_outcomes(passed=13)
 
 
-def test_cuda_rounding_option(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(
-        """
-        import torch
-
-        def test_rounded(gpumem):
-            with gpumem.phase("p"):
-                a = torch.ones(1000)           # 4000 B -> 4096
-                b = torch.ones(4_000_000)      # 16,000,000 B -> a whole 16 MiB segment
-            r = gpumem.result("p")
-            assert r.peak_bytes == 4096 + 16 * 1024**2
-            assert r.requested_peak_bytes == 4000 + 16_000_000
-        """
-    )
-    tracker.runpytest("--gpumem-round=cuda").assert_outcomes(passed=1)
+def test_cuda_rounding_counts_blocks_and_keeps_requested_bytes() -> None:
+    backend = TrackerBackend("cuda")
+    backend.start()
+    try:
+        a = torch.ones(1000)  # 4000 B -> 4096
+        b = torch.ones(4_000_000)  # 16,000,000 B -> a whole 16 MiB segment
+        peak = backend.peak()
+    finally:
+        backend.stop()
+    assert (peak.allocated, peak.requested) == (4096 + 16 * 1024**2, 4000 + 16_000_000)
+    del a, b
 
 
 @pytest.mark.parametrize(
@@ -191,3 +194,59 @@ def test_cuda_rounding_option(tracker: pytest.Pytester) -> None:
 )
 def test_cuda_block_size(request_bytes: int, counted: int) -> None:
     assert cuda_block_size(request_bytes) == counted
+
+
+class FakeStorage:
+    """What the ledger reads of a storage: a key and a size (and a weak reference to it)."""
+
+    def __init__(self, key: int, size: int) -> None:
+        self._cdata, self.size = key, size
+
+    def nbytes(self) -> int:
+        return self.size
+
+
+def test_the_ledger_imports_no_torch() -> None:
+    code = "import sys, pytest_gpumem.backends.tracker.ledger; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_the_ledger_counts_storages_until_they_die() -> None:
+    ledger = StorageLedger("cuda")
+    a, b = FakeStorage(1, 1000), FakeStorage(2, 600)
+    ledger.add(a)
+    ledger.add(b)
+    assert (ledger.requested, ledger.allocated) == (1600, 1024 + 1024)  # each rounded up to 512 B blocks
+    del a
+    gc.collect()
+    assert (ledger.requested, ledger.allocated) == (600, 1024)
+    assert (ledger.peak_requested, ledger.peak_allocated) == (1600, 2048)
+    ledger.reset_peak()
+    assert (ledger.peak_requested, ledger.peak_allocated) == (600, 1024)
+    del b
+
+
+def test_the_ledger_follows_resizes_and_growth_of_earlier_storages() -> None:
+    ledger = StorageLedger("none")
+    made, earlier = FakeStorage(1, 100), FakeStorage(2, 300)
+    ledger.add(made)
+    made.size = 400
+    ledger.resized(made, before=100)  # grown outside any op: counted anew
+    earlier.size = 500
+    ledger.grow_existing(earlier, before=300)  # made before tracking: only the growth is new
+    assert ledger.requested == 400 + 200
+    earlier.size = 300
+    ledger.resize(earlier)  # back to what it had before tracking: nothing of it counted
+    assert (ledger.requested, ledger.peak_requested) == (400, 600)
+    ledger.forget()
+    assert (ledger.requested, ledger.peak_requested, ledger.live) == (0, 0, {})
+
+
+def test_the_ledger_refuses_an_allocation_past_its_capacity() -> None:
+    ledger = StorageLedger("none", out_of_memory=OverflowError)
+    ledger.capacity = 1000
+    kept = FakeStorage(1, 600)
+    ledger.add(kept)
+    with pytest.raises(OverflowError, match=r"tried to allocate 500 B with 600 B of the capacity 1000 B already"):
+        ledger.add(FakeStorage(2, 500))
+    assert ledger.allocated == 600

@@ -3,15 +3,22 @@ resizes, views without alias annotations, CPU-only defaults, tracing and threads
 
 from __future__ import annotations
 
-import json
+import threading
+from collections.abc import Callable
+from typing import Any
 
 import pytest
+import torch
+import torch.optim.optimizer as optimizer
+
+from pytest_gpumem.backends.tracker.backend import TrackerBackend
 
 SPARSE_AND_STORAGES = """
 import threading
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 N = 1000
 
@@ -121,105 +128,109 @@ def test_thread_that_allocates(gpumem):
     worker.start()
     worker.join()
     assert len(made) == 1
+
+
+def test_failing_thread(gpumem):
+    threading.Thread(target=lambda: None, name="side").start()
+    assert False
+
+
+class Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no")
+
+
+class Open(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_unprintable_error(gpumem):
+    raise Unprintable()
+
+
+def test_leaves_its_mode_open(gpumem):
+    Open().__enter__()
+
+
+def test_after_runs_unmeasured():
+    assert _get_current_dispatch_mode_stack() == []
 """
 
 
-def test_sparse_resize_views_trace_threads(tracker: pytest.Pytester) -> None:
+def test_sparse_resize_views_trace_threads_and_hostile_tests(
+    tracker: pytest.Pytester, reported: Callable[..., dict[str, dict[str, Any]]]
+) -> None:
     tracker.makepyfile(SPARSE_AND_STORAGES)
-    result = tracker.runpytest("-p", "no:cacheprovider", "-p", "no:randomly", "-rA")
-    result.assert_outcomes(passed=9)
+    result = tracker.runpytest("-p", "no:cacheprovider", "-p", "no:randomly", "-rA", "--gpumem-json=out.json")
+    result.assert_outcomes(passed=11, failed=2)
     result.stdout.fnmatch_lines(
         [
             "*GpuMemWarning: *test_thread_that_allocates: threads started inside the call (loader)*",
+            "*GpuMemWarning: *::test_failing_thread: threads started inside the call (side)*",
             "*note: torch.jit.trace ran unmeasured: the tracer cannot run under a dispatch mode*",
             "*note: threads started inside the call (loader) run without the tracker*",
         ]
     )
-
-
-def test_notes_reach_the_json(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(
-        """
-        import threading
-
-        def test_thread(gpumem):
-            threading.Thread(target=lambda: None, name="side").start()
-
-        def test_failing_thread(gpumem):
-            threading.Thread(target=lambda: None, name="side").start()
-            assert False
-        """
-    )
-    result = tracker.runpytest("-p", "no:randomly", "--gpumem-json=out.json")
-    result.assert_outcomes(passed=1, failed=1)
-    # the failing test's measurement is reported with its note too
-    result.stdout.fnmatch_lines(["*GpuMemWarning: *::test_failing_thread: threads started inside the call (side)*"])
+    tests = reported()
+    # the notes reach the JSON, the failing test's too
     note = (
-        "threads started inside the call (side) run without the tracker: tensors they made are not counted "
+        "threads started inside the call ({}) run without the tracker: tensors they made are not counted "
         "(the cuda backend sees every thread)"
     )
-    assert [test["notes"] for test in json.loads((tracker.path / "out.json").read_text())["tests"]] == [[note]] * 2
+    assert tests["test_thread_that_allocates"]["notes"] == [note.format("loader")]
+    assert tests["test_failing_thread"]["notes"] == [note.format("side")]
+    # the tracker ends after tests that raise an unprintable error or leave a mode of their own open
+    error = tests["test_unprintable_error"]
+    assert (error["status"], error["message"]) == ("error", "Unprintable: <Unprintable.__str__ raised>")
 
 
-def test_measurement_leaves_nothing_patched(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(
-        """
-        import threading
+def test_measurement_leaves_nothing_patched() -> None:
+    def patched() -> tuple[object, ...]:
+        return (
+            torch.jit.trace,
+            torch.UntypedStorage.resize_,
+            optimizer._get_foreach_kernels_supported_devices,  # type: ignore[attr-defined]
+            threading.getprofile(),
+        )
 
-        import torch
-        import torch.optim.optimizer as optimizer
-
-        ORIGINAL = (torch.jit.trace, torch.UntypedStorage.resize_, optimizer._get_foreach_kernels_supported_devices)
-
-        def test_measured(gpumem):
-            assert torch.jit.trace is not ORIGINAL[0]
-            assert optimizer._get_foreach_kernels_supported_devices() != ORIGINAL[2]()
-
-        def test_after():
-            assert (torch.jit.trace, torch.UntypedStorage.resize_) == ORIGINAL[:2]
-            assert optimizer._get_foreach_kernels_supported_devices is ORIGINAL[2]
-            assert threading.getprofile() is None
-        """
-    )
-    tracker.runpytest("-p", "no:randomly", "--gpumem-round=cuda").assert_outcomes(passed=2)
-
-
-FOREACH = """
-import torch
+    before = patched()
+    backend = TrackerBackend("cuda")
+    backend.start()
+    try:
+        during = patched()
+        devices = optimizer._get_foreach_kernels_supported_devices()  # type: ignore[attr-defined]
+    finally:
+        backend.stop()
+    assert [now is then for now, then in zip(during, before, strict=True)] == [False] * 4
+    assert "cpu" in devices
+    assert patched() == before
 
 
-def adam_step_peak(gpumem):
+def _adam_step_peak(rounding: str) -> tuple[int, int]:
+    """(allocated, requested) peak of a warmed-up Adam step over parameters of 1000 and 100 float32."""
     params = [torch.nn.Parameter(torch.randn(1000)), torch.nn.Parameter(torch.randn(100))]
     for p in params:
         p.grad = torch.ones_like(p)
     opt = torch.optim.Adam(params)
     opt.step()  # the state (exp_avg, exp_avg_sq, step) exists before the measured step
-    with gpumem.phase("step"):
+    backend = TrackerBackend(rounding)
+    backend.start()
+    try:
         opt.step()
-    return gpumem.result("step")
+        peak = backend.peak()
+    finally:
+        backend.stop()
+    return peak.allocated, peak.requested
 
 
-def test_cpu_default(gpumem):
-    # single-tensor Adam: per parameter sqrt(exp_avg_sq), then its quotient: 2 x 4000 B for the larger
-    assert adam_step_peak(gpumem).peak_bytes == 2 * 4000
-
-
-def test_cuda_prediction(gpumem):
+def test_optimizers_take_foreach_when_predicting_cuda() -> None:
+    # single-tensor Adam on the CPU's paths: per parameter sqrt(exp_avg_sq), then its quotient: 2 x 4000 B
+    assert _adam_step_peak("none") == (2 * 4000, 2 * 4000)
     # foreach, as on CUDA: sqrt of every exp_avg_sq at once (4000 + 400 B), each rounded up to 512 B
-    result = adam_step_peak(gpumem)
-    assert result.requested_peak_bytes == 4000 + 400
-    assert result.peak_bytes == 4096 + 512
-"""
-
-
-def test_optimizers_take_foreach_when_predicting_cuda(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(FOREACH)
-    tracker.runpytest("-k", "cpu_default").assert_outcomes(passed=1)
-    result = tracker.runpytest("--gpumem-round=cuda", "-k", "cuda_prediction")
-    result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(
-        ["gpumem: tracker (*rounding cuda), device cpu; a GPU's code paths: foreach optimizers *"]
-    )
+    assert _adam_step_peak("cuda") == (4096 + 512, 4000 + 400)
+    described = TrackerBackend("cuda").describe()
+    assert described.endswith("; a GPU's code paths: foreach optimizers (--gpumem-paths=cpu for the CPU's)")
 
 
 COMPILED = """
@@ -270,53 +281,17 @@ def test_compiled_backward(gpumem):
 """
 
 
-def test_compiled_programs_are_measured_as_compiled(tracker: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.slow
+def test_compiled_programs_are_measured_as_compiled(
+    tracker: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, reported: Callable[..., dict[str, dict[str, Any]]]
+) -> None:
     tracker.makepyfile(COMPILED)
     # a cold compile starts the compiler's worker threads inside the call: they are not the test's
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tracker.path / "inductor-cache"))
     # a subprocess: Inductor registers operator libraries on first import, once per process
     result = tracker.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly", "--gpumem-json=out.json")
     result.assert_outcomes(passed=4)
-    tests = json.loads((tracker.path / "out.json").read_text())["tests"]
-    assert [test["notes"] for test in tests] == [[], [], [], []]
-
-
-def test_tracker_ends_after_hostile_tests(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(
-        """
-        import torch
-        from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
-
-
-        class Unprintable(Exception):
-            def __str__(self):
-                raise RuntimeError("no")
-
-
-        class Open(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                return func(*args, **(kwargs or {}))
-
-
-        def test_unprintable_error(gpumem):
-            raise Unprintable()
-
-
-        def test_leaves_its_mode_open(gpumem):
-            Open().__enter__()
-
-
-        def test_after_runs_unmeasured():
-            assert _get_current_dispatch_mode_stack() == []
-        """
-    )
-    result = tracker.runpytest("-p", "no:randomly", "--gpumem-json=out.json")
-    result.assert_outcomes(passed=2, failed=1)
-    statuses = {
-        t["nodeid"].split("::")[1]: (t["status"], t["message"])
-        for t in json.loads((tracker.path / "out.json").read_text())["tests"]
-    }
-    assert statuses["test_unprintable_error"] == ("error", "Unprintable: <Unprintable.__str__ raised>")
+    assert [test["notes"] for test in reported().values()] == [[], [], [], []]
 
 
 @pytest.mark.parametrize("flag", ["--gpumem-json", "--gpumem-markdown"])
@@ -332,23 +307,21 @@ def test_reports_never_overwrite_the_baselines(tracker: pytest.Pytester, flag: s
     assert baselines.read_text(encoding="utf-8") == "precious"
 
 
-def test_fake_tensors_are_not_memory(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(
-        """
-        import torch
-        from torch._subclasses.fake_tensor import FakeTensorMode
+def test_fake_tensors_are_not_memory() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-        def test_fake(gpumem):
-            real = torch.ones(1000)  # 4,000 B
-            with FakeTensorMode():
-                big = torch.empty(1000, 1000) * 2  # 4 MB each, on paper only
-            assert gpumem.peak() == 4000
-        """
-    )
-    result = tracker.runpytest("--gpumem-json=out.json")
-    result.assert_outcomes(passed=1)
-    (test,) = json.loads((tracker.path / "out.json").read_text())["tests"]
-    assert test["notes"] == [
+    backend = TrackerBackend()
+    backend.start()
+    try:
+        real = torch.ones(1000)  # 4,000 B
+        with FakeTensorMode():
+            big = torch.empty(1000, 1000) * 2  # 4 MB each, on paper only
+        peak = backend.peak().allocated
+    finally:
+        backend.stop()
+    assert peak == 4000
+    assert backend.notes() == [
         "2 op outputs were fake tensors (FakeTensorMode): they hold no memory and were not counted; "
         "the figures are what the test's real tensors used"
     ]
+    del real, big

@@ -1,13 +1,20 @@
-"""What every way of measuring provides: allocator-style counters with one resettable peak."""
+"""What every way of measuring provides (allocator-style counters with one resettable peak), and the
+optional features a backend may have, one Protocol each: the meter, the session and the tools ask
+`isinstance(backend, Feature)` and use the feature only where it is there.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
+
+    from pytest_gpumem.backends.tracker.attribution import Attributor
+    from pytest_gpumem.backends.tracker.recording import Origin, Survivor
 
 
 @dataclass(frozen=True)
@@ -39,11 +46,6 @@ class Backend(Protocol):
         """One line for the report header: backend, device and settings."""
         ...
 
-    # Optional: `sees_earlier_allocations = False` for a backend that counts only what is allocated
-    # while it observes (no full garbage collection is then needed before a test's call).
-    # Optional: `identity() -> dict` with backend, device and optionally capability and total_memory,
-    # which key stored baselines; without it, the backend's name and str(device) are used.
-
     def start(self) -> None:
         """Begin observing (called once per measured test, before any region opens)."""
         ...
@@ -61,6 +63,129 @@ class Backend(Protocol):
     def peak(self) -> Counters: ...
 
     def reset_peak(self) -> None: ...
+
+
+@runtime_checkable
+class IdentifiesDevice(Protocol):
+    """A backend that identifies its device for baselines (without it: its name and `str(device)`)."""
+
+    def identity(self) -> dict[str, Any]:
+        """`backend` and `device`, optionally `capability` and `total_memory`: what stored baselines are
+        keyed by (figures of one identity are never compared with another's)."""
+        ...
+
+
+@runtime_checkable
+class Configurable(Protocol):
+    """A backend that is told, before each measurement, the device's capacity and what to record."""
+
+    def configure(self, capacity: int | None, origins: bool, events: bool) -> None:
+        """For the next measurement: `capacity` bytes of the device (None: all of it); record where each
+        allocation came from (`origins`) and the sequence of allocations and frees (`events`)."""
+        ...
+
+
+@runtime_checkable
+class HasCapacity(Protocol):
+    """A backend that holds the process to a capacity (the one `configure` set)."""
+
+    @property
+    def capacity(self) -> int | None:
+        """Bytes past which an allocation raises OutOfMemoryError; None: the device's own memory."""
+        ...
+
+
+@runtime_checkable
+class HoldsToCapacity(Protocol):
+    """A backend that can lower its capacity for a block (`gpumem.fit(confirm=True)` runs its answer so)."""
+
+    def held_to(self, capacity: int) -> contextlib.AbstractContextManager[None]:
+        """Within the block, an allocation past `capacity` bytes raises OutOfMemoryError."""
+        ...
+
+
+@runtime_checkable
+class ExplainsItsPeaks(Protocol):
+    """A backend that explains its own peaks: what each storage is for and which module made it (others
+    are explained by a shadow tracker beside them)."""
+
+    def configure(self, capacity: int | None, origins: bool, events: bool, explain: bool = False) -> None:
+        """As `Configurable.configure`; `explain` also attributes every storage."""
+        ...
+
+    def attribution(self) -> Attributor | None:
+        """The attributor of the measurement under way, when `configure` asked to explain."""
+        ...
+
+
+@runtime_checkable
+class TakesSnapshots(Protocol):
+    """A backend that takes allocator snapshots (the CUDA allocator's memory history)."""
+
+    def snapshot(self) -> Any:
+        """The allocator's history, which PyTorch's memory visualizer opens; None when none was recorded."""
+        ...
+
+
+@runtime_checkable
+class RecordsTrace(Protocol):
+    """A backend that records the allocations and frees of a measurement itself, as JSON."""
+
+    def trace(self) -> dict[str, Any] | None:
+        """The measurement's events, when `configure` asked for them; else None."""
+        ...
+
+
+@runtime_checkable
+class CountsOnlyWhatItObserves(Protocol):
+    """A backend that counts only what is allocated while it observes (with `sees_earlier_allocations`
+    False), so that no full garbage collection is needed before a test's call."""
+
+    sees_earlier_allocations: bool
+
+
+@runtime_checkable
+class ListsLiveStorages(Protocol):
+    """A backend that lists the storages still allocated of those it counted."""
+
+    def live_storages(self) -> dict[int, tuple[int, Origin | None]]:
+        """Each storage the call made that is still allocated, by key: its counted bytes and its origin."""
+        ...
+
+
+@runtime_checkable
+class FindsSurvivors(Protocol):
+    """A backend that can say what the call left allocated: the largest storages, with what they hold."""
+
+    def survivors(self, count: int) -> list[Survivor]:
+        """The `count` largest storages the call made that are still allocated."""
+        ...
+
+
+@runtime_checkable
+class RoundsLikeAnAllocator(Protocol):
+    """A backend whose counted bytes follow an allocator's rounding of the requested bytes."""
+
+    rounding: str  # "none" (exact) or "cuda" (the CUDA caching allocator's blocks)
+
+
+@runtime_checkable
+class HasNotes(Protocol):
+    """A backend that says what its last measurement could not see."""
+
+    def notes(self) -> list[str]:
+        """One sentence each, for the test's report."""
+        ...
+
+
+def sees_earlier_allocations(backend: object) -> bool:
+    """Whether `backend`'s counters include what was allocated before it began to observe."""
+    return not isinstance(backend, CountsOnlyWhatItObserves) or backend.sees_earlier_allocations
+
+
+def rounding_of(backend: object) -> str:
+    """The allocator rounding `backend`'s counted bytes follow ("none" when it does not say)."""
+    return backend.rounding if isinstance(backend, RoundsLikeAnAllocator) else "none"
 
 
 def collect_garbage(full: bool) -> None:

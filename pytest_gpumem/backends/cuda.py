@@ -36,7 +36,7 @@ class CudaBackend:
                 f"built for CUDA {torch.version.cuda}, HIP {torch.version.hip})"
             )
         self._device = torch.device("cuda", torch.cuda.current_device())
-        self._capacity: int | None = None
+        self.capacity: int | None = None
         self._history = False
         self._recording = False
         self._fraction = 1.0
@@ -47,7 +47,7 @@ class CudaBackend:
         """For the next measurement: cap the process at `capacity` bytes of this device
         (`set_per_process_memory_fraction`), and record the allocator's history when `events` is asked
         for (a snapshot that PyTorch's memory visualizer opens)."""
-        self._capacity, self._history = capacity, events
+        self.capacity, self._history = capacity, events
 
     @property
     def device(self) -> torch.device:
@@ -78,10 +78,10 @@ class CudaBackend:
     def start(self) -> None:
         import torch
 
-        if self._capacity is not None:
+        if self.capacity is not None:
             total = torch.cuda.get_device_properties(self._device).total_memory
             self._fraction = torch.cuda.get_per_process_memory_fraction(self._device)
-            torch.cuda.set_per_process_memory_fraction(min(self._capacity / total, 1.0), self._device)
+            torch.cuda.set_per_process_memory_fraction(min(self.capacity / total, 1.0), self._device)
         if self._history and not self._recording:
             # on from the first measured test: a test's snapshot is taken only if it fails
             torch.cuda.memory._record_memory_history(max_entries=self.HISTORY_ENTRIES, stacks="python", context="alloc")
@@ -90,7 +90,7 @@ class CudaBackend:
     def stop(self) -> None:
         import torch
 
-        if self._capacity is not None:
+        if self.capacity is not None:
             torch.cuda.set_per_process_memory_fraction(self._fraction, self._device)
 
     def snapshot(self) -> Any:

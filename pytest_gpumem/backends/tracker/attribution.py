@@ -25,10 +25,18 @@ import threading
 import warnings
 import weakref
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+from pytest_gpumem.backends.tracker.graph import (
+    ACCUMULATE_GRAD_SEQUENCE,
+    autograd_nodes,
+    node_key,
+    saved_tensors,
+    storage_keys,
+    tensors_in,
+)
 from pytest_gpumem.backends.tracker.recording import Followed, Origin, Recorder, op_name, user_line
 
 if TYPE_CHECKING:
@@ -52,7 +60,6 @@ MAX_EVENTS = 4_000_000
 """The most allocations, resizes and frees an explanation follows (16 B each, and 8 B per allocation);
 a call that makes more is measured but not explained."""
 MAX_SHARED = 65_536  # freed allocations alike in every field share one record, of this many kinds at most
-_ACCUMULATE_GRAD_SEQUENCE = 2**64 - 1  # AccumulateGrad nodes carry no sequence number of their own
 
 
 _Hook = TypeVar("_Hook", bound=Callable[..., None])
@@ -165,7 +172,7 @@ class Attributor(Recorder):
         if task != self._task:
             self._task, self._walked = task, set()
         node = torch._C._current_autograd_node()
-        if node is not None and _node_key(node) not in self._walked:
+        if node is not None and node_key(node) not in self._walked:
             self._backward_reaches(node)
 
     def allocated(self, op: object, out: object, ref: Followed, total: int) -> Origin:
@@ -259,10 +266,10 @@ class Attributor(Recorder):
         start, name = self._open_calls.pop()
         if self._stack:
             self._stack.pop()
-        roots = [t.grad_fn for t in _tensors_in(output) if t.grad_fn is not None]
-        for node in _graph(roots, lambda n: not start <= n._sequence_nr() < _ACCUMULATE_GRAD_SEQUENCE):
+        roots = [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
+        for node in autograd_nodes(roots, lambda n: not start <= n._sequence_nr() < ACCUMULATE_GRAD_SEQUENCE):
             if self._by_sequence.setdefault(node._sequence_nr(), name) == name:
-                for tensor in _saved_tensors(node):  # held for backward from now on
+                for tensor in saved_tensors(node):  # held for backward from now on
                     self._mark(tensor, "saved")
 
     def _name_tree(self, module: torch.nn.Module) -> str:
@@ -310,9 +317,9 @@ class Attributor(Recorder):
         into (hooked, to see each gradient's storage when it lands)."""
         import torch
 
-        for found in _graph([node], lambda n: _node_key(n) in self._walked):
-            self._walked.add(_node_key(found))
-            for tensor in _saved_tensors(found):
+        for found in autograd_nodes([node], lambda n: node_key(n) in self._walked):
+            self._walked.add(node_key(found))
+            for tensor in saved_tensors(found):
                 self._mark(tensor, "saved")
             variable = getattr(found, "variable", None)
             if isinstance(variable, torch.Tensor) and variable not in self._hooked:
@@ -346,7 +353,7 @@ class Attributor(Recorder):
         if node is None:
             return NO_MODULE
         sequence = node._sequence_nr()
-        if sequence == _ACCUMULATE_GRAD_SEQUENCE:
+        if sequence == ACCUMULATE_GRAD_SEQUENCE:
             variable = getattr(node, "variable", None)
             return str(self._owners.get(variable, NO_MODULE)) if variable is not None else NO_MODULE
         return self._by_sequence.get(sequence, NO_MODULE)
@@ -363,7 +370,7 @@ class Attributor(Recorder):
         return found
 
     def _mark(self, tensor: object, category: str, module: str | None = None) -> None:
-        for key in _storage_keys(tensor):
+        for key in storage_keys(tensor):
             ref = self.live.get(key)
             allocation = None if ref is None else ref.origin
             if isinstance(allocation, Allocation):
@@ -376,69 +383,9 @@ def _never() -> bool:
     return False
 
 
-def _storage_keys(tensor: object) -> Iterator[int]:
-    try:
-        yield tensor.untyped_storage()._cdata  # type: ignore[attr-defined]
-    except (AttributeError, RuntimeError, NotImplementedError):  # sparse and other layouts
-        return
-
-
-def _graph(roots: list[Any], outside: Callable[[Any], bool]) -> Iterator[Any]:
-    """The autograd nodes reachable from `roots`, not entering those `outside` says to leave out."""
-    seen: set[int] = set()
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen or outside(node):
-            continue
-        seen.add(id(node))
-        yield node
-        stack.extend(child for child, _ in node.next_functions)
-
-
-def _node_key(node: Any) -> tuple[int, Any]:
-    """What tells autograd nodes apart (the Python objects for one node come and go, and their ids with
-    them): the sequence number, or for an AccumulateGrad node (which has none) its leaf."""
-    sequence = node._sequence_nr()
-    return (sequence, id(getattr(node, "variable", None))) if sequence == _ACCUMULATE_GRAD_SEQUENCE else (sequence, 0)
-
-
-def _tensors_in(output: object) -> Iterator[torch.Tensor]:
-    import torch
-
-    if isinstance(output, torch.Tensor):
-        yield output
-    elif isinstance(output, (list, tuple)):
-        for item in output:
-            yield from _tensors_in(item)
-    elif isinstance(output, dict):
-        for item in output.values():
-            yield from _tensors_in(item)
-
-
-_SAVED_ATTRIBUTES: dict[type, tuple[str, ...]] = {}
-
-
-def _saved_tensors(node: Any) -> Iterator[object]:
-    """The tensors a node holds for backward, read from its raw saved variables: a variable packed by a
-    hook (checkpointing, offloading) is never unpacked, and its packed form counts only if a tensor."""
-    names = _SAVED_ATTRIBUTES.get(type(node))
-    if names is None:
-        names = _SAVED_ATTRIBUTES[type(node)] = tuple(a for a in dir(node) if a.startswith("_raw_saved_"))
-    for name in names:
-        try:
-            raw = getattr(node, name)
-        except RuntimeError:  # released by an earlier backward pass
-            continue
-        for saved in raw if isinstance(raw, (list, tuple)) else (raw,):
-            data = getattr(saved, "data", None)
-            if data is not None:
-                yield data
-
-
 def _described(out: object, key: int) -> tuple[tuple[int, ...] | None, str | None]:
     """Shape and dtype of the output whose storage is `key`."""
-    for tensor in _tensors_in(out):
-        if key in _storage_keys(tensor):
+    for tensor in tensors_in(out):
+        if key in storage_keys(tensor):
             return tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")
     return None, None

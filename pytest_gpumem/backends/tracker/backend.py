@@ -1,176 +1,33 @@
-"""The tracker: exact bytes of the tensor storages that ATen ops create, for machines without a GPU.
+"""The tracker backend: exact bytes of the tensor storages that ATen ops create, for machines without a GPU.
 
-The ledger here holds the storages and the counters; the dispatch mode that feeds it is in
-`tracker_mode`, the patches for what the mode cannot see in `tracker_hooks`. A storage's bytes are added
-when an op makes it and subtracted when a weak reference to it dies.
+It puts the pieces together for each measurement: the ledger (`ledger`) that counts the storages, the
+dispatch mode (`mode`) that tells it of each op's outputs, the patches (`patches`) for what the mode
+cannot see, and on request a recorder of origins and events (`recording`) or an attributor (`attribution`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpumem.backends.base import Counters
+from pytest_gpumem.backends.tracker.ledger import StorageLedger
 from pytest_gpumem.backends.tracker.mode import leave, mode_class
 from pytest_gpumem.backends.tracker.patches import Patches
 from pytest_gpumem.constants import PATHS, ROUNDINGS
-from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
     import torch
 
     from pytest_gpumem.backends.tracker.attribution import Attributor
-    from pytest_gpumem.backends.tracker.recording import Origin, Recorder, Survivor
+    from pytest_gpumem.backends.tracker.recording import Origin, Survivor
 
 
-_KIB = 1024
-_MIB = 1024 * 1024
-_SMALL_REQUEST = _MIB  # the CUDA allocator's small-pool limit (kSmallSize)
-_LARGE_SEGMENT_LIMIT = 10 * _MIB  # below this, large requests come from 20 MiB segments
-_SEGMENT_ROUND = 2 * _MIB
+def _out_of_memory() -> type[Exception]:
+    import torch
 
-
-def cuda_block_size(nbytes: int) -> int:
-    """Bytes the CUDA caching allocator counts as allocated for a request served by a fresh segment.
-
-    Requests round up to 512 bytes. Small ones (<= 1 MiB) and those under 10 MiB are split off larger
-    segments, so they count as rounded. From 10 MiB a segment of the request rounded up to 2 MiB is
-    made, and it is split only if more than 1 MiB would remain; otherwise the whole segment counts.
-    """
-    if nbytes == 0:
-        return 0
-    rounded = -(-nbytes // 512) * 512
-    if rounded <= _SMALL_REQUEST or rounded < _LARGE_SEGMENT_LIMIT:
-        return rounded
-    segment = -(-rounded // _SEGMENT_ROUND) * _SEGMENT_ROUND
-    return rounded if segment - rounded > _SMALL_REQUEST else segment
-
-
-def _exact(nbytes: int) -> int:
-    return nbytes
-
-
-_ROUNDERS: dict[str, Callable[[int], int]] = {"none": _exact, "cuda": cuda_block_size}
-
-
-class _StorageRef(weakref.ref):  # type: ignore[type-arg]
-    """A weak reference to a live storage, carrying the bytes it was counted with."""
-
-    __slots__ = ("base", "counted", "key", "origin", "requested")
-
-    key: int
-    requested: int
-    counted: int
-    base: int  # bytes the storage had before tracking began (made earlier, then grown by an op)
-    origin: Origin | None
-
-
-class StorageLedger:
-    """Live storages with their requested and counted bytes, and the counters over them.
-
-    Hot path (every op output): one dict lookup, one weak reference with a shared callback.
-    """
-
-    def __init__(self, rounding: str) -> None:
-        self.round = _ROUNDERS[rounding]
-        self.exact = rounding == "none"
-        self.live: dict[int, _StorageRef] = {}
-        self.requested = 0
-        self.allocated = 0
-        self.peak_requested = 0
-        self.peak_allocated = 0
-        self.fake_outputs = 0  # outputs of ops under FakeTensorMode, which hold no memory
-        self.capacity: int | None = None  # allocated bytes past which an allocation raises OutOfMemoryError
-        self.recorder: Recorder | None = None  # origins (and events) of the storages, when asked for
-        self.op: object = None  # the op being dispatched and its outputs, read only by the recorder
-        self.out: object = None
-        self._on_free = self._freed  # one bound method shared by every reference
-
-    def add(self, storage: torch.UntypedStorage) -> None:
-        key = storage._cdata
-        if key in self.live:
-            self.resize(storage)
-            return
-        requested = storage.nbytes()
-        self._follow(storage, key, requested)
-
-    def resized(self, storage: torch.UntypedStorage, before: int) -> None:
-        """`storage` was resized outside any op (`UntypedStorage.resize_`): follow it like an op's resize."""
-        if storage._cdata in self.live:
-            self.resize(storage)
-        elif storage.nbytes() > before:
-            self.grow_existing(storage, before)
-
-    def grow_existing(self, storage: torch.UntypedStorage, before: int) -> None:
-        """A storage made before tracking was resized by an op: count the growth as an allocation."""
-        key = storage._cdata
-        if key in self.live:
-            self.resize(storage)
-            return
-        requested = storage.nbytes() - before
-        if requested > 0:
-            self._follow(storage, key, requested, base=before)
-
-    def resize(self, storage: torch.UntypedStorage) -> None:
-        ref = self.live[storage._cdata]
-        requested = max(storage.nbytes() - ref.base, 0)
-        if requested == ref.requested:
-            return
-        counted = requested if self.exact else self.round(requested)
-        self._check_capacity(counted - ref.counted)
-        self.requested += requested - ref.requested
-        self.allocated += counted - ref.counted
-        ref.requested, ref.counted = requested, counted
-        if self.recorder is not None:
-            self.recorder.event("resize", ref, self.allocated)
-        self._update_peaks()
-
-    def forget(self) -> None:
-        """Stop following every storage (their frees will no longer change the counters)."""
-        self.live.clear()
-        self.requested = self.allocated = self.peak_requested = self.peak_allocated = self.fake_outputs = 0
-
-    def _follow(self, storage: torch.UntypedStorage, key: int, requested: int, base: int = 0) -> None:
-        counted = requested if self.exact else self.round(requested)
-        self._check_capacity(counted)
-        ref = _StorageRef(storage, self._on_free)
-        ref.key, ref.requested, ref.counted, ref.base, ref.origin = key, requested, counted, base, None
-        self.live[key] = ref
-        self.requested += requested
-        self.allocated += counted
-        if self.recorder is not None:
-            self.recorder.allocated(self.op, self.out, ref, self.allocated)
-        if self.allocated > self.peak_allocated:
-            self.peak_allocated = self.allocated
-        if self.requested > self.peak_requested:
-            self.peak_requested = self.requested
-
-    def _update_peaks(self) -> None:
-        if self.allocated > self.peak_allocated:
-            self.peak_allocated = self.allocated
-        if self.requested > self.peak_requested:
-            self.peak_requested = self.requested
-
-    def _freed(self, ref: weakref.ref[Any]) -> None:
-        assert isinstance(ref, _StorageRef)
-        # A storage key is reused once freed: only the reference that is still recorded counts.
-        if self.live.get(ref.key) is ref:
-            del self.live[ref.key]
-            self.requested -= ref.requested
-            self.allocated -= ref.counted
-            if self.recorder is not None:
-                self.recorder.event("free", ref, self.allocated)
-
-    def _check_capacity(self, growth: int) -> None:
-        if self.capacity is not None and growth > 0 and self.allocated + growth > self.capacity:
-            import torch
-
-            raise torch.OutOfMemoryError(
-                f"tracker: out of memory: tried to allocate {format_size(growth)} with {format_size(self.allocated)} "
-                f"of the capacity {format_size(self.capacity)} already allocated"
-            )
+    return torch.OutOfMemoryError
 
 
 def default_paths(rounding: str, device: str) -> str:
@@ -196,7 +53,7 @@ class TrackerBackend:
         self._default_paths = default_paths(rounding, device)
         self.paths = paths or self._default_paths
         mode_class()  # its imports (torch._dynamo) happen now, not inside the first test's call
-        self.ledger = StorageLedger(rounding)
+        self.ledger = StorageLedger(rounding, out_of_memory=_out_of_memory())
         self._mode: Any = None
         self._patches: Patches | None = None
         self._notes: list[str] = []
@@ -271,6 +128,11 @@ class TrackerBackend:
             self.ledger.forget()
             self.ledger.recorder = None  # its events were read before the stop
 
+    @property
+    def capacity(self) -> int | None:
+        """The bytes past which an allocation raises OutOfMemoryError (`configure`); None: unlimited."""
+        return self.ledger.capacity
+
     def notes(self) -> list[str]:
         """What the last measurement could not see, one sentence each."""
         return list(self._notes)
@@ -340,5 +202,4 @@ class TrackerBackend:
         return Counters(self.ledger.peak_allocated, self.ledger.peak_requested)
 
     def reset_peak(self) -> None:
-        self.ledger.peak_allocated = self.ledger.allocated
-        self.ledger.peak_requested = self.ledger.requested
+        self.ledger.reset_peak()

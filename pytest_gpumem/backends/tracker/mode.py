@@ -12,7 +12,8 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from pytest_gpumem.backends.tracker.patches import Ledger, count_compiled_allocations
+from pytest_gpumem.backends.tracker.ledger import StorageLedger
+from pytest_gpumem.backends.tracker.patches import count_compiled_allocations
 
 if TYPE_CHECKING:
     import torch
@@ -172,7 +173,7 @@ def mode_class() -> type[Any]:
         return {s._cdata for s in found if s is not _NOT_DENSE and s is not _FAKE}
 
     class StorageTrackingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
-        def __init__(self, ledger: Ledger) -> None:
+        def __init__(self, ledger: StorageLedger) -> None:
             super().__init__()  # type: ignore[no-untyped-call]
             self.ledger = ledger
 

@@ -19,7 +19,9 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
+
+from pytest_gpumem.backends.tracker.ledger import StorageLedger
 
 if TYPE_CHECKING:
     import torch
@@ -29,28 +31,13 @@ _JIT_TRACERS = ("trace", "trace_module")
 _FOREACH_DEVICES_ADDED = ["cpu", "meta"]
 
 
-class Ledger(Protocol):
-    """What the dispatch mode and the patches tell about storages (the tracker's `StorageLedger`)."""
-
-    op: object
-    out: object
-    recorder: Any
-    fake_outputs: int
-
-    def add(self, storage: torch.UntypedStorage) -> None: ...
-
-    def resized(self, storage: torch.UntypedStorage, before: int) -> None: ...
-
-    def grow_existing(self, storage: torch.UntypedStorage, before: int) -> None: ...
-
-
-def active_ledger(mode_class: type[Any]) -> Ledger | None:
+def active_ledger(mode_class: type[Any]) -> StorageLedger | None:
     """The ledger of the tracker's mode if it is on this thread's dispatch mode stack."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     for mode in _get_current_dispatch_mode_stack():
         if isinstance(mode, mode_class):
-            ledger: Ledger = mode.ledger
+            ledger: StorageLedger = mode.ledger
             return ledger
     return None
 

@@ -7,20 +7,48 @@ peak: what it cannot see (workspaces, fragmentation of cached blocks) is the "un
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pytest_gpumem.backends.tracker.attribution import Attributor
+from pytest_gpumem.backends.tracker.ledger import Storage, StorageLedger
 from pytest_gpumem.backends.tracker.mode import leave, mode_class
 
 if TYPE_CHECKING:
     import torch
 
-    from pytest_gpumem.backends.tracker.backend import StorageLedger
+
+class DeviceLedger(StorageLedger):
+    """A ledger of the storages on `device` only, rounded as the CUDA allocator rounds them: what the
+    measured backend counts (host tensors, a data table on the CPU, are not its memory)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__("cuda")
+        self.device_type, self.device_index = device.type, device.index
+
+    def ours(self, storage: Storage) -> bool:
+        found = cast("torch.UntypedStorage", storage).device
+        return found.type == self.device_type and (
+            self.device_index is None or found.index in (None, self.device_index)
+        )
+
+    def add(self, storage: Storage) -> None:
+        if self.ours(storage):
+            super().add(storage)
+
+    def resized(self, storage: Storage, before: int) -> None:
+        if self.ours(storage):
+            super().resized(storage, before)
+
+    def grow_existing(self, storage: Storage, before: int) -> None:
+        if self.ours(storage):
+            super().grow_existing(storage, before)
 
 
 class Shadow:
+    """The tracker's dispatch mode and an attributor on a ledger of `device`'s storages, for one call."""
+
     def __init__(self, device: torch.device) -> None:
-        self.ledger = _device_ledger(device)
+        self.ledger = DeviceLedger(device)
         self._mode: Any = None
 
     def start(self) -> Attributor:
@@ -46,28 +74,3 @@ class Shadow:
                 recorder.remove()
             self.ledger.forget()
             self.ledger.recorder = None
-
-
-def _device_ledger(device: torch.device) -> StorageLedger:
-    """A ledger of the storages on `device` only, rounded as the CUDA allocator rounds them: what the
-    measured backend counts (host tensors, a data table on the CPU, are not its memory)."""
-    from pytest_gpumem.backends.tracker.backend import StorageLedger
-
-    def ours(storage: torch.UntypedStorage) -> bool:
-        found = storage.device
-        return found.type == device.type and (device.index is None or found.index in (None, device.index))
-
-    class DeviceLedger(StorageLedger):
-        def add(self, storage: torch.UntypedStorage) -> None:
-            if ours(storage):
-                super().add(storage)
-
-        def resized(self, storage: torch.UntypedStorage, before: int) -> None:
-            if ours(storage):
-                super().resized(storage, before)
-
-        def grow_existing(self, storage: torch.UntypedStorage, before: int) -> None:
-            if ours(storage):
-                super().grow_existing(storage, before)
-
-    return DeviceLedger("cuda")

@@ -1,0 +1,76 @@
+"""Reading the autograd graph and nested outputs without changing them: the nodes reachable from some
+roots, what each node saved for backward (never unpacked), and the storages of the tensors found.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+ACCUMULATE_GRAD_SEQUENCE = 2**64 - 1
+"""The sequence number autograd reports for AccumulateGrad nodes, which carry none of their own."""
+
+
+def storage_keys(tensor: object) -> Iterator[int]:
+    """The key of the storage holding `tensor` (`_cdata`, what the ledger follows it by), if it has one."""
+    try:
+        yield tensor.untyped_storage()._cdata  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError, NotImplementedError):  # sparse and other layouts
+        return
+
+
+def autograd_nodes(roots: list[Any], outside: Callable[[Any], bool]) -> Iterator[Any]:
+    """The autograd nodes reachable from `roots`, not entering those `outside` says to leave out."""
+    seen: set[int] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen or outside(node):
+            continue
+        seen.add(id(node))
+        yield node
+        stack.extend(child for child, _ in node.next_functions)
+
+
+def node_key(node: Any) -> tuple[int, Any]:
+    """What tells autograd nodes apart (the Python objects for one node come and go, and their ids with
+    them): the sequence number, or for an AccumulateGrad node (which has none) its leaf."""
+    sequence = node._sequence_nr()
+    return (sequence, id(getattr(node, "variable", None))) if sequence == ACCUMULATE_GRAD_SEQUENCE else (sequence, 0)
+
+
+def tensors_in(output: object) -> Iterator[torch.Tensor]:
+    """The tensors in a module's output: itself, or inside lists, tuples and dicts."""
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (list, tuple)):
+        for item in output:
+            yield from tensors_in(item)
+    elif isinstance(output, dict):
+        for item in output.values():
+            yield from tensors_in(item)
+
+
+_SAVED_ATTRIBUTES: dict[type, tuple[str, ...]] = {}
+
+
+def saved_tensors(node: Any) -> Iterator[object]:
+    """The tensors a node holds for backward, read from its raw saved variables: a variable packed by a
+    hook (checkpointing, offloading) is never unpacked, and its packed form counts only if a tensor."""
+    names = _SAVED_ATTRIBUTES.get(type(node))
+    if names is None:
+        names = _SAVED_ATTRIBUTES[type(node)] = tuple(a for a in dir(node) if a.startswith("_raw_saved_"))
+    for name in names:
+        try:
+            raw = getattr(node, name)
+        except RuntimeError:  # released by an earlier backward pass
+            continue
+        for saved in raw if isinstance(raw, (list, tuple)) else (raw,):
+            data = getattr(saved, "data", None)
+            if data is not None:
+                yield data

@@ -1,0 +1,180 @@
+"""The tracker's ledger: the live storages with their requested and counted bytes, the counters and peaks
+over them, and the CUDA caching allocator's rounding that counted bytes may follow.
+
+A storage's bytes are added when an op makes it and subtracted when a weak reference to it dies. The
+ledger knows storages only as objects with a key and a size: it imports no torch, so that the
+arithmetic can be used (and tested) without it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pytest_gpumem.sizes import format_size
+
+if TYPE_CHECKING:
+    from pytest_gpumem.backends.tracker.recording import Origin, Recorder
+
+_MIB = 1024 * 1024
+_SMALL_REQUEST = _MIB  # the CUDA allocator's small-pool limit (kSmallSize)
+_LARGE_SEGMENT_LIMIT = 10 * _MIB  # below this, large requests come from 20 MiB segments
+_SEGMENT_ROUND = 2 * _MIB
+
+
+def cuda_block_size(nbytes: int) -> int:
+    """Bytes the CUDA caching allocator counts as allocated for a request served by a fresh segment.
+
+    Requests round up to 512 bytes. Small ones (<= 1 MiB) and those under 10 MiB are split off larger
+    segments, so they count as rounded. From 10 MiB a segment of the request rounded up to 2 MiB is
+    made, and it is split only if more than 1 MiB would remain; otherwise the whole segment counts.
+    """
+    if nbytes == 0:
+        return 0
+    rounded = -(-nbytes // 512) * 512
+    if rounded <= _SMALL_REQUEST or rounded < _LARGE_SEGMENT_LIMIT:
+        return rounded
+    segment = -(-rounded // _SEGMENT_ROUND) * _SEGMENT_ROUND
+    return rounded if segment - rounded > _SMALL_REQUEST else segment
+
+
+def _exact(nbytes: int) -> int:
+    return nbytes
+
+
+ROUNDERS: dict[str, Callable[[int], int]] = {"none": _exact, "cuda": cuda_block_size}
+"""Counted bytes for requested bytes, by the name of the rounding (`--gpumem-round`)."""
+
+
+class Storage(Protocol):
+    """What the ledger reads of a storage (`torch.UntypedStorage`): its identity and its size."""
+
+    @property
+    def _cdata(self) -> int: ...
+
+    def nbytes(self) -> int: ...
+
+
+class StorageRef(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a live storage, carrying the bytes it was counted with."""
+
+    __slots__ = ("base", "counted", "key", "origin", "requested")
+
+    key: int
+    requested: int
+    counted: int
+    base: int  # bytes the storage had before tracking began (made earlier, then grown by an op)
+    origin: Origin | None
+
+
+class StorageLedger:
+    """Live storages with their requested and counted bytes, and the counters over them.
+
+    Hot path (every op output): one dict lookup, one weak reference with a shared callback. Past
+    `capacity` counted bytes, an allocation raises `out_of_memory` (the tracker's: torch's error).
+    """
+
+    def __init__(self, rounding: str, out_of_memory: type[Exception] = MemoryError) -> None:
+        self.round = ROUNDERS[rounding]
+        self.exact = rounding == "none"
+        self.out_of_memory = out_of_memory
+        self.live: dict[int, StorageRef] = {}
+        self.requested = 0
+        self.allocated = 0
+        self.peak_requested = 0
+        self.peak_allocated = 0
+        self.fake_outputs = 0  # outputs of ops under FakeTensorMode, which hold no memory
+        self.capacity: int | None = None  # allocated bytes past which an allocation raises out_of_memory
+        self.recorder: Recorder | None = None  # origins (and events) of the storages, when asked for
+        self.op: object = None  # the op being dispatched and its outputs, read only by the recorder
+        self.out: object = None
+        self._on_free = self._freed  # one bound method shared by every reference
+
+    def add(self, storage: Storage) -> None:
+        """An op made `storage` (or resized one it made earlier)."""
+        key = storage._cdata
+        if key in self.live:
+            self.resize(storage)
+            return
+        self._follow(storage, key, storage.nbytes())
+
+    def resized(self, storage: Storage, before: int) -> None:
+        """`storage` was resized outside any op (`UntypedStorage.resize_`): follow it like an op's resize."""
+        if storage._cdata in self.live:
+            self.resize(storage)
+        elif storage.nbytes() > before:
+            self.grow_existing(storage, before)
+
+    def grow_existing(self, storage: Storage, before: int) -> None:
+        """A storage made before tracking was resized by an op: count the growth as an allocation."""
+        key = storage._cdata
+        if key in self.live:
+            self.resize(storage)
+            return
+        requested = storage.nbytes() - before
+        if requested > 0:
+            self._follow(storage, key, requested, base=before)
+
+    def resize(self, storage: Storage) -> None:
+        """A followed storage changed size: count its bytes anew."""
+        ref = self.live[storage._cdata]
+        requested = max(storage.nbytes() - ref.base, 0)
+        if requested == ref.requested:
+            return
+        counted = requested if self.exact else self.round(requested)
+        self._check_capacity(counted - ref.counted)
+        self.requested += requested - ref.requested
+        self.allocated += counted - ref.counted
+        ref.requested, ref.counted = requested, counted
+        if self.recorder is not None:
+            self.recorder.event("resize", ref, self.allocated)
+        self._update_peaks()
+
+    def forget(self) -> None:
+        """Stop following every storage (their frees will no longer change the counters)."""
+        self.live.clear()
+        self.requested = self.allocated = self.peak_requested = self.peak_allocated = self.fake_outputs = 0
+
+    def reset_peak(self) -> None:
+        """The peaks from now on start at the current counters."""
+        self.peak_allocated = self.allocated
+        self.peak_requested = self.requested
+
+    def _follow(self, storage: Storage, key: int, requested: int, base: int = 0) -> None:
+        counted = requested if self.exact else self.round(requested)
+        self._check_capacity(counted)
+        ref = StorageRef(storage, self._on_free)
+        ref.key, ref.requested, ref.counted, ref.base, ref.origin = key, requested, counted, base, None
+        self.live[key] = ref
+        self.requested += requested
+        self.allocated += counted
+        if self.recorder is not None:
+            self.recorder.allocated(self.op, self.out, ref, self.allocated)
+        if self.allocated > self.peak_allocated:  # _update_peaks, inline: the hot path
+            self.peak_allocated = self.allocated
+        if self.requested > self.peak_requested:
+            self.peak_requested = self.requested
+
+    def _update_peaks(self) -> None:
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
+        if self.requested > self.peak_requested:
+            self.peak_requested = self.requested
+
+    def _freed(self, ref: weakref.ref[Any]) -> None:
+        assert isinstance(ref, StorageRef)
+        # A storage key is reused once freed: only the reference that is still recorded counts.
+        if self.live.get(ref.key) is ref:
+            del self.live[ref.key]
+            self.requested -= ref.requested
+            self.allocated -= ref.counted
+            if self.recorder is not None:
+                self.recorder.event("free", ref, self.allocated)
+
+    def _check_capacity(self, growth: int) -> None:
+        if self.capacity is not None and growth > 0 and self.allocated + growth > self.capacity:
+            raise self.out_of_memory(
+                f"tracker: out of memory: tried to allocate {format_size(growth)} with {format_size(self.allocated)} "
+                f"of the capacity {format_size(self.capacity)} already allocated"
+            )
