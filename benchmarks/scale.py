@@ -52,34 +52,38 @@ def report_rows(count: int, repeat: int) -> list[list[str]]:
 def baseline_rows(count: int, repeat: int) -> list[list[str]]:
     """load, compare, update and write on a store of `count` entries; their sum is the figure to watch."""
     from pytest_gpumem.baselines import compare as c
-    from pytest_gpumem.baselines import store as s
+    from pytest_gpumem.baselines import file as f
+    from pytest_gpumem.baselines import update as u
+    from pytest_gpumem.baselines.schema import BaselineStore
+    from pytest_gpumem.constants import DEFAULT_FILENAME
+    from pytest_gpumem.results.baseline import DeviceIdentity, Entry, Environment
 
-    identity = s.DeviceIdentity("tracker", "cpu")
-    env = s.Environment("2.13.0", None)
+    identity = DeviceIdentity("tracker", "cpu")
+    env = Environment("2.13.0", None)
 
     def entry(i: int, grow: int = 0) -> Any:
         phases = {name: (i + 1) * 4096 * (j + 1) + grow for j, name in enumerate(PHASE_NAMES)}
-        return s.Entry.measured(identity, env, (i + 1) * 16384 + grow, phases)
+        return Entry.measured(identity, env, (i + 1) * 16384 + grow, phases)
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / s.DEFAULT_FILENAME
-        store = s.BaselineStore(path)
-        s.update(store, {f"tests/test_m{i // 100}.py::test_case[{i}]": entry(i) for i in range(count)})
+        path = Path(tmp) / DEFAULT_FILENAME
+        store = BaselineStore(path)
+        u.update(store, {f"tests/test_m{i // 100}.py::test_case[{i}]": entry(i) for i in range(count)})
         current = {nodeid: entry(i, grow=i % 3) for i, nodeid in enumerate(store.entries)}
-        write_s = timed(lambda: s.write(store, path), repeat)
+        write_s = timed(lambda: f.write(store, path), repeat)
         size = path.stat().st_size
-        load_s = timed(lambda: s.load(path), repeat)
-        loaded = s.load(path)
+        load_s = timed(lambda: f.load(path), repeat)
+        loaded = f.load(path)
         compare_s = timed(lambda: [c.compare(n, e, loaded.get(n, identity)) for n, e in current.items()], repeat)
-        update_s = timed(lambda: s.update(s.load(path), current), repeat) - load_s
+        update_s = timed(lambda: u.update(f.load(path), current), repeat) - load_s
 
         def merging_write() -> None:
-            mine, other = s.load(path), s.load(path)
-            s.update(other, {f"tests/test_other.py::test_other[{len(merge_times)}]": entry(0)})
-            s.write(other)
-            s.update(mine, current)
+            mine, other = f.load(path), f.load(path)
+            u.update(other, {f"tests/test_other.py::test_other[{len(merge_times)}]": entry(0)})
+            f.write(other)
+            u.update(mine, current)
             start = time.perf_counter()
-            s.write(mine)
+            f.write(mine)
             merge_times.append(time.perf_counter() - start)
 
         merge_times: list[float] = []

@@ -18,12 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pytest_gpumem.baselines.compare import PhaseComparison, Tolerance, compare_peak, with_growth
-from pytest_gpumem.baselines.store import check_composition, strict_json
+from pytest_gpumem.baselines.compare import Tolerance, compare_peak, with_growth
+from pytest_gpumem.baselines.schema import strict_json
 from pytest_gpumem.config import slack, tolerance
 from pytest_gpumem.constants import DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT
-from pytest_gpumem.explain.replay import compact
-from pytest_gpumem.report.terminal import JSON_VERSION, markdown_table
+from pytest_gpumem.explain.growth import compact
+from pytest_gpumem.report.json import JSON_VERSION
+from pytest_gpumem.report.markdown import markdown_table
+from pytest_gpumem.results import Status
+from pytest_gpumem.results.baseline import PhaseComparison, check_composition
+from pytest_gpumem.results.explanation import Explanation, composition_to_json
 from pytest_gpumem.sizes import format_size, shorten
 
 MAX_REPORT_BYTES = 256 * 1024 * 1024
@@ -111,7 +115,7 @@ def _phase_peaks(test: dict[str, Any]) -> dict[str | None, int | None]:
     return peaks
 
 
-PASSING = frozenset(("ok", "NEW", "IMPROVED", "xfailed"))
+PASSING = frozenset((Status.OK, Status.NEW, Status.IMPROVED, Status.XFAILED))
 
 
 @dataclass
@@ -145,7 +149,9 @@ def compare_reports(old: Tests, new: Tests, tol: Tolerance) -> Comparison:
 def _composition(test: dict[str, Any]) -> dict[str, Any] | None:
     explanation = test.get("explanation")
     try:
-        return check_composition(compact(explanation)) if isinstance(explanation, dict) else None
+        if not isinstance(explanation, dict):
+            return None
+        return check_composition(composition_to_json(compact(Explanation.from_json(explanation))))
     except (KeyError, TypeError, AttributeError, ValueError):  # a hand-edited report: no diff, no crash
         return None
 

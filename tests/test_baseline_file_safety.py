@@ -6,29 +6,36 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+from filelock import FileLock
 
-from pytest_gpumem.baselines import store as S
+from pytest_gpumem.baselines import file as F
+from pytest_gpumem.baselines import update as U
+from pytest_gpumem.baselines.schema import BaselineError, BaselineStore
+from pytest_gpumem.constants import DEFAULT_FILENAME
+from pytest_gpumem.results.baseline import DeviceIdentity, Entry, Environment
 
-BASELINES = S.DEFAULT_FILENAME
-TRACKER = S.DeviceIdentity("tracker", "cpu")
-ENV = S.Environment("2.13.0", None)
+BASELINES = DEFAULT_FILENAME
+TRACKER = DeviceIdentity("tracker", "cpu")
+ENV = Environment("2.13.0", None)
 
 
-def entry(peak: int) -> S.Entry:
-    return S.Entry.measured(TRACKER, ENV, peak, {"made": peak})
+def entry(peak: int) -> Entry:
+    return Entry.measured(TRACKER, ENV, peak, {"made": peak})
 
 
 def peaks(path: Path) -> dict[str, int]:
     """Node id -> stored peak, as the file on disk has them."""
-    return {nodeid: per_device[TRACKER.key].peak_bytes for nodeid, per_device in S.load(path).entries.items()}
+    return {nodeid: per_device[TRACKER.key].peak_bytes for nodeid, per_device in F.load(path).entries.items()}
 
 
 def wait_for(condition: Callable[[], bool], what: str, seconds: float = 60) -> None:
@@ -38,111 +45,198 @@ def wait_for(condition: Callable[[], bool], what: str, seconds: float = 60) -> N
         time.sleep(0.01)
 
 
+def two_entries(path: Path) -> BaselineStore:
+    store = BaselineStore(path)
+    U.update(store, {"a": entry(1), "b": entry(2)})
+    return store
+
+
+def left_behind(path: Path) -> list[str]:
+    """The hidden files a write leaves next to the baseline file, but for the empty lock file (filelock
+    keeps it on Linux and macOS)."""
+    lock = path.with_name(f".{path.name}.lock")
+    kept = {lock.name} if lock.exists() and lock.stat().st_size == 0 else set()
+    return sorted(name for name in os.listdir(path.parent) if name.startswith(".") and name not in kept)
+
+
 @pytest.fixture
 def path(tmp_path: Path) -> Path:
     return tmp_path / BASELINES
+
+
+# -------------------------------------------------------------------------------------- atomic writes
+
+
+def test_write_creates_file_with_umask_permissions(path: Path) -> None:
+    F.write(two_entries(path))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+
+
+def test_write_keeps_existing_permissions(path: Path) -> None:
+    F.write(BaselineStore(path))
+    path.chmod(0o640)
+    F.write(two_entries(path))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+
+
+def test_write_follows_a_symlink(tmp_path: Path) -> None:
+    real = tmp_path / "real.json"
+    link = tmp_path / "link.json"
+    F.write(BaselineStore(real))
+    link.symlink_to(real)
+    F.write(two_entries(link))
+    assert link.is_symlink()
+    assert F.load(real).entries == two_entries(link).entries
+
+
+@pytest.mark.parametrize("target", ["replace", "fsync", "fdopen", "dumps"])
+def test_failed_write_keeps_the_old_file(path: Path, monkeypatch: pytest.MonkeyPatch, target: str) -> None:
+    old = two_entries(path)
+    F.write(old)
+    before = path.read_bytes()
+    new = F.load(path)
+    U.update(new, {"tests/test_c.py::test_new": entry(1)})
+
+    def boom(*args: object, **kwargs: object) -> Any:
+        raise OSError(28, "No space left on device")
+
+    if target == "dumps":
+        monkeypatch.setattr(F, "dumps", boom)
+    else:
+        monkeypatch.setattr(os, target, boom)
+    with pytest.raises(BaselineError) as info:
+        F.write(new)
+    monkeypatch.undo()
+    assert "could not write baseline file" in str(info.value)
+    assert "previous file is unchanged" in str(info.value)
+    assert path.read_bytes() == before
+    assert left_behind(path) == []
+
+
+def test_interrupt_during_write_keeps_old_file_and_propagates(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    F.write(two_entries(path))
+    before = path.read_bytes()
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        F.write(BaselineStore(path))
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert left_behind(path) == []
+
+
+def test_write_of_a_corrupted_store_fails_cleanly(path: Path) -> None:
+    store = BaselineStore(path)
+    store.entries["t"] = {TRACKER.key: entry(1)}
+    object.__setattr__(store.entries["t"][TRACKER.key], "peak_bytes", float("nan"))  # bypass validation
+    with pytest.raises(BaselineError, match="could not write baseline file"):
+        F.write(store)
+    assert not path.exists()
+    assert left_behind(path) == []
 
 
 # ------------------------------------------------------------------------------------- merging writes
 
 
 def test_second_writer_merges_added_updated_and_removed_entries(path: Path) -> None:
-    first = S.BaselineStore(path)
-    S.update(first, {"keep": entry(1), "change": entry(2), "drop": entry(3)})
-    S.write(first)
-    a, b = S.load(path), S.load(path)
-    S.update(a, {"from_a": entry(10), "change": entry(20)})
-    S.prune(b, ["drop"], TRACKER)
-    S.update(b, {"from_b": entry(30)})
-    S.write(a)
-    S.write(b)
+    first = BaselineStore(path)
+    U.update(first, {"keep": entry(1), "change": entry(2), "drop": entry(3)})
+    F.write(first)
+    a, b = F.load(path), F.load(path)
+    U.update(a, {"from_a": entry(10), "change": entry(20)})
+    U.prune(b, ["drop"], TRACKER)
+    U.update(b, {"from_b": entry(30)})
+    F.write(a)
+    F.write(b)
     assert peaks(path) == {"keep": 1, "change": 20, "from_a": 10, "from_b": 30}
-    assert b.entries == S.load(path).entries  # the store now holds what was written
+    assert b.entries == F.load(path).entries  # the store now holds what was written
 
 
 def test_two_runs_that_found_no_file_both_keep_their_entries(path: Path) -> None:
-    a, b = S.load(path), S.load(path)
-    S.update(a, {"a": entry(1)})
-    S.update(b, {"b": entry(2)})
-    S.write(a)
-    S.write(b)
+    a, b = F.load(path), F.load(path)
+    U.update(a, {"a": entry(1)})
+    U.update(b, {"b": entry(2)})
+    F.write(a)
+    F.write(b)
     assert peaks(path) == {"a": 1, "b": 2}
 
 
 def test_unchanged_entries_do_not_overwrite_another_writers_update(path: Path) -> None:
-    first = S.BaselineStore(path)
-    S.update(first, {"t": entry(1)})
-    S.write(first)
-    a, b = S.load(path), S.load(path)
-    S.update(a, {"t": entry(5)})
-    assert S.update(b, {"t": entry(1)}).unchanged == ["t"]
-    S.prune(b, ["never-there"], TRACKER)
-    S.update(b, {"other": entry(7)})
-    S.write(a)
-    S.write(b)
+    first = BaselineStore(path)
+    U.update(first, {"t": entry(1)})
+    F.write(first)
+    a, b = F.load(path), F.load(path)
+    U.update(a, {"t": entry(5)})
+    assert U.update(b, {"t": entry(1)}).unchanged == ["t"]
+    U.prune(b, ["never-there"], TRACKER)
+    U.update(b, {"other": entry(7)})
+    F.write(a)
+    F.write(b)
     assert peaks(path) == {"t": 5, "other": 7}
 
 
 def test_write_to_another_path_copies_the_store_as_it_is(tmp_path: Path) -> None:
-    store = S.BaselineStore(tmp_path / BASELINES)
-    S.update(store, {"t": entry(1)})
-    S.write(store)
-    store = S.load(tmp_path / BASELINES)
+    store = BaselineStore(tmp_path / BASELINES)
+    U.update(store, {"t": entry(1)})
+    F.write(store)
+    store = F.load(tmp_path / BASELINES)
     copy = tmp_path / "copy.json"
-    S.write(store, copy)
+    F.write(store, copy)
     assert copy.read_bytes() == (tmp_path / BASELINES).read_bytes()
 
 
 def test_size_limit_is_checked_before_reading(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path.write_text("{}")
-    monkeypatch.setattr(S, "MAX_FILE_BYTES", 1)
-    with pytest.raises(S.BaselineError, match=r"too large \(2 bytes, limit 1 B\)"):
-        S.load(path)
+    monkeypatch.setattr(F, "MAX_FILE_BYTES", 1)
+    with pytest.raises(BaselineError, match=r"too large \(2 bytes, limit 1 B\)"):
+        F.load(path)
 
 
-@pytest.mark.skipif(sys.platform == "win32", reason="no flock on Windows")
 def test_a_lock_held_too_long_fails_the_write_and_leaves_the_file(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import fcntl
-
-    store = S.BaselineStore(path)
-    S.update(store, {"t": entry(1)})
-    S.write(store)
+    store = BaselineStore(path)
+    U.update(store, {"t": entry(1)})
+    F.write(store)
     before = path.read_bytes()
-    S.update(store, {"u": entry(2)})
-    monkeypatch.setattr(S, "LOCK_TIMEOUT_S", 0.2)
-    with open(path.with_name(f".{BASELINES}.lock"), "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
-        with pytest.raises(S.BaselineError, match=r"cannot lock \.gpumem-baselines\.json\.lock: .*held it for 0\.2 s"):
-            S.write(store)
+    U.update(store, {"u": entry(2)})
+    monkeypatch.setattr(F, "LOCK_TIMEOUT_S", 0.2)
+    with FileLock(path.with_name(f".{BASELINES}.lock")):  # another run's write
+        with pytest.raises(BaselineError, match=r"cannot lock \.gpumem-baselines\.json\.lock: .*held it for 0\.2 s"):
+            F.write(store)
     assert path.read_bytes() == before
 
 
 def test_write_refuses_a_file_corrupted_since_load_and_leaves_it(path: Path) -> None:
-    store = S.BaselineStore(path)
-    S.update(store, {"t": entry(1)})
-    S.write(store)
-    S.update(store, {"u": entry(2)})
+    store = BaselineStore(path)
+    U.update(store, {"t": entry(1)})
+    F.write(store)
+    U.update(store, {"u": entry(2)})
     path.write_text("{ broken")
-    with pytest.raises(S.BaselineError, match="not valid JSON"):
-        S.write(store)
+    with pytest.raises(BaselineError, match="not valid JSON"):
+        F.write(store)
     assert path.read_text() == "{ broken"
-    assert sorted(os.listdir(path.parent)) == [BASELINES]
+    assert left_behind(path) == []
 
 
 WRITER = """
 import sys, time
 from pathlib import Path
-from pytest_gpumem.baselines import store as S
+from pytest_gpumem.baselines import file as F, update as U
+from pytest_gpumem.results.baseline import DeviceIdentity, Entry, Environment
 
 path, name, go = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
-tracker = S.DeviceIdentity("tracker", "cpu")
-store = S.load(path)
+tracker = DeviceIdentity("tracker", "cpu")
+store = F.load(path)
 Path(f"{go}.{name}").touch()
 while not go.exists():
     time.sleep(0.001)
 for i in range(25):
-    S.update(store, {f"{name}::test_{i}": S.Entry.measured(tracker, S.Environment(None, None), i, {})})
-    S.write(store)
+    U.update(store, {f"{name}::test_{i}": Entry.measured(tracker, Environment(None, None), i, {})})
+    F.write(store)
 """
 
 
@@ -154,8 +248,8 @@ def test_concurrent_writer_processes_lose_no_entry(tmp_path: Path) -> None:
     wait_for(lambda: all(Path(f"{go}.{n}").exists() for n in "abc"), "the writers to load")
     go.touch()
     assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
-    assert sorted(S.load(path).entries) == sorted(f"{n}::test_{i}" for n in "abc" for i in range(25))
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    assert sorted(F.load(path).entries) == sorted(f"{n}::test_{i}" for n in "abc" for i in range(25))
+    assert left_behind(path) == []
 
 
 SLOW_TEST = """
@@ -209,7 +303,7 @@ def test_temp_files_are_named_by_pid(path: Path, monkeypatch: pytest.MonkeyPatch
         real_replace(src, dst)
 
     monkeypatch.setattr(os, "replace", spy)
-    S.write(S.BaselineStore(path))
+    F.write(BaselineStore(path))
     (name,) = seen
     assert name.startswith(f".{BASELINES}.{os.getpid()}.") and name.endswith(".tmp")
 
@@ -230,33 +324,34 @@ def test_write_removes_temp_files_of_dead_or_old_writers_only(path: Path) -> Non
         (folder / name).write_text("partial")
     for name in (f".{BASELINES}.{os.getppid()}.old123.tmp", f".{BASELINES}.k7l8m9no.tmp"):
         os.utime(folder / name, (hour_ago, hour_ago))
-    S.write(S.BaselineStore(path))
+    F.write(BaselineStore(path))
     kept = {name for name in names if (folder / name).exists()}
     assert kept == {name for name, stays in names.items() if stays}
-    assert path.exists() and not (folder / f".{BASELINES}.lock").exists()
+    assert path.exists()
 
 
 KILLED_WRITER = """
 import os, sys, time
 from pathlib import Path
-from pytest_gpumem.baselines import store as S
+from pytest_gpumem.baselines import file as F, update as U
+from pytest_gpumem.results.baseline import DeviceIdentity, Entry, Environment
 
 def stuck(src, dst):
     Path(sys.argv[2]).touch()
     time.sleep(600)
 
 os.replace = stuck
-store = S.load(sys.argv[1])
-S.update(store, {"new": S.Entry.measured(S.DeviceIdentity("tracker", "cpu"), S.Environment(None, None), 1, {})})
-S.write(store)
+store = F.load(sys.argv[1])
+U.update(store, {"new": Entry.measured(DeviceIdentity("tracker", "cpu"), Environment(None, None), 1, {})})
+F.write(store)
 """
 
 
 def test_a_writer_killed_mid_write_leaves_the_file_and_the_next_write_cleans_up(tmp_path: Path) -> None:
     path, stuck = tmp_path / BASELINES, tmp_path / "stuck"
-    first = S.BaselineStore(path)
-    S.update(first, {"old": entry(1)})
-    S.write(first)
+    first = BaselineStore(path)
+    U.update(first, {"old": entry(1)})
+    F.write(first)
     before = path.read_bytes()
     script = tmp_path / "killed.py"
     script.write_text(KILLED_WRITER)
@@ -266,16 +361,13 @@ def test_a_writer_killed_mid_write_leaves_the_file_and_the_next_write_cleans_up(
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-    lock, temp = sorted(
-        (p.name for p in tmp_path.iterdir() if p.name.startswith(".")), key=lambda n: n.endswith(".tmp")
-    )
-    assert lock == f".{BASELINES}.lock"
+    (temp,) = left_behind(path)
     assert temp.startswith(f".{BASELINES}.{proc.pid}.") and temp.endswith(".tmp")
     assert path.read_bytes() == before
-    store = S.load(path)
-    S.update(store, {"next": entry(2)})
-    S.write(store)
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    store = F.load(path)
+    U.update(store, {"next": entry(2)})
+    F.write(store)
+    assert left_behind(path) == []
     assert peaks(path) == {"old": 1, "next": 2}
 
 
@@ -312,9 +404,9 @@ def test_symlink_to_a_device_is_refused(tracker: pytest.Pytester) -> None:
 def test_huge_file_is_refused_unread(tracker: pytest.Pytester, update: bool) -> None:
     path = tracker.path / BASELINES
     with path.open("wb") as handle:
-        handle.truncate(S.MAX_FILE_BYTES + 1)  # sparse: costs no disk
+        handle.truncate(F.MAX_FILE_BYTES + 1)  # sparse: costs no disk
     refused(tracker, "too large (67,108,865 bytes, limit 64.0 MiB)", *(["--gpumem-update"] if update else []))
-    assert path.stat().st_size == S.MAX_FILE_BYTES + 1
+    assert path.stat().st_size == F.MAX_FILE_BYTES + 1
 
 
 def test_symlink_loop_is_refused_under_update(tracker: pytest.Pytester) -> None:
@@ -332,7 +424,7 @@ def test_symlink_loop_is_refused_in_a_plain_run(tracker: pytest.Pytester) -> Non
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root reads files whatever their mode")
 def test_unreadable_file_is_refused(tracker: pytest.Pytester) -> None:
     path = tracker.path / BASELINES
-    S.write(S.BaselineStore(path))
+    F.write(BaselineStore(path))
     path.chmod(0)
     refused(tracker, "Permission denied")
 
@@ -347,9 +439,9 @@ NUMBER_CASES = {
 @pytest.mark.parametrize("old, new, problem", list(NUMBER_CASES.values()), ids=list(NUMBER_CASES))
 def test_numbers_out_of_range_are_refused(tracker: pytest.Pytester, old: str, new: str, problem: str) -> None:
     tracker.makepyfile("def test_one(gpumem):\n    pass\n")
-    store = S.BaselineStore(tracker.path / BASELINES)
-    S.update(store, {"test_one.py::test_one": entry(4000)})
-    S.write(store)
+    store = BaselineStore(tracker.path / BASELINES)
+    U.update(store, {"test_one.py::test_one": entry(4000)})
+    F.write(store)
     path = tracker.path / BASELINES
     text = path.read_text().replace(old, new, 1)
     assert text != path.read_text()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -13,15 +12,20 @@ from typing import Any
 import pytest
 
 from pytest_gpumem.baselines import compare as C
-from pytest_gpumem.baselines import store as S
+from pytest_gpumem.baselines import file as F
+from pytest_gpumem.baselines import schema
+from pytest_gpumem.baselines import update as U
+from pytest_gpumem.baselines.schema import BaselineError, BaselineStore
+from pytest_gpumem.constants import DEFAULT_FILENAME
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.gradients.fingerprint import Fingerprint, GradStats, ParamFingerprint
+from pytest_gpumem.results.baseline import DeviceIdentity, Entry, Environment, Verdict
+from pytest_gpumem.results.gradients import Fingerprint, GradStats, ParamFingerprint
 from pytest_gpumem.sizes import format_size
 
-H200 = S.DeviceIdentity("cuda", "NVIDIA H200", "9.0", 150_754_820_096)
-A100 = S.DeviceIdentity("cuda", "NVIDIA A100-SXM4-80GB", "8.0", 85_094_678_528)
-TRACKER = S.DeviceIdentity("tracker", "cpu")
-ENV = S.Environment("2.13.0", "12.8")
+H200 = DeviceIdentity("cuda", "NVIDIA H200", "9.0", 150_754_820_096)
+A100 = DeviceIdentity("cuda", "NVIDIA A100-SXM4-80GB", "8.0", 85_094_678_528)
+TRACKER = DeviceIdentity("tracker", "cpu")
+ENV = Environment("2.13.0", "12.8")
 NO_SLACK = C.Tolerance(5, 0)
 
 
@@ -43,18 +47,18 @@ def grads(scale: float = 1.0) -> Fingerprint:
 def entry(
     peak: int = 16_000_000,
     phases: dict[str, int] | None = None,
-    identity: S.DeviceIdentity = H200,
-    env: S.Environment = ENV,
+    identity: DeviceIdentity = H200,
+    env: Environment = ENV,
     gradients: Fingerprint | None = None,
-) -> S.Entry:
+) -> Entry:
     if phases is None:
         phases = {"forward": 16_000_000, "backward": 8_000_000}
-    return S.Entry.measured(identity, env, peak, phases, gradients)
+    return Entry.measured(identity, env, peak, phases, gradients)
 
 
-def sample_store(path: Path) -> S.BaselineStore:
-    store = S.BaselineStore(path)
-    S.update(
+def sample_store(path: Path) -> BaselineStore:
+    store = BaselineStore(path)
+    U.update(
         store,
         {
             "tests/test_b.py::test_two[bf16-ünïcode]": entry(gradients=grads()),
@@ -62,14 +66,14 @@ def sample_store(path: Path) -> S.BaselineStore:
             "tests/test_a.py::test_zero": entry(peak=0, phases={"z": 0, "a": 5}),
         },
     )
-    S.update(store, {"tests/test_a.py::test_one": entry(identity=A100, env=S.Environment("2.12.0", None))})
-    S.update(store, {"tests/test_a.py::test_one": entry(identity=TRACKER, env=S.Environment(None, None))})
+    U.update(store, {"tests/test_a.py::test_one": entry(identity=A100, env=Environment("2.12.0", None))})
+    U.update(store, {"tests/test_a.py::test_one": entry(identity=TRACKER, env=Environment(None, None))})
     return store
 
 
 @pytest.fixture
 def path(tmp_path: Path) -> Path:
-    return tmp_path / S.DEFAULT_FILENAME
+    return tmp_path / DEFAULT_FILENAME
 
 
 # ------------------------------------------------------------------------------------------ file format
@@ -77,25 +81,25 @@ def path(tmp_path: Path) -> Path:
 
 def test_round_trip_is_byte_stable(path: Path) -> None:
     store = sample_store(path)
-    S.write(store)
+    F.write(store)
     first = path.read_bytes()
-    S.write(store)
+    F.write(store)
     assert path.read_bytes() == first
-    loaded = S.load(path)
+    loaded = F.load(path)
     assert loaded.existed
     assert loaded.entries == store.entries
-    S.write(loaded)
+    F.write(loaded)
     assert path.read_bytes() == first
-    assert S.dumps(loaded).encode() == first
+    assert schema.dumps(loaded).encode() == first
 
 
 def test_format_is_sorted_indented_and_newline_terminated(path: Path) -> None:
-    S.write(sample_store(path))
+    F.write(sample_store(path))
     text = path.read_text(encoding="utf-8")
     obj = json.loads(text)
     assert text == json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
     assert text.endswith("}\n") and not text.endswith("\n\n")
-    assert obj["schema"] == S.SCHEMA and obj["version"] == S.VERSION
+    assert obj["schema"] == schema.SCHEMA and obj["version"] == schema.VERSION
     assert list(obj["entries"]) == sorted(obj["entries"])
     assert "ünïcode" in text  # readable in diffs, not \\u escapes
     one = obj["entries"]["tests/test_a.py::test_one"]
@@ -115,22 +119,22 @@ def test_format_is_sorted_indented_and_newline_terminated(path: Path) -> None:
 def test_writer_is_the_standard_encoder() -> None:
     store = sample_store(Path("x.json"))
     reference = json.dumps(store.to_json(), indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False)
-    assert S.dumps(store) == reference + "\n"
+    assert schema.dumps(store) == reference + "\n"
 
 
 def test_missing_file_is_an_empty_store(path: Path) -> None:
-    store = S.load(path)
+    store = F.load(path)
     assert not store.existed and len(store) == 0 and store.path == path
     assert not path.exists()
 
 
 def test_baseline_error_is_a_gpumem_error() -> None:
-    assert issubclass(S.BaselineError, GpuMemError)
+    assert issubclass(BaselineError, GpuMemError)
 
 
 # ------------------------------------------------------------------------------------ refused files
 
-VALID = json.loads(S.dumps(sample_store(Path("x.json"))))
+VALID = json.loads(schema.dumps(sample_store(Path("x.json"))))
 ONE = "tests/test_a.py::test_one"
 
 
@@ -246,8 +250,8 @@ def test_bad_file_is_refused_and_left_untouched(path: Path, content: str | bytes
     raw = content if isinstance(content, bytes) else content.encode("utf-8")
     path.write_bytes(raw)
     before = os.stat(path)
-    with pytest.raises(S.BaselineError) as info:
-        S.load(path)
+    with pytest.raises(BaselineError) as info:
+        F.load(path)
     message = str(info.value)
     assert expected in message
     assert str(path) in message
@@ -260,94 +264,18 @@ def test_bad_file_is_refused_and_left_untouched(path: Path, content: str | bytes
 
 def test_newer_version_says_upgrade(path: Path) -> None:
     path.write_text(mutated(_set("version", 7)))
-    with pytest.raises(S.BaselineError, match=r"schema version 7 is newer than this pytest-gpumem reads \(1\)"):
-        S.load(path)
+    with pytest.raises(BaselineError, match=r"schema version 7 is newer than this pytest-gpumem reads \(1\)"):
+        F.load(path)
 
 
 def test_older_json_of_our_own_loads(path: Path) -> None:
     path.write_text(GOOD_TEXT)  # not in our formatting: still valid
-    assert len(S.load(path)) == len(sample_store(path))
+    assert len(F.load(path)) == len(sample_store(path))
 
 
 def test_unreadable_path_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(S.BaselineError, match="cannot read baseline file"):
-        S.load(tmp_path)  # a folder
-
-
-# -------------------------------------------------------------------------------------- atomic writes
-
-
-def test_write_creates_file_with_umask_permissions(path: Path) -> None:
-    S.write(sample_store(path))
-    umask = os.umask(0)
-    os.umask(umask)
-    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
-
-
-def test_write_keeps_existing_permissions(path: Path) -> None:
-    S.write(S.BaselineStore(path))
-    path.chmod(0o640)
-    S.write(sample_store(path))
-    assert stat.S_IMODE(path.stat().st_mode) == 0o640
-
-
-def test_write_follows_a_symlink(tmp_path: Path) -> None:
-    real = tmp_path / "real.json"
-    link = tmp_path / "link.json"
-    S.write(S.BaselineStore(real))
-    link.symlink_to(real)
-    S.write(sample_store(link))
-    assert link.is_symlink()
-    assert S.load(real).entries == sample_store(link).entries
-
-
-@pytest.mark.parametrize("target", ["replace", "fsync", "fdopen", "dumps"])
-def test_failed_write_keeps_the_old_file(path: Path, monkeypatch: pytest.MonkeyPatch, target: str) -> None:
-    old = sample_store(path)
-    S.write(old)
-    before = path.read_bytes()
-    new = S.load(path)
-    S.update(new, {"tests/test_c.py::test_new": entry()})
-
-    def boom(*args: object, **kwargs: object) -> Any:
-        raise OSError(28, "No space left on device")
-
-    if target == "dumps":
-        monkeypatch.setattr(S, "dumps", boom)
-    else:
-        monkeypatch.setattr(os, target, boom)
-    with pytest.raises(S.BaselineError) as info:
-        S.write(new)
-    monkeypatch.undo()
-    assert "could not write baseline file" in str(info.value)
-    assert "previous file is unchanged" in str(info.value)
-    assert path.read_bytes() == before
-    assert os.listdir(path.parent) == [path.name]
-
-
-def test_interrupt_during_write_keeps_old_file_and_propagates(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    S.write(sample_store(path))
-    before = path.read_bytes()
-
-    def interrupted(*args: object) -> None:
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(os, "replace", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        S.write(S.BaselineStore(path))
-    monkeypatch.undo()
-    assert path.read_bytes() == before
-    assert os.listdir(path.parent) == [path.name]
-
-
-def test_write_of_a_corrupted_store_fails_cleanly(path: Path) -> None:
-    store = S.BaselineStore(path)
-    store.entries["t"] = {H200.key: entry()}
-    object.__setattr__(store.entries["t"][H200.key], "peak_bytes", float("nan"))  # bypass validation
-    with pytest.raises(S.BaselineError, match="could not write baseline file"):
-        S.write(store)
-    assert not path.exists()
-    assert os.listdir(path.parent) == []
+    with pytest.raises(BaselineError, match="cannot read baseline file"):
+        F.load(tmp_path)  # a folder
 
 
 # ----------------------------------------------------------------------------------------- tolerance
@@ -534,9 +462,9 @@ def test_gradients_are_compared_when_both_sides_have_them() -> None:
 def test_verdict_and_entry_survive_json(path: Path) -> None:
     verdict = C.compare("t", entry(peak=10**9, gradients=grads(2)), entry(gradients=grads()), NO_SLACK)
     wire = json.loads(json.dumps(verdict.to_json()))
-    assert C.Verdict.from_json(wire) == verdict
+    assert Verdict.from_json(wire) == verdict
     e = entry(gradients=grads())
-    assert S.Entry.from_json(json.loads(json.dumps(e.to_json()))) == e
+    assert Entry.from_json(json.loads(json.dumps(e.to_json()))) == e
 
 
 def test_entry_validates_its_values() -> None:
@@ -545,23 +473,23 @@ def test_entry_validates_its_values() -> None:
     with pytest.raises(ValueError, match=r'phases\["f"\]'):
         entry(phases={"f": 1.5})  # type: ignore[dict-item]
     with pytest.raises(ValueError, match=r"identity\.device"):
-        S.DeviceIdentity("cuda", "")
+        DeviceIdentity("cuda", "")
 
 
 # ------------------------------------------------------------------------------- environment warnings
 
 
 def test_no_warning_when_versions_match(path: Path) -> None:
-    store = S.BaselineStore(path)
-    S.update(store, {"a": entry(), "b": entry()})
+    store = BaselineStore(path)
+    U.update(store, {"a": entry(), "b": entry()})
     assert C.environment_warnings(store, H200, ENV) == []
-    assert C.environment_warnings(S.BaselineStore(path), H200, ENV) == []
+    assert C.environment_warnings(BaselineStore(path), H200, ENV) == []
 
 
 def test_version_mismatch_is_one_warning(path: Path) -> None:
-    store = S.BaselineStore(path)
-    old = S.Environment("2.12.0", "12.4")
-    S.update(store, {"a": entry(env=old), "b": entry(env=old), "c": entry(), "d": entry(identity=A100)})
+    store = BaselineStore(path)
+    old = Environment("2.12.0", "12.4")
+    U.update(store, {"a": entry(env=old), "b": entry(env=old), "c": entry(), "d": entry(identity=A100)})
     warnings = C.environment_warnings(store, H200, ENV)
     assert warnings == [
         f"2 of 3 baselines in {path} for {H200.key} were recorded with torch 2.12.0 / CUDA 12.4 (2); "
@@ -571,8 +499,8 @@ def test_version_mismatch_is_one_warning(path: Path) -> None:
 
 
 def test_other_device_only_is_a_warning(path: Path) -> None:
-    store = S.BaselineStore(path)
-    S.update(store, {"a": entry(identity=A100), "b": entry(identity=A100), "c": entry(identity=TRACKER)})
+    store = BaselineStore(path)
+    U.update(store, {"a": entry(identity=A100), "b": entry(identity=A100), "c": entry(identity=TRACKER)})
     (warning,) = C.environment_warnings(store, H200, ENV)
     assert warning == (
         f"{path} has no baselines for this device ({H200.key}); it has baselines for {A100.key} (2), {TRACKER.key} (1)"
@@ -587,8 +515,8 @@ def test_environment_from_torch_module() -> None:
         __version__ = "2.13.0+cu128"
         version = Version
 
-    assert S.Environment.from_torch(FakeTorch) == S.Environment("2.13.0+cu128", "12.8")
-    assert S.Environment("2.13.0", None).describe() == "torch 2.13.0 / no CUDA"
+    assert Environment.from_torch(FakeTorch) == Environment("2.13.0+cu128", "12.8")
+    assert Environment("2.13.0", None).describe() == "torch 2.13.0 / no CUDA"
 
 
 # ----------------------------------------------------------------------------------- update and prune
@@ -596,13 +524,13 @@ def test_environment_from_torch_module() -> None:
 
 def test_update_records_and_summarises(path: Path) -> None:
     store = sample_store(path)
-    S.write(store)
-    store = S.load(path)
+    F.write(store)
+    store = F.load(path)
     untouched = {
         ("tests/test_a.py::test_one", A100.key): store.entries["tests/test_a.py::test_one"][A100.key],
         ("tests/test_a.py::test_zero", H200.key): store.entries["tests/test_a.py::test_zero"][H200.key],
     }
-    summary = S.update(
+    summary = U.update(
         store,
         {
             "tests/test_a.py::test_one": entry(peak=1234, phases={}),  # same values
@@ -619,23 +547,23 @@ def test_update_records_and_summarises(path: Path) -> None:
     for (nodeid, key), value in untouched.items():
         assert store.entries[nodeid][key] is value
     assert store.get("tests/test_b.py::test_two[bf16-ünïcode]", H200) == entry(peak=1, gradients=grads())
-    S.write(store)
-    reloaded = S.load(path)
+    F.write(store)
+    reloaded = F.load(path)
     assert reloaded.entries == store.entries
 
 
 def test_update_without_changes_needs_no_write(path: Path) -> None:
     store = sample_store(path)
-    summary = S.update(store, {"tests/test_a.py::test_one": entry(peak=1234, phases={})})
+    summary = U.update(store, {"tests/test_a.py::test_one": entry(peak=1234, phases={})})
     assert not summary.changed
 
 
 def test_update_keep_within_tolerance_avoids_churn(path: Path) -> None:
-    store = S.BaselineStore(path)
-    S.update(store, {"a": entry(peak=1000, phases={"f": 1000}, gradients=grads())})
+    store = BaselineStore(path)
+    U.update(store, {"a": entry(peak=1000, phases={"f": 1000}, gradients=grads())})
     original = store.get("a", H200)
     tol = C.Tolerance(5, 0)
-    summary = S.update(
+    summary = U.update(
         store,
         {"a": entry(peak=1040, phases={"f": 960}, gradients=grads())},
         keep=lambda old, new: C.equivalent(old, new, tol),
@@ -646,47 +574,47 @@ def test_update_keep_within_tolerance_avoids_churn(path: Path) -> None:
         entry(peak=1000, phases={"f": 1000, "g": 1}, gradients=grads()),
         entry(peak=1000, phases={"f": 1000}, gradients=grads(1.5)),
         entry(peak=1000, phases={"f": 1000}),
-        entry(peak=1000, phases={"f": 1000}, gradients=grads(), env=S.Environment("2.14.0", "12.8")),
+        entry(peak=1000, phases={"f": 1000}, gradients=grads(), env=Environment("2.14.0", "12.8")),
     ):
-        store = S.BaselineStore(path)
-        S.update(store, {"a": entry(peak=1000, phases={"f": 1000}, gradients=grads())})
-        assert S.update(store, {"a": changed}, keep=lambda old, new: C.equivalent(old, new, tol)).updated == ["a"]
+        store = BaselineStore(path)
+        U.update(store, {"a": entry(peak=1000, phases={"f": 1000}, gradients=grads())})
+        assert U.update(store, {"a": changed}, keep=lambda old, new: C.equivalent(old, new, tol)).updated == ["a"]
 
 
 def test_unused_and_prune_touch_only_this_device(path: Path) -> None:
-    store = S.BaselineStore(path)
-    S.update(store, {"a": entry(), "b": entry(), "c": entry(), "d": entry(identity=A100)})
-    S.update(store, {"b": entry(identity=A100)})
-    stale = S.unused(store, H200, ["a", "x"])
+    store = BaselineStore(path)
+    U.update(store, {"a": entry(), "b": entry(), "c": entry(), "d": entry(identity=A100)})
+    U.update(store, {"b": entry(identity=A100)})
+    stale = U.unused(store, H200, ["a", "x"])
     assert stale == ["b", "c"]
-    assert S.unused(store, A100, ["a", "x"]) == ["b", "d"]
-    summary = S.update(store, {"a": entry(peak=5)})
-    S.prune(store, stale, H200, summary=summary)
+    assert U.unused(store, A100, ["a", "x"]) == ["b", "d"]
+    summary = U.update(store, {"a": entry(peak=5)})
+    U.prune(store, stale, H200, summary=summary)
     assert summary.removed == ["b", "c"]
     assert summary.describe() == "0 added, 1 updated, 0 unchanged, 2 removed"
     assert sorted(store.entries) == ["a", "b", "d"]
     assert list(store.entries["b"]) == [A100.key]
     assert store.nodeids(H200) == ["a"]
-    assert S.unused(store, H200, ["a"]) == []
-    assert S.prune(store, ["zzz"], H200).removed == []
-    S.write(store)
-    assert S.load(path).entries == store.entries
+    assert U.unused(store, H200, ["a"]) == []
+    assert U.prune(store, ["zzz"], H200).removed == []
+    F.write(store)
+    assert F.load(path).entries == store.entries
 
 
 # ----------------------------------------------------------------------------------- import and speed
 
 
-@pytest.mark.parametrize("module", ["baselines", "baselines.store", "baselines.compare"])
-def test_baseline_modules_do_not_import_torch(module: str) -> None:
-    code = f"import sys, pytest_gpumem.{module}; sys.exit('torch' in sys.modules)"
+def test_baseline_modules_do_not_import_torch() -> None:
+    modules = ", ".join(f"pytest_gpumem.baselines.{name}" for name in ("schema", "file", "update", "compare"))
+    code = f"import sys, {modules}, pytest_gpumem.results.baseline; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
 def test_ten_thousand_entries_round_trip(path: Path) -> None:
     """Correct at scale; the time it takes is a benchmark (benchmarks/scale.py), not a test."""
     n = 10_000
-    store = S.BaselineStore(path)
-    S.update(
+    store = BaselineStore(path)
+    U.update(
         store,
         {
             f"tests/test_m{i % 50}.py::test_case[{i}]": entry(
@@ -695,17 +623,45 @@ def test_ten_thousand_entries_round_trip(path: Path) -> None:
             for i in range(n)
         },
     )
-    S.write(store)
+    F.write(store)
     current = {
         nodeid: entry(peak=10_000_000 + i * 200, phases={"forward": 6_000_000, "backward": 9_000_000, "step": 1})
         for i, nodeid in enumerate(sorted(store.entries))
     }
     tol = C.Tolerance()
-    loaded = S.load(path)
+    loaded = F.load(path)
     C.environment_warnings(loaded, H200, ENV)
     verdicts = [C.compare(nodeid, e, loaded.get(nodeid, H200), tol) for nodeid, e in current.items()]
-    summary = S.update(loaded, current)
-    S.write(loaded)
+    summary = U.update(loaded, current)
+    F.write(loaded)
     assert len(verdicts) == n and len(summary.updated) + len(summary.unchanged) == n
     assert any(v.status == "REGRESSED" for v in verdicts)
-    assert S.dumps(S.load(path)) == S.dumps(loaded)
+    assert schema.dumps(F.load(path)) == schema.dumps(loaded)
+
+
+# ------------------------------------------------------------------------------ files written before
+
+
+BEFORE = Path(__file__).parent / "data" / "written-before-typed-results"
+"""A baseline file and a ``--gpumem-json`` report written by pytest-gpumem before results were typed."""
+
+
+def test_a_baseline_file_and_a_report_written_before_typed_results_load_and_compare() -> None:
+    from pytest_gpumem.results import TestResult
+
+    raw = (BEFORE / DEFAULT_FILENAME).read_bytes()
+    store = F.load(BEFORE / DEFAULT_FILENAME)
+    assert schema.dumps(store).encode() == raw
+    tests = {test["nodeid"].split("::")[1]: test for test in json.loads((BEFORE / "report.json").read_text())["tests"]}
+    results = {name: TestResult.from_dict(test) for name, test in tests.items()}
+    for name, result in results.items():
+        again = result.to_dict()
+        assert (again["baseline"], again["record"]) == (tests[name]["baseline"], tests[name]["record"])
+    phases, plain = results["test_phases"], results["test_plain"]
+    assert phases.record is not None and phases.baseline is not None
+    verdict = C.compare(phases.nodeid, phases.record, store.get(phases.nodeid, TRACKER))
+    assert {c.label: c for c in verdict.comparisons} == {c.label: c for c in phases.baseline.comparisons}
+    assert (verdict.status, verdict.gradient_status) == (phases.baseline.status, phases.baseline.gradient_status)
+    assert (verdict.status, verdict.gradient_status) == ("ok", "ok")
+    assert plain.record is None and plain.baseline is not None and plain.baseline.status == "REGRESSED"
+    assert plain.call_comparison() == plain.baseline.comparisons[0]

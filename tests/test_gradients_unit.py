@@ -1,4 +1,5 @@
-"""Unit tests of pytest_gpumem.gradients.fingerprint: fingerprints and their comparison."""
+"""Unit tests of gradient fingerprints (gradients.fingerprint), their comparison (gradients.compare) and
+their stored form (results.gradients)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,11 @@ import pytest
 import torch
 from torch import nn
 
+from pytest_gpumem.gradients import compare as GC
 from pytest_gpumem.gradients import fingerprint as G
-from pytest_gpumem.gradients.fingerprint import (
-    Fingerprint,
-    GradStats,
-    ParamFingerprint,
-    compare_fingerprints,
-    fingerprint,
-)
+from pytest_gpumem.gradients.compare import compare_fingerprints
+from pytest_gpumem.gradients.fingerprint import fingerprint
+from pytest_gpumem.results.gradients import Fingerprint, GradStats, ParamFingerprint
 
 
 def model_with_grads(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Sequential:
@@ -172,8 +170,9 @@ def test_non_finite_gradients_survive_json() -> None:
     assert "nan" in result.messages[0]
 
 
-def test_gradients_module_does_not_import_torch() -> None:
-    code = "import sys, pytest_gpumem.gradients.fingerprint; sys.exit('torch' in sys.modules)"
+def test_gradient_modules_do_not_import_torch() -> None:
+    modules = "pytest_gpumem.gradients.fingerprint, pytest_gpumem.gradients.compare, pytest_gpumem.results.gradients"
+    code = f"import sys, {modules}; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
@@ -190,7 +189,7 @@ def test_fp32_scaled_by_1_001_is_caught() -> None:
     assert not result.ok
     assert sorted(m.param for m in result.mismatches) == sorted(base.params)
     for mismatch in result.mismatches:
-        assert mismatch.rel_error is not None and mismatch.rtol == G.DEFAULT_RTOL["float32"]
+        assert mismatch.rel_error is not None and mismatch.rtol == GC.DEFAULT_RTOL["float32"]
         # the norms move by exactly the scale and are preferred to the projections' estimate
         assert mismatch.statistic in ("l2", "l1", "sum", "max_abs")
         assert mismatch.rel_error == pytest.approx(0.001, rel=1e-3)
@@ -221,7 +220,7 @@ def test_bf16_rounding_noise_passes_but_a_five_percent_change_is_caught() -> Non
     assert compare_fingerprints(base, fingerprint({"w": exact.bfloat16()}, of="value")).ok
 
     scaled = compare_fingerprints(base, fingerprint({"w": (whole.float() * 1.05).bfloat16()}, of="value"))
-    assert not scaled.ok and scaled.mismatches[0].rtol == G.DEFAULT_RTOL["bfloat16"]
+    assert not scaled.ok and scaled.mismatches[0].rtol == GC.DEFAULT_RTOL["bfloat16"]
 
     gen = torch.Generator().manual_seed(7)
     direction = torch.randn(whole.shape, generator=gen)
@@ -346,8 +345,8 @@ def test_rtol_overrides() -> None:
     assert compare_fingerprints(base, current, rtol=0.02).ok
     assert compare_fingerprints(base, current, rtol={"float32": 0.02}).ok
     assert not compare_fingerprints(base, current, rtol={"bfloat16": 0.02}).ok
-    assert G.rtol_for("float32") == 1e-4 and G.rtol_for("float8_e4m3fn") == 0.25
-    assert G.rtol_for("int8") == G.FALLBACK_RTOL and G.rtol_for(None) == G.FALLBACK_RTOL
+    assert GC.rtol_for("float32") == 1e-4 and GC.rtol_for("float8_e4m3fn") == 0.25
+    assert GC.rtol_for("int8") == GC.FALLBACK_RTOL and GC.rtol_for(None) == GC.FALLBACK_RTOL
     for bad in (-1.0, math.nan, {"float32": -1.0}):
         with pytest.raises(ValueError, match="rtol"):
             compare_fingerprints(base, current, rtol=bad)

@@ -6,9 +6,10 @@ Comparison (``compare``) is one-sided. With tolerance ``t`` percent and slack ``
 for this device is ``NEW`` (passes unless strict). Integer arithmetic only, so the boundary is exact.
 ``equivalent`` uses the same bounds to keep a re-recorded entry that only moved within the tolerance.
 
-Pure data in, data out: no files (``store.py``), no pytest, no torch. Typical use::
+Pure data in, data out: no files (``file.py``), no pytest, no torch; the verdicts' types are
+``results.baseline``'s. Typical use::
 
-    store = load(path)                                   # BaselineError -> pytest.UsageError
+    store = file.load(path)                              # BaselineError -> pytest.UsageError
     for line in environment_warnings(store, identity, env): warn once
     verdict = compare(nodeid, current_entry, store.get(nodeid, identity), Tolerance(5, 1 << 20))
 """
@@ -20,31 +21,31 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
-from typing import Any, Literal
+from typing import Any
 
-from pytest_gpumem.baselines.store import BaselineStore, DeviceIdentity, Entry, Environment, check_bytes, short
+from pytest_gpumem.baselines.schema import BaselineStore
 from pytest_gpumem.constants import DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT
-from pytest_gpumem.gradients.fingerprint import GradientComparison, compare_fingerprints
+from pytest_gpumem.gradients.compare import compare_fingerprints
+from pytest_gpumem.results.baseline import (
+    DeviceIdentity,
+    Entry,
+    Environment,
+    GradientStatus,
+    PhaseComparison,
+    Verdict,
+    VerdictStatus,
+)
+from pytest_gpumem.results.checks import check_bytes, short
+from pytest_gpumem.results.gradients import GradientComparison
 from pytest_gpumem.sizes import format_size
 
 __all__ = [
-    "GradientStatus",
-    "PhaseComparison",
-    "PhaseStatus",
-    "Status",
     "Tolerance",
-    "Verdict",
     "compare",
     "compare_peak",
     "environment_warnings",
     "equivalent",
 ]
-
-Status = Literal["ok", "REGRESSED", "IMPROVED", "NEW"]
-"""Memory verdict of a test (``Verdict.status``)."""
-PhaseStatus = Literal["ok", "REGRESSED", "IMPROVED", "NEW", "MISSING"]
-"""Per comparison; ``MISSING``: the baseline has this phase, the run did not measure it (a note)."""
-GradientStatus = Literal["ok", "CHANGED", "NEW"]
 
 SizeFormatter = Callable[[int], str]
 
@@ -87,96 +88,6 @@ class Tolerance:
 @functools.lru_cache(maxsize=64)
 def _ratio(percent: float) -> Fraction:
     return Fraction(repr(percent)) / 100
-
-
-@dataclass(frozen=True, slots=True)
-class PhaseComparison:
-    """One compared peak: ``phase`` is ``None`` for the whole call phase."""
-
-    phase: str | None
-    baseline: int | None
-    current: int | None
-    allowed: int | None
-    change_percent: float | None
-    status: PhaseStatus
-    message: str | None = None
-
-    @property
-    def label(self) -> str:
-        return "call" if self.phase is None else self.phase
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "phase": self.phase,
-            "baseline": self.baseline,
-            "current": self.current,
-            "allowed": self.allowed,
-            "change_percent": self.change_percent,
-            "status": self.status,
-            "message": self.message,
-        }
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> PhaseComparison:
-        return cls(**obj)
-
-
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    """Outcome of comparing one test with its baseline.
-
-    ``status`` is the memory verdict (``REGRESSED`` if any peak regressed, else ``IMPROVED`` if any
-    improved, else ``NEW`` without a baseline, else ``ok``); ``gradient_status`` is ``None`` when no
-    gradients were compared. ``problems`` are the lines that made it fail (``failed``), ``notes`` inform.
-    """
-
-    nodeid: str
-    status: Status
-    comparisons: tuple[PhaseComparison, ...]
-    problems: tuple[str, ...]
-    notes: tuple[str, ...]
-    gradient_status: GradientStatus | None = None
-    failed: bool = False
-
-    @property
-    def messages(self) -> tuple[str, ...]:
-        return self.problems + self.notes
-
-    @property
-    def label(self) -> str:
-        """One word for a report column: ``REGRESSED``, ``CHANGED`` (gradients), else ``status``."""
-        if self.status == "REGRESSED":
-            return "REGRESSED"
-        if self.gradient_status == "CHANGED":
-            return "CHANGED"
-        return self.status
-
-    def failure_message(self) -> str:
-        """One line for the test's failure report (empty when not failed)."""
-        return "; ".join(self.problems)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "nodeid": self.nodeid,
-            "status": self.status,
-            "comparisons": [c.to_json() for c in self.comparisons],
-            "problems": list(self.problems),
-            "notes": list(self.notes),
-            "gradient_status": self.gradient_status,
-            "failed": self.failed,
-        }
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> Verdict:
-        return cls(
-            nodeid=obj["nodeid"],
-            status=obj["status"],
-            comparisons=tuple(PhaseComparison.from_json(c) for c in obj["comparisons"]),
-            problems=tuple(obj["problems"]),
-            notes=tuple(obj["notes"]),
-            gradient_status=obj["gradient_status"],
-            failed=obj["failed"],
-        )
 
 
 def compare(
@@ -224,7 +135,7 @@ def compare(
     results = [with_growth(c, baseline.composition, current.composition) for c in results]
     problems: list[str] = []
     notes: list[str] = []
-    status: Status = "ok"
+    status: VerdictStatus = "ok"
     for c in results:
         if c.status == "ok":
             continue
@@ -266,12 +177,13 @@ def compare(
 def with_growth(
     comparison: PhaseComparison, stored: Mapping[str, Any] | None, current: Mapping[str, Any] | None
 ) -> PhaseComparison:
-    """A regression's message, with what grew most when both sides have a composition (`explain.compact`)."""
+    """A regression's message, with what grew most when both sides have a composition (`explain.growth.compact`)."""
     if comparison.status != "REGRESSED" or comparison.message is None:
         return comparison
-    from pytest_gpumem.explain.replay import what_grew
+    from pytest_gpumem.explain.growth import what_grew
+    from pytest_gpumem.results.explanation import composition_from_json
 
-    grew = what_grew(stored, current, comparison.label)
+    grew = what_grew(composition_from_json(stored), composition_from_json(current), comparison.label)
     return comparison if grew is None else replace(comparison, message=f"{comparison.message}: {grew}")
 
 
@@ -351,7 +263,7 @@ def environment_warnings(store: BaselineStore, identity: DeviceIdentity, env: En
 
 def equivalent(old: Entry, new: Entry, tol: Tolerance) -> bool:
     """Whether ``new`` re-measures ``old`` within ``tol``: same versions, phases and gradients, every peak
-    between ``tol.lower`` and ``tol.upper`` of the stored one (``store.update(keep=...)``)."""
+    between ``tol.lower`` and ``tol.upper`` of the stored one (``update.update(keep=...)``)."""
     if old.torch != new.torch or old.cuda != new.cuda or set(old.phases) != set(new.phases):
         return False
     if (old.gradients is None) != (new.gradients is None):

@@ -1,0 +1,226 @@
+"""Gradient fingerprints as stored and compared: their JSON form (``"gradients"`` in a baseline entry) and
+the outcome of a comparison. No torch here; ``gradients.fingerprint`` makes them, ``gradients.compare``
+compares them.
+
+JSON form::
+
+    {"method": "torch-randn-f32/8/<hash>",
+     "params": {"fc.weight": {"shape": [4, 3], "dtype": "float32",
+                              "grad": {"l2": 1.5, "l1": 3.2, "sum": -0.1, "max_abs": 0.9,
+                                       "proj": [0.3, -1.2, 0.8, 2.0, 1.1, -0.4, 0.0, 1.7]}},
+                "fc.bias": {"shape": [4], "dtype": "float32", "grad": null}}}
+
+``"grad": null`` records a parameter without a gradient. Non-finite statistics are stored as the strings
+``"nan"``, ``"inf"`` and ``"-inf"`` (JSON has no such numbers).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pytest_gpumem.results.checks import exact_keys, json_key, short
+
+__all__ = ["SUMMARY_WORST", "Fingerprint", "GradStats", "GradientComparison", "Mismatch", "ParamFingerprint"]
+
+SUMMARY_WORST = 3
+"""Parameters named in the one-line summary of a gradient change (the rest go to the report section)."""
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+@dataclass(frozen=True, slots=True)
+class GradStats:
+    """The fingerprint of one gradient tensor (float64 statistics)."""
+
+    l2: float
+    l1: float
+    sum: float
+    max_abs: float
+    proj: tuple[float, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "l2": _float_to_json(self.l2),
+            "l1": _float_to_json(self.l1),
+            "sum": _float_to_json(self.sum),
+            "max_abs": _float_to_json(self.max_abs),
+            "proj": [_float_to_json(p) for p in self.proj],
+        }
+
+    @classmethod
+    def from_json(cls, obj: object, where: str) -> GradStats:
+        d = exact_keys(obj, where, ("l2", "l1", "sum", "max_abs", "proj"))
+        proj = d["proj"]
+        if not isinstance(proj, list) or not proj:
+            raise ValueError(f"{where}.proj: expected a non-empty list of numbers, got {short(proj)}")
+        return cls(
+            l2=_float_from_json(d["l2"], f"{where}.l2"),
+            l1=_float_from_json(d["l1"], f"{where}.l1"),
+            sum=_float_from_json(d["sum"], f"{where}.sum"),
+            max_abs=_float_from_json(d["max_abs"], f"{where}.max_abs"),
+            proj=tuple(_float_from_json(p, f"{where}.proj[{i}]") for i, p in enumerate(proj)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ParamFingerprint:
+    """Shape and dtype of a parameter's gradient (of the parameter when it has none) and its statistics.
+
+    ``shape``/``dtype`` are ``None`` only for a ``None`` value passed with ``of="value"``.
+    """
+
+    shape: tuple[int, ...] | None
+    dtype: str | None
+    grad: GradStats | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "shape": None if self.shape is None else list(self.shape),
+            "dtype": self.dtype,
+            "grad": None if self.grad is None else self.grad.to_json(),
+        }
+
+    @classmethod
+    def from_json(cls, obj: object, where: str) -> ParamFingerprint:
+        d = exact_keys(obj, where, ("shape", "dtype", "grad"))
+        shape = d["shape"]
+        if shape is not None and (
+            not isinstance(shape, list) or not all(type(s) is int and 0 <= s < 2**63 for s in shape)
+        ):
+            raise ValueError(f"{where}.shape: expected a list of integers 0 <= n < 2**63 or null, got {short(shape)}")
+        dtype = d["dtype"]
+        if dtype is not None and (not isinstance(dtype, str) or not dtype):
+            raise ValueError(f"{where}.dtype: expected a dtype name or null, got {short(dtype)}")
+        grad = d["grad"]
+        return cls(
+            shape=None if shape is None else tuple(shape),
+            dtype=dtype,
+            grad=None if grad is None else GradStats.from_json(grad, f"{where}.grad"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Fingerprint:
+    """Fingerprints of named gradients, plus the projection method that produced them."""
+
+    params: Mapping[str, ParamFingerprint]
+    method: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"method": self.method, "params": {k: v.to_json() for k, v in self.params.items()}}
+
+    @classmethod
+    def from_json(cls, obj: object, where: str = "gradients") -> Fingerprint:
+        """Validate and build; a ``ValueError`` names the offending location (``where`` is its prefix)."""
+        d = exact_keys(obj, where, ("method", "params"))
+        method = d["method"]
+        if not isinstance(method, str) or not method:
+            raise ValueError(f"{where}.method: expected a non-empty string, got {short(method)}")
+        params = d["params"]
+        if not isinstance(params, dict):
+            raise ValueError(f"{where}.params: expected an object, got {short(params)}")
+        out: dict[str, ParamFingerprint] = {}
+        for name, value in params.items():
+            out[name] = ParamFingerprint.from_json(value, f"{where}.params[{json_key(name)}]")
+        return cls(params=out, method=method)
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    """One parameter whose gradient no longer matches its fingerprint.
+
+    ``statistic`` is one of ``"param"`` (added or missing), ``"grad"`` (became / stopped being None),
+    ``"shape"``, ``"dtype"``, ``"l2"``, ``"l1"``, ``"sum"``, ``"max_abs"``, ``"proj"`` (the projections'
+    RMS difference); ``rel_error`` (``abs(change)``) and ``rtol`` are set for the numeric statistics.
+    ``change`` is the signed change relative to the baseline (see the module docstring), the same figure
+    for every statistic; ``short`` is the few words the one-line summary shows for this parameter.
+    """
+
+    param: str
+    statistic: str
+    message: str
+    rel_error: float | None = None
+    rtol: float | None = None
+    change: float | None = None
+    short: str = ""
+
+    @property
+    def severity(self) -> float:
+        """How bad, to sort the worst first: a structural change (no figure) or a non-finite one first."""
+        return math.inf if self.rel_error is None else self.rel_error
+
+
+@dataclass(frozen=True, slots=True)
+class GradientComparison:
+    """Result of :func:`compare_fingerprints`: mismatches fail, notes only inform.
+
+    ``messages`` is one line for a failure report (a count and the worst few parameters); ``details``
+    has one line per changed parameter, and ``notes`` are ``method_notes`` followed by those details
+    (the lines for a report section).
+    """
+
+    mismatches: tuple[Mismatch, ...]
+    method_notes: tuple[str, ...] = ()
+    compared: int = 0
+    """How many parameters were compared (those of the baseline and the current fingerprint together)."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    @property
+    def summary(self) -> str | None:
+        """``gradients changed in 28 of 28 parameters; worst: gradient 'a' L2 norm +100.0%, ...``."""
+        if not self.mismatches:
+            return None
+        total = max(self.compared, len(self.mismatches))
+        head = f"gradients changed in {len(self.mismatches)} of {total} parameters"
+        # figures equal to the digits shown (a uniform change) keep the parameters' order
+        worst = sorted(self.mismatches, key=lambda m: -float(f"{m.severity:.4g}"))[:SUMMARY_WORST]
+        parts = ", ".join(f"gradient {short(m.param, 40)} {m.short or m.statistic}" for m in worst)
+        if len(self.mismatches) == 1:
+            return f"{head}: {parts}"
+        more = len(self.mismatches) - len(worst)
+        tail = f"; {more} more in the report section" if more else ""
+        return f"{head}; worst: {parts}{tail}"
+
+    @property
+    def messages(self) -> tuple[str, ...]:
+        """The failure line (empty when nothing changed)."""
+        summary = self.summary
+        return () if summary is None else (summary,)
+
+    @property
+    def details(self) -> tuple[str, ...]:
+        """One line per changed parameter, in parameter order."""
+        return tuple(m.message for m in self.mismatches)
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        return self.method_notes + self.details
+
+
+# ----------------------------------------------------------------------------------------- JSON helpers
+
+
+def _float_to_json(x: float) -> float | str:
+    if math.isfinite(x):
+        return x
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+
+
+def _float_from_json(v: object, where: str) -> float:
+    if type(v) is float or type(v) is int:
+        number = float(v) if type(v) is float or abs(v) < _FLOAT_INT_LIMIT else math.inf
+        if math.isfinite(number):
+            return number
+        raise ValueError(f'{where}: a number beyond the float range ({short(v)}); write "inf" or "-inf" if meant')
+    if isinstance(v, str) and v in _NONFINITE:
+        return _NONFINITE[v]
+    raise ValueError(f'{where}: expected a number (or "nan", "inf", "-inf"), got {short(v)}')
+
+
+_FLOAT_INT_LIMIT = 2**1024
+"""An integer at least this large has no float (``float()`` raises ``OverflowError``)."""
