@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.results import PhaseResult
 from pytest_gpumem.sizes import MAX_TEXT, format_size, is_binary, parse_size, shorten
+
+if TYPE_CHECKING:
+    from pytest_gpumem.results import PhaseResult
 
 MARKER = "max_memory"
 MARKER_SIGNATURE = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,13 +14,19 @@ from typing import Any, TypeVar
 import pytest
 
 from pytest_gpumem.budget import Budget, Limit, budget_from_marker
-from pytest_gpumem.constants import DEFAULT_FILENAME, DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT, PATHS, ROUNDINGS
-from pytest_gpumem.distributed.spawn import DEFAULT_TIMEOUT as DEFAULT_DIST_TIMEOUT
+from pytest_gpumem.constants import (
+    DEFAULT_DIST_TIMEOUT,
+    DEFAULT_FILENAME,
+    DEFAULT_SLACK_BYTES,
+    DEFAULT_TOLERANCE_PERCENT,
+    PATHS,
+    ROUNDINGS,
+)
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.run.devices import devices_spec
-from pytest_gpumem.sizes import format_size, parse_size, shorten
+from pytest_gpumem.sizes import MAX_TEXT, format_size, parse_size, shorten
 
 T = TypeVar("T")
+_ORDINAL = re.compile(r"[0-9]{1,6}")
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,20 @@ def seconds(value: str) -> float:
     if not (0 < number < float("inf")):
         raise argparse.ArgumentTypeError(f"invalid timeout {shorten(value)} (a number of seconds above 0)")
     return number
+
+
+def devices_spec(value: str) -> str | tuple[int, ...]:
+    """`auto`, or a comma-separated list of device ordinals; argparse type of --gpumem-devices."""
+    text = value.strip()
+    if text == "auto":
+        return "auto"
+    parts = [part.strip() for part in text.split(",")]
+    if len(text) > MAX_TEXT or not all(_ORDINAL.fullmatch(part) for part in parts):
+        raise argparse.ArgumentTypeError(f"invalid devices {shorten(value)} (auto, or ordinals like 0,1)")
+    ordinals = tuple(int(part) for part in parts)
+    if len(set(ordinals)) != len(ordinals):
+        raise argparse.ArgumentTypeError(f"invalid devices {shorten(value)}: a device is named twice")
+    return ordinals
 
 
 def slack(value: str) -> int:

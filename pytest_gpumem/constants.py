@@ -7,3 +7,4 @@ PATHS = ("cpu", "gpu")  # whose code paths the tracker runs: the CPU's, or a GPU
 DEFAULT_FILENAME = "gpumem-baselines.json"
 DEFAULT_TOLERANCE_PERCENT = 5.0
 DEFAULT_SLACK_BYTES = 1 << 20
+DEFAULT_DIST_TIMEOUT = 120.0  # seconds the ranks may run the function, once all have joined the process group

@@ -66,7 +66,7 @@ def pytest_configure(config: pytest.Config) -> None:
     options, baseline_options = read_options(config)
     store = None
     if baseline_options.wanted:
-        from pytest_gpumem.baselines.store import load
+        from pytest_gpumem.baselines.file import load
 
         try:
             store = load(baseline_options.path)
@@ -105,7 +105,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     session = config.stash[SESSION_KEY]
     if session.options.measure_all or any(_measures(item) for item in items):
-        session.measure_calls()
+        _measure_calls(session)
 
 
 def pytest_report_collectionfinish(config: pytest.Config) -> str | None:
@@ -122,6 +122,12 @@ def _header(session: GpuMemSession) -> str:
         raise pytest.UsageError(str(exc)) from None
 
 
+def _measure_calls(session: GpuMemSession) -> None:
+    from pytest_gpumem.run.judge import measure_calls
+
+    measure_calls(session)
+
+
 def _measures(item: pytest.Item) -> bool:
     return item.get_closest_marker(MARKER) is not None or "gpumem" in getattr(item, "fixturenames", ())
 
@@ -136,15 +142,16 @@ def gpumem(request: pytest.FixtureRequest) -> GpuMem:
             "asked for inside the test function, its call can no longer be measured",
             pytrace=False,
         )
-    session.measure_calls()  # also when a fixture asks for it with request.getfixturevalue
+    _measure_calls(session)  # also when a fixture asks for it with request.getfixturevalue
     try:
         meter = session.meter(request.node, fresh=True)
     except GpuMemError as exc:
         pytest.fail(f"{request.node.nodeid}: {exc}", pytrace=False)
-    meter.dist_timeout = session.options.dist_timeout
+    from pytest_gpumem.distributed.world import Worlds
+
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None and request.config.get_verbosity() >= 1:  # -v: a line per test, none broken into
-        meter.say = reporter.write_line
+    verbose = request.config.get_verbosity() >= 1  # -v: a line per test, none broken into
+    meter.worlds = Worlds(session.options.dist_timeout, reporter.write_line if reporter is not None and verbose else None)
     return meter
 
 

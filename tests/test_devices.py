@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from pytest_gpumem.run.devices import Assignment, assign, devices_spec, visible_devices
+from pytest_gpumem.config import devices_spec
+from pytest_gpumem.run.devices import Assignment, assign, visible_devices
 
 
 def _no_count() -> int:

@@ -3,15 +3,45 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from enum import Enum
+from typing import TYPE_CHECKING, Any
 
-STATUS_OK = "ok"
-STATUS_OVER = "OVER BUDGET"
-STATUS_ERROR = "error"
+if TYPE_CHECKING:  # imported where a result is read back (start-up needs neither)
+    from pytest_gpumem.results.baseline import Entry, PhaseComparison, Verdict
+    from pytest_gpumem.results.explanation import Explanation
+
 REPORT_ATTRIBUTE = "gpumem_result"  # the test report's attribute that carries its result (JSON text) to xdist
 RANK_SEPARATOR = "@rank"  # a distributed test's per-rank phases are named `phase@rankN`
-# statuses of a test that passed as far as the measurement knows
-_PASSING = frozenset((STATUS_OK, "NEW", "IMPROVED"))
+
+
+class Status(str, Enum):
+    """What became of a measured test; the value is the word in the report, the JSON and JUnit."""
+
+    OK = "ok"
+    NEW = "NEW"  # passed; no baseline to compare with
+    IMPROVED = "IMPROVED"  # passed; below its baseline by more than the tolerance
+    OVER_BUDGET = "OVER BUDGET"
+    OUT_OF_MEMORY = "OUT OF MEMORY"
+    LEAKED = "LEAKED"
+    REGRESSED = "REGRESSED"
+    GRADIENTS_CHANGED = "GRADIENTS CHANGED"
+    MISSING_BASELINE = "MISSING BASELINE"  # no baseline, and the run requires one
+    ERROR = "error"  # unmeasurable, or failed for a reason the measurement did not see
+    XFAILED = "xfailed"
+    XPASS = "XPASS"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def passing(self) -> bool:
+        """Whether the test passed as far as the measurement knows."""
+        return self in (Status.OK, Status.NEW, Status.IMPROVED)
+
+    @property
+    def leaves_evidence(self) -> bool:
+        """Whether the test leaves its memory trace in --gpumem-snapshot-dir."""
+        return self in (Status.OUT_OF_MEMORY, Status.LEAKED, Status.OVER_BUDGET, Status.REGRESSED)
 
 
 @dataclass(frozen=True)
@@ -66,24 +96,27 @@ class TestResult:
     phases: dict[str, PhaseResult] = field(default_factory=dict)
     budget: dict[str, Any] | None = None
     budget_text: str | None = None
-    status: str = STATUS_OK
+    status: Status = Status.OK
     message: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
-    baseline: dict[str, Any] | None = None
-    record: dict[str, Any] | None = None
+    baseline: Verdict | None = None
+    record: Entry | None = None
     notes: list[str] = field(default_factory=list)
     worker_device: str | None = None  # under --gpumem-devices: which of the caller's devices a worker used
-    explanation: dict[str, Any] | None = None  # what made each peak (pytest_gpumem.explain.replay), when asked for
+    explanation: Explanation | None = None  # what made each peak (pytest_gpumem.explain.replay), when asked for
     html: str | None = None  # the picture of an explained test (--gpumem-html)
+
+    def __post_init__(self) -> None:
+        self.status = Status(self.status)
 
     @property
     def peak_bytes(self) -> int | None:
         return None if self.call is None else self.call.peak_bytes
 
-    def call_comparison(self) -> dict[str, Any] | None:
+    def call_comparison(self) -> PhaseComparison | None:
         """The whole call's comparison with its baseline, if one was made."""
-        comparisons = [] if self.baseline is None else self.baseline.get("comparisons", [])
-        return next((c for c in comparisons if c.get("phase") is None), None)
+        comparisons = () if self.baseline is None else self.baseline.comparisons
+        return next((c for c in comparisons if c.phase is None), None)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -95,19 +128,22 @@ class TestResult:
             "phases": {name: phase.to_dict() for name, phase in self.phases.items()},
             "budget": self.budget,
             "budget_text": self.budget_text,
-            "status": self.status,
+            "status": self.status.value,
             "message": self.message,
             "info": self.info,
-            "baseline": self.baseline,
-            "record": self.record,
+            "baseline": None if self.baseline is None else self.baseline.to_json(),
+            "record": None if self.record is None else self.record.to_json(),
             "notes": self.notes,
             "worker_device": self.worker_device,
-            "explanation": self.explanation,
+            "explanation": None if self.explanation is None else self.explanation.to_json(),
             "html": self.html,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TestResult:
+        from pytest_gpumem.results.baseline import Entry, Verdict
+        from pytest_gpumem.results.explanation import Explanation
+
         call = data.get("call")
         return cls(
             nodeid=data["nodeid"],
@@ -117,14 +153,14 @@ class TestResult:
             phases={name: PhaseResult(name=name, **p) for name, p in data.get("phases", {}).items()},
             budget=data.get("budget"),
             budget_text=data.get("budget_text"),
-            status=data.get("status", STATUS_OK),
+            status=Status(data.get("status", Status.OK)),
             message=data.get("message"),
             info=dict(data.get("info", {})),
-            baseline=data.get("baseline"),
-            record=data.get("record"),
+            baseline=None if data.get("baseline") is None else Verdict.from_json(data["baseline"]),
+            record=None if data.get("record") is None else Entry.from_json(data["record"]),
             notes=list(data.get("notes", [])),
             worker_device=data.get("worker_device"),
-            explanation=data.get("explanation"),
+            explanation=None if data.get("explanation") is None else Explanation.from_json(data["explanation"]),
             html=data.get("html"),
         )
 
@@ -134,13 +170,13 @@ def settle(result: TestResult, report: Any) -> None:
     the measurement did not see (a unittest body, an xfail) is not `ok`, and only a test that passed
     records its figures as a baseline."""
     expected_failure = hasattr(report, "wasxfail")
-    if report.failed and result.status in _PASSING:
-        result.status = STATUS_ERROR
+    if report.failed and result.status.passing:
+        result.status = Status.ERROR
         result.message = _first_line(str(report.longreprtext)) or "the test failed"
     elif expected_failure and report.skipped:
-        result.status = "xfailed"
-    elif expected_failure and result.status in _PASSING:
-        result.status = "XPASS"
+        result.status = Status.XFAILED
+    elif expected_failure and result.status.passing:
+        result.status = Status.XPASS
     if not report.passed or expected_failure:
         result.record = None
 
@@ -153,7 +189,7 @@ def _first_line(text: str) -> str:
 
 def junit_properties(result: TestResult) -> list[tuple[str, str]]:
     """What `--junitxml` shows of a measured test: its status and peaks in bytes, per phase."""
-    properties = [("gpumem_status", result.status)]
+    properties = [("gpumem_status", result.status.value)]
     if result.call is not None:
         properties.append(("gpumem_peak_bytes", str(result.call.peak_bytes)))
     properties += [(f"gpumem_peak_bytes[{name}]", str(phase.peak_bytes)) for name, phase in result.phases.items()]

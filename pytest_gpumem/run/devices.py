@@ -9,15 +9,11 @@ physical 2 and 3. With fewer than two devices, or outside xdist, nothing changes
 
 from __future__ import annotations
 
-import argparse
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from pytest_gpumem.sizes import MAX_TEXT, shorten
-
 VISIBLE = "CUDA_VISIBLE_DEVICES"
-_ORDINAL = re.compile(r"[0-9]{1,6}")
 
 
 @dataclass(frozen=True)
@@ -31,20 +27,6 @@ class Assignment:
 
     def describe(self) -> str:
         return f"worker {self.worker}: cuda:{self.ordinal} of the caller ({VISIBLE}={self.visible})"
-
-
-def devices_spec(value: str) -> str | tuple[int, ...]:
-    """`auto`, or a comma-separated list of device ordinals; argparse type of --gpumem-devices."""
-    text = value.strip()
-    if text == "auto":
-        return "auto"
-    parts = [part.strip() for part in text.split(",")]
-    if len(text) > MAX_TEXT or not all(_ORDINAL.fullmatch(part) for part in parts):
-        raise argparse.ArgumentTypeError(f"invalid devices {shorten(value)} (auto, or ordinals like 0,1)")
-    ordinals = tuple(int(part) for part in parts)
-    if len(set(ordinals)) != len(ordinals):
-        raise argparse.ArgumentTypeError(f"invalid devices {shorten(value)}: a device is named twice")
-    return ordinals
 
 
 def visible_devices(env: Mapping[str, str], count: Callable[[], int]) -> list[str]:

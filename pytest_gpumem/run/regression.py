@@ -6,32 +6,31 @@ import dataclasses
 import shlex
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
 
 from pytest_gpumem.config import BaselineOptions, Options
+from pytest_gpumem.results import Status
 
 if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
-    from pytest_gpumem.baselines.compare import Verdict
-    from pytest_gpumem.baselines.store import BaselineStore, DeviceIdentity, Entry, UpdateSummary
+    from pytest_gpumem.baselines.schema import BaselineStore
+    from pytest_gpumem.baselines.update import UpdateSummary
     from pytest_gpumem.budget import Budget
     from pytest_gpumem.measure.meter import GpuMem
-
-STATUS_REGRESSED = "REGRESSED"
-STATUS_GRADIENTS = "GRADIENTS CHANGED"
-STATUS_IMPROVED = "IMPROVED"
-STATUS_NEW = "NEW"
-STATUS_MISSING = "MISSING BASELINE"
+    from pytest_gpumem.results.baseline import DeviceIdentity, Entry, Verdict
 
 
 def identity_of(backend: Backend) -> DeviceIdentity:
     """What a baseline is valid for: the backend's own `identity()`, else its name and device."""
-    from pytest_gpumem.baselines.store import DeviceIdentity
+    from pytest_gpumem.backends.base import IdentifiesDevice
+    from pytest_gpumem.results.baseline import DeviceIdentity
 
-    own = getattr(backend, "identity", None)
-    data: dict[str, Any] = own() if callable(own) else {"backend": backend.name, "device": str(backend.device)}
+    if isinstance(backend, IdentifiesDevice):
+        data = backend.identity()
+    else:
+        data = {"backend": backend.name, "device": str(backend.device)}
     return DeviceIdentity(data["backend"], data["device"], data.get("capability"), data.get("total_memory"))
 
 
@@ -45,16 +44,28 @@ def selection_flags(options: Options) -> list[str]:
     return [*flags, "--gpumem-all"] if options.measure_all else flags
 
 
-def verdict_status(verdict: Verdict) -> str:
+def partial_run(config: pytest.Config, session: pytest.Session) -> bool:
+    """Whether some tests may have been left out, so that an unused baseline may belong to one of
+    them: anything but the configured test paths (or the rootdir) run whole and to the end."""
+    source = config.args_source
+    whole = source == pytest.Config.ArgsSource.TESTPATHS or (
+        source == pytest.Config.ArgsSource.INVOCATION_DIR and config.invocation_params.dir == config.rootpath
+    )
+    narrowing = ("keyword", "markexpr", "ignore", "ignore_glob", "deselect", "lf", "stepwise", "collectonly")
+    narrowed = any(getattr(config.option, name, None) for name in narrowing)
+    return not whole or narrowed or bool(session.shouldstop) or bool(session.shouldfail)
+
+
+def verdict_status(verdict: Verdict) -> Status:
     """The report's word for a baseline verdict: a test without a baseline is ``NEW`` when that passes,
     ``MISSING BASELINE`` when it fails (``--gpumem-strict``, also for a phase or gradients without one)."""
     if verdict.status == "REGRESSED":
-        return STATUS_REGRESSED
+        return Status.REGRESSED
     if verdict.gradient_status == "CHANGED":
-        return STATUS_GRADIENTS
+        return Status.GRADIENTS_CHANGED
     if verdict.failed:  # what else fails a verdict: something without a baseline, under strict
-        return STATUS_MISSING
-    return {"IMPROVED": STATUS_IMPROVED, "NEW": STATUS_NEW}.get(verdict.status, "ok")
+        return Status.MISSING_BASELINE
+    return {"IMPROVED": Status.IMPROVED, "NEW": Status.NEW}.get(verdict.status, Status.OK)
 
 
 @dataclass
@@ -131,8 +142,9 @@ class BaselineRun:
         import torch
 
         from pytest_gpumem.baselines.compare import Tolerance, compare
-        from pytest_gpumem.baselines.store import Entry, Environment
-        from pytest_gpumem.explain.replay import compact
+        from pytest_gpumem.explain.growth import compact
+        from pytest_gpumem.results.baseline import Entry, Environment
+        from pytest_gpumem.results.explanation import composition_to_json
 
         assert self.store is not None, "judge() is called only when baselines are active"
 
@@ -143,7 +155,7 @@ class BaselineRun:
             call.peak_bytes,
             {name: phase.peak_bytes for name, phase in meter.phases.items()},
             meter.gradients,
-            None if meter.explanation is None else compact(meter.explanation),
+            None if meter.explanation is None else composition_to_json(compact(meter.explanation)),
         )
         percent = self.options.tolerance if budget is None or budget.tolerance is None else budget.tolerance
         rtol, atol = meter.gradient_tolerance
@@ -163,7 +175,7 @@ class BaselineRun:
 
     def finish(
         self,
-        records: Iterable[tuple[str, dict[str, Any]]],
+        records: Iterable[tuple[str, Entry]],
         backend: Callable[[], Backend],
         missing: Sequence[str] = (),
     ) -> list[str]:
@@ -171,10 +183,11 @@ class BaselineRun:
         (`missing`), and under --gpumem-update/--gpumem-prune the new file. Returns the lines for the
         terminal summary."""
         from pytest_gpumem.baselines.compare import environment_warnings
-        from pytest_gpumem.baselines.store import Entry, UpdateSummary, unused, update, write
+        from pytest_gpumem.baselines.file import write
+        from pytest_gpumem.baselines.update import UpdateSummary, unused, update
 
         assert self.store is not None, "finish() is called only when baselines are active"
-        entries = {nodeid: Entry.from_json(data) for nodeid, data in records}
+        entries = dict(records)
         first = next(iter(entries.values()), None)
         identity = identity_of(backend()) if first is None else first.identity
         warnings = [] if first is None else environment_warnings(self.store, identity, first.environment)
@@ -216,7 +229,7 @@ class BaselineRun:
         return dataclasses.replace(entry, composition=stored.composition)
 
     def _prune_lines(self, stale: list[str], identity: DeviceIdentity, summary: UpdateSummary) -> list[str]:
-        from pytest_gpumem.baselines.store import prune
+        from pytest_gpumem.baselines.update import prune
 
         assert self.store is not None
         if self.options.prune and self.partial:

@@ -1,0 +1,349 @@
+"""Judging one measured test: its budget, how its call ended (out of memory, a leak, an error of its
+own), its baseline, and the result it leaves for the report, the hooks and the xdist controller."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from collections.abc import Generator, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import pytest
+
+from pytest_gpumem.budget import MARKER, Budget, Limit, all_of, budget_from_marker, closest_first
+from pytest_gpumem.errors import GpuMemError, GpuMemWarning
+from pytest_gpumem.explain.text import made_of, over_limit
+from pytest_gpumem.explain.text import section as explained
+from pytest_gpumem.measure.advice import advice_clause, advice_section
+from pytest_gpumem.measure.failures import is_out_of_memory, needs_real_values, release_memory
+from pytest_gpumem.measure.watch import Watch, leak_message, out_of_memory_message, survivors_section
+from pytest_gpumem.results import REPORT_ATTRIBUTE, PhaseResult, Status, TestResult, junit_properties, settle
+from pytest_gpumem.run import outputs
+from pytest_gpumem.run.regression import verdict_status
+from pytest_gpumem.run.session import JUDGE, METER_KEY, GpuMemSession
+from pytest_gpumem.sizes import format_size
+
+if TYPE_CHECKING:
+    from pytest_gpumem.config import Options
+    from pytest_gpumem.measure.meter import GpuMem
+    from pytest_gpumem.run.regression import Judgement
+
+RESULT_KEY = pytest.StashKey[TestResult]()  # the call's result, until its report is made
+
+
+def measure_calls(session: GpuMemSession) -> None:
+    """Wrap test calls from now on (registered only in runs that measure: the others pay nothing)."""
+    if not session.measuring:
+        session.config.pluginmanager.register(Judge(session), JUDGE)
+
+
+def budget_of(marks: Sequence[tuple[object, pytest.Mark]]) -> Budget | None:
+    """The test's budget from its max_memory markers (closest level first)."""
+    levels: dict[int, list[Budget]] = {}
+    for node, mark in marks:
+        levels.setdefault(id(node), []).append(budget_from_marker(mark.args, mark.kwargs))
+    return closest_first([all_of(budgets) for budgets in levels.values()]) if levels else None
+
+
+def with_default(budget: Budget | None, default: Budget | None) -> Budget | None:
+    """The suite-wide default limit applies to a test whose markers set no limit (a tolerance alone
+    is not a limit)."""
+    if default is None or (budget is not None and (budget.total is not None or budget.phases)):
+        return budget
+    return default if budget is None else dataclasses.replace(budget, total=default.total)
+
+
+def watch_of(options: Options, budget: Budget | None, explain: bool) -> Watch:
+    """What the test is held to beyond its peaks, from its budget and the run's options."""
+    evidence = options.snapshot_dir is not None
+    return Watch.of(budget, options.capacity, options.leak, evidence=evidence, explain=explain or options.explain)
+
+
+def not_json(info: object) -> str | None:
+    """Why `info` cannot travel as JSON (to the report, the file, the xdist controller), or None."""
+    if not isinstance(info, dict):
+        return f"it was set to a {type(info).__name__}, not a dict"
+    try:
+        json.dumps(info, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        return str(exc)
+    return None
+
+
+def plain_info(info: object) -> dict[str, Any]:
+    """`info` in plain JSON types (a torch.Size becomes a list, a numpy float a float), or a description."""
+    if not_json(info) is None:
+        plain: dict[str, Any] = json.loads(json.dumps(info, allow_nan=False))
+        return plain
+    try:
+        text = repr(info)
+    except Exception:
+        text = f"<{type(info).__name__} whose repr raised>"
+    return {"unreadable": text[:1000]}
+
+
+def breakdown(call: PhaseResult, phases: dict[str, PhaseResult]) -> str:
+    """The report section of a measured test: every phase and the whole call."""
+    lines = []
+    for phase in [*phases.values(), call]:
+        reserved = "" if phase.reserved_peak_bytes is None else f", reserved {format_size(phase.reserved_peak_bytes)}"
+        lines.append(
+            f"{phase.name}: peak {format_size(phase.peak_bytes)} (requested {format_size(phase.requested_peak_bytes)}"
+            f"{reserved}), net {format_size(phase.net_bytes)}, entered {phase.count}x"
+        )
+    return "\n".join(lines)
+
+
+def _expected(item: pytest.Item, exc: BaseException) -> bool:
+    """Whether an xfail marker expects this very exception (then pytest, not the plugin, judges it)."""
+    mark = item.get_closest_marker("xfail")
+    if mark is None:
+        return False
+    raises = mark.kwargs.get("raises")
+    return raises is None or (isinstance(raises, (type, tuple)) and isinstance(exc, raises))
+
+
+def _memory_failure(
+    meter: GpuMem, budget: Budget | None, exc: BaseException, capacity: Limit | None
+) -> tuple[Status, str] | None:
+    """(status, one line) for an error that is about memory, not the test's code."""
+    if is_out_of_memory(exc):
+        return Status.OUT_OF_MEMORY, out_of_memory_message(meter, budget, exc, capacity)
+    meta = needs_real_values(exc, meter.device)
+    return None if meta is None else (Status.ERROR, f"{meter.nodeid}: {meta}")
+
+
+def _fail(message: str) -> NoReturn:
+    """Fail the test with our one line. Not hidden: when every frame of a failure is hidden (the call
+    wrappers hide theirs), pytest adds a line about `--full-trace` under it."""
+    pytest.fail(message, pytrace=False)
+
+
+def _first_line(exc: BaseException) -> str:
+    """`Type: message` of the test's exception, also when its `__str__` raises."""
+    try:
+        text = str(exc)
+    except Exception:
+        text = f"<{type(exc).__name__}.__str__ raised>"
+    return f"{type(exc).__name__}: {text}".splitlines()[0]
+
+
+def _warn_notes(item: pytest.Item, notes: list[str]) -> None:
+    """Each thing the measurement could not see, as a warning at the test's own line."""
+    path, line = item.location[0], (item.location[1] or 0) + 1
+    for note in notes:
+        warnings.warn_explicit(GpuMemWarning(f"{item.nodeid}: {note}"), GpuMemWarning, path, line)
+
+
+def _section(meter: GpuMem, call: PhaseResult, judgement: Judgement | None) -> str:
+    """The report section of a test that ran to the end: phases, survivors, explanation, advice, verdict."""
+    section = breakdown(call, meter.phases) + survivors_section(meter) + explained(meter.explanation)
+    section += advice_section(meter.advice)
+    if judgement is not None and judgement.verdict.messages:
+        section += "\n" + "\n".join(judgement.verdict.messages)
+    return section + "".join(f"\nnote: {note}" for note in meter.notes)
+
+
+def _outcome(
+    meter: GpuMem, budget: Budget | None, watch: Watch, call: PhaseResult, judgement: Judgement | None
+) -> tuple[Status, str | None]:
+    """The status of a test that ran to the end, and its failure line (None when it passes): a budget
+    first, then a leak, then its baseline."""
+    over = [] if budget is None else budget.violations(call, meter.phases)
+    if over:
+        advised = advice_clause(meter.advice, budget, call, meter.phases)
+        made = made_of(meter.explanation, over_limit(budget, call, meter.phases)) if not advised else ""
+        return Status.OVER_BUDGET, "; ".join(over) + made + advised
+    if watch.leak is not None and call.net_bytes > watch.leak.bytes:
+        return Status.LEAKED, leak_message(meter, watch.leak, call.net_bytes)
+    if judgement is not None:
+        return verdict_status(judgement.verdict), judgement.failure_message() if judgement.fails else None
+    return Status.OK, None
+
+
+class Judge:
+    """Measures and judges the calls of the tests that ask for it; registered only in runs that measure."""
+
+    def __init__(self, session: GpuMemSession) -> None:
+        self.session = session
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, object, object]:
+        """Measure the call of a test that asks for it (a max_memory marker or the gpumem fixture), or
+        of every test under --gpumem-all."""
+        __tracebackhide__ = True  # the test's own failure shows the test's frames, not this wrapper's
+        session = self.session
+        marks = list(item.iter_markers_with_node(MARKER))
+        if not marks and METER_KEY not in item.stash and not session.options.measure_all:
+            return (yield)
+        try:
+            budget = with_default(budget_of(marks), session.options.default_budget)
+            meter = session.meter(item)
+            watch = watch_of(session.options, budget, session.baselines.explains(item.nodeid, meter.backend))
+            watch.apply(meter.backend, meter)
+        except GpuMemError as exc:
+            error = f"{item.nodeid}: {exc}"
+        else:
+            return (yield from self._measured(item, meter, budget, watch))
+        result = TestResult(item.nodeid, session.backend_name, "", None, status=Status.ERROR, message=error)
+        self._keep(item, result)
+        _fail(error)
+
+    def _measured(
+        self, item: pytest.Item, meter: GpuMem, budget: Budget | None, watch: Watch
+    ) -> Generator[None, object, object]:
+        __tracebackhide__ = True
+        meter.begin_call()
+        try:
+            outcome = yield
+        except GpuMemError as exc:
+            status, error = Status.ERROR, f"{item.nodeid}: {exc}"
+        except (pytest.skip.Exception, pytest.xfail.Exception):
+            meter.end_call()
+            raise
+        except BaseException as exc:
+            failure = _memory_failure(meter, budget, exc, watch.capacity)
+            if failure is None:
+                try:
+                    self._finish(item, meter, budget, Status.ERROR, _first_line(exc))
+                finally:
+                    meter.end_call_if_running()
+                raise
+            status, error = failure
+            if _expected(item, exc):  # xfail(raises=...): the test behaves as it does unmeasured
+                self._finish(item, meter, budget, status, error)
+                raise
+            exc.__traceback__ = None  # its frames hold the test's tensors
+        else:
+            self._judge(item, meter, budget, watch)
+            return outcome
+        if status == Status.OUT_OF_MEMORY:
+            release_memory()
+        self._finish(item, meter, budget, status, error)
+        if meter.has_call_result:
+            item.add_report_section("call", "gpumem", breakdown(meter.result(), meter.phases))
+        _fail(error)
+
+    def _judge(self, item: pytest.Item, meter: GpuMem, budget: Budget | None, watch: Watch) -> None:
+        call = meter.end_call()
+        bad_info = not_json(meter.info)
+        if bad_info:
+            message = f"gpumem.info must be a dict of JSON values (str, numbers, lists, dicts): {bad_info}"
+            self._error(item, meter, budget, f"{item.nodeid}: {message}")
+        unopened = [] if budget is None else budget.unopened(meter.phases)
+        if unopened:
+            opened = ", ".join(meter.phases) or "none"
+            message = f"max_memory names phase {unopened[0]!r} that the test never opened (opened: {opened})"
+            self._error(item, meter, budget, f"{item.nodeid}: {message}")
+        baselines = self.session.baselines
+        judgement = baselines.judge(item.nodeid, meter, budget) if baselines.active else None
+        status, failure = _outcome(meter, budget, watch, call, judgement)
+        if budget is not None or judgement is not None or status == Status.LEAKED or _has_detail(meter):
+            item.add_report_section("call", "gpumem", _section(meter, call, judgement))
+        self._finish(item, meter, budget, status, failure, judgement)
+        if failure:
+            _fail(failure)
+
+    def _error(self, item: pytest.Item, meter: GpuMem, budget: Budget | None, message: str) -> NoReturn:
+        """Record the test as an error and fail it with one line."""
+        self._finish(item, meter, budget, Status.ERROR, message)
+        _fail(message)
+
+    def _finish(
+        self,
+        item: pytest.Item,
+        meter: GpuMem,
+        budget: Budget | None,
+        status: Status,
+        message: str | None,
+        judgement: Judgement | None = None,
+    ) -> None:
+        result = self._result(item, meter, budget, status, message, judgement)
+        self._picture(item, result)
+        self._keep_evidence(item, meter, result)
+        _warn_notes(item, meter.notes)
+        self._keep(item, result)
+
+    def _result(
+        self,
+        item: pytest.Item,
+        meter: GpuMem,
+        budget: Budget | None,
+        status: Status,
+        message: str | None,
+        judgement: Judgement | None,
+    ) -> TestResult:
+        assignment = self.session.assignment
+        return TestResult(
+            nodeid=item.nodeid,
+            backend=meter.backend_name,
+            device=str(meter.device),
+            call=meter.result() if meter.has_call_result else meter.end_call(),
+            phases=meter.phases,
+            budget=None if budget is None else budget.to_dict(),
+            budget_text=None if budget is None else budget.describe(),
+            status=status,
+            message=message,
+            info=plain_info(meter.info),
+            baseline=None if judgement is None else judgement.verdict,
+            record=None if judgement is None else judgement.entry,
+            notes=meter.notes,
+            worker_device=None if assignment is None else assignment.describe(),
+            explanation=meter.explanation,
+        )
+
+    def _keep(self, item: pytest.Item, result: TestResult) -> None:
+        """The result joins the run's, travels to the xdist controller with the report, and reaches the hook."""
+        self.session.add(result)
+        item.stash[RESULT_KEY] = result
+        item.config.hook.pytest_gpumem_result(item=item, result=result)
+
+    def _picture(self, item: pytest.Item, result: TestResult) -> None:
+        """--gpumem-html: the explained test's memory over time, one self-contained file."""
+        folder = self.session.options.html_dir
+        if folder is None or result.explanation is None:
+            return
+        try:
+            path = outputs.write_picture(folder, result)
+        except (OSError, TypeError, ValueError) as exc:
+            self.session.problems.append(f"--gpumem-html: cannot write the picture of {item.nodeid}: {exc}")
+            return
+        result.html = outputs.shown_from(path, self.session.config.rootpath)
+        item.add_report_section("call", "gpumem picture", f"memory over time: {path}")
+
+    def _keep_evidence(self, item: pytest.Item, meter: GpuMem, result: TestResult) -> None:
+        folder, trace = self.session.options.snapshot_dir, meter.trace
+        meter.trace = None  # a passing test's trace is not kept for the rest of the run
+        if folder is None or not result.status.leaves_evidence:
+            return
+        try:
+            path = outputs.write_trace(folder, meter, result, trace)
+        except outputs.WRITE_ERRORS as exc:
+            self.session.problems.append(f"--gpumem-snapshot-dir: cannot write the trace of {item.nodeid}: {exc}")
+            return
+        if path is not None:
+            item.add_report_section("call", "gpumem evidence", f"memory trace: {path}")
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_makereport(self, item: pytest.Item) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        """Settle the measured test's status with pytest's verdict, and send it along with the report
+        (JSON text in an attribute that xdist hands to the controller test by test and --junitxml does not
+        print; the JUnit properties are the short ones)."""
+        report = yield
+        result = item.stash.get(RESULT_KEY, None)
+        if result is not None and report.when == "call":
+            del item.stash[RESULT_KEY]
+            settle(result, report)
+            setattr(report, REPORT_ATTRIBUTE, json.dumps(result.to_dict(), allow_nan=False))
+            properties = junit_properties(result)
+            report.user_properties += properties
+            # the teardown report, which --junitxml reads, copies the item's; a rerun replaces them
+            item.user_properties[:] = [p for p in item.user_properties if not str(p[0]).startswith("gpumem")]
+            item.user_properties += properties
+        return report
+
+
+def _has_detail(meter: GpuMem) -> bool:
+    """Whether the measurement has something to say beyond a budget or a verdict."""
+    return bool(meter.notes or meter.explanation or meter.advice)
