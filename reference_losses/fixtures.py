@@ -237,8 +237,8 @@ def _rows(config: pytest.Config) -> tuple[list[dict[str, Any]], bool]:
             phases = {name: phase.requested_peak_bytes for name, phase in result.phases.items()}
             row = {**info, "phases": phases, "backend": result.backend, "device": result.device}
             if result.explanation is not None:  # --gpumem-explain: what each phase's peak was made of
-                explained = result.explanation["phases"]
-                row["composition"] = {name: explained[name]["categories"] for name in phases if name in explained}
+                explained = result.explanation.phases
+                row["composition"] = {name: explained[name].categories for name in phases if name in explained}
             rows.append(row)
     return rows, bool(session.options.report)
 

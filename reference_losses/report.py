@@ -7,7 +7,7 @@ from typing import Any
 from tabulate import tabulate
 
 from pytest_gpumem.backends.tracker.attribution import LABELS
-from pytest_gpumem.explain.replay import growth
+from pytest_gpumem.explain.replay import changes as growth
 from pytest_gpumem.sizes import format_size
 
 COLUMNS = ("forward", "backward", "step", "total")

@@ -4,14 +4,22 @@ known by hand (float32: 4 bytes; N = 1,000 floats = 4,000 B)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from pytest_gpumem.budget import budget_from_marker
+from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.explain.growth import what_grew
+from pytest_gpumem.results.explanation import composition_from_json
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "saved", "temporaries", "inputs")
 
@@ -110,11 +118,13 @@ def _line(text: str) -> int:
     return next(i for i, line in enumerate(WORKLOADS.strip().splitlines(), 1) if text in line)
 
 
-def _explained(pytester: pytest.Pytester, *args: str, passed: int = 5) -> dict[str, dict[str, Any]]:
+Reported = Callable[..., dict[str, dict[str, Any]]]
+
+
+def _explained(pytester: pytest.Pytester, reported: Reported, *args: str, passed: int = 5) -> dict[str, dict[str, Any]]:
     result = pytester.runpytest("--gpumem-json=out.json", "-p", "no:randomly", *args)
     result.assert_outcomes(passed=passed)
-    tests = json.loads((pytester.path / "out.json").read_text())["tests"]
-    return {t["nodeid"].split("::")[1]: t for t in tests}
+    return reported()
 
 
 def _parts(test: dict[str, Any], phase: str) -> dict[str, int]:
@@ -125,10 +135,35 @@ def _cells(test: dict[str, Any], phase: str) -> dict[tuple[str, str], int]:
     return {(c["category"], c["module"]): c["bytes"] for c in test["explanation"]["phases"][phase]["cells"]}
 
 
+@dataclass(frozen=True)
+class Run:
+    """One run of WORKLOADS that several tests read: its folder, output and JSON report's tests."""
+
+    path: Path
+    stdout: str
+    tests: dict[str, dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """WORKLOADS explained once, with the report, Markdown, JSON and the pictures."""
+    path = tmp_path_factory.mktemp("workloads")
+    (path / "test_work.py").write_text(WORKLOADS.lstrip(), encoding="utf-8")
+    (path / "tox.ini").write_text("[pytest]\ngpumem_backend = tracker\n", encoding="utf-8")
+    flags = ["--gpumem-json=out.json", "--gpumem-report", "--gpumem-markdown=out.md", "--gpumem-html=pictures"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", *flags],
+        cwd=path, capture_output=True, text=True, timeout=300, check=False,
+        env={k: v for k, v in os.environ.items() if k not in ("COLUMNS", "CI", "BUILD_NUMBER", "PYTEST_ADDOPTS")},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    doc = json.loads((path / "out.json").read_text(encoding="utf-8"))
+    return Run(path, done.stdout, {t["nodeid"].split("::")[1]: t for t in doc["tests"]})
+
+
 @pytest.fixture
-def workloads(tracker: pytest.Pytester) -> dict[str, dict[str, Any]]:
-    tracker.makepyfile(test_work=WORKLOADS)
-    return _explained(tracker)
+def workloads(run: Run) -> dict[str, dict[str, Any]]:
+    return run.tests
 
 
 def test_every_breakdown_adds_up_to_the_measured_peak(workloads: dict[str, dict[str, Any]]) -> None:
@@ -196,8 +231,12 @@ def test_regression_names_the_module_that_grew(tracker: pytest.Pytester) -> None
     tracker.makepyfile(test_work=WORKLOADS)
     first = tracker.runpytest("--gpumem-update", "--gpumem-explain", "--gpumem-slack=0", "-k", "test_two")
     first.assert_outcomes(passed=1)
-    stored = json.loads((tracker.path / "gpumem-baselines.json").read_text())
-    assert "composition" in json.dumps(stored)
+    stored = (tracker.path / "gpumem-baselines.json").read_bytes()
+    assert b"composition" in stored
+    # an update without --gpumem-explain that measures the same peaks keeps the stored composition
+    tracker.makepyfile(test_work=WORKLOADS.replace("explain=True", "tolerance=5"))
+    tracker.runpytest("--gpumem-update", "-k", "test_two").assert_outcomes(passed=1)
+    assert (tracker.path / "gpumem-baselines.json").read_bytes() == stored
     tracker.makepyfile(test_work=WORKLOADS.replace("K = 1", "K = 4"))  # only b's activations grow
     second = tracker.runpytest("--gpumem-explain", "--gpumem-slack=0", "-k", "test_two")
     second.assert_outcomes(failed=1)
@@ -221,15 +260,6 @@ def test_regression_names_the_module_that_grew(tracker: pytest.Pytester) -> None
         ["*(to see what grew, record the baseline with its composition: "
          "pytest test_work.py::test_two --gpumem-update --gpumem-explain)"]
     )  # fmt: skip
-
-
-def test_update_without_explain_keeps_a_stored_composition(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(test_work=WORKLOADS)
-    tracker.runpytest("--gpumem-update", "--gpumem-explain", "-k", "test_two").assert_outcomes(passed=1)
-    before = (tracker.path / "gpumem-baselines.json").read_bytes()
-    tracker.makepyfile(test_work=WORKLOADS.replace("explain=True", "tolerance=5"))
-    tracker.runpytest("--gpumem-update", "-k", "test_two").assert_outcomes(passed=1)
-    assert (tracker.path / "gpumem-baselines.json").read_bytes() == before
 
 
 def test_budget_failure_says_what_made_the_peak(tracker: pytest.Pytester) -> None:
@@ -261,64 +291,53 @@ def test_budget_failure_says_what_made_the_peak(tracker: pytest.Pytester) -> Non
     )
 
 
-def test_explain_must_be_a_bool(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(
-        """
-        import pytest
-
-        @pytest.mark.max_memory(explain="yes")
-        def test_x(gpumem):
-            pass
-        """
-    )
-    result = tracker.runpytest()
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*max_memory explain=: must be True or False, got 'yes'"])
-    assert "Traceback" not in result.stdout.str()
+def test_explain_must_be_a_bool() -> None:
+    with pytest.raises(GpuMemError, match="max_memory explain=: must be True or False, got 'yes'"):
+        budget_from_marker((), {"explain": "yes"})
 
 
-def test_report_and_markdown_carry_the_composition(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(test_work=WORKLOADS)
-    result = tracker.runpytest(
-        "--gpumem-report", "--gpumem-markdown=out.md", "--gpumem-html=pictures", "-k", "test_freed"
-    )
-    result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["*call peak made of*", "*test_freed*temporaries 7.8 KiB, inputs and other 3.9 KiB"])
-    markdown = (tracker.path / "out.md").read_text()
-    assert "[picture](<pictures/test_work.py_test_freed-" in markdown
-    assert len(list((tracker.path / "pictures").glob("*.html"))) == 1
+def test_report_markdown_and_pictures_carry_the_composition(run: Run) -> None:
+    assert re.search(r"test_freed .*temporaries 7\.8 KiB, inputs and other 3\.9 KiB", run.stdout)
+    assert "call peak made of" in run.stdout
+    assert "[picture](<pictures/test_work.py_test_freed-" in (run.path / "out.md").read_text()
+    assert len(list((run.path / "pictures").glob("*.html"))) == len(run.tests)
 
 
-def test_compare_command_names_what_grew(tracker: pytest.Pytester) -> None:
+def _compare(folder: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest_gpumem", "compare", "old.json", "new.json", "--slack=0"],
+        cwd=folder, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+
+
+def test_compare_command_names_what_grew_and_survives_a_hand_edited_explanation(tracker: pytest.Pytester) -> None:
     tracker.makepyfile(test_work=WORKLOADS)
     tracker.runpytest("--gpumem-explain", "--gpumem-json=old.json", "-k", "test_two").assert_outcomes(passed=1)
     tracker.makepyfile(test_work=WORKLOADS.replace("K = 1", "K = 4"))
     tracker.runpytest("--gpumem-explain", "--gpumem-json=new.json", "-k", "test_two").assert_outcomes(passed=1)
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest_gpumem", "compare", "old.json", "new.json", "--slack=0"],
-        cwd=tracker.path,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    done = _compare(tracker.path)
     assert done.returncode == 1
     assert "regressed: test_work.py::test_two: forward peak 35.2 KiB is 200.0% above" in done.stdout
     assert ": b +23.4 KiB: saved for backward +11.7 KiB, temporaries +11.7 KiB" in done.stdout
+    doc = json.loads((tracker.path / "new.json").read_text())
+    doc["tests"][0]["explanation"]["phases"]["forward"]["categories"]["temporaries"] = "12"
+    (tracker.path / "new.json").write_text(json.dumps(doc))
+    edited = _compare(tracker.path)
+    assert edited.returncode == 1 and "Traceback" not in edited.stderr
+    assert "regressed: test_work.py::test_two: forward peak 35.2 KiB is 200.0% above" in edited.stdout
+    assert "b +23.4 KiB" not in edited.stdout  # no diff from an explanation that does not read
 
 
-def test_explained_on_the_meta_device(tracker: pytest.Pytester) -> None:
+def test_explained_on_the_meta_device(tracker: pytest.Pytester, reported: Reported) -> None:
     tracker.makepyfile(test_work=WORKLOADS.replace("torch.randn(1, N", "torch.randn(1, N, device='meta'"))
-    tests = _explained(tracker, "--gpumem-device=meta", "-k", "test_two or test_freed", passed=2)
+    tests = _explained(tracker, reported, "--gpumem-device=meta", "-k", "test_two or test_freed", passed=2)
     assert _parts(tests["test_two"], "forward") == {"saved": 8000, "temporaries": 4000}
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="needs headless Chromium (Debian package chromium)")
-def test_the_picture_shows_the_measured_peak(tracker: pytest.Pytester, tmp_path: Path) -> None:
-    tracker.makepyfile(test_work=WORKLOADS)
-    result = tracker.runpytest("--gpumem-html=pictures", "--gpumem-json=out.json", "-k", "test_adam")
-    result.assert_outcomes(passed=1)
-    (test,) = json.loads((tracker.path / "out.json").read_text())["tests"]
-    (page,) = (tracker.path / "pictures").glob("*.html")
+def test_the_picture_shows_the_measured_peak(run: Run, tmp_path: Path) -> None:
+    test = run.tests["test_adam"]
+    page = run.path / test["html"]
     dom = subprocess.run(
         ["chromium", "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path}", "--dump-dom",
          page.as_uri()],
@@ -376,7 +395,7 @@ def pytest_gpumem_make_backend(config, name):
 """
 
 
-def test_a_backend_without_attribution_is_explained_by_a_shadow(pytester: pytest.Pytester) -> None:
+def test_a_backend_without_attribution_is_explained_by_a_shadow(pytester: pytest.Pytester, reported: Reported) -> None:
     """The shadow rounds as the CUDA allocator (512-byte blocks); the measured figure is the stand-in's
     exact one, and the "unattributed" part is the difference, so the parts still add up."""
     pytester.makeconftest(STAND_IN)
@@ -392,7 +411,7 @@ def test_a_backend_without_attribution_is_explained_by_a_shadow(pytester: pytest
     )
     result = pytester.runpytest("--gpumem-backend=stand-in", "--gpumem-json=out.json")
     result.assert_outcomes(passed=1)
-    (test,) = json.loads((pytester.path / "out.json").read_text())["tests"]
+    (test,) = reported().values()
     call = test["explanation"]["phases"]["call"]
     assert test["explanation"]["backend"] == "stand-in (composition from a shadow tracker)"
     assert test["peak_bytes"] == 8000 == call["peak_bytes"]
@@ -470,9 +489,9 @@ def test_many_entries(gpumem):
 """
 
 
-def test_reviewed_cases(tracker: pytest.Pytester) -> None:
+def test_reviewed_cases(tracker: pytest.Pytester, reported: Reported) -> None:
     tracker.makepyfile(test_reviewed=REVIEWED)
-    tests = _explained(tracker, passed=4)
+    tests = _explained(tracker, reported, passed=4)
     ids = tests["test_ids_reused"]["explanation"]["phases"]
     assert [ids[f"after{i}"]["live"]["gradients"] for i in range(12)] == [4000] * 12
     assert tests["test_two_roots"]["explanation"]["phases"]["after"]["live"]["gradients"] == 8000
@@ -482,8 +501,6 @@ def test_reviewed_cases(tracker: pytest.Pytester) -> None:
 
 
 def test_what_grew_never_names_a_cell_the_baseline_may_have_cut() -> None:
-    from pytest_gpumem.explain.replay import what_grew
-
     stored = {"call": {"categories": {"temporaries": 100}, "cells": [["temporaries", "a", 100]]}}
     current = {
         "call": {
@@ -491,29 +508,11 @@ def test_what_grew_never_names_a_cell_the_baseline_may_have_cut() -> None:
             "cells": [["saved", "z", 5000], ["temporaries", "a", 100]],
         }
     }
-    assert what_grew(stored, current, "call") == "saved for backward +4.9 KiB"
+    grew = what_grew(composition_from_json(stored), composition_from_json(current), "call")
+    assert grew == "saved for backward +4.9 KiB"
 
 
-def test_compare_command_survives_a_hand_edited_explanation(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(test_work=WORKLOADS)
-    tracker.runpytest("--gpumem-explain", "--gpumem-json=old.json", "-k", "test_two").assert_outcomes(passed=1)
-    tracker.makepyfile(test_work=WORKLOADS.replace("K = 1", "K = 4"))
-    tracker.runpytest("--gpumem-explain", "--gpumem-json=new.json", "-k", "test_two").assert_outcomes(passed=1)
-    doc = json.loads((tracker.path / "new.json").read_text())
-    doc["tests"][0]["explanation"]["phases"]["forward"]["categories"]["temporaries"] = "12"
-    (tracker.path / "new.json").write_text(json.dumps(doc))
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest_gpumem", "compare", "old.json", "new.json", "--slack=0"],
-        cwd=tracker.path,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert done.returncode == 1 and "Traceback" not in done.stderr
-    assert "regressed: test_work.py::test_two: forward peak 35.2 KiB is 200.0% above" in done.stdout
-
-
-def test_the_shadow_counts_only_the_backends_device(pytester: pytest.Pytester) -> None:
+def test_the_shadow_counts_only_the_backends_device(pytester: pytest.Pytester, reported: Reported) -> None:
     pytester.makepyfile(
         """
         import pytest, torch
@@ -532,7 +531,7 @@ def test_the_shadow_counts_only_the_backends_device(pytester: pytest.Pytester) -
     )
     result = pytester.runpytest("--gpumem-backend=stand-in", "--gpumem-json=out.json")
     result.assert_outcomes(passed=1)
-    (test,) = json.loads((pytester.path / "out.json").read_text())["tests"]
+    (test,) = reported().values()
     call = test["explanation"]["phases"]["call"]
     assert {c: b for c, b in call["categories"].items() if b} == {"inputs": 4096}
     assert call["unattributed_bytes"] == test["peak_bytes"] - 4096
@@ -620,12 +619,12 @@ def test_a_storage_no_tensor_shows(gpumem):
 """
 
 
-def test_hostile_workloads_are_explained_exactly(tracker: pytest.Pytester) -> None:
+def test_hostile_workloads_are_explained_exactly(tracker: pytest.Pytester, reported: Reported) -> None:
     """torch.func, user hooks (one raising), a module called twice, recursion, a module holding itself,
     a module running in another thread, a bare storage: each test passes as it does unmeasured, its
     breakdown adds up to the measured peak and its picture is written."""
     tracker.makepyfile(test_hostile=HOSTILE)
-    tests = _explained(tracker, "--gpumem-explain", "--gpumem-html=pictures", passed=6)
+    tests = _explained(tracker, reported, "--gpumem-explain", "--gpumem-html=pictures", passed=6)
     for name, test in tests.items():
         assert not any("explain" in note for note in test["notes"]), name
         for phase, parts in test["explanation"]["phases"].items():
@@ -680,4 +679,4 @@ def test_freed_allocations_alike_share_one_record() -> None:
     meter.end_call()
     assert attributor is not None and len(attributor.allocations) == 1000
     assert len({id(a) for a in attributor.allocations}) == 1  # one record for them all, once freed
-    assert meter.explanation is not None and meter.explanation["phases"]["call"]["peak_bytes"] == 8
+    assert meter.explanation is not None and meter.explanation.phases["call"].peak_bytes == 8

@@ -7,10 +7,26 @@ from typing import Any
 
 import pytest
 
-from pytest_gpumem.baselines.store import check_composition
-from pytest_gpumem.explain.replay import FOLDED_CELLS, OTHER_MODULES, compact, fold, repeated_blocks, what_grew
+from pytest_gpumem.explain.blocks import fold, repeated_blocks
+from pytest_gpumem.explain.growth import compact
+from pytest_gpumem.explain.growth import what_grew as what_grew_typed
+from pytest_gpumem.explain.replay import FOLDED_CELLS, OTHER_MODULES, folded_cells
+from pytest_gpumem.results.baseline import check_composition
+from pytest_gpumem.results.explanation import (
+    Cell,
+    Explanation,
+    PhaseExplanation,
+    Timeline,
+    composition_from_json,
+    composition_to_json,
+)
 
 KIB = 1024
+
+
+def what_grew(stored: dict[str, Any] | None, current: dict[str, Any] | None, phase: str) -> str | None:
+    """What grew between two compositions as the baseline file stores them."""
+    return what_grew_typed(composition_from_json(stored), composition_from_json(current), phase)
 
 
 def _phase(cells: list[list[Any]], folded: dict[str, int] | None = None) -> dict[str, Any]:
@@ -109,12 +125,10 @@ def test_growth_outside_every_listed_part_names_the_category() -> None:
 
 
 def test_compact_keeps_every_folded_part_and_the_store_reads_it_back() -> None:
-    groups = [{"category": "saved", "module": "h.*", "bytes": 4096}, {"category": "inputs", "module": "x", "bytes": 8}]
-    explanation = {
-        "folded": {"h.*": 4, "unused.*": 2},
-        "phases": {"call": {"categories": {"saved": 4096, "inputs": 8}, "cells": [], "groups": groups}},
-    }
-    stored = compact(explanation)
+    groups = [Cell("saved", "h.*", 4096), Cell("inputs", "x", 8)]
+    call = PhaseExplanation(4104, {"saved": 4096, "inputs": 8}, {}, [], [], groups=groups)
+    explanation = Explanation("t.py::t", "tracker", [], {}, {"call": call}, Timeline(0, []), {"h.*": 4, "unused.*": 2})
+    stored = composition_to_json(compact(explanation))
     assert stored == {
         "call": {
             "categories": {"saved": 4096, "inputs": 8},
@@ -132,13 +146,11 @@ def test_the_store_refuses_a_bad_block_count(bad: object) -> None:
 
 
 def test_past_the_stored_parts_the_rest_of_each_category_is_one_part() -> None:
-    from pytest_gpumem.explain.replay import _folded_cells
-
     cells = {("temporaries", f"m{i:02}"): 100 + i for i in range(FOLDED_CELLS + 5)}
-    kept = _folded_cells(cells, set())
+    kept = folded_cells(cells, set())
     assert len(kept) == FOLDED_CELLS + 1
-    assert sum(c["bytes"] for c in kept) == sum(cells.values())  # the sum stays exact
-    assert kept[-1] == {"category": "temporaries", "module": OTHER_MODULES, "bytes": 100 + 101 + 102 + 103 + 104}
+    assert sum(c.size for c in kept) == sum(cells.values())  # the sum stays exact
+    assert kept[-1] == Cell("temporaries", OTHER_MODULES, 100 + 101 + 102 + 103 + 104)
 
 
 BLOCKS = """

@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from pytest_gpumem.gradients.fingerprint import compare_fingerprints, fingerprint
-from pytest_gpumem.report.terminal import markdown, table
+from pytest_gpumem.gradients.compare import compare_fingerprints
+from pytest_gpumem.gradients.fingerprint import fingerprint
+from pytest_gpumem.report.markdown import markdown
+from pytest_gpumem.report.terminal import table
 from pytest_gpumem.results import PhaseResult, TestResult
 
 BASELINES = "gpumem-baselines.json"
@@ -306,7 +308,7 @@ BAD_BASELINES = [
 
 @pytest.mark.parametrize(("text", "problem"), [c[1:] for c in BAD_BASELINES], ids=[c[0] for c in BAD_BASELINES])
 def test_a_hand_edited_baseline_file_is_refused_in_one_line_naming_it(text: str, problem: str) -> None:
-    from pytest_gpumem.baselines.store import BaselineError, loads
+    from pytest_gpumem.baselines.schema import BaselineError, loads
 
     with pytest.raises(BaselineError) as refused:
         loads(text, "ci/gpumem-baselines.json")
@@ -317,7 +319,7 @@ def test_a_hand_edited_baseline_file_is_refused_in_one_line_naming_it(text: str,
 
 
 def test_unicode_node_ids_and_an_escaped_pair_round_trip() -> None:
-    from pytest_gpumem.baselines.store import dumps, loads
+    from pytest_gpumem.baselines.schema import dumps, loads
 
     ids = ["t.py::test[ü\u2028]", "t.py::test[\U0001f600]"]
     text = "\n".join(baseline_text(nodeid=i) for i in ids[:1]).replace("\\u00fc", "ü")
@@ -380,9 +382,8 @@ def test_a_hostile_option_value_is_one_short_line(parse: str, value: str, proble
     import argparse
 
     from pytest_gpumem import config as options
-    from pytest_gpumem.run import devices
 
-    function = getattr(devices if parse == "devices_spec" else options, parse)
+    function = getattr(options, parse)
     with pytest.raises(argparse.ArgumentTypeError) as refused:
         function(value)
     assert problem in str(refused.value)

@@ -15,9 +15,11 @@ import pytest
 
 from pytest_gpumem.backends.tracker.attribution import CATEGORIES as ATTRIBUTED
 from pytest_gpumem.backends.tracker.attribution import LABELS as ATTRIBUTED_LABELS
-from pytest_gpumem.explain.html import file_stem, read_advice, render, write_html
 from pytest_gpumem.measure.advice import AS_IS, Advice, PhasePeak, Row
 from pytest_gpumem.measure.failures import write_evidence
+from pytest_gpumem.report import html
+from pytest_gpumem.report.html import byte_ticks, chart_texts, file_stem, read_advice
+from pytest_gpumem.results.explanation import Explanation
 from pytest_gpumem.sizes import format_size
 
 CATEGORIES = list(ATTRIBUTED)
@@ -57,6 +59,7 @@ def phase(peak: int, index: int, spans: list[list[int]], growth: dict[str, int])
         "start_bytes": 0,
         "peak_index": index,
         "spans": spans,
+        "unattributed_bytes": 0,
         "categories": growth,
         "modules": {"encoder.0": peak // 2, "(no module)": peak - peak // 2},
         "cells": [
@@ -75,6 +78,14 @@ def phase(peak: int, index: int, spans: list[list[int]], growth: dict[str, int])
             }
         ],
     }
+
+
+def render(data: dict[str, Any], advice: object = None) -> str:
+    return html.render(Explanation.from_json(data), advice)
+
+
+def write_html(folder: Path, data: dict[str, Any]) -> Path:
+    return html.write_html(folder, Explanation.from_json(data))
 
 
 def spread_peak(index: int, events: int) -> tuple[list[list[Any]], int]:
@@ -218,9 +229,36 @@ def test_markup_in_every_name_stays_text_and_a_bare_storage_renders() -> None:
 
 def test_a_phase_without_tensors_or_cells_still_renders() -> None:
     data = explanation([[0, [0] * 6], [1, [0, 0, 0, 0, 8, 0]]], 1)
-    data["phases"] = {"call": {"peak_bytes": 8, "start_bytes": 0, "peak_index": 1, "spans": [[0, 1]]}}
+    data["phases"] = {
+        "call": {"peak_bytes": 8, "start_bytes": 0, "peak_index": 1, "spans": [[0, 1]], "categories": {},
+                 "modules": {}, "cells": [], "tensors": []}
+    }  # fmt: skip
     page = render(data)
     assert "largest tensors" not in page and "peak 8 B above its start" in page
+
+
+def test_the_byte_axis_steps_roundly_in_the_largest_unit_reached() -> None:
+    assert [label for _, label in byte_ticks(3 * MIB)] == ["0 MiB", "1 MiB", "2 MiB", "3 MiB"]
+    assert [label for _, label in byte_ticks(1000)] == ["0 B", "200 B", "400 B", "600 B", "800 B", "1000 B"]
+    assert [label for _, label in byte_ticks(2048)][:3] == ["0 KiB", "0.5 KiB", "1 KiB"]
+
+
+def test_the_script_gets_every_size_formatted_by_python() -> None:
+    """1.25 MiB is 1.2 MiB (Python rounds half to even); the call started with 1 KiB live."""
+    data = explanation([[0, [0] * 6], [1, [MIB, 0, 0, 0, MIB // 4, 0]], [5, [MIB, 0, 0, 0, 0, 0]]], 1)
+    data["phases"]["call"]["start_bytes"] = 1024
+    texts = chart_texts(Explanation.from_json(data))
+    assert texts["points"][1] == [
+        "1.2 MiB",
+        f"{MIB + MIB // 4:,}",
+        "1.2 MiB",
+        ["1.0 MiB", "0 B", "0 B", "0 B", "256.0 KiB", "0 B"],
+    ]
+    assert texts["start"] == "1.0 KiB" and texts["unattributed"] == ""
+    assert texts["contributors"] == ["temporaries (no module): 256.0 KiB"]  # the call's cells that grew
+    assert texts["tensors"]["call"] == [
+        "[16, 32] float32 2.0 KiB saved for backward, aten.mm.default at test_x.py:12 in encoder.0"
+    ]
 
 
 def test_file_name_is_safe_unique_and_bounded(tmp_path: Path) -> None:
@@ -341,7 +379,7 @@ def test_advice_read_back_from_its_json_is_the_same_advice() -> None:
 def test_skipped_strategies_and_conflicts_show_their_reasons_as_text() -> None:
     page = advice_page(advice().to_json())
     assert [cells for _, cells in rows(page, "skipped")] == [["strategy", "why"], ["save-on-cpu", MARKUP]]
-    assert "both wrap the blocks&#x27; forward" in page and "&lt;checkpoint-every-2&gt;" in page
+    assert "both wrap the blocks&#39; forward" in page and "&lt;checkpoint-every-2&gt;" in page
     outside = re.sub(r'<script type="application/json" id="gpumem-[a-z]+">.*?</script>', "", page, flags=re.S)
     assert outside.count("<script") == 1 and "<b>" not in outside and "<!--" not in outside
 

@@ -7,18 +7,19 @@ from pathlib import Path
 
 import pytest
 
+from pytest_gpumem.report.markdown import markdown
 from pytest_gpumem.report.terminal import (
     cell_rank,
     common_prefix,
     elide,
     fold_ranks,
     join_fitting,
-    markdown,
     shared_phases,
     shorten_ids,
     table_lines,
 )
-from pytest_gpumem.results import RANK_SEPARATOR, PhaseResult, TestResult
+from pytest_gpumem.results import PhaseResult, TestResult
+from pytest_gpumem.results.baseline import PhaseComparison, PhaseStatus, Verdict
 
 MIB = 1024 * 1024
 
@@ -48,12 +49,6 @@ def distributed(world: int = 2) -> TestResult:
 def main_job() -> list[TestResult]:
     names = ["naive_sum", "dot", "chunked_ce_checkpoint", "optimizer_in_backward", "selective_checkpoint"]
     return [distributed(), *(strategy(n) for n in names)]
-
-
-def test_rank_separator_is_the_one_distributed_names_phases_with() -> None:
-    from pytest_gpumem.distributed.spawn import RANK_SEPARATOR as NAMED
-
-    assert RANK_SEPARATOR == NAMED
 
 
 def test_ranks_fold_into_the_worst_rank() -> None:
@@ -184,13 +179,15 @@ def test_long_form_has_a_row_per_test_and_phase() -> None:
     assert any(line.split()[:4] == ["ddp.backward", "28.0", "MiB", "@rank1"] for line in body)
 
 
+def compared(*comparisons: tuple[str | None, int, float, PhaseStatus]) -> Verdict:
+    """A verdict with these (phase, baseline, change %, status) comparisons."""
+    rows = tuple(PhaseComparison(p, base, None, None, change, status) for p, base, change, status in comparisons)
+    return Verdict("t", "REGRESSED" if any(c.status == "REGRESSED" for c in rows) else "ok", rows, (), ())
+
+
 def test_long_form_shows_each_phase_against_its_baseline() -> None:
     result = strategy("dot")
-    comparisons = [
-        {"phase": None, "baseline": 40 * MIB, "change_percent": 0.0},
-        {"phase": "backward", "baseline": 4 * MIB, "change_percent": 100.0, "status": "REGRESSED"},
-    ]
-    result.baseline = {"comparisons": comparisons}
+    result.baseline = compared((None, 40 * MIB, 0.0, "ok"), ("backward", 4 * MIB, 100.0, "REGRESSED"))
     lines = table_lines([result], 120, long=True)
     assert lines[0].split() == ["test", "phase", "peak", "net", "baseline", "change", "status"]
     backward = next(line for line in lines if " backward " in line)
@@ -229,7 +226,7 @@ def test_fixed_columns_empty_in_every_row_are_left_out() -> None:
         "status",
     ]
     budgeted.budget_text = "50 MiB"
-    budgeted.baseline = {"comparisons": []}  # NEW: a baseline run, nothing to compare with
+    budgeted.baseline = compared()  # NEW: a baseline run, nothing to compare with
     assert "budget" in table_lines([plain, budgeted])[1] and "baseline" not in table_lines([plain, budgeted])[1]
 
 
@@ -237,7 +234,7 @@ def test_one_compared_test_keeps_its_whole_id_at_80_columns() -> None:
     # 1250 float32 = 5,000 B = 4.9 KiB against a baseline of 4,000 B = 3.9 KiB: +25.0%
     made = PhaseResult("made", 5000, 5000, None, 0)
     result = TestResult("test_suite.py::test_alloc[a]", "tracker", "cpu", made, {"made": made}, status="REGRESSED")
-    result.baseline = {"comparisons": [{"phase": None, "baseline": 4000, "change_percent": 25.0}]}
+    result.baseline = compared((None, 4000, 25.0, "REGRESSED"))
     lines = table_lines([result], 80)
     assert lines[0].split() == ["test", "made", "call", "peak", "baseline", "change", "status"]
     assert lines[2].split() == [

@@ -1,1 +1,3 @@
-"""Pure functions from results to what people read: the terminal table, Markdown and JSON."""
+"""What a person or a CI step reads of a run: the terminal table (terminal), Markdown (markdown), the JSON
+document (json) and the explanation page (html, with its jinja2 template in templates/ and its CSS and
+script in static/)."""

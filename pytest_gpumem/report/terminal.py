@@ -1,4 +1,5 @@
-"""Pure functions from results to the report: the terminal table fitted to a width, Markdown, JSON.
+"""The report's table: its columns from the results, fitted to a terminal's width (Markdown renders the
+same columns unfitted, `report/markdown.py`), and the run's one-line counts.
 
 The short form has fixed columns (test, call peak, baseline, change, budget, status; those empty in every
 row left out), a column for each phase that most tests share, and one cell for every other phase
@@ -10,19 +11,13 @@ row per test and phase.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any
 
-from tabulate import tabulate
-
-from pytest_gpumem.explain.replay import summary
-from pytest_gpumem.results import RANK_SEPARATOR, PhaseResult, TestResult
+from pytest_gpumem.explain.text import summary
+from pytest_gpumem.results import RANK_SEPARATOR, PhaseResult, Status, TestResult
 from pytest_gpumem.sizes import format_size
 
-JSON_VERSION = 1
 DEFAULT_WIDTH = 120  # when pytest writes to no terminal
 GAP = "  "
 JOIN = " · "
@@ -291,12 +286,12 @@ def _call(result: TestResult, folded: Mapping[str, PhaseResult], run: str | None
 
 def _baseline(result: TestResult, phase: str | None) -> tuple[str, str, str]:
     """A region's baseline, change and verdict cells ("call" is None)."""
-    comparisons = [] if result.baseline is None else result.baseline.get("comparisons", [])
-    found = next((c for c in comparisons if c.get("phase") == phase), None)
+    comparisons = () if result.baseline is None else result.baseline.comparisons
+    found = next((c for c in comparisons if c.phase == phase), None)
     if found is None:
         return "", "", ""
-    base, change, status = found.get("baseline"), found.get("change_percent"), found.get("status")
-    return ("" if base is None else format_size(base), "" if change is None else f"{change:+.1f}%", str(status or ""))
+    base, change = found.baseline, found.change_percent
+    return ("" if base is None else format_size(base), "" if change is None else f"{change:+.1f}%", found.status)
 
 
 def _devices(results: Sequence[TestResult]) -> list[str] | None:
@@ -448,65 +443,18 @@ def _settled(columns: list[Column], width: int) -> list[Column]:
     return columns
 
 
-def markdown(
-    results: Sequence[TestResult], long: bool = False, root: Path | None = None, folder: Path | None = None
-) -> str:
-    """The table in GitHub Markdown, for CI step summaries: the short form (all phases in their columns
-    or one cell) or the long one. Pictures link relative to `folder` (the file's), their paths being
-    relative to `root`."""
-    if not results:
-        return "No test was measured.\n"
-
-    def link(html: str) -> str:
-        if root is None or folder is None:
-            return html
-        target = Path(root, html)
-        try:
-            return Path(os.path.relpath(target, folder)).as_posix()
-        except ValueError:  # another drive (Windows)
-            return target.as_posix()
-
-    if long:
-        columns, count = long_columns(results, links=link)
-    else:
-        columns, count = short_columns(results, links=link), len(results)
-    body = [[col.text(row) for col in columns] for row in range(count)]
-    return markdown_table([col.header for col in columns], body)
-
-
-def markdown_table(headers: Sequence[str], body: Sequence[Sequence[str]]) -> str:
-    """GitHub Markdown, each cell on one line with its pipes escaped."""
-    cells = [[_escape_pipes(one_line(cell)) for cell in row] for row in body]
-    heads = [_escape_pipes(one_line(h)) for h in headers]
-    return tabulate(cells, headers=heads, tablefmt="github", disable_numparse=True) + "\n"
-
-
-def _escape_pipes(cell: str) -> str:
-    return cell.replace("|", "\\|")
-
-
-def document(results: Sequence[TestResult], backend: str | None, device: str | None) -> dict[str, Any]:
-    """The `--gpumem-json` document."""
-    return {
-        "version": JSON_VERSION,
-        "backend": backend,
-        "device": device,
-        "tests": [r.to_dict() for r in results],
-    }
-
-
 # the terminal summary's counts, in this order, under these names; any other status is counted by name
 _COUNTED = (
-    ("OUT OF MEMORY", "out of memory"),
-    ("OVER BUDGET", "over budget"),
-    ("LEAKED", "leaked"),
-    ("REGRESSED", "regressed"),
-    ("GRADIENTS CHANGED", "gradients changed"),
-    ("MISSING BASELINE", "missing baseline"),
-    ("error", "unmeasurable or failed"),
-    ("IMPROVED", "improved"),
-    ("NEW", "new"),
-    ("ok", "ok"),
+    (Status.OUT_OF_MEMORY, "out of memory"),
+    (Status.OVER_BUDGET, "over budget"),
+    (Status.LEAKED, "leaked"),
+    (Status.REGRESSED, "regressed"),
+    (Status.GRADIENTS_CHANGED, "gradients changed"),
+    (Status.MISSING_BASELINE, "missing baseline"),
+    (Status.ERROR, "unmeasurable or failed"),
+    (Status.IMPROVED, "improved"),
+    (Status.NEW, "new"),
+    (Status.OK, "ok"),
 )
 
 

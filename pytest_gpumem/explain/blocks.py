@@ -1,0 +1,40 @@
+"""Repeated blocks: a list of modules of one class (`h.0`, `h.1`, ...) is one group (`h.*`) wherever
+memory is summed by module, so a transformer's twelve layers read as one part with a block count."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+
+def repeated_blocks(kinds: Mapping[str, str]) -> dict[str, int]:
+    """Lists of one kind of module: each parent whose numbered children (`h.0`, `h.1`, ...) are two or
+    more of one class, as its group (`h.*`) with how many there are."""
+    classes: dict[str, set[str]] = {}
+    numbers: dict[str, set[str]] = {}
+    for name, kind in kinds.items():
+        parent, _, last = name.rpartition(".")
+        if last.isdigit():
+            classes.setdefault(parent, set()).add(kind)
+            numbers.setdefault(parent, set()).add(last)
+    return {
+        group_of(parent): len(numbers[parent])
+        for parent, found in classes.items()
+        if len(found) == 1 and len(numbers[parent]) > 1
+    }
+
+
+def fold(module: str, folds: Collection[str]) -> str:
+    """The group of `module`: the path up to its first number in a folded list, the number made `*`
+    (`transformer.h.3.mlp` -> `transformer.h.*`); other modules are their own group."""
+    if not folds:
+        return module
+    parts = module.split(".")
+    for index, part in enumerate(parts):
+        if part.isdigit() and group_of(".".join(parts[:index])) in folds:
+            return group_of(".".join(parts[:index]))
+    return module
+
+
+def group_of(parent: str) -> str:
+    """The name of the group of `parent`'s numbered children."""
+    return f"{parent}.*" if parent else "*"

@@ -1,0 +1,111 @@
+"""An explanation in words: the test's report section, a few words for a table cell, and what a failure
+message adds about the failing region's peak."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from pytest_gpumem.explain.replay import TOP_MODULES, changes, largest
+from pytest_gpumem.results.explanation import Explanation, PhaseExplanation, Tensor
+from pytest_gpumem.sizes import format_size
+
+if TYPE_CHECKING:
+    from pytest_gpumem.budget import Budget, Limit
+    from pytest_gpumem.results import PhaseResult
+
+Format = Callable[[int], str]
+
+HOW_TO_EXPLAIN = "see what made it with --gpumem-explain or max_memory(explain=True)"
+
+
+def describe(explanation: Explanation, fmt: Format = format_size) -> list[str]:
+    """Lines for the test's report section."""
+    lines = [f"peak explained ({explanation.backend}):"]
+    for name, phase in explanation.phases.items():
+        lines.append(f"  {name}: peak {fmt(phase.peak_bytes)} = {_parts(explanation, phase, fmt)}")
+        grown = _by_group(phase).items()
+        modules = ", ".join(f"{m} {_signed(b, fmt)}{_blocks(explanation, m)}" for m, b in grown)
+        if modules:
+            lines.append(f"    by module: {modules}")
+        for tensor in phase.tensors[:3]:
+            lines.append(f"    alive at the peak: {describe_tensor(explanation, tensor, fmt)}")
+    return lines
+
+
+def _by_group(phase: PhaseExplanation) -> dict[str, int]:
+    """Growth by module group (repeated blocks folded), largest first; `modules` of an explanation made
+    before folding."""
+    if phase.groups is None:
+        return dict(phase.modules)
+    totals: dict[str, int] = {}
+    for cell in phase.groups:
+        totals[cell.module] = totals.get(cell.module, 0) + cell.size
+    return largest(changes({}, totals), TOP_MODULES)
+
+
+def _blocks(explanation: Explanation, group: str) -> str:
+    count = explanation.blocks(group)
+    return "" if count is None else f" ({count} blocks)"
+
+
+def _parts(explanation: Explanation, phase: PhaseExplanation, fmt: Format) -> str:
+    parts = [f"{explanation.label(c)} {_signed(b, fmt)}" for c, b in phase.categories.items() if b]
+    if phase.unattributed_bytes:
+        parts.append(f"unattributed {_signed(phase.unattributed_bytes, fmt)}")
+    return ", ".join(parts) or "nothing"
+
+
+def _signed(value: int, fmt: Format) -> str:
+    return f"-{fmt(-value)}" if value < 0 else fmt(value)
+
+
+def describe_tensor(explanation: Explanation, tensor: Tensor, fmt: Format = format_size) -> str:
+    shape = None if tensor.shape is None else list(tensor.shape)
+    what = "a storage" if tensor.dtype is None else f"{tensor.dtype}{shape}"
+    where = f" at {tensor.where}" if tensor.where else ""
+    used = f"{explanation.label(tensor.category)}, {tensor.module}"
+    return f"{fmt(tensor.size)} {what} ({used}), made by {tensor.op}{where}"
+
+
+def summary(explanation: Explanation, phase: str = "call", count: int = 2) -> str:
+    """A few words for a table cell: the largest parts of a phase's peak."""
+    found = explanation.phases.get(phase)
+    if found is None:
+        return ""
+    parts = sorted(((b, c) for c, b in found.categories.items() if b > 0), reverse=True)[:count]
+    return ", ".join(f"{explanation.label(c)} {format_size(b)}" for b, c in parts)
+
+
+def section(explanation: Explanation | None) -> str:
+    """The test's report section (empty when it was not explained)."""
+    return "" if explanation is None else "\n" + "\n".join(describe(explanation))
+
+
+def over_limit(budget: Budget | None, call: PhaseResult, phases: Mapping[str, PhaseResult]) -> list[tuple[str, Limit]]:
+    """The regions whose peaks exceed the budget ("call" for the whole call), with their limits."""
+    if budget is None:
+        return []
+    over = [("call", budget.total)] if budget.total is not None and call.peak_bytes > budget.total.bytes else []
+    return over + [
+        (n, limit) for n, limit in budget.phases.items() if n in phases and phases[n].peak_bytes > limit.bytes
+    ]
+
+
+def made_of(explanation: Explanation | None, over: Sequence[tuple[str, Limit]]) -> str:
+    """What a failure message adds: the largest parts of the first failing region's peak (in its limit's
+    units), or how to get them."""
+    if not over:
+        return ""
+    if explanation is None:
+        return f" ({HOW_TO_EXPLAIN})"
+    region, limit = over[0]
+    phase = explanation.phases.get(region)
+    if phase is None:
+        return ""
+    cells = [c for c in phase.parts if c.size > 0][:2]
+    parts = [
+        f"{explanation.label(c.category)} of {c.module}{_blocks(explanation, c.module)} {limit.fmt(c.size)}"
+        for c in cells
+    ]
+    return f"; {region} peak made of {', '.join(parts)}, ..." if parts else ""

@@ -1,0 +1,354 @@
+"""One self-contained HTML page per explained test: live memory over the test call as a stacked area by
+category, phases shaded, the peak marked with its top contributors, and the largest tensors of each phase.
+A test that called gpumem.advise also gets the advice's rows as a table.
+
+The page loads nothing (a Content-Security-Policy forbids it): the jinja2 template (`templates/`) writes
+the tables, the explanation travels inside as JSON, and the script (`static/page.js`) draws the chart from
+it and finds the peak a reader sees; every size it shows comes formatted from here (`view`)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from pytest_gpumem.measure.advice import AS_IS, Advice, PhasePeak, Row
+from pytest_gpumem.results.explanation import NO_MODULE, Explanation, PhaseExplanation, Point, Tensor
+from pytest_gpumem.sizes import format_size
+
+COLOURS = ("#4e79a7", "#f28e2b", "#e15759", "#59a14f", "#edc948", "#b07aa1", "#76b7b2", "#ff9da7", "#9c755f")
+"""One colour per category, in the explanation's stacking order (repeating past the ninth)."""
+
+MAX_ROWS = 10
+"""The most rows of a module or category x module table (the tensors table shows all it is given)."""
+
+UNLISTED = "#bbb"  # the colour of a category the explanation does not list, and of unattributed bytes
+TIP_TENSORS = 5  # tensors the chart's tooltip lists at a phase's peak
+PEAK_CONTRIBUTORS = 3  # cells the peak's label names
+Y_HEADROOM = 1.08  # the chart's top, over its peak
+_TICK_UNITS = ((1024, "KiB"), (1024**2, "MiB"), (1024**3, "GiB"), (1024**4, "TiB"))
+
+
+@dataclass(frozen=True)
+class _Assets:
+    environment: jinja2.Environment
+    css: str
+    script: str
+    csp: str
+
+
+@cache
+def _assets() -> _Assets:
+    """The template, stylesheet and script shipped in the package, and the policy that lets only this
+    script run."""
+    here = resources.files("pytest_gpumem.report")
+    environment = jinja2.Environment(
+        loader=jinja2.FunctionLoader(lambda name: (here / "templates" / name).read_text(encoding="utf-8")),
+        autoescape=True,
+        keep_trailing_newline=True,
+        undefined=jinja2.StrictUndefined,
+    )
+    script = (here / "static" / "page.js").read_text(encoding="utf-8")
+    digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
+    csp = f"default-src 'none'; style-src 'unsafe-inline'; script-src 'sha256-{digest}'"
+    return _Assets(environment, (here / "static" / "page.css").read_text(encoding="utf-8"), script, csp)
+
+
+def render(explanation: Explanation, advice: object = None) -> str:
+    """The whole page for one explanation: one HTML document that needs nothing else to open. `advice`:
+    the test's `info["advice"]` (`Advice.to_json`), shown as a table; anything else shows nothing."""
+    assets = _assets()
+    read = read_advice(advice)
+    return assets.environment.get_template("page.html.j2").render(
+        csp=assets.csp,
+        css=assets.css,
+        script=assets.script,
+        nodeid=explanation.nodeid,
+        backend=explanation.backend,
+        legend=[
+            {"colour": _colour(explanation, c), "label": explanation.label(c)} for c in reversed(explanation.categories)
+        ],
+        advice=None if read is None else _advice_view(read),
+        phases=[_phase_view(name, phase, explanation) for name, phase in _phases(explanation)],
+        data=_script_json(explanation.to_json()),
+        view=_script_json(chart_texts(explanation)),
+    )
+
+
+def write_html(folder: Path, explanation: Explanation, advice: object = None) -> Path:
+    """Writes the page of one explanation (and the test's advice, if any) into `folder` (made if missing),
+    named after its test; returns it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{file_stem(explanation.nodeid)}.html"
+    path.write_text(render(explanation, advice), encoding="utf-8")
+    return path
+
+
+def file_stem(nodeid: str) -> str:
+    """A file name for a test: its id in safe characters, cut to 120, and a hash of the whole id that keeps
+    different ids apart (the recipe of `failures.write_evidence`, so a test's files sit side by side)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", nodeid)[:120] + "-" + hashlib.sha1(nodeid.encode()).hexdigest()[:8]
+
+
+def _script_json(value: object) -> str:
+    """JSON that cannot end the <script> element holding it: <, > and & written as JSON escapes."""
+    text = json.dumps(value, allow_nan=False, separators=(",", ":"))
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def _colour(explanation: Explanation, category: str) -> str:
+    categories = explanation.categories
+    return COLOURS[categories.index(category) % len(COLOURS)] if category in categories else UNLISTED
+
+
+# --- what the script shows, formatted here
+
+
+def chart_texts(explanation: Explanation) -> dict[str, Any]:
+    """Every size the chart's script shows, formatted: for each timeline point its total (size, bytes,
+    growth over the call's start) and its categories; the peak's label and tooltip; the byte axis."""
+    call = explanation.phases.get("call")
+    start = 0 if call is None else call.start_bytes
+    points = explanation.timeline.points
+    top = max((point.total for point in points), default=0)
+    return {
+        "colours": list(COLOURS),
+        "points": [_point_texts(point, start) for point in points],
+        "empty": _point_texts(Point(0, []), start),
+        "start": format_size(start) if start else "",
+        "unattributed": format_size(call.unattributed_bytes) if call is not None and call.unattributed_bytes else "",
+        "contributors": [] if call is None else _contributors(explanation, call),
+        "tensors": {
+            name: [_tensor_text(explanation, tensor) for tensor in phase.tensors[:TIP_TENSORS]]
+            for name, phase in explanation.phases.items()
+        },
+        "ticks": byte_ticks(max(1.0, top * Y_HEADROOM)),
+    }
+
+
+def _point_texts(point: Point, start: int) -> list[Any]:
+    total = point.total
+    return [format_size(total), f"{total:,}", format_size(total - start), [format_size(s) for s in point.sizes]]
+
+
+def _contributors(explanation: Explanation, call: PhaseExplanation) -> list[str]:
+    cells = sorted((c for c in call.cells if c.size > 0), key=lambda c: -c.size)[:PEAK_CONTRIBUTORS]
+    return [
+        f"{explanation.label(c.category)}{' (no module)' if c.module == NO_MODULE else ' of ' + c.module}: "
+        f"{format_size(c.size)}"
+        for c in cells
+    ]
+
+
+def _tensor_text(explanation: Explanation, tensor: Tensor) -> str:
+    shape = ", ".join(str(size) for size in tensor.shape or ())
+    module = f" in {tensor.module}" if tensor.module else ""
+    return (
+        f"[{shape}] {tensor.dtype} {format_size(tensor.size)} {explanation.label(tensor.category)}, "
+        f"{tensor.op} at {tensor.where}{module}"
+    )
+
+
+def byte_ticks(top: float) -> list[list[Any]]:
+    """The byte axis up to `top`: about five round steps in the largest binary unit `top` reaches."""
+    unit, name = 1, "B"
+    for size, unit_name in _TICK_UNITS:
+        if top >= size:
+            unit, name = size, unit_name
+    step = max(_nice_step(top / unit / 5), 1 if unit == 1 else 0)
+    ticks: list[list[Any]] = []
+    value = 0.0
+    while value * unit <= top:
+        ticks.append([value * unit, f"{_short_number(round(value * 1000) / 1000)} {name}"])
+        value += step
+    return ticks
+
+
+def _nice_step(raw: float) -> float:
+    power = 10.0 ** math.floor(math.log10(raw))
+    ratio = raw / power
+    return (1 if ratio <= 1 else 2 if ratio <= 2 else 5 if ratio <= 5 else 10) * power
+
+
+def _short_number(value: float) -> str:
+    return str(int(value)) if value == int(value) else repr(value)
+
+
+# --- the tables
+
+
+def _phases(explanation: Explanation) -> list[tuple[str, PhaseExplanation]]:
+    """The phases, the whole call first."""
+    return sorted(explanation.phases.items(), key=lambda item: item[0] != "call")
+
+
+def _phase_view(name: str, phase: PhaseExplanation, explanation: Explanation) -> dict[str, Any]:
+    cells = {f"{explanation.label(c.category)}, {c.module}": c.size for c in phase.cells}
+    ranked = [("by module", "module", phase.modules), ("by category and module", "category, module", cells)]
+    return {
+        "name": name,
+        "title": "the whole call" if name == "call" else name,
+        "summary": _phase_summary(phase),
+        "peak": format_size(phase.peak_bytes),
+        "categories": [
+            {"colour": colour, "label": label, "size": format_size(size), "share": _share(size, phase.peak_bytes)}
+            for colour, label, size in _category_rows(phase, explanation)
+        ],
+        "ranked": [
+            {"title": title, "heading": heading, "rows": _ranked(sizes)} for title, heading, sizes in ranked if sizes
+        ],
+        "tensors": [_tensor_view(tensor, explanation) for tensor in phase.tensors],
+    }
+
+
+def _phase_summary(phase: PhaseExplanation) -> str:
+    ran = f"; ran {len(phase.spans)} times" if len(phase.spans) > 1 else ""
+    return (
+        f"peak {format_size(phase.peak_bytes)} above its start ({format_size(phase.start_bytes)} live at the"
+        f" start), reached at event {phase.peak_index or 0:,}{ran}"
+    )
+
+
+def _category_rows(phase: PhaseExplanation, explanation: Explanation) -> list[tuple[str, str, int]]:
+    """(colour, label, growth) of each category in stacking order, then any the explanation did not list,
+    then what the allocator kept that no tensor accounts for."""
+    names = [*explanation.categories, *(name for name in phase.categories if name not in explanation.categories)]
+    rows = [(_colour(explanation, n), explanation.label(n), phase.categories.get(n, 0)) for n in names]
+    if phase.unattributed_bytes:
+        rows.append((UNLISTED, "unattributed", phase.unattributed_bytes))
+    return rows
+
+
+def _share(size: int, total: int) -> str:
+    return f"{100 * size / total:.0f}%".replace("-0%", "0%") if total else ""
+
+
+def _ranked(sizes: Mapping[str, int]) -> list[tuple[str, str]]:
+    ranked = sorted(sizes.items(), key=lambda item: -item[1])[:MAX_ROWS]
+    return [(name, format_size(size)) for name, size in ranked]
+
+
+def _tensor_view(tensor: Tensor, explanation: Explanation) -> dict[str, Any]:
+    shape = "a storage" if tensor.shape is None else "[" + ", ".join(str(size) for size in tensor.shape) + "]"
+    return {
+        "shape": shape,
+        "dtype": tensor.dtype or "",
+        "size": format_size(tensor.size),
+        "digits": f"{tensor.size:,}",
+        "colour": _colour(explanation, tensor.category),
+        "label": explanation.label(tensor.category),
+        "op": tensor.op,
+        "where": tensor.where or "",
+        "module": tensor.module,
+    }
+
+
+# --- the advice table
+
+
+def read_advice(data: object) -> Advice | None:
+    """The Advice that `Advice.to_json` wrote, or None for anything not shaped like it (a test may put
+    its own value under info["advice"])."""
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list) or not data["rows"]:
+        return None
+    try:
+        live = int(data.get("live_bytes") or 0)
+        capacity = data.get("capacity")
+        return Advice(
+            rows=tuple(_read_row(row, live) for row in data["rows"]),
+            capacity=None if capacity is None else int(capacity),
+            live_bytes=live,
+            backend=str(data.get("backend", "?")),
+            device=str(data.get("device", "?")),
+            resident_bytes=int(data.get("resident_bytes") or 0),
+            conflicts=tuple(str(text) for text in data.get("conflicts", [])),
+            seconds=float(data.get("seconds") or 0.0),
+        )
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _read_row(data: dict[str, Any], live: int) -> Row:
+    name, description = str(data["name"]), str(data.get("description", ""))
+    strategies = tuple(str(part) for part in data.get("strategies", []))
+    if data.get("skipped") is not None:
+        return Row(name, description, strategies, skipped=str(data["skipped"]))
+    absolute: dict[str, int] = data.get("absolute_phases", {})
+    phases = tuple(
+        PhasePeak(str(phase), int(peak), int(absolute[phase]) - live if phase in absolute else None)
+        for phase, peak in data.get("phases", {}).items()
+    )
+    return Row(
+        name,
+        description,
+        strategies,
+        peak_bytes=int(data["peak_bytes"]),
+        phases=phases,
+        saving_bytes=_int_or_none(data.get("saving_bytes")),
+        flops=_int_or_none(data.get("flops")),
+        extra_flops=_int_or_none(data.get("extra_flops")),
+        gradients=str(data.get("gradients", "")),
+        gradients_equal=None if data.get("gradients_equal") is None else bool(data["gradients_equal"]),
+        fits=None if data.get("fits") is None else bool(data["fits"]),
+    )
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _advice_summary(advice: Advice, best: Row | None) -> str:
+    measured = (
+        f"gpumem.advise ran the step on {advice.backend} ({advice.device}) in {advice.seconds:.1f} s, apart from "
+        f"the test's call. Peaks are absolute: the {format_size(advice.live_bytes)} live at the step's start "
+        f"({format_size(advice.resident_bytes)} of it model state) plus the step's peak above it."
+    )
+    if advice.capacity is None:
+        return f"{measured} No capacity was given, so none is judged to fit."
+    capacity = format_size(advice.capacity)
+    if best is None:
+        return f"{measured} None fits the capacity of {capacity}."
+    if best.name == AS_IS:
+        return f"{measured} The step fits the capacity of {capacity} as it is."
+    return f"{measured} Best: {best.name}, the least extra compute that fits the capacity of {capacity}."
+
+
+def _advice_view(advice: Advice) -> dict[str, Any]:
+    best = None if advice.capacity is None else advice.best()
+    return {
+        "summary": _advice_summary(advice, best),
+        "rows": [_advice_row(advice, row, row is best) for row in advice.rows if row.measured],
+        "skipped": [(row.name, row.skipped) for row in advice.rows if row.skipped is not None],
+        "conflicts": list(advice.conflicts),
+    }
+
+
+def _advice_row(advice: Advice, row: Row, best: bool) -> dict[str, Any]:
+    assert row.peak_bytes is not None
+    absolute = advice.absolute(row)
+    return {
+        "name": row.name,
+        "best": best,
+        "description": row.description,
+        "absolute": format_size(absolute),
+        "absolute_digits": f"{absolute:,}",
+        "peak": format_size(row.peak_bytes),
+        "peak_digits": f"{row.peak_bytes:,}",
+        "peak_in": row.peak_phase or "",
+        "phases": ", ".join(f"{p.name} {format_size(advice.live_bytes + p.step_peak)}" for p in row.phases),
+        "saving": "" if row.name == AS_IS or row.saving_bytes is None else format_size(row.saving_bytes),
+        "flops": "" if row.extra_flops is None else f"{row.extra_flops:+,}",
+        "compute": advice.compute(row),
+        "gradients": row.gradients,
+        "fits": "" if row.fits is None else ("yes" if row.fits else "no"),
+    }
