@@ -4,13 +4,17 @@ and predictions kept apart from measured figures."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from pytest_gpumem.backends import make_builtin
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.backends.tracker.meta_errors import cannot_run_on_meta
+from pytest_gpumem.errors import GpuMemError
 
 WORKLOAD = """
 import torch
@@ -31,37 +35,64 @@ def test_step(gpumem):
 """
 
 
-def _figures(pytester: pytest.Pytester, *args: str) -> dict[str, object]:
-    pytester.runpytest("--gpumem-json=out.json", *args).assert_outcomes(passed=1)
-    (test,) = json.loads((pytester.path / "out.json").read_text(encoding="utf-8"))["tests"]
-    return test  # type: ignore[no-any-return]
+def _step_phases(device: str, rounding: str) -> dict[str, tuple[int, int, int, int]]:
+    """Per phase of WORKLOAD's step: (peak, net) allocated and requested bytes above the phase's start."""
+    backend = TrackerBackend(rounding, device=device)
+    found = {}
+
+    def phase(name: str, run: Callable[[], Any]) -> Any:
+        start = backend.current()
+        backend.reset_peak()
+        out = run()
+        peak, end = backend.peak(), backend.current()
+        found[name] = (
+            peak.allocated - start.allocated,
+            end.allocated - start.allocated,
+            peak.requested - start.requested,
+            end.requested - start.requested,
+        )
+        return out
+
+    backend.start()
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))
+        model = model.to(device)
+        x = torch.randn(64, 512, device=device)
+        loss = phase("forward", lambda: model(x).square().mean())
+        phase("backward", loss.backward)
+        opt = torch.optim.AdamW(model.parameters(), foreach=True)
+        phase("step", opt.step)
+    finally:
+        backend.stop()
+    return found
 
 
 @pytest.mark.parametrize("rounding", ["none", "cuda"])
-def test_meta_bytes_equal_cpu_bytes(tracker: pytest.Pytester, rounding: str) -> None:
-    tracker.makepyfile(WORKLOAD)
-    cpu = _figures(tracker, f"--gpumem-round={rounding}")
-    meta = _figures(tracker, f"--gpumem-round={rounding}", "--gpumem-device=meta")
-    assert (cpu["info"], meta["info"]) == ({"device": "cpu"}, {"device": "meta"})
-    assert (cpu["device"], meta["device"]) == ("cpu", "meta")
-    assert meta["phases"] == cpu["phases"]
-    assert meta["call"] == cpu["call"]
+def test_meta_bytes_equal_cpu_bytes(rounding: str) -> None:
+    meta = _step_phases("meta", rounding)
+    assert meta == _step_phases("cpu", rounding)
     # forward: the peak is ReLU's output made while the first Linear's (64 x 1024 float32 each) still
     # exists; after ReLU only its output stays (saved by ReLU and the second Linear), then 64 x 256 twice
     # and the 4-byte mean: 262,144 + 2 x 65,536 + 4 < 2 x 262,144
     if rounding == "none":
-        assert meta["phases"]["forward"]["peak_bytes"] == 2 * 64 * 1024 * 4  # type: ignore[index]
+        assert meta["forward"][0] == 2 * 64 * 1024 * 4
 
 
-def test_header_and_identity_say_prediction(tracker: pytest.Pytester) -> None:
+def test_header_identity_and_report_say_prediction(
+    tracker: pytest.Pytester, reported: Callable[..., dict[str, dict[str, Any]]]
+) -> None:
     tracker.makepyfile(WORKLOAD)
-    result = tracker.runpytest("--gpumem-device=meta", "--gpumem-update")
+    result = tracker.runpytest("--gpumem-device=meta", "--gpumem-update", "--gpumem-json=out.json")
     result.stdout.fnmatch_lines(
         ["gpumem: tracker (*), device meta (a prediction: sizes without data, nothing computed); a GPU*s code paths*"]
     )
+    test = reported()["test_step"]
+    assert (test["device"], test["info"]) == ("meta", {"device": "meta"})
     entries = json.loads((tracker.path / "gpumem-baselines.json").read_text(encoding="utf-8"))["entries"]
     assert "tracker (meta)" in json.dumps(entries)
-    tracker.runpytest("--gpumem-update").assert_outcomes(passed=1)  # CPU figures go beside, not over them
+    tracker.runpytest("--gpumem-update", "--gpumem-json=out.json").assert_outcomes(passed=1)  # beside, not over
+    test = reported()["test_step"]
+    assert (test["device"], test["info"]) == ("cpu", {"device": "cpu"})
     text = (tracker.path / "gpumem-baselines.json").read_text(encoding="utf-8")
     assert "tracker (meta)" in text
     assert '"tracker|cpu"' in text or '"backend": "tracker"' in text
@@ -89,11 +120,14 @@ def test_data_dependent_ops_fail_in_one_line(tracker: pytest.Pytester) -> None:
     result.stdout.no_fnmatch_line("*All traceback entries are hidden*")  # our line only, no word of frames
 
 
-def test_meta_needs_the_tracker(tracker: pytest.Pytester) -> None:
+def test_meta_needs_the_tracker() -> None:
+    said = "--gpumem-device=meta is measured by the tracker, not --gpumem-backend=cuda"
+    with pytest.raises(GpuMemError, match=f"^{said}$"):
+        make_builtin("cuda", device="meta")
+
+
+def test_only_cpu_or_meta_is_a_device(tracker: pytest.Pytester) -> None:
     tracker.makepyfile(WORKLOAD)
-    result = tracker.runpytest("--gpumem-device=meta", "--gpumem-backend=cuda")
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["ERROR: --gpumem-device=meta is measured by the tracker, not --gpumem-backend=cuda"])
     result = tracker.runpytest("--gpumem-device=gpu")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--gpumem-device: invalid device 'gpu' (cpu, or meta*"])
@@ -118,37 +152,35 @@ def test_but_not_in_2_gib(gpumem):
 
 def test_on_cpu(gpumem):
     assert gpumem.device.type == "cpu"
+
+@pytest.mark.max_memory(device="cuda")
+def test_not_cuda(gpumem):
+    pass
 """
 
 
-def test_a_marker_makes_one_test_a_prediction(tracker: pytest.Pytester) -> None:
+def test_a_marker_makes_one_test_a_prediction(
+    tracker: pytest.Pytester, reported: Callable[..., dict[str, dict[str, Any]]]
+) -> None:
     tracker.makepyfile(FITS)
     result = tracker.runpytest("--gpumem-json=out.json", "-p", "no:randomly")
-    result.assert_outcomes(passed=2, failed=1)
+    result.assert_outcomes(passed=2, failed=2)
     result.stdout.fnmatch_lines(
         [
             "out of memory in the call (tried to allocate 1.0 GiB) after a peak of 1.0 GiB: "
-            "past the capacity 2 GiB (max_memory capacity=); a prediction on meta"
+            "past the capacity 2 GiB (max_memory capacity=); a prediction on meta",
+            "*max_memory device=: only 'meta' (a prediction without data) is chosen per test, got 'cuda'",
         ]
     )
     result.stdout.no_fnmatch_line("*All traceback entries are hidden*")
-    tests = {t["nodeid"].split("::")[1]: t for t in json.loads((tracker.path / "out.json").read_text())["tests"]}
-    assert {name: t["device"] for name, t in tests.items()} == {
+    tests = reported()
+    assert {name: t["device"] for name, t in tests.items() if name != "test_not_cuda"} == {
         "test_batch_32_fits_in_3_gib": "meta",
         "test_but_not_in_2_gib": "meta",
         "test_on_cpu": "cpu",
     }
     # 2 x (16384 x 16384 + 16384) x 4 B for weights, bias and gradients; the batch's few MiB on top
     assert tests["test_batch_32_fits_in_3_gib"]["peak_bytes"] >= 2 * (16384 * 16384 + 16384) * 4
-
-
-def test_only_meta_is_chosen_per_test(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile("import pytest\n\n@pytest.mark.max_memory(device='cuda')\ndef test_x(gpumem):\n    pass\n")
-    result = tracker.runpytest()
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(
-        ["*max_memory device=: only 'meta' (a prediction without data) is chosen per test, got 'cuda'"]
-    )
 
 
 # ---------------------------------------------------------------- a GPU's code paths on meta (unit)
@@ -324,6 +356,7 @@ def test_the_autograd_engine_is_restored_after_the_measurement() -> None:
     assert engine_entries() == before
 
 
+@pytest.mark.slow
 def test_torch_compile_traces_attention_as_written_on_meta() -> None:
     # the graph is traced to ATen at compile time without the interception (Inductor cannot lower the
     # flash kernel's meta graph): a compiled region takes the CPU's path, whatever the paths

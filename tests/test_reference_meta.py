@@ -25,6 +25,7 @@ def test_reference_suite_runs_on_meta(tracker: pytest.Pytester) -> None:
     assert sum("bytes checked" in line for line in result.outlines) == 1
 
 
+@pytest.mark.slow
 def test_meta_bytes_equal_cpu_bytes(tracker: pytest.Pytester) -> None:
     """The report's rows on meta are the CPU rows of the same strategies, byte for byte."""
     selection = "naive_sum or dot or chunked_ce_checkpoint or clip_grad or compress_activations"
@@ -41,6 +42,7 @@ def test_meta_bytes_equal_cpu_bytes(tracker: pytest.Pytester) -> None:
     assert rows["meta"] == rows["cpu"]
 
 
+@pytest.mark.slow
 def test_reference_at_production_scale_on_meta(tracker: pytest.Pytester) -> None:
     """At --gpumem-scale=256 (GiB-sized batches no test machine holds) the exact bounds still hold,
     among them the two that the weight gradient dominates at scale 1 and the logits at large scales."""

@@ -10,6 +10,15 @@ import sys
 import pytest
 import torch
 
+from pytest_gpumem.backends.base import (
+    Configurable,
+    ExplainsItsPeaks,
+    HasCapacity,
+    IdentifiesDevice,
+    TakesSnapshots,
+    rounding_of,
+    sees_earlier_allocations,
+)
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.backends.tracker.ledger import StorageLedger, cuda_block_size
 
@@ -250,3 +259,33 @@ def test_the_ledger_refuses_an_allocation_past_its_capacity() -> None:
     with pytest.raises(OverflowError, match=r"tried to allocate 500 B with 600 B of the capacity 1000 B already"):
         ledger.add(FakeStorage(2, 500))
     assert ledger.allocated == 600
+
+
+def test_a_backend_without_optional_features_is_taken_to_see_everything() -> None:
+    class Minimal:
+        name = "minimal"
+
+    backend = Minimal()
+    assert (sees_earlier_allocations(backend), rounding_of(backend)) == (True, "none")
+    features = (Configurable, ExplainsItsPeaks, HasCapacity, IdentifiesDevice, TakesSnapshots)
+    assert not any(isinstance(backend, feature) for feature in features)
+
+
+def test_the_tracker_explains_rounds_and_counts_only_what_it_observes() -> None:
+    backend = TrackerBackend("cuda")
+    assert isinstance(backend, ExplainsItsPeaks) and not isinstance(backend, TakesSnapshots)
+    assert (sees_earlier_allocations(backend), rounding_of(backend)) == (False, "cuda")
+    backend.configure(1000, origins=False, events=False)
+    assert backend.capacity == 1000
+
+
+def test_the_trackers_capacity_is_lowered_or_lifted_for_a_block() -> None:
+    backend = TrackerBackend()
+    backend.configure(1000, origins=False, events=False)
+    with backend.held_to(2000):  # never above the configured capacity
+        assert backend.capacity == 1000
+    with backend.held_to(500):
+        assert backend.capacity == 500
+    with backend.held_to(None):
+        assert backend.capacity is None
+    assert backend.capacity == 1000

@@ -97,10 +97,12 @@ class HasCapacity(Protocol):
 
 @runtime_checkable
 class HoldsToCapacity(Protocol):
-    """A backend that can lower its capacity for a block (`gpumem.fit(confirm=True)` runs its answer so)."""
+    """A backend that can change its capacity for a block: lower it (`gpumem.fit(confirm=True)` runs its
+    answer so) or lift it (`gpumem.advise()` judges a capacity itself)."""
 
-    def held_to(self, capacity: int) -> contextlib.AbstractContextManager[None]:
-        """Within the block, an allocation past `capacity` bytes raises OutOfMemoryError."""
+    def held_to(self, capacity: int | None) -> contextlib.AbstractContextManager[None]:
+        """Within the block, an allocation past `capacity` bytes (or the capacity set before, if lower)
+        raises OutOfMemoryError; None: no capacity holds within the block."""
         ...
 
 

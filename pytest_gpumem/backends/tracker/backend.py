@@ -30,6 +30,15 @@ def _out_of_memory() -> type[Exception]:
     return torch.OutOfMemoryError
 
 
+def _fake_outputs_note(count: int) -> list[str]:
+    if not count:
+        return []
+    return [
+        f"{count} op outputs were fake tensors (FakeTensorMode): they hold no memory and were not counted; "
+        "the figures are what the test's real tensors used"
+    ]
+
+
 def default_paths(rounding: str, device: str) -> str:
     """A GPU's code paths where the run predicts a GPU (the meta device, CUDA rounding), else the CPU's."""
     return "gpu" if device == "meta" or rounding == "cuda" else "cpu"
@@ -120,11 +129,7 @@ class TrackerBackend:
                 attribution.remove()
             if self._patches is not None:
                 self._patches.undo()
-            if self.ledger.fake_outputs:
-                self._notes.append(
-                    f"{self.ledger.fake_outputs} op outputs were fake tensors (FakeTensorMode): they hold no memory "
-                    "and were not counted; the figures are what the test's real tensors used"
-                )
+            self._notes += _fake_outputs_note(self.ledger.fake_outputs)
             self.ledger.forget()
             self.ledger.recorder = None  # its events were read before the stop
 
@@ -151,11 +156,14 @@ class TrackerBackend:
             self.ledger.recorder = Recorder(events) if origins or events else None
 
     @contextlib.contextmanager
-    def held_to(self, capacity: int) -> Iterator[None]:
+    def held_to(self, capacity: int | None) -> Iterator[None]:
         """Within the block, an allocation past `capacity` bytes (or the configured capacity, if lower)
-        raises OutOfMemoryError (`gpumem.fit(confirm=True)` runs its answer so)."""
+        raises OutOfMemoryError (`gpumem.fit(confirm=True)` runs its answer so); None: none is held to
+        (`gpumem.advise()` judges a capacity itself)."""
         before = self.ledger.capacity
-        self.ledger.capacity = capacity if before is None else min(before, capacity)
+        if capacity is not None and before is not None:
+            capacity = min(before, capacity)
+        self.ledger.capacity = capacity
         try:
             yield
         finally:
