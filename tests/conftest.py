@@ -1,23 +1,47 @@
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
+import pkgutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import hypothesis  # noqa: F401
 import pytest
 import torch
 import torch._dynamo
 import torch._dynamo.repro.after_dynamo  # what torch.compile imports for any backend
 
-# pytester's in-process runs drop modules first imported inside them; torch registers operator
-# libraries on import (torch._dynamo -> torch._inductor.test_operators) and torch.compile's cache
-# artifacts (torch._inductor.runtime.autotune_cache), which must not happen twice, so everything that
-# inner runs may import lazily is imported here first.
+import pytest_gpumem
+
+# pytester's in-process runs drop the modules first imported inside them, so what inner runs import
+# lazily is imported here, once. torch registers operator libraries on import (torch._dynamo ->
+# torch._inductor.test_operators) and torch.compile's cache artifacts (torch._inductor.runtime.
+# autotune_cache), which must not happen twice. The others cost time in every inner run: hypothesis
+# (its plugin imports it at the end of each run, and pytest rewrites the asserts of a plugin's whole
+# distribution), this package's lazily imported modules and the reference strategies were about 90% of
+# a trivial run.
 torch.utils.checkpoint.checkpoint  # noqa: B018
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.script_method, in torch's own modules
     import torch._inductor.compile_fx  # what the default backend imports
+
+
+def _import_once(names: Iterable[str]) -> None:
+    for name in names:
+        with contextlib.suppress(Exception):  # a module that cannot be imported fails the tests that use it
+            importlib.import_module(name)
+
+
+_import_once(
+    module.name
+    for module in pkgutil.walk_packages(pytest_gpumem.__path__, "pytest_gpumem.", onerror=lambda name: None)
+    if not module.name.endswith(".__main__")
+)
+# not reference_losses.fixtures: inner runs load it as a plugin (its asserts rewritten)
+_import_once(f"reference_losses.{name}" for name in ("losses", "training", "distributed", "report"))
 
 
 @pytest.fixture(autouse=True)
