@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from pytest_gpumem.cli import main
 
 SUITE = """
 import os
@@ -35,9 +40,19 @@ def _report(pytester: pytest.Pytester, name: str, n: int, only_a: bool = False) 
     return pytester.path / name
 
 
-def _cli(*args: object) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "pytest_gpumem", *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, check=False)
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _cli(*args: object) -> Run:
+    """`pytest-gpumem ARGS` in this process (the installed command is tested once, below)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(arg) for arg in args])
+    return Run(code, out.getvalue(), err.getvalue())
 
 
 def test_same_figures_pass(tracker: pytest.Pytester) -> None:
@@ -110,9 +125,8 @@ def test_merge_shards_and_refuse_disagreeing_duplicates(tracker: pytest.Pytester
 
 def test_installed_as_a_command() -> None:
     command = shutil.which("pytest-gpumem", path=str(Path(sys.executable).parent))
-    if command is None:
-        pytest.skip("the console script is installed by `pip install`")
-    run = subprocess.run([command, "compare", "--help"], capture_output=True, text=True, check=False)
+    launch = [sys.executable, "-m", "pytest_gpumem"] if command is None else [command]
+    run = subprocess.run([*launch, "compare", "--help"], capture_output=True, text=True, check=False)
     assert run.returncode == 0
     assert "--tolerance PCT" in run.stdout
 
