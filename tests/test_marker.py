@@ -1,13 +1,20 @@
-"""The max_memory marker: limits on each side of a measured peak, and every bad argument."""
+"""The max_memory marker: limits on each side of a measured peak, markers on several levels, and every
+bad argument (read by `budget_from_marker`; one run shows how a bad marker fails its test)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from fnmatch import fnmatchcase
+from typing import Any
 
 import pytest
 
-# forward peak of torch.sum(x * y) on N float32: the product (4N) and the sum (4): 4004 bytes for N = 1000
-STEP = """
+from pytest_gpumem import Budget, GpuMemError, budget_from_marker
+
+# forward peak of torch.sum(x * y) on N float32: the product (4N) and the sum (4): 4004 bytes for N = 1000;
+# backward: the seed (4) and grad * y (4000)
+PHASE_LIMITS = """
 import pytest, torch
 
 N = 1000
@@ -19,45 +26,66 @@ def step(gpumem):
         loss = torch.sum(x * y)
     with gpumem.phase("backward"):
         loss.backward()
+
+LIMITS = [4004, "4004 B", "4.004 kB", 4003, "4.003kB"]
+
+@pytest.mark.parametrize(
+    "limit", [pytest.param(n, marks=pytest.mark.max_memory(forward=n), id=str(n)) for n in LIMITS]
+)
+def test_edge(gpumem, limit):
+    step(gpumem)
+
+@pytest.mark.max_memory(forward='1 MB', backward='2 kB')
+def test_over(gpumem):
+    step(gpumem)
+
+@pytest.mark.max_memory(forwrd='1 MB')
+def test_unopened(gpumem):
+    step(gpumem)
+
+@pytest.mark.max_memory("1 MB", tolerance="7.5%")
+def test_tolerance_alone_passes():
+    pass
+
+@pytest.mark.max_memory(forward="1 MB", tolerance=0)
+def test_zero_tolerance_passes(gpumem):
+    step(gpumem)
 """
 
 
-@pytest.mark.parametrize(
-    ("limit", "passes"),
-    [("4004", True), ("4003", False), ("'4004 B'", True), ("'4.004 kB'", True), ("'4.003kB'", False)],
-)
-def test_phase_limit_edges(tracker: pytest.Pytester, limit: str, passes: bool) -> None:
-    tracker.makepyfile(STEP + f"\n@pytest.mark.max_memory(forward={limit})\ndef test_it(gpumem):\n    step(gpumem)\n")
-    result = tracker.runpytest()
-    result.assert_outcomes(passed=int(passes), failed=int(not passes))
-    if not passes:
-        result.stdout.fnmatch_lines(["*forward peak * (4,004 B) exceeds max_memory forward=*"])
-
-
-def test_over_budget_message_and_section(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(
-        STEP + "\n@pytest.mark.max_memory(forward='1 MB', backward='2 kB')\ndef test_it(gpumem):\n    step(gpumem)\n"
-    )
-    result = tracker.runpytest()
-    result.assert_outcomes(failed=1)
+def test_phase_limits_hold_to_the_byte_and_a_failure_names_phase_limit_and_breakdown(
+    tracker: pytest.Pytester,
+) -> None:
+    tracker.makepyfile(PHASE_LIMITS)
+    result = tracker.runpytest("-p", "no:randomly")
+    result.assert_outcomes(passed=5, failed=4)
     result.stdout.fnmatch_lines(
         [
+            "*_ test_edge[[]4003[]] _*",
+            "forward peak 3.9 KiB (4,004 B) exceeds max_memory forward=4003 B*",
+            "*_ test_edge[[]4.003kB[]] _*",
+            "forward peak 4.0 kB (4,004 B) exceeds max_memory forward=4.003kB*",
+            "*_ test_over _*",
             "backward peak 4.0 kB exceeds max_memory backward=2 kB "
             "(see what made it with --gpumem-explain or max_memory(explain=True))",
             "*Captured gpumem call*",
             "forward: peak 3.9 KiB (requested 3.9 KiB), net 4 B, entered 1x",
             "backward: peak 3.9 KiB (requested 3.9 KiB), net 3.9 KiB, entered 1x",
             "call: peak *",
+            "*_ test_unopened _*",
+            "*::test_unopened: max_memory names phase 'forwrd' that the test never opened (opened: forward, backward)",
         ]
     )
     result.stdout.no_fnmatch_line("*Traceback*")
     result.stdout.no_fnmatch_line("*pytest_gpumem*")
 
 
-def test_whole_call_limit_without_fixture(tracker: pytest.Pytester) -> None:
+def test_call_limits_on_functions_classes_modules_and_parameters(tracker: pytest.Pytester) -> None:
     tracker.makepyfile(
         """
         import pytest, torch
+
+        pytestmark = pytest.mark.max_memory("1 KiB")
 
         @pytest.mark.max_memory(8000)
         def test_fits():
@@ -67,77 +95,52 @@ def test_whole_call_limit_without_fixture(tracker: pytest.Pytester) -> None:
         def test_over():
             torch.ones(2000)
 
-        @pytest.mark.max_memory("1 KiB")
+        @pytest.mark.max_memory(forward="100 KiB")
+        def test_module_cap_still_holds(gpumem):
+            with gpumem.phase("forward"):
+                torch.ones(1000)  # 4000 B: within forward=100 KiB, over the module's 1 KiB call limit
+
+        @pytest.mark.max_memory("1 MiB")
+        @pytest.mark.max_memory("2 KiB")
+        def test_stacked_strictest_wins():
+            torch.ones(1000)
+
+        @pytest.mark.parametrize("n", [pytest.param(100, marks=pytest.mark.max_memory("512 B")), 10])
+        @pytest.mark.max_memory("1 MiB")
+        def test_param_marks(n):
+            torch.ones(n)
+
+        @pytest.mark.max_memory("3 KiB")
         class TestClassMarker:
             def test_small(self):
-                torch.ones(256)
+                torch.ones(768)
 
             def test_big(self):
-                torch.ones(257)
+                torch.ones(769)
         """
     )
-    result = tracker.runpytest()
-    result.assert_outcomes(passed=2, failed=2)
-    result.stdout.fnmatch_lines(["*call peak 7.8 KiB (8,000 B) exceeds max_memory 7999 B*", "*call peak 1.0 KiB*"])
-
-
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        ("", "max_memory needs a limit or a tolerance*"),
-        ("None", "max_memory needs a limit or a tolerance*"),
-        ("call='1 MB'", "max_memory: 'call' is the whole test call; give its limit positionally*"),
-        ("-1", "max_memory limit: size must not be negative, got -1"),
-        ("'-2 MB'", "max_memory limit: size must not be negative, got '-2 MB'"),
-        ("0", "max_memory limit: a limit must be above zero, got 0"),
-        ("'0 MiB'", "max_memory limit: a limit must be above zero, got '0 MiB'"),
-        ("'2 apples'", "max_memory limit: unknown unit 'apples' in size '2 apples'*"),
-        ("'lots'", "max_memory limit: cannot read size 'lots'*"),
-        (
-            "'9' * 5000 + ' GiB'",
-            "max_memory limit: size text must be at most 100 characters, got '999*...*999 GiB' (5,004 characters)",
-        ),
-        ("10**400", "max_memory limit: size must be below 2**63 bytes, got 1000*...*000 (401 digits)"),
-        ("-(10**400)", "max_memory limit: size must not be negative, got -1000*...*000 (401 digits)"),
-        ("forward=2**63", "max_memory forward=: size must be below 2**63 bytes, got 9223372036854775808"),
-        ("'99999999 TiB'", "max_memory limit: size must be below 2**63 bytes, got '99999999 TiB'"),
-        ("tolerance=10**400", "max_memory tolerance: must be between 0 and 1000 percent, got 1000*(401 digits)"),
-        ("tolerance='9' * 5000", "max_memory tolerance: text must be at most 100 characters, got '999*(5,000 chara*"),
-        ("1.5", "max_memory limit: size must be an int (bytes) or a string like '64 MiB', got 1.5"),
-        ("[1]", "max_memory limit: size must be an int*got [[]1[]]"),
-        ("forward='1 XB'", "max_memory forward=: unknown unit 'XB'*"),
-        ("forward=True", "max_memory forward=: size must be an int*got True"),
-        ("'1 MB', '2 MB'", "max_memory takes one positional limit, got 2*"),
-        ("'1 MB', limit='2 MB'", "max_memory got the limit both positionally and as limit=*"),
-        ("'1 MB', tolerance='five'", "max_memory tolerance: must be a percentage like 5 or '5%', got 'five'"),
-        ("'1 MB', tolerance=-1", "max_memory tolerance: must be between 0 and 1000 percent, got -1"),
-    ],
-)
-def test_bad_arguments_fail_that_test_in_one_line(tracker: pytest.Pytester, args: str, message: str) -> None:
-    tracker.makepyfile(
-        f"""
-        import pytest
-
-        @pytest.mark.max_memory({args})
-        def test_bad():
-            pass
-
-        def test_unaffected():
-            pass
-        """
+    result = tracker.runpytest("-p", "no:randomly")
+    result.assert_outcomes(passed=4, failed=4)
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_over _*",
+            "call peak 7.8 KiB (8,000 B) exceeds max_memory 7999 B*",
+            "*_ test_module_cap_still_holds _*",
+            "call peak 3.9 KiB exceeds max_memory 1 KiB "
+            "(see what made it with --gpumem-explain or max_memory(explain=True))",
+            "*_ test_stacked_strictest_wins _*",
+            "call peak 3.9 KiB exceeds max_memory 2 KiB (see what made it with --gpumem-explain*",
+            "*_ TestClassMarker.test_big _*",
+            "call peak 3.0 KiB (3,076 B) exceeds max_memory 3 KiB*",
+        ]
     )
-    result = tracker.runpytest()
-    result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines([f"test_bad_arguments_fail_that_test_in_one_line.py::test_bad: {message}"])
-    result.stdout.no_fnmatch_line("*INTERNALERROR*")
-    result.stdout.no_fnmatch_line("*Traceback*")
-    result.stdout.no_fnmatch_line("*During handling*")
-    assert max(len(line) for line in result.outlines) < 300
 
 
-def test_huge_limits_are_refused_before_any_file_is_written(tracker: pytest.Pytester) -> None:
-    """Sizes travel as JSON integers: one beyond 64 bits fails its test, and the report and the
-    baseline file are still written, without it."""
+def test_a_bad_marker_fails_only_its_test_in_one_line_and_the_files_are_still_written(
+    tracker: pytest.Pytester, reported: Callable[..., dict[str, dict[str, Any]]]
+) -> None:
+    """Sizes travel as JSON integers: one beyond 64 bits fails its test, and the report and the baseline
+    file are still written, without it."""
     tracker.makepyfile(
         """
         import pytest
@@ -150,87 +153,113 @@ def test_huge_limits_are_refused_before_any_file_is_written(tracker: pytest.Pyte
         def test_huge_text():
             pass
 
+        @pytest.mark.max_memory("2 apples")
+        def test_apples():
+            pass
+
         @pytest.mark.max_memory("1 MiB")
         def test_fine():
+            pass
+
+        def test_unaffected():
             pass
         """
     )
     result = tracker.runpytest("--gpumem-json=out.json", "--gpumem-update", "--gpumem-report")
-    result.assert_outcomes(passed=1, failed=2)
-    result.stdout.no_fnmatch_line("*INTERNALERROR*")
-    result.stdout.no_fnmatch_line("*Traceback*")
-    result.stdout.fnmatch_lines(["*::test_huge_int: max_memory limit: size must be below 2**63 bytes, got 1000*"])
-    data = json.loads((tracker.path / "out.json").read_text())
-    status = {t["nodeid"].split("::")[1]: t["status"] for t in data["tests"]}
-    assert status == {"test_huge_int": "error", "test_huge_text": "error", "test_fine": "NEW"}
+    result.assert_outcomes(passed=2, failed=3)
+    result.stdout.fnmatch_lines(
+        [
+            "*::test_huge_int: max_memory limit: size must be below 2**63 bytes, got 1000*",
+            "*::test_apples: max_memory limit: unknown unit 'apples' in size '2 apples'*",
+        ]
+    )
+    for forbidden in ("*INTERNALERROR*", "*Traceback*", "*During handling*"):
+        result.stdout.no_fnmatch_line(forbidden)
+    assert max(len(line) for line in result.outlines) < 300
+    status = {name: test["status"] for name, test in reported().items()}
+    assert status == {"test_huge_int": "error", "test_huge_text": "error", "test_apples": "error", "test_fine": "NEW"}
     json.loads((tracker.path / "gpumem-baselines.json").read_text())
 
 
-def test_unopened_phase_limit(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(STEP + "\n@pytest.mark.max_memory(forwrd='1 MB')\ndef test_it(gpumem):\n    step(gpumem)\n")
-    result = tracker.runpytest()
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(
-        ["*::test_it: max_memory names phase 'forwrd' that the test never opened (opened: forward, backward)"]
-    )
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        ((), {}, "max_memory needs a limit or a tolerance*"),
+        ((None,), {}, "max_memory needs a limit or a tolerance*"),
+        ((), {"call": "1 MB"}, "max_memory: 'call' is the whole test call; give its limit positionally*"),
+        ((-1,), {}, "max_memory limit: size must not be negative, got -1"),
+        (("-2 MB",), {}, "max_memory limit: size must not be negative, got '-2 MB'"),
+        ((0,), {}, "max_memory limit: a limit must be above zero, got 0"),
+        (("0 MiB",), {}, "max_memory limit: a limit must be above zero, got '0 MiB'"),
+        (("2 apples",), {}, "max_memory limit: unknown unit 'apples' in size '2 apples'*"),
+        (("lots",), {}, "max_memory limit: cannot read size 'lots'*"),
+        (
+            ("9" * 5000 + " GiB",),
+            {},
+            "max_memory limit: size text must be at most 100 characters, got '999*...*999 GiB' (5,004 characters)",
+        ),
+        ((10**400,), {}, "max_memory limit: size must be below 2**63 bytes, got 1000*...*000 (401 digits)"),
+        ((-(10**400),), {}, "max_memory limit: size must not be negative, got -1000*...*000 (401 digits)"),
+        ((), {"forward": 2**63}, "max_memory forward=: size must be below 2**63 bytes, got 9223372036854775808"),
+        (("99999999 TiB",), {}, "max_memory limit: size must be below 2**63 bytes, got '99999999 TiB'"),
+        ((), {"tolerance": 10**400}, "max_memory tolerance: must be between 0 and 1000 percent, got 1000*(401 digits)"),
+        (
+            (),
+            {"tolerance": "9" * 5000},
+            "max_memory tolerance: text must be at most 100 characters, got '999*(5,000 c*",
+        ),
+        ((1.5,), {}, "max_memory limit: size must be an int (bytes) or a string like '64 MiB', got 1.5"),
+        (([1],), {}, "max_memory limit: size must be an int*got [[]1[]]"),
+        ((), {"forward": "1 XB"}, "max_memory forward=: unknown unit 'XB'*"),
+        ((), {"forward": True}, "max_memory forward=: size must be an int*got True"),
+        (("1 MB", "2 MB"), {}, "max_memory takes one positional limit, got 2*"),
+        (("1 MB",), {"limit": "2 MB"}, "max_memory got the limit both positionally and as limit=*"),
+        (("1 MB",), {"tolerance": "five"}, "max_memory tolerance: must be a percentage like 5 or '5%', got 'five'"),
+        (("1 MB",), {"tolerance": -1}, "max_memory tolerance: must be between 0 and 1000 percent, got -1"),
+        ((), {"explain": "yes"}, "max_memory explain=: must be True or False, got 'yes'"),
+        ((), {"device": "cuda"}, "max_memory device=: only 'meta' (a prediction without data) is chosen per test*"),
+    ],
+)
+def test_a_bad_argument_is_named_in_one_short_line(args: tuple[Any, ...], kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(GpuMemError) as refused:
+        budget_from_marker(args, kwargs)
+    assert fnmatchcase(str(refused.value), message), str(refused.value)
+    assert len(str(refused.value)) < 300
 
 
-def test_tolerance_accepted(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(
-        """
-        import pytest
-
-        @pytest.mark.max_memory("1 MB", tolerance="7.5%")
-        def test_a():
-            pass
-
-        @pytest.mark.max_memory(forward="1 MB", tolerance=0)
-        def test_b(gpumem):
-            with gpumem.phase("forward"):
-                pass
-        """
-    )
-    tracker.runpytest().assert_outcomes(passed=2)
+@pytest.mark.parametrize(
+    ("args", "kwargs", "described"),
+    [
+        ((4004,), {}, "4004 B"),
+        (("1 MB",), {"tolerance": "7.5%"}, "1 MB, tolerance 7.5%"),
+        ((), {"forward": "1 MB", "tolerance": 0}, "forward=1 MB, tolerance 0%"),
+        ((), {"tolerance": 10}, "tolerance 10%"),
+        ((), {"leak": 0, "capacity": "2 GiB"}, "capacity 2 GiB, leak 0 B"),
+        ((), {"device": "meta", "explain": True}, "on meta, explained"),
+    ],
+)
+def test_a_good_marker_reads_as_written(args: tuple[Any, ...], kwargs: dict[str, Any], described: str) -> None:
+    assert budget_from_marker(args, kwargs).describe() == described
 
 
-def test_markers_on_several_levels(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(
-        """
-        import pytest, torch
+def test_sizes_keep_their_family_of_units() -> None:
+    budget = budget_from_marker(("4 KiB",), {"forward": "4 kB"})
+    assert budget.to_dict() == {"call": 4096, "forward": 4000}
+    assert budget.total is not None
+    assert (budget.total.fmt(4000), budget.phases["forward"].fmt(4100)) == ("3.9 KiB", "4.1 kB")
 
-        pytestmark = pytest.mark.max_memory("1 KiB")
 
-        @pytest.mark.max_memory(forward="100 KiB")
-        def test_module_cap_still_holds(gpumem):
-            with gpumem.phase("forward"):
-                torch.ones(1000)  # 4000 B: within forward=100 KiB, over the module's 1 KiB call limit
+def test_markers_of_one_level_all_hold_and_a_closer_level_overrides_a_farther_one() -> None:
+    from pytest_gpumem.budget import all_of, closest_first
 
-        @pytest.mark.max_memory("8 KiB")
-        def test_function_overrides_module():
-            torch.ones(1000)
+    def marker(*args: Any, **kwargs: Any) -> Budget:
+        return budget_from_marker(args, kwargs)
 
-        @pytest.mark.max_memory("1 MiB")
-        @pytest.mark.max_memory("2 KiB")
-        def test_stacked_strictest_wins():
-            torch.ones(1000)
-
-        @pytest.mark.parametrize("n", [pytest.param(100, marks=pytest.mark.max_memory("512 B")), 10])
-        @pytest.mark.max_memory("1 MiB")
-        def test_param_marks(n):
-            torch.ones(n)
-        """
-    )
-    result = tracker.runpytest()
-    result.assert_outcomes(passed=3, failed=2)
-    result.stdout.fnmatch_lines(
-        [
-            "*_ test_module_cap_still_holds _*",
-            "call peak 3.9 KiB exceeds max_memory 1 KiB "
-            "(see what made it with --gpumem-explain or max_memory(explain=True))",
-            "*_ test_stacked_strictest_wins _*",
-            "call peak 3.9 KiB exceeds max_memory 2 KiB (see what made it with --gpumem-explain*",
-        ]
-    )
+    stacked = all_of([marker("1 MiB", tolerance=10, forward="2 KiB"), marker("2 KiB", tolerance=5, forward="1 KiB")])
+    assert stacked.to_dict() == {"call": 2048, "tolerance": 5, "forward": 1024}
+    function, module = marker(forward="100 KiB"), marker("1 KiB", tolerance=3)
+    assert closest_first([function, module]).to_dict() == {"call": 1024, "forward": 102400, "tolerance": 3}
+    assert closest_first([marker("8 KiB"), module]).to_dict() == {"call": 8192, "tolerance": 3}
 
 
 def test_marker_registered(pytester: pytest.Pytester) -> None:
