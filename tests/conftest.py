@@ -3,7 +3,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import os
 import pkgutil
+import shutil
+import sys
+import tempfile
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -69,3 +73,21 @@ def reported(pytester: pytest.Pytester) -> Callable[..., dict[str, dict[str, Any
         return {test["nodeid"].split("::", 1)[1]: test for test in doc["tests"]}
 
     return read
+
+
+@pytest.fixture
+def runpytest_bound_by_file_modes(pytester: pytest.Pytester) -> Callable[..., pytest.RunResult]:
+    """`pytester.runpytest_subprocess`, in a process that file modes bind: as root (CI runs as root), one
+    without the capabilities that read and search any file (setpriv, of util-linux)."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return pytester.runpytest_subprocess
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("root reads files whatever their mode, and there is no setpriv to take that away")
+    unbound = "--bounding-set=-dac_override,-dac_read_search"
+
+    def run(*args: str) -> pytest.RunResult:
+        basetemp = tempfile.mkdtemp(prefix="basetemp-", dir=pytester.path)
+        return pytester.run(setpriv, unbound, sys.executable, "-m", "pytest", f"--basetemp={basetemp}", *args)
+
+    return run

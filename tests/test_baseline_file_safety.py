@@ -421,12 +421,16 @@ def test_symlink_loop_is_refused_in_a_plain_run(tracker: pytest.Pytester) -> Non
     refused(tracker, "a symbolic link loop")
 
 
-@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root reads files whatever their mode")
-def test_unreadable_file_is_refused(tracker: pytest.Pytester) -> None:
+def test_unreadable_file_is_refused(
+    tracker: pytest.Pytester, runpytest_bound_by_file_modes: Callable[..., pytest.RunResult]
+) -> None:
     path = tracker.path / BASELINES
     F.write(BaselineStore(path))
     path.chmod(0)
-    refused(tracker, "Permission denied")
+    result = runpytest_bound_by_file_modes("-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    (line,) = [line for line in result.stderr.lines if line.strip()]
+    assert line.startswith("ERROR: ") and BASELINES in line and "Permission denied" in line, line
 
 
 NUMBER_CASES = {
