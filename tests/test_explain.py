@@ -19,7 +19,8 @@ import pytest
 from pytest_gpumem.budget import budget_from_marker
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.explain.growth import what_grew
-from pytest_gpumem.results.explanation import composition_from_json
+from pytest_gpumem.explain.replay import on_rank
+from pytest_gpumem.results.explanation import Explanation, PhaseExplanation, composition_from_json
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "saved", "temporaries", "inputs")
 
@@ -294,6 +295,19 @@ def test_budget_failure_says_what_made_the_peak(tracker: pytest.Pytester) -> Non
 def test_explain_must_be_a_bool() -> None:
     with pytest.raises(GpuMemError, match="max_memory explain=: must be True or False, got 'yes'"):
         budget_from_marker((), {"explain": "yes"})
+
+
+def test_the_explanation_reads_back_to_the_same_json(run: Run) -> None:
+    """Typed and written again, each explanation is the JSON the report holds; a rank's phase has no spans
+    on the test's events and keeps where its peak was on the rank's own."""
+    for test in run.tests.values():
+        typed = Explanation.from_json(test["explanation"])
+        assert typed.to_json() == test["explanation"]
+    forward = Explanation.from_json(run.tests["test_two"]["explanation"]).phases["forward"]
+    ranked = on_rank(forward, 1).to_json()
+    assert ranked["rank"] == 1 and "peak_index" not in ranked
+    assert (ranked["spans"], ranked["rank_peak_index"]) == ([], forward.peak_index)
+    assert PhaseExplanation.from_json(ranked) == on_rank(forward, 1)
 
 
 def test_report_markdown_and_pictures_carry_the_composition(run: Run) -> None:

@@ -18,7 +18,7 @@ from pytest_gpumem.report.terminal import (
     shorten_ids,
     table_lines,
 )
-from pytest_gpumem.results import PhaseResult, TestResult
+from pytest_gpumem.results import PhaseResult, Status, TestResult
 from pytest_gpumem.results.baseline import PhaseComparison, PhaseStatus, Verdict
 
 MIB = 1024 * 1024
@@ -233,7 +233,7 @@ def test_fixed_columns_empty_in_every_row_are_left_out() -> None:
 def test_one_compared_test_keeps_its_whole_id_at_80_columns() -> None:
     # 1250 float32 = 5,000 B = 4.9 KiB against a baseline of 4,000 B = 3.9 KiB: +25.0%
     made = PhaseResult("made", 5000, 5000, None, 0)
-    result = TestResult("test_suite.py::test_alloc[a]", "tracker", "cpu", made, {"made": made}, status="REGRESSED")
+    result = TestResult("test_suite.py::test_alloc[a]", "tracker", "cpu", made, {"made": made}, status=Status.REGRESSED)
     result.baseline = compared((None, 4000, 25.0, "REGRESSED"))
     lines = table_lines([result], 80)
     assert lines[0].split() == ["test", "made", "call", "peak", "baseline", "change", "status"]
