@@ -413,8 +413,8 @@ def test_foreach_default_is_restored_after_the_measurement() -> None:
 
 
 def test_identity_names_paths_only_when_not_the_default() -> None:
-    assert TrackerBackend(device="meta").identity()["backend"] == "tracker (meta)"
-    assert TrackerBackend(device="meta", paths="cpu").identity()["backend"] == "tracker (meta, cpu paths)"
+    assert TrackerBackend(device="meta").identity().backend == "tracker (meta)"
+    assert TrackerBackend(device="meta", paths="cpu").identity().backend == "tracker (meta, cpu paths)"
     assert TrackerBackend("cuda").paths == "gpu"
     assert TrackerBackend().paths == "cpu"
 

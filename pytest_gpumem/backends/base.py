@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from pytest_gpumem.backends.tracker.attribution import Attributor
     from pytest_gpumem.backends.tracker.recording import Origin, Survivor
+    from pytest_gpumem.results.baseline import DeviceIdentity
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,8 @@ class Backend(Protocol):
 class IdentifiesDevice(Protocol):
     """A backend that identifies its device for baselines (without it: its name and `str(device)`)."""
 
-    def identity(self) -> dict[str, Any]:
-        """`backend` and `device`, optionally `capability` and `total_memory`: what stored baselines are
+    def identity(self) -> DeviceIdentity:
+        """The backend and device, optionally capability and total memory: what stored baselines are
         keyed by (figures of one identity are never compared with another's)."""
         ...
 

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_gpumem.backends.base import Counters
 from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.results.baseline import DeviceIdentity
 
 if TYPE_CHECKING:
     import torch
@@ -53,17 +54,13 @@ class CudaBackend:
     def device(self) -> torch.device:
         return self._device
 
-    def identity(self) -> dict[str, Any]:
+    def identity(self) -> DeviceIdentity:
         """The device model, compute capability and memory size: what baselines are keyed by."""
         import torch
 
         props = torch.cuda.get_device_properties(self._device)
-        return {
-            "backend": "rocm" if torch.version.hip else "cuda",
-            "device": props.name,
-            "capability": f"{props.major}.{props.minor}",
-            "total_memory": int(props.total_memory),
-        }
+        backend = "rocm" if torch.version.hip else "cuda"
+        return DeviceIdentity(backend, props.name, f"{props.major}.{props.minor}", int(props.total_memory))
 
     def describe(self) -> str:
         import torch

@@ -16,6 +16,7 @@ from pytest_gpumem.backends.tracker.ledger import StorageLedger
 from pytest_gpumem.backends.tracker.mode import leave, mode_class
 from pytest_gpumem.backends.tracker.patches import Patches
 from pytest_gpumem.constants import PATHS, ROUNDINGS
+from pytest_gpumem.results.baseline import DeviceIdentity
 
 if TYPE_CHECKING:
     import torch
@@ -73,13 +74,13 @@ class TrackerBackend:
 
         return torch.device(self._device_type)
 
-    def identity(self) -> dict[str, Any]:
+    def identity(self) -> DeviceIdentity:
         """What baselines are keyed by: rounding changes every figure, so it is part of the backend, and
         a meta run is a prediction that never mixes with measured figures."""
         paths = "" if self.paths == self._default_paths else f"{self.paths} paths"
         settings = [s for s in ("meta" if self._device_type == "meta" else "", self._rounding_text(), paths) if s]
         backend = "tracker" if not settings else f"tracker ({', '.join(settings)})"
-        return {"backend": backend, "device": self._device_type}
+        return DeviceIdentity(backend, self._device_type)
 
     def _rounding_text(self) -> str:
         return "" if self.rounding == "none" else f"round {self.rounding}"
