@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -419,7 +418,9 @@ def test_failure_clause_moves_the_measured_peak_by_the_strategys_change() -> Non
     )
 
 
-def test_failing_budget_names_the_best_strategy_and_reports_the_rows(tracker: pytest.Pytester) -> None:
+def test_failing_budget_names_the_best_strategy_and_reports_the_rows(
+    tracker: pytest.Pytester, reported: Callable[..., dict[str, dict[str, Any]]]
+) -> None:
     tracker.makepyfile(
         """
         import pytest, torch
@@ -452,7 +453,6 @@ def test_failing_budget_names_the_best_strategy_and_reports_the_rows(tracker: py
             "*skipped checkpoint-blocks: no repeated blocks*",
         ]
     )
-    doc = json.loads((tracker.path / "out.json").read_text())
-    (test,) = doc["tests"] if isinstance(doc, dict) and "tests" in doc else doc
+    (test,) = reported().values()
     rows = test["info"]["advice"]["rows"]
     assert [r["name"] for r in rows] == [AS_IS, "checkpoint-blocks", "fused-step"]

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Callable, Iterator
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,6 +15,8 @@ from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.measure.fit import MAX_BATCH, BatchFit, Sample, fit_measured, fit_peaks, fit_samples, least_squares
 from pytest_gpumem.measure.meter import GpuMem
+
+Reported = Callable[..., dict[str, dict[str, Any]]]
 
 FIXED = 1000 * 4  # torch.zeros(1000), float32
 ROW = 256 * 4  # one row of torch.ones(n, 256), float32
@@ -385,7 +387,7 @@ def test_confirm_must_be_a_bool(tracked: Tracked) -> None:
         fit_peaks(rows, [1, 2, 3], "1 MiB", tracked, confirm="yes")  # type: ignore[arg-type]
 
 
-def test_the_fixture_fits_a_batch_size(tracker: pytest.Pytester) -> None:
+def test_the_fixture_fits_a_batch_size(tracker: pytest.Pytester, reported: Reported) -> None:
     tracker.makepyfile(
         """
         import torch
@@ -417,8 +419,7 @@ def test_the_fixture_fits_a_batch_size(tracker: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(["E *ValueError: no batch of 1"])
     result.stdout.no_fnmatch_line("*pytest_gpumem/*")  # the user's frames only
     result.stdout.no_fnmatch_line("*INTERNALERROR*")
-    tests = json.loads((tracker.path / "out.json").read_text())["tests"]
-    assert tests[0]["info"]["fits"] == [
+    assert reported()["test_fits"]["info"]["fits"] == [
         "largest batch that fits 200,000 B: 171 (predicted peak 194.4 KiB, counting the 19.5 KiB allocated when "
         "the fit began; peak = 23.4 KiB + 1.0 KiB x n, fit exact); batch 171 ran within the capacity, peak "
         "194.4 KiB; batch 172 ran out of memory after 23.4 KiB"

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -27,19 +28,21 @@ def test_phase_limit(gpumem):
 """
 
 
-def _statuses(pytester: pytest.Pytester) -> dict[str, tuple[str, int]]:
-    tests = json.loads((pytester.path / "out.json").read_text(encoding="utf-8"))["tests"]
-    return {t["nodeid"].split("::")[1]: (t["status"], t["peak_bytes"]) for t in tests}
+Reported = Callable[..., dict[str, dict[str, Any]]]
+
+
+def _statuses(reported: Reported) -> dict[str, tuple[str, int]]:
+    return {name: (t["status"], t["peak_bytes"]) for name, t in reported().items()}
 
 
 @pytest.mark.parametrize("how", ["option", "ini"])
-def test_every_test_is_measured(tracker: pytest.Pytester, how: str) -> None:
+def test_every_test_is_measured(tracker: pytest.Pytester, how: str, reported: Reported) -> None:
     tracker.makepyfile(SUITE)
     if how == "ini":
         tracker.makeini("[pytest]\ngpumem_backend = tracker\ngpumem_all = true\n")
     args = ["--gpumem-all"] if how == "option" else []
     tracker.runpytest(*args, "--gpumem-json=out.json", "-p", "no:randomly").assert_outcomes(passed=4)
-    assert _statuses(tracker) == {
+    assert _statuses(reported) == {
         "test_plain": ("ok", 4000),
         "test_own_limit": ("ok", 4000),
         "test_tolerance_only": ("ok", 4000),
@@ -47,14 +50,14 @@ def test_every_test_is_measured(tracker: pytest.Pytester, how: str) -> None:
     }
 
 
-def test_unmarked_tests_stay_unmeasured_without_it(tracker: pytest.Pytester) -> None:
+def test_unmarked_tests_stay_unmeasured_without_it(tracker: pytest.Pytester, reported: Reported) -> None:
     tracker.makepyfile(SUITE)
     tracker.runpytest("--gpumem-json=out.json").assert_outcomes(passed=4)
-    assert "test_plain" not in _statuses(tracker)
+    assert "test_plain" not in _statuses(reported)
 
 
 @pytest.mark.parametrize("how", ["option", "ini"])
-def test_default_limit_applies_where_markers_set_none(tracker: pytest.Pytester, how: str) -> None:
+def test_default_limit_applies_where_markers_set_none(tracker: pytest.Pytester, how: str, reported: Reported) -> None:
     tracker.makepyfile(SUITE)
     if how == "ini":
         tracker.makeini("[pytest]\ngpumem_backend = tracker\ngpumem_max_memory = 3999\n")
@@ -67,7 +70,7 @@ def test_default_limit_applies_where_markers_set_none(tracker: pytest.Pytester, 
             "(see what made it with --gpumem-explain or max_memory(explain=True))"
         ]
     )
-    assert _statuses(tracker) == {
+    assert _statuses(reported) == {
         "test_plain": ("OVER BUDGET", 4000),
         "test_own_limit": ("ok", 4000),  # its own limit wins
         "test_tolerance_only": ("OVER BUDGET", 4000),  # a tolerance is not a limit

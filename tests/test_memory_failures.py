@@ -7,12 +7,15 @@ import fnmatch
 import json
 import types
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.measure.failures import leak_holding
+
+Reported = Callable[..., dict[str, dict[str, Any]]]
 
 LEAKS = """
 import pytest, torch
@@ -158,7 +161,7 @@ def test_out_of_memory_names_the_limit_hit(tracker: pytest.Pytester, marker: str
     result.stdout.no_fnmatch_line("*budget 256 MB*")
 
 
-def test_leaks_of_a_known_size(tracker: pytest.Pytester) -> None:
+def test_leaks_of_a_known_size(tracker: pytest.Pytester, reported: Reported) -> None:
     tracker.makepyfile(LEAKS)
     result = tracker.runpytest("--gpumem-leak=0", "-p", "no:randomly", "--gpumem-json=out.json")
     result.assert_outcomes(passed=2, failed=2)
@@ -169,7 +172,7 @@ def test_leaks_of_a_known_size(tracker: pytest.Pytester) -> None:
             "left allocated: 3.9 KiB float32[[]1000[]] on cpu, made by aten.ones.default at *.py:8",
         ]
     )
-    tests = {t["nodeid"].split("::")[1]: t for t in json.loads((tracker.path / "out.json").read_text())["tests"]}
+    tests = reported()
     assert tests["test_keeps_a_tensor"]["status"] == "LEAKED"
     assert tests["test_keeps_less"]["status"] == "ok"  # its marker's 1 kB wins over the option's 0 B
     assert tests["test_graph_kept_alive"]["status"] == "LEAKED"  # the option's 0 B
@@ -231,7 +234,7 @@ def test_after_measures_what_it_measures_alone(gpumem):
 """
 
 
-def test_capacity_and_out_of_memory(tracker: pytest.Pytester) -> None:
+def test_capacity_and_out_of_memory(tracker: pytest.Pytester, reported: Reported) -> None:
     tracker.makepyfile(CAPACITY)
     result = tracker.runpytest("-p", "no:randomly", "--gpumem-json=out.json")
     result.assert_outcomes(passed=2, failed=1)
@@ -242,7 +245,7 @@ def test_capacity_and_out_of_memory(tracker: pytest.Pytester) -> None:
         ]
     )
     result.stdout.no_fnmatch_line("*Traceback*")
-    tests = {t["nodeid"].split("::")[1]: t for t in json.loads((tracker.path / "out.json").read_text())["tests"]}
+    tests = reported()
     assert tests["test_runs_out"]["status"] == "OUT OF MEMORY"
     assert tests["test_after_measures_what_it_measures_alone"]["peak_bytes"] == 20_000
 

@@ -12,22 +12,23 @@ everything is put back when advise returns: the same parameter, gradient and sta
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from pytest_gpumem.backends.tracker.backend import cuda_block_size
+from pytest_gpumem.backends.base import ListsLiveStorages, rounding_of, sees_earlier_allocations
+from pytest_gpumem.backends.tracker.ledger import cuda_block_size
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.measure.advice import AS_IS, NOT_CHECKED, Advice, PhasePeak, Row
-from pytest_gpumem.measure.meter import RegionStack
+from pytest_gpumem.measure.regions import RegionStack
 from pytest_gpumem.measure.strategies import (
     OptimizerShim,
     Patch,
@@ -43,7 +44,6 @@ from pytest_gpumem.sizes import parse_size, shorten
 
 if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
-    from pytest_gpumem.measure.meter import GpuMem
     from pytest_gpumem.results import PhaseResult
 
 PHASE_ORDER = ("forward", "backward", "step")
@@ -137,8 +137,7 @@ class _Saved:
                 p.grad = None if grad is None else grad.detach().clone()
             optimizer = self.target.optimizer
             if optimizer is not None and self.state is not None and self.groups is not None:
-                state = {key: {k: _copy(v) for k, v in entry.items()} for key, entry in self.state.items()}
-                optimizer.state = defaultdict(dict, state)
+                optimizer.state = defaultdict(dict, tree_map(_copy, dict(self.state)))
                 optimizer.param_groups = [dict(group) for group in self.groups]
 
     def restore(self) -> None:
@@ -234,8 +233,7 @@ def _resident(target: Target) -> dict[int, int]:
     tensors: list[torch.Tensor] = [*target.parameters(), *target.model.buffers()]
     tensors += [p.grad for p in target.parameters() if p.grad is not None]
     if target.optimizer is not None:
-        for entry in target.optimizer.state.values():
-            tensors += [v for v in entry.values() if isinstance(v, torch.Tensor)]
+        tensors += [v for v in tree_leaves(dict(target.optimizer.state)) if isinstance(v, torch.Tensor)]
     sizes = {}
     for tensor in tensors:
         storage = tensor.untyped_storage()
@@ -249,11 +247,10 @@ def _live(backend: Backend, resident: Mapping[int, int]) -> int:
     as it would have counted it. Taken before advise makes its own copies."""
     backend.settle()
     counted = backend.current().allocated
-    if getattr(backend, "sees_earlier_allocations", True):
+    if sees_earlier_allocations(backend):
         return counted
-    live_storages = getattr(backend, "live_storages", None)
-    seen = live_storages() if callable(live_storages) else {}
-    rounded = cuda_block_size if getattr(backend, "rounding", "none") == "cuda" else int
+    seen = backend.live_storages() if isinstance(backend, ListsLiveStorages) else {}
+    rounded = cuda_block_size if rounding_of(backend) == "cuda" else int
     return counted + sum(rounded(size) for key, size in resident.items() if key not in seen)
 
 
@@ -437,39 +434,3 @@ def _capacity(value: object) -> int:
         return parse_size(value)
     except (GpuMemError, ValueError, TypeError) as exc:
         raise GpuMemError(f"gpumem.advise(capacity=...): {exc}") from None
-
-
-@contextlib.contextmanager
-def _null_phase(name: str) -> Iterator[None]:
-    yield
-
-
-@contextlib.contextmanager
-def _advising(meter: GpuMem) -> Iterator[None]:
-    """While advise runs inside a test: its runs are not the test's call (the call's peak is folded
-    before and reset after), the step's own gpumem.phase() blocks measure nothing, and a capacity set on
-    the tracker is lifted (advise judges the capacity itself)."""
-    stack = meter._stack
-    if stack is None:
-        raise GpuMemError(f"gpumem.advise() works only while the test function of {meter.nodeid} runs")
-    if meter._phase is not None:
-        raise GpuMemError(f"gpumem.advise() called inside phase {meter._phase!r}: call it outside phases")
-    patch = Patch()
-    ledger = getattr(meter.backend, "ledger", None)
-    with stack.unmeasured():
-        try:
-            patch.set_attr(meter, "phase", _null_phase)
-            if ledger is not None and getattr(ledger, "capacity", None) is not None:
-                patch.set_attr(ledger, "capacity", None)
-            yield
-        finally:
-            patch.undo()
-
-
-def advise_in_test(meter: GpuMem, step: Callable[..., object], **options: Any) -> Advice:
-    """`gpumem.advise`: the advice is also kept on the meter, for the failure line, report and JSON."""
-    with _advising(meter):
-        found = advise(step, backend=meter.backend, **options)
-    meter.advice = found
-    meter.info["advice"] = found.to_json()
-    return found

@@ -13,110 +13,12 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.sizes import format_size
-
-if TYPE_CHECKING:
-    from pytest_gpumem.backends.base import Backend
-    from pytest_gpumem.budget import Budget, Limit
-    from pytest_gpumem.measure.meter import GpuMem
-
-STATUS_OOM = "OUT OF MEMORY"
-STATUS_LEAKED = "LEAKED"
-# statuses that leave evidence in --gpumem-snapshot-dir
-EVIDENCE_STATUSES = frozenset((STATUS_OOM, STATUS_LEAKED, "OVER BUDGET", "REGRESSED"))
-SURVIVORS_IN_MESSAGE = 3
-
-
-@dataclass(frozen=True)
-class Watch:
-    """What a measured test is held to beyond its peaks: the device's capacity, the bytes it may leak,
-    and whether its trace is kept for evidence."""
-
-    capacity: Limit | None
-    leak: Limit | None
-    evidence: bool
-    explain: bool = False
-
-    @classmethod
-    def of(
-        cls, budget: Budget | None, capacity: Limit | None, leak: Limit | None, evidence: bool, explain: bool = False
-    ) -> Watch:
-        """The test's own marker values first, then the run's options."""
-        if budget is not None:
-            capacity = budget.capacity or capacity
-            leak = budget.leak if budget.leak is not None else leak
-            explain = explain or budget.explain
-        return cls(capacity, leak, evidence, explain)
-
-    def apply(self, backend: Backend, meter: GpuMem) -> None:
-        """Set up the backend for the next call (every measured test: nothing carries over)."""
-        meter.leak_check = self.leak is not None
-        meter.explain = self.explain
-        configure = getattr(backend, "configure", None)
-        if callable(configure):
-            capacity = None if self.capacity is None else self.capacity.bytes
-            origins = self.leak is not None or self.evidence
-            if callable(getattr(backend, "attribution", None)):  # it explains its own peaks
-                configure(capacity, origins=origins, events=self.evidence, explain=self.explain)
-            else:
-                configure(capacity, origins=origins, events=self.evidence)
-        elif self.capacity is not None:  # a test held to a capacity must not run without one
-            raise GpuMemError(f"capacity {self.capacity.written}: the {backend.name} backend cannot set a capacity")
+from typing import Any
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(exc, torch.OutOfMemoryError)
-
-
-def out_of_memory_message(
-    meter: GpuMem, budget: Budget | None, exc: BaseException, capacity: Limit | None = None
-) -> str:
-    """One sentence: where it ran out, what it asked for, the peak so far, and the limit it hit (the
-    capacity the test ran under, or the device's own memory); the budget only when it was already over;
-    on the meta device, that it is a prediction."""
-    phase = meter.phase_left_by(exc)
-    where = f"in {phase}" if phase else "in the call"
-    asked = re.search(r"[Tt]ried to allocate ([\d.,]+ ?[KMGTP]?i?B)", _text(exc))
-    tried = f" (tried to allocate {asked.group(1)})" if asked else ""
-    limits = ": the device's memory ran out" if capacity is None else f": past the {_capacity_hit(budget, capacity)}"
-    limits += _budget_over(budget, meter, phase)
-    limits += "; a prediction on meta" if str(meter.device) == "meta" else ""
-    from pytest_gpumem.measure.advice import advice_clause
-
-    advised = advice_clause(meter.advice, budget, oom=True)
-    peak = format_size(meter.peak()) if capacity is None else capacity.fmt(meter.peak())
-    return f"out of memory {where}{tried} after a peak of {peak}{limits}{advised}"
-
-
-def _capacity_hit(budget: Budget | None, capacity: Limit) -> str:
-    """'capacity 10 kB (max_memory capacity=)'; the option's limit is written with its flag already."""
-    source = " (max_memory capacity=)" if budget is not None and budget.capacity is capacity else ""
-    return f"capacity {capacity.written}{source}"
-
-
-def _budget_over(budget: Budget | None, meter: GpuMem, phase: str | None) -> str:
-    """'; over its budget 100 MB too, at 120.3 MB' when the peak so far already exceeded the limit on the
-    phase it ran out in (or on the call)."""
-    if budget is None:
-        return ""
-    if phase is not None and phase in budget.phases and phase in meter.phases:
-        name, limit, peak = f"{phase}=", budget.phases[phase], meter.phases[phase].peak_bytes
-    elif budget.total is not None:
-        name, limit, peak = "", budget.total, meter.peak()
-    else:
-        return ""
-    return "" if peak <= limit.bytes else f"; over its budget {name}{limit.written} too, at {limit.fmt(peak)}"
-
-
-def _text(exc: BaseException) -> str:
-    try:
-        return str(exc)
-    except Exception:
-        return ""
 
 
 def needs_real_values(exc: BaseException, device: object) -> str | None:
@@ -171,12 +73,13 @@ def leak_holding(live: Mapping[int, tuple[int, Any]]) -> Holding | None:
                 key = _storage_key(obj)
                 if key in live:
                     tensors.setdefault(key, []).append(obj)
-    from pytest_gpumem.backends.tracker.attribution import LABELS, Allocation, _graph, _saved_tensors
+    from pytest_gpumem.backends.tracker.attribution import LABELS, Allocation
+    from pytest_gpumem.backends.tracker.graph import autograd_nodes, saved_tensors
 
     kind: dict[int, str] = {}
     roots = [t for found in tensors.values() for t in found if t.grad_fn is not None]
-    for node in _graph([root.grad_fn for root in roots], lambda n: False):
-        for saved in _saved_tensors(node):
+    for node in autograd_nodes([root.grad_fn for root in roots], lambda n: False):
+        for saved in saved_tensors(node):
             kind.setdefault(_storage_key(saved), "saved for backward")
         variable = getattr(node, "variable", None)
         if isinstance(variable, torch.Tensor):
@@ -246,20 +149,6 @@ def _what(obj: object) -> str:
     if inspect.isgenerator(obj):
         return f"the suspended generator {obj.__name__}"
     return f"a {type(obj).__name__}"
-
-
-def leak_message(meter: GpuMem, leak: Limit, net_bytes: int) -> str:
-    shown = "; ".join(s.describe(leak.fmt) for s in meter.survivors[:SURVIVORS_IN_MESSAGE])
-    more = len(meter.survivors) - SURVIVORS_IN_MESSAGE
-    tail = f"; {more} more in the report section" if more > 0 else ""
-    holding = getattr(meter, "leak_holding", None)
-    held = f": {holding.describe(leak.fmt)}" if isinstance(holding, Holding) else ""
-    largest = f"{'; largest' if held else ''}: {shown}{tail}" if shown else ""
-    return f"left {leak.fmt(net_bytes)} allocated after the call (leak limit {leak.written}){held}{largest}"
-
-
-def survivors_section(meter: GpuMem) -> str:
-    return "".join(f"\nleft allocated: {survivor.describe()}" for survivor in meter.survivors)
 
 
 def write_evidence(folder: Path, nodeid: str, status: str, message: str | None, trace: Any) -> Path | None:

@@ -1,9 +1,6 @@
-"""The `gpumem` fixture object: the whole call and named phases measured on one backend.
-
-A backend has a single resettable peak (like the CUDA allocator). Regions nest (a phase inside the
-whole call), so before every reset the peak so far is folded into each open region's running maximum;
-a region's peak is then its maximum minus what was allocated when it opened.
-"""
+"""The `gpumem` fixture object: the whole call and named phases measured on one backend (regions that
+nest, `pytest_gpumem.measure.regions`), and what a test asks of it: fits, advice, gradients, worlds of
+ranks (run by the `WorldRunner` it is given)."""
 
 from __future__ import annotations
 
@@ -12,12 +9,24 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from pytest_gpumem.backends.base import Backend, Counters, collect_garbage
+from pytest_gpumem.backends.base import (
+    Backend,
+    ExplainsItsPeaks,
+    FindsSurvivors,
+    HasNotes,
+    HoldsToCapacity,
+    ListsLiveStorages,
+    RecordsTrace,
+    collect_garbage,
+    sees_earlier_allocations,
+)
 from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.measure.failures import Holding, is_out_of_memory, leak_holding, release_memory
+from pytest_gpumem.measure.regions import RegionStack, mark_phase, phase_left_by
 from pytest_gpumem.results import PhaseResult
+from pytest_gpumem.results.ranks import RankResult, World, worst_call
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -27,83 +36,34 @@ if TYPE_CHECKING:
     from pytest_gpumem.backends.tracker.attribution import Attributor
     from pytest_gpumem.backends.tracker.recording import Survivor
     from pytest_gpumem.backends.tracker.shadow import Shadow
-    from pytest_gpumem.distributed.worker import RankResult
-    from pytest_gpumem.gradients.fingerprint import Fingerprint
     from pytest_gpumem.measure.advice import Advice
-    from pytest_gpumem.measure.failures import Holding
     from pytest_gpumem.measure.fit import BatchFit
+    from pytest_gpumem.results.explanation import Explanation, RanksExplanation
+    from pytest_gpumem.results.gradients import Fingerprint
 
 CALL = "call"
 SURVIVORS_SHOWN = 10
 
 
-@dataclass
-class _Region:
-    name: str
-    start: Counters
-    high: Counters
+class WorldRunner(Protocol):
+    """What runs the worlds of `gpumem.distributed()` and `gpumem.simulate_rank()` for a meter (given
+    where the meter is made: `pytest_gpumem.distributed.world.Worlds` in a test, a refusal in a rank)."""
 
+    def run(
+        self,
+        meter: GpuMem,
+        fn: Callable[..., object],
+        world_size: int,
+        *,
+        args: Sequence[Any],
+        backend: str | None,
+        timeout: float | None,
+        name: str,
+    ) -> World: ...
 
-class RegionStack:
-    """Open regions over one backend, with the peak folding that lets them nest; an attributor (when the
-    peaks are explained) is told where each region begins and ends."""
-
-    def __init__(self, backend: Backend, attribution: Attributor | None = None) -> None:
-        self.backend = backend
-        self.attribution = attribution
-        self.open: list[_Region] = []
-
-    def push(self, name: str, full_collect: bool = False) -> None:
-        collect_garbage(full_collect)
-        self.backend.settle()
-        self._fold()
-        self.backend.reset_peak()
-        now = self.backend.current()
-        self.open.append(_Region(name, now, now))
-        if self.attribution is not None:
-            self.attribution.open_region(name)
-
-    def pop(self) -> PhaseResult:
-        result = self.peek(len(self.open) - 1)
-        self.open.pop()
-        if self.attribution is not None:
-            self.attribution.close_region()
-        return result
-
-    def peek(self, index: int) -> PhaseResult:
-        """The figures of open region `index` so far (0 is the outermost), leaving it open."""
-        self.backend.settle()
-        self._fold()
-        region = self.open[index]
-        end = self.backend.current()
-        return PhaseResult(
-            name=region.name,
-            peak_bytes=region.high.allocated - region.start.allocated,
-            requested_peak_bytes=region.high.requested - region.start.requested,
-            reserved_peak_bytes=region.high.reserved,
-            net_bytes=end.allocated - region.start.allocated,
-        )
-
-    @contextmanager
-    def unmeasured(self) -> Iterator[None]:
-        """Run a block whose transient allocations must not count: the peak so far is folded into the
-        open regions first and reset to the current value afterwards."""
-        self.backend.settle()
-        self._fold()
-        if self.attribution is not None:
-            self.attribution.pause()
-        try:
-            yield
-        finally:
-            self.backend.settle()
-            self.backend.reset_peak()
-            if self.attribution is not None:
-                self.attribution.resume()
-
-    def _fold(self) -> None:
-        peak = self.backend.peak()
-        for region in self.open:
-            region.high = region.high.max(peak)
+    def simulate(
+        self, meter: GpuMem, fn: Callable[..., object], world_size: int, *, rank: int, args: Sequence[Any]
+    ) -> Any: ...
 
 
 def _finite_non_negative(value: object) -> bool:
@@ -128,13 +88,12 @@ class GpuMem:
         self.trace: dict[str, Any] | None = None
         self._fits = 0
         self._ranks_call: PhaseResult | None = None  # the worst rank's whole run, of gpumem.distributed()
-        self._ranks_explained: dict[str, Any] | None = None  # their explanations (World.explained), when explained
-        self.dist_timeout: float | None = None  # --gpumem-dist-timeout, set where the fixture is made
-        self.say: Callable[[str], None] | None = None  # a line to the terminal (none when quiet), set there too
+        self._ranks_explained: RanksExplanation | None = None  # their explanations (World.explained), when explained
+        self.worlds: WorldRunner | None = None  # runs gpumem.distributed(), set where the fixture is made
         self.gradients: Fingerprint | None = None
         self.gradient_tolerance: tuple[float | None, float | None] = (None, None)
         self.explain = False  # explain the peaks of the next call (what was alive, who made it)
-        self.explanation: dict[str, Any] | None = None
+        self.explanation: Explanation | None = None
         self._shadow: Shadow | None = None
         self.advice: Advice | None = None  # the last gpumem.advise() of the call
 
@@ -168,8 +127,7 @@ class GpuMem:
         try:
             yield
         except BaseException as exc:
-            with contextlib.suppress(AttributeError):  # an exception class with __slots__
-                exc._gpumem_phase = name  # type: ignore[attr-defined]
+            mark_phase(exc, name)
             raise
         finally:
             if self._stack is stack and self._phase == name:
@@ -190,7 +148,6 @@ class GpuMem:
         """Run `step(n)` for each n in `sizes`, each in its own phase `name[i]`, fit peak = a + b*n exactly
         and return the largest n whose predicted peak fits `capacity` (see `pytest_gpumem.measure.fit`)."""
         __tracebackhide__ = True
-        from pytest_gpumem.measure.failures import is_out_of_memory, release_memory
         from pytest_gpumem.measure.fit import DEFAULT_SLACK, DEFAULT_TOLERANCE, Sample, fit_peaks
 
         self._fits += 1
@@ -200,13 +157,14 @@ class GpuMem:
         def measure(fn: Callable[[], object], limit: int | None = None) -> Sample:
             __tracebackhide__ = True
             phase = f"{label}[{next(counter)}]"
-            hold = getattr(self.backend, "held_to", None)
-            held = limit is not None and callable(hold)
+            backend = self.backend
+            holding = backend.held_to(limit) if limit is not None and isinstance(backend, HoldsToCapacity) else None
+            held = holding is not None
             start, out_of_memory = 0, False
             try:
                 with self.phase(phase):
                     start = self.backend.current().allocated  # the phase's start: what is live before the step
-                    with hold(limit) if held else contextlib.nullcontext():  # type: ignore[misc]
+                    with holding if holding is not None else contextlib.nullcontext():
                         fn()  # what the step returns is dropped inside the phase: freed before the next size
             except Exception as exc:
                 if limit is None or not is_out_of_memory(exc):
@@ -244,18 +202,44 @@ class GpuMem:
         `model` and `optimizer` from outside, leaving both as they were (see `pytest_gpumem.measure.advise`).
         The advice's runs are not part of the call's peak; a failing budget names its best strategy."""
         __tracebackhide__ = True
-        from pytest_gpumem.measure.advise import advise_in_test
+        from pytest_gpumem.measure.advise import advise
 
-        return advise_in_test(
-            self,
-            step,
-            model=model,
-            optimizer=optimizer,
-            capacity=capacity,
-            strategies=strategies,
-            loss=loss,
-            batch_size=batch_size,
-        )
+        with self._advising():
+            found = advise(
+                step,
+                model=model,
+                backend=self.backend,
+                optimizer=optimizer,
+                capacity=capacity,
+                strategies=strategies,
+                loss=loss,
+                batch_size=batch_size,
+            )
+        self.advice = found  # for the failure line, report and JSON
+        self.info["advice"] = found.to_json()
+        return found
+
+    @contextmanager
+    def _advising(self) -> Iterator[None]:
+        """While advise runs inside a test: its runs are not the test's call (the call's peak is folded
+        before and reset after), the step's own gpumem.phase() blocks measure nothing, and a capacity set on
+        the tracker is lifted (advise judges the capacity itself)."""
+        from pytest_gpumem.measure.strategies import Patch
+
+        stack = self._stack
+        if stack is None:
+            raise GpuMemError(f"gpumem.advise() works only while the test function of {self.nodeid} runs")
+        if self._phase is not None:
+            raise GpuMemError(f"gpumem.advise() called inside phase {self._phase!r}: call it outside phases")
+        patch = Patch()
+        backend = self.backend
+        lifted = backend.held_to(None) if isinstance(backend, HoldsToCapacity) else contextlib.nullcontext()
+        with stack.unmeasured(), lifted:
+            try:
+                patch.set_attr(self, "phase", _null_phase)
+                yield
+            finally:
+                patch.undo()
 
     def distributed(
         self,
@@ -269,20 +253,19 @@ class GpuMem:
     ) -> list[RankResult]:
         """Run `fn(rank, world_size, meter, *args)` on `world_size` spawned ranks, each with a meter on its own
         backend, and record their phases as `phase@rankN` and `phase` (the worst rank); see
-        `pytest_gpumem.distributed.spawn`. A failed rank fails the test in one line naming it."""
+        `pytest_gpumem.distributed.world`. A failed rank fails the test in one line naming it."""
         __tracebackhide__ = True
-        from pytest_gpumem.distributed.spawn import run
-
         if self._stack is None or self._phase is not None:
             where = "while the test function runs" if self._stack is None else f"outside phase {self._phase!r}"
             raise GpuMemError(f"gpumem.distributed() works only {where} in {self.nodeid}")
-        timeout = self.dist_timeout if timeout is None else timeout
-        world = run(self, fn, world_size, args=args, backend=backend, timeout=timeout, name=name)
+        world = self._runner("distributed").run(
+            self, fn, world_size, args=args, backend=backend, timeout=timeout, name=name
+        )
         for result in world.phases():
             self._record(result)
         worst = world.worst(name)
         self._ranks_call = worst if self._ranks_call is None else self._ranks_call.merged(worst)
-        explained = world.explained()
+        explained = world.explanation
         if explained is not None:
             from pytest_gpumem.explain.replay import of_worlds
 
@@ -296,15 +279,18 @@ class GpuMem:
     ) -> Any:
         """Run `fn(rank, world_size, meter, *args)` in this process as rank `rank` of a simulated world
         (torch's fake process group: collectives move no data), `meter` being this one: an estimate of
-        that rank's peaks at a world size this machine cannot start (see `pytest_gpumem.distributed.spawn`)."""
+        that rank's peaks at a world size this machine cannot start (see `pytest_gpumem.distributed.world`)."""
         __tracebackhide__ = True
-        from pytest_gpumem.distributed.spawn import simulate
-
         if self._stack is None:
             raise GpuMemError(f"gpumem.simulate_rank() works only while the test function of {self.nodeid} runs")
-        value = simulate(self, fn, world_size, rank=rank, args=args)
+        value = self._runner("simulate_rank").simulate(self, fn, world_size, rank=rank, args=args)
         self.info.setdefault("simulated", []).append({"world_size": world_size, "rank": rank})
         return value
+
+    def _runner(self, method: str) -> WorldRunner:
+        if self.worlds is None:
+            raise GpuMemError(f"gpumem.{method}() runs ranks only for a meter given its worlds (the gpumem fixture)")
+        return self.worlds
 
     def check_gradients(
         self,
@@ -368,15 +354,14 @@ class GpuMem:
             self.backend.stop()  # the backend's observation never outlives a call that could not begin
             raise
         self._stack = RegionStack(self.backend, attribution)
-        self._stack.push(CALL, full_collect=getattr(self.backend, "sees_earlier_allocations", True))
+        self._stack.push(CALL, full_collect=sees_earlier_allocations(self.backend))
 
     def _attribution(self) -> Attributor | None:
         """The backend's own attributor when it explains; otherwise (cuda, accelerators) a shadow tracker
         on the same device, whose figures the measured ones are compared with ("unattributed")."""
         if not self.explain:
             return None
-        own = getattr(self.backend, "attribution", None)
-        found = own() if callable(own) else None
+        found = self.backend.attribution() if isinstance(self.backend, ExplainsItsPeaks) else None
         if found is None:
             from pytest_gpumem.backends.tracker.shadow import Shadow
 
@@ -395,8 +380,6 @@ class GpuMem:
                 self._record(stack.pop())
             self._call = stack.pop()
             if self._ranks_call is not None:
-                from pytest_gpumem.distributed.spawn import worst_call
-
                 self._call = worst_call(self._call, self._ranks_call)
             self._keep_evidence()
         finally:
@@ -408,26 +391,24 @@ class GpuMem:
                     shadow.stop()
             finally:
                 self.backend.stop()
-            notes = getattr(self.backend, "notes", None)
-            self.notes = [*(notes() if callable(notes) else []), *self.notes]  # the backend's, then ours
+            own = self.backend.notes() if isinstance(self.backend, HasNotes) else []
+            self.notes = [*own, *self.notes]  # the backend's, then ours
         return self._call
 
     def _keep_evidence(self) -> None:
         """Read what the backend can tell about the call before it stops observing it."""
-        survivors, trace = getattr(self.backend, "survivors", None), getattr(self.backend, "trace", None)
-        if self.leak_check and callable(survivors) and self._call is not None and self._call.net_bytes > 0:
-            self.survivors = survivors(SURVIVORS_SHOWN)
-            live = getattr(self.backend, "live_storages", None)
-            if callable(live):
-                from pytest_gpumem.measure.failures import leak_holding
-
-                self.leak_holding = leak_holding(live())
-        self.trace = trace() if callable(trace) else None
+        backend = self.backend
+        leaked = self.leak_check and self._call is not None and self._call.net_bytes > 0
+        if leaked and isinstance(backend, FindsSurvivors):
+            self.survivors = backend.survivors(SURVIVORS_SHOWN)
+            if isinstance(backend, ListsLiveStorages):
+                self.leak_holding = leak_holding(backend.live_storages())
+        self.trace = backend.trace() if isinstance(backend, RecordsTrace) else None
         stack = self._stack
         if stack is not None and stack.attribution is not None and self._call is not None:
             self.explanation = self._explained(stack.attribution, self._call)
 
-    def _explained(self, attribution: Attributor, call: PhaseResult) -> dict[str, Any] | None:
+    def _explained(self, attribution: Attributor, call: PhaseResult) -> Explanation | None:
         from pytest_gpumem.explain.replay import explain
 
         name = self.backend.name if self._shadow is None else f"{self.backend.name} (composition from a shadow tracker)"
@@ -447,8 +428,7 @@ class GpuMem:
     @staticmethod
     def phase_left_by(exc: BaseException) -> str | None:
         """The phase that `exc` propagated out of, if any (marked on the exception itself)."""
-        phase = getattr(exc, "_gpumem_phase", None)
-        return phase if isinstance(phase, str) else None
+        return phase_left_by(exc)
 
     def end_call_if_running(self) -> None:
         """End the call if it is still measured (after an error on the way out): the backend's
@@ -459,3 +439,8 @@ class GpuMem:
     def _record(self, result: PhaseResult) -> None:
         previous = self._results.get(result.name)
         self._results[result.name] = result if previous is None else previous.merged(result)
+
+
+@contextlib.contextmanager
+def _null_phase(name: str) -> Iterator[None]:
+    yield
