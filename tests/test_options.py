@@ -1,11 +1,17 @@
-"""Command-line and ini options, the header, the report, the JSON file and start-up errors."""
+"""Command-line and ini options, the header, the report, the JSON and Markdown files, start-up errors,
+and what an idle plugin costs (no torch, no measuring modules)."""
 
 from __future__ import annotations
 
+import argparse
 import json
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
+
+from pytest_gpumem import config
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -25,8 +31,16 @@ def test_plain():
     pass
 """
 
+PIPE_IN_ID = """
+import pytest
 
-def test_help_lists_options(pytester: pytest.Pytester) -> None:
+@pytest.mark.parametrize("p", ["a|b"])
+def test_it(gpumem, p):
+    pass
+"""
+
+
+def test_help_lists_every_option_with_its_ini_twin(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("--help")
     result.stdout.fnmatch_lines(
         [
@@ -38,61 +52,90 @@ def test_help_lists_options(pytester: pytest.Pytester) -> None:
             "*gpumem_backend (string)*",
         ]
     )
+    shown = result.stdout.str()
+    assert [o.flag for o in config.OPTIONS if o.flag not in shown] == []
+    assert [o.ini for o in config.OPTIONS if o.ini is not None and f"{o.ini} (" not in shown] == []
 
 
-def test_report_table(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(TWO_TESTS)
-    result = tracker.runpytest("--gpumem-report")
-    result.assert_outcomes(passed=2)
+def test_the_report_table_the_json_file_and_the_markdown_table(
+    tracker: pytest.Pytester, reported: Callable[..., dict[str, dict[str, Any]]]
+) -> None:
+    tracker.makepyfile(test_two=TWO_TESTS, test_pipe=PIPE_IN_ID)
+    result = tracker.runpytest("--gpumem-report", "--gpumem-json=out.json", "--gpumem-markdown=m.md")
+    result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines(
         [
             "*= gpumem report =*",
-            "test*forward*backward*call peak*budget*status",
-            "test_report_table.py::test_step*3.9 KiB*3.9 KiB*forward=1 MiB*ok",
+            "test*call peak*budget*status*phases",
+            "*",
+            "test_pipe.py::test_it[[]a|b[]]*0 B*ok",
+            "test_two.py::test_step*11.7 KiB*forward=1 MiB*ok*forward 3.9 KiB · backward 3.9 KiB",
         ]
     )
     result.stdout.no_fnmatch_line("*::test_plain*")
-
-
-def test_report_from_ini(tracker: pytest.Pytester) -> None:
-    tracker.makeini("[pytest]\ngpumem_backend = tracker\ngpumem_report = true\n")
-    tracker.makepyfile(TWO_TESTS)
-    tracker.runpytest().stdout.fnmatch_lines(["*= gpumem report =*"])
-
-
-def test_report_with_nothing_measured(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile("def test_plain():\n    pass\n")
-    tracker.runpytest("--gpumem-report").stdout.fnmatch_lines(["no test was measured*"])
-
-
-def test_json(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(TWO_TESTS)
-    tracker.runpytest("--gpumem-json=out.json").assert_outcomes(passed=2)
-    data = json.loads((tracker.path / "out.json").read_text())
-    assert data["version"] == 1
-    assert (data["backend"], data["device"]) == ("tracker", "cpu")
-    (test,) = data["tests"]
-    assert test["nodeid"] == "test_json.py::test_step"
+    test = reported()["test_step"]
     assert (test["backend"], test["device"], test["status"]) == ("tracker", "cpu", "ok")
     assert test["phases"]["forward"]["peak_bytes"] == 4004  # x*y (4000) and the sum (4)
     assert test["phases"]["backward"]["peak_bytes"] == 4004  # seed (4) and grad*y (4000)
-    assert test["budget"] == {"forward": 1024**2}
-    assert test["budget_text"] == "forward=1 MiB"
+    assert (test["budget"], test["budget_text"]) == ({"forward": 1024**2}, "forward=1 MiB")
     # x, y and x.grad (4000 each), the loss and the backward seed (4 each), all made in the call
     assert test["peak_bytes"] == test["call"]["peak_bytes"] == 12008
+    doc = json.loads((tracker.path / "out.json").read_text())
+    assert (doc["version"], doc["backend"], doc["device"], len(doc["tests"])) == (1, "tracker", "cpu", 2)
+    lines = (tracker.path / "m.md").read_text().splitlines()
+    (row,) = [line for line in lines if "test_it" in line]
+    assert "test_it[a\\|b]" in row
+    assert row.count(" | ") == lines[0].count(" | ")
 
 
-def test_json_into_missing_folder_is_a_usage_error(tracker: pytest.Pytester) -> None:
-    result = tracker.runpytest("--gpumem-json=nowhere/out.json")
+def test_a_report_asked_for_in_the_ini_with_nothing_measured(tracker: pytest.Pytester) -> None:
+    tracker.makeini("[pytest]\ngpumem_backend = tracker\ngpumem_report = true\n")
+    tracker.makepyfile("def test_plain():\n    pass\n")
+    result = tracker.runpytest()
+    result.stdout.fnmatch_lines(
+        ["gpumem: tracker (*rounding none), device cpu", "*= gpumem report =*", "no test was measured*"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("folder", "given", "message"),
+    [
+        (False, "nowhere/out.json", "ERROR: --gpumem-json=nowhere/out.json: folder */nowhere does not exist"),
+        (True, "out", "ERROR: --gpumem-json=out: */out is a folder, not a file"),
+    ],
+)
+def test_a_json_file_that_cannot_be_written_is_refused_before_the_run(
+    tracker: pytest.Pytester, folder: bool, given: str, message: str
+) -> None:
+    if folder:
+        (tracker.path / given).mkdir()
+    result = tracker.runpytest(f"--gpumem-json={given}")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["ERROR: --gpumem-json=nowhere/out.json: folder */nowhere does not exist"])
+    result.stderr.fnmatch_lines([message])
+
+
+@pytest.mark.parametrize(
+    ("parse", "value", "message"),
+    [
+        (config.rounding, "banana", "invalid rounding 'banana' (choose from none, cuda)"),
+        (config.backend_name, "no such", "invalid backend name 'no such' (auto, cuda, accelerator, tracker)"),
+        (config.device_name, "gpu", "invalid device 'gpu' (cpu, or meta: a prediction without data)"),
+        (config.code_paths, "tpu", "invalid paths 'tpu' (cpu or gpu: whose code paths the tracker runs)"),
+        (config.tolerance, "lots", "invalid tolerance 'lots' (a percentage, e.g. 5 or 2.5%)"),
+        (config.seconds, "0", "invalid timeout '0' (a number of seconds above 0)"),
+        (config.devices_spec, "0,0", "invalid devices '0,0': a device is named twice"),
+    ],
+)
+def test_a_bad_option_value_is_named(parse: Callable[[str], object], value: str, message: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError) as refused:
+        parse(value)
+    assert str(refused.value) == message
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--gpumem-round=banana"], "*argument --gpumem-round: invalid rounding 'banana' (choose from none, cuda)"),
-        (["--gpumem-backend=no such"], "*argument --gpumem-backend: invalid backend name 'no such'*"),
         (["--gpumem-backend=warp"], "ERROR: --gpumem-backend=warp: no such backend (built in: *"),
     ],
 )
@@ -103,11 +146,18 @@ def test_bad_option_values_are_usage_errors(pytester: pytest.Pytester, args: lis
     assert "Traceback" not in result.stderr.str()
 
 
-def test_bad_ini_value_is_a_usage_error(pytester: pytest.Pytester) -> None:
-    pytester.makeini("[pytest]\ngpumem_round = square\n")
+@pytest.mark.parametrize(
+    ("ini", "message"),
+    [
+        ("gpumem_round = square", "ERROR: ini option gpumem_round: invalid rounding 'square'*"),
+        ("gpumem_report = maybe", "ERROR: ini option gpumem_report: *maybe*"),
+    ],
+)
+def test_a_bad_ini_value_is_a_usage_error_naming_the_option(pytester: pytest.Pytester, ini: str, message: str) -> None:
+    pytester.makeini(f"[pytest]\n{ini}\n")
     result = pytester.runpytest()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["ERROR: ini option gpumem_round: invalid rounding 'square'*"])
+    result.stderr.fnmatch_lines([message])
 
 
 def test_option_overrides_ini(pytester: pytest.Pytester) -> None:
@@ -131,51 +181,26 @@ def test_header_only_when_used(pytester: pytest.Pytester) -> None:
     pytester.runpytest("test_b.py").stdout.fnmatch_lines([expected])
 
 
-def test_header_when_backend_given(tracker: pytest.Pytester) -> None:
-    tracker.runpytest().stdout.fnmatch_lines(["gpumem: tracker (*rounding none), device cpu"])
+# what a run that measures nothing may load of the package: the hooks, the option table, the marker
+IDLE = {"", "budget", "config", "constants", "errors", "hookspecs", "plugin", "results", "run", "sizes"}
+IDLE |= {"run.regression", "run.session", "run.xdist"}
 
 
-def test_torch_not_imported_when_unused(pytester: pytest.Pytester) -> None:
+def test_an_idle_plugin_imports_neither_torch_nor_the_measuring_modules(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(
         """
         import sys
 
         def pytest_sessionfinish(session):
             print("torch imported:", "torch" in sys.modules)
+            names = (m.removeprefix("pytest_gpumem").lstrip(".") for m in sys.modules if m.startswith("pytest_gpumem"))
+            print("gpumem modules:", " ".join(sorted(names)))
         """
     )
     pytester.makepyfile("def test_plain():\n    pass\n")
     result = pytester.runpytest_subprocess("-s", "-p", "no:xdist", "-p", "no:randomly")
     result.stdout.fnmatch_lines(["*torch imported: False*"])
-    assert "gpumem" in result.stdout.str()  # the plugin was loaded (listed among plugins)
-
-
-def test_bad_ini_flag_names_the_option(pytester: pytest.Pytester) -> None:
-    pytester.makeini("[pytest]\ngpumem_report = maybe\n")
-    result = pytester.runpytest()
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["ERROR: ini option gpumem_report: *maybe*"])
-
-
-def test_a_folder_given_as_the_json_file_is_refused_before_the_run(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(TWO_TESTS)
-    (tracker.path / "out").mkdir()
-    result = tracker.runpytest("--gpumem-json=out")
-    result.stderr.fnmatch_lines(["ERROR: --gpumem-json=out: */out is a folder, not a file"])
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-
-
-def test_markdown_escapes_pipes(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(
-        """
-        import pytest
-
-        @pytest.mark.parametrize("p", ["a|b"])
-        def test_it(gpumem, p):
-            pass
-        """
-    )
-    tracker.runpytest("--gpumem-markdown=m.md").assert_outcomes(passed=1)
-    row = (tracker.path / "m.md").read_text().splitlines()[2]
-    assert "test_it[a\\|b]" in row
-    assert row.count(" | ") == len((tracker.path / "m.md").read_text().splitlines()[0].split(" | ")) - 1
+    (line,) = [line for line in result.outlines if line.startswith("gpumem modules:")]
+    loaded = set(line.removeprefix("gpumem modules:").split()) | {""}
+    assert "plugin" in loaded
+    assert sorted(loaded - IDLE) == []
