@@ -125,39 +125,41 @@ def test_an_unreachable_survivor_names_no_holder() -> None:
     del ring
 
 
-@pytest.mark.parametrize(
-    ("marker", "option", "message"),
-    [
-        # the option's 200 MB binds; the budget (256 MB) is not the cause and was not exceeded
-        ('"256 MB"', "200MB", "after a peak of 160.0 MB: past the capacity 200MB (--gpumem-capacity)"),
-        # a budget the peak had already passed is named as well
-        (
-            '"100 MB"',
-            "200MB",
-            "after a peak of 160.0 MB: past the capacity 200MB (--gpumem-capacity); "
-            "over its budget 100 MB too, at 160.0 MB",
-        ),
-        (
-            '"1 GB", capacity="190 MB"',
-            "200MB",
-            "after a peak of 160.0 MB: past the capacity 190 MB (max_memory capacity=)",
-        ),
-    ],
-)
-def test_out_of_memory_names_the_limit_hit(tracker: pytest.Pytester, marker: str, option: str, message: str) -> None:
-    tracker.makepyfile(
-        f"""
-        import pytest, torch
+OUT_OF_MEMORY = """
+import pytest, torch
 
-        @pytest.mark.max_memory({marker})
-        def test_big(gpumem):
-            a = torch.ones(40_000_000)  # 160,000,000 B
-            b = torch.ones(20_000_000)  # 80,000,000 B more: past 200 MB
-        """
+def big():
+    a = torch.ones(40_000_000)  # 160,000,000 B
+    b = torch.ones(20_000_000)  # 80,000,000 B more: past 200 MB
+
+@pytest.mark.max_memory("256 MB")
+def test_budget_not_the_cause(gpumem):
+    big()
+
+@pytest.mark.max_memory("100 MB")
+def test_budget_passed_already(gpumem):
+    big()
+
+@pytest.mark.max_memory("1 GB", capacity="190 MB")
+def test_own_capacity(gpumem):
+    big()
+"""
+
+
+def test_out_of_memory_names_the_limit_hit(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(OUT_OF_MEMORY)
+    result = tracker.runpytest("-p", "no:randomly", "--gpumem-capacity=200MB")
+    result.assert_outcomes(failed=3)
+    oom = "out of memory in the call (tried to allocate 76.3 MiB) after a peak of 160.0 MB: past the capacity"
+    result.stdout.fnmatch_lines(
+        [
+            # the option's 200 MB binds; the budget (256 MB) is not the cause and was not exceeded
+            f"{oom} 200MB (--gpumem-capacity)",
+            # a budget the peak had already passed is named as well
+            f"{oom} 200MB (--gpumem-capacity); over its budget 100 MB too, at 160.0 MB",
+            f"{oom} 190 MB (max_memory capacity=)",
+        ]
     )
-    result = tracker.runpytest(f"--gpumem-capacity={option}")
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines([f"*out of memory in the call (tried to allocate 76.3 MiB) {message}"])
     result.stdout.no_fnmatch_line("*budget 256 MB*")
 
 
@@ -291,15 +293,25 @@ def test_failing_tests_leave_their_trace(tracker: pytest.Pytester) -> None:
     assert all(e["bytes"] != 8000 for e in events)
 
 
-@pytest.mark.parametrize(
-    ("marker", "message"),
-    [
-        ("capacity=0", "max_memory capacity=: a limit must be above zero, got 0"),
-        ("leak='lots'", "max_memory leak=: cannot read size 'lots'*"),
-    ],
-)
-def test_bad_capacity_or_leak_fails_that_test_in_one_line(tracker: pytest.Pytester, marker: str, message: str) -> None:
-    tracker.makepyfile(f"import pytest\n\n@pytest.mark.max_memory({marker})\ndef test_x(gpumem):\n    pass\n")
-    result = tracker.runpytest()
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines([f"*{message}"])
+def test_bad_capacity_or_leak_fails_that_test_in_one_line(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.max_memory(capacity=0)
+        def test_capacity(gpumem):
+            pass
+
+        @pytest.mark.max_memory(leak="lots")
+        def test_leak(gpumem):
+            pass
+        """
+    )
+    result = tracker.runpytest("-p", "no:randomly")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*::test_capacity: max_memory capacity=: a limit must be above zero, got 0",
+            "*::test_leak: max_memory leak=: cannot read size 'lots'*",
+        ]
+    )
