@@ -36,38 +36,22 @@ def _statuses(reported: Reported) -> dict[str, tuple[str, int]]:
 
 
 @pytest.mark.parametrize("how", ["option", "ini"])
-def test_every_test_is_measured(tracker: pytest.Pytester, how: str, reported: Reported) -> None:
+def test_every_test_is_measured_and_held_to_the_default_limit(
+    tracker: pytest.Pytester, how: str, reported: Reported
+) -> None:
+    import xml.etree.ElementTree as ET
+
     tracker.makepyfile(SUITE)
     if how == "ini":
-        tracker.makeini("[pytest]\ngpumem_backend = tracker\ngpumem_all = true\n")
-    args = ["--gpumem-all"] if how == "option" else []
-    tracker.runpytest(*args, "--gpumem-json=out.json", "-p", "no:randomly").assert_outcomes(passed=4)
-    assert _statuses(reported) == {
-        "test_plain": ("ok", 4000),
-        "test_own_limit": ("ok", 4000),
-        "test_tolerance_only": ("ok", 4000),
-        "test_phase_limit": ("ok", 4000),
-    }
-
-
-def test_unmarked_tests_stay_unmeasured_without_it(tracker: pytest.Pytester, reported: Reported) -> None:
-    tracker.makepyfile(SUITE)
-    tracker.runpytest("--gpumem-json=out.json").assert_outcomes(passed=4)
-    assert "test_plain" not in _statuses(reported)
-
-
-@pytest.mark.parametrize("how", ["option", "ini"])
-def test_default_limit_applies_where_markers_set_none(tracker: pytest.Pytester, how: str, reported: Reported) -> None:
-    tracker.makepyfile(SUITE)
-    if how == "ini":
-        tracker.makeini("[pytest]\ngpumem_backend = tracker\ngpumem_max_memory = 3999\n")
-    args = ["--gpumem-max-memory=3999"] if how == "option" else []
-    result = tracker.runpytest("--gpumem-all", *args, "--gpumem-json=out.json", "-p", "no:randomly")
+        tracker.makeini("[pytest]\ngpumem_backend = tracker\ngpumem_all = true\ngpumem_max_memory = 3999\n")
+    args = ["--gpumem-all", "--gpumem-max-memory=3999"] if how == "option" else []
+    result = tracker.runpytest(*args, "--gpumem-json=out.json", "--junitxml=junit.xml", "-p", "no:randomly")
     result.assert_outcomes(passed=2, failed=2)
     result.stdout.fnmatch_lines(
         [
             "*call peak 4.0 kB (4,000 B) exceeds max_memory 3999 (--gpumem-max-memory) "
-            "(see what made it with --gpumem-explain or max_memory(explain=True))"
+            "(see what made it with --gpumem-explain or max_memory(explain=True))",
+            "gpumem: 4 measured: 2 over budget, 2 ok",
         ]
     )
     assert _statuses(reported) == {
@@ -76,6 +60,15 @@ def test_default_limit_applies_where_markers_set_none(tracker: pytest.Pytester, 
         "test_tolerance_only": ("OVER BUDGET", 4000),  # a tolerance is not a limit
         "test_phase_limit": ("ok", 4000),  # a phase limit is
     }
+    cases = {case.get("name"): case for case in ET.parse(tracker.path / "junit.xml").iter("testcase")}
+    properties = {p.get("name"): p.get("value", "") for p in cases["test_phase_limit"].iter("property")}
+    assert properties == {"gpumem_status": "ok", "gpumem_peak_bytes": "4000", "gpumem_peak_bytes[made]": "4000"}
+
+
+def test_unmarked_tests_stay_unmeasured_without_it(tracker: pytest.Pytester, reported: Reported) -> None:
+    tracker.makepyfile(SUITE)
+    tracker.runpytest("--gpumem-json=out.json").assert_outcomes(passed=4)
+    assert "test_plain" not in _statuses(reported)
 
 
 def test_a_bad_default_limit_is_a_usage_error(tracker: pytest.Pytester) -> None:
@@ -87,25 +80,6 @@ def test_a_bad_default_limit_is_a_usage_error(tracker: pytest.Pytester) -> None:
     result = tracker.runpytest()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["ERROR: ini option gpumem_max_memory: invalid size 'lots': *"])
-
-
-def test_junit_xml_carries_peaks_as_properties(tracker: pytest.Pytester) -> None:
-    import xml.etree.ElementTree as ET
-
-    tracker.makepyfile(SUITE)
-    tracker.runpytest("--gpumem-all", "--junitxml=junit.xml", "-p", "no:randomly").assert_outcomes(passed=4)
-    cases = {case.get("name"): case for case in ET.parse(tracker.path / "junit.xml").iter("testcase")}
-    properties = {p.get("name"): p.get("value", "") for p in cases["test_phase_limit"].iter("property")}
-    assert properties["gpumem_status"] == "ok"
-    assert properties["gpumem_peak_bytes"] == "4000"
-    assert properties["gpumem_peak_bytes[made]"] == "4000"
-    assert set(properties) == {"gpumem_status", "gpumem_peak_bytes", "gpumem_peak_bytes[made]"}
-
-
-def test_one_line_of_counts_at_the_end(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(SUITE)
-    result = tracker.runpytest("--gpumem-all", "--gpumem-max-memory=3999")
-    result.stdout.fnmatch_lines(["gpumem: 4 measured: 2 over budget, 2 ok"])
 
 
 def test_counts_line_orders_the_worst_first() -> None:
