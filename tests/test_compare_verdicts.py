@@ -1,0 +1,38 @@
+"""`pytest-gpumem compare` fails on a test that failed in the new run, and only warns about a test measured
+on another backend or device than before."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pytest_gpumem.cli import main
+
+
+def report(path: Path, status: str, peak: int, backend: str = "tracker") -> Path:
+    test = {"nodeid": "t.py::test_a", "peak_bytes": peak, "phases": {}, "status": status, "backend": backend}
+    path.write_text(json.dumps({"version": 1, "tests": [test]}), encoding="utf-8")
+    return path
+
+
+def compared(capsys: pytest.CaptureFixture[str], old: Path, new: Path) -> tuple[int, str]:
+    code = main(["compare", str(old), str(new)])
+    return code, capsys.readouterr().out
+
+
+def test_a_test_that_failed_in_the_new_run_fails_the_comparison(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    old = report(tmp_path / "old.json", "ok", 80)
+    code, out = compared(capsys, old, report(tmp_path / "new.json", "OUT OF MEMORY", 0))
+    assert code == 1
+    assert "failed in the new run: t.py::test_a (OUT OF MEMORY)" in out
+
+
+def test_another_backend_is_a_warning(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    old = report(tmp_path / "old.json", "ok", 80)
+    code, out = compared(capsys, old, report(tmp_path / "other.json", "ok", 80, backend="cuda"))
+    assert code == 0
+    assert "warning: t.py::test_a was measured on another backend or device than before" in out
