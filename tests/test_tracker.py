@@ -3,12 +3,10 @@ ledger under it: storages followed until they die, peaks, a capacity, the CUDA a
 
 from __future__ import annotations
 
-import gc
 import subprocess
 import sys
 
 import pytest
-import torch
 
 from pytest_gpumem.backends.base import (
     Configurable,
@@ -173,17 +171,21 @@ def test_exact_bytes(tracker: pytest.Pytester) -> None:
     result.assert_outcomes(passed=13)
 
 
-def test_cuda_rounding_counts_blocks_and_keeps_requested_bytes() -> None:
-    backend = TrackerBackend("cuda")
-    backend.start()
-    try:
-        a = torch.ones(1000)  # 4000 B -> 4096
-        b = torch.ones(4_000_000)  # 16,000,000 B -> a whole 16 MiB segment
-        peak = backend.peak()
-    finally:
-        backend.stop()
-    assert (peak.allocated, peak.requested) == (4096 + 16 * 1024**2, 4000 + 16_000_000)
-    del a, b
+def test_cuda_rounding_option(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        """
+        import torch
+
+        def test_rounded(gpumem):
+            with gpumem.phase("p"):
+                a = torch.ones(1000)           # 4000 B -> 4096
+                b = torch.ones(4_000_000)      # 16,000,000 B -> a whole 16 MiB segment
+            r = gpumem.result("p")
+            assert r.peak_bytes == 4096 + 16 * 1024**2
+            assert r.requested_peak_bytes == 4000 + 16_000_000
+        """
+    )
+    tracker.runpytest("--gpumem-round=cuda").assert_outcomes(passed=1)
 
 
 @pytest.mark.parametrize(
@@ -226,8 +228,7 @@ def test_the_ledger_counts_storages_until_they_die() -> None:
     ledger.add(a)
     ledger.add(b)
     assert (ledger.requested, ledger.allocated) == (1600, 1024 + 1024)  # each rounded up to 512 B blocks
-    del a
-    gc.collect()
+    del a  # its last reference: the weak reference's callback runs now
     assert (ledger.requested, ledger.allocated) == (600, 1024)
     assert (ledger.peak_requested, ledger.peak_allocated) == (1600, 2048)
     ledger.reset_peak()
