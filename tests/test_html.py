@@ -255,7 +255,7 @@ def test_the_script_gets_every_size_formatted_by_python() -> None:
         ["1.0 MiB", "0 B", "0 B", "0 B", "256.0 KiB", "0 B"],
     ]
     assert texts["start"] == "1.0 KiB" and texts["unattributed"] == ""
-    assert texts["contributors"] == ["temporaries (no module): 256.0 KiB"]  # the call's cells that grew
+    assert texts["contributors"] == ["temporaries of (no module): 256.0 KiB"]  # the call's cells that grew
     assert texts["tensors"]["call"] == [
         "[16, 32] float32 2.0 KiB saved for backward, aten.mm.default at test_x.py:12 in encoder.0"
     ]

@@ -23,7 +23,7 @@ from typing import Any
 import jinja2
 
 from pytest_gpumem.measure.advice import AS_IS, Advice, PhasePeak, Row
-from pytest_gpumem.results.explanation import NO_MODULE, Explanation, PhaseExplanation, Point, Tensor
+from pytest_gpumem.results.explanation import Explanation, PhaseExplanation, Point, Tensor
 from pytest_gpumem.sizes import format_size
 
 COLOURS = ("#4e79a7", "#f28e2b", "#e15759", "#59a14f", "#edc948", "#b07aa1", "#76b7b2", "#ff9da7", "#9c755f")
@@ -143,11 +143,7 @@ def _point_texts(point: Point, start: int) -> list[Any]:
 
 def _contributors(explanation: Explanation, call: PhaseExplanation) -> list[str]:
     cells = sorted((c for c in call.cells if c.size > 0), key=lambda c: -c.size)[:PEAK_CONTRIBUTORS]
-    return [
-        f"{explanation.label(c.category)}{' (no module)' if c.module == NO_MODULE else ' of ' + c.module}: "
-        f"{format_size(c.size)}"
-        for c in cells
-    ]
+    return [f"{explanation.label(c.category)} of {c.module}: {format_size(c.size)}" for c in cells]
 
 
 def _tensor_text(explanation: Explanation, tensor: Tensor) -> str:

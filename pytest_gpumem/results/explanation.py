@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FORMAT = "pytest-gpumem explanation 1"
-NO_MODULE = "(no module)"
 
 
 def _int(value: Any) -> int:
