@@ -1,58 +1,105 @@
-"""The gpumem fixture: phases, their errors, results, and the plugin's own hooks."""
+"""The gpumem fixture: what it reads, phases and their errors, results, and the plugin's own hooks."""
 
 from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 
-def test_device_and_backend(tracker: pytest.Pytester) -> None:
+def test_the_fixture_reads_the_call_its_phases_device_and_backend(tracker: pytest.Pytester) -> None:
     tracker.makepyfile(
         """
-        def test_it(gpumem):
+        import pytest, torch
+
+        def test_device_and_backend(gpumem):
             assert str(gpumem.device) == "cpu"
             assert gpumem.backend_name == "tracker"
+
+        def test_call_peak_so_far(gpumem):
+            a = torch.ones(1000)
+            with gpumem.phase("forward"):
+                b = torch.ones(500)
+            del a, b
+            assert gpumem.peak() == 6000
+            assert gpumem.result().net_bytes == 0
+
+        @pytest.fixture
+        def model(gpumem):
+            return torch.ones(10_000, device=gpumem.device)  # made in setup: not part of the call
+
+        def test_setup_is_not_measured(gpumem, model):
+            with gpumem.phase("use"):
+                y = model * 2
+            assert gpumem.peak("use") == 40_000
         """
     )
-    tracker.runpytest().assert_outcomes(passed=1)
+    tracker.runpytest().assert_outcomes(passed=3)
 
 
-def test_nested_phase_is_an_error(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(
-        """
-        def test_nest(gpumem):
-            with gpumem.phase("outer"):
-                with gpumem.phase("inner"):
-                    pass
-        """
+PHASE_ERRORS = """
+import pytest
+
+def test_nest(gpumem):
+    with gpumem.phase("outer"):
+        with gpumem.phase("inner"):
+            pass
+
+@pytest.mark.parametrize("name", ["", "call", 3])
+def test_bad_name(gpumem, name):
+    with gpumem.phase(name):
+        pass
+
+def test_unknown_phase_read(gpumem):
+    with gpumem.phase("forward"):
+        pass
+    gpumem.peak("backward")
+
+@pytest.fixture
+def early(gpumem):
+    with gpumem.phase("setup"):
+        pass
+
+def test_phase_in_setup(early):
+    pass
+
+def test_in_body(request):
+    request.getfixturevalue("gpumem")
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1, "tight"])
+def test_gradient_tolerance(gpumem, value):
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    model(torch.ones(1, 2)).sum().backward()
+    gpumem.check_gradients(model, rtol=value)
+"""
+
+
+def test_misuse_of_the_fixture_fails_that_test_in_one_line(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(PHASE_ERRORS)
+    result = tracker.runpytest("-p", "no:randomly")
+    result.assert_outcomes(failed=10, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*gpumem.phase('setup') works only while the test function of *test_phase_in_setup runs",
+            "*::test_nest: gpumem.phase('inner') opened inside phase 'outer': phases cannot nest",
+            "*gpumem.phase() needs a non-empty name other than 'call', got ''",
+            "*gpumem.phase() needs a non-empty name other than 'call', got 'call'",
+            "*gpumem.phase() needs a non-empty name other than 'call', got 3",
+            "*gpumem has no phase 'backward' in *test_unknown_phase_read (phases measured: forward)",
+            "*::test_in_body: request the gpumem fixture as a test argument or from a fixture; asked for inside*",
+            *["*gpumem.check_gradients(rtol=...) must be a finite number >= 0, got *"] * 4,
+        ]
     )
-    result = tracker.runpytest()
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*::test_nest: gpumem.phase('inner') opened inside phase 'outer': phases cannot nest"])
     result.stdout.no_fnmatch_line("*Traceback*")
 
 
-@pytest.mark.parametrize(("name", "shown"), [("''", "''"), ("'call'", "'call'"), ("3", "3")])
-def test_bad_phase_name(tracker: pytest.Pytester, name: str, shown: str) -> None:
-    tracker.makepyfile(f"def test_it(gpumem):\n    with gpumem.phase({name}):\n        pass\n")
-    result = tracker.runpytest()
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines([f"*gpumem.phase() needs a non-empty name other than 'call', got {shown}"])
-
-
-def test_unknown_phase_read(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(
-        """
-        def test_it(gpumem):
-            with gpumem.phase("forward"):
-                pass
-            gpumem.peak("backward")
-        """
-    )
-    result = tracker.runpytest()
-    result.stdout.fnmatch_lines(["*gpumem has no phase 'backward' in *test_it (phases measured: forward)"])
-
-
-def test_phase_that_raises_is_closed_and_next_test_unaffected(tracker: pytest.Pytester) -> None:
+def test_a_phase_that_raises_is_closed_and_what_follows_is_measured(
+    tracker: pytest.Pytester, reported: Callable[..., dict[str, dict[str, Any]]]
+) -> None:
     tracker.makepyfile(
         """
         import pytest, torch
@@ -76,41 +123,30 @@ def test_phase_that_raises_is_closed_and_next_test_unaffected(tracker: pytest.Py
             assert gpumem.peak("forward") == 400
             with gpumem.phase("backward"):
                 pass
+
+        @pytest.fixture
+        def meter(request):
+            return request.getfixturevalue("gpumem")
+
+        def test_from_fixture(meter):
+            with meter.phase("made"):
+                torch.ones(100)
+            assert meter.peak("made") == 400
+
+        def test_xfail_inside(gpumem):
+            pytest.xfail("known")
+
+        def test_skip_inside(gpumem):
+            pytest.skip("later")
         """
     )
-    result = tracker.runpytest("--gpumem-report")
-    result.assert_outcomes(passed=2, failed=1)
+    result = tracker.runpytest("--gpumem-report", "--gpumem-json=out.json", "-p", "no:randomly")
+    result.assert_outcomes(passed=3, failed=1, xfailed=1, skipped=1)
     result.stdout.fnmatch_lines(["*ValueError: boom*", "*test_raises*1000 B*error*"])
-
-
-def test_measured_only_during_call(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(
-        """
-        import pytest, torch
-
-        @pytest.fixture
-        def model(gpumem):
-            return torch.ones(10_000, device=gpumem.device)  # made in setup: not part of the call
-
-        def test_it(gpumem, model):
-            with gpumem.phase("use"):
-                y = model * 2
-            assert gpumem.peak("use") == 40_000
-
-        @pytest.fixture
-        def early(gpumem):
-            with gpumem.phase("setup"):
-                pass
-
-        def test_phase_in_setup(early):
-            pass
-        """
-    )
-    result = tracker.runpytest()
-    result.assert_outcomes(passed=1, errors=1)
-    result.stdout.fnmatch_lines(
-        ["*gpumem.phase('setup') works only while the test function of *test_phase_in_setup runs"]
-    )
+    tests = reported()
+    assert sorted(tests) == ["test_after", "test_caught", "test_from_fixture", "test_raises"]  # skips: unmeasured
+    assert (tests["test_from_fixture"]["status"], tests["test_from_fixture"]["peak_bytes"]) == ("ok", 400)
+    assert tests["test_raises"]["phases"]["forward"]["peak_bytes"] == 1000
 
 
 def test_result_hook_sees_whole_call_and_info(tracker: pytest.Pytester) -> None:
@@ -136,8 +172,6 @@ def test_result_hook_sees_whole_call_and_info(tracker: pytest.Pytester) -> None:
         """
     )
     tracker.runpytest().assert_outcomes(passed=1)
-    import json
-
     (line,) = (tracker.path / "results.jsonl").read_text().splitlines()
     data = json.loads(line)
     assert data["phases"]["forward"]["peak_bytes"] == 2000
@@ -180,108 +214,3 @@ def test_custom_backend_hook(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("--gpumem-backend=fixed", "--gpumem-report")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["gpumem: fixed (a test double)", "*test_it*100 B*ok*"])
-
-
-def test_info_must_be_json(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(
-        """
-        import torch
-
-        def test_shape(gpumem):
-            gpumem.info["tensor"] = torch.ones(2)
-
-        def test_nan(gpumem):
-            gpumem.info["x"] = float("nan")
-
-        def test_fine(gpumem):
-            gpumem.info["shape"] = [2]
-        """
-    )
-    result = tracker.runpytest("--gpumem-json=out.json")
-    result.assert_outcomes(passed=1, failed=2)
-    result.stdout.fnmatch_lines(
-        [
-            "*::test_shape: gpumem.info must be a dict of JSON values (str, numbers, lists, dicts): "
-            "*not JSON serializable"
-        ]
-    )
-    assert (tracker.path / "out.json").exists()
-
-
-@pytest.mark.parametrize("value", ["float('nan')", "float('inf')", "-1", "'tight'"])
-def test_check_gradients_tolerances_checked(tracker: pytest.Pytester, value: str) -> None:
-    tracker.makepyfile(
-        f"""
-        import torch
-
-        def test_it(gpumem):
-            model = torch.nn.Linear(2, 2)
-            model(torch.ones(1, 2)).sum().backward()
-            gpumem.check_gradients(model, rtol={value})
-        """
-    )
-    result = tracker.runpytest()
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*gpumem.check_gradients(rtol=...) must be a finite number >= 0, got *"])
-
-
-def test_xfail_and_skip_inside_are_not_errors(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(
-        """
-        import pytest
-
-        def test_x(gpumem):
-            pytest.xfail("known")
-
-        def test_s(gpumem):
-            pytest.skip("later")
-        """
-    )
-    result = tracker.runpytest("--gpumem-report")
-    result.assert_outcomes(xfailed=1, skipped=1)
-    result.stdout.fnmatch_lines(["no test was measured*"])
-
-
-def test_call_peak_so_far(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(
-        """
-        import torch
-
-        def test_it(gpumem):
-            a = torch.ones(1000)
-            with gpumem.phase("forward"):
-                b = torch.ones(500)
-            del a, b
-            assert gpumem.peak() == 6000
-            assert gpumem.result().net_bytes == 0
-        """
-    )
-    tracker.runpytest().assert_outcomes(passed=1)
-
-
-def test_fixture_requested_dynamically(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(
-        """
-        import pytest, torch
-
-        @pytest.fixture
-        def meter(request):
-            return request.getfixturevalue("gpumem")
-
-        def test_from_fixture(meter):
-            with meter.phase("made"):
-                torch.ones(100)
-            assert meter.peak("made") == 400
-
-        def test_in_body(request):
-            request.getfixturevalue("gpumem")
-        """
-    )
-    result = tracker.runpytest("--gpumem-report")
-    result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines(
-        [
-            "*::test_in_body: request the gpumem fixture as a test argument or from a fixture; asked for inside*",
-            "*test_from_fixture*400 B*ok",
-        ]
-    )

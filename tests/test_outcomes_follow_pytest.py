@@ -1,48 +1,16 @@
-"""A measured test reaches the report, the JSON and the baselines as pytest judged it: reruns, crashed
-xdist workers, unittest bodies, xfail, unusual `info`, and user errors shown without our frames."""
+"""A measured test reaches the report, the JSON and the baselines as pytest judged it: reruns, unittest
+bodies, xfail, hypothesis examples, unusual `info`, and user errors shown without our frames (a crashed
+xdist worker: tests/test_xdist.py)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-
-def _tests(pytester: pytest.Pytester, name: str = "out.json") -> dict[str, dict[str, Any]]:
-    doc = json.loads((pytester.path / name).read_text(encoding="utf-8"))
-    return {test["nodeid"].split("::", 1)[1]: test for test in doc["tests"]}
-
-
-CRASHING_WORKER = """
-import collections, os
-import numpy, pytest, torch
-
-
-@pytest.mark.parametrize("n", range(8))
-def test_alloc(gpumem, n):
-    with gpumem.phase("made"):
-        torch.ones(100 * (n + 1))
-    gpumem.info = collections.OrderedDict(
-        shape=torch.Size([n, 2]), ratio=numpy.float64(0.5), name=type("Name", (str,), {})("x")
-    )
-
-
-def test_dies(gpumem):
-    os._exit(3)
-"""
-
-
-def test_a_dying_worker_loses_only_its_own_test(tracker: pytest.Pytester) -> None:
-    pytest.importorskip("xdist")
-    tracker.makepyfile(CRASHING_WORKER)
-    result = tracker.runpytest_subprocess("-n", "2", "--gpumem-json=out.json", "-p", "no:randomly")
-    result.assert_outcomes(passed=8, failed=1)
-    tests = _tests(tracker)
-    assert sorted(tests) == [f"test_alloc[{n}]" for n in range(8)]
-    assert tests["test_alloc[3]"]["phases"]["made"]["peak_bytes"] == 4 * 400
-    assert tests["test_alloc[3]"]["info"] == {"shape": [3, 2], "ratio": 0.5, "name": "x"}
-
+Reported = Callable[..., dict[str, dict[str, Any]]]
 
 FLAKY = """
 import pytest, torch
@@ -58,12 +26,12 @@ def test_flaky(gpumem):
 """
 
 
-def test_each_rerun_attempt_is_measured_on_its_own(tracker: pytest.Pytester) -> None:
+def test_each_rerun_attempt_is_measured_on_its_own(tracker: pytest.Pytester, reported: Reported) -> None:
     pytest.importorskip("pytest_rerunfailures")
     tracker.makepyfile(FLAKY)
     result = tracker.runpytest("--reruns=1", "--gpumem-update", "--gpumem-json=out.json", "-p", "no:randomly")
     assert result.parseoutcomes() == {"passed": 1, "rerun": 1}
-    test = _tests(tracker)["test_flaky"]
+    test = reported()["test_flaky"]
     assert (test["status"], test["phases"]["made"]["peak_bytes"]) == ("NEW", 4_000)
     stored = (tracker.path / "gpumem-baselines.json").read_text(encoding="utf-8")
     assert "400000" not in stored
@@ -94,11 +62,11 @@ def test_fine(gpumem):
 """
 
 
-def test_status_and_records_follow_pytests_verdict(tracker: pytest.Pytester) -> None:
+def test_status_and_records_follow_pytests_verdict(tracker: pytest.Pytester, reported: Reported) -> None:
     tracker.makepyfile(OTHER_VERDICTS)
     result = tracker.runpytest("--gpumem-update", "--gpumem-json=out.json", "-p", "no:randomly")
     result.assert_outcomes(passed=1, failed=1, xfailed=1)
-    tests = _tests(tracker)
+    tests = reported()
     assert tests["Case::test_body_fails"]["status"] == "error"
     assert tests["Case::test_body_fails"]["message"] == "AssertionError: 1 != 2"
     assert tests["test_expected_to_fail"]["status"] == "xfailed"
@@ -109,9 +77,13 @@ def test_status_and_records_follow_pytests_verdict(tracker: pytest.Pytester) -> 
     assert "test_expected_to_fail" not in recorded
 
 
-def test_info_that_is_not_a_dict_or_cannot_be_shown(tracker: pytest.Pytester) -> None:
+def test_info_must_be_a_dict_of_json_values_and_is_kept_readable_when_not(
+    tracker: pytest.Pytester, reported: Reported
+) -> None:
     tracker.makepyfile(
         """
+        import torch
+
         class Unshowable:
             def __repr__(self):
                 raise RuntimeError("no")
@@ -121,39 +93,36 @@ def test_info_that_is_not_a_dict_or_cannot_be_shown(tracker: pytest.Pytester) ->
 
         def test_unshowable(gpumem):
             gpumem.info["x"] = Unshowable()
+
+        def test_tensor(gpumem):
+            gpumem.info["tensor"] = torch.ones(2)
+
+        def test_nan(gpumem):
+            gpumem.info["x"] = float("nan")
+
+        def test_fine(gpumem):
+            gpumem.info["shape"] = [2]
         """
     )
     result = tracker.runpytest("--gpumem-json=out.json", "-p", "no:randomly")
-    result.assert_outcomes(failed=2)
+    result.assert_outcomes(passed=1, failed=4)
     result.stdout.fnmatch_lines(
         [
             "*::test_list: gpumem.info must be a dict of JSON values *: it was set to a list, not a dict",
             "*::test_unshowable: gpumem.info must be a dict of JSON values *Unshowable is not JSON serializable",
+            "*::test_tensor: gpumem.info must be a dict of JSON values (str, numbers, lists, dicts): "
+            "*not JSON serializable",
+            "*::test_nan: gpumem.info must be a dict of JSON values *",
         ]
     )
     result.stdout.no_fnmatch_line("*INTERNALERROR*")
-    tests = _tests(tracker)
+    tests = reported()
     assert tests["test_list"]["info"] == {"unreadable": "[1, 2]"}
     assert tests["test_unshowable"]["info"] == {"unreadable": "<dict whose repr raised>"}
+    assert tests["test_fine"]["info"] == {"shape": [2]}
 
 
-def test_user_errors_show_the_users_frames(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(
-        """
-        import torch
-
-        def test_shapes(gpumem):
-            with gpumem.phase("forward"):
-                torch.ones(2, 3) @ torch.ones(2, 3)
-        """
-    )
-    result = tracker.runpytest("--tb=long", "-p", "no:randomly")
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*torch.ones(2, 3) @ torch.ones(2, 3)", "E*RuntimeError: mat1 and mat2 shapes*"])
-    result.stdout.no_fnmatch_line("*pytest_gpumem/*.py:*")
-
-
-def test_hypothesis_examples_are_each_measured_and_the_worst_kept(tracker: pytest.Pytester) -> None:
+def test_hypothesis_examples_are_each_measured_and_the_worst_kept(tracker: pytest.Pytester, reported: Reported) -> None:
     pytest.importorskip("hypothesis")
     tracker.makepyfile(
         """
@@ -169,17 +138,20 @@ def test_hypothesis_examples_are_each_measured_and_the_worst_kept(tracker: pytes
         """
     )
     tracker.runpytest("--gpumem-json=out.json").assert_outcomes(passed=1)
-    made = _tests(tracker)["test_sizes"]["phases"]["made"]
+    made = reported()["test_sizes"]["phases"]["made"]
     assert made["peak_bytes"] == 4 * 1000
     assert made["count"] >= 2
 
 
-def test_misuse_in_a_fixture_and_a_timeout_show_no_plugin_frames(tracker: pytest.Pytester) -> None:
-    pytest.importorskip("pytest_timeout")
+def test_user_errors_misuse_in_a_fixture_and_a_timeout_show_no_plugin_frames(tracker: pytest.Pytester) -> None:
     tracker.makepyfile(
         """
         import time
-        import pytest
+        import pytest, torch
+
+        def test_shapes(gpumem):
+            with gpumem.phase("forward"):
+                torch.ones(2, 3) @ torch.ones(2, 3)
 
         @pytest.fixture
         def measured_setup(gpumem):
@@ -189,17 +161,19 @@ def test_misuse_in_a_fixture_and_a_timeout_show_no_plugin_frames(tracker: pytest
         def test_phase_in_setup(measured_setup):
             pass
 
-        @pytest.mark.timeout(1, method="signal")
+        @pytest.mark.timeout(0.5, method="signal")
         def test_slow_phase(gpumem):
             with gpumem.phase("slow"):
-                time.sleep(3)
+                time.sleep(30)  # ended by the timeout
         """
     )
     result = tracker.runpytest("--tb=long", "-p", "no:randomly")
-    result.assert_outcomes(errors=1, failed=1)
+    result.assert_outcomes(errors=1, failed=2)
     result.stdout.fnmatch_lines(
         [
             "E*GpuMemError: gpumem.phase('setup') works only while the test function of *test_phase_in_setup runs",
+            "*torch.ones(2, 3) @ torch.ones(2, 3)",
+            "E*RuntimeError: mat1 and mat2 shapes*",
             "E*Failed: Timeout*",
         ]
     )
