@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -79,34 +80,37 @@ def test_sees(gpumem, n):
 """
 
 
-def test_workers_see_one_of_the_callers_devices(tracker: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_workers_see_one_of_the_callers_devices(
+    tracker: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, reported: Callable[..., dict[str, dict[str, Any]]]
+) -> None:
     pytest.importorskip("xdist")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     tracker.makepyfile(SUITE)
     result = tracker.runpytest_subprocess("-n", "2", "--gpumem-devices=auto", "--gpumem-json=out.json")
     result.assert_outcomes(passed=6)
     result.stdout.fnmatch_lines(["gpumem: tracker *; xdist workers get one device each (all visible, round-robin)"])
-    tests = json.loads((tracker.path / "out.json").read_text(encoding="utf-8"))["tests"]
-    by_device = {t["info"]["visible"]: t["worker_device"] for t in tests}
+    by_device = {t["info"]["visible"]: t["worker_device"] for t in reported().values()}
     assert by_device == {
         "2": "worker gw0: cuda:0 of the caller (CUDA_VISIBLE_DEVICES=2)",
         "3": "worker gw1: cuda:1 of the caller (CUDA_VISIBLE_DEVICES=3)",
     }
 
 
-def test_without_xdist_nothing_changes(tracker: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_xdist_nothing_changes(
+    tracker: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, reported: Callable[..., dict[str, dict[str, Any]]]
+) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     tracker.makepyfile(SUITE)
-    tracker.runpytest_subprocess("-p", "no:xdist", "--gpumem-devices=auto", "--gpumem-json=out.json")
-    tests = json.loads((tracker.path / "out.json").read_text(encoding="utf-8"))["tests"]
-    assert {(t["info"]["visible"], t["worker_device"]) for t in tests} == {("2,3", None)}
+    tracker.runpytest("-p", "no:xdist", "--gpumem-devices=auto", "--gpumem-json=out.json").assert_outcomes(passed=6)
+    assert {(t["info"]["visible"], t["worker_device"]) for t in reported().values()} == {("2,3", None)}
 
 
-def test_a_device_not_visible_is_a_usage_error(tracker: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_device_not_visible_is_a_usage_error_before_any_worker_starts(
+    tracker: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("xdist")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     tracker.makepyfile(SUITE)
-    result = tracker.runpytest_subprocess("-n", "2", "--gpumem-devices=0,5")
-    assert result.ret != pytest.ExitCode.OK
-    result.stdout.no_fnmatch_line("*Traceback*pytest_gpumem*")
-    assert "--gpumem-devices names cuda:5, but the caller sees 2 (2, 3)" in result.stdout.str() + result.stderr.str()
+    result = tracker.runpytest("-n", "2", "--gpumem-devices=0,5")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --gpumem-devices names cuda:5, but the caller sees 2 (2, 3)"])
