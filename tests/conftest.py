@@ -91,3 +91,9 @@ def runpytest_bound_by_file_modes(pytester: pytest.Pytester) -> Callable[..., py
         return pytester.run(setpriv, unbound, sys.executable, "-m", "pytest", f"--basetemp={basetemp}", *args)
 
     return run
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slow tests first (the order is otherwise kept): on two workers the run then ends on short tests
+    that either worker can take, instead of on one worker's long one."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -69,9 +69,22 @@ def glob(shown: str) -> str:
     return f"*= {rule['text']} =*" if rule else escaped
 
 
+# pages whose examples take seconds: spawned ranks, each importing torch; a real step under every strategy
+SLOW_PAGES = ("docs/guides/distributed.md", "docs/guides/advise.md")
+
+
 def examples() -> list[object]:
     pages = [page for page in PAGES if any(b.lang == "python" or b.lang == "console" for b in blocks(page))]
-    return [pytest.param(page, id=str(page.relative_to(ROOT))) for page in pages]
+    return [example(page) for page in pages]
+
+
+def example(page: Path) -> object:
+    name = str(page.relative_to(ROOT))
+    return pytest.param(page, id=name, marks=[pytest.mark.slow] if name in SLOW_PAGES else [])
+
+
+def test_the_slow_pages_are_pages() -> None:
+    assert [name for name in SLOW_PAGES if not (ROOT / name).is_file()] == []
 
 
 def test_every_python_block_is_a_file_that_runs() -> None:

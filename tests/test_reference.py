@@ -59,10 +59,11 @@ SCALE_CASES = {
 }
 
 
+@pytest.mark.slow  # seven training strategies run for real
 @pytest.mark.parametrize("scale", sorted(SCALE_CASES))
 def test_bounds_follow_the_scale(tracker: pytest.Pytester, scale: str) -> None:
     selection, count = SCALE_CASES[scale]
-    result = tracker.runpytest_subprocess(
+    result = tracker.runpytest(
         "--pyargs", "reference_losses", f"--gpumem-scale={scale}", "-k", selection, "-p", "no:cacheprovider"
     )
     result.assert_outcomes(passed=count)

@@ -79,10 +79,11 @@ def test_fixtures_on_request(tracker: pytest.Pytester, how: str) -> None:
     args = ["-p", "reference_losses.fixtures"] if how == "-p" else []
     if how == "pytest_plugins":
         pytester.makeconftest("pytest_plugins = ['reference_losses.fixtures']\n")
-    result = pytester.runpytest_subprocess(*args, "--gpumem-scale=0.5", "-p", "no:cacheprovider")
+    result = pytester.runpytest(*args, "--gpumem-scale=0.5", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch and runs the reference suite
 def test_main_job_from_the_repository_root() -> None:
     command = [sys.executable, "-m", "pytest", "--pyargs", "reference_losses", "-k", "naive_sum or dot"]
     command += ["--gpumem-scale=0.5", "--gpumem-report", "-p", "no:cacheprovider", "-o", "gpumem_backend=tracker"]
