@@ -1,3 +1,5 @@
+"""The one error type and the one warning of pytest-gpumem."""
+
 from __future__ import annotations
 
 

@@ -151,7 +151,8 @@ def gpumem(request: pytest.FixtureRequest) -> GpuMem:
 
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     verbose = request.config.get_verbosity() >= 1  # -v: a line per test, none broken into
-    meter.worlds = Worlds(session.options.dist_timeout, reporter.write_line if reporter is not None and verbose else None)
+    say = reporter.write_line if reporter is not None and verbose else None
+    meter.worlds = Worlds(session.options.dist_timeout, say)
     return meter
 
 

@@ -1,4 +1,5 @@
-"""Stored baselines in a run: compare each measured test, then (controller only) update, prune, write."""
+"""Stored baselines in a run: compare each measured test, tell whether the run left tests out (their
+baselines are then not unused), and (controller only) update, prune, write."""
 
 from __future__ import annotations
 
@@ -28,10 +29,8 @@ def identity_of(backend: Backend) -> DeviceIdentity:
     from pytest_gpumem.results.baseline import DeviceIdentity
 
     if isinstance(backend, IdentifiesDevice):
-        data = backend.identity()
-    else:
-        data = {"backend": backend.name, "device": str(backend.device)}
-    return DeviceIdentity(data["backend"], data["device"], data.get("capability"), data.get("total_memory"))
+        return backend.identity()
+    return DeviceIdentity(backend.name, str(backend.device))
 
 
 def selection_flags(options: Options) -> list[str]:
