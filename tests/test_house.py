@@ -41,20 +41,46 @@ def modules() -> dict[str, Path]:
 
 
 def imported(name: str) -> set[str]:
-    """Every module of the package or outside it that `name` imports anywhere in its text."""
+    """Every module of the package or outside it that `name` imports anywhere in its text: relative imports
+    resolved, `importlib.import_module("...")` of a literal name too, and a name of the package's own
+    `__init__` (its lazy public names) as an import of `pytest_gpumem` itself."""
     tree = ast.parse(modules()[name].read_text())
+    package = name if modules()[name].name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module is not None:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = absolute(package, node.level, node.module)
+            found.update(imported_from(base, [alias.name for alias in node.names]))
+        elif isinstance(node, ast.Call) and called(node.func) in {"import_module", "__import__"} and node.args:
+            first = node.args[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                found.add(first.value)
     return found
 
 
+def absolute(package: str, level: int, module: str | None) -> str:
+    """The module that `from <level dots><module> import ...` in `package` names."""
+    base = package.split(".")[: len(package.split(".")) - level + 1] if level else []
+    return ".".join([*base, *([module] if module else [])])
+
+
+def imported_from(base: str, names: list[str]) -> set[str]:
+    """`from base import names`: base and each name that is a module of base; from the package's root, a
+    name that is no module is one of its `__init__`."""
+    submodules = {f"{base}.{name}" for name in names if f"{base}.{name}" in modules()}
+    if base == PACKAGE.name:
+        return submodules | ({base} if len(submodules) < len(names) else set())
+    return {base, *(f"{base}.{name}" for name in names)}
+
+
+def called(func: ast.expr) -> str | None:
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+
+
 def package_imports(name: str) -> set[str]:
-    return {other for other in imported(name) if other in modules() and other != name and other != "pytest_gpumem"}
+    return {other for other in imported(name) if other in modules() and other != name}
 
 
 def layer(name: str) -> int:
@@ -62,10 +88,25 @@ def layer(name: str) -> int:
     return next(index for index, members in enumerate(LAYERS) if first in members)
 
 
+def test_relative_imports_are_resolved() -> None:
+    assert absolute("pytest_gpumem.run", 1, "judge") == "pytest_gpumem.run.judge"
+    assert absolute("pytest_gpumem.run", 2, "budget") == "pytest_gpumem.budget"
+    assert absolute("pytest_gpumem.run", 1, None) == "pytest_gpumem.run"
+    assert absolute("pytest_gpumem", 0, "pytest_gpumem.sizes") == "pytest_gpumem.sizes"
+
+
+def test_a_lazy_public_name_is_an_import_of_the_top_layer() -> None:
+    assert imported_from("pytest_gpumem", ["sizes"]) == {"pytest_gpumem.sizes"}
+    assert imported_from("pytest_gpumem", ["sizes", "GpuMem"]) == {"pytest_gpumem.sizes", "pytest_gpumem"}
+    assert layer("pytest_gpumem") == len(LAYERS) - 1
+
+
 def test_every_module_has_a_layer() -> None:
-    assert [name for name in modules() if name != "pytest_gpumem" and not any(
-        (name.split(".") + ["__init__"])[1] in members for members in LAYERS
-    )] == []
+    assert [
+        name
+        for name in modules()
+        if name != "pytest_gpumem" and not any([*name.split("."), "__init__"][1] in members for members in LAYERS)
+    ] == []
 
 
 def test_no_module_imports_a_layer_above_its_own() -> None:
@@ -88,7 +129,7 @@ def test_the_import_graph_has_no_circle() -> None:
         state[name] = "open"
         for other in sorted(graph[name]):
             if state.get(other) == "open":
-                circles.append(path[path.index(other) :] + [other])
+                circles.append([*path[path.index(other) :], other])
             elif other not in state:
                 visit(other, [*path, other])
         state[name] = "done"
@@ -101,7 +142,9 @@ def test_the_import_graph_has_no_circle() -> None:
 
 @pytest.mark.parametrize("top", WITHOUT_PYTEST)
 def test_the_lower_layers_work_without_pytest(top: str) -> None:
-    users = sorted(name for name in modules() if name.split(".")[1:2] == [top] and {"pytest", "_pytest"} & {
-        other.split(".")[0] for other in imported(name)
-    })
+    users = sorted(
+        name
+        for name in modules()
+        if name.split(".")[1:2] == [top] and {"pytest", "_pytest"} & {other.split(".")[0] for other in imported(name)}
+    )
     assert users == []
