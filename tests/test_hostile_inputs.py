@@ -3,6 +3,7 @@ device, gradients whose squares overflow, many changed parameters, table cells w
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
@@ -12,11 +13,16 @@ from typing import Any
 import pytest
 import torch
 
+from pytest_gpumem import config as options
+from pytest_gpumem.baselines.schema import BaselineError, dumps, loads
+from pytest_gpumem.budget import budget_from_marker
+from pytest_gpumem.cli import main
+from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.gradients.compare import compare_fingerprints
 from pytest_gpumem.gradients.fingerprint import fingerprint
 from pytest_gpumem.report.markdown import markdown
 from pytest_gpumem.report.terminal import table
-from pytest_gpumem.results import PhaseResult, TestResult
+from pytest_gpumem.results import PhaseResult, Status, TestResult
 
 BASELINES = "gpumem-baselines.json"
 
@@ -213,7 +219,7 @@ def hostile_result() -> TestResult:
         PhaseResult("call", 2048, 2048, None, 0),
         phases,
         budget_text="fwd|bwd=1 MiB",
-        status="ok",
+        status=Status.OK,
     )
 
 
@@ -308,8 +314,6 @@ BAD_BASELINES = [
 
 @pytest.mark.parametrize(("text", "problem"), [c[1:] for c in BAD_BASELINES], ids=[c[0] for c in BAD_BASELINES])
 def test_a_hand_edited_baseline_file_is_refused_in_one_line_naming_it(text: str, problem: str) -> None:
-    from pytest_gpumem.baselines.schema import BaselineError, loads
-
     with pytest.raises(BaselineError) as refused:
         loads(text, "ci/gpumem-baselines.json")
     message = str(refused.value)
@@ -319,8 +323,6 @@ def test_a_hand_edited_baseline_file_is_refused_in_one_line_naming_it(text: str,
 
 
 def test_unicode_node_ids_and_an_escaped_pair_round_trip() -> None:
-    from pytest_gpumem.baselines.schema import dumps, loads
-
     ids = ["t.py::test[ü\u2028]", "t.py::test[\U0001f600]"]
     text = "\n".join(baseline_text(nodeid=i) for i in ids[:1]).replace("\\u00fc", "ü")
     store = loads(text)
@@ -351,9 +353,6 @@ HUGE = 10**5000  # past Python's 4,300-digit limit for str(int)
 def test_a_hostile_marker_argument_is_one_short_line(
     args: tuple[Any, ...], kwargs: dict[str, Any], problem: str
 ) -> None:
-    from pytest_gpumem.budget import budget_from_marker
-    from pytest_gpumem.errors import GpuMemError
-
     with pytest.raises(GpuMemError) as refused:
         budget_from_marker(args, kwargs)
     assert problem in str(refused.value)
@@ -379,10 +378,6 @@ def test_a_hostile_marker_argument_is_one_short_line(
     ],
 )
 def test_a_hostile_option_value_is_one_short_line(parse: str, value: str, problem: str) -> None:
-    import argparse
-
-    from pytest_gpumem import config as options
-
     function = getattr(options, parse)
     with pytest.raises(argparse.ArgumentTypeError) as refused:
         function(value)
@@ -419,8 +414,6 @@ BAD_REPORTS = [
 def test_a_hostile_report_exits_2_in_one_line_naming_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, problem: str
 ) -> None:
-    from pytest_gpumem.cli import main
-
     bad, good = tmp_path / "bad.json", tmp_path / "good.json"
     bad.write_text(text, encoding="utf-8", errors="surrogatepass")
     good.write_text(report_text(TEST), encoding="utf-8")
@@ -433,8 +426,6 @@ def test_a_hostile_report_exits_2_in_one_line_naming_it(
 
 
 def test_a_report_with_a_bom_and_unicode_ids_is_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from pytest_gpumem.cli import main
-
     old, new = tmp_path / "old.json", tmp_path / "new.json"
     old.write_text("\ufeff" + report_text({**TEST, "nodeid": "t::ü\U0001f600"}), encoding="utf-8")
     new.write_text(report_text({**TEST, "nodeid": "t::ü\U0001f600", "peak_bytes": 2 << 20}), encoding="utf-8")
@@ -445,8 +436,6 @@ def test_a_report_with_a_bom_and_unicode_ids_is_read(tmp_path: Path, capsys: pyt
 @pytest.mark.parametrize("link", [False, True])
 @pytest.mark.parametrize("command", ["compare", "merge"])
 def test_output_onto_an_input_is_refused_and_the_input_kept(tmp_path: Path, command: str, link: bool) -> None:
-    from pytest_gpumem.cli import main
-
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(report_text(TEST), encoding="utf-8")
     b.write_text(report_text({**TEST, "nodeid": "t::b"}), encoding="utf-8")
