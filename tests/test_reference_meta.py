@@ -10,9 +10,7 @@ NOTE = "reference_losses: * on the meta device: bytes checked against every boun
 def test_reference_suite_runs_on_meta(tracker: pytest.Pytester) -> None:
     """Every strategy but amp (autocast has no meta device type) and the CUDA-only one passes, with
     the naive references and value checks left out, said once."""
-    result = tracker.runpytest_subprocess(
-        "--pyargs", "reference_losses", "--gpumem-device=meta", "-p", "no:cacheprovider", "-rs"
-    )
+    result = tracker.runpytest("--pyargs", "reference_losses", "--gpumem-device=meta", "-p", "no:cacheprovider", "-rs")
     result.assert_outcomes(passed=17, skipped=4)
     result.stdout.fnmatch_lines(
         [
@@ -31,7 +29,7 @@ def test_meta_bytes_equal_cpu_bytes(tracker: pytest.Pytester) -> None:
     selection = "naive_sum or dot or chunked_ce_checkpoint or clip_grad or compress_activations"
     rows = {}
     for device in ("cpu", "meta"):
-        result = tracker.runpytest_subprocess(
+        result = tracker.runpytest(
             "--pyargs", "reference_losses", f"--gpumem-device={device}", "-k", selection,
             "--gpumem-report", "-p", "no:cacheprovider",
         )  # fmt: skip
@@ -42,12 +40,11 @@ def test_meta_bytes_equal_cpu_bytes(tracker: pytest.Pytester) -> None:
     assert rows["meta"] == rows["cpu"]
 
 
-@pytest.mark.slow
 def test_reference_at_production_scale_on_meta(tracker: pytest.Pytester) -> None:
     """At --gpumem-scale=256 (GiB-sized batches no test machine holds) the exact bounds still hold,
     among them the two that the weight gradient dominates at scale 1 and the logits at large scales."""
     selection = "naive_sum or chunked_ce_checkpoint or checkpoint_blocks or compress_activations or amp"
-    result = tracker.runpytest_subprocess(
+    result = tracker.runpytest(
         "--pyargs", "reference_losses", "--gpumem-device=meta", "--gpumem-scale=256", "-k", selection,
         "--gpumem-report", "-p", "no:cacheprovider",
     )  # fmt: skip

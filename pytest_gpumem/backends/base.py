@@ -36,7 +36,8 @@ class Counters:
 @runtime_checkable
 class Backend(Protocol):
     """A way of measuring. Like the CUDA caching allocator, it has current and peak counters and one
-    global peak that `reset_peak` sets to the current value; the meter folds nested regions on top."""
+    global peak that `reset_peak` sets to the current value; the meter folds nested regions on top.
+    What a backend may do beyond this is one of the feature Protocols below."""
 
     name: str
 
