@@ -35,9 +35,9 @@ def measured(run: benchlib.Run, explain: bool) -> GpuMem:
 
 def exact(meter: GpuMem) -> bool:
     assert meter.explanation is not None
-    phases = meter.explanation["phases"]
+    phases = meter.explanation.phases
     figures = {"call": meter.result(), **meter.phases}
-    return all(sum(phases[n]["categories"].values()) == r.peak_bytes for n, r in figures.items())
+    return all(sum(phases[n].categories.values()) == r.peak_bytes for n, r in figures.items())
 
 
 def timed(run: benchlib.Run, explain: bool) -> float:

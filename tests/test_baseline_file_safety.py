@@ -204,9 +204,10 @@ def test_a_lock_held_too_long_fails_the_write_and_leaves_the_file(path: Path, mo
     before = path.read_bytes()
     U.update(store, {"u": entry(2)})
     monkeypatch.setattr(F, "LOCK_TIMEOUT_S", 0.2)
-    with FileLock(path.with_name(f".{BASELINES}.lock")):  # another run's write
-        with pytest.raises(BaselineError, match=r"cannot lock \.gpumem-baselines\.json\.lock: .*held it for 0\.2 s"):
-            F.write(store)
+    held = r"cannot lock \.gpumem-baselines\.json\.lock: .*held it for 0\.2 s"
+    another_write = FileLock(path.with_name(f".{BASELINES}.lock"))
+    with another_write, pytest.raises(BaselineError, match=held):
+        F.write(store)
     assert path.read_bytes() == before
 
 
