@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 from collections.abc import Callable
+from dataclasses import replace
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -15,77 +16,61 @@ import pytest
 
 from pytest_gpumem.backends.tracker.attribution import CATEGORIES as ATTRIBUTED
 from pytest_gpumem.backends.tracker.attribution import LABELS as ATTRIBUTED_LABELS
+from pytest_gpumem.backends.tracker.attribution import NO_MODULE
 from pytest_gpumem.measure.advice import AS_IS, Advice, PhasePeak, Row
-from pytest_gpumem.measure.failures import write_evidence
-from pytest_gpumem.report import html
-from pytest_gpumem.report.html import byte_ticks, chart_texts, file_stem, read_advice
-from pytest_gpumem.results.explanation import Explanation
+from pytest_gpumem.report.html import byte_ticks, chart_texts, event_ticks, render
+from pytest_gpumem.results.explanation import Cell, Explanation, PhaseExplanation, Point, Tensor, Timeline
+from pytest_gpumem.run.outputs import write_evidence, write_picture
 from pytest_gpumem.sizes import format_size
 
 CATEGORIES = list(ATTRIBUTED)
 LABELS = dict(ATTRIBUTED_LABELS)
 MIB = 2**20
 HOSTILE = "tests/test_x.py::test[</script><script>document.body.setAttribute('data-pwned','1')</script><!--&\"'>]"
+TENSOR = Tensor(2048, "float32", (16, 32), "aten.mm.default", "test_x.py:12", "encoder.0", "saved")
 
 
 def explanation(
     points: list[list[Any]], peak_index: int, nodeid: str = "tests/test_x.py::test_step[cpu]"
-) -> dict[str, Any]:
+) -> Explanation:
     """An explanation over `points` whose call peaks at `peak_index`, with a forward and a backward phase."""
     by_index = {index: values for index, values in points}
     events = points[-1][0]
     half = events // 2
     total = sum(by_index[peak_index])
     growth = dict(zip(CATEGORIES, by_index[peak_index], strict=True))
-    call = phase(total, peak_index, [[0, events]], growth)
-    return {
-        "format": "pytest-gpumem explanation 1",
-        "nodeid": nodeid,
-        "backend": "tracker",
-        "categories": CATEGORIES,
-        "labels": dict(LABELS),
-        "phases": {
-            "call": call,
-            "forward": phase(total, peak_index, [[0, half]], growth),
-            "backward": phase(0, half, [[half, events]], {}),
+    return Explanation(
+        nodeid=nodeid,
+        backend="tracker",
+        categories=CATEGORIES,
+        labels=dict(LABELS),
+        phases={
+            "call": phase(total, peak_index, [(0, events)], growth),
+            "forward": phase(total, peak_index, [(0, half)], growth),
+            "backward": phase(0, half, [(half, events)], {}),
         },
-        "timeline": {"events": events, "points": points},
-    }
+        timeline=Timeline(events, [Point(index, list(values)) for index, values in points]),
+    )
 
 
-def phase(peak: int, index: int, spans: list[list[int]], growth: dict[str, int]) -> dict[str, Any]:
-    return {
-        "peak_bytes": peak,
-        "start_bytes": 0,
-        "peak_index": index,
-        "spans": spans,
-        "unattributed_bytes": 0,
-        "categories": growth,
-        "modules": {"encoder.0": peak // 2, "(no module)": peak - peak // 2},
-        "cells": [
-            {"category": "saved", "module": "encoder.0", "bytes": growth.get("saved", 0)},
-            {"category": "temporaries", "module": "(no module)", "bytes": growth.get("temporaries", 0)},
+def phase(peak: int, index: int, spans: list[tuple[int, int]], growth: dict[str, int]) -> PhaseExplanation:
+    return PhaseExplanation(
+        peak_bytes=peak,
+        categories=growth,
+        modules={"encoder.0": peak // 2, NO_MODULE: peak - peak // 2},
+        cells=[
+            Cell("saved", "encoder.0", growth.get("saved", 0)),
+            Cell("temporaries", NO_MODULE, growth.get("temporaries", 0)),
         ],
-        "tensors": [
-            {
-                "bytes": 2048,
-                "dtype": "float32",
-                "shape": [16, 32],
-                "op": "aten.mm.default",
-                "where": "test_x.py:12",
-                "module": "encoder.0",
-                "category": "saved",
-            }
-        ],
-    }
+        tensors=[TENSOR],
+        peak_index=index,
+        spans=spans,
+    )
 
 
-def render(data: dict[str, Any], advice: object = None) -> str:
-    return html.render(Explanation.from_json(data), advice)
-
-
-def write_html(folder: Path, data: dict[str, Any]) -> Path:
-    return html.write_html(folder, Explanation.from_json(data))
+def changed(data: Explanation, name: str, **changes: Any) -> Explanation:
+    """`data` with phase `name` changed as given."""
+    return replace(data, phases={**data.phases, name: replace(data.phases[name], **changes)})
 
 
 def spread_peak(index: int, events: int) -> tuple[list[list[Any]], int]:
@@ -137,7 +122,7 @@ def embedded(page: str) -> Any:
     return json.loads(match[1])
 
 
-# --- render and write_html ---------------------------------------------------------------------------------
+# --- render and write_picture ---------------------------------------------------------------------------------
 
 
 def test_page_is_one_document_that_loads_nothing() -> None:
@@ -161,7 +146,7 @@ def test_hostile_nodeid_stays_text_and_data() -> None:
 def test_embedded_data_is_the_explanation() -> None:
     points, _ = spread_peak(8, 20)
     data = explanation(points, 8)
-    assert embedded(render(data)) == data
+    assert Explanation.from_json(embedded(render(data))) == data
 
 
 def test_peak_element_is_left_for_the_script() -> None:
@@ -191,10 +176,10 @@ def test_each_phase_has_a_section_call_first() -> None:
 
 def test_category_table_adds_up_and_shows_unattributed() -> None:
     points, _ = spread_peak(8, 20)
-    data = explanation(points, 8)
-    data["phases"]["call"]["categories"] = {"saved": 3 * MIB, "temporaries": MIB}
-    data["phases"]["call"]["unattributed_bytes"] = 512
-    data["phases"]["call"]["peak_bytes"] = 4 * MIB + 512
+    categories = {"saved": 3 * MIB, "temporaries": MIB}
+    data = changed(
+        explanation(points, 8), "call", categories=categories, unattributed_bytes=512, peak_bytes=4 * MIB + 512
+    )
     call = render(data).split('data-phase="call"')[1].split("</section>")[0]
     assert 'saved for backward</td><td class="num">3.0 MiB</td><td class="num">75%</td>' in call
     assert 'unattributed</td><td class="num">512 B</td>' in call
@@ -203,9 +188,9 @@ def test_category_table_adds_up_and_shows_unattributed() -> None:
 
 def test_text_in_tables_is_escaped() -> None:
     points, _ = spread_peak(8, 20)
-    data = explanation(points, 8)
-    data["phases"]["forward"]["modules"] = {"<b>evil</b>": 1}
-    data["phases"]["forward"]["tensors"][0]["where"] = "a<b>.py:1"
+    data = changed(
+        explanation(points, 8), "forward", modules={"<b>evil</b>": 1}, tensors=[replace(TENSOR, where="a<b>.py:1")]
+    )
     page = render(data)
     assert "<b>" not in page.split('<script type="application/json"')[0]
     assert "&lt;b&gt;evil&lt;/b&gt;" in page and "a&lt;b&gt;.py:1" in page
@@ -214,26 +199,25 @@ def test_text_in_tables_is_escaped() -> None:
 def test_markup_in_every_name_stays_text_and_a_bare_storage_renders() -> None:
     points, _ = spread_peak(8, 20)
     data = explanation(points, 8, nodeid=HOSTILE)
-    data["backend"] = data["labels"]["saved"] = HOSTILE
-    data["phases"][HOSTILE] = data["phases"].pop("forward")
-    tensor = data["phases"]["call"]["tensors"][0]
-    tensor.update(op=HOSTILE, module=HOSTILE, dtype=HOSTILE, where=HOSTILE, shape=None)
-    data["phases"]["call"]["cells"][0]["module"] = HOSTILE
+    phases = {name: phase for name, phase in data.phases.items() if name != "forward"}
+    data = replace(
+        data, backend=HOSTILE, labels={**LABELS, "saved": HOSTILE}, phases={**phases, HOSTILE: data.phases["forward"]}
+    )
+    call = data.phases["call"]
+    tensor = replace(TENSOR, op=HOSTILE, module=HOSTILE, dtype=HOSTILE, where=HOSTILE, shape=None)
+    data = changed(data, "call", tensors=[tensor], cells=[replace(call.cells[0], module=HOSTILE), *call.cells[1:]])
     page = render(data)
     outside = re.sub(r'<script type="application/json" id="gpumem-[a-z]+">.*?</script>', "", page, flags=re.S)
     assert "<script><" not in outside and "</script><script>" not in outside and "<!--" not in outside
     assert outside.count("<script") == 1  # the page's own
     assert '<td class="code">a storage</td>' in page
-    assert embedded(page) == data
+    assert Explanation.from_json(embedded(page)) == data
 
 
 def test_a_phase_without_tensors_or_cells_still_renders() -> None:
     data = explanation([[0, [0] * 6], [1, [0, 0, 0, 0, 8, 0]]], 1)
-    data["phases"] = {
-        "call": {"peak_bytes": 8, "start_bytes": 0, "peak_index": 1, "spans": [[0, 1]], "categories": {},
-                 "modules": {}, "cells": [], "tensors": []}
-    }  # fmt: skip
-    page = render(data)
+    bare = PhaseExplanation(8, categories={}, modules={}, cells=[], tensors=[], peak_index=1, spans=[(0, 1)])
+    page = render(replace(data, phases={"call": bare}))
     assert "largest tensors" not in page and "peak 8 B above its start" in page
 
 
@@ -243,11 +227,16 @@ def test_the_byte_axis_steps_roundly_in_the_largest_unit_reached() -> None:
     assert [label for _, label in byte_ticks(2048)][:3] == ["0 KiB", "0.5 KiB", "1 KiB"]
 
 
+def test_the_event_axis_steps_roundly_in_whole_events() -> None:
+    assert event_ticks(20) == [[0, "0"], [5, "5"], [10, "10"], [15, "15"], [20, "20"]]
+    assert [label for _, label in event_ticks(5000)] == ["0", "1,000", "2,000", "3,000", "4,000", "5,000"]
+    assert event_ticks(1) == [[0, "0"], [1, "1"]]
+
+
 def test_the_script_gets_every_size_formatted_by_python() -> None:
     """1.25 MiB is 1.2 MiB (Python rounds half to even); the call started with 1 KiB live."""
     data = explanation([[0, [0] * 6], [1, [MIB, 0, 0, 0, MIB // 4, 0]], [5, [MIB, 0, 0, 0, 0, 0]]], 1)
-    data["phases"]["call"]["start_bytes"] = 1024
-    texts = chart_texts(Explanation.from_json(data))
+    texts = chart_texts(changed(data, "call", start_bytes=1024))
     assert texts["points"][1] == [
         "1.2 MiB",
         f"{MIB + MIB // 4:,}",
@@ -255,28 +244,30 @@ def test_the_script_gets_every_size_formatted_by_python() -> None:
         ["1.0 MiB", "0 B", "0 B", "0 B", "256.0 KiB", "0 B"],
     ]
     assert texts["start"] == "1.0 KiB" and texts["unattributed"] == ""
-    assert texts["contributors"] == ["temporaries of (no module): 256.0 KiB"]  # the call's cells that grew
+    assert texts["contributors"] == ["temporaries of (outside modules): 256.0 KiB"]  # the call's cells that grew
     assert texts["tensors"]["call"] == [
         "[16, 32] float32 2.0 KiB saved for backward, aten.mm.default at test_x.py:12 in encoder.0"
     ]
+    assert texts["x_max"] == 5 and [label for _, label in texts["x_ticks"]] == ["0", "1", "2", "3", "4", "5"]
 
 
 def test_file_name_is_safe_unique_and_bounded(tmp_path: Path) -> None:
     points, _ = spread_peak(8, 20)
     names = [HOSTILE, HOSTILE + "x", "a/b.py::t[1]", "a/b.py::t[2]", "x" * 5000, "../../etc/passwd", ""]
-    paths = [write_html(tmp_path / "pages", explanation(points, 8, nodeid=nodeid)) for nodeid in names]
+    paths = [write_picture(tmp_path / "pages", explanation(points, 8, nodeid=nodeid)) for nodeid in names]
     assert len(set(paths)) == len(names)
     for path, nodeid in zip(paths, names, strict=True):
         assert path.parent == tmp_path / "pages" and path.is_file()
         assert re.fullmatch(r"[A-Za-z0-9_.-]+\.html", path.name) and len(path.name) <= 140
-        assert path.name == file_stem(nodeid) + ".html"
         assert embedded(path.read_text(encoding="utf-8"))["nodeid"] == nodeid
 
 
 def test_file_name_matches_the_evidence_of_the_same_test(tmp_path: Path) -> None:
+    points, _ = spread_peak(8, 20)
     for nodeid in ("tests/test_x.py::test_step[cpu]", HOSTILE, "x" * 500):
         evidence = write_evidence(tmp_path, nodeid, "failed", None, {"format": "pytest-gpumem trace"})
-        assert evidence is not None and evidence.stem == file_stem(nodeid)
+        page = write_picture(tmp_path, explanation(points, 8, nodeid=nodeid))
+        assert evidence is not None and evidence.stem == page.stem and evidence.suffix == ".json"
 
 
 # --- the advice table ---------------------------------------------------------------------------------------
@@ -338,7 +329,7 @@ def rows(page: str, table_class: str) -> list[tuple[dict[str, str | None], list[
     return found.rows
 
 
-def advice_page(data: object) -> str:
+def advice_page(data: Advice | None) -> str:
     points, _ = spread_peak(8, 20)
     return render(explanation(points, 8), data)
 
@@ -348,7 +339,7 @@ def advice_summary(page: str) -> str:
 
 
 def test_advice_table_shows_each_measured_strategy_and_marks_the_best() -> None:
-    page = advice_page(advice().to_json())
+    page = advice_page(advice())
     head, *table = rows(page, "advice")
     assert head[1] == [
         "strategy", "peak", "above the start", "peak in", "each phase's peak", "saves vs as-is", "extra compute",
@@ -372,12 +363,22 @@ def test_advice_table_shows_each_measured_strategy_and_marks_the_best() -> None:
 
 
 def test_advice_read_back_from_its_json_is_the_same_advice() -> None:
-    assert read_advice(advice().to_json()) == advice()
-    assert read_advice(advice(None).to_json()) == advice(None)
+    assert Advice.from_json(advice().to_json()) == advice()
+    assert Advice.from_json(advice(None).to_json()) == advice(None)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [{}, {"rows": "x"}, {"rows": [{"name": "as-is", "peak_bytes": "lots"}]}],
+    ids=["no-rows", "rows-text", "bad-row"],
+)
+def test_json_not_written_by_advise_is_refused(data: dict[str, Any]) -> None:
+    with pytest.raises((KeyError, TypeError, ValueError)):
+        Advice.from_json(data)
 
 
 def test_skipped_strategies_and_conflicts_show_their_reasons_as_text() -> None:
-    page = advice_page(advice().to_json())
+    page = advice_page(advice())
     assert [cells for _, cells in rows(page, "skipped")] == [["strategy", "why"], ["save-on-cpu", MARKUP]]
     assert "both wrap the blocks&#39; forward" in page and "&lt;checkpoint-every-2&gt;" in page
     outside = re.sub(r'<script type="application/json" id="gpumem-[a-z]+">.*?</script>', "", page, flags=re.S)
@@ -393,24 +394,19 @@ def test_skipped_strategies_and_conflicts_show_their_reasons_as_text() -> None:
     ],
 )
 def test_advice_summary_says_which_fits(capacity: int | None, best: str | None, says: str) -> None:
-    page = advice_page(advice(capacity).to_json())
+    page = advice_page(advice(capacity))
     marked = [attrs.get("data-strategy") for attrs, _ in rows(page, "advice") if attrs.get("class") == "best"]
     assert marked == ([] if best is None else [best])
     assert says in advice_summary(page)
 
 
-@pytest.mark.parametrize(
-    "data",
-    [None, "advice", {"rows": []}, {"rows": "x"}, {"rows": [{"name": "as-is", "peak_bytes": "lots"}]}],
-    ids=["none", "text", "no-rows", "rows-text", "bad-row"],
-)
-def test_a_value_not_written_by_advise_shows_no_advice(data: object) -> None:
-    page = advice_page(data)
+def test_a_test_that_did_not_advise_shows_no_advice() -> None:
+    page = advice_page(None)
     assert "gpumem-advice" not in page and 'data-phase="call"' in page
 
 
 def test_an_explained_test_that_advised_shows_the_advice_and_one_not_explained_gets_no_page(
-    tracker: pytest.Pytester,
+    tracker: pytest.Pytester, reported: Callable[..., dict[str, dict[str, Any]]]
 ) -> None:
     tracker.makepyfile(
         """
@@ -439,12 +435,10 @@ def test_an_explained_test_that_advised_shows_the_advice_and_one_not_explained_g
     )
     result = tracker.runpytest("-p", "no:cacheprovider", "--gpumem-html=pictures", "--gpumem-json=out.json")
     result.assert_outcomes(passed=2)
-    tests = {
-        test["nodeid"].split("::")[-1]: test for test in json.loads((tracker.path / "out.json").read_text())["tests"]
-    }
+    tests = reported()
     assert tests["test_not_explained"]["html"] is None and tests["test_not_explained"]["info"]["advice"]["rows"]
     (page,) = (tracker.path / "pictures").glob("*.html")
-    assert page.name == file_stem(tests["test_explained"]["nodeid"]) + ".html"
+    assert tracker.path / tests["test_explained"]["html"] == page
     text = page.read_text(encoding="utf-8")
     written = tests["test_explained"]["info"]["advice"]["rows"]
     assert [r["name"] for r in written] == [AS_IS, "checkpoint-blocks", "fused-step"]
@@ -476,7 +470,7 @@ def shown(chromium: str, page: Path, profile: Path) -> str:
     return result.stdout
 
 
-Case = tuple[dict[str, Any], int, int]
+Case = tuple[Explanation, int, int]
 """An explanation, its peak (the largest stacked total) and the event index where it is reached."""
 
 
@@ -503,26 +497,26 @@ def half_even_case() -> Case:
 )
 def test_browser_shows_the_measured_peak(chromium: str, tmp_path: Path, case: Callable[[], Case]) -> None:
     data, total, index = case()
-    call = data["phases"]["call"]
-    assert call["start_bytes"] + call["peak_bytes"] == total
-    dom = shown(chromium, write_html(tmp_path, data), tmp_path / "profile")
+    call = data.phases["call"]
+    assert call.start_bytes + call.peak_bytes == total
+    dom = shown(chromium, write_picture(tmp_path, data), tmp_path / "profile")
     peak = element(dom, "gpumem-peak")
     assert peak.attributes is not None
     assert peak.attributes.get("data-bytes") == str(total)
     assert peak.attributes.get("data-index") == str(index)
     assert f"Peak {format_size(total)} ({total:,} B) live at event {index:,} in forward" in peak.text
-    assert element(dom, "gpumem-test").text == data["nodeid"]
+    assert element(dom, "gpumem-test").text == data.nodeid
     body = re.search(r"<body[^>]*>", dom)
     assert body is not None and "data-pwned" not in body[0]
 
 
 def test_browser_draws_areas_bands_the_peak_label_and_unattributed(chromium: str, tmp_path: Path) -> None:
     data, total, _ = spread_case(8, 20)
-    data["phases"]["call"]["unattributed_bytes"] = 4096
-    dom = shown(chromium, write_html(tmp_path, data), tmp_path / "profile")
+    dom = shown(chromium, write_picture(tmp_path, changed(data, "call", unattributed_bytes=4096)), tmp_path / "profile")
     assert "the measured peak has 4.0 KiB more, unattributed" in element(dom, "gpumem-peak").text
     chart = dom.split('id="gpumem-chart"')[1].split("</svg>")[0]
     assert chart.count("<path") == len(CATEGORIES)
     assert ">forward</text>" in chart and ">backward</text>" in chart
+    assert all(f">{index}</text>" in chart for index in (0, 5, 10, 15, 20))  # the event axis
     assert f"peak {format_size(total)} ({total:,} B) at event 8" in chart
     assert f"saved for backward of encoder.0: {format_size(193 * MIB + 3)}" in chart

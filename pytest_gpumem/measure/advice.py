@@ -94,6 +94,32 @@ class Row:
         )
         return data
 
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], live: int = 0) -> Row:
+        """The row `to_json(live)` wrote (each phase's step peak read back from its absolute peak)."""
+        name, description = str(data["name"]), str(data.get("description", ""))
+        strategies = tuple(str(part) for part in data.get("strategies", []))
+        if data.get("skipped") is not None:
+            return cls(name, description, strategies, skipped=str(data["skipped"]))
+        absolute: Mapping[str, Any] = data.get("absolute_phases", {})
+        phases = tuple(
+            PhasePeak(str(phase), int(peak), int(absolute[phase]) - live if phase in absolute else None)
+            for phase, peak in data.get("phases", {}).items()
+        )
+        return cls(
+            name,
+            description,
+            strategies,
+            peak_bytes=int(data["peak_bytes"]),
+            phases=phases,
+            saving_bytes=_int_or_none(data.get("saving_bytes")),
+            flops=_int_or_none(data.get("flops")),
+            extra_flops=_int_or_none(data.get("extra_flops")),
+            gradients=str(data.get("gradients", NOT_CHECKED)),
+            gradients_equal=_bool_or_none(data.get("gradients_equal")),
+            fits=_bool_or_none(data.get("fits")),
+        )
+
 
 @dataclass(frozen=True)
 class Advice:
@@ -209,6 +235,30 @@ class Advice:
             "rows": [row.to_json(self.live_bytes) for row in self.rows],
             "conflicts": list(self.conflicts),
         }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Advice:
+        """The advice `to_json` wrote (a test's `info["advice"]` in the report). Raises KeyError,
+        TypeError or ValueError for data not shaped like it."""
+        live, capacity = int(data.get("live_bytes") or 0), data.get("capacity")
+        return cls(
+            rows=tuple(Row.from_json(row, live) for row in data["rows"]),
+            capacity=None if capacity is None else int(capacity),
+            live_bytes=live,
+            backend=str(data.get("backend", "?")),
+            device=str(data.get("device", "?")),
+            resident_bytes=int(data.get("resident_bytes") or 0),
+            conflicts=tuple(str(text) for text in data.get("conflicts", [])),
+            seconds=float(data.get("seconds") or 0.0),
+        )
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _bool_or_none(value: Any) -> bool | None:
+    return None if value is None else bool(value)
 
 
 def _moved(observed: int, base: Row, row: Row, region: str) -> int:

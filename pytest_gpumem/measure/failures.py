@@ -1,18 +1,13 @@
-"""When memory goes wrong: out of memory, leaks, and the evidence a failing test leaves behind."""
+"""When memory goes wrong: out of memory, and what holds the memory a leaking call left allocated."""
 
 from __future__ import annotations
 
 import gc
-import hashlib
 import inspect
-import json
-import pickle
-import re
 import sys
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 
@@ -149,19 +144,3 @@ def _what(obj: object) -> str:
     if inspect.isgenerator(obj):
         return f"the suspended generator {obj.__name__}"
     return f"a {type(obj).__name__}"
-
-
-def write_evidence(folder: Path, nodeid: str, status: str, message: str | None, trace: Any) -> Path | None:
-    """The trace of a failing test: JSON from the tracker, a memory-history pickle from CUDA (PyTorch's
-    memory visualizer opens it). Returns the file written, or None when there was nothing to write."""
-    if trace is None:
-        return None
-    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", nodeid)[:120] + "-" + hashlib.sha1(nodeid.encode()).hexdigest()[:8]
-    if isinstance(trace, dict) and str(trace.get("format", "")).startswith("pytest-gpumem"):
-        path = folder / f"{stem}.json"
-        doc = {"nodeid": nodeid, "status": status, "message": message, **trace}
-        path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-    else:
-        path = folder / f"{stem}.pickle"
-        path.write_bytes(pickle.dumps(trace))
-    return path

@@ -4,7 +4,7 @@ A test that called gpumem.advise also gets the advice's rows as a table.
 
 The page loads nothing (a Content-Security-Policy forbids it): the jinja2 template (`templates/`) writes
 the tables, the explanation travels inside as JSON, and the script (`static/page.js`) draws the chart from
-it and finds the peak a reader sees; every size it shows comes formatted from here (`view`)."""
+it and finds the peak a reader sees; every size and axis tick it shows comes from here (`view`)."""
 
 from __future__ import annotations
 
@@ -12,17 +12,15 @@ import base64
 import hashlib
 import json
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
 import jinja2
 
-from pytest_gpumem.measure.advice import AS_IS, Advice, PhasePeak, Row
+from pytest_gpumem.measure.advice import AS_IS, Advice, Row
 from pytest_gpumem.results.explanation import Explanation, PhaseExplanation, Point, Tensor
 from pytest_gpumem.sizes import format_size
 
@@ -64,11 +62,10 @@ def _assets() -> _Assets:
     return _Assets(environment, (here / "static" / "page.css").read_text(encoding="utf-8"), script, csp)
 
 
-def render(explanation: Explanation, advice: object = None) -> str:
-    """The whole page for one explanation: one HTML document that needs nothing else to open. `advice`:
-    the test's `info["advice"]` (`Advice.to_json`), shown as a table; anything else shows nothing."""
+def render(explanation: Explanation, advice: Advice | None = None) -> str:
+    """The whole page for one explanation, and the test's advice (if it called gpumem.advise) as a
+    table: one HTML document that needs nothing else to open."""
     assets = _assets()
-    read = read_advice(advice)
     return assets.environment.get_template("page.html.j2").render(
         csp=assets.csp,
         css=assets.css,
@@ -78,26 +75,11 @@ def render(explanation: Explanation, advice: object = None) -> str:
         legend=[
             {"colour": _colour(explanation, c), "label": explanation.label(c)} for c in reversed(explanation.categories)
         ],
-        advice=None if read is None else _advice_view(read),
+        advice=None if advice is None else _advice_view(advice),
         phases=[_phase_view(name, phase, explanation) for name, phase in _phases(explanation)],
         data=_script_json(explanation.to_json()),
         view=_script_json(chart_texts(explanation)),
     )
-
-
-def write_html(folder: Path, explanation: Explanation, advice: object = None) -> Path:
-    """Writes the page of one explanation (and the test's advice, if any) into `folder` (made if missing),
-    named after its test; returns it."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{file_stem(explanation.nodeid)}.html"
-    path.write_text(render(explanation, advice), encoding="utf-8")
-    return path
-
-
-def file_stem(nodeid: str) -> str:
-    """A file name for a test: its id in safe characters, cut to 120, and a hash of the whole id that keeps
-    different ids apart (the recipe of `failures.write_evidence`, so a test's files sit side by side)."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", nodeid)[:120] + "-" + hashlib.sha1(nodeid.encode()).hexdigest()[:8]
 
 
 def _script_json(value: object) -> str:
@@ -116,11 +98,13 @@ def _colour(explanation: Explanation, category: str) -> str:
 
 def chart_texts(explanation: Explanation) -> dict[str, Any]:
     """Every size the chart's script shows, formatted: for each timeline point its total (size, bytes,
-    growth over the call's start) and its categories; the peak's label and tooltip; the byte axis."""
+    growth over the call's start) and its categories; the peak's label and tooltip; both axes, each with
+    its extent (`x_max`, `y_max`) and its ticks ([position, text])."""
     call = explanation.phases.get("call")
     start = 0 if call is None else call.start_bytes
     points = explanation.timeline.points
-    top = max((point.total for point in points), default=0)
+    x_max = max(1, explanation.timeline.events, points[-1].index if points else 0)
+    y_max = max(1.0, max((point.total for point in points), default=0) * Y_HEADROOM)
     return {
         "colours": list(COLOURS),
         "points": [_point_texts(point, start) for point in points],
@@ -132,7 +116,10 @@ def chart_texts(explanation: Explanation) -> dict[str, Any]:
             name: [_tensor_text(explanation, tensor) for tensor in phase.tensors[:TIP_TENSORS]]
             for name, phase in explanation.phases.items()
         },
-        "ticks": byte_ticks(max(1.0, top * Y_HEADROOM)),
+        "x_max": x_max,
+        "x_ticks": event_ticks(x_max),
+        "y_max": y_max,
+        "ticks": byte_ticks(y_max),
     }
 
 
@@ -168,6 +155,12 @@ def byte_ticks(top: float) -> list[list[Any]]:
         ticks.append([value * unit, f"{_short_number(round(value * 1000) / 1000)} {name}"])
         value += step
     return ticks
+
+
+def event_ticks(top: int) -> list[list[Any]]:
+    """The event axis up to `top`: about eight round steps, whole events."""
+    step = max(1, int(_nice_step(top / 8)))
+    return [[index, f"{index:,}"] for index in range(0, top + 1, step)]
 
 
 def _nice_step(raw: float) -> float:
@@ -250,57 +243,6 @@ def _tensor_view(tensor: Tensor, explanation: Explanation) -> dict[str, Any]:
 
 
 # --- the advice table
-
-
-def read_advice(data: object) -> Advice | None:
-    """The Advice that `Advice.to_json` wrote, or None for anything not shaped like it (a test may put
-    its own value under info["advice"])."""
-    if not isinstance(data, dict) or not isinstance(data.get("rows"), list) or not data["rows"]:
-        return None
-    try:
-        live = int(data.get("live_bytes") or 0)
-        capacity = data.get("capacity")
-        return Advice(
-            rows=tuple(_read_row(row, live) for row in data["rows"]),
-            capacity=None if capacity is None else int(capacity),
-            live_bytes=live,
-            backend=str(data.get("backend", "?")),
-            device=str(data.get("device", "?")),
-            resident_bytes=int(data.get("resident_bytes") or 0),
-            conflicts=tuple(str(text) for text in data.get("conflicts", [])),
-            seconds=float(data.get("seconds") or 0.0),
-        )
-    except (AttributeError, KeyError, TypeError, ValueError):
-        return None
-
-
-def _read_row(data: dict[str, Any], live: int) -> Row:
-    name, description = str(data["name"]), str(data.get("description", ""))
-    strategies = tuple(str(part) for part in data.get("strategies", []))
-    if data.get("skipped") is not None:
-        return Row(name, description, strategies, skipped=str(data["skipped"]))
-    absolute: dict[str, int] = data.get("absolute_phases", {})
-    phases = tuple(
-        PhasePeak(str(phase), int(peak), int(absolute[phase]) - live if phase in absolute else None)
-        for phase, peak in data.get("phases", {}).items()
-    )
-    return Row(
-        name,
-        description,
-        strategies,
-        peak_bytes=int(data["peak_bytes"]),
-        phases=phases,
-        saving_bytes=_int_or_none(data.get("saving_bytes")),
-        flops=_int_or_none(data.get("flops")),
-        extra_flops=_int_or_none(data.get("extra_flops")),
-        gradients=str(data.get("gradients", "")),
-        gradients_equal=None if data.get("gradients_equal") is None else bool(data["gradients_equal"]),
-        fits=None if data.get("fits") is None else bool(data["fits"]),
-    )
-
-
-def _int_or_none(value: Any) -> int | None:
-    return None if value is None else int(value)
 
 
 def _advice_summary(advice: Advice, best: Row | None) -> str:

@@ -28,14 +28,6 @@ _ID_SHARE = 0.35
 _FLOORS = ({"test": 0, "made of": 20, "other phases": 12}, {"other phases": 8, "made of": 10, "test": 16, "budget": 12})
 
 
-def phase_names(results: Sequence[TestResult]) -> list[str]:
-    """Every phase name, in the order first seen."""
-    names: dict[str, None] = {}
-    for result in results:
-        names.update(dict.fromkeys(result.phases))
-    return list(names)
-
-
 def one_line(text: str) -> str:
     """A table cell on one line: line breaks (a phase named "a\\nb") become spaces, or a row would split."""
     return " ".join(text.splitlines()) if text else text

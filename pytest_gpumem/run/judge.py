@@ -15,7 +15,7 @@ from pytest_gpumem.budget import MARKER, Budget, Limit, all_of, budget_from_mark
 from pytest_gpumem.errors import GpuMemError, GpuMemWarning
 from pytest_gpumem.explain.text import made_of, over_limit
 from pytest_gpumem.explain.text import section as explained
-from pytest_gpumem.measure.advice import advice_clause, advice_section
+from pytest_gpumem.measure.advice import Advice, advice_clause, advice_section
 from pytest_gpumem.measure.failures import is_out_of_memory, needs_real_values, release_memory
 from pytest_gpumem.measure.watch import Watch, leak_message, out_of_memory_message, survivors_section
 from pytest_gpumem.results import REPORT_ATTRIBUTE, PhaseResult, Status, TestResult, junit_properties, settle
@@ -260,7 +260,7 @@ class Judge:
         judgement: Judgement | None = None,
     ) -> None:
         result = self._result(item, meter, budget, status, message, judgement)
-        self._picture(item, result)
+        self._picture(item, result, meter.advice)
         self._keep_evidence(item, meter, result)
         _warn_notes(item, meter.notes)
         self._keep(item, result)
@@ -299,13 +299,13 @@ class Judge:
         item.stash[RESULT_KEY] = result
         item.config.hook.pytest_gpumem_result(item=item, result=result)
 
-    def _picture(self, item: pytest.Item, result: TestResult) -> None:
+    def _picture(self, item: pytest.Item, result: TestResult, advice: Advice | None) -> None:
         """--gpumem-html: the explained test's memory over time, one self-contained file."""
         folder = self.session.options.html_dir
         if folder is None or result.explanation is None:
             return
         try:
-            path = outputs.write_picture(folder, result)
+            path = outputs.write_picture(folder, result.explanation, advice)
         except (OSError, TypeError, ValueError) as exc:
             self.session.problems.append(f"--gpumem-html: cannot write the picture of {item.nodeid}: {exc}")
             return

@@ -51,12 +51,6 @@
     return node;
   }
 
-  function niceStep(raw) {
-    const power = Math.pow(10, Math.floor(Math.log10(raw)));
-    const m = raw / power;
-    return (m <= 1 ? 1 : m <= 2 ? 2 : m <= 5 ? 5 : 10) * power;
-  }
-
   function makeScales(xMax, yMax) {
     const width = W - M.left - M.right, height = H - M.top - M.bottom;
     return {
@@ -71,10 +65,9 @@
       el(svg, "line", { x1: M.left, x2: W - M.right, y1: s.y(bytes), y2: s.y(bytes), stroke: "#e6e6e6" });
       el(svg, "text", { x: M.left - 6, y: s.y(bytes) + 4, "text-anchor": "end" }, text);
     }
-    const step = Math.max(1, niceStep(s.xMax / 8));
-    for (let i = 0; i <= s.xMax; i += step) {
+    for (const [i, text] of view.x_ticks) {
       el(svg, "line", { x1: s.x(i), x2: s.x(i), y1: H - M.bottom, y2: H - M.bottom + 4, stroke: "#888" });
-      el(svg, "text", { x: s.x(i), y: H - M.bottom + 17, "text-anchor": "middle" }, digits(i));
+      el(svg, "text", { x: s.x(i), y: H - M.bottom + 17, "text-anchor": "middle" }, text);
     }
     el(svg, "line", { x1: M.left, x2: W - M.right, y1: H - M.bottom, y2: H - M.bottom, stroke: "#888" });
     el(svg, "text", { x: (M.left + W - M.right) / 2, y: H - 6, "text-anchor": "middle" },
@@ -248,8 +241,7 @@
     }
     const peak = peakOf(stacked), total = stacked[peak][categories.length];
     showPeak(peak, total);
-    const xMax = Math.max(1, Number(timeline.events || 0), points[points.length - 1][0]);
-    const s = makeScales(xMax, Math.max(1, total * 1.08));
+    const s = makeScales(view.x_max, view.y_max);
     const spans = phaseSpans();
     drawBands(svg, s, spans);
     drawAxes(svg, s);
