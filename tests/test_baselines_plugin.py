@@ -302,25 +302,6 @@ def test_markdown(tracker: pytest.Pytester) -> None:
     assert "test_suite.py::test_alloc[a]" in lines[2] and "3.9 KiB" in lines[2]
 
 
-def test_xdist_writes_the_same_file_as_a_serial_run(tracker: pytest.Pytester) -> None:
-    pytest.importorskip("xdist")
-    suite(tracker, a=1000, b=2000, c=3000, d=4000)
-    tracker.runpytest_subprocess("--gpumem-update", "-p", "no:xdist").assert_outcomes(passed=4)
-    serial = (tracker.path / BASELINES).read_bytes()
-    (tracker.path / BASELINES).unlink()
-    parallel_run = tracker.runpytest_subprocess("--gpumem-update", "-n", "2")
-    parallel_run.assert_outcomes(passed=4)
-    assert (tracker.path / BASELINES).read_bytes() == serial
-    suite(tracker, a=1000, b=2000, c=3000, d=8000)
-    verdicts = [
-        tracker.runpytest_subprocess("--gpumem-report", "--gpumem-slack=0", *args)
-        for args in (["-p", "no:xdist"], ["-n", "2"])
-    ]
-    for result in verdicts:
-        result.assert_outcomes(passed=3, failed=1)
-        result.stdout.fnmatch_lines(["*test_alloc?d?*+100.0%*REGRESSED"])
-
-
 def test_help_lists_baseline_options(pytester: pytest.Pytester) -> None:
     pytester.runpytest("--help").stdout.fnmatch_lines(
         [

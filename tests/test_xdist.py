@@ -1,6 +1,7 @@
 """pytest-xdist: each measured test's result reaches the controller with its report (a dying worker
-loses only the test it ran), the controller alone reports and writes files, and --junitxml shows only
-the short properties. One run on two workers serves every test here."""
+loses only the test it ran, a bad marker is its test's error), the controller alone reports and writes
+files (the baseline file as a serial run writes it), --junitxml shows only the short properties, and each
+worker sees one of the caller's devices. One run on two workers serves every test here."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("xdist")
 
@@ -26,13 +28,31 @@ def test_alloc(gpumem, n):
     with gpumem.phase("made"):
         torch.ones(250 * (n + 1))
     gpumem.info = collections.OrderedDict(
-        shape=torch.Size([n, 2]), ratio=numpy.float64(0.5), name=type("Name", (str,), {})("x")
+        shape=torch.Size([n, 2]), ratio=numpy.float64(0.5), name=type("Name", (str,), {})("x"),
+        visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
     )
+
+@pytest.mark.max_memory("abc")
+def test_bad_marker(gpumem):
+    pass
 
 def test_dies(gpumem):
     os._exit(3)
 """
 PEAKS = {f"test_alloc[{n}]": 1000 * (n + 1) for n in range(6)}
+BASELINES = "baselines.json"
+STALE = 3000  # the stored baseline of test_alloc[5] before the run, which updates it to 6000
+
+
+def _entry(peak: int) -> dict[str, Any]:
+    identity = {"backend": "tracker", "capability": None, "device": "cpu", "total_memory": None}
+    entry = {"cuda": torch.version.cuda, "identity": identity, "peak_bytes": peak, "phases": {"made": peak}}
+    return {"tracker | cpu": {**entry, "torch": torch.__version__}}
+
+
+def _baselines(peaks: dict[str, int]) -> dict[str, Any]:
+    entries = {f"test_suite.py::{name}": _entry(peak) for name, peak in peaks.items()}
+    return {"entries": entries, "schema": "pytest-gpumem-baselines", "version": 1}
 
 
 class Run:
@@ -56,8 +76,9 @@ def _run(folder: Path, *args: str) -> pytest.RunResult:
     (folder / "tox.ini").write_text("[pytest]\ngpumem_backend = tracker\n")
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "CI", "BUILD_NUMBER", "PYTEST_ADDOPTS")}
     env.pop("PYTEST_CURRENT_TEST", None)
+    env["CUDA_VISIBLE_DEVICES"] = "2,3"  # the caller's devices, simulated: the tracker measures on the CPU
     command = [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider", *args]
-    done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=120)
     return pytest.RunResult(done.returncode, done.stdout.splitlines(), done.stderr.splitlines(), 0.0)
 
 
@@ -65,33 +86,71 @@ def _run(folder: Path, *args: str) -> pytest.RunResult:
 def parallel(tmp_path_factory: pytest.TempPathFactory) -> Run:
     folder = tmp_path_factory.mktemp("xdist")
     (folder / "test_suite.py").write_text(SUITE)
-    return Run(folder, _run(folder, "-n", "2", "--junitxml=junit.xml", "--gpumem-json=out.json", "--gpumem-report"))
+    (folder / BASELINES).write_text(json.dumps(_baselines({"test_alloc[5]": STALE})))
+    outputs = ("--junitxml=junit.xml", "--gpumem-json=out.json", "--gpumem-report")
+    baselines = ("--gpumem-update", f"--gpumem-baseline-file={BASELINES}")
+    return Run(folder, _run(folder, "-n", "2", *outputs, *baselines, "--gpumem-devices=auto"))
 
 
+@pytest.mark.slow  # the shared run: a controller and two workers (and a replacement), each importing torch
 def test_a_dying_worker_loses_only_its_own_test(parallel: Run) -> None:
-    parallel.result.assert_outcomes(passed=6, failed=1)
-    assert sorted(parallel.tests()) == sorted(PEAKS)
+    parallel.result.assert_outcomes(passed=6, failed=2)
+    assert sorted(parallel.tests()) == sorted([*PEAKS, "test_bad_marker"])
 
 
+@pytest.mark.slow
 def test_every_workers_results_reach_the_controllers_report_and_file(parallel: Run) -> None:
-    parallel.result.stdout.fnmatch_lines(["*= gpumem report =*", "*test_alloc[[]5[]]*5.9 KiB*ok*"])
-    assert {name: test["phases"]["made"]["peak_bytes"] for name, test in parallel.tests().items()} == PEAKS
+    parallel.result.stdout.fnmatch_lines(["*= gpumem report =*", "*test_alloc[[]5[]]*5.9 KiB*2.9 KiB*+100.0%*ok*"])
+    tests = parallel.tests()
+    assert {name: tests[name]["phases"]["made"]["peak_bytes"] for name in PEAKS} == PEAKS
 
 
+@pytest.mark.slow
+def test_a_bad_marker_reaches_the_controller(parallel: Run) -> None:
+    parallel.result.stdout.fnmatch_lines(["*test_bad_marker: max_memory limit: cannot read size 'abc'*"])
+    assert parallel.tests()["test_bad_marker"]["status"] == "error"
+
+
+@pytest.mark.slow
 def test_info_reaches_the_controller_in_plain_json_types(parallel: Run) -> None:
-    assert parallel.tests()["test_alloc[3]"]["info"] == {"shape": [3, 2], "ratio": 0.5, "name": "x"}
+    info = parallel.tests()["test_alloc[3]"]["info"]
+    assert {key: info[key] for key in ("shape", "ratio", "name")} == {"shape": [3, 2], "ratio": 0.5, "name": "x"}
 
 
+@pytest.mark.slow
+def test_xdist_writes_the_same_baseline_file_as_a_serial_run(parallel: Run) -> None:
+    """Every passed test's entry (the stale one updated), in the file's stable format: indent 2, sorted
+    keys, a trailing newline."""
+    parallel.result.stdout.fnmatch_lines([f"wrote */{BASELINES}: 5 added, 1 updated, 0 unchanged, 0 removed"])
+    expected = json.dumps(_baselines(PEAKS), indent=2, sort_keys=True) + "\n"
+    assert (parallel.folder / BASELINES).read_text(encoding="utf-8") == expected
+
+
+@pytest.mark.slow
 def test_junit_from_workers_has_only_short_properties(parallel: Run) -> None:
     properties = parallel.junit_properties()
     for name, peak in PEAKS.items():
-        expected = {"gpumem_status": "ok", "gpumem_peak_bytes": str(peak), "gpumem_peak_bytes[made]": str(peak)}
+        status = "ok" if name == "test_alloc[5]" else "NEW"  # the one test with a stored baseline
+        expected = {"gpumem_status": status, "gpumem_peak_bytes": str(peak), "gpumem_peak_bytes[made]": str(peak)}
         assert properties[name] == expected
+
+
+@pytest.mark.slow
+def test_workers_see_one_of_the_callers_devices(parallel: Run) -> None:
+    parallel.result.stdout.fnmatch_lines(
+        ["gpumem: tracker *; xdist workers get one device each (all visible, round-robin)"]
+    )
+    tests = parallel.tests()
+    by_device = {tests[name]["info"]["visible"]: tests[name]["worker_device"] for name in PEAKS}
+    assert by_device == {
+        "2": "worker gw0: cuda:0 of the caller (CUDA_VISIBLE_DEVICES=2)",
+        "3": "worker gw1: cuda:1 of the caller (CUDA_VISIBLE_DEVICES=3)",
+    }
 
 
 def test_junit_of_a_serial_run_has_only_short_properties(tracker: pytest.Pytester) -> None:
     tracker.makepyfile(test_suite=SUITE)
-    result = tracker.runpytest("-p", "no:xdist", "-k", "not dies", "--junitxml=junit.xml")
+    result = tracker.runpytest("-p", "no:xdist", "-k", "alloc", "--junitxml=junit.xml")
     result.assert_outcomes(passed=6)
     properties = Run(tracker.path, result).junit_properties()
     assert properties["test_alloc[0]"] == {
