@@ -437,35 +437,53 @@ def _flag(config: pytest.Config, name: str) -> bool:
         raise pytest.UsageError(f"ini option {name}: {exc}") from None
 
 
+def _read(config: pytest.Config, name: str) -> Any:
+    """The value of the option whose dest is `name`, else of its ini twin, read as OPTIONS declares it: a
+    switch, a file to write (PATH), a folder to make (DIR), or a value its parser checks (None when its
+    ini twin has no default and is left empty)."""
+    option = _BY_DEST[name]
+    if option.switch:
+        return _flag(config, name) if option.ini is not None else bool(config.getoption(name))
+    if option.metavar == "PATH":
+        return _path(config, name, config.rootpath)
+    if option.metavar == "DIR":
+        return _folder(config, name)
+    assert option.parse is not None and option.ini is not None, name
+    return _given(config, name, option.parse) if option.ini_default else _optional(config, name, option.parse)
+
+
+_BY_DEST = {option.dest: option for option in OPTIONS}
+
+
 def read_options(config: pytest.Config) -> tuple[Options, BaselineOptions]:
-    backend = config.getoption("gpumem_backend")
     options = Options(
-        backend=backend or _ini(config, "gpumem_backend", backend_name),
-        backend_given=backend is not None or config.getini("gpumem_backend") != "auto",
-        rounding=_given(config, "gpumem_round", rounding),
-        report=_flag(config, "gpumem_report"),
-        json_path=_path(config, "gpumem_json", config.rootpath),
-        markdown_path=_path(config, "gpumem_markdown", config.rootpath),
-        measure_all=_flag(config, "gpumem_all"),
-        default_budget=_optional(config, "gpumem_max_memory", default_budget),
-        devices=_optional(config, "gpumem_devices", devices_spec),
-        capacity=_optional(config, "gpumem_capacity", capacity),
-        leak=_optional(config, "gpumem_leak", leak),
-        snapshot_dir=_folder(config, "gpumem_snapshot_dir"),
-        explain=_flag(config, "gpumem_explain"),
-        html_dir=_folder(config, "gpumem_html"),
-        device=_given(config, "gpumem_device", device_name),
-        dist_timeout=_given(config, "gpumem_dist_timeout", seconds),
-        paths=_optional(config, "gpumem_paths", code_paths),
+        backend=_read(config, "gpumem_backend"),
+        backend_given=config.getoption("gpumem_backend") is not None or config.getini("gpumem_backend") != "auto",
+        rounding=_read(config, "gpumem_round"),
+        report=_read(config, "gpumem_report"),
+        json_path=_read(config, "gpumem_json"),
+        markdown_path=_read(config, "gpumem_markdown"),
+        measure_all=_read(config, "gpumem_all"),
+        default_budget=_read(config, "gpumem_max_memory"),
+        devices=_read(config, "gpumem_devices"),
+        capacity=_read(config, "gpumem_capacity"),
+        leak=_read(config, "gpumem_leak"),
+        snapshot_dir=_read(config, "gpumem_snapshot_dir"),
+        explain=_read(config, "gpumem_explain"),
+        html_dir=_read(config, "gpumem_html"),
+        device=_read(config, "gpumem_device"),
+        dist_timeout=_read(config, "gpumem_dist_timeout"),
+        paths=_read(config, "gpumem_paths"),
     )
+    update = config.getoption("gpumem_update")  # no ini twin: "all" when given bare (its const)
     baseline = BaselineOptions(
-        path=_path(config, "gpumem_baseline_file", config.rootpath) or config.rootpath / DEFAULT_FILENAME,
-        update=config.getoption("gpumem_update") is not None,
-        update_new_only=config.getoption("gpumem_update") == "new",
-        prune=bool(config.getoption("gpumem_prune")),
-        tolerance=_given(config, "gpumem_tolerance", tolerance),
-        slack=_given(config, "gpumem_slack", slack),
-        strict=_flag(config, "gpumem_strict"),
+        path=_read(config, "gpumem_baseline_file") or config.rootpath / DEFAULT_FILENAME,
+        update=update is not None,
+        update_new_only=update == "new",
+        prune=_read(config, "gpumem_prune"),
+        tolerance=_read(config, "gpumem_tolerance"),
+        slack=_read(config, "gpumem_slack"),
+        strict=_read(config, "gpumem_strict"),
     )
     _refuse_overwriting_baselines(options, baseline.path)
     return options, baseline

@@ -18,6 +18,7 @@ import pytest
 from pytest_gpumem.budget import budget_from_marker
 from pytest_gpumem.distributed.gloo import collectives_settled
 from pytest_gpumem.distributed.messages import DistributedError, Kind, Message, describe, done
+from pytest_gpumem.distributed.spawn import Deadlines, Progress
 from pytest_gpumem.distributed.worker import InRank
 from pytest_gpumem.distributed.world import check_call, check_started, explained
 from pytest_gpumem.errors import GpuMemError
@@ -493,10 +494,11 @@ def test_ranks_explanations_merge_into_the_tests_under_their_phase_names() -> No
 
 def test_ranks_slow_to_start_are_named_once() -> None:
     said: list[str] = []
-    waiter = _waiter(set(), {0})
-    waiter.say, waiter.slow, waiter.deadline = said.append, 0.0, float("inf")
-    waiter._check_time()
-    waiter._check_time()
+    deadlines = Deadlines(Progress(3, ready={0}), limit=1.0, join=60.0, say=said.append, now=100.0)
+    deadlines.check(now=104.9)
+    assert said == []
+    deadlines.check(now=105.0)  # 5 s after the start
+    deadlines.check(now=106.0)
     assert said == ["gpumem: waiting for ranks 1, 2 to start (5 s; each imports torch and the test module)"]
 
 
@@ -597,18 +599,6 @@ def test_simulated_ranks_estimate_the_real_figures(tracker: pytest.Pytester, rep
     assert set(meta) == {"ddp.setup", "ddp.forward", "ddp.backward", "ddp.step"}
 
 
-class _Process:
-    exitcode = None
-
-
-def _waiter(loaded: set[int], ready: set[int]) -> Any:
-    from pytest_gpumem.distributed.spawn import _Waiter
-
-    waiter = _Waiter([_Process(), _Process(), _Process()], None, 1.0, 8.0)  # type: ignore[arg-type, list-item]
-    waiter.loaded, waiter.ready, waiter.deadline = loaded, ready, 0.0
-    return waiter
-
-
 @pytest.mark.parametrize(
     ("loaded", "ready", "message"),
     [
@@ -618,9 +608,24 @@ def _waiter(loaded: set[int], ready: set[int]) -> Any:
     ],
 )
 def test_late_ranks_are_named_by_how_far_they_got(loaded: set[int], ready: set[int], message: str) -> None:
+    deadlines = Deadlines(Progress(3, loaded=loaded, ready=ready), limit=1.0, join=8.0, say=None, now=100.0)
+    deadlines.check(now=107.9)  # still within the join timeout
     with pytest.raises(DistributedError) as info:
-        _waiter(loaded, ready)._check_time()
+        deadlines.check(now=108.0)
     assert (str(info.value), info.value.rank) == (message, int(message.split()[1].rstrip(",")))
+
+
+def test_the_limit_runs_from_when_every_rank_has_joined() -> None:
+    progress = Progress(3, loaded={0, 1, 2}, ready={0, 1, 2}, done={1: RankResult(1, _phase("call", 500), {})})
+    deadlines = Deadlines(progress, limit=1.0, join=8.0, say=None, now=100.0)
+    deadlines.all_joined(now=107.0)
+    deadlines.check(now=107.9)  # past the join timeout, within the limit
+    with pytest.raises(DistributedError) as info:
+        deadlines.check(now=108.0)
+    assert (str(info.value), info.value.rank) == (
+        "ranks 0, 2 did not finish within 1 s (timeout=, --gpumem-dist-timeout); all ranks were ended",
+        0,
+    )
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@ known by hand (float32: 4 bytes; N = 1,000 floats = 4,000 B)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -433,13 +434,65 @@ def test_a_backend_without_attribution_is_explained_by_a_shadow(pytester: pytest
     assert call["unattributed_bytes"] == 8000 - 8192
 
 
-def test_an_error_in_our_hooks_is_a_note_not_the_tests_failure() -> None:
-    from pytest_gpumem.backends.tracker.attribution import Attributor
+def _explaining_meter() -> Any:
+    """A meter on the tracker that explains its call, in this process."""
+    from pytest_gpumem.backends.tracker.backend import TrackerBackend
+    from pytest_gpumem.measure.meter import GpuMem
 
-    attribution = Attributor({}, events=False)
-    attribution._module_entered(object(), ())  # type: ignore[arg-type]  # not a module: no names to read
-    attribution._module_entered(object(), ())  # type: ignore[arg-type]
-    assert attribution.problems == ["module_entered: TypeError: cannot create weak reference to 'object' object"]
+    backend = TrackerBackend()
+    backend.configure(None, origins=False, events=False, explain=True)
+    meter = GpuMem(backend, "t")
+    meter.explain = True
+    return meter
+
+
+def test_an_error_in_our_hooks_is_a_note_not_the_tests_failure() -> None:
+    import torch
+
+    class Unhashable(torch.nn.Module):  # defines __eq__ only: our hook cannot key anything by it
+        def __eq__(self, other: object) -> bool:
+            return self is other
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    meter = _explaining_meter()
+    meter.begin_call()
+    model = Unhashable()
+    y = model(model(torch.ones(1000)))  # the module runs as it does unmeasured, twice: one note
+    meter.end_call()
+    assert y.tolist() == [4.0] * 1000
+    note = "the explanation may be incomplete: module_entered: TypeError: unhashable type: 'Unhashable'"
+    assert meter.notes == [note]
+
+
+@dataclass
+class _Output:
+    hidden: Any
+
+
+def test_a_modules_output_in_a_registered_pytree_type_is_followed() -> None:
+    """A module returning a registered dataclass (as transformers' ModelOutput is registered): what its
+    forward saved for backward is the module's saved part, as for a tensor output."""
+    import torch
+    from torch.utils._pytree import register_dataclass
+
+    with contextlib.suppress(ValueError):  # registered once per process
+        register_dataclass(_Output)
+
+    class Exp(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> _Output:
+            return _Output(x.exp())  # exp saves its result: 1,000 floats, 4,000 B
+
+    x = torch.randn(1000, requires_grad=True)
+    meter = _explaining_meter()
+    meter.begin_call()
+    out = Exp()(x)
+    meter.end_call()
+    assert out.hidden.grad_fn is not None
+    assert meter.explanation is not None
+    cells = meter.explanation.phases["call"].cells
+    assert [(c.category, c.module, c.size) for c in cells] == [("saved", "(Exp)", 4000)]
 
 
 def test_compiled_modules_run_as_unexplained(tracker: pytest.Pytester) -> None:
@@ -655,14 +708,9 @@ def test_a_call_past_the_event_limit_is_measured_but_not_explained(monkeypatch: 
     import torch
 
     from pytest_gpumem.backends.tracker import attribution as attribution
-    from pytest_gpumem.backends.tracker.backend import TrackerBackend
-    from pytest_gpumem.measure.meter import GpuMem
 
     monkeypatch.setattr(attribution, "MAX_EVENTS", 100)
-    backend = TrackerBackend()
-    backend.configure(None, origins=False, events=False, explain=True)
-    meter = GpuMem(backend, "t")
-    meter.explain = True
+    meter = _explaining_meter()
     meter.begin_call()
     for _ in range(60):  # 120 events: an allocation and a free each
         t = torch.ones(1)
@@ -678,15 +726,9 @@ def test_a_call_past_the_event_limit_is_measured_but_not_explained(monkeypatch: 
 def test_freed_allocations_alike_share_one_record() -> None:
     import torch
 
-    from pytest_gpumem.backends.tracker.backend import TrackerBackend
-    from pytest_gpumem.measure.meter import GpuMem
-
-    backend = TrackerBackend()
-    backend.configure(None, origins=False, events=False, explain=True)
-    meter = GpuMem(backend, "t")
-    meter.explain = True
+    meter = _explaining_meter()
     meter.begin_call()
-    attributor = backend.attribution()
+    attributor = meter.backend.attribution()
     for _ in range(1000):
         t = torch.ones(1)  # one line, one op, one shape: each freed by the next
     del t

@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import queue as queues
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pytest_gpumem.constants import DEFAULT_DIST_TIMEOUT
@@ -78,6 +79,66 @@ def _end(processes: Sequence[BaseProcess], grace: float) -> None:
             process.close()
 
 
+@dataclass
+class Progress:
+    """How far each rank of a world of `size` has got: its function and module loaded, in the process
+    group (`ready`), finished (`done`, with its result)."""
+
+    size: int
+    loaded: set[int] = field(default_factory=set)
+    ready: set[int] = field(default_factory=set)
+    done: dict[int, RankResult] = field(default_factory=dict)
+
+    def short_of(self, *stages: Collection[int]) -> list[int]:
+        """The ranks in none of `stages`."""
+        return [r for r in range(self.size) if not any(r in stage for stage in stages)]
+
+
+class Deadlines:
+    """When a world's ranks are late, from `now`: the ranks still joining are named once after
+    SLOW_START seconds (to `say`); past `join` seconds of joining, or `limit` seconds once all have
+    joined (`all_joined`), the late ones are named in a DistributedError."""
+
+    def __init__(
+        self, progress: Progress, limit: float, join: float, say: Callable[[str], None] | None, now: float
+    ) -> None:
+        self.progress, self.limit, self.join, self.say = progress, limit, join, say
+        self.slow = now + SLOW_START
+        self.deadline = now + join
+        self.joining = True
+
+    def all_joined(self, now: float) -> None:
+        self.joining, self.deadline = False, now + self.limit
+
+    def check(self, now: float) -> None:
+        say = self.say
+        if self.joining and say is not None and now >= self.slow:
+            self.say = None
+            joining = _ranks(self.progress.short_of(self.progress.ready))
+            say(f"gpumem: waiting for {joining} to start ({SLOW_START:g} s; each imports torch and the test module)")
+        if now < self.deadline:
+            return
+        if self.joining:
+            self._late_joining()
+        late = self.progress.short_of(self.progress.done)
+        raise DistributedError(
+            f"{_ranks(late)} did not finish within {self.limit:g} s (timeout=, --gpumem-dist-timeout); all ranks "
+            "were ended",
+            late[0],
+        )
+
+    def _late_joining(self) -> None:
+        progress = self.progress
+        unloaded = progress.short_of(progress.loaded, progress.ready)
+        if unloaded:
+            raise DistributedError(
+                f"{_ranks(unloaded)} did not start within {self.join:g} s (still loading the function and its module)",
+                unloaded[0],
+            )
+        late = progress.short_of(progress.ready)
+        raise DistributedError(f"{_ranks(late)} did not form the process group within {self.join:g} s", late[0])
+
+
 class _Waiter:
     """Reads the ranks' messages until every rank is done, one fails, or time runs out."""
 
@@ -89,23 +150,20 @@ class _Waiter:
         join: float,
         say: Callable[[str], None] | None = None,
     ) -> None:
-        self.processes, self.messages, self.limit, self.join, self.say = processes, messages, limit, join, say
-        self.loaded: set[int] = set()
-        self.ready: set[int] = set()
-        self.done: dict[int, RankResult] = {}
-        self.slow = time.monotonic() + SLOW_START  # when the ranks still joining are named, once
-        self.deadline = time.monotonic() + join
-        self.joining = True
+        self.processes, self.messages = processes, messages
+        self.progress = Progress(len(processes))
+        self.deadlines = Deadlines(self.progress, limit, join, say, time.monotonic())
 
     def results(self) -> list[RankResult]:
-        while len(self.done) < len(self.processes):
+        done = self.progress.done
+        while len(done) < len(self.processes):
             message = self._next(_POLL)
             if message is None:
-                self._check_time()
+                self.deadlines.check(time.monotonic())
                 self._check_alive()
             else:
                 self._take(message)
-        return [self.done[rank] for rank in range(len(self.processes))]
+        return [done[rank] for rank in range(len(self.processes))]
 
     def _next(self, timeout: float) -> Message | None:
         try:
@@ -114,47 +172,18 @@ class _Waiter:
             return None
 
     def _take(self, message: Message) -> None:
-        rank = message.rank
+        rank, progress = message.rank, self.progress
         if message.kind is Kind.ERROR:
             self._check_dead(rank)  # a rank that died makes its peers fail: the dead one is the cause
             raise DistributedError(f"rank {rank} failed: {message.text}", rank)
         if message.kind is Kind.LOADED:
-            self.loaded.add(rank)
+            progress.loaded.add(rank)
             return
         if message.kind is Kind.DONE:
-            self.done[rank] = message.result()
-        self.ready.add(rank)
-        if self.joining and len(self.ready) == len(self.processes):
-            self.joining, self.deadline = False, time.monotonic() + self.limit
-
-    def _check_time(self) -> None:
-        now = time.monotonic()
-        say = self.say
-        if self.joining and say is not None and now >= self.slow:
-            self.say = None
-            joining = _ranks([r for r in range(len(self.processes)) if r not in self.ready])
-            say(f"gpumem: waiting for {joining} to start ({SLOW_START:g} s; each imports torch and the test module)")
-        if now < self.deadline:
-            return
-        if self.joining:
-            self._late_joining()
-        late = [r for r in range(len(self.processes)) if r not in self.done]
-        raise DistributedError(
-            f"{_ranks(late)} did not finish within {self.limit:g} s (timeout=, --gpumem-dist-timeout); all ranks "
-            "were ended",
-            late[0],
-        )
-
-    def _late_joining(self) -> None:
-        ranks = range(len(self.processes))
-        unloaded = [r for r in ranks if r not in self.loaded and r not in self.ready]
-        if unloaded:
-            raise DistributedError(
-                f"{_ranks(unloaded)} did not start within {self.join:g} s (still loading the function and its module)",
-                unloaded[0],
-            )
-        late = [r for r in ranks if r not in self.ready]
-        raise DistributedError(f"{_ranks(late)} did not form the process group within {self.join:g} s", late[0])
+            progress.done[rank] = message.result()
+        progress.ready.add(rank)
+        if self.deadlines.joining and len(progress.ready) == progress.size:
+            self.deadlines.all_joined(time.monotonic())
 
     def _check_dead(self, reporting: int) -> None:
         """The reporting rank exits right after its message; by then a peer whose death broke its
@@ -162,12 +191,12 @@ class _Waiter:
         self.processes[reporting].join(_LAST_WORDS)
         time.sleep(_DEATH_NOTICE)
         for rank, process in enumerate(self.processes):
-            if rank not in self.done and process.exitcode not in (None, 0):
+            if rank not in self.progress.done and process.exitcode not in (None, 0):
                 raise DistributedError(f"rank {rank} {_exit_text(process.exitcode)} before it finished", rank)
 
     def _check_alive(self) -> None:
         for rank, process in enumerate(self.processes):
-            if rank in self.done or process.exitcode is None:
+            if rank in self.progress.done or process.exitcode is None:
                 continue
             message = self._next(_LAST_WORDS)  # its last message may still be on the way
             if message is not None:

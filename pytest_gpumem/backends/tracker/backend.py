@@ -8,7 +8,7 @@ cannot see, and on request a recorder of origins and events (`recording`) or an 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpumem.backends.base import Counters
@@ -43,6 +43,23 @@ def _fake_outputs_note(count: int) -> list[str]:
 def default_paths(rounding: str, device: str) -> str:
     """A GPU's code paths where the run predicts a GPU (the meta device, CUDA rounding), else the CPU's."""
     return "gpu" if device == "meta" or rounding == "cuda" else "cpu"
+
+
+def stop_counting(mode: Any, ledger: StorageLedger, undo: Callable[[], None] = lambda: None) -> None:
+    """End a measurement: take the tracker's `mode` off (if on) and, even if that fails, remove the
+    attributor's hooks, `undo` what else was installed, and forget the ledger's storages and recorder
+    (its events were read before the stop)."""
+    from pytest_gpumem.backends.tracker.attribution import Attributor
+
+    try:
+        if mode is not None:
+            leave(mode)
+    finally:
+        if isinstance(ledger.recorder, Attributor):
+            ledger.recorder.remove()
+        undo()
+        ledger.forget()
+        ledger.recorder = None
 
 
 class TrackerBackend:
@@ -121,18 +138,12 @@ class TrackerBackend:
 
     def stop(self) -> None:
         mode, self._mode = self._mode, None
-        try:
-            if mode is not None:
-                leave(mode)
-        finally:
-            attribution = self.attribution()
-            if attribution is not None:
-                attribution.remove()
-            if self._patches is not None:
-                self._patches.undo()
-            self._notes += _fake_outputs_note(self.ledger.fake_outputs)
-            self.ledger.forget()
-            self.ledger.recorder = None  # its events were read before the stop
+        stop_counting(mode, self.ledger, self._undo_patches)
+
+    def _undo_patches(self) -> None:
+        if self._patches is not None:
+            self._patches.undo()
+        self._notes += _fake_outputs_note(self.ledger.fake_outputs)
 
     @property
     def capacity(self) -> int | None:

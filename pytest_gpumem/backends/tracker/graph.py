@@ -42,18 +42,51 @@ def node_key(node: Any) -> tuple[int, Any]:
     return (sequence, id(getattr(node, "variable", None))) if sequence == ACCUMULATE_GRAD_SEQUENCE else (sequence, 0)
 
 
-def tensors_in(output: object) -> Iterator[torch.Tensor]:
-    """The tensors in a module's output: itself, or inside lists, tuples and dicts."""
+def tensors_in(output: object) -> list[torch.Tensor]:
+    """The tensors in `output` (an op's result or arguments, a module's output): itself, or inside what
+    `torch.utils._pytree` walks (tuples, lists, dicts, namedtuples and registered types such as a
+    registered dataclass or a transformers `ModelOutput`) and inside unregistered tuple, list and dict
+    subclasses; other objects hold none."""
     import torch
 
     if isinstance(output, torch.Tensor):
-        yield output
-    elif isinstance(output, (list, tuple)):
-        for item in output:
-            yield from tensors_in(item)
-    elif isinstance(output, dict):
-        for item in output.values():
-            yield from tensors_in(item)
+        return [output]
+    found: list[torch.Tensor] = []
+    if type(output) in _PLAIN and _plain(output, found, torch.Tensor):  # type: ignore[arg-type]
+        return found
+    return list(_leaves(output, torch.Tensor))
+
+
+_PLAIN = (tuple, list)
+_ATOMS = frozenset((int, float, bool, complex, str, type(None)))
+
+
+def _plain(items: tuple[object, ...] | list[object], found: list[torch.Tensor], tensor: type[torch.Tensor]) -> bool:
+    """Collect into `found` the tensors of plain tuples and lists of tensors, numbers and None (most ops'
+    results and arguments, walked here at less than half the cost of a pytree walk); False at anything else."""
+    for item in items:
+        if isinstance(item, tensor):
+            found.append(item)
+        elif type(item) in _PLAIN:
+            if not _plain(item, found, tensor):  # type: ignore[arg-type]
+                return False
+        elif type(item) not in _ATOMS:
+            return False
+    return True
+
+
+def _leaves(output: object, tensor: type[torch.Tensor]) -> Iterator[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    for leaf in tree_leaves(output):
+        if isinstance(leaf, tensor):
+            yield leaf
+        elif isinstance(leaf, (list, tuple)):  # a subclass pytree does not know
+            for item in leaf:
+                yield from _leaves(item, tensor)
+        elif isinstance(leaf, dict):
+            for item in leaf.values():
+                yield from _leaves(item, tensor)
 
 
 _SAVED_ATTRIBUTES: dict[type, tuple[str, ...]] = {}

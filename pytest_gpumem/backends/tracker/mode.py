@@ -12,19 +12,12 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from pytest_gpumem.backends.tracker.graph import tensors_in
 from pytest_gpumem.backends.tracker.ledger import StorageLedger
 from pytest_gpumem.backends.tracker.patches import count_compiled_allocations
 
 if TYPE_CHECKING:
     import torch
-
-
-def _tensors(out: object, tensor_type: type[torch.Tensor]) -> Iterator[torch.Tensor]:
-    if isinstance(out, tensor_type):
-        yield out
-    elif isinstance(out, (tuple, list)):
-        for item in out:
-            yield from _tensors(item, tensor_type)
 
 
 def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
@@ -152,7 +145,7 @@ def mode_class() -> type[Any]:
     def storages(out: object) -> Iterator[Any]:
         """The storages holding the memory of the tensors in `out`; before the parts of a sparse
         tensor, `_NOT_DENSE`; for a fake tensor, `_FAKE`."""
-        for tensor in _tensors(out, tensor_type):
+        for tensor in tensors_in(out):
             parts = sparse_parts.get(tensor.layout)
             if isinstance(tensor, fake_type):
                 yield _FAKE
@@ -265,12 +258,12 @@ def mode_class() -> type[Any]:
         def _dispatch_resizing(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             __tracebackhide__ = True
             before: dict[int, int] = {}
-            for tensor in _tensors([*args, *kwargs.values()], tensor_type):
+            for tensor in tensors_in([*args, *kwargs.values()]):
                 storage = _storage(tensor)
                 if storage is not None:
                     before[storage._cdata] = storage.nbytes()
             out = self.ledger.out = func(*args, **kwargs)
-            for tensor in _tensors(out, tensor_type):
+            for tensor in tensors_in(out):
                 storage = _storage(tensor)
                 if storage is None:
                     continue

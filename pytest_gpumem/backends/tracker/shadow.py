@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, cast
 
 from pytest_gpumem.backends.tracker.attribution import Attributor
+from pytest_gpumem.backends.tracker.backend import stop_counting
 from pytest_gpumem.backends.tracker.ledger import Storage, StorageLedger
-from pytest_gpumem.backends.tracker.mode import leave, mode_class
+from pytest_gpumem.backends.tracker.mode import mode_class
 
 if TYPE_CHECKING:
     import torch
@@ -65,12 +66,4 @@ class Shadow:
 
     def stop(self) -> None:
         mode, self._mode = self._mode, None
-        try:
-            if mode is not None:
-                leave(mode)
-        finally:
-            recorder = self.ledger.recorder
-            if isinstance(recorder, Attributor):
-                recorder.remove()
-            self.ledger.forget()
-            self.ledger.recorder = None
+        stop_counting(mode, self.ledger)
