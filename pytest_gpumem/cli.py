@@ -26,8 +26,8 @@ from pytest_gpumem.explain.growth import compact
 from pytest_gpumem.report.json import JSON_VERSION
 from pytest_gpumem.report.markdown import markdown_table
 from pytest_gpumem.results import Status
-from pytest_gpumem.results.baseline import PhaseComparison, check_composition
-from pytest_gpumem.results.explanation import Explanation, composition_to_json
+from pytest_gpumem.results.baseline import BaselineStatus, PhaseComparison, sound_composition
+from pytest_gpumem.results.explanation import Composition, Explanation
 from pytest_gpumem.sizes import format_size, shorten
 
 MAX_REPORT_BYTES = 256 * 1024 * 1024
@@ -115,7 +115,8 @@ def _phase_peaks(test: dict[str, Any]) -> dict[str | None, int | None]:
     return peaks
 
 
-PASSING = frozenset((Status.OK, Status.NEW, Status.IMPROVED, Status.XFAILED))
+PASSING = frozenset({*(status for status in Status if status.passing), Status.XFAILED})
+"""The statuses of a test that did not fail (an expected failure did not either)."""
 
 
 @dataclass
@@ -128,7 +129,7 @@ class Comparison:
 
     @property
     def regressed(self) -> list[tuple[str, PhaseComparison]]:
-        return [(nodeid, c) for nodeid, c in self.rows if c.status == "REGRESSED"]
+        return [(nodeid, c) for nodeid, c in self.rows if c.status == BaselineStatus.REGRESSED]
 
 
 def compare_reports(old: Tests, new: Tests, tol: Tolerance) -> Comparison:
@@ -146,12 +147,13 @@ def compare_reports(old: Tests, new: Tests, tol: Tolerance) -> Comparison:
     return Comparison(rows, [n for n in new if n not in old], [n for n in old if n not in new], failed, mixed)
 
 
-def _composition(test: dict[str, Any]) -> dict[str, Any] | None:
+def _composition(test: dict[str, Any]) -> Composition | None:
     explanation = test.get("explanation")
     try:
         if not isinstance(explanation, dict):
             return None
-        return check_composition(composition_to_json(compact(Explanation.from_json(explanation))))
+        composition = compact(Explanation.from_json(explanation))
+        return composition if sound_composition(composition) else None
     except (KeyError, TypeError, AttributeError, ValueError):  # a hand-edited report: no diff, no crash
         return None
 
@@ -176,7 +178,8 @@ def _table_rows(comparison: Comparison) -> list[list[str]]:
 def summary(comparison: Comparison) -> str:
     statuses = [c.status for _, c in comparison.rows]
     tests = len({nodeid for nodeid, _ in comparison.rows})
-    counts = ", ".join(f"{statuses.count(s)} {s.lower()}" for s in ("REGRESSED", "IMPROVED") if s in statuses)
+    shown = (BaselineStatus.REGRESSED, BaselineStatus.IMPROVED)
+    counts = ", ".join(f"{statuses.count(s)} {s.value.lower()}" for s in shown if s in statuses)
     failed = f", {len(comparison.failed)} failed in the new run" if comparison.failed else ""
     return (
         f"{tests} tests compared ({len(comparison.rows)} peaks){': ' + counts if counts else ''}; "

@@ -18,7 +18,8 @@ from pytest_gpumem.baselines import update as U
 from pytest_gpumem.baselines.schema import BaselineError, BaselineStore
 from pytest_gpumem.constants import DEFAULT_FILENAME
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.results.baseline import DeviceIdentity, Entry, Environment, Verdict
+from pytest_gpumem.results.baseline import BaselineStatus, DeviceIdentity, Entry, Environment, Verdict
+from pytest_gpumem.results.explanation import Cell, PhaseComposition
 from pytest_gpumem.results.gradients import Fingerprint, GradStats, ParamFingerprint
 from pytest_gpumem.sizes import format_size
 
@@ -116,10 +117,57 @@ def test_format_is_sorted_indented_and_newline_terminated(path: Path) -> None:
     assert TRACKER.key == "tracker | cpu"
 
 
-def test_writer_is_the_standard_encoder() -> None:
-    store = sample_store(Path("x.json"))
-    reference = json.dumps(store.to_json(), indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False)
-    assert schema.dumps(store) == reference + "\n"
+ONE_ENTRY = """{
+  "entries": {
+    "t.py::test_ü": {
+      "tracker | cpu": {
+        "composition": {
+          "forward": {
+            "categories": {
+              "saved": 1
+            },
+            "cells": [
+              [
+                "saved",
+                "h.*",
+                1
+              ]
+            ],
+            "folded": {
+              "h.*": 2
+            }
+          }
+        },
+        "cuda": null,
+        "identity": {
+          "backend": "tracker",
+          "capability": null,
+          "device": "cpu",
+          "total_memory": null
+        },
+        "peak_bytes": 1024,
+        "phases": {
+          "forward": 1,
+          "step": 2
+        },
+        "torch": "2.13.0"
+      }
+    }
+  },
+  "schema": "pytest-gpumem-baselines",
+  "version": 1
+}
+"""
+
+
+def test_an_entry_is_written_as_sorted_indented_json_and_read_back_the_same(path: Path) -> None:
+    composition = {"forward": PhaseComposition({"saved": 1}, [Cell("saved", "h.*", 1)], {"h.*": 2})}
+    one = Entry.measured(TRACKER, Environment("2.13.0", None), 1024, {"step": 2, "forward": 1}, None, composition)
+    store = BaselineStore(path)
+    U.update(store, {"t.py::test_ü": one})
+    F.write(store)
+    assert path.read_text(encoding="utf-8") == ONE_ENTRY
+    assert F.load(path).get("t.py::test_ü", TRACKER) == one
 
 
 def test_missing_file_is_an_empty_store(path: Path) -> None:
@@ -306,18 +354,18 @@ def test_just_inside_passes_one_byte_over_fails(tol: float, slack: int, stored: 
     allowed = tolerance.upper(stored)
     base = entry(peak=stored, phases={"forward": stored})
     inside = C.compare("t", entry(peak=allowed, phases={"forward": allowed}), base, tolerance)
-    assert inside.status in ("ok", "IMPROVED") and not inside.failed
-    assert inside.status == "ok" or allowed < stored
+    assert inside.status in (BaselineStatus.OK, BaselineStatus.IMPROVED) and not inside.failed
+    assert inside.status == BaselineStatus.OK or allowed < stored
     over = C.compare("t", entry(peak=allowed, phases={"forward": allowed + 1}), base, tolerance)
-    assert over.status == "REGRESSED" and over.failed
-    assert [c.status for c in over.comparisons] == ["ok", "REGRESSED"]
+    assert over.status == BaselineStatus.REGRESSED and over.failed
+    assert [c.status for c in over.comparisons] == [BaselineStatus.OK, BaselineStatus.REGRESSED]
     lower = tolerance.lower(stored)
     if lower >= 0:
         at_lower = C.compare("t", entry(peak=stored, phases={"forward": lower}), base, tolerance)
-        assert at_lower.status == "ok"
+        assert at_lower.status == BaselineStatus.OK
     if lower - 1 >= 0:
         below = C.compare("t", entry(peak=stored, phases={"forward": lower - 1}), base, tolerance)
-        assert below.status == "IMPROVED" and not below.failed
+        assert below.status == BaselineStatus.IMPROVED and not below.failed
 
 
 @pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), True, "5"])
@@ -338,7 +386,7 @@ def test_regression_message_is_exact() -> None:
     base = entry(peak=16_000_000, phases={"forward": 16_000_000})
     current = entry(peak=16_000_000, phases={"forward": 20_100_000})
     verdict = C.compare("t", current, base, NO_SLACK, fmt=decimal)
-    assert verdict.status == "REGRESSED" and verdict.failed
+    assert verdict.status == BaselineStatus.REGRESSED and verdict.failed
     assert verdict.problems == ("forward peak 20.1 MB is 25.6% above baseline 16.0 MB (tolerance 5%)",)
     assert verdict.failure_message() == verdict.problems[0]
     forward = verdict.comparisons[1]
@@ -362,9 +410,9 @@ def test_whole_call_and_every_phase_are_compared() -> None:
     current = entry(peak=200_000_000, phases={"forward": 50_000_000, "backward": 90_000_000})
     verdict = C.compare("t", current, base, NO_SLACK, fmt=decimal)
     assert [(c.label, c.status) for c in verdict.comparisons] == [
-        ("call", "REGRESSED"),
-        ("forward", "ok"),
-        ("backward", "REGRESSED"),
+        ("call", BaselineStatus.REGRESSED),
+        ("forward", BaselineStatus.OK),
+        ("backward", BaselineStatus.REGRESSED),
     ]
     assert len(verdict.problems) == 2
     assert verdict.problems[0].startswith("call peak 200.0 MB is 100.0% above baseline 100.0 MB")
@@ -374,7 +422,7 @@ def test_improvement_passes_with_a_note() -> None:
     base = entry(peak=16_000_000, phases={"forward": 16_000_000})
     current = entry(peak=16_000_000, phases={"forward": 12_000_000})
     verdict = C.compare("t", current, base, NO_SLACK, fmt=decimal)
-    assert verdict.status == "IMPROVED" and not verdict.failed
+    assert verdict.status == BaselineStatus.IMPROVED and not verdict.failed
     assert verdict.problems == ()
     assert verdict.notes == (
         "forward peak 12.0 MB is 25.0% below baseline 16.0 MB (tolerance 5%): "
@@ -386,17 +434,23 @@ def test_regression_wins_over_improvement() -> None:
     base = entry(peak=100, phases={"forward": 100, "backward": 100})
     current = entry(peak=100, phases={"forward": 10, "backward": 200})
     verdict = C.compare("t", current, base, NO_SLACK)
-    assert verdict.status == "REGRESSED" and verdict.failed
+    assert verdict.status == BaselineStatus.REGRESSED and verdict.failed
     assert len(verdict.problems) == 1 and len(verdict.notes) == 1
 
 
 def test_new_test_passes_unless_strict() -> None:
     verdict = C.compare("t", entry(), None)
-    assert verdict.status == "NEW" and not verdict.failed
+    assert verdict.status == BaselineStatus.NEW and not verdict.failed
     assert verdict.notes == (f"no baseline for this test on {H200.key} (record one with --gpumem-update)",)
-    assert {c.status for c in verdict.comparisons} == {"NEW"}
+    assert {c.status for c in verdict.comparisons} == {BaselineStatus.NEW}
     strict = C.compare("t", entry(), None, strict=True)
-    assert strict.status == "NEW" and strict.failed and strict.problems == verdict.notes
+    assert strict.status == BaselineStatus.NEW and strict.failed and strict.problems == verdict.notes
+
+
+def test_a_verdict_status_is_its_bare_word_in_text_and_json() -> None:
+    verdict = C.compare("t", entry(peak=2000, phases={}), entry(peak=1000, phases={}), NO_SLACK)
+    assert (str(verdict.status), f"{verdict.label}") == ("REGRESSED", "REGRESSED")
+    assert json.loads(json.dumps(verdict.to_json()))["comparisons"][0]["status"] == "REGRESSED"
 
 
 def test_report_status_says_missing_baseline_only_when_that_fails() -> None:
@@ -420,7 +474,7 @@ def test_new_phase_is_a_note_unless_strict() -> None:
     base = entry(peak=100, phases={"forward": 100})
     current = entry(peak=100, phases={"forward": 100, "optimizer": 50})
     verdict = C.compare("t", current, base, NO_SLACK)
-    assert verdict.status == "ok" and not verdict.failed
+    assert verdict.status == BaselineStatus.OK and not verdict.failed
     assert verdict.notes == ("optimizer peak 50 B has no baseline (record one with --gpumem-update)",)
     assert C.compare("t", current, base, NO_SLACK, strict=True).failed
 
@@ -428,32 +482,32 @@ def test_new_phase_is_a_note_unless_strict() -> None:
 def test_phase_that_did_not_run_is_a_note() -> None:
     base = entry(peak=100, phases={"forward": 100, "backward": 70})
     verdict = C.compare("t", entry(peak=100, phases={"forward": 100}), base, NO_SLACK)
-    assert verdict.status == "ok" and not verdict.failed
-    assert verdict.comparisons[-1].status == "MISSING"
+    assert verdict.status == BaselineStatus.OK and not verdict.failed
+    assert verdict.comparisons[-1].status == BaselineStatus.MISSING
     assert verdict.notes == ("backward has a baseline (70 B) but was not measured in this run",)
 
 
 def test_zero_baseline() -> None:
     base = entry(peak=0, phases={})
-    assert C.compare("t", entry(peak=0, phases={}), base, NO_SLACK).status == "ok"
+    assert C.compare("t", entry(peak=0, phases={}), base, NO_SLACK).status == BaselineStatus.OK
     verdict = C.compare("t", entry(peak=512, phases={}), base, NO_SLACK)
-    assert verdict.status == "REGRESSED"
+    assert verdict.status == BaselineStatus.REGRESSED
     assert verdict.problems == ("call peak 512 B is above baseline 0 B (tolerance 5%)",)
     assert verdict.comparisons[0].change_percent is None
-    assert C.compare("t", entry(peak=512, phases={}), base, C.Tolerance(5, 512)).status == "ok"
+    assert C.compare("t", entry(peak=512, phases={}), base, C.Tolerance(5, 512)).status == BaselineStatus.OK
 
 
 def test_gradients_are_compared_when_both_sides_have_them() -> None:
     base = entry(gradients=grads())
     same = C.compare("t", entry(gradients=grads()), base)
-    assert same.gradient_status == "ok" and not same.failed and same.label == "ok"
+    assert same.gradient_status == BaselineStatus.OK and not same.failed and same.label == BaselineStatus.OK
     changed = C.compare("t", entry(gradients=grads(1.01)), base)
-    assert changed.status == "ok" and changed.gradient_status == "CHANGED" and changed.failed
-    assert changed.label == "CHANGED"
+    assert changed.status == BaselineStatus.OK and changed.gradient_status == BaselineStatus.CHANGED and changed.failed
+    assert changed.label == BaselineStatus.CHANGED
     assert "gradient 'fc.weight'" in changed.failure_message()
-    assert C.compare("t", entry(gradients=grads(1.01)), base, grad_rtol=0.05).gradient_status == "ok"
+    assert C.compare("t", entry(gradients=grads(1.01)), base, grad_rtol=0.05).gradient_status == BaselineStatus.OK
     new = C.compare("t", entry(gradients=grads()), entry())
-    assert new.gradient_status == "NEW" and not new.failed
+    assert new.gradient_status == BaselineStatus.NEW and not new.failed
     assert C.compare("t", entry(gradients=grads()), entry(), strict=True).failed
     gone = C.compare("t", entry(), base)
     assert gone.gradient_status is None and not gone.failed and gone.notes
@@ -462,6 +516,7 @@ def test_gradients_are_compared_when_both_sides_have_them() -> None:
 def test_verdict_and_entry_survive_json(path: Path) -> None:
     verdict = C.compare("t", entry(peak=10**9, gradients=grads(2)), entry(gradients=grads()), NO_SLACK)
     wire = json.loads(json.dumps(verdict.to_json()))
+    assert (wire["status"], wire["gradient_status"]) == ("REGRESSED", "CHANGED")
     assert Verdict.from_json(wire) == verdict
     e = entry(gradients=grads())
     assert Entry.from_json(json.loads(json.dumps(e.to_json()))) == e
@@ -604,9 +659,17 @@ def test_unused_and_prune_touch_only_this_device(path: Path) -> None:
 # ----------------------------------------------------------------------------------- import and speed
 
 
-def test_baseline_modules_do_not_import_torch() -> None:
-    modules = ", ".join(f"pytest_gpumem.baselines.{name}" for name in ("schema", "file", "update", "compare"))
-    code = f"import sys, {modules}, pytest_gpumem.results.baseline; sys.exit('torch' in sys.modules)"
+@pytest.mark.parametrize(
+    "modules",
+    [
+        "pytest_gpumem.baselines.schema, pytest_gpumem.baselines.file, pytest_gpumem.baselines.update, "
+        "pytest_gpumem.baselines.compare, pytest_gpumem.results.baseline",
+        "pytest_gpumem.gradients.fingerprint, pytest_gpumem.gradients.compare, pytest_gpumem.results.gradients",
+    ],
+    ids=["baselines", "gradients"],
+)
+def test_baseline_and_gradient_modules_do_not_import_torch(modules: str) -> None:
+    code = f"import sys, {modules}; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
@@ -635,7 +698,7 @@ def test_ten_thousand_entries_round_trip(path: Path) -> None:
     summary = U.update(loaded, current)
     F.write(loaded)
     assert len(verdicts) == n and len(summary.updated) + len(summary.unchanged) == n
-    assert any(v.status == "REGRESSED" for v in verdicts)
+    assert any(v.status == BaselineStatus.REGRESSED for v in verdicts)
     assert schema.dumps(F.load(path)) == schema.dumps(loaded)
 
 
@@ -655,13 +718,12 @@ def test_a_baseline_file_and_a_report_written_before_typed_results_load_and_comp
     tests = {test["nodeid"].split("::")[1]: test for test in json.loads((BEFORE / "report.json").read_text())["tests"]}
     results = {name: TestResult.from_dict(test) for name, test in tests.items()}
     for name, result in results.items():
-        again = result.to_dict()
-        assert (again["baseline"], again["record"]) == (tests[name]["baseline"], tests[name]["record"])
+        assert result.to_dict() == tests[name]
     phases, plain = results["test_phases"], results["test_plain"]
     assert phases.record is not None and phases.baseline is not None
     verdict = C.compare(phases.nodeid, phases.record, store.get(phases.nodeid, TRACKER))
     assert {c.label: c for c in verdict.comparisons} == {c.label: c for c in phases.baseline.comparisons}
     assert (verdict.status, verdict.gradient_status) == (phases.baseline.status, phases.baseline.gradient_status)
-    assert (verdict.status, verdict.gradient_status) == ("ok", "ok")
-    assert plain.record is None and plain.baseline is not None and plain.baseline.status == "REGRESSED"
-    assert plain.call_comparison() == plain.baseline.comparisons[0]
+    assert (verdict.status, verdict.gradient_status) == (BaselineStatus.OK, BaselineStatus.OK)
+    assert plain.record is None and plain.baseline is not None and plain.baseline.status == BaselineStatus.REGRESSED
+    assert [(c.label, c.baseline, c.current) for c in plain.baseline.comparisons] == [("call", 4096, 4 << 20)]

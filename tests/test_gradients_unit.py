@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -100,10 +98,11 @@ def test_projections_depend_on_name_and_shape_not_on_call_order() -> None:
 
 
 def test_chunked_large_and_non_contiguous_tensors() -> None:
-    big = torch.randn(3, G._CHUNK + 1000)  # spans two chunks
+    """Half a million values (2 MB, read in several chunks), transposed: the same as contiguous."""
+    big = torch.randn(5, 100_003)
     fp = fingerprint({"w": big.T}, of="value").params["w"]
     same = fingerprint({"w": big.T.contiguous()}, of="value").params["w"]
-    assert fp == same and fp.shape == (G._CHUNK + 1000, 3)
+    assert fp == same and fp.shape == (100_003, 5)
     assert fp.grad is not None
     assert fp.grad.l2 == pytest.approx(big.double().norm().item(), rel=1e-12)
 
@@ -168,12 +167,6 @@ def test_non_finite_gradients_survive_json() -> None:
     result = compare_fingerprints(fp, finite)
     assert [m.param for m in result.mismatches] == ["nan"]
     assert "nan" in result.messages[0]
-
-
-def test_gradient_modules_do_not_import_torch() -> None:
-    modules = "pytest_gpumem.gradients.fingerprint, pytest_gpumem.gradients.compare, pytest_gpumem.results.gradients"
-    code = f"import sys, {modules}; sys.exit('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
 # ----------------------------------------------------------------------------------------- comparing

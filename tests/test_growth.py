@@ -10,7 +10,7 @@ import pytest
 from pytest_gpumem.explain.blocks import fold, repeated_blocks
 from pytest_gpumem.explain.growth import compact
 from pytest_gpumem.explain.growth import what_grew as what_grew_typed
-from pytest_gpumem.explain.replay import FOLDED_CELLS, OTHER_MODULES, folded_cells
+from pytest_gpumem.explain.replay import OTHER_MODULES, folded_cells
 from pytest_gpumem.results.baseline import check_composition
 from pytest_gpumem.results.explanation import (
     Cell,
@@ -136,7 +136,7 @@ def test_compact_keeps_every_folded_part_and_the_store_reads_it_back() -> None:
             "folded": {"h.*": 4},
         }
     }
-    assert check_composition(stored) == stored
+    assert check_composition(stored) == compact(explanation)
 
 
 @pytest.mark.parametrize("bad", [{"h.*": 0}, {"h.*": "4"}, [1], {"h.*": True}])
@@ -146,9 +146,10 @@ def test_the_store_refuses_a_bad_block_count(bad: object) -> None:
 
 
 def test_past_the_stored_parts_the_rest_of_each_category_is_one_part() -> None:
-    cells = {("temporaries", f"m{i:02}"): 100 + i for i in range(FOLDED_CELLS + 5)}
+    """29 parts of 100 to 128 B: the 24 largest are kept, the 5 smallest (100 to 104 B) become one."""
+    cells = {("temporaries", f"m{i:02}"): 100 + i for i in range(29)}
     kept = folded_cells(cells, set())
-    assert len(kept) == FOLDED_CELLS + 1
+    assert len(kept) == 25
     assert sum(c.size for c in kept) == sum(cells.values())  # the sum stays exact
     assert kept[-1] == Cell("temporaries", OTHER_MODULES, 100 + 101 + 102 + 103 + 104)
 

@@ -19,7 +19,7 @@ from pytest_gpumem.report.terminal import (
     table_lines,
 )
 from pytest_gpumem.results import PhaseResult, Status, TestResult
-from pytest_gpumem.results.baseline import PhaseComparison, PhaseStatus, Verdict
+from pytest_gpumem.results.baseline import BaselineStatus, PhaseComparison, Verdict
 
 MIB = 1024 * 1024
 
@@ -179,15 +179,18 @@ def test_long_form_has_a_row_per_test_and_phase() -> None:
     assert any(line.split()[:4] == ["ddp.backward", "28.0", "MiB", "@rank1"] for line in body)
 
 
-def compared(*comparisons: tuple[str | None, int, float, PhaseStatus]) -> Verdict:
+def compared(*comparisons: tuple[str | None, int, float, BaselineStatus]) -> Verdict:
     """A verdict with these (phase, baseline, change %, status) comparisons."""
     rows = tuple(PhaseComparison(p, base, None, None, change, status) for p, base, change, status in comparisons)
-    return Verdict("t", "REGRESSED" if any(c.status == "REGRESSED" for c in rows) else "ok", rows, (), ())
+    regressed = any(c.status == BaselineStatus.REGRESSED for c in rows)
+    return Verdict("t", BaselineStatus.REGRESSED if regressed else BaselineStatus.OK, rows, (), ())
 
 
 def test_long_form_shows_each_phase_against_its_baseline() -> None:
     result = strategy("dot")
-    result.baseline = compared((None, 40 * MIB, 0.0, "ok"), ("backward", 4 * MIB, 100.0, "REGRESSED"))
+    result.baseline = compared(
+        (None, 40 * MIB, 0.0, BaselineStatus.OK), ("backward", 4 * MIB, 100.0, BaselineStatus.REGRESSED)
+    )
     lines = table_lines([result], 120, long=True)
     assert lines[0].split() == ["test", "phase", "peak", "net", "baseline", "change", "status"]
     backward = next(line for line in lines if " backward " in line)
@@ -234,7 +237,7 @@ def test_one_compared_test_keeps_its_whole_id_at_80_columns() -> None:
     # 1250 float32 = 5,000 B = 4.9 KiB against a baseline of 4,000 B = 3.9 KiB: +25.0%
     made = PhaseResult("made", 5000, 5000, None, 0)
     result = TestResult("test_suite.py::test_alloc[a]", "tracker", "cpu", made, {"made": made}, status=Status.REGRESSED)
-    result.baseline = compared((None, 4000, 25.0, "REGRESSED"))
+    result.baseline = compared((None, 4000, 25.0, BaselineStatus.REGRESSED))
     lines = table_lines([result], 80)
     assert lines[0].split() == ["test", "made", "call", "peak", "baseline", "change", "status"]
     assert lines[2].split() == [

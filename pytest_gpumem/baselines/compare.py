@@ -18,25 +18,16 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
-from typing import Any
 
 from pytest_gpumem.baselines.schema import BaselineStore
 from pytest_gpumem.constants import DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT
 from pytest_gpumem.gradients.compare import compare_fingerprints
-from pytest_gpumem.results.baseline import (
-    DeviceIdentity,
-    Entry,
-    Environment,
-    GradientStatus,
-    PhaseComparison,
-    Verdict,
-    VerdictStatus,
-)
+from pytest_gpumem.results.baseline import BaselineStatus, DeviceIdentity, Entry, Environment, PhaseComparison, Verdict
 from pytest_gpumem.results.checks import check_bytes, short
-from pytest_gpumem.results.gradients import GradientComparison
+from pytest_gpumem.results.explanation import Composition
 from pytest_gpumem.sizes import format_size
 
 __all__ = [
@@ -111,79 +102,101 @@ def compare(
     both sides have fingerprints (``grad_rtol``/``grad_atol`` as in ``compare_fingerprints``). ``record``
     is how the messages say to record what has no baseline.
     """
-    tol = tolerance if tolerance is not None else _DEFAULT_TOLERANCE
     if baseline is None:
-        hint = f"no baseline for this test on {current.identity.key} (record one with {record})"
-        comparisons = [PhaseComparison(None, None, current.peak_bytes, None, None, "NEW")]
-        comparisons.extend(PhaseComparison(n, None, v, None, None, "NEW") for n, v in current.phases.items())
-        return Verdict(
-            nodeid=nodeid,
-            status="NEW",
-            comparisons=tuple(comparisons),
-            problems=(hint,) if strict else (),
-            notes=() if strict else (hint,),
-            gradient_status=None if current.gradients is None else "NEW",
-            failed=strict,
-        )
-    results = [compare_peak(None, baseline.peak_bytes, current.peak_bytes, tol, fmt)]
-    base_phases = baseline.phases
-    for name, value in current.phases.items():
-        results.append(compare_peak(name, base_phases.get(name), value, tol, fmt, record))
-    for name, value in base_phases.items():
-        if name not in current.phases:
-            results.append(compare_peak(name, value, None, tol, fmt))
-    results = [with_growth(c, baseline.composition, current.composition) for c in results]
-    problems: list[str] = []
-    notes: list[str] = []
-    status: VerdictStatus = "ok"
-    for c in results:
-        if c.status == "ok":
-            continue
-        if c.status == "REGRESSED":
-            status = "REGRESSED"
-        elif c.status == "IMPROVED" and status == "ok":
-            status = "IMPROVED"
-        if c.message is not None:
-            if c.status == "REGRESSED" or (strict and c.status == "NEW"):
-                problems.append(c.message)
-            else:
-                notes.append(c.message)
-
-    gradient_status: GradientStatus | None = None
-    if current.gradients is not None and baseline.gradients is not None:
-        grads: GradientComparison = compare_fingerprints(
-            baseline.gradients, current.gradients, rtol=grad_rtol, atol=grad_atol
-        )
-        gradient_status = "ok" if grads.ok else "CHANGED"
-        problems.extend(grads.messages)
-        notes.extend(grads.notes)
-    elif current.gradients is not None:
-        gradient_status = "NEW"
-        message = f"gradients have no baseline (record one with {record})"
-        (problems if strict else notes).append(message)
-    elif baseline.gradients is not None:
-        notes.append("the baseline has gradient fingerprints, this run recorded none")
+        return _without_baseline(nodeid, current, strict, record)
+    tol = tolerance if tolerance is not None else _DEFAULT_TOLERANCE
+    comparisons = _phase_comparisons(current, baseline, tol, fmt, record)
+    problems = [c.message for c in comparisons if c.message is not None and _fails(c.status, strict)]
+    notes = [c.message for c in comparisons if c.message is not None and not _fails(c.status, strict)]
+    gradients = _gradient_verdict(current, baseline, strict, grad_rtol, grad_atol, record)
+    problems += gradients.problems
+    notes += gradients.notes
     return Verdict(
         nodeid=nodeid,
-        status=status,
-        comparisons=tuple(results),
+        status=_memory_status(comparisons),
+        comparisons=comparisons,
         problems=tuple(problems),
         notes=tuple(notes),
-        gradient_status=gradient_status,
+        gradient_status=gradients.status,
         failed=bool(problems),
     )
 
 
+def _without_baseline(nodeid: str, current: Entry, strict: bool, record: str) -> Verdict:
+    """``NEW``: every peak without a baseline, the test failing only when ``strict``."""
+    hint = f"no baseline for this test on {current.identity.key} (record one with {record})"
+    peaks: list[tuple[str | None, int]] = [(None, current.peak_bytes), *current.phases.items()]
+    return Verdict(
+        nodeid=nodeid,
+        status=BaselineStatus.NEW,
+        comparisons=tuple(PhaseComparison(n, None, v, None, None, BaselineStatus.NEW) for n, v in peaks),
+        problems=(hint,) if strict else (),
+        notes=() if strict else (hint,),
+        gradient_status=None if current.gradients is None else BaselineStatus.NEW,
+        failed=strict,
+    )
+
+
+def _phase_comparisons(
+    current: Entry, baseline: Entry, tol: Tolerance, fmt: SizeFormatter, record: str
+) -> tuple[PhaseComparison, ...]:
+    """The whole call, then each measured phase, then each stored phase this run did not measure."""
+    compared = [compare_peak(None, baseline.peak_bytes, current.peak_bytes, tol, fmt)]
+    compared += [compare_peak(n, baseline.phases.get(n), v, tol, fmt, record) for n, v in current.phases.items()]
+    compared += [compare_peak(n, v, None, tol, fmt) for n, v in baseline.phases.items() if n not in current.phases]
+    return tuple(with_growth(c, baseline.composition, current.composition) for c in compared)
+
+
+def _fails(status: BaselineStatus, strict: bool) -> bool:
+    """Whether a comparison's message is a problem (else a note)."""
+    return status == BaselineStatus.REGRESSED or (strict and status == BaselineStatus.NEW)
+
+
+def _memory_status(comparisons: Sequence[PhaseComparison]) -> BaselineStatus:
+    """``REGRESSED`` if any peak regressed, else ``IMPROVED`` if any improved, else ``OK``."""
+    statuses = {c.status for c in comparisons}
+    for status in (BaselineStatus.REGRESSED, BaselineStatus.IMPROVED):
+        if status in statuses:
+            return status
+    return BaselineStatus.OK
+
+
+@dataclass(frozen=True, slots=True)
+class _GradientVerdict:
+    status: BaselineStatus | None = None  # None: no gradients compared
+    problems: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+def _gradient_verdict(
+    current: Entry,
+    baseline: Entry,
+    strict: bool,
+    rtol: float | Mapping[str, float] | None,
+    atol: float | None,
+    record: str,
+) -> _GradientVerdict:
+    if current.gradients is not None and baseline.gradients is not None:
+        grads = compare_fingerprints(baseline.gradients, current.gradients, rtol=rtol, atol=atol)
+        status = BaselineStatus.OK if grads.ok else BaselineStatus.CHANGED
+        return _GradientVerdict(status, tuple(grads.messages), tuple(grads.notes))
+    if current.gradients is not None:
+        message = (f"gradients have no baseline (record one with {record})",)
+        return _GradientVerdict(BaselineStatus.NEW, message if strict else (), () if strict else message)
+    if baseline.gradients is not None:
+        return _GradientVerdict(notes=("the baseline has gradient fingerprints, this run recorded none",))
+    return _GradientVerdict()
+
+
 def with_growth(
-    comparison: PhaseComparison, stored: Mapping[str, Any] | None, current: Mapping[str, Any] | None
+    comparison: PhaseComparison, stored: Composition | None, current: Composition | None
 ) -> PhaseComparison:
-    """A regression's message, with what grew most when both sides have a composition (`explain.growth.compact`)."""
-    if comparison.status != "REGRESSED" or comparison.message is None:
+    """A regression's message, with what grew most when both sides have a composition (`explain.growth`)."""
+    if comparison.status != BaselineStatus.REGRESSED or comparison.message is None:
         return comparison
     from pytest_gpumem.explain.growth import what_grew
-    from pytest_gpumem.results.explanation import composition_from_json
 
-    grew = what_grew(composition_from_json(stored), composition_from_json(current), comparison.label)
+    grew = what_grew(stored, current, comparison.label)
     return comparison if grew is None else replace(comparison, message=f"{comparison.message}: {grew}")
 
 
@@ -201,24 +214,24 @@ def compare_peak(
     if stored is None:
         assert current is not None
         message = f"{label} peak {fmt(current)} has no baseline (record one with {record})"
-        return PhaseComparison(phase, None, current, None, None, "NEW", message)
+        return PhaseComparison(phase, None, current, None, None, BaselineStatus.NEW, message)
     if current is None:
         message = f"{label} has a baseline ({fmt(stored)}) but was not measured in this run"
-        return PhaseComparison(phase, stored, None, None, None, "MISSING", message)
+        return PhaseComparison(phase, stored, None, None, None, BaselineStatus.MISSING, message)
     allowed = tol.upper(stored)
     change = (current - stored) * 100 / stored if stored else None
     if current > allowed:
         by = f"is {_pct(change, tol.percent)}% above" if change is not None else "is above"
         message = f"{label} peak {fmt(current)} {by} baseline {fmt(stored)} (tolerance {tol.describe(fmt)})"
-        return PhaseComparison(phase, stored, current, allowed, change, "REGRESSED", message)
+        return PhaseComparison(phase, stored, current, allowed, change, BaselineStatus.REGRESSED, message)
     if current < stored and current < tol.lower(stored):  # lower(b) <= b: skip the arithmetic
         drop = -change if change is not None else 0.0
         message = (
             f"{label} peak {fmt(current)} is {_pct(drop, tol.percent)}% below baseline {fmt(stored)} "
             f"(tolerance {tol.describe(fmt)}): improved, baseline can be lowered (--gpumem-update)"
         )
-        return PhaseComparison(phase, stored, current, allowed, change, "IMPROVED", message)
-    return PhaseComparison(phase, stored, current, allowed, change, "ok")
+        return PhaseComparison(phase, stored, current, allowed, change, BaselineStatus.IMPROVED, message)
+    return PhaseComparison(phase, stored, current, allowed, change, BaselineStatus.OK)
 
 
 def _pct(change: float, tolerance: float) -> str:

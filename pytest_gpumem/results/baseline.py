@@ -11,28 +11,42 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from enum import Enum
+from typing import Any
 
 from pytest_gpumem.results.checks import check_bytes, exact_keys, json_key, short, signed_bytes
+from pytest_gpumem.results.explanation import Cell, Composition, PhaseComposition, composition_to_json
 from pytest_gpumem.results.gradients import Fingerprint
 
 __all__ = [
+    "BaselineStatus",
     "DeviceIdentity",
     "Entry",
     "Environment",
-    "GradientStatus",
     "PhaseComparison",
-    "PhaseStatus",
     "Verdict",
-    "VerdictStatus",
     "check_composition",
+    "sound_composition",
 ]
 
-VerdictStatus = Literal["ok", "REGRESSED", "IMPROVED", "NEW"]
-"""Memory verdict of a test (``Verdict.status``)."""
-PhaseStatus = Literal["ok", "REGRESSED", "IMPROVED", "NEW", "MISSING"]
-"""Per comparison; ``MISSING``: the baseline has this phase, the run did not measure it (a note)."""
-GradientStatus = Literal["ok", "CHANGED", "NEW"]
+
+class BaselineStatus(str, Enum):
+    """What a comparison with a baseline found; the value is the word in messages and the JSON.
+
+    A phase's peak (``PhaseComparison.status``) and a test's memory (``Verdict.status``) are ``OK``,
+    ``REGRESSED``, ``IMPROVED`` or ``NEW``; a phase also ``MISSING`` (the baseline has it, the run did not
+    measure it: a note). Gradients (``Verdict.gradient_status``) are ``OK``, ``CHANGED`` or ``NEW``.
+    """
+
+    OK = "ok"
+    REGRESSED = "REGRESSED"
+    IMPROVED = "IMPROVED"
+    NEW = "NEW"
+    MISSING = "MISSING"
+    CHANGED = "CHANGED"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +118,7 @@ class Entry:
     torch: str | None
     cuda: str | None
     gradients: Fingerprint | None = None
-    composition: Mapping[str, Any] | None = None  # per phase: what its peak was made of (explain.compact)
+    composition: Composition | None = None  # per phase: what its peak was made of (explain.growth.compact)
 
     def __post_init__(self) -> None:
         if not isinstance(self.identity, DeviceIdentity):
@@ -125,8 +139,8 @@ class Entry:
                 raise ValueError(f"{attr}: expected a version string or null, got {short(value)}")
         if self.gradients is not None and not isinstance(self.gradients, Fingerprint):
             raise ValueError(f"gradients: expected a gradients.Fingerprint, got {short(self.gradients)}")
-        if self.composition is not None:
-            object.__setattr__(self, "composition", check_composition(self.composition))
+        if self.composition is not None and not sound_composition(self.composition):
+            raise ValueError(f"composition: expected phase name -> PhaseComposition, got {short(self.composition)}")
 
     @classmethod
     def measured(
@@ -136,7 +150,7 @@ class Entry:
         peak_bytes: int,
         phases: Mapping[str, int],
         gradients: Fingerprint | None = None,
-        composition: Mapping[str, Any] | None = None,
+        composition: Composition | None = None,
     ) -> Entry:
         """A measurement of this run, ready for ``compare`` and ``update``."""
         return cls(identity, peak_bytes, phases, env.torch, env.cuda, gradients, composition)
@@ -157,7 +171,7 @@ class Entry:
         if self.gradients is not None:
             out["gradients"] = self.gradients.to_json()
         if self.composition is not None:
-            out["composition"] = self.composition
+            out["composition"] = composition_to_json(self.composition)
         return out
 
     @classmethod
@@ -173,7 +187,7 @@ class Entry:
                 raise ValueError(f"unknown key {key!r}")
         if not isinstance(obj["phases"], dict):
             raise ValueError(f"phases: expected an object of phase name -> bytes, got {short(obj['phases'])}")
-        grads = obj.get("gradients")
+        grads, composition = obj.get("gradients"), obj.get("composition")
         return cls(
             identity=DeviceIdentity.from_json(obj["identity"]),
             peak_bytes=obj["peak_bytes"],
@@ -181,20 +195,21 @@ class Entry:
             torch=obj["torch"],
             cuda=obj["cuda"],
             gradients=None if grads is None else Fingerprint.from_json(grads),
-            composition=obj.get("composition"),
+            composition=None if composition is None else check_composition(composition),
         )
 
 
 _ENTRY_KEYS = frozenset(("identity", "peak_bytes", "phases", "torch", "cuda", "gradients", "composition"))
 
 
-def check_composition(obj: object) -> dict[str, Any]:
-    """``{phase: {"categories": {name: bytes}, "cells": [[category, module, bytes], ...], "folded": {group:
-    blocks}}}`` ("folded" is absent in compositions made before repeated blocks were folded); a byte count
-    may be negative (a phase that freed what was alive at its start)."""
+def check_composition(obj: object) -> Composition:
+    """The typed form of a stored composition, ``{phase: {"categories": {name: bytes}, "cells": [[category,
+    module, bytes], ...], "folded": {group: blocks}}}`` ("folded" is absent in compositions made before
+    repeated blocks were folded); a byte count may be negative (a phase that freed what was alive at its
+    start). ``ValueError`` names what is wrong."""
     if not isinstance(obj, Mapping):
         raise ValueError(f"composition: expected an object of phase name -> parts, got {short(obj)}")
-    out: dict[str, Any] = {}
+    out: Composition = {}
     for phase, parts in obj.items():
         where = f"composition[{json_key(str(phase))}]"
         if not isinstance(phase, str) or not phase:
@@ -210,10 +225,26 @@ def check_composition(obj: object) -> dict[str, Any]:
             raise ValueError(f"{where}.categories: expected an object of category -> bytes, got {short(categories)}")
         if not isinstance(cells, list) or not all(_is_cell(cell) for cell in cells):
             raise ValueError(f"{where}.cells: expected a list of [category, module, bytes], got {short(cells)}")
-        out[phase] = {"categories": dict(categories), "cells": [list(cell) for cell in cells]}
-        if folded is not None:
-            out[phase]["folded"] = dict(folded)
+        out[phase] = PhaseComposition(
+            dict(categories), [Cell(*cell) for cell in cells], None if folded is None else dict(folded)
+        )
     return out
+
+
+def sound_composition(composition: object) -> bool:
+    """Whether a typed composition holds what ``check_composition`` accepts from a file."""
+    return isinstance(composition, dict) and all(
+        isinstance(phase, str) and phase and isinstance(parts, PhaseComposition) and _sound_parts(parts)
+        for phase, parts in composition.items()
+    )
+
+
+def _sound_parts(parts: PhaseComposition) -> bool:
+    return (
+        all(isinstance(k, str) and signed_bytes(v) for k, v in parts.categories.items())
+        and all(isinstance(c.category, str) and isinstance(c.module, str) and signed_bytes(c.size) for c in parts.cells)
+        and (parts.folded is None or _is_folded(parts.folded))
+    )
 
 
 def _is_folded(obj: object) -> bool:
@@ -239,7 +270,7 @@ class PhaseComparison:
     current: int | None
     allowed: int | None
     change_percent: float | None
-    status: PhaseStatus
+    status: BaselineStatus
     message: str | None = None
 
     @property
@@ -259,7 +290,7 @@ class PhaseComparison:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> PhaseComparison:
-        return cls(**obj)
+        return cls(**{**obj, "status": BaselineStatus(obj["status"])})
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,11 +303,11 @@ class Verdict:
     """
 
     nodeid: str
-    status: VerdictStatus
+    status: BaselineStatus
     comparisons: tuple[PhaseComparison, ...]
     problems: tuple[str, ...]
     notes: tuple[str, ...]
-    gradient_status: GradientStatus | None = None
+    gradient_status: BaselineStatus | None = None
     failed: bool = False
 
     @property
@@ -284,12 +315,12 @@ class Verdict:
         return self.problems + self.notes
 
     @property
-    def label(self) -> str:
+    def label(self) -> BaselineStatus:
         """One word for a report column: ``REGRESSED``, ``CHANGED`` (gradients), else ``status``."""
-        if self.status == "REGRESSED":
-            return "REGRESSED"
-        if self.gradient_status == "CHANGED":
-            return "CHANGED"
+        if self.status == BaselineStatus.REGRESSED:
+            return BaselineStatus.REGRESSED
+        if self.gradient_status == BaselineStatus.CHANGED:
+            return BaselineStatus.CHANGED
         return self.status
 
     def failure_message(self) -> str:
@@ -311,10 +342,10 @@ class Verdict:
     def from_json(cls, obj: Mapping[str, Any]) -> Verdict:
         return cls(
             nodeid=obj["nodeid"],
-            status=obj["status"],
+            status=BaselineStatus(obj["status"]),
             comparisons=tuple(PhaseComparison.from_json(c) for c in obj["comparisons"]),
             problems=tuple(obj["problems"]),
             notes=tuple(obj["notes"]),
-            gradient_status=obj["gradient_status"],
+            gradient_status=None if obj["gradient_status"] is None else BaselineStatus(obj["gradient_status"]),
             failed=obj["failed"],
         )

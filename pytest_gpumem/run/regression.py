@@ -24,13 +24,27 @@ if TYPE_CHECKING:
 
 
 def identity_of(backend: Backend) -> DeviceIdentity:
-    """What a baseline is valid for: the backend's own `identity()`, else its name and device."""
-    from pytest_gpumem.backends.base import IdentifiesDevice
-    from pytest_gpumem.results.baseline import DeviceIdentity
+    """What a baseline is valid for: the backend's own `identity()`, else its name and device. The
+    identity may also be a mapping of its JSON keys (capability and total_memory optional), which was
+    the contract before `DeviceIdentity`; anything else is a `GpuMemError` naming the backend."""
+    from collections.abc import Mapping
 
-    if isinstance(backend, IdentifiesDevice):
-        return backend.identity()
-    return DeviceIdentity(backend.name, str(backend.device))
+    from pytest_gpumem.backends.base import IdentifiesDevice
+    from pytest_gpumem.errors import GpuMemError
+    from pytest_gpumem.results.baseline import DeviceIdentity
+    from pytest_gpumem.results.checks import short
+
+    if not isinstance(backend, IdentifiesDevice):
+        return DeviceIdentity(backend.name, str(backend.device))
+    own: object = backend.identity()
+    if isinstance(own, DeviceIdentity):
+        return own
+    try:
+        if not isinstance(own, Mapping):
+            raise ValueError(f"expected a DeviceIdentity or a dict, got {short(own)}")
+        return DeviceIdentity.from_json({"capability": None, "total_memory": None, **own})
+    except ValueError as exc:
+        raise GpuMemError(f"the {backend.name} backend's identity(): {exc}") from None
 
 
 def selection_flags(options: Options) -> list[str]:
@@ -58,13 +72,17 @@ def partial_run(config: pytest.Config, session: pytest.Session) -> bool:
 def verdict_status(verdict: Verdict) -> Status:
     """The report's word for a baseline verdict: a test without a baseline is ``NEW`` when that passes,
     ``MISSING BASELINE`` when it fails (``--gpumem-strict``, also for a phase or gradients without one)."""
-    if verdict.status == "REGRESSED":
+    from pytest_gpumem.results.baseline import BaselineStatus
+
+    if verdict.status == BaselineStatus.REGRESSED:
         return Status.REGRESSED
-    if verdict.gradient_status == "CHANGED":
+    if verdict.gradient_status == BaselineStatus.CHANGED:
         return Status.GRADIENTS_CHANGED
     if verdict.failed:  # what else fails a verdict: something without a baseline, under strict
         return Status.MISSING_BASELINE
-    return {"IMPROVED": Status.IMPROVED, "NEW": Status.NEW}.get(verdict.status, Status.OK)
+    if verdict.status == BaselineStatus.IMPROVED:
+        return Status.IMPROVED
+    return Status.NEW if verdict.status == BaselineStatus.NEW else Status.OK
 
 
 @dataclass
@@ -78,8 +96,10 @@ class Judgement:
 
     def failure_message(self) -> str:
         """The verdict's line; a regression also says how to learn what grew, when it cannot say it."""
+        from pytest_gpumem.results.baseline import BaselineStatus
+
         message = self.verdict.failure_message()
-        if self.verdict.status != "REGRESSED":
+        if self.verdict.status != BaselineStatus.REGRESSED:
             return message
         test = shlex.quote(self.verdict.nodeid)
         if not self.stored_composition:
@@ -143,7 +163,6 @@ class BaselineRun:
         from pytest_gpumem.baselines.compare import Tolerance, compare
         from pytest_gpumem.explain.growth import compact
         from pytest_gpumem.results.baseline import Entry, Environment
-        from pytest_gpumem.results.explanation import composition_to_json
 
         assert self.store is not None, "judge() is called only when baselines are active"
 
@@ -154,7 +173,7 @@ class BaselineRun:
             call.peak_bytes,
             {name: phase.peak_bytes for name, phase in meter.phases.items()},
             meter.gradients,
-            None if meter.explanation is None else composition_to_json(compact(meter.explanation)),
+            None if meter.explanation is None else compact(meter.explanation),
         )
         percent = self.options.tolerance if budget is None or budget.tolerance is None else budget.tolerance
         rtol, atol = meter.gradient_tolerance
