@@ -529,6 +529,9 @@ def test_entry_validates_its_values() -> None:
         entry(phases={"f": 1.5})  # type: ignore[dict-item]
     with pytest.raises(ValueError, match=r"identity\.device"):
         DeviceIdentity("cuda", "")
+    no_blocks = {"call": PhaseComposition({}, [], {"h.*": 0})}  # a folded group has one block or more
+    with pytest.raises(ValueError, match="composition"):
+        Entry.measured(TRACKER, ENV, 0, {}, None, no_blocks)
 
 
 # ------------------------------------------------------------------------------- environment warnings

@@ -1,5 +1,6 @@
 """Typed baseline results: what a baseline is for (``DeviceIdentity``, ``Environment``), one stored or
-measured ``Entry``, and a test's comparison with it (``PhaseComparison``, ``Verdict``).
+measured ``Entry``, and a test's comparison with it (``PhaseComparison``, ``Verdict``, and the words they
+are made of, ``BaselineStatus``).
 
 Each type has one JSON form: an entry's is the baseline file's entry (``baselines.schema`` reads the
 file around it), and a verdict's is the ``"baseline"`` of a test in the ``--gpumem-json`` report. An
