@@ -181,7 +181,9 @@ def test_result_hook_sees_whole_call_and_info(tracker: pytest.Pytester) -> None:
     assert data["status"] == "ok"
 
 
-def test_custom_backend_hook(pytester: pytest.Pytester) -> None:
+def test_a_plugin_backend_may_identify_with_a_dict_and_a_result_hook_set_a_status_word(
+    pytester: pytest.Pytester, reported: Callable[..., dict[str, dict[str, Any]]]
+) -> None:
     pytester.makeconftest(
         """
         import torch
@@ -199,18 +201,111 @@ def test_custom_backend_hook(pytester: pytest.Pytester) -> None:
             def current(self): return Counters(self.n, self.n)
             def peak(self): self.n += 100; return Counters(self.n, self.n)
             def reset_peak(self): pass
+            def identity(self): return {"backend": "fixed", "device": self.model}  # a dict, as documented before
 
         def pytest_gpumem_make_backend(config, name):
             if name == "fixed":
                 return Fixed()
+
+        def pytest_runtest_setup(item):
+            Fixed.model = 0 if item.name == "test_unidentified" else "fake0"  # 0: no device's name
+
+        def pytest_gpumem_result(item, result):
+            if result.status == "NEW":
+                result.status = "fine" if item.name == "test_bad_status" else "ok"  # plain strings, as before
         """
     )
     pytester.makepyfile(
-        """
+        test_it="""
         def test_it(gpumem):
             assert gpumem.backend_name == "fixed"
+
+        def test_bad_status(gpumem):
+            pass
+
+        def test_unidentified(gpumem):
+            pass
         """
     )
-    result = pytester.runpytest("--gpumem-backend=fixed", "--gpumem-report")
-    result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["gpumem: fixed (a test double)", "*test_it*100 B*ok*"])
+    result = pytester.runpytest(
+        "--gpumem-backend=fixed", "--gpumem-report", "--gpumem-update", "--gpumem-json=out.json", "-p", "no:randomly"
+    )
+    result.assert_outcomes(passed=1, failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "gpumem: fixed (a test double)",
+            "test_it.py::test_bad_status: pytest_gpumem_result: result.status: 'fine' is not a status "
+            "(one of: ok, NEW, *)",
+            "test_it.py::test_unidentified: the fixed backend's identity(): "
+            "identity.device: expected a non-empty string, got 0",
+            "*test_it*100 B*ok*",
+        ]
+    )
+    result.stdout.no_fnmatch_line("*pytest_gpumem/*.py:*")
+    result.stdout.no_fnmatch_line("During handling*")
+    assert {name: test["status"] for name, test in reported().items()} == {
+        "test_it": "ok",
+        "test_bad_status": "error",
+        "test_unidentified": "error",
+    }
+    stored = json.loads((pytester.path / "gpumem-baselines.json").read_text(encoding="utf-8"))
+    assert {nodeid: list(entries) for nodeid, entries in stored["entries"].items()} == {
+        "test_it.py::test_it": ["fixed | fake0"]
+    }
+
+
+class _Identified:
+    name, device = "plugged", "cpu"
+
+    def __init__(self, identity: object) -> None:
+        self.own = identity
+
+    def identity(self) -> object:
+        return self.own
+
+
+@pytest.mark.parametrize(
+    ("identity", "key"),
+    [
+        ({"backend": "plugged", "device": "X1"}, "plugged | X1"),
+        (
+            {"backend": "plugged", "device": "X1", "capability": "9.0", "total_memory": 1024},
+            "plugged | X1 | cc 9.0 | 1024 B",
+        ),
+    ],
+)
+def test_a_backend_identity_given_as_a_dict_keys_baselines_as_before(identity: object, key: str) -> None:
+    from pytest_gpumem.run.regression import identity_of
+
+    assert identity_of(_Identified(identity)).key == key  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("identity", "error"),
+    [
+        (["plugged"], "the plugged backend's identity(): expected a DeviceIdentity or a dict, got ['plugged']"),
+        (
+            {"backend": "plugged", "device": "X1", "memory": 1},
+            "the plugged backend's identity(): identity: unknown key 'memory'",
+        ),
+    ],
+)
+def test_a_backend_identity_of_another_kind_is_refused_naming_the_backend(identity: object, error: str) -> None:
+    from pytest_gpumem.errors import GpuMemError
+    from pytest_gpumem.run.regression import identity_of
+
+    with pytest.raises(GpuMemError) as raised:
+        identity_of(_Identified(identity))  # type: ignore[arg-type]
+    assert str(raised.value) == error
+
+
+def test_a_status_set_as_its_word_is_a_status() -> None:
+    from pytest_gpumem.errors import GpuMemError
+    from pytest_gpumem.results import Status, TestResult
+
+    result = TestResult("t.py::t", "tracker", "cpu", None)
+    result.status = "OVER BUDGET"  # type: ignore[assignment]
+    assert result.status is Status.OVER_BUDGET and not result.status.passing
+    with pytest.raises(GpuMemError, match=r"^result.status: 'over' is not a status \(one of: ok, NEW, "):
+        result.status = "over"  # type: ignore[assignment]
+    assert result.status is Status.OVER_BUDGET

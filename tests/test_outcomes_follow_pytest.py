@@ -39,6 +39,7 @@ def test_each_rerun_attempt_is_measured_on_its_own(tracker: pytest.Pytester, rep
 
 
 OTHER_VERDICTS = """
+import threading
 import unittest
 import pytest, torch
 
@@ -59,22 +60,30 @@ def test_expected_to_fail(gpumem):
 @pytest.mark.max_memory("1 MiB")
 def test_fine(gpumem):
     torch.ones(10)
+
+
+def test_noted(gpumem):  # the tracker notes the thread; the run turns our warnings into errors
+    threading.Thread(target=lambda: None, name="side").start()
 """
 
 
 def test_status_and_records_follow_pytests_verdict(tracker: pytest.Pytester, reported: Reported) -> None:
     tracker.makepyfile(OTHER_VERDICTS)
-    result = tracker.runpytest("--gpumem-update", "--gpumem-json=out.json", "-p", "no:randomly")
-    result.assert_outcomes(passed=1, failed=1, xfailed=1)
+    warnings_fail = ("-W", "error::pytest_gpumem.GpuMemWarning")
+    result = tracker.runpytest("--gpumem-update", "--gpumem-json=out.json", "-p", "no:randomly", *warnings_fail)
+    result.assert_outcomes(passed=1, failed=2, xfailed=1)
     tests = reported()
     assert tests["Case::test_body_fails"]["status"] == "error"
     assert tests["Case::test_body_fails"]["message"] == "AssertionError: 1 != 2"
     assert tests["test_expected_to_fail"]["status"] == "xfailed"
+    assert tests["test_noted"]["status"] == "error"
+    assert tests["test_noted"]["message"].startswith("pytest_gpumem.errors.GpuMemWarning: ")
     stored = json.loads((tracker.path / "gpumem-baselines.json").read_text(encoding="utf-8"))
     recorded = json.dumps(stored)
     assert "test_fine" in recorded
     assert "test_body_fails" not in recorded
     assert "test_expected_to_fail" not in recorded
+    assert "test_noted" not in recorded
 
 
 def test_info_must_be_a_dict_of_json_values_and_is_kept_readable_when_not(

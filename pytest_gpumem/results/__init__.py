@@ -6,8 +6,10 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from pytest_gpumem.errors import GpuMemError
+
 if TYPE_CHECKING:  # imported where a result is read back (start-up needs neither)
-    from pytest_gpumem.results.baseline import Entry, PhaseComparison, Verdict
+    from pytest_gpumem.results.baseline import Entry, Verdict
     from pytest_gpumem.results.explanation import Explanation
 
 REPORT_ATTRIBUTE = "gpumem_result"  # the test report's attribute that carries its result (JSON text) to xdist
@@ -32,6 +34,15 @@ class Status(str, Enum):
 
     def __str__(self) -> str:
         return self.value
+
+    @classmethod
+    def of(cls, value: object) -> Status:
+        """`value` as a status: a `Status`, or its word (what a hook or a backend may set as a plain string)."""
+        try:
+            return cls(value)
+        except ValueError:
+            words = ", ".join(status.value for status in cls)
+            raise GpuMemError(f"result.status: {value!r} is not a status (one of: {words})") from None
 
     @property
     def passing(self) -> bool:
@@ -106,17 +117,12 @@ class TestResult:
     explanation: Explanation | None = None  # what made each peak (pytest_gpumem.explain.replay), when asked for
     html: str | None = None  # the picture of an explained test (--gpumem-html)
 
-    def __post_init__(self) -> None:
-        self.status = Status(self.status)
+    def __setattr__(self, name: str, value: object) -> None:
+        super().__setattr__(name, Status.of(value) if name == "status" else value)
 
     @property
     def peak_bytes(self) -> int | None:
         return None if self.call is None else self.call.peak_bytes
-
-    def call_comparison(self) -> PhaseComparison | None:
-        """The whole call's comparison with its baseline, if one was made."""
-        comparisons = () if self.baseline is None else self.baseline.comparisons
-        return next((c for c in comparisons if c.phase is None), None)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -153,7 +159,7 @@ class TestResult:
             phases={name: PhaseResult(name=name, **p) for name, p in data.get("phases", {}).items()},
             budget=data.get("budget"),
             budget_text=data.get("budget_text"),
-            status=Status(data.get("status", Status.OK)),
+            status=Status.of(data.get("status", Status.OK)),
             message=data.get("message"),
             info=dict(data.get("info", {})),
             baseline=None if data.get("baseline") is None else Verdict.from_json(data["baseline"]),

@@ -262,8 +262,8 @@ class Judge:
         result = self._result(item, meter, budget, status, message, judgement)
         self._picture(item, result, meter.advice)
         self._keep_evidence(item, meter, result)
-        _warn_notes(item, meter.notes)
         self._keep(item, result)
+        _warn_notes(item, meter.notes)  # after: under `filterwarnings = error` a note fails the test here
 
     def _result(
         self,
@@ -297,7 +297,13 @@ class Judge:
         """The result joins the run's, travels to the xdist controller with the report, and reaches the hook."""
         self.session.add(result)
         item.stash[RESULT_KEY] = result
-        item.config.hook.pytest_gpumem_result(item=item, result=result)
+        try:
+            item.config.hook.pytest_gpumem_result(item=item, result=result)
+        except GpuMemError as exc:  # e.g. a status that is none of ours
+            problem = f"{item.nodeid}: pytest_gpumem_result: {exc}"
+        else:
+            return
+        _fail(problem)  # outside the except: the hook's error is not shown again above our line
 
     def _picture(self, item: pytest.Item, result: TestResult, advice: Advice | None) -> None:
         """--gpumem-html: the explained test's memory over time, one self-contained file."""
