@@ -99,3 +99,15 @@ def test_a_device_not_visible_is_a_usage_error_before_any_worker_starts(
     result = tracker.runpytest("-n", "2", "--gpumem-devices=0,5")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["ERROR: --gpumem-devices names cuda:5, but the caller sees 2 (2, 3)"])
+
+
+def test_devices_the_caller_cannot_see_are_refused_once(
+    tracker: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("xdist")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    tracker.makepyfile("def test_a(gpumem):\n    pass\n")
+    result = tracker.runpytest_subprocess("-n", "2", "--gpumem-devices=0,1")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --gpumem-devices names cuda:0, but the caller sees 0 (none)"])
+    result.stdout.no_fnmatch_line("*node down*")
