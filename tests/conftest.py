@@ -11,6 +11,7 @@ import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import hypothesis  # noqa: F401
@@ -18,6 +19,7 @@ import pytest
 import torch
 import torch._dynamo
 import torch._dynamo.repro.after_dynamo  # what torch.compile imports for any backend
+from filelock import FileLock
 
 import pytest_gpumem
 
@@ -98,3 +100,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The slow tests first (the order is otherwise kept): on two workers the run then ends on short tests
     that either worker can take, instead of on one worker's long one."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+Shared = Callable[[str, Callable[[Path], Any]], tuple[Path, Any]]
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory: pytest.TempPathFactory) -> Shared:
+    """`shared_run(name, make)`: a run that several tests read, made once per suite run even on several
+    xdist workers (the others wait for it). `make(folder)` runs it in `folder` and returns what to keep,
+    as JSON; every caller gets the folder and that value back."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the folder the workers' temp folders share
+
+    def shared(name: str, make: Callable[[Path], Any]) -> tuple[Path, Any]:
+        folder = root / f"shared-{name}"
+        kept = folder / "kept.json"
+        with FileLock(f"{folder}.lock"):
+            if not kept.is_file():
+                folder.mkdir(exist_ok=True)
+                kept.write_text(json.dumps(make(folder)), encoding="utf-8")
+        return folder, json.loads(kept.read_text(encoding="utf-8"))
+
+    return shared

@@ -146,10 +146,15 @@ class Run:
     tests: dict[str, dict[str, Any]]
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """WORKLOADS explained once, with the report, Markdown, JSON and the pictures."""
-    path = tmp_path_factory.mktemp("workloads")
+@pytest.fixture
+def run(shared_run: Callable[..., tuple[Path, Any]]) -> Run:
+    """WORKLOADS explained once in the suite's run, with the report, Markdown, JSON and the pictures."""
+    path, stdout = shared_run("workloads", _explain_workloads)
+    doc = json.loads((path / "out.json").read_text(encoding="utf-8"))
+    return Run(path, stdout, {t["nodeid"].split("::")[1]: t for t in doc["tests"]})
+
+
+def _explain_workloads(path: Path) -> str:
     (path / "test_work.py").write_text(WORKLOADS.lstrip(), encoding="utf-8")
     (path / "tox.ini").write_text("[pytest]\ngpumem_backend = tracker\n", encoding="utf-8")
     flags = ["--gpumem-json=out.json", "--gpumem-report", "--gpumem-markdown=out.md", "--gpumem-html=pictures"]
@@ -159,8 +164,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
         env={k: v for k, v in os.environ.items() if k not in ("COLUMNS", "CI", "BUILD_NUMBER", "PYTEST_ADDOPTS")},
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    doc = json.loads((path / "out.json").read_text(encoding="utf-8"))
-    return Run(path, done.stdout, {t["nodeid"].split("::")[1]: t for t in doc["tests"]})
+    return done.stdout
 
 
 @pytest.fixture

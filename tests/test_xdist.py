@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ def test_dies(gpumem):
 """
 PEAKS = {f"test_alloc[{n}]": 1000 * (n + 1) for n in range(6)}
 BASELINES = "baselines.json"
+Shared = Callable[..., tuple[Path, Any]]  # the conftest fixture shared_run
 STALE = 3000  # the stored baseline of test_alloc[5] before the run, which updates it to 6000
 
 
@@ -82,14 +84,19 @@ def _run(folder: Path, *args: str) -> pytest.RunResult:
     return pytest.RunResult(done.returncode, done.stdout.splitlines(), done.stderr.splitlines(), 0.0)
 
 
-@pytest.fixture(scope="module")
-def parallel(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    folder = tmp_path_factory.mktemp("xdist")
+def _run_in_parallel(folder: Path) -> dict[str, Any]:
     (folder / "test_suite.py").write_text(SUITE)
     (folder / BASELINES).write_text(json.dumps(_baselines({"test_alloc[5]": STALE})))
     outputs = ("--junitxml=junit.xml", "--gpumem-json=out.json", "--gpumem-report")
     baselines = ("--gpumem-update", f"--gpumem-baseline-file={BASELINES}")
-    return Run(folder, _run(folder, "-n", "2", *outputs, *baselines, "--gpumem-devices=auto"))
+    result = _run(folder, "-n", "2", *outputs, *baselines, "--gpumem-devices=auto")
+    return {"ret": int(result.ret), "out": result.outlines, "err": result.errlines}
+
+
+@pytest.fixture
+def parallel(shared_run: Shared) -> Run:
+    folder, kept = shared_run("xdist", _run_in_parallel)
+    return Run(folder, pytest.RunResult(kept["ret"], kept["out"], kept["err"], 0.0))
 
 
 @pytest.mark.slow  # the shared run: a controller and two workers (and a replacement), each importing torch
