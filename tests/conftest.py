@@ -67,13 +67,23 @@ def tracker(pytester: pytest.Pytester) -> pytest.Pytester:
     return pytester
 
 
+def _tests_of(report: Path) -> dict[str, dict[str, Any]]:
+    doc = json.loads(report.read_text(encoding="utf-8"))
+    return {test["nodeid"].split("::", 1)[1]: test for test in doc["tests"]}
+
+
+@pytest.fixture(scope="session")
+def read_report() -> Callable[[Path], dict[str, dict[str, Any]]]:
+    """`read_report(path)`: the tests of a JSON report (`--gpumem-json`), by the name after the file's."""
+    return _tests_of
+
+
 @pytest.fixture
 def reported(pytester: pytest.Pytester) -> Callable[..., dict[str, dict[str, Any]]]:
     """The tests of an inner run's JSON report (`--gpumem-json=out.json`), by the name after the file's."""
 
     def read(name: str = "out.json") -> dict[str, dict[str, Any]]:
-        doc = json.loads((pytester.path / name).read_text(encoding="utf-8"))
-        return {test["nodeid"].split("::", 1)[1]: test for test in doc["tests"]}
+        return _tests_of(pytester.path / name)
 
     return read
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -712,13 +713,15 @@ BEFORE = Path(__file__).parent / "data" / "written-before-typed-results"
 """A baseline file and a ``--gpumem-json`` report written by pytest-gpumem before results were typed."""
 
 
-def test_a_baseline_file_and_a_report_written_before_typed_results_load_and_compare() -> None:
+def test_a_baseline_file_and_a_report_written_before_typed_results_load_and_compare(
+    read_report: Callable[[Path], dict[str, dict[str, Any]]],
+) -> None:
     from pytest_gpumem.results import TestResult
 
     raw = (BEFORE / DEFAULT_FILENAME).read_bytes()
     store = F.load(BEFORE / DEFAULT_FILENAME)
     assert schema.dumps(store).encode() == raw
-    tests = {test["nodeid"].split("::")[1]: test for test in json.loads((BEFORE / "report.json").read_text())["tests"]}
+    tests = read_report(BEFORE / "report.json")
     results = {name: TestResult.from_dict(test) for name, test in tests.items()}
     for name, result in results.items():
         assert result.to_dict() == tests[name]

@@ -147,11 +147,10 @@ class Run:
 
 
 @pytest.fixture
-def run(shared_run: Callable[..., tuple[Path, Any]]) -> Run:
+def run(shared_run: Callable[..., tuple[Path, Any]], read_report: Callable[[Path], dict[str, Any]]) -> Run:
     """WORKLOADS explained once in the suite's run, with the report, Markdown, JSON and the pictures."""
     path, stdout = shared_run("workloads", _explain_workloads)
-    doc = json.loads((path / "out.json").read_text(encoding="utf-8"))
-    return Run(path, stdout, {t["nodeid"].split("::")[1]: t for t in doc["tests"]})
+    return Run(path, stdout, read_report(path / "out.json"))
 
 
 def _explain_workloads(path: Path) -> str:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ def test_dies(gpumem):
 PEAKS = {f"test_alloc[{n}]": 1000 * (n + 1) for n in range(6)}
 BASELINES = "baselines.json"
 Shared = Callable[..., tuple[Path, Any]]  # the conftest fixture shared_run
+ReadReport = Callable[[Path], dict[str, dict[str, Any]]]  # and read_report
 STALE = 3000  # the stored baseline of test_alloc[5] before the run, which updates it to 6000
 
 
@@ -57,21 +59,20 @@ def _baselines(peaks: dict[str, int]) -> dict[str, Any]:
     return {"entries": entries, "schema": "pytest-gpumem-baselines", "version": 1}
 
 
+@dataclass(frozen=True)
 class Run:
-    def __init__(self, folder: Path, result: pytest.RunResult) -> None:
-        self.folder, self.result = folder, result
+    """The shared run: its folder, pytest's result and its JSON report's tests by name."""
 
-    def tests(self) -> dict[str, dict[str, Any]]:
-        doc = json.loads((self.folder / "out.json").read_text(encoding="utf-8"))
-        return {test["nodeid"].split("::", 1)[1]: test for test in doc["tests"]}
+    folder: Path
+    result: pytest.RunResult
+    tests: dict[str, dict[str, Any]]
 
-    def junit_properties(self) -> dict[str, dict[str, str]]:
-        text = (self.folder / "junit.xml").read_text(encoding="utf-8")
-        assert "gpumem_result" not in text and "peak_bytes&quot;" not in text  # no JSON blob
-        cases = ET.fromstring(text).iter("testcase")
-        return {
-            str(c.get("name")): {str(p.get("name")): str(p.get("value")) for p in c.iter("property")} for c in cases
-        }
+
+def _junit_properties(folder: Path) -> dict[str, dict[str, str]]:
+    text = (folder / "junit.xml").read_text(encoding="utf-8")
+    assert "gpumem_result" not in text and "peak_bytes&quot;" not in text  # no JSON blob
+    cases = ET.fromstring(text).iter("testcase")
+    return {str(c.get("name")): {str(p.get("name")): str(p.get("value")) for p in c.iter("property")} for c in cases}
 
 
 def _run(folder: Path, *args: str) -> pytest.RunResult:
@@ -94,33 +95,34 @@ def _run_in_parallel(folder: Path) -> dict[str, Any]:
 
 
 @pytest.fixture
-def parallel(shared_run: Shared) -> Run:
+def parallel(shared_run: Shared, read_report: ReadReport) -> Run:
     folder, kept = shared_run("xdist", _run_in_parallel)
-    return Run(folder, pytest.RunResult(kept["ret"], kept["out"], kept["err"], 0.0))
+    result = pytest.RunResult(kept["ret"], kept["out"], kept["err"], 0.0)
+    return Run(folder, result, read_report(folder / "out.json"))
 
 
 @pytest.mark.slow  # the shared run: a controller and two workers (and a replacement), each importing torch
 def test_a_dying_worker_loses_only_its_own_test(parallel: Run) -> None:
     parallel.result.assert_outcomes(passed=6, failed=2)
-    assert sorted(parallel.tests()) == sorted([*PEAKS, "test_bad_marker"])
+    assert sorted(parallel.tests) == sorted([*PEAKS, "test_bad_marker"])
 
 
 @pytest.mark.slow
 def test_every_workers_results_reach_the_controllers_report_and_file(parallel: Run) -> None:
     parallel.result.stdout.fnmatch_lines(["*= gpumem report =*", "*test_alloc[[]5[]]*5.9 KiB*2.9 KiB*+100.0%*ok*"])
-    tests = parallel.tests()
+    tests = parallel.tests
     assert {name: tests[name]["phases"]["made"]["peak_bytes"] for name in PEAKS} == PEAKS
 
 
 @pytest.mark.slow
 def test_a_bad_marker_reaches_the_controller(parallel: Run) -> None:
     parallel.result.stdout.fnmatch_lines(["*test_bad_marker: max_memory limit: cannot read size 'abc'*"])
-    assert parallel.tests()["test_bad_marker"]["status"] == "error"
+    assert parallel.tests["test_bad_marker"]["status"] == "error"
 
 
 @pytest.mark.slow
 def test_info_reaches_the_controller_in_plain_json_types(parallel: Run) -> None:
-    info = parallel.tests()["test_alloc[3]"]["info"]
+    info = parallel.tests["test_alloc[3]"]["info"]
     assert {key: info[key] for key in ("shape", "ratio", "name")} == {"shape": [3, 2], "ratio": 0.5, "name": "x"}
 
 
@@ -135,7 +137,7 @@ def test_xdist_writes_the_same_baseline_file_as_a_serial_run(parallel: Run) -> N
 
 @pytest.mark.slow
 def test_junit_from_workers_has_only_short_properties(parallel: Run) -> None:
-    properties = parallel.junit_properties()
+    properties = _junit_properties(parallel.folder)
     for name, peak in PEAKS.items():
         status = "ok" if name == "test_alloc[5]" else "NEW"  # the one test with a stored baseline
         expected = {"gpumem_status": status, "gpumem_peak_bytes": str(peak), "gpumem_peak_bytes[made]": str(peak)}
@@ -147,7 +149,7 @@ def test_workers_see_one_of_the_callers_devices(parallel: Run) -> None:
     parallel.result.stdout.fnmatch_lines(
         ["gpumem: tracker *; xdist workers get one device each (all visible, round-robin)"]
     )
-    tests = parallel.tests()
+    tests = parallel.tests
     by_device = {tests[name]["info"]["visible"]: tests[name]["worker_device"] for name in PEAKS}
     assert by_device == {
         "2": "worker gw0: cuda:0 of the caller (CUDA_VISIBLE_DEVICES=2)",
@@ -159,7 +161,7 @@ def test_junit_of_a_serial_run_has_only_short_properties(tracker: pytest.Pyteste
     tracker.makepyfile(test_suite=SUITE)
     result = tracker.runpytest("-p", "no:xdist", "-k", "alloc", "--junitxml=junit.xml")
     result.assert_outcomes(passed=6)
-    properties = Run(tracker.path, result).junit_properties()
+    properties = _junit_properties(tracker.path)
     assert properties["test_alloc[0]"] == {
         "gpumem_status": "ok",
         "gpumem_peak_bytes": "1000",
