@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from pytest_gpumem.backends.tracker.attribution import CATEGORIES, LABELS, Allocation, Attributor, Region
 from pytest_gpumem.explain.blocks import fold, repeated_blocks
-from pytest_gpumem.results import RANK_SEPARATOR
+from pytest_gpumem.results import RANK_SEPARATOR, rank_phase
 from pytest_gpumem.results.explanation import (
     Cell,
     Explanation,
@@ -268,10 +268,10 @@ def of_ranks(
     folded: dict[str, int] = {}
     for rank, explanation in explained:
         for name, phase in explanation.phases.items():
-            phases[f"{run if name == 'call' else name}{RANK_SEPARATOR}{rank}"] = on_rank(phase, rank)
+            phases[rank_phase(run if name == "call" else name, rank)] = on_rank(phase, rank)
         folded.update(explanation.folded or {})
     for name in dict.fromkeys(n.rpartition(RANK_SEPARATOR)[0] for n in list(phases)):
-        chosen = f"{name}{RANK_SEPARATOR}{worst[name]}" if name in worst else None
+        chosen = rank_phase(name, worst[name]) if name in worst else None
         if chosen in phases:
             phases[name] = phases[chosen]
     return RanksExplanation(phases, folded, phases.get(run))

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from pytest_gpumem.explain.text import summary
-from pytest_gpumem.results import RANK_SEPARATOR, PhaseResult, Status, TestResult
+from pytest_gpumem.results import PhaseResult, Status, TestResult, rank_phase, split_rank
 from pytest_gpumem.sizes import format_size
 
 DEFAULT_WIDTH = 120  # when pytest writes to no terminal
@@ -143,28 +143,16 @@ def fold_ranks(phases: Mapping[str, PhaseResult]) -> dict[str, PhaseResult]:
     phase is folded here)."""
     bases: dict[str, list[PhaseResult]] = {}
     for name, phase in phases.items():
-        base, rank = _rank_of(name)
+        base, rank = split_rank(name)
         bases.setdefault(base, [])
         if rank is not None:
-            bases[base].append(phase if phase.rank is not None else _with_rank(phase, rank))
+            bases[base].append(phase if phase.rank is not None else replace(phase, rank=rank))
     folded = {}
     for base, ranks in bases.items():
         worst = phases[base] if base in phases else max(ranks, key=lambda p: (p.peak_bytes, -(p.rank or 0)))
         agree = len(ranks) > 1 and len({p.peak_bytes for p in ranks}) == 1
         folded[base] = replace(worst, rank=None) if agree and worst.rank is not None else worst
     return folded
-
-
-def _rank_of(name: str) -> tuple[str, int | None]:
-    base, separator, rank = name.rpartition(RANK_SEPARATOR)
-    return (base, int(rank)) if separator and base and rank.isdigit() and rank.isascii() else (name, None)
-
-
-def _with_rank(phase: PhaseResult, rank: int) -> PhaseResult:
-    return PhaseResult(
-        phase.name, phase.peak_bytes, phase.requested_peak_bytes, phase.reserved_peak_bytes, phase.net_bytes,
-        phase.count, rank,
-    )  # fmt: skip
 
 
 def peak_cell(phase: PhaseResult | None) -> str:
@@ -266,7 +254,7 @@ def _run_phase(result: TestResult) -> str | None:
     if call is None or call.rank is None:
         return None
     same = [name for name, p in result.phases.items() if (p.peak_bytes, p.rank) == (call.peak_bytes, call.rank)]
-    return next((name for name in same if f"{name}{RANK_SEPARATOR}{call.rank}" in result.phases), None)
+    return next((name for name in same if rank_phase(name, call.rank) in result.phases), None)
 
 
 def _call(result: TestResult, folded: Mapping[str, PhaseResult], run: str | None) -> PhaseResult | None:
@@ -355,7 +343,7 @@ def long_columns(
         for name, phase in r.phases.items():
             base, change, verdict = _baseline(r, name)
             made = summary(r.explanation, name) if r.explanation else ""
-            peak = format_size(phase.peak_bytes) if _rank_of(name)[1] is not None else peak_cell(phase)
+            peak = format_size(phase.peak_bytes) if split_rank(name)[1] is not None else peak_cell(phase)
             rows.append(
                 {"test": "", "phase": name, "peak": peak, "net": _net(phase), "baseline": base,
                  "change": change, "status": verdict, "made of": made}

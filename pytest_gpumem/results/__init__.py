@@ -16,6 +16,17 @@ REPORT_ATTRIBUTE = "gpumem_result"  # the test report's attribute that carries i
 RANK_SEPARATOR = "@rank"  # a distributed test's per-rank phases are named `phase@rankN`
 
 
+def rank_phase(name: str, rank: int) -> str:
+    """The name of phase `name` as recorded for rank `rank`: `name@rankN`."""
+    return f"{name}{RANK_SEPARATOR}{rank}"
+
+
+def split_rank(name: str) -> tuple[str, int | None]:
+    """`name@rankN` -> (name, N); any other name -> (name, None)."""
+    base, separator, rank = name.rpartition(RANK_SEPARATOR)
+    return (base, int(rank)) if separator and base and rank.isdigit() and rank.isascii() else (name, None)
+
+
 class Status(str, Enum):
     """What became of a measured test; the value is the word in the report, the JSON and JUnit."""
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pytest_gpumem.results import RANK_SEPARATOR, PhaseResult
+from pytest_gpumem.results import PhaseResult, rank_phase
 from pytest_gpumem.results.explanation import Explanation, RanksExplanation
 from pytest_gpumem.sizes import format_size
 
@@ -117,7 +117,7 @@ class World:
 
 def on_rank(phase: PhaseResult, rank: int) -> PhaseResult:
     """`phase` as recorded for rank `rank`: named `phase@rankN`."""
-    return replace(phase, name=f"{phase.name}{RANK_SEPARATOR}{rank}", rank=rank)
+    return replace(phase, name=rank_phase(phase.name, rank), rank=rank)
 
 
 def worst_call(call: PhaseResult, ranks: PhaseResult | None) -> PhaseResult:
