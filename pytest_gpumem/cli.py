@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import json
 import os
 import sys
@@ -28,6 +27,7 @@ from pytest_gpumem.report.markdown import markdown_table
 from pytest_gpumem.results import Status
 from pytest_gpumem.results.baseline import BaselineStatus, PhaseComparison, sound_composition
 from pytest_gpumem.results.explanation import Composition, Explanation
+from pytest_gpumem.run.outputs import why, write_file
 from pytest_gpumem.sizes import format_size, shorten
 
 MAX_REPORT_BYTES = 256 * 1024 * 1024
@@ -212,7 +212,7 @@ def run_compare(args: argparse.Namespace) -> int:
         _not_an_input(args.markdown, "--markdown", [args.old, args.new])
     old, new = load_report(args.old), load_report(args.new)
     comparison = compare_reports(old, new, Tolerance(args.tolerance, args.slack))
-    print(_text(comparison))
+    _say(_text(comparison))
     if args.markdown is not None:
         _write(args.markdown, _markdown(comparison))
     return 1 if comparison.regressed or comparison.failed else 0
@@ -242,7 +242,7 @@ def run_merge(args: argparse.Namespace) -> int:
     _not_an_input(args.output, "-o", args.reports)
     doc = merge_reports([(path, load_report(path)) for path in args.reports])
     _write(args.output, json.dumps(doc, indent=2, sort_keys=True, allow_nan=False) + "\n")
-    print(f"merged {len(args.reports)} reports, {len(doc['tests'])} tests, into {args.output}")
+    _say(f"merged {len(args.reports)} reports, {len(doc['tests'])} tests, into {args.output}")
     return 0
 
 
@@ -258,18 +258,23 @@ def _not_an_input(output: Path, flag: str, inputs: Sequence[Path]) -> None:
 
 
 def _write(path: Path, text: str) -> None:
-    """Write through a temporary file in the same folder, so that a failure leaves the old file whole."""
-    path = Path(os.path.realpath(path))  # through a symbolic link, as the baseline file is written
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """Write through a temporary file in the same folder, so that a failure leaves the old file whole (a
+    device or a pipe directly); a write that fails is an error naming the file and the OS's reason."""
     try:
-        if path.is_dir():
-            raise IsADirectoryError(errno.EISDIR, "is a directory")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        write_file(path, text)
+    except (OSError, ValueError) as exc:
+        raise ReportError(f"{path}: cannot write: {why(exc)}") from None
+
+
+def _say(text: str) -> None:
+    """Print `text`; a standard output that cannot take it (a full disk, a closed pipe) is an error too."""
+    try:
+        print(text, flush=True)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise ReportError(f"{path}: cannot write: {exc.strerror or exc}") from None
+        # what is left in the buffer would fail again at exit, with a traceback: it goes nowhere instead
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise ReportError(f"standard output: cannot write: {why(exc)}") from None
 
 
 def parser() -> argparse.ArgumentParser:

@@ -490,10 +490,16 @@ def read_options(config: pytest.Config) -> tuple[Options, BaselineOptions]:
 
 
 def _refuse_overwriting_baselines(options: Options, baseline_path: Path) -> None:
-    """A report written over the baseline file would destroy it: refuse before anything runs."""
+    """A report written over the baseline file, or one report over the other, would destroy it: refuse
+    before anything runs."""
     for flag, path in (("--gpumem-json", options.json_path), ("--gpumem-markdown", options.markdown_path)):
         if path is not None and _same_file(path, baseline_path):
             raise pytest.UsageError(f"{flag}={path}: that is the baseline file; write the report elsewhere")
+    json_path, markdown_path = options.json_path, options.markdown_path
+    if json_path is not None and markdown_path is not None and _same_file(json_path, markdown_path):
+        raise pytest.UsageError(
+            f"--gpumem-json={json_path} and --gpumem-markdown={markdown_path} are one file; give each report its own"
+        )
 
 
 def _same_file(a: Path, b: Path) -> bool:

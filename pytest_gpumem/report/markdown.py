@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from urllib.parse import quote
 
 from tabulate import tabulate
 
@@ -23,12 +24,12 @@ def markdown(
 
     def link(html: str) -> str:
         if root is None or folder is None:
-            return html
+            return link_target(html)
         target = Path(root, html)
         try:
-            return Path(os.path.relpath(target, folder)).as_posix()
+            return link_target(Path(os.path.relpath(target, folder)).as_posix())
         except ValueError:  # another drive (Windows)
-            return target.as_posix()
+            return target.as_uri()
 
     if long:
         columns, count = long_columns(results, links=link)
@@ -36,6 +37,13 @@ def markdown(
         columns, count = short_columns(results, links=link), len(results)
     body = [[col.text(row) for col in columns] for row in range(count)]
     return markdown_table([col.header for col in columns], body)
+
+
+def link_target(path: str) -> str:
+    """A relative POSIX `path` as a link's destination that any Markdown reads as that path: every
+    character but letters, digits, `/` and `_.-~` percent-encoded (a space, `<`, `>`, parentheses, `|`, `#`,
+    `%`, a backslash, a colon that would read as a scheme), in UTF-8 (a name's undecodable bytes as they were)."""
+    return quote(path, safe="/", errors="surrogateescape")
 
 
 def markdown_table(headers: Sequence[str], body: Sequence[Sequence[str]]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -204,10 +205,24 @@ def _first_line(text: str) -> str:
     return (errors or lines or [""])[0].removeprefix("E ").strip()
 
 
+_NOT_XML = re.compile("[^\u0009\u000a\u000d\u0020-\u007e\u0080-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+"""What XML 1.0 cannot carry (and DEL), as pytest's junitxml sees it: control characters, NUL, lone
+surrogates, U+FFFE and U+FFFF."""
+
+
+def _xml_text(text: str) -> str:
+    """`text` with each character XML cannot carry shown as `#xHH` (`#xHHHH` above 0xFF), every other
+    character kept: what pytest's junitxml does to a property's value but not to its name."""
+    return _NOT_XML.sub(lambda m: f"#x{ord(m.group()):02X}", text)
+
+
 def junit_properties(result: TestResult) -> list[tuple[str, str]]:
-    """What `--junitxml` shows of a measured test: its status and peaks in bytes, per phase."""
+    """What `--junitxml` shows of a measured test: its status and peaks in bytes, per phase (a phase's
+    name with what XML cannot carry written as `#xHH`, so that the run's XML stays readable)."""
     properties = [("gpumem_status", result.status.value)]
     if result.call is not None:
         properties.append(("gpumem_peak_bytes", str(result.call.peak_bytes)))
-    properties += [(f"gpumem_peak_bytes[{name}]", str(phase.peak_bytes)) for name, phase in result.phases.items()]
+    properties += [
+        (_xml_text(f"gpumem_peak_bytes[{name}]"), str(phase.peak_bytes)) for name, phase in result.phases.items()
+    ]
     return properties

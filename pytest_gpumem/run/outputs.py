@@ -3,11 +3,15 @@ picture of an explained test (--gpumem-html) and the memory trace of a failing o
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import pickle
 import re
+import stat
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,11 +46,64 @@ def markdown_text(results: Sequence[TestResult], long: bool, rootpath: Path, pat
 def write_report(path: Path, flag: str, text: Callable[[], str]) -> str | None:
     """Writes `text()` to `path`; returns why it could not, in one line, or None."""
     try:
-        path.write_text(text(), encoding="utf-8")
+        write_file(path, text())
     except (OSError, TypeError, ValueError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        return f"{flag}: cannot write {path}: {reason}"
+        return f"{flag}: cannot write {path}: {why(exc)}"
     return None
+
+
+def why(exc: BaseException) -> str:
+    """Why a write failed, in one line: the OS's words (`No space left on device`), else the error's."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    lines = str(exc).splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def write_file(path: Path, text: str) -> None:
+    """Writes `text` to `path` in UTF-8, a lone surrogate as `\\udXXX` (not a lost file), or raises OSError
+    naming `path`.
+
+    A file, or a new one, is replaced through a temporary file in its folder (through a symbolic link, its
+    target), keeping its mode, so that a failure (a full disk) leaves the old file whole. What is neither
+    a file nor a folder (a device such as /dev/stdout or /dev/full, a pipe) is written directly, and a
+    write it refuses is an error too, not a device node replaced by a file."""
+    try:
+        _write_file(path, text.encode("utf-8", errors="backslashreplace"))
+    except OSError as exc:  # named after `path`, not after a temporary file or nothing (a device's flush)
+        if exc.errno is None:
+            raise
+        raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(path)) from None
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    try:
+        mode: int | None = path.stat().st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    if mode is not None and not stat.S_ISREG(mode):
+        with path.open("wb") as out:  # closing it flushes: a device that refuses the bytes raises here
+            out.write(data)
+        return
+    target = Path(os.path.realpath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.chmod(tmp, stat.S_IMODE(mode) if mode is not None else 0o666 & ~_umask())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 def file_stem(nodeid: str) -> str:
@@ -62,7 +119,7 @@ def write_picture(folder: Path, explanation: Explanation, advice: Advice | None 
 
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{file_stem(explanation.nodeid)}.html"
-    path.write_text(render(explanation, advice), encoding="utf-8")
+    write_file(path, render(explanation, advice))
     return path
 
 
