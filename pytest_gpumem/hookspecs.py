@@ -37,4 +37,13 @@ def pytest_gpumem_make_backend(config: pytest.Config, name: str) -> Backend | No
 
 @hookspec
 def pytest_gpumem_result(item: pytest.Item, result: TestResult) -> None:
-    """Called with the result of every measured test, right after its call (in the process that ran it)."""
+    """Called with the final result of every measured test, once pytest has judged its call.
+
+    It fires while pytest makes the call's report (in the process that ran the test, outside the test's
+    output capture), after the measurement's verdict has been settled with pytest's: `result.status` is
+    the word that `--gpumem-json` and the report show for the test (a failing unittest test, a strict
+    XPASS and a plain failure are `error`, an xfail that fails `xfailed`, an XPASS `XPASS`). A teardown
+    error does not change it. What the hook sets in `result` reaches the report, the JSON and the xdist
+    controller; a hook that raises, sets a word that is no status, or leaves a value JSON cannot hold
+    in `result` fails that one test in one line and its result stays as it was before the hook.
+    """

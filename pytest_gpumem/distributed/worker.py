@@ -5,6 +5,8 @@ function under a `GpuMem` on this rank's backend, and send its results (or the e
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 import pickle
 from datetime import timedelta
@@ -154,4 +156,58 @@ def _measured(rank: int, spec: RankSpec, backend: Backend, fn: Any, args: tuple[
     finally:
         meter.end_call_if_running()
     notes = [*meter.notes, *boundaries.notes()]
-    return RankResult(rank, call, meter.phases, value, dict(meter.info), notes, meter.explanation)
+    return RankResult(rank, call, meter.phases, value, _sendable(meter.info), notes, meter.explanation)
+
+
+def _sendable(info: object) -> dict[str, Any]:
+    """The rank's `gpumem.info`, which travels to the parent as JSON; a TypeError in one line naming what
+    in it cannot (not the encoder's words, which name no key)."""
+    if not isinstance(info, dict):
+        raise TypeError(f"gpumem.info was set to a {type(info).__name__}, not a dict, on a rank")
+    try:
+        json.dumps(info)
+    except (TypeError, ValueError, RecursionError) as exc:
+        found = json_problem(info, "gpumem.info", nan_ok=True) or f"gpumem.info cannot be written as JSON ({exc})"
+        raise TypeError(f"{found}, so the rank cannot send it to the parent") from None
+    return dict(info)
+
+
+_JSON_SCALARS = (str, int, float, type(None))  # bool is an int
+_DEEPEST = 100  # levels of lists and dicts followed before a value is called too deep
+
+
+def json_problem(value: object, where: str, nan_ok: bool = False, _within: tuple[int, ...] = ()) -> str | None:
+    """Where in `value` (named `where`) is the first thing JSON cannot hold, as a clause (`result.info['s']
+    is a set, which JSON cannot hold`), or None when there is none; `nan_ok`: NaN and infinities pass, as
+    `json.dumps` lets them by default. Pure and without pytest: the ranks check what they send with it."""
+    if isinstance(value, float) and not math.isfinite(value) and not nan_ok:
+        return f"{where} is {value!r}, which JSON cannot hold"
+    if isinstance(value, _JSON_SCALARS):
+        return None  # a finite float, or NaN where `nan_ok`
+    if not isinstance(value, (dict, list, tuple)):
+        return f"{where} is {_a(type(value).__name__)}, which JSON cannot hold"
+    if id(value) in _within:
+        return f"{where} holds itself, which JSON cannot hold"
+    if len(_within) >= _DEEPEST:
+        return f"{where} is nested more than {_DEEPEST} levels deep, which JSON cannot hold"
+    within = (*_within, id(value))
+    if isinstance(value, dict):
+        for key, member in value.items():
+            if not isinstance(key, _JSON_SCALARS):
+                return f"{where} has a key that is {_a(type(key).__name__)}, which JSON cannot hold"
+            found = json_problem(member, f"{where}[{_key_text(key)}]", nan_ok, within)
+            if found:
+                return found
+        return None
+    found_in = (json_problem(member, f"{where}[{i}]", nan_ok, within) for i, member in enumerate(value))
+    return next(filter(None, found_in), None)
+
+
+def _key_text(key: str | float | None) -> str:
+    """A dict key as it is written in Python, cut to a readable length (its own `__repr__` is not trusted)."""
+    text = str.__repr__(key) if isinstance(key, str) else repr(key)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"

@@ -1,0 +1,218 @@
+"""The result hook (`pytest_gpumem_result`) sees each measured test's final result, the one the report and
+the JSON show; a hook that breaks the result fails that one test in one line and the run goes on."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from typing import Any
+
+import pytest
+
+from pytest_gpumem.distributed.worker import _sendable, json_problem
+
+RECORDING_HOOK = """
+import json
+
+def pytest_gpumem_result(item, result):
+    with open(item.config.rootpath / "hooked.jsonl", "a") as f:
+        f.write(json.dumps([item.nodeid.split("::", 1)[1], result.status.value, result.message]) + "\\n")
+"""
+
+VERDICTS = """
+import unittest
+import pytest, torch
+
+
+class Case(unittest.TestCase):
+    @pytest.mark.max_memory("1 MiB")
+    def test_unittest_fails(self):
+        torch.ones(10)
+        self.assertEqual(1, 2)
+
+    @pytest.mark.max_memory("1 MiB")
+    def test_unittest_passes(self):
+        torch.ones(10)
+
+
+@pytest.mark.xfail(reason="known")
+def test_xfail_fails(gpumem):
+    torch.ones(10)
+    assert False
+
+
+@pytest.mark.xfail(reason="known")
+def test_xpass(gpumem):
+    torch.ones(10)
+
+
+@pytest.mark.xfail(reason="known", strict=True)
+def test_strict_xpass(gpumem):
+    torch.ones(10)
+
+
+def test_fails(gpumem):
+    torch.ones(10)
+    assert False
+
+
+def test_passes(gpumem):
+    torch.ones(10)
+"""
+
+
+def _hooked(pytester: pytest.Pytester) -> dict[str, list[Any]]:
+    lines = (pytester.path / "hooked.jsonl").read_text(encoding="utf-8").splitlines()
+    seen: dict[str, list[Any]] = {}
+    for name, status, message in map(json.loads, lines):
+        assert name not in seen, f"the hook fired twice for {name}"
+        seen[name] = [status, message]
+    return seen
+
+
+@pytest.mark.parametrize("mode", [["-p", "no:xdist"], pytest.param(["-n", "2"], marks=pytest.mark.slow)])
+def test_the_hook_sees_the_status_the_report_shows(tracker: pytest.Pytester, mode: list[str]) -> None:
+    tracker.makeconftest(RECORDING_HOOK)
+    tracker.makepyfile(test_verdicts=VERDICTS)
+    result = tracker.runpytest(*mode, "-p", "no:randomly", "--gpumem-json=out.json")
+    result.assert_outcomes(passed=2, failed=3, xfailed=1, xpassed=1)
+    reported = json.loads((tracker.path / "out.json").read_text(encoding="utf-8"))["tests"]
+    shown = {test["nodeid"].split("::", 1)[1]: [test["status"], test["message"]] for test in reported}
+    assert _hooked(tracker) == shown
+    assert {name: status for name, (status, _) in shown.items()} == {
+        "Case::test_unittest_fails": "error",
+        "Case::test_unittest_passes": "ok",
+        "test_xfail_fails": "xfailed",
+        "test_xpass": "XPASS",
+        "test_strict_xpass": "error",
+        "test_fails": "error",
+        "test_passes": "ok",
+    }
+    assert shown["Case::test_unittest_fails"][1] == "AssertionError: 1 != 2"
+
+
+BREAKING_HOOK = """
+import pytest
+
+def pytest_gpumem_result(item, result):
+    result.info["seen"] = True  # what a hook sets reaches the JSON
+    if item.name == "test_set_in_info":
+        result.info["tags"] = {"a"}
+    elif item.name == "test_fails_and_nan_in_info":
+        result.info["loss"] = [1.0, float("nan")]
+    elif item.name == "test_hook_raises":
+        raise KeyError("dashboard")
+    elif item.name == "test_xfail_and_lock":
+        import threading
+        result.info["lock"] = threading.Lock()
+    elif item.name == "test_no_dict":
+        result.info = ["x"]
+"""
+
+BROKEN_BY_THE_HOOK = """
+import pytest, torch
+
+def test_set_in_info(gpumem):
+    torch.ones(10)
+
+def test_fails_and_nan_in_info(gpumem):
+    torch.ones(10)
+    assert 1 == 2
+
+def test_hook_raises(gpumem):
+    torch.ones(10)
+
+@pytest.mark.xfail(reason="known")
+def test_xfail_and_lock(gpumem):
+    assert False
+
+def test_no_dict(gpumem):
+    pass
+
+def test_later(gpumem):
+    torch.ones(100)
+"""
+
+
+@pytest.mark.parametrize("mode", [["-p", "no:xdist"], pytest.param(["-n", "2"], marks=pytest.mark.slow)])
+def test_a_hook_that_breaks_the_result_fails_one_test_in_one_line(tracker: pytest.Pytester, mode: list[str]) -> None:
+    tracker.makeconftest(BREAKING_HOOK)
+    tracker.makepyfile(test_broken=BROKEN_BY_THE_HOOK)
+    result = tracker.runpytest(*mode, "-p", "no:randomly", "--gpumem-json=out.json", "-rf")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED  # not INTERNALERROR (3)
+    result.assert_outcomes(passed=1, failed=5)
+    result.stdout.fnmatch_lines_random(
+        [
+            "test_broken.py::test_set_in_info: pytest_gpumem_result: result.info['tags'] is a set, "
+            "which JSON cannot hold",
+            "test_broken.py::test_hook_raises: pytest_gpumem_result raised KeyError: 'dashboard'",
+            "*conftest.py*, in pytest_gpumem_result",  # the hook's own traceback, in a section
+            "test_broken.py::test_xfail_and_lock: pytest_gpumem_result: result.info['lock'] is a lock, "
+            "which JSON cannot hold",
+            "test_broken.py::test_no_dict: pytest_gpumem_result: result.info was set to a list, not a dict",
+            "E       assert 1 == 2",  # a test that failed on its own keeps its failure ...
+            "test_broken.py::test_fails_and_nan_in_info: pytest_gpumem_result: result.info['loss'][1] is nan, "
+            "which JSON cannot hold",  # ... with the hook's line beside it
+        ]
+    )
+    result.stdout.no_fnmatch_line("*INTERNALERROR*")
+    reported = json.loads((tracker.path / "out.json").read_text(encoding="utf-8"))["tests"]
+    tests = {test["nodeid"].split("::", 1)[1]: test for test in reported}
+    assert {name: (test["status"], test["info"]) for name, test in tests.items()} == {
+        "test_set_in_info": ("error", {}),  # as before the hook
+        "test_fails_and_nan_in_info": ("error", {}),
+        "test_hook_raises": ("error", {}),
+        "test_xfail_and_lock": ("error", {}),
+        "test_no_dict": ("error", {}),
+        "test_later": ("ok", {"seen": True}),
+    }
+    assert tests["test_later"]["peak_bytes"] == 400
+    assert tests["test_set_in_info"]["message"] == (
+        "test_broken.py::test_set_in_info: pytest_gpumem_result: result.info['tags'] is a set, which JSON cannot hold"
+    )
+    assert tests["test_fails_and_nan_in_info"]["message"] == "AssertionError: assert 1 == 2"
+
+
+class _Unshowable(str):
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ({"a": [1, "b", {"c": None}], "d": 1.5, "e": True}, None),
+        ({"s": {1}}, "info['s'] is a set, which JSON cannot hold"),
+        ({"a": [0, [1, object()]]}, "info['a'][1][1] is an object, which JSON cannot hold"),
+        ({"x": math.inf}, "info['x'] is inf, which JSON cannot hold"),
+        ({(1, 2): 0}, "info has a key that is a tuple, which JSON cannot hold"),
+        ({_Unshowable("k"): threading.Lock()}, "info['k'] is a lock, which JSON cannot hold"),
+        ({"k" * 100: {1}}, f"info['{'k' * 56}...] is a set, which JSON cannot hold"),
+    ],
+    ids=["json", "set", "nested", "inf", "tuple-key", "key-repr-raises", "long-key"],
+)
+def test_what_json_cannot_hold_is_named_by_its_place_and_type(value: object, problem: str | None) -> None:
+    assert json_problem(value, "info") == problem
+
+
+def test_a_value_that_holds_itself_or_nests_too_deep_is_named() -> None:
+    looped: dict[str, Any] = {}
+    looped["me"] = [looped]
+    assert json_problem(looped, "info") == "info['me'][0] holds itself, which JSON cannot hold"
+    deep: list[Any] = []
+    for _ in range(150):
+        deep = [deep]
+    assert json_problem(deep, "v") == f"v{'[0]' * 100} is nested more than 100 levels deep, which JSON cannot hold"
+
+
+def test_a_rank_names_what_of_its_info_cannot_reach_the_parent() -> None:
+    with pytest.raises(TypeError) as caught:
+        _sendable({"loss": math.nan, "held": {"lock": [threading.Lock()]}})
+    assert str(caught.value) == (
+        "gpumem.info['held']['lock'][0] is a lock, which JSON cannot hold, so the rank cannot send it to the parent"
+    )
+    with pytest.raises(TypeError, match=r"^gpumem.info was set to a list, not a dict, on a rank$"):
+        _sendable([1])
+    sent = _sendable({"loss": math.nan})  # NaN travels to the parent as before (json.dumps writes NaN)
+    assert math.isnan(sent["loss"])
