@@ -1,17 +1,16 @@
 """The largest batch of a 7B decoder's training step that fits an 80 GiB card, fitted on the meta device.
 
 The model of `meta_7b.py` (bf16 parameters, gradients and AdamW state), built inside the measured call
-as a test builds it, warmed up by one step, then `gpumem.fit(step, sizes=[1, 2, 3], capacity="80 GiB",
-confirm=True)`: the answer and the answer + 1 are run again held to 80 GiB (the tracker raises
-OutOfMemoryError past it, as `max_memory(device="meta", capacity="80 GiB")` does). The hand count of
-what is live when the fit begins: parameters + gradients + AdamW state.
+as a test builds it, warmed up by one step, then `gpumem.fit(step, sizes=[1, 2, 3], capacity="80 GiB")`:
+the answer from the sizes' timelines, confirmed by running it and the next size held to 80 GiB (the
+tracker raises OutOfMemoryError past it, as `max_memory(device="meta", capacity="80 GiB")` does). The
+hand count of what is live when the fit begins: parameters + gradients + AdamW state.
 
-Run: python benchmarks/fit_7b.py [--json PATH] [--capacity "80 GiB"] [--sizes 3 4 5]
+Run: python benchmarks/fit_7b.py [--json PATH] [--capacity "80 GiB"] [--sizes 1 2 3]
 """
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -21,13 +20,12 @@ from meta_7b import HandCount, Shape, build, parameter_count
 
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.measure.meter import GpuMem
-from pytest_gpumem.sizes import parse_size
 
 
 def main() -> None:
     args = parser("The largest 7B training batch that fits a card, fitted on meta and confirmed under its capacity")
     args.add_argument("--capacity", default="80 GiB")
-    args.add_argument("--sizes", type=int, nargs="+", default=[3, 4, 5])
+    args.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 3])
     options = args.parse_args()
     s = Shape()
     hand = HandCount.of(s)
@@ -46,22 +44,22 @@ def main() -> None:
             loss.backward()  # type: ignore[no-untyped-call]
             optimizer.step()
 
+        began = time.perf_counter()
         step(1)  # warm-up: AdamW's state exists from here on
+        one_step = time.perf_counter() - began
         live = meter.backend.current().allocated
-        fit = meter.fit(step, options.sizes, options.capacity, confirm=True)
+        began = time.perf_counter()
+        fit = meter.fit(step, options.sizes, options.capacity)
+        fit_wall = time.perf_counter() - began
     finally:
         meter.end_call()
     wall = time.perf_counter() - start
     expected_live = hand.params + hand.grads + hand.optimizer_state
-    limit = parse_size(options.capacity)
-    # what the fit answered before it counted what is live: peaks above each phase's start
-    relative = math.floor((limit - (fit.fixed - fit.live)) / fit.per_item)
+    runs = len(fit.sizes) + len(fit.checks)
     rows = [
         ["live at the fit (B)", f"{fit.live:,}", f"params + grads + AdamW state: {expected_live:,}"],
-        ["fixed a (B)", f"{round(fit.fixed):,}", ""],
-        ["per item b (B)", f"{round(fit.per_item):,}", ""],
-        ["largest batch", f"{fit.largest}", f"predicted peak {fit.predicted_peak:,} B"],
-        ["peaks above the phase's start", f"{relative}", "the answer when what is live is left out"],
+        ["largest batch", f"{fit.largest}", f"peak {fit.peak_bytes:,} B at {fit.at}"],
+        ["found", f"{fit.found.value}{', exact' if fit.exact else ''}", fit.note],
         *[
             [
                 f"batch {c.size} under {options.capacity}",
@@ -70,6 +68,8 @@ def main() -> None:
             ]
             for c in fit.checks
         ],
+        ["runs of the step", f"{runs}", f"{len(fit.sizes)} sampled, {len(fit.checks)} held to the capacity"],
+        ["fit's time", f"{fit_wall:.1f} s", f"{fit_wall / one_step:.1f} x one step ({one_step:.2f} s)"],
     ]
     show(
         f"7B decoder ({parameter_count(s):,} parameters, bf16) on meta, seq {s.seq}: fit against {options.capacity}",
@@ -81,13 +81,17 @@ def main() -> None:
         options.json,
         {
             "wall_s": wall,
+            "fit_s": fit_wall,
+            "step_s": one_step,
             "live": fit.live,
             "hand_live": expected_live,
             "sizes": list(fit.sizes),
             "peaks": list(fit.peaks),
             "largest": fit.largest,
-            "largest_without_live": relative,
-            "predicted_peak": fit.predicted_peak,
+            "peak_bytes": fit.peak_bytes,
+            "found": fit.found.value,
+            "exact": fit.exact,
+            "confirmed": fit.confirmed,
             "checks": [vars(c) for c in fit.checks],
             "describe": fit.describe(),
         },

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
 
+    from pytest_gpumem.backends.timeline import Timeline
     from pytest_gpumem.backends.tracker.attribution import Attributor
     from pytest_gpumem.backends.tracker.recording import Origin, Survivor
     from pytest_gpumem.results.baseline import DeviceIdentity
@@ -99,12 +101,22 @@ class HasCapacity(Protocol):
 
 @runtime_checkable
 class HoldsToCapacity(Protocol):
-    """A backend that can change its capacity for a block: lower it (`gpumem.fit(confirm=True)` runs its
-    answer so) or lift it (`gpumem.advise()` judges a capacity itself)."""
+    """A backend that can set its capacity for a block: to the card a fit asks about (`gpumem.fit` runs its
+    answers so) or to none (`gpumem.advise()` judges a capacity itself)."""
 
     def held_to(self, capacity: int | None) -> contextlib.AbstractContextManager[None]:
-        """Within the block, an allocation past `capacity` bytes (or the capacity set before, if lower)
-        raises OutOfMemoryError; None: no capacity holds within the block."""
+        """Within the block, an allocation past `capacity` bytes raises OutOfMemoryError, whatever capacity
+        was set before; None: no capacity holds within the block."""
+        ...
+
+
+@runtime_checkable
+class RecordsTimeline(Protocol):
+    """A backend that records the bytes allocated after each event of a block (`gpumem.fit` fits them)."""
+
+    def timeline(self) -> contextlib.AbstractContextManager[Callable[[], Timeline]]:
+        """Within the block, every allocation, resize and free is recorded; the value it gives, called after
+        the block, returns the block's timeline."""
         ...
 
 

@@ -18,6 +18,7 @@ from pytest_gpumem.backends.base import (
     HasNotes,
     HoldsToCapacity,
     ListsLiveStorages,
+    RecordsTimeline,
     RecordsTrace,
     collect_garbage,
     sees_earlier_allocations,
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.backends.tracker.recording import Survivor
     from pytest_gpumem.backends.tracker.shadow import Shadow
     from pytest_gpumem.measure.advice import Advice
-    from pytest_gpumem.measure.fit import BatchFit
+    from pytest_gpumem.measure.fit import BatchFit, Measure
     from pytest_gpumem.results.explanation import Explanation, RanksExplanation
     from pytest_gpumem.results.gradients import Fingerprint
 
@@ -143,15 +144,37 @@ class GpuMem:
         name: str = "fit",
         tolerance: float | None = None,
         slack: int | None = None,
-        confirm: bool = False,
+        confirm: bool = True,
     ) -> BatchFit:
-        """Run `step(n)` for each n in `sizes`, each in its own phase `name[i]`, fit peak = a + b*n exactly
-        and return the largest n whose predicted peak fits `capacity` (see `pytest_gpumem.measure.fit`)."""
+        """Run `step(n)` for each n in `sizes`, each in its own phase `name[i]`, and return the largest n
+        whose absolute peak fits `capacity`: from each size's timeline where the ops are the same at every
+        size, else searched by runs held to it; `confirm` runs the answer and the next size held to it where
+        a run is cheap (see `pytest_gpumem.measure.fit`)."""
         __tracebackhide__ = True
-        from pytest_gpumem.measure.fit import DEFAULT_SLACK, DEFAULT_TOLERANCE, Sample, fit_peaks
+        from pytest_gpumem.measure.fit_search import DEFAULT_SLACK, DEFAULT_TOLERANCE, fit_peaks
+        from pytest_gpumem.measure.host import runs_refused
+        from pytest_gpumem.sizes import parse_size
 
         self._fits += 1
         label = name if self._fits == 1 else f"{name}#{self._fits}"  # each fit's phases are its own
+        found = fit_peaks(
+            step,
+            sizes,
+            capacity,
+            self._fit_measure(label),
+            tolerance=DEFAULT_TOLERANCE if tolerance is None else tolerance,
+            slack=DEFAULT_SLACK if slack is None else slack,
+            confirm=confirm,
+            runs_refused=runs_refused(self.backend, parse_size(capacity)),
+        )
+        self.info.setdefault("fits", []).append(found.describe())
+        return found
+
+    def _fit_measure(self, label: str) -> Measure:
+        """Each run of a fit in a phase of its own, with its timeline where the backend records one, held to
+        `limit` where given and the backend can hold it (an OutOfMemoryError past it is then the sample's)."""
+        from pytest_gpumem.measure.fit import Sample
+
         counter = itertools.count()
 
         def measure(fn: Callable[[], object], limit: int | None = None) -> Sample:
@@ -159,13 +182,14 @@ class GpuMem:
             phase = f"{label}[{next(counter)}]"
             backend = self.backend
             holding = backend.held_to(limit) if limit is not None and isinstance(backend, HoldsToCapacity) else None
-            held = holding is not None
-            start, out_of_memory = 0, False
+            recording = backend.timeline() if isinstance(backend, RecordsTimeline) else None
+            start, out_of_memory, timeline = 0, False, None
             try:
                 with self.phase(phase):
                     start = self.backend.current().allocated  # the phase's start: what is live before the step
-                    with holding if holding is not None else contextlib.nullcontext():
+                    with holding or contextlib.nullcontext(), recording or contextlib.nullcontext() as recorded:
                         fn()  # what the step returns is dropped inside the phase: freed before the next size
+                    timeline = None if recorded is None else recorded()
             except Exception as exc:
                 if limit is None or not is_out_of_memory(exc):
                     raise
@@ -173,19 +197,10 @@ class GpuMem:
                 del exc
                 release_memory()
             result = self._results[phase]
-            return Sample(start, start + result.peak_bytes, start + result.net_bytes, out_of_memory, held)
+            end = start + result.net_bytes
+            return Sample(start, start + result.peak_bytes, end, out_of_memory, holding is not None, timeline)
 
-        found = fit_peaks(
-            step,
-            sizes,
-            capacity,
-            measure,
-            tolerance=DEFAULT_TOLERANCE if tolerance is None else tolerance,
-            slack=DEFAULT_SLACK if slack is None else slack,
-            confirm=confirm,
-        )
-        self.info.setdefault("fits", []).append(found.describe())
-        return found
+        return measure
 
     def advise(
         self,

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpumem.backends.base import Counters
+from pytest_gpumem.backends.timeline import Timeline, TimelineRecorder
 from pytest_gpumem.backends.tracker.ledger import StorageLedger
 from pytest_gpumem.backends.tracker.mode import leave, mode_class
 from pytest_gpumem.backends.tracker.patches import Patches
@@ -169,17 +170,28 @@ class TrackerBackend:
 
     @contextlib.contextmanager
     def held_to(self, capacity: int | None) -> Iterator[None]:
-        """Within the block, an allocation past `capacity` bytes (or the configured capacity, if lower)
-        raises OutOfMemoryError (`gpumem.fit(confirm=True)` runs its answer so); None: none is held to
+        """Within the block, an allocation past `capacity` bytes raises OutOfMemoryError, whatever was
+        configured (`gpumem.fit` runs its answers on the card it asks about); None: none is held to
         (`gpumem.advise()` judges a capacity itself)."""
         before = self.ledger.capacity
-        if capacity is not None and before is not None:
-            capacity = min(before, capacity)
         self.ledger.capacity = capacity
         try:
             yield
         finally:
             self.ledger.capacity = before
+
+    @contextlib.contextmanager
+    def timeline(self) -> Iterator[Callable[[], Timeline]]:
+        """Within the block, the bytes allocated after each allocation, resize and free, with the op and
+        the source line of each allocation; the value given returns them after the block."""
+        from pytest_gpumem.backends.tracker.recording import op_name, user_line
+
+        before, recorder = self.ledger.timeline, TimelineRecorder(op_name, user_line)
+        self.ledger.timeline = recorder
+        try:
+            yield recorder.timeline
+        finally:
+            self.ledger.timeline = before
 
     def attribution(self) -> Attributor | None:
         """The attributor of the measurement under way, when it explains its peaks."""

@@ -12,9 +12,11 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pytest_gpumem.backends.timeline import FREED, RESIZED
 from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
+    from pytest_gpumem.backends.timeline import TimelineRecorder
     from pytest_gpumem.backends.tracker.recording import Origin, Recorder
 
 _MIB = 1024 * 1024
@@ -87,6 +89,7 @@ class StorageLedger:
         self.fake_outputs = 0  # outputs of ops under FakeTensorMode, which hold no memory
         self.capacity: int | None = None  # allocated bytes past which an allocation raises out_of_memory
         self.recorder: Recorder | None = None  # origins (and events) of the storages, when asked for
+        self.timeline: TimelineRecorder | None = None  # bytes after each event, while a fit's run asks for them
         self.op: object = None  # the op being dispatched and its outputs, read only by the recorder
         self.out: object = None
         self._on_free = self._freed  # one bound method shared by every reference
@@ -129,6 +132,8 @@ class StorageLedger:
         ref.requested, ref.counted = requested, counted
         if self.recorder is not None:
             self.recorder.event("resize", ref, self.allocated)
+        if self.timeline is not None:
+            self.timeline.changed(RESIZED, self.allocated)
         self._update_peaks()
 
     def forget(self) -> None:
@@ -151,6 +156,8 @@ class StorageLedger:
         self.allocated += counted
         if self.recorder is not None:
             self.recorder.allocated(self.op, self.out, ref, self.allocated)
+        if self.timeline is not None:
+            self.timeline.allocated(self.op, self.allocated)
         if self.allocated > self.peak_allocated:  # _update_peaks, inline: the hot path
             self.peak_allocated = self.allocated
         if self.requested > self.peak_requested:
@@ -171,6 +178,8 @@ class StorageLedger:
             self.allocated -= ref.counted
             if self.recorder is not None:
                 self.recorder.event("free", ref, self.allocated)
+            if self.timeline is not None:
+                self.timeline.changed(FREED, self.allocated)
 
     def _check_capacity(self, growth: int) -> None:
         if self.capacity is not None and growth > 0 and self.allocated + growth > self.capacity:

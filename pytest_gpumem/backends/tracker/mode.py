@@ -201,9 +201,9 @@ def mode_class() -> type[Any]:
 
         def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
             __tracebackhide__ = True
+            self.ledger.op = func  # what made the allocations to come, for a recorder or a timeline
             recorder = self.ledger.recorder
             if recorder is not None:
-                self.ledger.op = func
                 recorder.entered()
             plan = plans.get(func)
             if plan is None:
