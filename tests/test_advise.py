@@ -401,7 +401,7 @@ def test_failure_clause_moves_the_measured_peak_by_the_strategys_change() -> Non
     # 95 B measured - 90 B as-is + 50 B with the strategy
     assert (
         advice_clause(advice, budget, call, {"forward": forward})
-        == "; doing ckpt fits: forward peak 55 B, +31% compute"
+        == "; doing ckpt fits the budget: forward peak 55 B, +31% compute"
     )
     tight = Budget(phases={"forward": Limit(40, "40 B", binary=True)})
     assert advice_clause(advice, tight, call, {"forward": forward}) == (
@@ -447,7 +447,7 @@ def test_failing_budget_names_the_best_strategy_and_reports_the_rows(
         [
             # moved from the measured 16.0 MiB to dout + dW2 + db2 + dh1 = 32 KiB + 8 MiB + 4 KiB + 64 KiB
             "*backward peak 16.0 MiB exceeds max_memory backward=12 MiB*; the optimizer step fused into backward "
-            "fits: backward peak 8.1 MiB, no extra compute",
+            "fits the budget: backward peak 8.1 MiB, no extra compute",
             "*advice (tracker on cpu*): absolute peaks; * live at the step's start, 16.0 MiB of it model state",
             "*fused-step: peak * in backward = * at the start + *, saves *; no extra compute",
             "*skipped checkpoint-blocks: no repeated blocks*",

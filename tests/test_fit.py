@@ -102,8 +102,8 @@ def test_the_peak_that_moves_from_backward_to_forward_is_found_exactly(tracked: 
     # held to 64 KiB, batch 96 runs out allocating the output: the parameters and x were live
     assert (above.size, above.peak, above.out_of_memory) == (96, SMALL + 256 * 96, True)
     assert fit.describe() == (
-        "largest batch that fits 64 KiB: 95, peak 63.8 KiB at aten.sum.default at tests/test_fit.py:80 "
-        "(32.5 KiB live when the fit began); found exactly from the timelines of sizes 1, 2, 4, 8, confirmed: "
+        "largest batch that fits 64 KiB: 95, peak 63.8 KiB at aten.sum.default (tests/test_fit.py:80)"
+        ", of which 32.5 KiB was live when the fit began; found exactly from the timelines of sizes 1, 2, 4, 8, confirmed: "
         "95 ran within 64 KiB, 96 ran out of memory after 40.2 KiB"
     )
 
@@ -130,8 +130,8 @@ def test_a_kernel_that_switches_beyond_the_sizes_is_searched(tracked: Tracked) -
     assert fit.peak_bytes == FIXED + 63 * ROW
     assert [c.size for c in fit.checks] == [191, 97, 50, 73, 61, 67, 64, 62, 63]
     assert fit.describe() == (
-        "largest batch that fits 200,000 B: 63, peak 66.9 KiB at aten.ones.default at tests/test_fit.py:64 "
-        "(0 B live when the fit began); searched with 9 runs held to the capacity (the timelines' answer, 191 "
+        "largest batch that fits 200,000 B: 63, peak 66.9 KiB at aten.ones.default (tests/test_fit.py:64)"
+        ", of which 0 B was live when the fit began; searched with 9 runs held to the capacity (the timelines' answer, 191 "
         "fits, did not hold when run), confirmed: 63 ran within 200,000 B, 64 ran out of memory after 3.9 KiB"
     )
 
@@ -176,7 +176,7 @@ def test_capacity_below_batch_one_gives_none_confirmed(tracked: Tracked) -> None
     fit = fit_peaks(rows, [4, 8, 16], FIXED + ROW - 1, tracked)
     assert (fit.largest, fit.peak_bytes, fit.confirmed) == (None, FIXED + ROW, True)
     assert fit.describe().startswith(
-        "no batch fits 5,023 B: batch 1 needs 4.9 KiB at aten.ones.default at tests/test_fit.py:59 (0 B live"
+        "no batch fits 5,023 B: batch 1 needs 4.9 KiB at aten.ones.default (tests/test_fit.py:59), of which 0 B was live"
     )
     assert fit.describe().endswith("confirmed: batch 1 ran out of memory after 3.9 KiB")
     assert fit_peaks(rows, [4, 8, 16], FIXED + ROW, tracked).largest == 1
@@ -391,8 +391,8 @@ def test_the_fixture_fits_a_batch_size(tracker: pytest.Pytester, reported: Repor
     result.stdout.no_fnmatch_line("*INTERNALERROR*")
     tests = reported()
     assert tests["test_fits"]["info"]["fits"] == [
-        "largest batch that fits 200,000 B: 171, peak 194.4 KiB at aten.ones.default at test_the_fixture_fits_a_batch_"
-        "size.py:5 (19.5 KiB live when the fit began); found exactly from the timelines of sizes 1, 2, 4, 8, "
+        "largest batch that fits 200,000 B: 171, peak 194.4 KiB at aten.ones.default (test_the_fixture_fits_a_batch_"
+        "size.py:5), of which 19.5 KiB was live when the fit began; found exactly from the timelines of sizes 1, 2, 4, 8, "
         "confirmed: 171 ran within 200,000 B, 172 ran out of memory after 23.4 KiB"
     ]
     # 64 n^2 floats: the sizes' bytes are no lines; searched: 64 n^2 x 4 <= 4 MiB  ->  n <= 128

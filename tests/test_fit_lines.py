@@ -70,7 +70,7 @@ def test_the_recorder_names_each_event() -> None:
         (4096, 0),
         ("test_x.py:3", None),
     )
-    assert recorded.place(0) == "aten.mm.default at test_x.py:3" and recorded.peak() == 4096
+    assert recorded.place(0) == "aten.mm.default (test_x.py:3)" and recorded.peak() == 4096
 
 
 def test_the_first_difference_of_two_timelines() -> None:

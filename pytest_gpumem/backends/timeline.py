@@ -39,9 +39,9 @@ class Timeline:
         )
 
     def place(self, index: int) -> str:
-        """'aten.mm.default at test_x.py:12': what made event `index`."""
+        """'aten.mm.default (test_x.py:12)': what made event `index`, and the line that led to it."""
         where = self.where[index]
-        return self.ops[index] if where is None else f"{self.ops[index]} at {where}"
+        return self.ops[index] if where is None else f"{self.ops[index]} ({where})"
 
 
 class TimelineRecorder:

@@ -212,14 +212,15 @@ class Advice:
                 continue
             assert row.peak_bytes is not None
             saving = "" if row.name == AS_IS else f", saves {format_size(row.saving_bytes or 0)}"
-            fits = "" if row.fits is None else ("; fits" if row.fits else "; does not fit")
+            judged = "" if self.capacity is None else format_size(self.capacity)
+            fits = "" if row.fits is None else (f"; fits {judged}" if row.fits else f"; does not fit {judged}")
             where = "" if row.peak_phase is None else f" in {row.peak_phase}"
             found.append(
                 f"  {row.name}: peak {format_size(self.absolute(row))}{where} = {format_size(self.live_bytes)} at "
                 f"the start + {format_size(row.peak_bytes)}{saving}; {self.compute(row)}{fits}"
             )
             phases = ", ".join(f"{p.name} {format_size(self.live_bytes + p.step_peak)}" for p in row.phases)
-            found.append(f"    {phases + '; ' if phases else ''}gradients {row.gradients}")
+            found.append(f"    {'absolute: ' + phases + '; ' if phases else ''}gradients {row.gradients}")
         found += [f"  skipped {row.name}: {row.skipped}" for row in self.rows if row.skipped is not None]
         found += [f"  conflict: {text}" for text in self.conflicts]
         return found
@@ -317,7 +318,8 @@ def advice_clause(
         return _none_fits(advice, "the budget")
     row, predicted = found
     region = next(iter(shown))
-    return f"; {row.description} fits: {region} peak {shown[region](predicted[region])}, {advice.compute(row)}"
+    peak = shown[region](predicted[region])
+    return f"; {row.description} fits the budget: {region} peak {peak}, {advice.compute(row)}"
 
 
 def _limits(

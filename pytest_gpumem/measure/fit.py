@@ -41,7 +41,7 @@ class Sample:
         return self.end - self.start
 
     def place(self) -> str | None:
-        """What made the run's peak ('aten.mm.default at test_x.py:12'), where it has a timeline."""
+        """What made the run's peak ('aten.mm.default (test_x.py:12)'), where it has a timeline."""
         timeline = self.timeline
         if timeline is None or not len(timeline):
             return None
@@ -91,7 +91,7 @@ class BatchFit:
     left: tuple[int, ...] = ()  # bytes each size left allocated after it returned
     capacity_text: str | None = None
     checks: tuple[Check, ...] = ()  # the runs held to the capacity, in order
-    at: str | None = None  # what made the peak at `largest` ('aten.mm.default at test_x.py:12')
+    at: str | None = None  # what made the peak at `largest` ('aten.mm.default (test_x.py:12)')
     warm_up: int = 0  # bytes the first run left allocated (optimizer state), after which it ran again
     note: str = ""  # why it was searched, or which sizes the lines left out
     unconfirmed: str = ""  # why it was not confirmed
@@ -117,13 +117,13 @@ class BatchFit:
     def describe(self) -> str:
         """One sentence: the answer, its peak and what made it, what was live, how it was found and shown."""
         at = f" at {self.at}" if self.at else ""
-        live = f"{self.size(self.live)} live when the fit began"
+        live = f"of which {self.size(self.live)} was live when the fit began"
         peak = self.size(self.peak_bytes)
         if self.largest is None:
             ran_out = self.found is Found.SEARCH and any(c.size == 1 and c.out_of_memory for c in self.checks)
-            head = f"no batch fits {self._cap}: batch 1 needs {'more than ' if ran_out else ''}{peak}{at} ({live})"
+            head = f"no batch fits {self._cap}: batch 1 needs {'more than ' if ran_out else ''}{peak}{at}, {live}"
         else:
-            head = f"largest batch that fits {self._cap}: {self.largest:,}, peak {peak}{at} ({live})"
+            head = f"largest batch that fits {self._cap}: {self.largest:,}, peak {peak}{at}, {live}"
         warm = (
             f"; the first run left {self.size(self.warm_up)} allocated (optimizer state?) and ran again as a warm-up"
             if self.warm_up
