@@ -78,8 +78,8 @@ class Case:
 
 
 CASES = [
-    Case("Linear 2048 + AdamW, warm, small sizes", "cpu", lambda d: linear_adamw(2048, d), [8, 16, 32], "200 MiB"),
-    Case("Linear 2048 + AdamW, warm, large sizes", "cpu", lambda d: linear_adamw(2048, d), [1000, 3000, 6000], "200 MiB"),
+    Case("Linear 2048 + AdamW, small sizes", "cpu", lambda d: linear_adamw(2048, d), [8, 16, 32], "200 MiB"),
+    Case("Linear 2048 + AdamW, large sizes", "cpu", lambda d: linear_adamw(2048, d), [1000, 3000, 6000], "200 MiB"),
     Case("Linear 256 + AdamW, not warmed up", "cpu", lambda d: linear_adamw(256, d, True), [1, 2, 4], "1 GiB", False),
     Case("8-layer decoder, width 2048, seq 1024", "meta", decoder, [1, 2, 3], "24 GiB"),
     Case("the fit guide's step, 80 GiB", "meta", guide, [8, 16, 32], "80 GiB", False),
