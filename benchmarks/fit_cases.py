@@ -45,7 +45,7 @@ def decoder(device: str) -> Step:
         layer = torch.nn.TransformerEncoderLayer(2048, 16, 8192, batch_first=True, dropout=0.0)
         model = torch.nn.TransformerEncoder(layer, 8, enable_nested_tensor=False)
     optimizer = torch.optim.AdamW(model.parameters())
-    mask = torch.nn.Transformer.generate_square_subsequent_mask(1024, device=device)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(1024, device=torch.device(device))
 
     def step(n: int) -> None:
         optimizer.zero_grad(set_to_none=True)
