@@ -165,14 +165,19 @@ def _where(test: dict[str, Any]) -> tuple[object, object]:
 _HEADERS = ("test", "phase", "old", "new", "change", "status")
 
 
-def _table_rows(comparison: Comparison) -> list[list[str]]:
+def _table_rows(rows: Sequence[tuple[str, PhaseComparison]]) -> list[list[str]]:
     def size(n: int | None) -> str:
         return "-" if n is None else format_size(n)
 
     def change(c: PhaseComparison) -> str:
         return "" if c.change_percent is None else f"{c.change_percent:+.1f}%"
 
-    return [[nodeid, c.label, size(c.baseline), size(c.current), change(c), c.status] for nodeid, c in comparison.rows]
+    return [[nodeid, c.label, size(c.baseline), size(c.current), change(c), c.status] for nodeid, c in rows]
+
+
+def _unchanged(c: PhaseComparison) -> bool:
+    """The same peak in both reports (within the tolerance and not a byte apart)."""
+    return c.status == BaselineStatus.OK and c.baseline == c.current
 
 
 def summary(comparison: Comparison) -> str:
@@ -190,7 +195,8 @@ def summary(comparison: Comparison) -> str:
 def _text(comparison: Comparison) -> str:
     from tabulate import tabulate
 
-    lines = [tabulate(_table_rows(comparison), headers=list(_HEADERS), tablefmt="simple", disable_numparse=True)]
+    rows = _table_rows(comparison.rows)
+    lines = [tabulate(rows, headers=list(_HEADERS), tablefmt="simple", disable_numparse=True)]
     lines += [f"added: {nodeid}" for nodeid in comparison.added]
     lines += [f"removed: {nodeid}" for nodeid in comparison.removed]
     lines += [f"regressed: {nodeid}: {c.message}" for nodeid, c in comparison.regressed]
@@ -200,11 +206,20 @@ def _text(comparison: Comparison) -> str:
 
 
 def _markdown(comparison: Comparison) -> str:
-    text = markdown_table(_HEADERS, _table_rows(comparison))
+    """The changed peaks only (a step summary is read for what moved), one line saying how many were
+    left out, the lists, the summary: blocks apart, so that no line joins the table."""
+    changed = [(nodeid, c) for nodeid, c in comparison.rows if not _unchanged(c)]
+    blocks = [markdown_table(_HEADERS, _table_rows(changed))] if changed else []
+    left_out = len(comparison.rows) - len(changed)
+    if left_out:
+        peaks = "peak" if left_out == 1 else "peaks"
+        blocks.append(f"{left_out} unchanged {peaks} (the same bytes in both reports) not listed\n")
     extra = [f"- added: `{n}`" for n in comparison.added] + [f"- removed: `{n}`" for n in comparison.removed]
     extra += [f"- regressed: `{n}`: {c.message}" for n, c in comparison.regressed]
     extra += [f"- failed in the new run: `{n}` ({status})" for n, status in comparison.failed]
-    return text + ("\n" + "\n".join(extra) + "\n" if extra else "") + f"\n{summary(comparison)}\n"
+    if extra:
+        blocks.append("\n".join(extra) + "\n")
+    return "\n".join([*blocks, f"{summary(comparison)}\n"])
 
 
 def run_compare(args: argparse.Namespace) -> int:

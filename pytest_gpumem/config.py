@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -95,7 +95,7 @@ def device_name(value: str) -> str:
 def update_mode(value: str) -> str:
     if value not in ("new", "all"):
         raise argparse.ArgumentTypeError(
-            f"invalid mode {shorten(value)} (new or all; a path right after --gpumem-update needs --gpumem-update=all)"
+            f"invalid mode {shorten(value)} (new or all; or a test path, but there is no file or folder of that name)"
         )
     return value
 
@@ -237,8 +237,9 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "--gpumem-update",
-        "record the baselines of the tests that ran and passed: all (the default) refreshes every one of them, "
-        "new records only those that have none; other entries stay as they are.",
+        "record the baselines of the tests that ran and passed, with what made each peak (so that a regression "
+        "names the modules that grew): all (the default) refreshes every one of them, new records only those "
+        "that have none; other entries stay as they are, and a test that allocates nothing needs none.",
         update_mode,
         "new|all",
         const="all",
@@ -350,6 +351,53 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 
+TEST_PATHS_TAKEN = "gpumem_test_paths_taken"
+"""Where `ValueOrTestPath` keeps the test paths that argparse handed to an option as its value."""
+
+
+class ValueOrTestPath(argparse.Action):
+    """An option whose value is optional (`const` when none is given). argparse takes whatever follows the
+    flag for its value, so in `pytest --gpumem-update test_x.py` it hands over the test path: a value that
+    `parse` refuses but that names a file or folder (or anything, under --pyargs) is taken for what it is,
+    a test path, kept under `TEST_PATHS_TAKEN` for `read_options` to give back to the run, and the option
+    gets `const`. Any other refused value stays a usage error."""
+
+    def __init__(self, *args: Any, parse: Callable[[str], object], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.parse = parse
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        if values is None:
+            setattr(namespace, self.dest, self.const)
+            return
+        assert isinstance(values, str), values  # nargs="?": one string
+        try:
+            setattr(namespace, self.dest, self.parse(values))
+        except argparse.ArgumentTypeError as exc:
+            if not (getattr(namespace, "pyargs", False) or os.path.lexists(values.split("::", 1)[0])):
+                raise argparse.ArgumentError(self, str(exc)) from None
+            setattr(namespace, self.dest, self.const)
+            setattr(namespace, TEST_PATHS_TAKEN, [*getattr(namespace, TEST_PATHS_TAKEN, ()), values])
+
+
+def _give_back_test_paths(config: pytest.Config) -> None:
+    """The test paths an option took for its value (`ValueOrTestPath`) join the run's own, which pytest
+    chose without them (the configured testpaths or the current folder when they were all it was given)."""
+    taken: list[str] = getattr(config.option, TEST_PATHS_TAKEN, [])
+    if not taken:
+        return
+    setattr(config.option, TEST_PATHS_TAKEN, [])
+    given = config.args if config.args_source == pytest.Config.ArgsSource.ARGS else []
+    config.args = [*taken, *given]
+    config.args_source = pytest.Config.ArgsSource.ARGS
+
+
 def add_options(parser: pytest.Parser) -> None:
     group = parser.getgroup("gpumem", "GPU memory budgets (pytest-gpumem)")
     for option in OPTIONS:
@@ -358,12 +406,14 @@ def add_options(parser: pytest.Parser) -> None:
                 option.flag, action="store_true", default=None if option.ini else False, help=option.full_help
             )
         elif option.const is not None:
+            assert option.parse is not None, option.flag
             group.addoption(
                 option.flag,
+                action=ValueOrTestPath,
+                parse=option.parse,
                 nargs="?",
                 const=option.const,
                 default=None,
-                type=option.parse,
                 metavar=option.metavar,
                 help=option.full_help,
             )
@@ -475,6 +525,7 @@ def read_options(config: pytest.Config) -> tuple[Options, BaselineOptions]:
         dist_timeout=_read(config, "gpumem_dist_timeout"),
         paths=_read(config, "gpumem_paths"),
     )
+    _give_back_test_paths(config)  # `pytest --gpumem-update test_x.py`: test_x.py is a test path
     update = config.getoption("gpumem_update")  # no ini twin: "all" when given bare (its const)
     baseline = BaselineOptions(
         path=_read(config, "gpumem_baseline_file") or config.rootpath / DEFAULT_FILENAME,

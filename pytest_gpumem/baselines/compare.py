@@ -3,7 +3,9 @@
 Comparison (``compare``) is one-sided. With tolerance ``t`` percent and slack ``s`` bytes, a stored peak
 ``b`` allows ``b + floor(b * t / 100) + s`` bytes: one byte more is ``REGRESSED`` (fails). Below
 ``b * (1 - t / 100) - s`` is ``IMPROVED`` (passes, "baseline can be lowered"). A test without a baseline
-for this device is ``NEW`` (passes unless strict). Integer arithmetic only, so the boundary is exact.
+for this device is ``NEW`` (passes unless strict), but one that allocates nothing (0 B in every phase, no
+gradients) needs none: it is ``OK`` against the 0 B it would store, strict or not, and is not recorded
+(``allocates_nothing``). Integer arithmetic only, so the boundary is exact.
 ``equivalent`` uses the same bounds to keep a re-recorded entry that only moved within the tolerance.
 
 Pure data in, data out: no files (``file.py``), no pytest, no torch; the verdicts' types are
@@ -31,7 +33,9 @@ from pytest_gpumem.results.explanation import Composition
 from pytest_gpumem.sizes import format_size
 
 __all__ = [
+    "NOTHING_ALLOCATED",
     "Tolerance",
+    "allocates_nothing",
     "compare",
     "compare_peak",
     "environment_warnings",
@@ -98,10 +102,13 @@ def compare(
     The whole-call peak and every phase are compared. Growth beyond ``tolerance.upper`` fails:
     ``"forward peak 20.1 MiB is 25.6% above baseline 16.0 MiB (tolerance 5% + 1.0 MiB)"``. A drop below
     ``tolerance.lower`` passes with an "improved" note. No baseline: ``NEW``, failing only when
-    ``strict`` (which also fails a phase or gradients without a baseline). Gradients are compared when
+    ``strict`` (which also fails a phase or gradients without a baseline); no baseline and nothing
+    allocated (``allocates_nothing``): ``OK``, with a note. Gradients are compared when
     both sides have fingerprints (``grad_rtol``/``grad_atol`` as in ``compare_fingerprints``). ``record``
     is how the messages say to record what has no baseline.
     """
+    if baseline is None and allocates_nothing(current):
+        return _nothing_to_compare(nodeid, current)
     if baseline is None:
         return _without_baseline(nodeid, current, strict, record)
     tol = tolerance if tolerance is not None else _DEFAULT_TOLERANCE
@@ -119,6 +126,27 @@ def compare(
         notes=tuple(notes),
         gradient_status=gradients.status,
         failed=bool(problems),
+    )
+
+
+NOTHING_ALLOCATED = "allocates nothing (0 B in every phase): no baseline needed"
+
+
+def allocates_nothing(entry: Entry) -> bool:
+    """Whether a measurement has nothing a baseline would hold: 0 B in the call and every phase, and no
+    gradient fingerprints. Such a test needs no baseline, also under strict, and is not recorded."""
+    return entry.peak_bytes == 0 and entry.gradients is None and not any(entry.phases.values())
+
+
+def _nothing_to_compare(nodeid: str, current: Entry) -> Verdict:
+    """``OK`` without a baseline: a test that allocates nothing matches the 0 B it would record."""
+    peaks: list[tuple[str | None, int]] = [(None, current.peak_bytes), *current.phases.items()]
+    return Verdict(
+        nodeid=nodeid,
+        status=BaselineStatus.OK,
+        comparisons=tuple(PhaseComparison(n, None, v, None, None, BaselineStatus.OK) for n, v in peaks),
+        problems=(),
+        notes=(NOTHING_ALLOCATED,),
     )
 
 

@@ -93,6 +93,7 @@ class Judgement:
     entry: Entry
     fails: bool
     stored_composition: bool = False  # the stored baseline says what its peaks were made of
+    selection: Sequence[str] = ()  # selection_flags() of the run: a command for this test needs them
 
     def failure_message(self) -> str:
         """The verdict's line; a regression also says how to learn what grew, when it cannot say it."""
@@ -101,12 +102,12 @@ class Judgement:
         message = self.verdict.failure_message()
         if self.verdict.status != BaselineStatus.REGRESSED:
             return message
-        test = shlex.quote(self.verdict.nodeid)
-        if not self.stored_composition:
-            how = f"pytest {test} --gpumem-update --gpumem-explain"
+        if not self.stored_composition:  # recorded before updates stored it, or not explainable then
+            how = shlex.join(["pytest", *self.selection, self.verdict.nodeid, "--gpumem-update"])
             return f"{message} (to see what grew, record the baseline with its composition: {how})"
         if self.entry.composition is None:
-            return f"{message} (see what made it: pytest {test} --gpumem-explain)"
+            how = shlex.join(["pytest", *self.selection, self.verdict.nodeid, "--gpumem-explain"])
+            return f"{message} (see what made it: {how})"
         return message
 
 
@@ -152,10 +153,16 @@ class BaselineRun:
         self.partial = True
 
     def explains(self, nodeid: str, backend: Backend) -> bool:
-        """Whether the stored baseline of `nodeid` says what its peaks were made of: the run then explains
-        the test too (it is measured once), so that a regression can name what grew."""
+        """Whether the run explains `nodeid` (it is measured once either way), so that a regression can name
+        what grew: when this run records its baseline (which then stores the composition), or when the
+        stored baseline says what its peaks were made of."""
         stored = None if self.store is None else self.store.get(nodeid, identity_of(backend))
-        return stored is not None and stored.composition is not None
+        return self._records(stored) or (stored is not None and stored.composition is not None)
+
+    def _records(self, stored: Entry | None) -> bool:
+        """Whether this run records the test whose stored entry is `stored` (if it passes): every test
+        under --gpumem-update, only those without one under --gpumem-update=new."""
+        return self.options.update and (stored is None or not self.options.update_new_only)
 
     def judge(self, nodeid: str, meter: GpuMem, budget: Budget | None) -> Judgement:
         import torch
@@ -178,18 +185,22 @@ class BaselineRun:
         percent = self.options.tolerance if budget is None or budget.tolerance is None else budget.tolerance
         rtol, atol = meter.gradient_tolerance
         stored = self.store.get(nodeid, entry.identity)
+        # a test this run records is accepted as it is (what is missing, a regression); one it leaves as
+        # stored (--gpumem-update=new) is judged as without the option
+        records = self._records(stored)
         verdict = compare(
             nodeid,
             entry,
             stored,
             Tolerance(percent, self.options.slack),
-            strict=self.options.strict and not self.options.update,  # an update records what is missing
+            strict=self.options.strict and not records,
             grad_rtol=rtol,
             grad_atol=atol,
             record=self.record_command,
         )
-        fails = verdict.failed and not self.options.update
-        return Judgement(verdict, entry, fails, stored is not None and stored.composition is not None)
+        fails = verdict.failed and not records
+        composed = stored is not None and stored.composition is not None
+        return Judgement(verdict, entry, fails, composed, tuple(self.selection))
 
     def finish(
         self,
@@ -200,7 +211,7 @@ class BaselineRun:
         """After the run: warnings, unused baselines, the tests that failed for want of a baseline
         (`missing`), and under --gpumem-update/--gpumem-prune the new file. Returns the lines for the
         terminal summary."""
-        from pytest_gpumem.baselines.compare import environment_warnings
+        from pytest_gpumem.baselines.compare import allocates_nothing, environment_warnings
         from pytest_gpumem.baselines.file import write
         from pytest_gpumem.baselines.update import UpdateSummary, unused, update
 
@@ -219,8 +230,16 @@ class BaselineRun:
             if self.options.update_new_only:  # stored entries stay byte for byte
                 summary.kept = [n for n, e in passed.items() if self.store.get(n, e.identity) is not None]
                 passed = {n: e for n, e in passed.items() if self.store.get(n, e.identity) is None}
+            for nodeid in [n for n, e in passed.items() if allocates_nothing(e)]:  # needs no baseline
+                if self.store.remove(nodeid, passed.pop(nodeid).identity):
+                    summary.removed.append(nodeid)
             passed = {n: self._keeping_composition(n, e) for n, e in passed.items()}
             update(self.store, passed, summary=summary)
+        empty = [n for n, e in entries.items() if n not in self.failed and allocates_nothing(e)]
+        empty = [n for n in empty if self.store.get(n, entries[n].identity) is None]
+        if empty:
+            tests = "test allocates" if len(empty) == 1 else "tests allocate"
+            lines.append(f"{len(empty)} measured {tests} nothing (0 B in every phase): no baseline needed")
         if missing:
             lines.append(
                 f"{len(missing)} measured {'test has' if len(missing) == 1 else 'tests have'} no baseline for "
