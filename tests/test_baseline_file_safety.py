@@ -254,9 +254,10 @@ def test_concurrent_writer_processes_lose_no_entry(tmp_path: Path) -> None:
 
 
 SLOW_TEST = """
-import pathlib, time
+import pathlib, time, torch
 
 def test_{name}(gpumem):
+    torch.ones(10)  # something to record: a test that allocates nothing needs no baseline
     pathlib.Path("{name}.ready").touch()
     deadline = time.monotonic() + 60
     while not pathlib.Path("{other}.ready").exists() and time.monotonic() < deadline:
@@ -266,7 +267,7 @@ def test_{name}(gpumem):
 
 def test_two_concurrent_update_runs_keep_both_runs_entries(tracker: pytest.Pytester) -> None:
     tracker.makepyfile(test_a=SLOW_TEST.format(name="a", other="b"), test_b=SLOW_TEST.format(name="b", other="a"))
-    tracker.makepyfile(test_old="def test_old(gpumem):\n    pass\n")
+    tracker.makepyfile(test_old="import torch\n\ndef test_old(gpumem):\n    torch.ones(10)\n")
     tracker.runpytest("--gpumem-update=all", "test_old.py").assert_outcomes(passed=1)
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     runs = [
@@ -459,9 +460,10 @@ def test_a_refused_file_is_not_rewritten_at_the_end_of_an_update(tracker: pytest
     tracker.makepyfile(
         textwrap.dedent(
             f"""
-            import pathlib
+            import pathlib, torch
 
             def test_one(gpumem):
+                torch.ones(10)  # something to record, so that the update writes
                 pathlib.Path({BASELINES!r}).write_text("{{ half")
             """
         )
