@@ -9,15 +9,19 @@ import pytest
 
 from pytest_gpumem.report.markdown import markdown
 from pytest_gpumem.report.terminal import (
+    TestId,
     cell_rank,
     common_prefix,
     elide,
     fold_ranks,
     join_fitting,
+    one_line,
     shared_phases,
+    shorten_id,
     shorten_ids,
     table_lines,
 )
+from pytest_gpumem.report.width import ELLIPSIS, cut, display_width, pad, truncate
 from pytest_gpumem.results import PhaseResult, Status, TestResult
 from pytest_gpumem.results.baseline import BaselineStatus, PhaseComparison, Verdict
 
@@ -118,46 +122,224 @@ def test_a_narrow_cell_shows_the_largest_phase_of_each_group_first() -> None:
         (
             ["a/b/test_m.py::TestC::test_x[p]", "a/b/test_m.py::TestC::test_y[p]"],
             20,
-            ["…TestC::test_x[p]", "…TestC::test_y[p]"],
+            ["…::TestC::test_x[p]", "…::TestC::test_y[p]"],
         ),
-        (["a/test_m.py::test_x[1]", "a/test_m.py::test_x[2]"], 13, ["…test_x[1]", "…test_x[2]"]),
-        (["test_m.py::test_x[a/b::c]", "short"], 20, ["…test_x[a/b::c]", "short"]),  # never into the parameters
-        (["a.py::test_x", "b.py::test_x"], 10, ["a.py…est_x", "b.py…est_x"]),  # would read the same: cut apart
-        (["t.py::test_a_long_name[p1]", "t.py::test_a_long_name[p2]"], 14, ["test_a…ame[p1]", "test_a…ame[p2]"]),
+        (["a/test_m.py::test_x[1]", "a/test_m.py::test_x[2]"], 13, ["…::test_x[1]", "…::test_x[2]"]),
+        (["test_m.py::test_x[a/b::c]", "short"], 20, ["…::test_x[a/b::c]", "short"]),  # never into the parameters
+        # would read the same: what leads to the name is cut where they differ, never the name
+        (["a.py::test_x", "b.py::test_x"], 10, ["a…::test_x", "b…::test_x"]),
+        (["a/TestA::test_x", "a/TestB::test_x"], 12, ["a/…A::test_x", "a/…B::test_x"]),
+        (
+            ["t.py::test_a_long_name[p1]", "t.py::test_a_long_name[p2]"],
+            20,
+            ["test_a_long_name[p1]", "test_a_long_name[p2]"],
+        ),
+        # the parameters cut in the middle, apart; a name that alone does not fit is cut at its end
+        (
+            ["t.py::test_name[small_batch]", "t.py::test_name[large_batch]"],
+            16,
+            ["test_name[sm…ch]", "test_name[la…ch]"],
+        ),
+        (["t.py::test_a_long_name[p1]"], 10, ["test_a_lo…"]),
+        (["t.py::test_日本語の名前[p1]"], 20, ["test_日本語の名前[…]"]),  # 5 + 12 columns of name, 3 left
     ],
 )
 def test_ids_lose_whole_leading_parts_before_they_are_cut(ids: list[str], width: int, shown: list[str]) -> None:
     assert shorten_ids(ids, width) == shown
+    assert all(display_width(text) <= width for text in shown)
 
 
-@pytest.mark.parametrize("width", [80, 100, 120, 200])
+LONG_ID = "tests/models/test_llama.py::TestBlock::test_forward[bf16-seq2048]"
+
+
+@pytest.mark.parametrize(
+    ("width", "shown"),
+    [
+        (70, LONG_ID),
+        (64, "…/models/test_llama.py::TestBlock::test_forward[bf16-seq2048]"),
+        (60, "…/test_llama.py::TestBlock::test_forward[bf16-seq2048]"),
+        (40, "…::TestBlock::test_forward[bf16-seq2048]"),
+        (30, "…::test_forward[bf16-seq2048]"),
+        (27, "test_forward[bf16-seq2048]"),  # "…::" has no room: the name and parameters alone
+        (20, "test_forward[bf…048]"),  # the parameters cut in the middle, the name whole
+        (12, "test_forwar…"),  # the name alone does not fit: cut at its end
+        (1, "…"),
+        (0, ""),
+    ],
+)
+def test_an_id_loses_its_leading_parts_then_its_parameters_and_never_its_name_in_the_middle(
+    width: int, shown: str
+) -> None:
+    assert shorten_id(LONG_ID, width) == shown
+
+
+def test_display_width_counts_screen_columns() -> None:
+    assert display_width("test_x") == 6
+    assert display_width("日本語") == 6  # W: two columns each
+    assert display_width("\uff46\uff55\uff4c\uff4c") == 8  # F: fullwidth "full"
+    assert display_width("e\u0301") == 1  # a combining mark takes none
+    assert display_width("a\u200bb") == 2  # nor a zero-width space
+    assert display_width("😀") == 2
+    assert display_width("…") == display_width("·") == 1  # ambiguous: narrow
+
+
+def test_padding_and_cutting_go_by_screen_columns() -> None:
+    assert pad("日本", 6) == "日本  " and pad("日本", 6, right=True) == "  日本"
+    assert truncate("日本語のテスト", 7) == "日本語…"
+    assert truncate("日本語のテスト", 8) == "日本語…"  # a wide character never half shown
+    assert truncate("e\u0301e\u0301e\u0301", 2) == "e\u0301…"  # a mark stays with its character
+    assert cut("test_日本語[a]", 10, 4) == "test…語[a]"
+    assert elide("日本語日本語", 5) == "日…語"
+    assert truncate("short", 5) == "short" and truncate("longer", 0) == ""
+
+
+def test_a_cell_is_one_line_without_control_characters() -> None:
+    assert one_line("two\nlines\tand a tab") == "two lines and a tab"
+    assert one_line("esc\x1b[31mred\x1b[0m") == "esc\\x1b[31mred\\x1b[0m"  # a terminal would obey it
+    assert one_line("nul\x00 lone \ud800") == "nul\\x00 lone \\ud800"
+    assert one_line("日本 [red] <b>") == "日本 [red] <b>"  # markup is text: nothing reads it
+
+
+@pytest.mark.parametrize("width", [61, 80, 97, 100, 120, 200])
 def test_every_line_fits_the_width(width: int) -> None:
     for long in (False, True):
         lines = table_lines(main_job(), width, long)
-        assert max(map(len, lines)) <= width, "\n".join(lines)
+        assert max(map(display_width, lines)) <= width, "\n".join(lines)
+
+
+SHORT_AT_120 = """\
+test ids without their common prefix reference_losses/
+test                                                   forward  backward    total  call peak  status  other phases
+-----------------------------------------------------  -------  --------  -------  ---------  ------  ------------
+test_distributed.py::test_data_parallel[2]                                         128.0 MiB  ok      +4 more
+test_strategies.py::test_training_strategy[naive_sum]  4.0 MiB   8.0 MiB  8.0 MiB   40.0 MiB  ok
+test_strategies.py::test_training_strategy[dot]        4.0 MiB   8.0 MiB  8.0 MiB   40.0 MiB  ok
+…::test_training_strategy[chunked_ce_checkpoint]       4.0 MiB   8.0 MiB  8.0 MiB   40.0 MiB  ok
+…::test_training_strategy[optimizer_in_backward]       4.0 MiB   8.0 MiB  8.0 MiB   40.0 MiB  ok
+…::test_training_strategy[selective_checkpoint]        4.0 MiB   8.0 MiB  8.0 MiB   40.0 MiB  ok"""
 
 
 def test_short_form_at_120_columns() -> None:
-    lines = table_lines(main_job(), 120)
-    assert lines[0] == "test ids without their common prefix reference_losses/"
-    head, rule, ddp, *strategies = lines[1:]
-    # every shared phase keeps its column, no budget column (no test has one); ids lose their module
-    # first, and are cut in the middle only where the name still does not fit, so that the cell shows a
-    # phase of the distributed test (the 28 MiB ones of rank 1 need 37 columns with the count)
-    assert head.split() == ["test", "forward", "backward", "total", "call", "peak", "status", "other", "phases"]
-    assert ddp.startswith("test_distributed.py::test_data_parallel[2] ")
-    assert ddp.endswith("128.0 MiB  ok      ddp.setup 16.0 MiB · +3 more")
-    assert strategies[0].startswith("…test_training_strategy[naive_sum]  ")
-    assert strategies[-1].startswith("test_training_strateg…selective_checkpoint]  4.0 MiB   8.0 MiB")
-    assert len(rule) == 120
+    # every shared phase keeps its column, no budget column (no test has one); the ids lose their module
+    # only where their name and parameters need the room, and keep them whole; what is left goes to the
+    # modules of the shorter ids (the distributed test's cell would need 28 columns to show one phase)
+    assert table_lines(main_job(), 120) == SHORT_AT_120.splitlines()
 
 
-def test_phases_leave_their_columns_when_the_width_is_short() -> None:
-    lines = table_lines(main_job(), 80)
-    # at 80 columns the ids keep 35% (28), the least shared phase (total) goes to the cell, which says so
-    assert lines[1].split() == ["test", "forward", "backward", "call", "peak", "status", "other", "phases"]
-    assert lines[-1].endswith("4.0 MiB   8.0 MiB   40.0 MiB  ok      +1 more")
-    assert max(map(len, lines)) <= 80
+def test_parameters_are_cut_before_phases_leave_their_columns() -> None:
+    # at 80 columns: the parameters keep 10 columns ("[chun…oint]") so that two phases keep theirs; the
+    # least shared one (total) goes to the cell, which says so; every name whole
+    assert table_lines(main_job(), 80) == [
+        "test ids without their common prefix reference_losses/",
+        "test                               forward  backward  call peak  status  others",
+        "---------------------------------  -------  --------  ---------  ------  -------",
+        "…::test_data_parallel[2]                              128.0 MiB  ok      +4 more",
+        "test_training_strategy[naive_sum]  4.0 MiB   8.0 MiB   40.0 MiB  ok      +1 more",
+        "…::test_training_strategy[dot]     4.0 MiB   8.0 MiB   40.0 MiB  ok      +1 more",
+        "test_training_strategy[chun…oint]  4.0 MiB   8.0 MiB   40.0 MiB  ok      +1 more",
+        "test_training_strategy[opti…ward]  4.0 MiB   8.0 MiB   40.0 MiB  ok      +1 more",
+        "test_training_strategy[sele…oint]  4.0 MiB   8.0 MiB   40.0 MiB  ok      +1 more",
+    ]
+
+
+def mixed_devices() -> list[TestResult]:
+    """A suite mixing CPU and meta tests: a long module path, parameters, a Japanese name, a budget."""
+
+    def test(
+        name: str, device: str = "cpu", budget: str | None = None, mib: tuple[float, float] = (4, 8)
+    ) -> TestResult:
+        phases = {p.name: p for p in (phase("forward", mib[0]), phase("backward", mib[1]))}
+        nodeid = f"tests/models/test_llama_memory.py::{name}"
+        return TestResult(nodeid, "tracker", device, phase("call", sum(mib)), phases, budget_text=budget)
+
+    return [
+        test("test_forward_backward[bf16-seq2048]"),
+        test("test_forward_backward[fp32-seq512]", mib=(8, 16)),
+        test("test_日本語の名前", mib=(4, 2)),
+        test("test_predicted_on_meta", "meta", "1 GiB, capacity 3 GiB", (1024, 2560)),
+    ]
+
+
+MIXED_HEAD = "test ids without their common prefix tests/models/test_llama_memory.py::"
+MIXED_LAYOUTS = {
+    120: [
+        MIXED_HEAD,
+        "test                                 device  forward  backward  call peak  budget                 status",
+        "-----------------------------------  ------  -------  --------  ---------  ---------------------  ------",
+        "test_forward_backward[bf16-seq2048]  cpu     4.0 MiB   8.0 MiB   12.0 MiB                         ok",
+        "test_forward_backward[fp32-seq512]   cpu     8.0 MiB  16.0 MiB   24.0 MiB                         ok",
+        "test_日本語の名前                    cpu     4.0 MiB   2.0 MiB    6.0 MiB                         ok",
+        "test_predicted_on_meta               meta    1.0 GiB   2.5 GiB    3.5 GiB  1 GiB, capacity 3 GiB  ok",
+    ],
+    97: [  # the budget is cut first
+        MIXED_HEAD,
+        "test                                 device  forward  backward  call peak  budget          status",
+        "-----------------------------------  ------  -------  --------  ---------  --------------  ------",
+        "test_forward_backward[bf16-seq2048]  cpu     4.0 MiB   8.0 MiB   12.0 MiB                  ok",
+        "test_forward_backward[fp32-seq512]   cpu     8.0 MiB  16.0 MiB   24.0 MiB                  ok",
+        "test_日本語の名前                    cpu     4.0 MiB   2.0 MiB    6.0 MiB                  ok",
+        "test_predicted_on_meta               meta    1.0 GiB   2.5 GiB    3.5 GiB  1 GiB, capaci…  ok",
+    ],
+    80: [  # the budget left out, then the parameters cut; the phases keep their columns
+        MIXED_HEAD,
+        "test                                device  forward  backward  call peak  status",
+        "----------------------------------  ------  -------  --------  ---------  ------",
+        "test_forward_backward[bf16-…q2048]  cpu     4.0 MiB   8.0 MiB   12.0 MiB  ok",
+        "test_forward_backward[fp32-seq512]  cpu     8.0 MiB  16.0 MiB   24.0 MiB  ok",
+        "test_日本語の名前                   cpu     4.0 MiB   2.0 MiB    6.0 MiB  ok",
+        "test_predicted_on_meta              meta    1.0 GiB   2.5 GiB    3.5 GiB  ok",
+        "left out to fit 80 columns: budget",
+    ],
+    61: [  # the caption's prefix cut in the middle; the phases left out, and said so
+        "test ids without their common prefix tests/model…_memory.py::",
+        "test                                device  call peak  status",
+        "----------------------------------  ------  ---------  ------",
+        "test_forward_backward[bf16-…q2048]  cpu      12.0 MiB  ok",
+        "test_forward_backward[fp32-seq512]  cpu      24.0 MiB  ok",
+        "test_日本語の名前                   cpu       6.0 MiB  ok",
+        "test_predicted_on_meta              meta      3.5 GiB  ok",
+        "left out to fit 61 columns: budget, phases",
+    ],
+}
+
+
+@pytest.mark.parametrize("width", sorted(MIXED_LAYOUTS))
+def test_a_suite_mixing_cpu_and_meta_keeps_its_names_whole_and_its_phases_where_they_fit(width: int) -> None:
+    lines = table_lines(mixed_devices(), width)
+    assert lines == MIXED_LAYOUTS[width]
+    assert max(map(display_width, lines)) <= width  # "test_日本語の名前" takes 17 columns, 12 characters
+
+
+def hostile_suite(phases: int) -> list[TestResult]:
+    ids = [
+        "tests/a_very/deeply/nested/package/test_module_with_a_long_name.py::TestGroup::test_step[[red]-<b>]",
+        "tests/a_very/deeply/nested/package/test_module_with_a_long_name.py::TestGroup::test_step[<b>-[red]]",
+        "tests/unicode/test_ユニコード.py::test_日本語のテスト名[モデル-e\u0301-😀]",
+        "tests/markup/test_markup.py::test_[bold]markup[/bold]",
+        "tests/t.py::test_with_a_function_name_longer_than_most_terminals_are_wide_at_all_even_at_120_columns",
+    ]
+    names = [f"phase_{i}_日本" if i % 3 else f"p{i}[red]" for i in range(phases)]
+    budget = "forward=1 GiB, capacity 80 GiB"
+    return [
+        TestResult(nodeid, "tracker", "meta" if i % 2 else "cpu", phase("call", 64 * (i + 1)),
+                   {name: phase(name, j + i) for j, name in enumerate(names)}, budget_text=budget)
+        for i, nodeid in enumerate(ids)
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("width", [40, 61, 80, 97, 100, 120, 200])
+@pytest.mark.parametrize("phases", [0, 3, 30])
+def test_hostile_ids_fit_every_width_and_keep_their_names_whole_where_they_fit(width: int, phases: int) -> None:
+    results = hostile_suite(phases)
+    for long in (False, True) if width >= 61 else (False,):
+        lines = table_lines(results, width, long)
+        assert max(map(display_width, lines)) <= width, "\n".join(lines)
+    cells = [line.split("  ")[0] for line in table_lines(results, width)[3:]]
+    for nodeid, cell in zip((r.nodeid for r in results), cells, strict=False):
+        name = TestId.of(nodeid).name
+        # whole where its column has room for it (all but the last at 61 columns and more), else cut at its end
+        assert name in cell or (cell.endswith(ELLIPSIS) and name.startswith(cell[:-1])), cells
+        assert name in cell or width < 61 or name.startswith("test_with_a_function_name"), cells
 
 
 def test_wide_terminal_keeps_every_shared_phase_and_whole_ids() -> None:
@@ -287,12 +469,17 @@ def test_a_distributed_run_is_its_call_peak_and_agreeing_ranks_are_not_named() -
     assert apart[1:] == ["22.0 MiB @rank1", "ok", "ddp.forward 6.0 MiB @rank1 · ddp.backward 16.0 MiB"]
 
 
-def test_backend_column_only_when_tests_differ() -> None:
+def test_device_column_only_when_tests_differ() -> None:
     cpu, meta = strategy("a"), strategy("b")
-    assert "backend" not in table_lines([cpu, meta])[1]
-    meta.device = "meta"
+    assert "device" not in table_lines([cpu, meta])[1] and "backend" not in table_lines([cpu, meta])[1]
+    meta.device = "meta"  # the same backend: only the device is said
+    assert table_lines([cpu, meta])[1].split()[:2] == ["test", "device"]
+    assert table_lines([cpu, meta])[-1].split()[1] == "meta"
+    meta.backend = "cuda"  # both differ: both said
     assert table_lines([cpu, meta])[1].split()[:2] == ["test", "backend"]
-    assert "tracker meta" in table_lines([cpu, meta])[-1]
+    assert "cuda meta" in table_lines([cpu, meta])[-1]
+    meta.device = "cpu"  # only the backend differs
+    assert table_lines([cpu, meta])[-1].split()[1] == "cuda"
 
 
 # pytester: a suite whose tests name their phases differently, one with per-rank phases as
@@ -339,14 +526,76 @@ def test_report_fits_the_terminal(tracker: pytest.Pytester, monkeypatch: pytest.
     result = tracker.runpytest("--gpumem-report", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=5)
     report = _report(result)
-    assert max(map(len, report)) <= int(columns or 120), "\n".join(report)
+    assert max(map(display_width, report)) <= int(columns or 120), "\n".join(report)
     assert report[0] == "test ids without their common prefix test_mixed.py::"
-    assert report[1].split()[:3] == ["test", "forward", "backward"]  # shared by 3 tests of 5
     assert len(report) == 3 + 5  # caption, header, rule, a row per test
     assert len({line.split()[0] for line in report[3:]}) == 5  # ids cut where they stay apart
+    # the 57 characters of the function's name whole in each row, the parameters cut in the middle
+    assert all(line.startswith("test_a_training_step_whose_name_is_long_enough_to_be_cut[") for line in report[3:6])
+    assert report[3].split()[0].endswith("…quences]")
+    # at 120 columns, the phases shared by 3 tests of 5 keep their columns; at 100 they do not fit beside
+    # that name and are counted in the cell
+    assert report[1].split()[1:3] == (["call", "peak"] if columns else ["forward", "backward"])
     # rank 1's backward: 4 * 4096 * 7 = 114,688 B = 112.0 KiB, the worst; only the count where it is cut
     ranks = next(line for line in report if line.startswith("test_ranks "))
     assert "ddp.forward 8.0 KiB @rank1 · ddp.backward 112.0 KiB @rank1" in ranks or ranks.endswith(" more")
+
+
+# pytester: CPU tests and a meta test in one run, a long id (tests/models/...), a name in Japanese
+DEVICES = """
+import pytest, torch
+
+@pytest.mark.parametrize("dtype", ["bf16-seq2048", "fp32-seq512"])
+def test_forward_backward(gpumem, dtype):
+    with gpumem.phase("forward"):
+        torch.ones(1024)
+    with gpumem.phase("backward"):
+        torch.ones(2048)
+
+def test_日本語の名前(gpumem):
+    with gpumem.phase("forward"):
+        torch.ones(1024)
+    with gpumem.phase("backward"):
+        torch.ones(4096)
+
+@pytest.mark.max_memory("1 GiB", capacity="3 GiB", device="meta")
+def test_predicted_on_meta(gpumem):
+    with gpumem.phase("forward"):
+        torch.ones(1024, device=gpumem.device)
+    with gpumem.phase("backward"):
+        torch.ones(4096, device=gpumem.device)
+"""
+SMALL = "import torch\n\ndef test_small(gpumem):\n    with gpumem.phase('forward'):\n        torch.ones(10)\n"
+
+
+def test_a_run_mixing_cpu_and_meta_fits_80_columns_with_whole_names_and_its_phases(
+    tracker: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    (tracker.path / "tests" / "models").mkdir(parents=True)
+    (tracker.path / "tests" / "models" / "test_llama_memory.py").write_text(DEVICES, encoding="utf-8")
+    tracker.makepyfile(test_small=SMALL)
+    result = tracker.runpytest("--gpumem-report", "-p", "no:cacheprovider", "-p", "no:randomly")
+    result.assert_outcomes(passed=5)
+    report = _report(result)
+    assert max(map(display_width, report)) <= 80, "\n".join(report)  # "test_日本語の名前" takes 17 columns
+    head, _, *rows, said = report
+    # the phases keep their columns beside the device's: the budget is left out for them, and said so
+    assert head.split() == ["test", "device", "forward", "backward", "call", "peak", "status"]
+    assert said == "left out to fit 80 columns: budget"
+    names = ["test_small", "test_forward_backward[bf16-", "test_forward_backward[fp32-seq512]", "test_日本語の名前",
+             "test_predicted_on_meta"]  # fmt: skip
+    assert [row.split()[0] for row in rows] == [
+        "test_small.py::test_small",  # short enough to keep its module
+        "test_forward_backward[bf16-…q2048]",  # the longest: its parameters cut in the middle, its name whole
+        "test_forward_backward[fp32-seq512]",
+        "…::test_日本語の名前",
+        "…::test_predicted_on_meta",
+    ]
+    assert all(name in row for name, row in zip(names, rows, strict=True))
+    assert [row.split()[1] for row in rows] == ["cpu", "cpu", "cpu", "cpu", "meta"]
+    # 1024 float32 = 4.0 KiB forward and on meta; 4096 float32 = 16.0 KiB backward
+    assert rows[-1].split()[2:] == ["4.0", "KiB", "16.0", "KiB", "16.0", "KiB", "ok"]
 
 
 def test_verbose_report_and_markdown_have_a_row_per_phase(tracker: pytest.Pytester) -> None:

@@ -4,75 +4,84 @@ same columns unfitted, `report/markdown.py`), and the run's one-line counts.
 The short form has fixed columns (test, call peak, baseline, change, budget, status; those empty in every
 row left out), a column for each phase that most tests share, and one cell for every other phase
 ("forward 4.0 MiB · backward 8.0 MiB", the largest where not all fit); per-rank phases (`phase@rankN`)
-fold into the worst rank ("28.0 MiB @rank1", no rank where all ranks agree). Test ids too long for their
-column lose whole leading parts ("…test_x[a]") before they are cut in the middle. The long form has one
-row per test and phase.
+fold into the worst rank ("28.0 MiB @rank1", no rank where all ranks agree). The long form has one row
+per test and phase.
+
+Widths are screen columns (`report/width.py`: 日本 takes four). Where the table is too wide, the test's
+name keeps its room longest: the ids lose their leading parts first ("…::test_x[a]"), then the budget and
+the cells of detail are cut and the budget left out, then the parameters are cut in the middle
+("test_x[bf1…2048]") and phases leave their own columns for the cell of the others; a function's name is
+never cut in the middle, only at its end where it alone does not fit (`_fit` has the whole order).
 """
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from pytest_gpumem.explain.text import summary
+from pytest_gpumem.report.width import ELLIPSIS, cut, display_width, pad, truncate
 from pytest_gpumem.results import PhaseResult, Status, TestResult, rank_phase, split_rank
 from pytest_gpumem.sizes import format_size
 
 DEFAULT_WIDTH = 120  # when pytest writes to no terminal
 GAP = "  "
 JOIN = " · "
-ELLIPSIS = "…"
-# how narrow a column may get (narrowed in this order): first while phases keep their own columns, then
-# (when nothing else fits) at the last resort; a test id keeps this share of the width before phases fold
-_ID_SHARE = 0.35
-_FLOORS = ({"test": 0, "made of": 20, "other phases": 12}, {"other phases": 8, "made of": 10, "test": 16, "budget": 12})
+# how narrow a column may get, narrowed in this order (after the test ids' leading parts, `_fit`), and at
+# the last resort ("phase": the long form's phase names, which are cut only then)
+_FLOORS = (("budget", 16), ("other phases", 24), ("made of", 24), ("budget", 8), ("made of", 12), ("other phases", 8))
+_LAST_FLOORS = (("made of", 8), ("backend", 6), ("phase", 16), ("test", 8), ("phase", 10), ("status", 10))
+_LEFT_OUT = ("budget", "made of", "other phases")  # left out in this order where cutting them is not enough
+_PARAMS_KEPT = 10  # columns of a test's parameters kept before a phase leaves its column ("[bf1…2048]")
+_PARAMS_LAST = 5  # and at the last resort ("[b…8]")
 
 
 def one_line(text: str) -> str:
-    """A table cell on one line: line breaks (a phase named "a\\nb") become spaces, or a row would split."""
-    return " ".join(text.splitlines()) if text else text
+    """A table cell on one line that takes the columns it is measured at: line breaks (a phase named
+    "a\\nb") and tabs become spaces, other control characters (an escape sequence, which a terminal would
+    obey) and lone surrogates are written as Python escapes ("\\x1b")."""
+    text = " ".join(text.splitlines()).replace("\t", " ") if text else text
+    return text if text.isprintable() else "".join(map(_visible, text))
+
+
+def _visible(char: str) -> str:
+    if unicodedata.category(char) not in ("Cc", "Cs"):
+        return char
+    return char.encode("unicode_escape", "backslashreplace").decode("ascii")
 
 
 def elide(text: str, width: int) -> str:
-    """`text` cut in the middle to `width` characters, the end kept (where parametrized ids differ)."""
-    return _cut(text, width, (width - 1) // 2) if width >= 2 or len(text) <= width else ELLIPSIS[:width]
+    """`text` cut in the middle to `width` columns, the end kept (where parametrized ids differ)."""
+    return cut(text, width, (width - 1) // 2)
 
 
 def elide_apart(texts: Sequence[str], width: int) -> list[str]:
-    """Each of `texts` cut in the middle to `width`, at the same place for all, chosen so that texts that
-    differ stay different (two parametrized ids must not both read "test_a…sequences]")."""
-    if all(len(text) <= width for text in texts) or width < 2:
+    """Each of `texts` cut in the middle to `width` columns, at the same place for all, chosen so that
+    texts that differ stay different (two phases must not both read "ddp.ba…rank1")."""
+    if width < 2 or all(display_width(text) <= width for text in texts):
         return [elide(text, width) for text in texts]
     distinct = len(set(texts))
     balanced = (width - 1) // 2
-    for head in [balanced, *range(balanced - 1, -1, -1), *range(balanced + 1, width)]:
-        cut = [_cut(text, width, head) for text in texts]
-        if len(set(cut)) == distinct:
-            return cut
+    for start in [balanced, *range(balanced - 1, -1, -1), *range(balanced + 1, width)]:
+        shown = [cut(text, width, start) for text in texts]
+        if len(set(shown)) == distinct:
+            return shown
     return [elide(text, width) for text in texts]
 
 
-def _cut(text: str, width: int, head: int) -> str:
-    return text if len(text) <= width else text[:head] + ELLIPSIS + text[len(text) - (width - 1 - head) :]
-
-
-def truncate(text: str, width: int) -> str:
-    """`text` cut at the end to `width` characters."""
-    return text if len(text) <= width else text[: max(width - 1, 0)] + ELLIPSIS[:width]
-
-
 def join_fitting(parts: Sequence[str], width: int, rank: Sequence[int] | None = None) -> str:
-    """`parts` joined by " · ", as many as fit in `width`, then how many more there are ("+3 more"): each
-    part taken in turn (their own order, or `rank`'s, lowest first) where it still fits, all shown in
-    their own order."""
-    if len(JOIN.join(parts)) <= width:
+    """`parts` joined by " · ", as many as fit in `width` columns, then how many more there are ("+3
+    more"): each part taken in turn (their own order, or `rank`'s, lowest first) where it still fits, all
+    shown in their own order."""
+    if display_width(JOIN.join(parts)) <= width:
         return JOIN.join(parts)
     chosen: list[int] = []
     for i in sorted(range(len(parts)), key=lambda i: i if rank is None else rank[i]):
-        if len(_shown(parts, [*chosen, i])) <= width:
+        if display_width(_shown(parts, [*chosen, i])) <= width:
             chosen.append(i)
     shown = _shown(parts, chosen)
-    return shown if len(shown) <= width else truncate(shown, width)
+    return shown if display_width(shown) <= width else truncate(shown, width)
 
 
 def _shown(parts: Sequence[str], chosen: Sequence[int]) -> str:
@@ -98,35 +107,92 @@ def common_prefix(nodeids: Sequence[str]) -> str:
     low, high = min(nodeids), max(nodeids)  # what these two share, every id between them shares
     same = next((i for i, (a, b) in enumerate(zip(low, high, strict=False)) if a != b), len(low))
     prefix = low[:same].split("[")[0]
-    cut = max(prefix.rfind("/") + 1, prefix.rfind("::") + 2 if "::" in prefix else 0)
-    prefix = prefix[:cut]
+    cut_at = max(prefix.rfind("/") + 1, prefix.rfind("::") + 2 if "::" in prefix else 0)
+    prefix = prefix[:cut_at]
     return prefix if all(len(nodeid) > len(prefix) for nodeid in nodeids) else ""
 
 
-def shorten_ids(ids: Sequence[str], width: int) -> list[str]:
-    """Each id in `width`: first without whole leading parts (up to a "/" or "::" before the parameters,
-    "…" in their place), the test's name and parameters kept; where even those do not fit, or two ids
-    would read the same, cut in the middle as `elide_apart` does."""
-    cut = [_without_leading_parts(nodeid, width) for nodeid in ids]
-    if len(set(cut)) != len(set(ids)):
-        return elide_apart(ids, width)
-    long = [i for i, text in enumerate(cut) if len(text) > width]
-    names = elide_apart([_last_part(ids[i]) for i in long], width)
-    for i, name in zip(long, names, strict=True):
-        cut[i] = name
-    return cut if len(set(cut)) == len(set(ids)) else elide_apart(ids, width)
+@dataclass(frozen=True)
+class TestId:
+    """A test id in its parts: what leads to the test ("a/t.py::TestC::", with its last separator), the
+    function's name, its parameters ("[a-b]" or "")."""
+
+    __test__ = False  # not a test class for pytest
+
+    lead: str
+    name: str
+    params: str
+
+    @classmethod
+    def of(cls, nodeid: str) -> TestId:
+        names = nodeid.split("[", 1)[0]
+        starts = _part_starts(nodeid)
+        last = starts[-1] if starts else 0
+        return cls(nodeid[:last], names[last:], nodeid[len(names) :])
+
+    @property
+    def rest(self) -> str:
+        return self.name + self.params
 
 
-def _without_leading_parts(nodeid: str, width: int) -> str:
-    if len(nodeid) <= width:
+def shorten_id(nodeid: str, width: int) -> str:
+    """`nodeid` in `width` columns: whole, else without whole leading parts ("…::test_x[a]", "…/t.py::"
+    kept where it fits), else the name and parameters alone, else the name whole and its parameters cut
+    in the middle ("test_x[sma…ces]"), and only where the name alone does not fit, cut at its end."""
+    if display_width(nodeid) <= width:
         return nodeid
-    starts = _part_starts(nodeid)
-    return next((ELLIPSIS + nodeid[start:] for start in starts if len(nodeid) - start < width), nodeid)
+    for start in _part_starts(nodeid):
+        sep = "::" if nodeid[:start].endswith("::") else "/"
+        shown = ELLIPSIS + sep + nodeid[start:]
+        if display_width(shown) <= width:
+            return shown
+    parts = TestId.of(nodeid)
+    return _name_and_cut_params(parts, width, parts.params)
 
 
-def _last_part(nodeid: str) -> str:
-    starts = _part_starts(nodeid)
-    return nodeid[starts[-1] :] if starts else nodeid
+def _name_and_cut_params(parts: TestId, width: int, params: str) -> str:
+    """The name whole and `params` (its parameters, maybe cut already) in `width`, else cut at the end."""
+    room = width - display_width(parts.name)
+    if display_width(parts.rest) <= width:
+        return parts.rest
+    if parts.params and room >= 3:
+        return parts.name + (params if display_width(params) <= room else elide(parts.params, room))
+    return truncate(parts.rest, width)
+
+
+def shorten_ids(ids: Sequence[str], width: int) -> list[str]:
+    """Each id as `shorten_id` shows it in `width` columns, kept apart where that makes two ids read
+    the same: those that differ in what leads to the test have that cut in the middle where they differ
+    ("a…::test_x", "b…::test_x"), those that differ in parameters their parameters; never the name."""
+    shown = [shorten_id(nodeid, width) for nodeid in ids]
+    groups: dict[str, list[int]] = {}
+    for i, text in enumerate(shown):
+        groups.setdefault(text, []).append(i)
+    for rows in groups.values():
+        originals = list(dict.fromkeys(ids[i] for i in rows))
+        if len(originals) < 2:
+            continue
+        apart = _apart([TestId.of(nodeid) for nodeid in originals], width)
+        if apart is not None:
+            for i in rows:
+                shown[i] = apart[originals.index(ids[i])]
+    return shown
+
+
+def _apart(parts: Sequence[TestId], width: int) -> list[str] | None:
+    """Ids that would read the same shown apart in `width`, the name whole; None where they cannot be."""
+    rests, names = {p.rest for p in parts}, {p.name for p in parts}
+    if len(rests) == 1:
+        room = width - display_width(parts[0].rest)
+        leads = elide_apart([p.lead for p in parts], room) if room >= 2 else []
+        shown = [lead + p.rest for lead, p in zip(leads, parts, strict=True)] if leads else []
+    elif len(names) == 1 and width - display_width(parts[0].name) >= 3:
+        room = width - display_width(parts[0].name)
+        params = elide_apart([p.params for p in parts], room)
+        shown = [_name_and_cut_params(p, width, cut_params) for p, cut_params in zip(parts, params, strict=True)]
+    else:
+        return None
+    return shown if len(set(shown)) == len(parts) else None
 
 
 def _part_starts(nodeid: str) -> list[int]:
@@ -179,10 +245,12 @@ class Column:
     header: str
     cells: list[list[str]]
     right: bool = False  # figures align right
-    middle: bool = False  # test ids: shortened by `shorten_ids`, not cut at the end
+    ids: bool = False  # test ids: shortened by `shorten_ids`, the name kept whole
+    middle: bool = False  # cut in the middle (phase names, whose rank is at their end), kept apart
     parts: bool = False  # cut between parts, saying how many more ("+3 more"), never inside one
     rank: list[list[int]] | None = None  # for parts: which `join_fitting` shows first
     key: str = ""  # what `shrink` calls it: the header, or "phase:NAME" for a phase's own column
+    brief: str = ""  # the header where the whole one does not fit ("others" for "other phases")
     width: int = field(default=0)
     _cache: tuple[int, list[str]] | None = field(default=None, repr=False)
 
@@ -194,34 +262,36 @@ class Column:
 
     @property
     def natural(self) -> int:
-        return max([len(self.header), *(len(JOIN.join(cell)) for cell in self.cells)])
+        return max([display_width(self.header), *(display_width(JOIN.join(cell)) for cell in self.cells)])
 
     def text(self, row: int) -> str:
         parts = self.cells[row]
         if self.parts:
             return join_fitting(parts, self.width, None if self.rank is None else self.rank[row])
-        if self.middle:
-            return self._elided()[row]
+        if self.ids or self.middle:
+            return self._shortened()[row]
         return truncate(parts[0] if parts else "", self.width)
 
-    def _elided(self) -> list[str]:
+    def shown_width(self) -> int:
+        """The columns what it shows at its width takes (a cell of phases may show less)."""
+        return max([display_width(self.head()), *(display_width(self.text(row)) for row in range(len(self.cells)))])
+
+    def _shortened(self) -> list[str]:
         if self._cache is None or self._cache[0] != self.width:
             texts = [cell[0] if cell else "" for cell in self.cells]
-            self._cache = self.width, shorten_ids(texts, self.width)
+            self._cache = self.width, (shorten_ids if self.ids else elide_apart)(texts, self.width)
         return self._cache[1]
 
     def head(self) -> str:
-        return truncate(self.header, self.width)
+        fits = self.brief and display_width(self.header) > self.width >= display_width(self.brief)
+        return self.brief if fits else truncate(self.header, self.width)
 
 
 def render(columns: Sequence[Column], rows: int) -> list[str]:
     """The columns as pytest-benchmark-style text: headers, a rule, rows; cells two spaces apart."""
 
     def line(cells: Sequence[str]) -> str:
-        padded = [
-            c.rjust(col.width) if col.right else c.ljust(col.width) for c, col in zip(cells, columns, strict=True)
-        ]
-        return GAP.join(padded).rstrip()
+        return GAP.join(pad(c, col.width, col.right) for c, col in zip(cells, columns, strict=True)).rstrip()
 
     lines = [line([col.head() for col in columns]), GAP.join("-" * col.width for col in columns)]
     return lines + [line([col.text(row) for col in columns]) for row in range(rows)]
@@ -231,10 +301,10 @@ def total_width(columns: Sequence[Column]) -> int:
     return sum(col.width for col in columns) + len(GAP) * (len(columns) - 1)
 
 
-def shrink(columns: Sequence[Column], width: int, floors: Mapping[str, int]) -> bool:
-    """Narrow the columns named in `floors` (in that order, each at most to its floor) until the table
-    fits in `width`; whether it does."""
-    for name, floor in floors.items():
+def shrink(columns: Sequence[Column], width: int, floors: Sequence[tuple[str, int]]) -> bool:
+    """Narrow the columns named in `floors` (in that order, each at most to its floor; a column may come
+    back with a lower floor) until the table fits in `width`; whether it does."""
+    for name, floor in floors:
         excess = total_width(columns) - width
         if excess <= 0:
             break
@@ -274,10 +344,18 @@ def _baseline(result: TestResult, phase: str | None) -> tuple[str, str, str]:
     return ("" if base is None else format_size(base), "" if change is None else f"{change:+.1f}%", found.status)
 
 
-def _devices(results: Sequence[TestResult]) -> list[str] | None:
-    """Each test's backend and device, when they are not the same for all (the header names them then)."""
+def _devices(results: Sequence[TestResult]) -> Column | None:
+    """Where each test was measured, when that is not the same for all (the header names it then): the
+    device alone where every test has the same backend ("meta" beside "cpu"), the backend alone where
+    every test has the same device, else both ("tracker meta")."""
     where = [f"{r.backend} {r.device}".strip() for r in results]
-    return where if len(set(where)) > 1 else None
+    if len(set(where)) < 2:
+        return None
+    if len({r.backend for r in results}) == 1:
+        return Column("device", [[r.device] for r in results], key="backend")
+    if len({r.device for r in results}) == 1:
+        return Column("backend", [[r.backend] for r in results])
+    return Column("backend", [[w] for w in where])
 
 
 def _ids(results: Sequence[TestResult], shorten: bool) -> tuple[str, list[str]]:
@@ -301,9 +379,9 @@ def short_columns(
         for phases, run in zip(folded, runs, strict=True)
     ]
     others = [[f"{name} {peak_cell(p)}" for name, p in phases] for phases in rest]
-    columns = [Column("test", [[i] for i in (ids or [r.nodeid for r in results])], middle=True)]
+    columns = [Column("test", [[i] for i in (ids or [r.nodeid for r in results])], ids=True)]
     where = _devices(results)
-    columns += [] if where is None else [Column("backend", [[w] for w in where])]
+    columns += [] if where is None else [where]
     columns += [
         Column(name, [[peak_cell(phases.get(name))] for phases in folded], right=True, key=f"phase:{name}")
         for name in own
@@ -317,10 +395,11 @@ def short_columns(
     columns.append(Column("status", [[r.status] for r in results]))
     if any(others):
         rank = [cell_rank([name for name, _ in phases], [p.peak_bytes for _, p in phases]) for phases in rest]
-        columns.append(Column("other phases" if own else "phases", others, parts=True, key="other phases", rank=rank))
+        header = "other phases" if own else "phases"
+        columns.append(Column(header, others, parts=True, key="other phases", rank=rank, brief="others"))
     if any(r.explanation is not None for r in results):
         made = [[summary(r.explanation) if r.explanation else ""] for r in results]
-        columns.append(Column("call peak made of", made, key="made of"))
+        columns.append(Column("call peak made of", made, key="made of", brief="made of"))
     if links is not None and any(r.html for r in results):
         columns.append(Column("picture", [[f"[picture](<{links(r.html)}>)" if r.html else ""] for r in results]))
     return columns
@@ -352,7 +431,7 @@ def long_columns(
     optional = {"baseline", "change", "budget", "made of", "picture"}
     figures = {"peak", "net", "baseline", "change"}
     columns = [
-        Column(h, [[row.get(h, "")] for row in rows], right=h in figures, middle=h in ("test", "phase"), key=h)
+        Column(h, [[row.get(h, "")] for row in rows], right=h in figures, ids=h == "test", middle=h == "phase", key=h)
         for h in headers
         if h not in optional or any(row.get(h) for row in rows)
     ]
@@ -364,62 +443,114 @@ def _net(phase: PhaseResult | None) -> str:
 
 
 def table(results: Sequence[TestResult], width: int | None = DEFAULT_WIDTH, long: bool = False) -> str:
-    """The `--gpumem-report` table, every line at most `width` characters (no limit for None)."""
+    """The `--gpumem-report` table, every line at most `width` screen columns (no limit for None)."""
     return "\n".join(table_lines(results, width, long))
 
 
 def table_lines(results: Sequence[TestResult], width: int | None = DEFAULT_WIDTH, long: bool = False) -> list[str]:
+    """The table's lines, each at most `width` screen columns (no limit for None)."""
     prefix, ids = _ids(results, shorten=True)
-    caption = [truncate(f"test ids without their common prefix {prefix}", width or len(prefix) + 40)] if prefix else []
+    caption = [_caption(prefix, width)] if prefix else []
     if long:
-        columns, count = long_columns(results, ids)
-        if width is not None:
-            shrink(columns, width, {"made of": 20, "test": 24, "phase": 16, "budget": 12})
-            shrink(columns, width, {"made of": 8, "test": 12, "phase": 10, "budget": 8})
-        return caption + render(columns, count)
-    return caption + render(_fitted(results, ids, width), len(results))
+        count = long_columns(results, ids)[1]
+        columns, left_out = _fit(lambda _: long_columns(results, ids)[0], 0, ids, width)
+    else:
+        every = len(shared_phases([fold_ranks(r.phases) for r in results]))
+        columns, left_out = _fit(lambda shared: short_columns(results, shared, ids), every, ids, width)
+        count = len(results)
+    said = f"left out to fit {width} columns: {', '.join(left_out)}"
+    return caption + render(columns, count) + ([truncate(said, width or len(said))] if left_out else [])
 
 
-def _fitted(results: Sequence[TestResult], ids: Sequence[str], width: int | None) -> list[Column]:
-    """The short form in `width`: as many of the shared phases in their own columns as fit (the least
-    shared leave theirs for the cell of the others first), test ids cut to their test names and
-    parameters (up to half the width) or else to a share of it; of those, the first whose cell shows a
-    phase in each row. When nothing fits, everything is cut to its last floor."""
-    every = len(shared_phases([fold_ranks(r.phases) for r in results]))
-    columns = short_columns(results, ids=ids)
+def _caption(prefix: str, width: int | None) -> str:
+    """The line naming the prefix the ids were shown without; where too long, the prefix cut in the middle."""
+    said = "test ids without their common prefix "
+    if width is None or display_width(said + prefix) <= width:
+        return said + prefix
+    room = width - display_width(said)
+    return said + elide(prefix, room) if room >= 12 else truncate(said + prefix, width)
+
+
+@dataclass(frozen=True)
+class TestFloors:
+    """How narrow the test column may get: `whole`, every test's name and parameters whole (before
+    anything but the budget is cut); `kept`, the names whole and the parameters cut in the middle to
+    `_PARAMS_KEPT` columns where the ids stay apart (before a phase leaves its column); `named`, the names
+    whole and a few columns of their parameters (at the last resort, before names are cut). A name longer
+    than `room` (what the table has for the test column at the last resort) is cut at its end whatever
+    the column's width: it counts for none of these."""
+
+    __test__ = False  # not a test class for pytest
+
+    whole: int
+    kept: int
+    named: int
+
+    @classmethod
+    def of(cls, ids: Sequence[str], room: int | None = None) -> TestFloors:
+        counted = [
+            nodeid for nodeid in ids if nodeid and (room is None or display_width(TestId.of(nodeid).name) <= room)
+        ]
+        parts = [TestId.of(nodeid) for nodeid in counted]
+        if not parts:
+            return cls(*(3 * [max(room or 0, 0)]))
+        whole = max(display_width(p.rest) for p in parts)
+
+        def floor(params: int) -> int:
+            return max(display_width(p.name) + min(display_width(p.params), params) for p in parts)
+
+        kept, named = floor(_PARAMS_KEPT), floor(_PARAMS_LAST)
+        step, distinct = max(1, (whole - kept) // 8), len(set(counted))
+        kept = next((w for w in range(kept, whole, step) if len(set(shorten_ids(counted, w))) == distinct), whole)
+        return cls(whole, kept, named)
+
+
+def _fit(
+    build: Callable[[int], list[Column]], every: int, ids: Sequence[str], width: int | None
+) -> tuple[list[Column], list[str]]:
+    """The columns `build(shared)` makes (`shared` phases in their own columns, of `every`) fitted to
+    `width`, and the headers of those left out. Tried in this order until the table fits:
+
+    1. the test ids without their leading parts, their names and parameters whole; the budget and the
+       cells of detail cut to their floors (`_FLOORS`);
+    2. the budget left out;
+    3. for each count of phases in their own columns, from all of them down to none: the ids' parameters
+       whole, then cut in the middle to `_PARAMS_KEPT` columns (`TestFloors.kept`);
+    4. the parameters cut to `_PARAMS_LAST` columns; then the cells of detail left out;
+    5. the last resort (`_LAST_FLOORS`): the function names cut at their end.
+
+    The room left goes back to the ids' names and parameters first, then to what was cut, then to the
+    ids' leading parts."""
     if width is None:
-        return columns
-    names = max(len(_last_part(i)) + len(ELLIPSIS) for i in ids)
-    share = max(_FLOORS[1]["test"], int(width * _ID_SHARE))
-    for shared in range(every, -1, -1):
-        fits = []
-        for test in dict.fromkeys((max(share, min(names, width // 2)), share)):
-            columns = short_columns(results, shared, ids)
-            if shrink(columns, width, {**_FLOORS[0], "test": test}):
-                fits.append(columns)
-        if fits:
-            return _settled(next((c for c in fits if _shows_a_phase(c)), fits[0]), width)
-    for shared in range(every, -1, -1):
-        columns = short_columns(results, shared, ids)
-        if shrink(columns, width, _FLOORS[1]):
-            return _settled(columns, width)
-    return columns
+        return build(every), []
+    essential = [col for col in build(0) if col.key not in (*_LEFT_OUT, "test")]
+    test = TestFloors.of(ids, width - total_width(essential) - len(GAP))
+    counts = range(every, -1, -1)
+    tries = [(every, test.whole, 0), *((n, floor, 1) for n in counts for floor in (test.whole, test.kept))]
+    tries += [*((n, test.named, 1) for n in counts), (0, test.named, 2), (0, test.named, 3)]
+    columns, left_out = build(0), []
+    for shared, floor, dropped in tries:
+        columns = build(shared)
+        left_out = [col.header for col in columns if col.key in _LEFT_OUT[:dropped]]
+        columns = [col for col in columns if col.header not in left_out]
+        if shrink(columns, width, [("test", test.whole), *_FLOORS, ("test", floor)]):
+            return _settled(columns, width, test.whole), left_out
+    shrink(columns, width, _LAST_FLOORS)
+    return _settled(columns, width, test.whole), left_out
 
 
-def _shows_a_phase(columns: Sequence[Column]) -> bool:
-    """Whether the cell of other phases shows at least one of them in each row that has any."""
-    cell = next((col for col in columns if col.parts), None)
-    rows = [] if cell is None else [row for row, parts in enumerate(cell.cells) if parts]
-    return cell is None or all(not cell.text(row).startswith("+") for row in rows)
-
-
-def _settled(columns: list[Column], width: int) -> list[Column]:
-    """The cell of other phases as wide as what it shows, the room it leaves back to the test ids."""
+def _settled(columns: list[Column], width: int, whole: int) -> list[Column]:
+    """The test ids and the cell of other phases as wide as what they show; the room left back to the
+    ids up to `whole` (their names and parameters), then to what else was cut (each up to what it would
+    show whole), then to the ids' leading parts."""
     for col in columns:
-        if col.parts:
-            col.width = max([len(col.header), *(len(col.text(row)) for row in range(len(col.cells)))])
-    test = columns[0]
-    test.width = min(test.natural, test.width + width - total_width(columns))
+        col.width = col.shown_width() if col.parts or col.ids else col.width
+    for n, key in enumerate(("test", "phase", "budget", "made of", "other phases", "test")):
+        for col in columns:
+            if col.key == key and total_width(columns) < width:
+                cap = min(col.natural, whole) if n == 0 else col.natural
+                col.width = max(col.width, min(cap, col.width + width - total_width(columns)))
+                col.width = col.shown_width() if col.parts or col.ids else col.width
     return columns
 
 
