@@ -217,11 +217,13 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "--gpumem-round",
-        "tracker only: 'cuda' rounds sizes as the CUDA caching allocator does, to predict GPU figures.",
+        "tracker only: 'cuda' serves every tensor by a model of the CUDA caching allocator (its blocks, its "
+        "reserved segments, out of memory where a card runs out), to predict GPU figures; 'none' counts the "
+        "requested bytes; 'auto': cuda on meta, none on cpu.",
         rounding,
-        "none|cuda",
-        "none",
-        "none",
+        "auto|none|cuda",
+        "auto",
+        "auto",
     ),
     switch("--gpumem-report", "print a table of every measured test at the end."),
     Option("--gpumem-json", "write every measured test's figures to PATH as JSON.", None, "PATH", "none"),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-ROUNDINGS = ("none", "cuda")
+ROUNDINGS = ("auto", "none", "cuda")  # auto: cuda on meta (a prediction of a GPU), none on cpu
 PATHS = ("cpu", "gpu")  # whose code paths the tracker runs: the CPU's, or a GPU's (foreach, fused attention)
 DEFAULT_FILENAME = "gpumem-baselines.json"
 DEFAULT_TOLERANCE_PERCENT = 5.0

@@ -102,8 +102,8 @@ def test_the_peak_that_moves_from_backward_to_forward_is_found_exactly(tracked: 
     # held to 64 KiB, batch 96 runs out allocating the output: the parameters and x were live
     assert (above.size, above.peak, above.out_of_memory) == (96, SMALL + 256 * 96, True)
     assert fit.describe() == (
-        "largest batch that fits 64 KiB: 95, peak 63.8 KiB at aten.sum.default (tests/test_fit.py:80)"
-        ", of which 32.5 KiB was live when the fit began; found exactly from the timelines of sizes 1, 2, 4, 8, confirmed: "
+        "largest batch that fits 64 KiB: 95, peak 63.8 KiB at aten.sum.default (tests/test_fit.py:80), of which "
+        "32.5 KiB was live when the fit began; found exactly from the timelines of sizes 1, 2, 4, 8, confirmed: "
         "95 ran within 64 KiB, 96 ran out of memory after 40.2 KiB"
     )
 
@@ -130,8 +130,8 @@ def test_a_kernel_that_switches_beyond_the_sizes_is_searched(tracked: Tracked) -
     assert fit.peak_bytes == FIXED + 63 * ROW
     assert [c.size for c in fit.checks] == [191, 97, 50, 73, 61, 67, 64, 62, 63]
     assert fit.describe() == (
-        "largest batch that fits 200,000 B: 63, peak 66.9 KiB at aten.ones.default (tests/test_fit.py:64)"
-        ", of which 0 B was live when the fit began; searched with 9 runs held to the capacity (the timelines' answer, 191 "
+        "largest batch that fits 200,000 B: 63, peak 66.9 KiB at aten.ones.default (tests/test_fit.py:64), of which "
+        "0 B was live when the fit began; searched with 9 runs held to the capacity (the timelines' answer, 191 "
         "fits, did not hold when run), confirmed: 63 ran within 200,000 B, 64 ran out of memory after 3.9 KiB"
     )
 
@@ -176,7 +176,8 @@ def test_capacity_below_batch_one_gives_none_confirmed(tracked: Tracked) -> None
     fit = fit_peaks(rows, [4, 8, 16], FIXED + ROW - 1, tracked)
     assert (fit.largest, fit.peak_bytes, fit.confirmed) == (None, FIXED + ROW, True)
     assert fit.describe().startswith(
-        "no batch fits 5,023 B: batch 1 needs 4.9 KiB at aten.ones.default (tests/test_fit.py:59), of which 0 B was live"
+        "no batch fits 5,023 B: batch 1 needs 4.9 KiB at aten.ones.default (tests/test_fit.py:59), of which 0 B "
+        "was live"
     )
     assert fit.describe().endswith("confirmed: batch 1 ran out of memory after 3.9 KiB")
     assert fit_peaks(rows, [4, 8, 16], FIXED + ROW, tracked).largest == 1
@@ -247,8 +248,8 @@ def adamw_step(device: str) -> Callable[[int], None]:
     return step
 
 
-def started_meter(device: str, capacity: int | None = None) -> GpuMem:
-    backend = TrackerBackend(device=device)
+def started_meter(device: str, capacity: int | None = None, rounding: str = "none") -> GpuMem:
+    backend = TrackerBackend(rounding, device=device)
     backend.configure(capacity, origins=False, events=False)
     meter = GpuMem(backend, "test_fit")
     meter.begin_call()
@@ -285,6 +286,25 @@ def test_the_fit_holds_its_runs_to_its_own_capacity_under_a_smaller_test_capacit
     finally:
         meter.end_call()
     assert (fit.largest, fit.confirmed) == ((2**30 - FIXED) // ROW, True)
+
+
+def test_on_the_allocators_model_a_batch_fits_on_reserved_memory() -> None:
+    meter = started_meter("meta", rounding="cuda")  # the default on meta: what a card would reserve
+    try:
+        fit = meter.fit(rows, [1, 2, 4], "20 MiB")
+    finally:
+        meter.end_call()
+    # up to 1,024 rows (1 MiB) the rows and the zeros share one 2 MiB segment of the small pool; more rows
+    # take a 20 MiB segment of the large pool, and 22 MiB are reserved. Allocated bytes alone: 20,476.
+    assert (fit.largest, fit.peak_bytes, fit.reserved, fit.found, fit.confirmed) == (
+        1024,
+        2**21,
+        True,
+        Found.SEARCH,
+        True,
+    )
+    assert fit.describe().startswith("largest batch that fits 20 MiB: 1,024, peak 2.0 MiB reserved at aten.")
+    assert fit.describe().endswith("confirmed: 1,024 ran within 20 MiB, 1,025 ran out of memory after 2.0 MiB")
 
 
 def test_a_cpu_fit_larger_than_the_host_is_not_run() -> None:
@@ -392,8 +412,8 @@ def test_the_fixture_fits_a_batch_size(tracker: pytest.Pytester, reported: Repor
     tests = reported()
     assert tests["test_fits"]["info"]["fits"] == [
         "largest batch that fits 200,000 B: 171, peak 194.4 KiB at aten.ones.default (test_the_fixture_fits_a_batch_"
-        "size.py:5), of which 19.5 KiB was live when the fit began; found exactly from the timelines of sizes 1, 2, 4, 8, "
-        "confirmed: 171 ran within 200,000 B, 172 ran out of memory after 23.4 KiB"
+        "size.py:5), of which 19.5 KiB was live when the fit began; found exactly from the timelines of sizes 1, 2, "
+        "4, 8, confirmed: 171 ran within 200,000 B, 172 ran out of memory after 23.4 KiB"
     ]
     # 64 n^2 floats: the sizes' bytes are no lines; searched: 64 n^2 x 4 <= 4 MiB  ->  n <= 128
     (searched,) = tests["test_not_lines"]["info"]["fits"]

@@ -89,12 +89,12 @@ def test_header_identity_and_report_say_prediction(
     test = reported()["test_step"]
     assert (test["device"], test["info"]) == ("meta", {"device": "meta"})
     entries = json.loads((tracker.path / "gpumem-baselines.json").read_text(encoding="utf-8"))["entries"]
-    assert "tracker (meta)" in json.dumps(entries)
+    assert "tracker (meta, round cuda)" in json.dumps(entries)
     tracker.runpytest("--gpumem-update", "--gpumem-json=out.json").assert_outcomes(passed=1)  # beside, not over
     test = reported()["test_step"]
     assert (test["device"], test["info"]) == ("cpu", {"device": "cpu"})
     text = (tracker.path / "gpumem-baselines.json").read_text(encoding="utf-8")
-    assert "tracker (meta)" in text
+    assert "tracker (meta, round cuda)" in text
     assert '"tracker|cpu"' in text or '"backend": "tracker"' in text
 
 
@@ -167,8 +167,9 @@ def test_a_marker_makes_one_test_a_prediction(
     result.assert_outcomes(passed=2, failed=2)
     result.stdout.fnmatch_lines(
         [
-            "out of memory in the call (tried to allocate 1.0 GiB) after a peak of 1.0 GiB: "
-            "past the capacity 2 GiB (max_memory capacity=); a prediction on meta",
+            "out of memory in the call (tried to allocate 1.0 GiB) after a peak of 1.0 GiB: past the capacity 2 GiB "
+            "(max_memory capacity=), with 1.0 GiB reserved: 1.0 GiB allocated and 19.9 MiB reserved but unallocated; "
+            "a prediction on meta",
             "*max_memory device=: only 'meta' (a prediction without data) is chosen per test, got 'cuda'",
         ]
     )
@@ -413,8 +414,10 @@ def test_foreach_default_is_restored_after_the_measurement() -> None:
 
 
 def test_identity_names_paths_only_when_not_the_default() -> None:
-    assert TrackerBackend(device="meta").identity().backend == "tracker (meta)"
-    assert TrackerBackend(device="meta", paths="cpu").identity().backend == "tracker (meta, cpu paths)"
+    # on meta the allocator's model serves the tensors by default: its figures are a GPU's, not requested bytes
+    assert TrackerBackend(device="meta").identity().backend == "tracker (meta, round cuda)"
+    assert TrackerBackend("none", device="meta").identity().backend == "tracker (meta)"
+    assert TrackerBackend(device="meta", paths="cpu").identity().backend == "tracker (meta, round cuda, cpu paths)"
     assert TrackerBackend("cuda").paths == "gpu"
     assert TrackerBackend().paths == "cpu"
 

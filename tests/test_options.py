@@ -46,7 +46,7 @@ def test_help_lists_every_option_with_its_ini_twin(pytester: pytest.Pytester) ->
         [
             "GPU memory budgets (pytest-gpumem):",
             "*--gpumem-backend=NAME*",
-            "*--gpumem-round=none|cuda*",
+            "*--gpumem-round=auto|none|cuda*",
             "*--gpumem-report*",
             "*--gpumem-json=PATH*",
             "*gpumem_backend (string)*",
@@ -117,7 +117,7 @@ def test_a_json_file_that_cannot_be_written_is_refused_before_the_run(
 @pytest.mark.parametrize(
     ("parse", "value", "message"),
     [
-        (config.rounding, "banana", "invalid rounding 'banana' (choose from none, cuda)"),
+        (config.rounding, "banana", "invalid rounding 'banana' (choose from auto, none, cuda)"),
         (config.backend_name, "no such", "invalid backend name 'no such' (auto, cuda, accelerator, tracker)"),
         (config.device_name, "gpu", "invalid device 'gpu' (cpu, or meta: a prediction without data)"),
         (config.code_paths, "tpu", "invalid paths 'tpu' (cpu or gpu: whose code paths the tracker runs)"),
@@ -135,7 +135,10 @@ def test_a_bad_option_value_is_named(parse: Callable[[str], object], value: str,
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--gpumem-round=banana"], "*argument --gpumem-round: invalid rounding 'banana' (choose from none, cuda)"),
+        (
+            ["--gpumem-round=banana"],
+            "*argument --gpumem-round: invalid rounding 'banana' (choose from auto, none, cuda)",
+        ),
         (["--gpumem-backend=warp"], "ERROR: --gpumem-backend=warp: no such backend (built in: *"),
     ],
 )

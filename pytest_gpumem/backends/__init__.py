@@ -10,7 +10,7 @@ BUILTIN = ("auto", "cuda", "accelerator", "tracker")
 __all__ = ["BUILTIN", "Backend", "Counters", "make_builtin"]
 
 
-def make_builtin(name: str, rounding: str = "none", device: str = "cpu", paths: str | None = None) -> Backend | None:
+def make_builtin(name: str, rounding: str = "auto", device: str = "cpu", paths: str | None = None) -> Backend | None:
     """The built-in backend called `name`, or None for a name that is not built in.
 
     `auto` picks cuda if a CUDA/ROCm device is available, else another accelerator with memory

@@ -111,6 +111,15 @@ class HoldsToCapacity(Protocol):
 
 
 @runtime_checkable
+class CachesMemory(Protocol):
+    """A backend with an allocator's cache (the CUDA allocator's segments, or the tracker's model of it)."""
+
+    def empty_cache(self) -> None:
+        """Give back every cached segment without a live block (`torch.cuda.empty_cache()`)."""
+        ...
+
+
+@runtime_checkable
 class RecordsTimeline(Protocol):
     """A backend that records the bytes allocated after each event of a block (`gpumem.fit` fits them)."""
 

@@ -97,6 +97,12 @@ class CudaBackend:
 
         return torch.cuda.memory._snapshot() if self._recording else None
 
+    def empty_cache(self) -> None:
+        """Give back the caching allocator's free segments."""
+        import torch
+
+        torch.cuda.empty_cache()
+
     def settle(self) -> None:
         import torch
 

@@ -16,7 +16,8 @@ RESIZED = "resize"
 @dataclass(frozen=True, eq=False)
 class Timeline:
     """One run's events in order: `ops[i]` made the change (an op's name, or FREED, RESIZED), after which
-    `allocated[i]` bytes were allocated; `where[i]` is the source line that led to an allocation."""
+    `allocated[i]` bytes were held (allocated; reserved where the backend models an allocator's cache);
+    `where[i]` is the source line that led to an allocation."""
 
     ops: tuple[str, ...]
     allocated: tuple[int, ...]

@@ -54,6 +54,7 @@ class Row:
     gradients_equal: bool | None = None
     fits: bool | None = None
     skipped: str | None = None  # why it was not measured (does not apply, or failed)
+    reserved_bytes: int | None = None  # the allocator's reserved peak (absolute), where the backend has one
 
     @property
     def measured(self) -> bool:
@@ -91,6 +92,7 @@ class Row:
             gradients=self.gradients,
             gradients_equal=self.gradients_equal,
             fits=self.fits,
+            reserved_peak_bytes=self.reserved_bytes,
         )
         return data
 
@@ -118,6 +120,7 @@ class Row:
             gradients=str(data.get("gradients", NOT_CHECKED)),
             gradients_equal=_bool_or_none(data.get("gradients_equal")),
             fits=_bool_or_none(data.get("fits")),
+            reserved_bytes=_int_or_none(data.get("reserved_peak_bytes")),
         )
 
 
@@ -155,8 +158,13 @@ class Advice:
             raise GpuMemError(f"advice row {row.name!r} was not measured: {row.skipped}")
         return self.live_bytes + row.peak_bytes
 
+    def held(self, row: Row) -> int:
+        """What the row holds of a card at its peak: the allocator's reserved bytes where they were
+        measured (a card runs out on them), else its absolute peak."""
+        return self.absolute(row) if row.reserved_bytes is None else max(row.reserved_bytes, self.absolute(row))
+
     def fits(self, row: Row, capacity: int) -> bool:
-        return row.peak_bytes is not None and self.absolute(row) <= capacity
+        return row.peak_bytes is not None and self.held(row) <= capacity
 
     def best(self, capacity: int | str | None = None) -> Row | None:
         """The cheapest row (least extra compute, then lowest peak) whose absolute peak is within
@@ -215,9 +223,10 @@ class Advice:
             judged = "" if self.capacity is None else format_size(self.capacity)
             fits = "" if row.fits is None else (f"; fits {judged}" if row.fits else f"; does not fit {judged}")
             where = "" if row.peak_phase is None else f" in {row.peak_phase}"
+            reserved = "" if row.reserved_bytes is None else f", {format_size(row.reserved_bytes)} reserved"
             found.append(
                 f"  {row.name}: peak {format_size(self.absolute(row))}{where} = {format_size(self.live_bytes)} at "
-                f"the start + {format_size(row.peak_bytes)}{saving}; {self.compute(row)}{fits}"
+                f"the start + {format_size(row.peak_bytes)}{reserved}{saving}; {self.compute(row)}{fits}"
             )
             phases = ", ".join(f"{p.name} {format_size(self.live_bytes + p.step_peak)}" for p in row.phases)
             found.append(f"    {'absolute: ' + phases + '; ' if phases else ''}gradients {row.gradients}")

@@ -324,7 +324,7 @@ class _Advisor:
     def _row(self, name: str, description: str, names: tuple[str, ...], measured: _Measured) -> Row:
         assert self.base is not None
         phases = sorted(measured.phases.values(), key=lambda r: PHASE_ORDER.index(r.name))
-        peak = measured.total.peak_bytes
+        peak, reserved = measured.total.peak_bytes, measured.total.reserved_peak_bytes
         if measured.outcome is None or self.reference is None:
             gradients, equal = f"{NOT_CHECKED} (meta: no data)", None
         else:
@@ -340,7 +340,8 @@ class _Advisor:
             extra_flops=measured.flops - self.base.flops,
             gradients=gradients,
             gradients_equal=equal,
-            fits=None if self.capacity is None else self.live + peak <= self.capacity,
+            fits=None if self.capacity is None else max(self.live + peak, reserved or 0) <= self.capacity,
+            reserved_bytes=reserved,
         )
 
     def _combinations(self, applicable: list[Strategy], rows: list[Row]) -> list[Row]:

@@ -26,7 +26,8 @@ __all__ = ["MAX_BATCH", "BatchFit", "Check", "Found", "Measure", "Sample"]
 class Sample:
     """One run of the step, in bytes allocated as the backend counts them: when it began, at its peak and
     when it returned; `out_of_memory` when it raised OutOfMemoryError (the peak is then the one reached);
-    `held` when the backend held it to a capacity; its `timeline` where the backend records one."""
+    `held` when the backend held it to a capacity; its `timeline` where the backend records one. The peak
+    is of `reserved` bytes where the backend has an allocator's cache (what a card runs out on)."""
 
     start: int
     peak: int
@@ -34,6 +35,7 @@ class Sample:
     out_of_memory: bool = False
     held: bool = False
     timeline: Timeline | None = None
+    reserved: bool = False
 
     @property
     def left(self) -> int:
@@ -96,6 +98,7 @@ class BatchFit:
     note: str = ""  # why it was searched, or which sizes the lines left out
     unconfirmed: str = ""  # why it was not confirmed
     lines: Lines | None = None
+    reserved: bool = False  # the peaks are of reserved bytes (the allocator's segments), as a card judges them
 
     @property
     def exact(self) -> bool:
@@ -118,7 +121,7 @@ class BatchFit:
         """One sentence: the answer, its peak and what made it, what was live, how it was found and shown."""
         at = f" at {self.at}" if self.at else ""
         live = f"of which {self.size(self.live)} was live when the fit began"
-        peak = self.size(self.peak_bytes)
+        peak = self.size(self.peak_bytes) + (" reserved" if self.reserved else "")
         if self.largest is None:
             ran_out = self.found is Found.SEARCH and any(c.size == 1 and c.out_of_memory for c in self.checks)
             head = f"no batch fits {self._cap}: batch 1 needs {'more than ' if ran_out else ''}{peak}{at}, {live}"

@@ -103,6 +103,7 @@ def fit_peaks(
     warm_up = _warm_up(fit)
     text = capacity.strip() if isinstance(capacity, str) else None
     base = BatchFit((), (), limit, None, 0, Found.TIMELINE, False, fit.samples[0].start, (), text, warm_up=warm_up)
+    base = replace(base, reserved=fit.samples[0].reserved)
     lines, note = _lines(fit)
     while lines is not None and not lines.grows:
         lines, note = _sample_larger(fit)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pytest_gpumem.backends.base import (
     Backend,
+    CachesMemory,
     ExplainsItsPeaks,
     FindsSurvivors,
     HasNotes,
@@ -184,6 +185,8 @@ class GpuMem:
             holding = backend.held_to(limit) if limit is not None and isinstance(backend, HoldsToCapacity) else None
             recording = backend.timeline() if isinstance(backend, RecordsTimeline) else None
             start, out_of_memory, timeline = 0, False, None
+            if isinstance(backend, CachesMemory):
+                backend.empty_cache()  # each size as in a fresh process: no segments cached by other sizes
             try:
                 with self.phase(phase):
                     start = self.backend.current().allocated  # the phase's start: what is live before the step
@@ -197,8 +200,9 @@ class GpuMem:
                 del exc
                 release_memory()
             result = self._results[phase]
-            end = start + result.net_bytes
-            return Sample(start, start + result.peak_bytes, end, out_of_memory, holding is not None, timeline)
+            end, reserved = start + result.net_bytes, result.reserved_peak_bytes
+            peak = start + result.peak_bytes if reserved is None else reserved  # a card runs out on reserved
+            return Sample(start, peak, end, out_of_memory, holding is not None, timeline, reserved is not None)
 
         return measure
 

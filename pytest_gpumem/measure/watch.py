@@ -66,11 +66,29 @@ def out_of_memory_message(
     asked = re.search(r"[Tt]ried to allocate ([\d.,]+ ?[KMGTP]?i?B)", _text(exc))
     tried = f" (tried to allocate {asked.group(1)})" if asked else ""
     limits = ": the device's memory ran out" if capacity is None else f": past the {_capacity_hit(budget, capacity)}"
+    limits += _allocator_state(exc)
     limits += _budget_over(budget, meter, phase)
     limits += "; a prediction on meta" if str(meter.device) == "meta" else ""
     advised = advice_clause(meter.advice, budget, oom=True)
     peak = format_size(meter.peak()) if capacity is None else capacity.fmt(meter.peak())
     return f"out of memory {where}{tried} after a peak of {peak}{limits}{advised}"
+
+
+def _allocator_state(exc: BaseException) -> str:
+    """Where the tracker models the CUDA allocator: what it held when the new segment did not fit, in
+    CUDA's terms, and the setting that helps when fragmentation is the cause (the reserved but
+    unallocated bytes would hold the request, but no free block does)."""
+    error = getattr(exc, "allocator_error", None)
+    if error is None:
+        return ""
+    free = error.reserved - error.allocated
+    state = (
+        f", with {format_size(error.reserved)} reserved: {format_size(error.allocated)} allocated and "
+        f"{format_size(free)} reserved but unallocated"
+    )
+    if free >= error.requested:
+        state += " (fragmentation: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets that memory serve it)"
+    return state
 
 
 def _capacity_hit(budget: Budget | None, capacity: Limit) -> str:

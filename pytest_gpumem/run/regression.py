@@ -51,7 +51,7 @@ def selection_flags(options: Options) -> list[str]:
     """The options that decide which tests a run measures and for which device identity: a run that
     records baselines needs the same ones as the run that enforces them, or it records other tests."""
     flags = [f"--gpumem-backend={options.backend}"] if options.backend_given else []
-    flags += [] if options.rounding == "none" else [f"--gpumem-round={options.rounding}"]
+    flags += [] if options.rounding == "auto" else [f"--gpumem-round={options.rounding}"]
     flags += [] if options.device == "cpu" else [f"--gpumem-device={options.device}"]
     flags += [] if options.paths is None else [f"--gpumem-paths={options.paths}"]
     return [*flags, "--gpumem-all"] if options.measure_all else flags

@@ -8,11 +8,13 @@ cannot see, and on request a recorder of origins and events (`recording`) or an 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpumem.backends.base import Counters
 from pytest_gpumem.backends.timeline import Timeline, TimelineRecorder
+from pytest_gpumem.backends.tracker.allocator_config import AllocatorSettings
 from pytest_gpumem.backends.tracker.ledger import StorageLedger
 from pytest_gpumem.backends.tracker.mode import leave, mode_class
 from pytest_gpumem.backends.tracker.patches import Patches
@@ -69,7 +71,9 @@ class TrackerBackend:
     name = "tracker"
     sees_earlier_allocations = False
 
-    def __init__(self, rounding: str = "none", device: str = "cpu", paths: str | None = None) -> None:
+    def __init__(self, rounding: str = "auto", device: str = "cpu", paths: str | None = None) -> None:
+        if rounding == "auto":
+            rounding = "cuda" if device == "meta" else "none"
         if rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
         if device not in ("cpu", "meta"):
@@ -77,11 +81,12 @@ class TrackerBackend:
         if paths is not None and paths not in PATHS:
             raise ValueError(f"paths must be one of {PATHS}, got {paths!r}")
         self.rounding = rounding
+        self.allocator = AllocatorSettings.from_environ(os.environ)
         self._device_type = device
         self._default_paths = default_paths(rounding, device)
         self.paths = paths or self._default_paths
         mode_class()  # its imports (torch._dynamo) happen now, not inside the first test's call
-        self.ledger = StorageLedger(rounding, out_of_memory=_out_of_memory())
+        self.ledger = StorageLedger(rounding, out_of_memory=_out_of_memory(), settings=self.allocator)
         self._mode: Any = None
         self._patches: Patches | None = None
         self._notes: list[str] = []
@@ -101,11 +106,18 @@ class TrackerBackend:
         return DeviceIdentity(backend, self._device_type)
 
     def _rounding_text(self) -> str:
-        return "" if self.rounding == "none" else f"round {self.rounding}"
+        if self.rounding == "none":
+            return ""
+        settings = self.allocator.describe()
+        return f"round {self.rounding}" + (f" {settings}" if settings else "")
 
     def describe(self) -> str:
         device = "meta (a prediction: sizes without data, nothing computed)" if self._device_type == "meta" else "cpu"
-        line = f"tracker (storages created by ATen ops, rounding {self.rounding}), device {device}"
+        served = "rounding none"
+        if self.rounding == "cuda":
+            settings = self.allocator.describe()
+            served = "served by a model of the CUDA caching allocator" + (f", {settings}" if settings else "")
+        line = f"tracker (storages created by ATen ops, {served}), device {device}"
         predicting = self._device_type == "meta" or self.rounding == "cuda"
         return line + self._paths_text() if predicting or self.paths == "gpu" else line
 
@@ -123,7 +135,8 @@ class TrackerBackend:
         self._notes = []
         self._patches = Patches(tracking_mode, self._notes)
         gpu = self.paths == "gpu"
-        self._patches.install(foreach=gpu, fused_attention=gpu and self._device_type == "meta")
+        meta = self._device_type == "meta"
+        self._patches.install(foreach=gpu, fused_attention=gpu and meta, allocator=self.rounding == "cuda")
         self._mode = tracking_mode(self.ledger)
         attribution = self.attribution()
         try:
@@ -180,6 +193,10 @@ class TrackerBackend:
         finally:
             self.ledger.capacity = before
 
+    def empty_cache(self) -> None:
+        """Give back the allocator model's free segments (nothing without the model)."""
+        self.ledger.empty_cache()
+
     @contextlib.contextmanager
     def timeline(self) -> Iterator[Callable[[], Timeline]]:
         """Within the block, the bytes allocated after each allocation, resize and free, with the op and
@@ -228,10 +245,10 @@ class TrackerBackend:
         return None
 
     def current(self) -> Counters:
-        return Counters(self.ledger.allocated, self.ledger.requested)
+        return Counters(self.ledger.allocated, self.ledger.requested, self.ledger.reserved)
 
     def peak(self) -> Counters:
-        return Counters(self.ledger.peak_allocated, self.ledger.peak_requested)
+        return Counters(self.ledger.peak_allocated, self.ledger.peak_requested, self.ledger.peak_reserved)
 
     def reset_peak(self) -> None:
         self.ledger.reset_peak()

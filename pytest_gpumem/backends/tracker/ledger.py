@@ -1,5 +1,6 @@
 """The tracker's ledger: the live storages with their requested and counted bytes, the counters and peaks
-over them, and the CUDA caching allocator's rounding that counted bytes may follow.
+over them, and, with CUDA rounding, the model of the CUDA caching allocator that serves them
+(`allocator`): counted bytes are then its blocks, and reserved memory its segments.
 
 A storage's bytes are added when an op makes it and subtracted when a weak reference to it dies. The
 ledger knows storages only as objects with a key and a size: it imports no torch, so that the
@@ -13,6 +14,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pytest_gpumem.backends.timeline import FREED, RESIZED
+from pytest_gpumem.backends.tracker.allocator import AllocatorOutOfMemory, CachingAllocatorModel
+from pytest_gpumem.backends.tracker.allocator_config import AllocatorSettings
 from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
@@ -74,12 +77,17 @@ class StorageLedger:
     """Live storages with their requested and counted bytes, and the counters over them.
 
     Hot path (every op output): one dict lookup, one weak reference with a shared callback. Past
-    `capacity` counted bytes, an allocation raises `out_of_memory` (the tracker's: torch's error).
+    `capacity` counted bytes (with CUDA rounding: reserved bytes, as a card judges it), an allocation
+    raises `out_of_memory` (the tracker's: torch's error, carrying the model's as `allocator_error`).
     """
 
-    def __init__(self, rounding: str, out_of_memory: type[Exception] = MemoryError) -> None:
+    def __init__(
+        self, rounding: str, out_of_memory: type[Exception] = MemoryError, settings: AllocatorSettings | None = None
+    ) -> None:
         self.round = ROUNDERS[rounding]
         self.exact = rounding == "none"
+        self.settings = settings or AllocatorSettings()
+        self.model = CachingAllocatorModel(self.settings) if rounding == "cuda" else None
         self.out_of_memory = out_of_memory
         self.live: dict[int, StorageRef] = {}
         self.requested = 0
@@ -87,12 +95,43 @@ class StorageLedger:
         self.peak_requested = 0
         self.peak_allocated = 0
         self.fake_outputs = 0  # outputs of ops under FakeTensorMode, which hold no memory
-        self.capacity: int | None = None  # allocated bytes past which an allocation raises out_of_memory
+        self._capacity: int | None = None
         self.recorder: Recorder | None = None  # origins (and events) of the storages, when asked for
         self.timeline: TimelineRecorder | None = None  # bytes after each event, while a fit's run asks for them
         self.op: object = None  # the op being dispatched and its outputs, read only by the recorder
         self.out: object = None
         self._on_free = self._freed  # one bound method shared by every reference
+
+    @property
+    def capacity(self) -> int | None:
+        """Bytes past which an allocation raises out_of_memory: allocated bytes, or with the allocator's
+        model reserved bytes; None: unlimited."""
+        return self._capacity
+
+    @capacity.setter
+    def capacity(self, value: int | None) -> None:
+        self._capacity = value
+        if self.model is not None:
+            self.model.capacity = value
+
+    @property
+    def reserved(self) -> int | None:
+        """Bytes the allocator's model holds in segments (None without the model)."""
+        return None if self.model is None else self.model.reserved
+
+    @property
+    def held(self) -> int:
+        """What a capacity is judged on: reserved bytes with the allocator's model, else allocated bytes."""
+        return self.allocated if self.model is None else self.model.reserved
+
+    @property
+    def peak_reserved(self) -> int | None:
+        return None if self.model is None else self.model.peak_reserved
+
+    def empty_cache(self) -> None:
+        """`torch.cuda.empty_cache()`: the model gives back every segment without a live block."""
+        if self.model is not None:
+            self.model.empty_cache()
 
     def add(self, storage: Storage) -> None:
         """An op made `storage` (or resized one it made earlier)."""
@@ -125,30 +164,40 @@ class StorageLedger:
         requested = max(storage.nbytes() - ref.base, 0)
         if requested == ref.requested:
             return
-        counted = requested if self.exact else self.round(requested)
-        self._check_capacity(counted - ref.counted)
+        if self.model is not None:
+            counted = self._reallocate(ref, requested)
+        else:
+            counted = requested if self.exact else self.round(requested)
+            self._check_capacity(counted - ref.counted)
         self.requested += requested - ref.requested
         self.allocated += counted - ref.counted
         ref.requested, ref.counted = requested, counted
         if self.recorder is not None:
             self.recorder.event("resize", ref, self.allocated)
         if self.timeline is not None:
-            self.timeline.changed(RESIZED, self.allocated)
+            self.timeline.changed(RESIZED, self.held)
         self._update_peaks()
 
     def forget(self) -> None:
         """Stop following every storage (their frees will no longer change the counters)."""
         self.live.clear()
         self.requested = self.allocated = self.peak_requested = self.peak_allocated = self.fake_outputs = 0
+        if self.model is not None:  # each measurement starts with an empty cache
+            self.model = CachingAllocatorModel(self.settings, self._capacity)
 
     def reset_peak(self) -> None:
         """The peaks from now on start at the current counters."""
         self.peak_allocated = self.allocated
         self.peak_requested = self.requested
+        if self.model is not None:
+            self.model.reset_peak()
 
     def _follow(self, storage: Storage, key: int, requested: int, base: int = 0) -> None:
-        counted = requested if self.exact else self.round(requested)
-        self._check_capacity(counted)
+        if self.model is not None:
+            counted = self._malloc(key, requested)
+        else:
+            counted = requested if self.exact else self.round(requested)
+            self._check_capacity(counted)
         ref = StorageRef(storage, self._on_free)
         ref.key, ref.requested, ref.counted, ref.base, ref.origin = key, requested, counted, base, None
         self.live[key] = ref
@@ -157,7 +206,7 @@ class StorageLedger:
         if self.recorder is not None:
             self.recorder.allocated(self.op, self.out, ref, self.allocated)
         if self.timeline is not None:
-            self.timeline.allocated(self.op, self.allocated)
+            self.timeline.allocated(self.op, self.held)
         if self.allocated > self.peak_allocated:  # _update_peaks, inline: the hot path
             self.peak_allocated = self.allocated
         if self.requested > self.peak_requested:
@@ -174,12 +223,34 @@ class StorageLedger:
         # A storage key is reused once freed: only the reference that is still recorded counts.
         if self.live.get(ref.key) is ref:
             del self.live[ref.key]
+            if self.model is not None:
+                self.model.free(ref.key)
             self.requested -= ref.requested
             self.allocated -= ref.counted
             if self.recorder is not None:
                 self.recorder.event("free", ref, self.allocated)
             if self.timeline is not None:
-                self.timeline.changed(FREED, self.allocated)
+                self.timeline.changed(FREED, self.held)
+
+    def _malloc(self, key: int, requested: int) -> int:
+        assert self.model is not None
+        try:
+            return self.model.malloc(key, requested)
+        except AllocatorOutOfMemory as exc:
+            error = self.out_of_memory(f"tracker: {exc}")
+            error.allocator_error = exc  # type: ignore[attr-defined]  # the figures, for the one-line failure
+            raise error from None
+
+    def _reallocate(self, ref: StorageRef, requested: int) -> int:
+        """A resized storage in the model: its old block freed, a new one taken (the old one back if it
+        cannot be)."""
+        assert self.model is not None
+        self.model.free(ref.key)
+        try:
+            return self._malloc(ref.key, requested)
+        except BaseException:
+            self.model.malloc(ref.key, ref.requested)
+            raise
 
     def _check_capacity(self, growth: int) -> None:
         if self.capacity is not None and growth > 0 and self.allocated + growth > self.capacity:

@@ -5,6 +5,8 @@
 - `UntypedStorage.resize_` is a storage method, not an ATen op (FSDP2 frees and regrows parameters so).
 - `torch.jit.trace` cannot trace under any dispatch mode: the tracker steps aside and says so.
 - A GPU's code paths (`gpu_paths`): foreach optimizers, and on meta the fused attention kernels.
+- `torch.cuda.empty_cache()` gives back the model's free segments, where the ledger models the CUDA
+  allocator (on a machine without CUDA it does nothing by itself).
 - Threads started inside the call run without the mode: they are noticed and reported (but for the
   compiler's own worker threads).
 
@@ -105,11 +107,14 @@ class Patches:
         self._undo: list[Callable[[], None]] = []
         self.threads: list[str] = []
 
-    def install(self, foreach: bool = False, fused_attention: bool = False) -> None:
+    def install(self, foreach: bool = False, fused_attention: bool = False, allocator: bool = False) -> None:
         """The patches every measurement needs, with the GPU's optimizer path (`foreach`) and attention
-        kernels (`fused_attention`) where asked."""
+        kernels (`fused_attention`) where asked, and `torch.cuda.empty_cache` where the ledger models the
+        CUDA allocator (`allocator`)."""
         try:
             self._resize()
+            if allocator:
+                self._empty_cache()
             self._jit_trace()
             self._threads()
             if foreach:
@@ -157,6 +162,22 @@ class Patches:
             return result
 
         self._replace(torch.UntypedStorage, "resize_", resize_)
+
+    def _empty_cache(self) -> None:
+        import torch
+
+        original = torch.cuda.empty_cache
+        mode_class = self.mode_class
+
+        @functools.wraps(original)
+        def empty_cache() -> None:
+            ledger = active_ledger(mode_class)
+            if ledger is not None:
+                ledger.empty_cache()
+            if torch.cuda.is_available():
+                original()
+
+        self._replace(torch.cuda, "empty_cache", empty_cache)
 
     def _jit_trace(self) -> None:
         import torch.jit
