@@ -171,10 +171,10 @@ def build(s: Shape) -> tuple[Decoder, torch.Tensor, torch.Tensor]:
     return model, ids, targets
 
 
-def measure_step(s: Shape, paths: str = "gpu") -> tuple[dict[str, PhaseResult], PhaseResult]:
+def measure_step(s: Shape, paths: str = "gpu", rounding: str = "none") -> tuple[dict[str, PhaseResult], PhaseResult]:
     model, ids, targets = build(s)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # torch's default: foreach only on GPU paths
-    meter = GpuMem(TrackerBackend(device="meta", paths=paths), "meta_7b")
+    meter = GpuMem(TrackerBackend(rounding, device="meta", paths=paths), "meta_7b")
     meter.begin_call()
     try:
         with meter.phase("forward"):
@@ -223,10 +223,16 @@ def differences(phases: dict[str, PhaseResult], whole: PhaseResult, hand: HandCo
 def main() -> None:
     cli = parser("A 7B decoder's forward, backward and AdamW step on the meta device, under the tracker")
     cli.add_argument("--paths", choices=("gpu", "cpu"), default="gpu", help="whose code paths (default: gpu)")
+    cli.add_argument(
+        "--round",
+        choices=("none", "cuda"),
+        default="none",
+        help="none (default): requested bytes, the hand count's; cuda: the CUDA allocator's model (blocks)",
+    )
     args = cli.parse_args()
     s = Shape()
     start = time.perf_counter()
-    phases, whole = measure_step(s, args.paths)
+    phases, whole = measure_step(s, args.paths, args.round)
     wall = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     hand = HandCount.of(s, args.paths)
@@ -242,6 +248,11 @@ def main() -> None:
             f"measured - hand: {', '.join(f'{k} {v:,} B' for k, v in differences(phases, whole, hand).items())}",
             "gpu paths: SDPA as CUDA's flash kernel (no seq x seq matrix), AdamW foreach; cpu paths: the math "
             "SDPA (fp32 softmax saved) and the single-tensor AdamW loop",
+            *(
+                [f"the allocator's model: reserved peak {whole.reserved_peak_bytes:,} B (peaks above are its blocks)"]
+                if whole.reserved_peak_bytes is not None
+                else []
+            ),
         ],
     )
     write_json(
@@ -252,7 +263,8 @@ def main() -> None:
             "peak_rss_bytes": rss,
             "parameters": parameter_count(s),
             "phases": {k: {"peak": v.peak_bytes, "net": v.net_bytes} for k, v in phases.items()},
-            "whole": {"peak": whole.peak_bytes, "net": whole.net_bytes},
+            "whole": {"peak": whole.peak_bytes, "net": whole.net_bytes, "reserved_peak": whole.reserved_peak_bytes},
+            "rounding": args.round,
             "hand": vars(hand),
             "measured_minus_hand": differences(phases, whole, hand),
         },

@@ -2,7 +2,8 @@
 
     python benchmarks/overhead.py [--json PATH] [--rounds 15] [--threads N] [--skip-suites]
 
-1. One forward+backward step, untracked vs the tracker vs MemTracker vs the profiler with
+1. One forward+backward step, untracked vs the tracker (and with the CUDA allocator's model,
+   `--gpumem-round=cuda`) vs MemTracker vs the profiler with
    profile_memory=True, on the Net (Linear 1024->2048->1024, batch 64) and on a tiny Linear(64)
    (batch 8). Every round runs each candidate once, in turn (interleaved, so drift hits all alike);
    each candidate enters its tool, runs `inner` steps and leaves it (setup and teardown included); the
@@ -59,16 +60,19 @@ def candidates(model: nn.Module, x: torch.Tensor, inner: int) -> dict[str, Calla
     def untracked() -> float:
         return benchlib.per_call(lambda: step(model, x), inner)
 
-    def tracker() -> float:
-        backend = TrackerBackend()
-        start = time.perf_counter()
-        backend.start()
-        try:
-            for _ in range(inner):
-                step(model, x)
-        finally:
-            backend.stop()
-        return (time.perf_counter() - start) / inner
+    def tracked(rounding: str) -> Callable[[], float]:
+        def run() -> float:
+            backend = TrackerBackend(rounding)
+            start = time.perf_counter()
+            backend.start()
+            try:
+                for _ in range(inner):
+                    step(model, x)
+            finally:
+                backend.stop()
+            return (time.perf_counter() - start) / inner
+
+        return run
 
     def memtracker() -> float:
         start = time.perf_counter()
@@ -85,7 +89,13 @@ def candidates(model: nn.Module, x: torch.Tensor, inner: int) -> dict[str, Calla
                 step(model, x)
         return (time.perf_counter() - start) / inner
 
-    return {"untracked": untracked, "tracker": tracker, "MemTracker": memtracker, "profiler": profiler}
+    return {
+        "untracked": untracked,
+        "tracker": tracked("none"),
+        "tracker + allocator model": tracked("cuda"),  # --gpumem-round=cuda: the CUDA allocator's blocks
+        "MemTracker": memtracker,
+        "profiler": profiler,
+    }
 
 
 def step_overheads(rounds: int) -> tuple[list[list[str]], dict[str, Any]]:

@@ -99,8 +99,9 @@ def test_reserved_peaks_reach_the_report_and_the_json(tracker: pytest.Pytester, 
                 y = torch.empty(12 * 2**20, dtype=torch.uint8)  # a 12 MiB segment
         """
     )
-    result = tracker.runpytest("-p", "no:randomly", "--gpumem-round=cuda", "--gpumem-json=out.json")
+    result = tracker.runpytest("-p", "no:randomly", "--gpumem-round=cuda", "--gpumem-json=out.json", "--gpumem-report")
     result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["test * call peak  reserved  status*", "*::test_phases * 13.0 MiB  14.0 MiB  ok*"])
     phases = reported()["test_phases"]["phases"]
     # peaks above each phase's start; reserved peaks absolute, as the CUDA backend reports them
     assert {name: (p["peak_bytes"], p["reserved_peak_bytes"]) for name, p in phases.items()} == {

@@ -32,7 +32,7 @@ JOIN = " · "
 # the last resort ("phase": the long form's phase names, which are cut only then)
 _FLOORS = (("budget", 16), ("other phases", 24), ("made of", 24), ("budget", 8), ("made of", 12), ("other phases", 8))
 _LAST_FLOORS = (("made of", 8), ("backend", 6), ("phase", 16), ("test", 8), ("phase", 10), ("status", 10))
-_LEFT_OUT = ("budget", "made of", "other phases")  # left out in this order where cutting them is not enough
+_LEFT_OUT = ("budget", "made of", "other phases", "reserved")  # left out in this order where cutting them is not enough
 _PARAMS_KEPT = 10  # columns of a test's parameters kept before a phase leaves its column ("[bf1…2048]")
 _PARAMS_LAST = 5  # and at the last resort ("[b…8]")
 
@@ -314,7 +314,7 @@ def shrink(columns: Sequence[Column], width: int, floors: Sequence[tuple[str, in
     return total_width(columns) <= width
 
 
-_OPTIONAL = frozenset(("baseline", "change", "budget"))  # fixed columns left out when empty in every row
+_OPTIONAL = frozenset(("reserved", "baseline", "change", "budget"))  # fixed columns left out when empty in every row
 
 
 def _run_phase(result: TestResult) -> str | None:
@@ -387,6 +387,8 @@ def short_columns(
         for name in own
     ]
     columns.append(Column("call peak", [[peak_cell(call)] for call in calls], right=True))
+    if all(call is not None and call.reserved_peak_bytes is not None for call in calls):  # else -v shows it
+        columns.append(Column("reserved", [[_reserved(call)] for call in calls], right=True))
     compared = [_baseline(r, None) for r in results]
     columns.append(Column("baseline", [[base] for base, _, _ in compared], right=True))
     columns.append(Column("change", [[change] for _, change, _ in compared], right=True))
@@ -414,7 +416,8 @@ def long_columns(
     for nodeid, r in zip(names, results, strict=True):
         base, change, _ = _baseline(r, None)
         rows.append(
-            {"test": nodeid, "phase": "call", "peak": peak_cell(r.call), "net": _net(r.call), "baseline": base,
+            {"test": nodeid, "phase": "call", "peak": peak_cell(r.call), "reserved": _reserved(r.call),
+             "net": _net(r.call), "baseline": base,
              "change": change, "budget": r.budget_text or "", "status": r.status,
              "made of": summary(r.explanation) if r.explanation else "",
              "picture": f"[picture](<{links(r.html)}>)" if links and r.html else ""}
@@ -424,18 +427,25 @@ def long_columns(
             made = summary(r.explanation, name) if r.explanation else ""
             peak = format_size(phase.peak_bytes) if split_rank(name)[1] is not None else peak_cell(phase)
             rows.append(
-                {"test": "", "phase": name, "peak": peak, "net": _net(phase), "baseline": base,
+                {"test": "", "phase": name, "peak": peak, "reserved": _reserved(phase), "net": _net(phase),
+                 "baseline": base,
                  "change": change, "status": verdict, "made of": made}
             )  # fmt: skip
-    headers = ["test", "phase", "peak", "net", "baseline", "change", "budget", "status", "made of", "picture"]
-    optional = {"baseline", "change", "budget", "made of", "picture"}
-    figures = {"peak", "net", "baseline", "change"}
+    headers = ["test", "phase", "peak", "reserved", "net", "baseline", "change", "budget", "status", "made of"]
+    headers.append("picture")
+    optional = {"reserved", "baseline", "change", "budget", "made of", "picture"}
+    figures = {"peak", "reserved", "net", "baseline", "change"}
     columns = [
         Column(h, [[row.get(h, "")] for row in rows], right=h in figures, ids=h == "test", middle=h == "phase", key=h)
         for h in headers
         if h not in optional or any(row.get(h) for row in rows)
     ]
     return columns, len(rows)
+
+
+def _reserved(phase: PhaseResult | None) -> str:
+    """The allocator's reserved peak (absolute), where the backend has one (cuda, the tracker's model)."""
+    return "" if phase is None or phase.reserved_peak_bytes is None else format_size(phase.reserved_peak_bytes)
 
 
 def _net(phase: PhaseResult | None) -> str:
