@@ -270,6 +270,28 @@ def test_advise_leaves_model_optimizer_and_rng_exactly_as_they_were() -> None:
     assert state_before.keys() == model.state_dict().keys() and opt_before.keys() == opt.state_dict()["state"].keys()
 
 
+def test_a_strategy_the_step_does_not_survive_leaves_nothing_and_says_why_in_full() -> None:
+    model, opt = nn.Linear(256, 256), None
+    message = "the step broke under autocast: " + "because " * 40  # 351 characters, said whole
+
+    def step() -> None:
+        out = model(torch.ones(64, 256))
+        if torch.is_autocast_enabled("cpu"):
+            cycle: list[object] = [torch.ones(1_000_000), out]  # 4 MB and a graph, kept by a reference cycle
+            cycle.append(cycle)
+            raise RuntimeError(message)
+        out.sum().backward()
+
+    def check(backend: TrackerBackend) -> tuple[int, str | None]:
+        before = backend.current().allocated
+        advice = advise(step, model=model, optimizer=opt, backend=backend, strategies=["bf16-autocast"])
+        return backend.current().allocated - before, advice.row("bf16-autocast").skipped
+
+    left, skipped = _tracked(check)
+    assert left == 0  # the failed run's tensors are gone, reference cycles and all
+    assert skipped == f"the step raised RuntimeError: {message.strip()}"
+
+
 def test_advise_runs_on_meta_without_data_and_checks_no_gradients() -> None:
     w = build_net(1 / 64, torch.device("meta"))
     opt = torch.optim.SGD(w.model.parameters(), lr=1.0)

@@ -28,6 +28,7 @@ from pytest_gpumem.backends.base import ListsLiveStorages, rounding_of, sees_ear
 from pytest_gpumem.backends.tracker.ledger import cuda_block_size
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.measure.advice import AS_IS, NOT_CHECKED, Advice, PhasePeak, Row
+from pytest_gpumem.measure.failures import release_memory
 from pytest_gpumem.measure.regions import RegionStack
 from pytest_gpumem.measure.strategies import (
     OptimizerShim,
@@ -209,6 +210,13 @@ def _measure(backend: Backend, target: Target, saved: _Saved, chosen: Sequence[S
     return _Measured(total, splitter.phases, splitter.above_start, splitter.flops, outcome, run.dtype)
 
 
+def _safe_text(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:
+        return f"<{type(exc).__name__} whose str() raised>"
+
+
 def _compare(
     got: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor], scales: Mapping[str, float], dtype: torch.dtype
 ) -> tuple[str, bool | None]:
@@ -309,16 +317,14 @@ class _Advisor:
         names = tuple(s.name for s in strategies)
         try:
             measured = _measure(self.backend, self.target, self.saved, strategies, self.check)
-        except torch.OutOfMemoryError as exc:
-            return Row(name, description, names, skipped=f"ran out of memory: {str(exc).splitlines()[0][:160]}")
         except Exception as exc:  # a strategy the step does not survive is reported, not raised
-            text = str(exc).strip().splitlines()
-            return Row(
-                name,
-                description,
-                names,
-                skipped=f"the step raised {type(exc).__name__}: {text[0][:160] if text else ''}",
-            )
+            exc.__traceback__ = None  # its frames hold what the failed run allocated
+            oom = isinstance(exc, torch.OutOfMemoryError)
+            why = "ran out of memory" if oom else f"the step raised {type(exc).__name__}"
+            text = " ".join(_safe_text(exc).split())
+            del exc
+            release_memory()  # and reference cycles among them (autograd graphs, checkpoint storage)
+            return Row(name, description, names, skipped=f"{why}: {text}" if text else why)
         return self._row(name, description, names, measured)
 
     def _row(self, name: str, description: str, names: tuple[str, ...], measured: _Measured) -> Row:
