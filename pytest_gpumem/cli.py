@@ -22,6 +22,7 @@ from pytest_gpumem.baselines.schema import strict_json
 from pytest_gpumem.config import slack, tolerance
 from pytest_gpumem.constants import DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT
 from pytest_gpumem.explain.growth import compact
+from pytest_gpumem.history import command as history
 from pytest_gpumem.report.json import JSON_VERSION
 from pytest_gpumem.report.markdown import markdown_table
 from pytest_gpumem.results import Status
@@ -261,6 +262,13 @@ def run_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_history(args: argparse.Namespace) -> int:
+    try:
+        return history.run(args, _write, _say)
+    except history.GitError as exc:
+        raise ReportError(str(exc)) from None
+
+
 def _not_an_input(output: Path, flag: str, inputs: Sequence[Path]) -> None:
     """Writing onto a report being read would lose it: refuse before reading anything."""
     for path in inputs:
@@ -306,6 +314,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("reports", type=Path, nargs="+", metavar="REPORT.json")
     m.add_argument("-o", "--output", type=Path, required=True, metavar="ALL.json")
     m.set_defaults(run=run_merge)
+    history.add_parser(commands).set_defaults(run=run_history)
     return p
 
 

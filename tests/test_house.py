@@ -22,12 +22,23 @@ LAYERS = (
     ("measure",),
     ("distributed",),
     ("baselines",),
-    ("report",),
+    ("report", "history"),
     ("config",),
     ("run",),
     ("hookspecs", "plugin", "cli", "__main__", "__init__"),
 )
-WITHOUT_PYTEST = ("errors", "constants", "sizes", "results", "backends", "gradients", "explain", "baselines", "report")
+WITHOUT_PYTEST = (
+    "errors",
+    "constants",
+    "sizes",
+    "results",
+    "backends",
+    "gradients",
+    "explain",
+    "baselines",
+    "report",
+    "history",
+)
 
 
 def module_name(path: Path) -> str:

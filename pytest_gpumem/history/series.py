@@ -1,0 +1,171 @@
+"""Per test, device identity and phase: the figures each committed version of the baseline file holds,
+the steps between consecutive versions, and the growth from the first figure to the latest."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from pytest_gpumem.baselines.schema import BaselineError, loads
+from pytest_gpumem.history.git import Commit, Version
+from pytest_gpumem.results.baseline import DeviceIdentity, Entry
+from pytest_gpumem.sizes import format_size
+
+__all__ = ["Point", "Series", "Step", "build", "device_label", "growth_text", "offenders", "read"]
+
+CALL = "call"
+"""The phase name shown for the whole call's peak."""
+
+Key = tuple[str, str, str]
+"""``(node id, identity key, phase)``."""
+
+
+class Point(NamedTuple):
+    commit: Commit
+    value: int
+
+
+@dataclass(frozen=True)
+class Step:
+    commit: Commit
+    before: int
+    after: int
+
+    @property
+    def change(self) -> int:
+        return self.after - self.before
+
+
+@dataclass
+class Series:
+    nodeid: str
+    device: str
+    phase: str
+    points: list[Point] = field(default_factory=list)
+
+    @property
+    def first(self) -> int:
+        return self.points[0].value
+
+    @property
+    def latest(self) -> int:
+        return self.points[-1].value
+
+    @property
+    def change(self) -> int:
+        return self.latest - self.first
+
+    @property
+    def percent(self) -> float | None:
+        """The total change in % of the first figure; None from nothing to something (no ratio)."""
+        if self.first == 0:
+            return 0.0 if self.latest == 0 else None
+        return 100.0 * self.change / self.first
+
+    @property
+    def steps(self) -> list[Step]:
+        pairs = zip(self.points, self.points[1:], strict=False)
+        return [Step(b.commit, a.value, b.value) for a, b in pairs if a.value != b.value]
+
+    @property
+    def largest(self) -> Step | None:
+        """The step that changed the figure most (in bytes, either way); the first of equal ones."""
+        return max(self.steps, key=lambda s: abs(s.change), default=None)
+
+    def growth(self) -> float:
+        """The key the table sorts by: the % growth, from nothing to something above any ratio."""
+        percent = self.percent
+        return float("inf") if percent is None else percent
+
+
+@dataclass
+class Read:
+    """The versions that parsed (oldest first) and one line for each that did not."""
+
+    stores: list[tuple[Commit, dict[str, dict[str, Entry]]]]
+    skipped: list[str]
+
+
+def read(versions: Iterable[Version]) -> Read:
+    """Parse each version with the baseline file's own reader; a version that does not parse is named."""
+    result = Read([], [])
+    gc.disable()  # the stores kept so far would be walked again after each version
+    try:
+        for version in versions:
+            _read_one(version, result)
+    finally:
+        gc.enable()
+    return result
+
+
+def _read_one(version: Version, result: Read) -> None:
+    commit = version.commit
+    if version.data is None:  # deleted in this commit: nothing measured from here on
+        result.stores.append((commit, {}))
+        return
+    try:
+        store = loads(version.data, f"{commit.short}:{version.path}")
+    except (BaselineError, ValueError) as exc:
+        lines = str(exc).splitlines() or [type(exc).__name__]
+        result.skipped.append(f"skipped {commit.short} ({commit.date} {commit.subject}): {lines[0]}")
+        return
+    result.stores.append((commit, store.entries))
+
+
+def build(stores: Sequence[tuple[Commit, dict[str, dict[str, Entry]]]]) -> list[Series]:
+    """One series per test, identity and phase, over the versions that hold it, sorted by growth."""
+    found: dict[Key, Series] = {}
+    gc.disable()  # a million points: the collector would walk them again and again
+    try:
+        for commit, entries in stores:
+            for nodeid, per_device in entries.items():
+                for key, entry in per_device.items():
+                    _add(found, commit, nodeid, key, entry)
+    finally:
+        gc.enable()
+    return sorted(found.values(), key=lambda s: (-round(s.growth(), 1), s.nodeid, s.device, s.phase != CALL, s.phase))
+
+
+def _add(found: dict[Key, Series], commit: Commit, nodeid: str, key: str, entry: Entry) -> None:
+    for phase, value in ((CALL, entry.peak_bytes), *entry.phases.items()):
+        series = found.get((nodeid, key, phase))
+        if series is None:
+            series = found[nodeid, key, phase] = Series(nodeid, device_label(entry.identity), phase)
+        series.points.append(Point(commit, value))
+
+
+def device_label(identity: DeviceIdentity) -> str:
+    """``tracker cpu``, ``cuda NVIDIA H200 cc 9.0 140.4 GiB``: the identity, shorter than its key."""
+    parts = [identity.backend, identity.device]
+    if identity.capability is not None:
+        parts.append(f"cc {identity.capability}")
+    if identity.total_memory is not None:
+        parts.append(format_size(identity.total_memory))
+    return " ".join(parts)
+
+
+def growth_text(series: Series) -> str:
+    """``+21.7%``; ``new`` from nothing to something."""
+    percent = series.percent
+    return "new" if percent is None else f"{percent:+.1f}%"
+
+
+def offenders(series: Iterable[Series], max_growth: float) -> list[str]:
+    """One line per series that grew more than ``max_growth`` %: the test, the phase, both figures and
+    the commits of its steps."""
+    lines = []
+    for s in series:
+        if s.growth() <= max_growth:
+            continue
+        steps = ", ".join(f"{step.commit.short} {_signed(step.change)}" for step in s.steps)
+        lines.append(
+            f"{s.nodeid} [{s.device}] {s.phase}: {format_size(s.first)} -> {format_size(s.latest)} "
+            f"({growth_text(s)}, more than {max_growth:g}%) in {len(s.steps)} steps: {steps}"
+        )
+    return lines
+
+
+def _signed(n: int) -> str:
+    return ("+" if n > 0 else "") + format_size(n)

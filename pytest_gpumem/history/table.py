@@ -1,0 +1,115 @@
+"""The history shown: a table for the terminal (a test's line, then a row per phase, sorted by growth,
+with a sparkline of each series where asked), a Markdown table of the top growers, and JSON."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from pytest_gpumem.history.git import Commit
+from pytest_gpumem.history.series import Series, Step, growth_text
+from pytest_gpumem.report.markdown import markdown_table
+from pytest_gpumem.report.width import cut, display_width, pad, truncate
+from pytest_gpumem.sizes import format_size
+
+__all__ = ["WIDTH", "json_text", "markdown_text", "sparkline", "table"]
+
+WIDTH = 120
+BARS = "▁▂▃▄▅▆▇█"
+SPARK = 12
+HEADERS = ("phase", "first", "latest", "change", "%", "steps", "largest step", "commit")
+_RIGHT = (False, True, True, True, True, True, True, False)
+
+
+def sparkline(values: Sequence[int], width: int = SPARK) -> str:
+    """One bar per value (at most ``width``, evenly picked), from the lowest figure to the highest."""
+    if len(values) > width:
+        values = [values[round(i * (len(values) - 1) / (width - 1))] for i in range(width)]
+    low, high = min(values), max(values)
+    if high == low:
+        return BARS[0] * len(values)
+    return "".join(BARS[(v - low) * (len(BARS) - 1) // (high - low)] for v in values)
+
+
+def _signed(n: int) -> str:
+    return ("+" if n > 0 else "") + format_size(n)
+
+
+def _step(step: Step | None) -> tuple[str, str]:
+    if step is None:
+        return "-", "-"
+    return _signed(step.change), step.commit.describe()
+
+
+def _cells(s: Series) -> list[str]:
+    size, where = _step(s.largest)
+    figures = [format_size(s.first), format_size(s.latest), _signed(s.change), growth_text(s)]
+    return [s.phase, *figures, str(len(s.steps)), size, where]
+
+
+def _groups(series: Sequence[Series]) -> list[tuple[str, str, list[Series]]]:
+    """The series by test and device, in the order of their largest growth (the series come sorted)."""
+    groups: dict[tuple[str, str], list[Series]] = {}
+    for s in series:
+        groups.setdefault((s.nodeid, s.device), []).append(s)
+    return [(nodeid, device, members) for (nodeid, device), members in groups.items()]
+
+
+def table(series: Sequence[Series], sparklines: bool, width: int = WIDTH) -> str:
+    """The terminal table, every line within ``width`` columns: each test's line names it and its device,
+    its phases follow indented; the commit column is cut to what is left."""
+    rows = [_cells(s) for s in series]
+    widths = [max([display_width(h), *(display_width(r[i]) for r in rows)]) for i, h in enumerate(HEADERS)]
+    spark = min(SPARK, max((len(s.points) for s in series), default=1)) if sparklines else 0
+    fixed = 2 + sum(widths[:-1]) + 2 * (len(HEADERS) - 1) + (spark + 2 if spark else 0)
+    widths[-1] = max(min(widths[-1], width - fixed), 8)
+
+    def line(cells: Sequence[str], bars: str = "") -> str:
+        padded = [pad(truncate(c, w), w, right) for c, w, right in zip(cells, widths, _RIGHT, strict=True)]
+        text = "  " + "  ".join(padded)
+        return (text + "  " + pad(bars, spark) if spark else text).rstrip()
+
+    lines = [line(HEADERS, "history" if spark >= 7 else "")]
+    by_series = dict(zip(map(id, series), rows, strict=True))
+    for nodeid, device, members in _groups(series):
+        lines.append(cut(f"{nodeid}  [{device}]", width, width // 2))
+        for s in members:
+            bars = sparkline([p.value for p in s.points], spark) if spark else ""
+            lines.append(line(by_series[id(s)], bars))
+    return "\n".join(lines)
+
+
+def markdown_text(series: Sequence[Series], top: int) -> str:
+    """The ``top`` growers as a GitHub table, one line saying how many more series there are."""
+    shown = list(series[:top])
+    headers = ["test", "device", *HEADERS]
+    body = [[f"`{s.nodeid}`", s.device, *_cells(s)] for s in shown]
+    text = markdown_table(headers, body) if shown else "No baselines in the file's history.\n"
+    left = len(series) - len(shown)
+    return text + (f"\n{left} more series (the top {top} growers shown)\n" if left > 0 else "")
+
+
+def json_text(series: Sequence[Series], skipped: Sequence[str]) -> str:
+    """Every series with its figures and steps, and the versions that were skipped."""
+    doc: dict[str, Any] = {"series": [_json(s) for s in series], "skipped": list(skipped)}
+    return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
+
+
+def _json(s: Series) -> dict[str, Any]:
+    def commit(c: Commit) -> dict[str, str]:
+        return {"sha": c.sha, "date": c.date, "subject": c.subject}
+
+    largest = s.largest
+    return {
+        "nodeid": s.nodeid,
+        "device": s.device,
+        "phase": s.phase,
+        "first": s.first,
+        "latest": s.latest,
+        "change": s.change,
+        "percent": s.percent,
+        "points": [{**commit(p.commit), "bytes": p.value} for p in s.points],
+        "steps": [{**commit(st.commit), "before": st.before, "after": st.after} for st in s.steps],
+        "largest_step": None if largest is None else {**commit(largest.commit), "change": largest.change},
+    }

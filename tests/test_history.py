@@ -1,0 +1,220 @@
+"""`pytest-gpumem history`: the baseline file's committed versions, per test and phase, and the growth gate,
+on scratch git repositories with fixed dates."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pytest_gpumem.cli import main
+from pytest_gpumem.history.table import sparkline
+from pytest_gpumem.report.width import display_width
+
+FILE = "gpumem-baselines.json"
+IDENTITY = {"backend": "tracker", "device": "cpu", "capability": None, "total_memory": None}
+
+
+def git(repo: Path, *args: str, day: int = 1) -> str:
+    date = f"2026-11-{day:02d}T12:00:00+00:00"
+    env = {**os.environ, "GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date}
+    done = subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True, text=True)
+    return done.stdout
+
+
+def baselines(peaks: dict[str, int]) -> str:
+    entries = {
+        nodeid: {"tracker | cpu": {"cuda": None, "torch": "2.13.0", "identity": IDENTITY, "peak_bytes": peak,
+                                  "phases": {"forward": peak // 2}}}
+        for nodeid, peak in peaks.items()
+    }  # fmt: skip
+    return json.dumps({"schema": "pytest-gpumem-baselines", "version": 1, "entries": entries}, indent=2) + "\n"
+
+
+def commit(repo: Path, text: str, subject: str, day: int, name: str = FILE) -> str:
+    (repo / name).write_text(text)
+    git(repo, "add", "-A", day=day)
+    git(repo, "commit", "-q", "-m", subject, day=day)
+    return git(repo, "rev-parse", "--short", "HEAD").strip()
+
+
+@pytest.fixture
+def repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "project"
+    path.mkdir()
+    git(path, "init", "-q", "-b", "main")
+    git(path, "config", "user.name", "Tester")
+    git(path, "config", "user.email", "tester@example.com")
+    git(path, "config", "commit.gpgsign", "false")
+    monkeypatch.chdir(path)
+    return path
+
+
+def creep(repo: Path) -> list[str]:
+    """A test that grows 4% per commit over 6 commits (each within a 5% tolerance, the sum not)."""
+    peak, shorts = 1_000_000, []
+    for day in range(1, 7):
+        shorts.append(commit(repo, baselines({"t.py::test_grows": peak, "t.py::test_steady": 4096}), f"c{day}", day))
+        peak = peak * 104 // 100
+    return shorts
+
+
+def test_the_table_shows_the_creep_with_exact_figures(repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shorts = creep(repo)
+    assert main(["history", "--no-sparklines"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "  phase        first     latest      change       %  steps  largest step  commit",
+        "t.py::test_grows  [tracker cpu]",
+        f"  call     976.6 KiB    1.2 MiB  +211.6 KiB  +21.7%      5     +45.7 KiB  {shorts[5]} 2026-11-06 c6",
+        f"  forward  488.3 KiB  594.1 KiB  +105.8 KiB  +21.7%      5     +22.8 KiB  {shorts[5]} 2026-11-06 c6",
+        "t.py::test_steady  [tracker cpu]",
+        "  call       4.0 KiB    4.0 KiB         0 B   +0.0%      0             -  -",
+        "  forward    2.0 KiB    2.0 KiB         0 B   +0.0%      0             -  -",
+    ]
+    assert all(len(line) <= 120 for line in out)
+
+
+def test_sparklines_when_asked(repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    creep(repo)
+    assert main(["history", "--sparklines"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2].endswith("▁▂▃▅▆█")
+    assert sparkline([5, 5, 5]) == "▁▁▁"
+    assert sparkline(list(range(100)), 4) == "▁▃▅█"
+
+
+def test_the_gate_fails_above_the_threshold_and_passes_below(repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shorts = creep(repo)
+    git(repo, "tag", "v1", shorts[0])
+    assert main(["history", "--since", "v1", "--max-growth", "10"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    steps = ", ".join(
+        f"{s} +{k}"
+        for s, k in zip(shorts[1:], ["39.1 KiB", "40.6 KiB", "42.2 KiB", "43.9 KiB", "45.7 KiB"], strict=True)
+    )
+    half = ", ".join(
+        f"{s} +{k}"
+        for s, k in zip(shorts[1:], ["19.5 KiB", "20.3 KiB", "21.1 KiB", "22.0 KiB", "22.8 KiB"], strict=True)
+    )
+    assert lines[-2:] == [
+        f"grew since v1: t.py::test_grows [tracker cpu] call: 976.6 KiB -> 1.2 MiB (+21.7%, more than 10%) "
+        f"in 5 steps: {steps}",
+        f"grew since v1: t.py::test_grows [tracker cpu] forward: 488.3 KiB -> 594.1 KiB (+21.7%, more than 10%) "
+        f"in 5 steps: {half}",
+    ]
+    assert main(["history", "--since", "v1", "--max-growth", "30"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "no phase grew more than 30% since v1"
+
+
+def test_since_a_date_starts_from_the_version_of_that_day(repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shorts = creep(repo)
+    assert main(["history", "--since", "2026-11-05", "--max-growth", "5"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2].startswith("grew since 2026-11-05: t.py::test_grows [tracker cpu] call: 1.1 MiB -> 1.2 MiB")
+    assert lines[-2].endswith(f"(+8.2%, more than 5%) in 2 steps: {shorts[4]} +43.9 KiB, {shorts[5]} +45.7 KiB")
+    assert main(["history", "--since", "2026-11-05", "--max-growth", "9"]) == 0
+
+
+def test_a_rename_is_followed(repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    first = commit(repo, baselines({"t.py::test_a": 1000}), "old name", 1, name="old.json")
+    git(repo, "mv", "old.json", FILE)
+    git(repo, "commit", "-q", "-m", "rename", day=2)
+    renamed = git(repo, "rev-parse", "--short", "HEAD").strip()
+    last = commit(repo, baselines({"t.py::test_a": 1500}), "grow", 3)
+    assert main(["history", "--json", "h.json"]) == 0
+    doc = json.loads((repo / "h.json").read_text())
+    call = doc["series"][0]
+    assert (call["phase"], call["first"], call["latest"], call["percent"]) == ("call", 1000, 1500, 50.0)
+    assert [p["sha"][:7] for p in call["points"]] == [first, renamed, last]
+    assert f"{last} 2026-11-03 grow" in capsys.readouterr().out
+
+
+def test_an_unparseable_version_is_named_and_skipped(repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    commit(repo, baselines({"t.py::test_a": 1000}), "good", 1)
+    bad = commit(repo, "{ not json", "broken by hand", 2)
+    commit(repo, baselines({"t.py::test_a": 2000}), "fixed", 3)
+    assert main(["history"]) == 0
+    captured = capsys.readouterr()
+    assert (
+        f"pytest-gpumem history: skipped {bad} (2026-11-02 broken by hand): baseline file {bad}:{FILE}" in captured.err
+    )
+    assert "  call     1000 B  2.0 KiB" in captured.out
+    assert " 1  " in captured.out.splitlines()[2]
+
+
+def test_outside_git_one_line_and_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    assert main(["history"]) == 2
+    assert capsys.readouterr().err == f"pytest-gpumem history: error: {FILE}: not inside a git repository\n"
+
+
+def test_a_file_never_committed(repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    commit(repo, "x\n", "something else", 1, name="README")
+    assert main(["history"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"pytest-gpumem history: error: {FILE}: never committed (history reads its committed versions)\n"
+
+
+def test_a_shallow_clone_says_how_far_back(
+    repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shorts = creep(repo)
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", "--depth", "2", f"file://{repo}", str(clone)], check=True)
+    monkeypatch.chdir(clone)
+    assert main(["history"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == (
+        f"pytest-gpumem history: shallow clone: the history goes back to 2026-11-05 ({shorts[4]}); "
+        "run `git fetch --unshallow` to read all of it\n"
+    )
+    assert "+4.0%      1" in captured.out
+
+
+def test_markdown_and_json_outputs(repo: Path) -> None:
+    creep(repo)
+    assert main(["history", "--markdown", "top.md", "--top", "1", "--json", "all.json"]) == 0
+    md = (repo / "top.md").read_text().splitlines()
+    assert md[0].startswith("| test ") and "`t.py::test_grows`" in md[2] and "+21.7%" in md[2]
+    assert md[-1] == "3 more series (the top 1 growers shown)"
+    doc = json.loads((repo / "all.json").read_text())
+    assert len(doc["series"]) == 4 and doc["skipped"] == []
+    assert [s["after"] - s["before"] for s in doc["series"][0]["steps"]] == [40000, 41600, 43264, 44994, 46794]
+
+
+def test_a_since_that_is_neither_ref_nor_date(repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    creep(repo)
+    assert main(["history", "--since", "nowhere", "--max-growth", "10"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "pytest-gpumem history: error: --since nowhere: neither a commit, branch or tag nor a date like 2026-11-01\n"
+    )
+
+
+def test_without_git_one_line_and_exit_2(
+    repo: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PATH", str(repo / "no-bin"))
+    assert main(["history"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == "pytest-gpumem history: error: git is not installed (history reads the baseline file's versions from git)\n"
+    )
+
+
+def test_long_names_and_sparklines_fit_120_columns(repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    name = "tests/test_a_rather_long_module_name.py::test_with_parameters[" + "日本" * 30 + "]"
+    for day in range(1, 21):
+        commit(repo, baselines({name: 10_000 * day}), "a subject long enough to be cut at the edge " * 3, day)
+    assert main(["history", "--sparklines"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert max(display_width(line) for line in out) <= 120
+    assert out[2].endswith("▁▁▂▂▃▄▄▅▆▆▇█") and "+1900.0%" in out[2]
