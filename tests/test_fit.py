@@ -131,7 +131,7 @@ def test_a_kernel_that_switches_beyond_the_sizes_is_searched(tracked: Tracked) -
     assert [c.size for c in fit.checks] == [191, 97, 50, 73, 61, 67, 64, 62, 63]
     assert fit.describe() == (
         "largest batch that fits 200,000 B: 63, peak 66.9 KiB at aten.ones.default (tests/test_fit.py:64), of which "
-        "0 B was live when the fit began; searched with 9 runs held to the capacity (the timelines' answer, 191 "
+        "0 B was live when the fit began; searched at 9 sizes held to the capacity (the timelines' answer, 191 "
         "fits, did not hold when run), confirmed: 63 ran within 200,000 B, 64 ran out of memory after 3.9 KiB"
     )
 

@@ -323,9 +323,10 @@ class _Advisor:
             why = "ran out of memory" if oom else f"the step raised {type(exc).__name__}"
             text = " ".join(_safe_text(exc).split())
             del exc
-            release_memory()  # and reference cycles among them (autograd graphs, checkpoint storage)
-            return Row(name, description, names, skipped=f"{why}: {text}" if text else why)
-        return self._row(name, description, names, measured)
+        else:
+            return self._row(name, description, names, measured)
+        release_memory()  # outside the handler: reference cycles among its tensors (graphs, checkpoint storage)
+        return Row(name, description, names, skipped=f"{why}: {text}" if text else why)
 
     def _row(self, name: str, description: str, names: tuple[str, ...], measured: _Measured) -> Row:
         assert self.base is not None

@@ -140,7 +140,8 @@ class BatchFit:
 
     def _how(self) -> str:
         if self.found is Found.SEARCH or self.lines is None:
-            return f"searched with {len(self.checks)} runs held to the capacity ({self.note})"
+            twice = ", each run twice and the second judged" if self.reserved else ""
+            return f"searched at {len(self.checks)} sizes held to the capacity{twice} ({self.note})"
         lines = self.lines
         if self.exact:
             quality = "exactly"

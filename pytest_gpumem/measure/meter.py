@@ -198,7 +198,8 @@ class GpuMem:
                     raise
                 exc.__traceback__, out_of_memory = None, True  # its frames hold the step's tensors
                 del exc
-                release_memory()
+            if out_of_memory:
+                release_memory()  # outside the handler, where the exception is no longer the one handled
             result = self._results[phase]
             end, reserved = start + result.net_bytes, result.reserved_peak_bytes
             peak = start + result.peak_bytes if reserved is None else reserved  # a card runs out on reserved

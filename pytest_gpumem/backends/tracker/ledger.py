@@ -237,6 +237,7 @@ class StorageLedger:
         try:
             return self.model.malloc(key, requested)
         except AllocatorOutOfMemory as exc:
+            exc.__traceback__ = None  # its frames, and theirs up to the test's, hold what was allocated
             error = self.out_of_memory(f"tracker: {exc}")
             error.allocator_error = exc  # type: ignore[attr-defined]  # the figures, for the one-line failure
             raise error from None
