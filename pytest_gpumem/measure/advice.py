@@ -124,6 +124,12 @@ class Row:
         )
 
 
+def held_bytes(absolute: int, reserved: int | None) -> int:
+    """What a step holds of a card at its peak: the allocator's reserved bytes where they were measured
+    (a card runs out on them), else its absolute peak (what was live when it began + its peak above)."""
+    return absolute if reserved is None else max(reserved, absolute)
+
+
 @dataclass(frozen=True)
 class Advice:
     """The rows (as-is first), the capacity they were judged against (None: not judged), and which
@@ -159,9 +165,8 @@ class Advice:
         return self.live_bytes + row.peak_bytes
 
     def held(self, row: Row) -> int:
-        """What the row holds of a card at its peak: the allocator's reserved bytes where they were
-        measured (a card runs out on them), else its absolute peak."""
-        return self.absolute(row) if row.reserved_bytes is None else max(row.reserved_bytes, self.absolute(row))
+        """What the row holds of a card at its peak (`held_bytes`)."""
+        return held_bytes(self.absolute(row), row.reserved_bytes)
 
     def fits(self, row: Row, capacity: int) -> bool:
         return row.peak_bytes is not None and self.held(row) <= capacity

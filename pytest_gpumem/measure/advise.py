@@ -27,8 +27,8 @@ from torch.utils.flop_counter import flop_registry
 from pytest_gpumem.backends.base import ListsLiveStorages, rounding_of, sees_earlier_allocations
 from pytest_gpumem.backends.tracker.ledger import cuda_block_size
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.measure.advice import AS_IS, NOT_CHECKED, Advice, PhasePeak, Row
-from pytest_gpumem.measure.failures import release_memory
+from pytest_gpumem.measure.advice import AS_IS, NOT_CHECKED, Advice, PhasePeak, Row, held_bytes
+from pytest_gpumem.measure.failures import exception_text, release_memory
 from pytest_gpumem.measure.regions import RegionStack
 from pytest_gpumem.measure.strategies import (
     OptimizerShim,
@@ -210,13 +210,6 @@ def _measure(backend: Backend, target: Target, saved: _Saved, chosen: Sequence[S
     return _Measured(total, splitter.phases, splitter.above_start, splitter.flops, outcome, run.dtype)
 
 
-def _safe_text(exc: BaseException) -> str:
-    try:
-        return str(exc)
-    except Exception:
-        return f"<{type(exc).__name__} whose str() raised>"
-
-
 def _compare(
     got: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor], scales: Mapping[str, float], dtype: torch.dtype
 ) -> tuple[str, bool | None]:
@@ -321,7 +314,7 @@ class _Advisor:
             exc.__traceback__ = None  # its frames hold what the failed run allocated
             oom = isinstance(exc, torch.OutOfMemoryError)
             why = "ran out of memory" if oom else f"the step raised {type(exc).__name__}"
-            text = " ".join(_safe_text(exc).split())
+            text = " ".join(exception_text(exc, f"<{type(exc).__name__} whose str() raised>").split())
             del exc
         else:
             return self._row(name, description, names, measured)
@@ -347,7 +340,7 @@ class _Advisor:
             extra_flops=measured.flops - self.base.flops,
             gradients=gradients,
             gradients_equal=equal,
-            fits=None if self.capacity is None else max(self.live + peak, reserved or 0) <= self.capacity,
+            fits=None if self.capacity is None else held_bytes(self.live + peak, reserved) <= self.capacity,
             reserved_bytes=reserved,
         )
 

@@ -25,6 +25,14 @@ def needs_real_values(exc: BaseException, device: object) -> str | None:
     return None if reason is None else f"this test cannot run on the meta device (tensors without data): {reason}"
 
 
+def exception_text(exc: BaseException, fallback: str = "") -> str:
+    """`str(exc)`, or `fallback` where the exception's own `__str__` raises."""
+    try:
+        return str(exc)
+    except Exception:
+        return fallback
+
+
 def release_memory() -> None:
     """After an out-of-memory error: collect what its frames held, and return cached blocks to the device."""
     gc.collect()

@@ -150,7 +150,7 @@ class BatchFit:
         else:
             quality = f"within {self.size(lines.residual)}"
         note = f" ({self.note})" if self.note else ""
-        return f"found {quality} from the timelines of sizes {_ints(lines.sizes)}{note}"
+        return f"found {quality} from the timelines of sizes {integers(lines.sizes)}{note}"
 
     def _shown(self) -> str:
         if not self.confirmed:
@@ -172,5 +172,6 @@ class BatchFit:
         return f"peaked at {self.size(check.peak)}"
 
 
-def _ints(values: Sequence[int]) -> str:
+def integers(values: Sequence[int]) -> str:
+    """'1, 2, 4,096': sizes and bytes as a fit's messages list them."""
     return ", ".join(f"{v:,}" for v in values)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from pytest_gpumem.backends.timeline import Timeline
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.measure.fit import MAX_BATCH, BatchFit, Check, Found, Measure, Sample
+from pytest_gpumem.measure.fit import MAX_BATCH, BatchFit, Check, Found, Measure, Sample, integers
 from pytest_gpumem.measure.lines import Lines, fit_lines
 from pytest_gpumem.sizes import format_size, parse_size, shorten
 
@@ -130,8 +130,8 @@ def _warm_up(fit: _Fit) -> int:
     if kept:
         raise GpuMemError(
             f"fit: the step keeps memory from one size to the next (size {kept[0][0]:,} left "
-            f"{format_size(kept[0][1])} allocated after it returned; sizes {_ints(fit.sizes)} left "
-            f"{_ints(left)} B): each size's peak would include what earlier sizes kept; free it in the step"
+            f"{format_size(kept[0][1])} allocated after it returned; sizes {integers(fit.sizes)} left "
+            f"{integers(left)} B): each size's peak would include what earlier sizes kept; free it in the step"
         )
     return first if first > fit.allowed else 0
 
@@ -172,11 +172,11 @@ def _sample_larger(fit: _Fit) -> tuple[Lines | None, str]:
     if largest >= MAX_BATCH:
         raise GpuMemError(
             f"fit: the step's peak does not grow with the batch size ({format_size(fit.samples[0].peak)} at sizes "
-            f"{_ints(fit.sizes)}): does step(n) use n?"
+            f"{integers(fit.sizes)}): does step(n) use n?"
         )
     if fit.runs_refused is not None:
         raise GpuMemError(
-            f"fit: the step's peak does not grow over sizes {_ints(fit.sizes)} and larger sizes cannot be run "
+            f"fit: the step's peak does not grow over sizes {integers(fit.sizes)} and larger sizes cannot be run "
             f"here ({fit.runs_refused}): measure larger sizes"
         )
     n = min(2 * largest, MAX_BATCH)
@@ -254,10 +254,6 @@ def _bound(step: Callable[[int], object], n: int) -> Callable[[], object]:
         return step(n)
 
     return run
-
-
-def _ints(values: Sequence[int]) -> str:
-    return ", ".join(f"{v:,}" for v in values)
 
 
 def _check_sizes(sizes: object) -> list[int]:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from pytest_gpumem.backends.base import Configurable, ExplainsItsPeaks
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.measure.advice import advice_clause
+from pytest_gpumem.measure.failures import exception_text
 from pytest_gpumem.measure.meter import GpuMem
 from pytest_gpumem.sizes import format_size
 
@@ -63,7 +64,7 @@ def out_of_memory_message(
     on the meta device, that it is a prediction."""
     phase = meter.phase_left_by(exc)
     where = f"in {phase}" if phase else "in the call"
-    asked = re.search(r"[Tt]ried to allocate ([\d.,]+ ?[KMGTP]?i?B)", _text(exc))
+    asked = re.search(r"[Tt]ried to allocate ([\d.,]+ ?[KMGTP]?i?B)", exception_text(exc))
     tried = f" (tried to allocate {asked.group(1)})" if asked else ""
     limits = ": the device's memory ran out" if capacity is None else f": past the {_capacity_hit(budget, capacity)}"
     limits += _allocator_state(exc)
@@ -109,13 +110,6 @@ def _budget_over(budget: Budget | None, meter: GpuMem, phase: str | None) -> str
     else:
         return ""
     return "" if peak <= limit.bytes else f"; over its budget {name}{limit.written} too, at {limit.fmt(peak)}"
-
-
-def _text(exc: BaseException) -> str:
-    try:
-        return str(exc)
-    except Exception:
-        return ""
 
 
 def leak_message(meter: GpuMem, leak: Limit, net_bytes: int) -> str:
