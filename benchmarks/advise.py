@@ -21,9 +21,9 @@ from benchlib import parser, show, write_json
 from meta_7b import Shape, build
 from torch import nn
 
+from pytest_gpumem.advise.run import advise
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
-from pytest_gpumem.measure.advice import Advice
-from pytest_gpumem.measure.advise import advise
+from pytest_gpumem.results.advice import Advice
 from pytest_gpumem.sizes import format_size
 
 

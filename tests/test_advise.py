@@ -12,11 +12,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pytest_gpumem.advise.run import advise
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.measure.advice import AS_IS, Advice, PhasePeak, Row, advice_clause
-from pytest_gpumem.measure.advise import advise
 from pytest_gpumem.measure.meter import GpuMem
+from pytest_gpumem.report.advice import advice_clause
+from pytest_gpumem.results.advice import AS_IS, Advice, PhasePeak, Row
 from reference_losses.models import ModelWorkload, build_net, build_residual
 from reference_losses.training import TRAINING_STRATEGIES, NetBytes, plain, residual_plain
 

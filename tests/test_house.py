@@ -19,7 +19,7 @@ LAYERS = (
     ("backends",),
     ("gradients",),
     ("explain",),
-    ("measure",),
+    ("measure", "advise"),
     ("distributed",),
     ("baselines",),
     ("report", "history"),

@@ -17,8 +17,8 @@ import pytest
 from pytest_gpumem.backends.tracker.attribution import CATEGORIES as ATTRIBUTED
 from pytest_gpumem.backends.tracker.attribution import LABELS as ATTRIBUTED_LABELS
 from pytest_gpumem.backends.tracker.attribution import NO_MODULE
-from pytest_gpumem.measure.advice import AS_IS, Advice, PhasePeak, Row
 from pytest_gpumem.report.html import byte_ticks, chart_texts, event_ticks, render
+from pytest_gpumem.results.advice import AS_IS, Advice, PhasePeak, Row
 from pytest_gpumem.results.explanation import Cell, Explanation, PhaseExplanation, Point, Tensor, Timeline
 from pytest_gpumem.run.outputs import write_evidence, write_picture
 from pytest_gpumem.sizes import format_size

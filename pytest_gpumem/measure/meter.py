@@ -38,8 +38,8 @@ if TYPE_CHECKING:
     from pytest_gpumem.backends.tracker.attribution import Attributor
     from pytest_gpumem.backends.tracker.recording import Survivor
     from pytest_gpumem.backends.tracker.shadow import Shadow
-    from pytest_gpumem.measure.advice import Advice
     from pytest_gpumem.measure.fit import BatchFit, Measure
+    from pytest_gpumem.results.advice import Advice
     from pytest_gpumem.results.explanation import Explanation, RanksExplanation
     from pytest_gpumem.results.gradients import Fingerprint
 
@@ -219,10 +219,10 @@ class GpuMem:
         batch_size: int | None = None,
     ) -> Advice:
         """Measure the training step `step()` as it is and with each memory-saving strategy applied to
-        `model` and `optimizer` from outside, leaving both as they were (see `pytest_gpumem.measure.advise`).
+        `model` and `optimizer` from outside, leaving both as they were (see `pytest_gpumem.advise.run`).
         The advice's runs are not part of the call's peak; a failing budget names its best strategy."""
         __tracebackhide__ = True
-        from pytest_gpumem.measure.advise import advise
+        from pytest_gpumem.advise.run import advise
 
         with self._advising():
             found = advise(
@@ -244,7 +244,7 @@ class GpuMem:
         """While advise runs inside a test: its runs are not the test's call (the call's peak is folded
         before and reset after), the step's own gpumem.phase() blocks measure nothing, and a capacity set on
         the tracker is lifted (advise judges the capacity itself)."""
-        from pytest_gpumem.measure.strategies import Patch
+        from pytest_gpumem.advise.strategies import Patch
 
         stack = self._stack
         if stack is None:

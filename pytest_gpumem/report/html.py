@@ -20,7 +20,7 @@ from typing import Any
 
 import jinja2
 
-from pytest_gpumem.measure.advice import AS_IS, Advice, Row
+from pytest_gpumem.results.advice import AS_IS, Advice, Row
 from pytest_gpumem.results.explanation import Explanation, PhaseExplanation, Point, Tensor
 from pytest_gpumem.sizes import format_size
 

@@ -17,10 +17,12 @@ from pytest_gpumem.distributed.worker import json_problem  # pure, and pytest-fr
 from pytest_gpumem.errors import GpuMemError, GpuMemWarning
 from pytest_gpumem.explain.text import made_of, over_limit
 from pytest_gpumem.explain.text import section as explained
-from pytest_gpumem.measure.advice import Advice, advice_clause, advice_section
 from pytest_gpumem.measure.failures import is_out_of_memory, needs_real_values, release_memory
-from pytest_gpumem.measure.watch import Watch, leak_message, out_of_memory_message, survivors_section
+from pytest_gpumem.measure.watch import Watch
+from pytest_gpumem.report.advice import advice_clause, advice_section
+from pytest_gpumem.report.failures import leak_message, out_of_memory_message, survivors_section
 from pytest_gpumem.results import REPORT_ATTRIBUTE, PhaseResult, Status, TestResult, junit_properties, settle
+from pytest_gpumem.results.advice import Advice
 from pytest_gpumem.run import outputs
 from pytest_gpumem.run.regression import verdict_status
 from pytest_gpumem.run.session import JUDGE, METER_KEY, GpuMemSession

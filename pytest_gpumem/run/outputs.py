@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
-    from pytest_gpumem.measure.advice import Advice
+    from pytest_gpumem.results.advice import Advice
     from pytest_gpumem.measure.meter import GpuMem
     from pytest_gpumem.results import TestResult
     from pytest_gpumem.results.explanation import Explanation

@@ -24,23 +24,14 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
+from pytest_gpumem.advise.kinds import all_strategies, conflict, ordered
+from pytest_gpumem.advise.strategies import OptimizerShim, Patch, Run, Strategy, Target, find_blocks
 from pytest_gpumem.backends.base import ListsLiveStorages, rounding_of, sees_earlier_allocations
 from pytest_gpumem.backends.tracker.ledger import cuda_block_size
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.measure.advice import AS_IS, NOT_CHECKED, Advice, PhasePeak, Row, held_bytes
 from pytest_gpumem.measure.failures import exception_text, release_memory
 from pytest_gpumem.measure.regions import RegionStack
-from pytest_gpumem.measure.strategies import (
-    OptimizerShim,
-    Patch,
-    Run,
-    Strategy,
-    Target,
-    all_strategies,
-    conflict,
-    find_blocks,
-    ordered,
-)
+from pytest_gpumem.results.advice import AS_IS, NOT_CHECKED, Advice, PhasePeak, Row, held_bytes
 from pytest_gpumem.sizes import parse_size, shorten
 
 if TYPE_CHECKING:

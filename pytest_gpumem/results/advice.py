@@ -1,6 +1,6 @@
 """What `gpumem.advise` found, as plain data: one row per strategy (or combination) tried on the step.
 
-No torch here: the failure line and the report section read an Advice without importing it.
+No torch here: the failure line and the report section (`report/advice.py`) read an Advice without importing it.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.sizes import format_size, parse_size
 
 if TYPE_CHECKING:
-    from pytest_gpumem.budget import Budget
-    from pytest_gpumem.results import PhaseResult
+    pass
 
 AS_IS = "as-is"
 NOT_CHECKED = "not checked"
@@ -178,7 +177,7 @@ class Advice:
         limit = self.capacity if capacity is None else parse_size(capacity)
         if limit is None:
             raise GpuMemError("Advice.best() needs a capacity (none was given to gpumem.advise)")
-        return _cheapest([r for r in self._usable() if self.fits(r, limit)])
+        return cheapest([r for r in self.usable() if self.fits(r, limit)])
 
     def best_within(self, limits: Mapping[str, int], observed: Mapping[str, int]) -> tuple[Row, dict[str, int]] | None:
         """The cheapest strategy (not as-is) that keeps every region within its limit, with the figures
@@ -186,7 +185,7 @@ class Advice:
         peak against as-is (`observed[region] - as_is + row`)."""
         base = self.as_is
         fitting = []
-        for row in self._usable():
+        for row in self.usable():
             if row.name == AS_IS:
                 continue
             predicted = {region: _moved(observed[region], base, row, region) for region in limits}
@@ -194,10 +193,10 @@ class Advice:
                 fitting.append((row, predicted))
         if not fitting:
             return None
-        chosen = _cheapest([row for row, _ in fitting])
+        chosen = cheapest([row for row, _ in fitting])
         return next(pair for pair in fitting if pair[0] is chosen)
 
-    def _usable(self) -> list[Row]:
+    def usable(self) -> list[Row]:
         return [r for r in self.rows if r.measured and r.gradients_equal is not False]
 
     def compute(self, row: Row) -> str:
@@ -283,88 +282,11 @@ def _moved(observed: int, base: Row, row: Row, region: str) -> int:
     return max(0, observed - before + after)
 
 
-def _cheapest(rows: list[Row]) -> Row | None:
+def cheapest(rows: list[Row]) -> Row | None:
+    """The row that costs least compute (as-is first on a tie), then the lowest peak."""
     if not rows:
         return None
     return min(
         rows,
         key=lambda r: (r.extra_flops if r.extra_flops is not None else math.inf, r.name != AS_IS, r.peak_bytes or 0),
     )
-
-
-def advice_section(advice: Advice | None) -> str:
-    """The test's report section lines of its advice ('' when it did not call gpumem.advise)."""
-    return "" if advice is None else "\n" + "\n".join(advice.lines())
-
-
-def advice_clause(
-    advice: Advice | None,
-    budget: Budget | None,
-    call: PhaseResult | None = None,
-    phases: Mapping[str, PhaseResult] | None = None,
-    *,
-    oom: bool = False,
-) -> str:
-    """What a failure line adds when the test called gpumem.advise: the cheapest strategy that fits,
-    e.g. '; checkpointing the 12 `GPT2Block`s fits: forward peak 5.2 GiB, +31% compute' (the region's
-    peak as the budget counts it), or that none does."""
-    if advice is None:
-        return ""
-    capacity = advice.capacity if budget is None or budget.capacity is None else budget.capacity.bytes
-    if oom:
-        if capacity is None:
-            return ""
-        row = _cheapest([r for r in advice._usable() if r.name != AS_IS and advice.fits(r, capacity)])
-        if row is None:
-            return _none_fits(advice, format_size(capacity), absolute=True)
-        peak, live = format_size(advice.absolute(row)), format_size(advice.live_bytes)
-        return (
-            f"; {row.description} fits {format_size(capacity)}: peak {peak} with the {live} live when the step "
-            f"starts, {advice.compute(row)}"
-        )
-    if call is None:
-        return ""
-    limits, observed, shown = _limits(budget, call, phases or {})
-    if not limits:
-        return ""
-    found = advice.best_within(limits, observed)
-    if found is None:
-        return _none_fits(advice, "the budget")
-    row, predicted = found
-    region = next(iter(shown))
-    peak = shown[region](predicted[region])
-    return f"; {row.description} fits the budget: {region} peak {peak}, {advice.compute(row)}"
-
-
-def _limits(
-    budget: Budget | None, call: PhaseResult, phases: Mapping[str, PhaseResult]
-) -> tuple[dict[str, int], dict[str, int], dict[str, Any]]:
-    """Every limit of the budget on a region the test measured, what it measured there, and how each
-    limit writes its figures; the exceeded regions come first."""
-    limits: dict[str, int] = {}
-    observed: dict[str, int] = {}
-    shown: dict[str, Any] = {}
-    if budget is None:
-        return limits, observed, shown
-    regions = [("call", budget.total, call)] if budget.total is not None else []
-    regions += [(name, limit, phases[name]) for name, limit in budget.phases.items() if name in phases]
-    regions.sort(key=lambda item: item[2].peak_bytes <= item[1].bytes)
-    for name, limit, result in regions:
-        assert limit is not None
-        limits[name], observed[name], shown[name] = limit.bytes, result.peak_bytes, limit.fmt
-    return limits, observed, shown
-
-
-def _none_fits(advice: Advice, what: str, *, absolute: bool = False) -> str:
-    tried = [r for r in advice._usable() if r.name != AS_IS]
-    if not tried:
-        return "; gpumem.advise found no strategy to try"
-    lowest = min(tried, key=lambda r: r.peak_bytes or 0)
-    assert lowest.peak_bytes is not None
-    if absolute:
-        peak = (
-            f"peak {format_size(advice.absolute(lowest))} with the {format_size(advice.live_bytes)} live at the start"
-        )
-    else:
-        peak = f"step peak {format_size(lowest.peak_bytes)} above its start"
-    return f"; none of the {len(tried)} strategies advise measured fits {what} (lowest: {lowest.name}, {peak})"
