@@ -617,29 +617,6 @@ def test_update_without_changes_needs_no_write(path: Path) -> None:
     assert not summary.changed
 
 
-def test_update_keep_within_tolerance_avoids_churn(path: Path) -> None:
-    store = BaselineStore(path)
-    U.update(store, {"a": entry(peak=1000, phases={"f": 1000}, gradients=grads())})
-    original = store.get("a", H200)
-    tol = C.Tolerance(5, 0)
-    summary = U.update(
-        store,
-        {"a": entry(peak=1040, phases={"f": 960}, gradients=grads())},
-        keep=lambda old, new: C.equivalent(old, new, tol),
-    )
-    assert summary.unchanged == ["a"] and store.get("a", H200) is original
-    for changed in (
-        entry(peak=1051, phases={"f": 1000}, gradients=grads()),
-        entry(peak=1000, phases={"f": 1000, "g": 1}, gradients=grads()),
-        entry(peak=1000, phases={"f": 1000}, gradients=grads(1.5)),
-        entry(peak=1000, phases={"f": 1000}),
-        entry(peak=1000, phases={"f": 1000}, gradients=grads(), env=Environment("2.14.0", "12.8")),
-    ):
-        store = BaselineStore(path)
-        U.update(store, {"a": entry(peak=1000, phases={"f": 1000}, gradients=grads())})
-        assert U.update(store, {"a": changed}, keep=lambda old, new: C.equivalent(old, new, tol)).updated == ["a"]
-
-
 def test_unused_and_prune_touch_only_this_device(path: Path) -> None:
     store = BaselineStore(path)
     U.update(store, {"a": entry(), "b": entry(), "c": entry(), "d": entry(identity=A100)})

@@ -6,7 +6,6 @@ Comparison (``compare``) is one-sided. With tolerance ``t`` percent and slack ``
 for this device is ``NEW`` (passes unless strict), but one that allocates nothing (0 B in every phase, no
 gradients) needs none: it is ``OK`` against the 0 B it would store, strict or not, and is not recorded
 (``allocates_nothing``). Integer arithmetic only, so the boundary is exact.
-``equivalent`` uses the same bounds to keep a re-recorded entry that only moved within the tolerance.
 
 Pure data in, data out: no files (``file.py``), no pytest, no torch; the verdicts' types are
 ``results.baseline``'s. Typical use::
@@ -39,7 +38,6 @@ __all__ = [
     "compare",
     "compare_peak",
     "environment_warnings",
-    "equivalent",
 ]
 
 SizeFormatter = Callable[[int], str]
@@ -300,23 +298,6 @@ def environment_warnings(store: BaselineStore, identity: DeviceIdentity, env: En
             "(refresh with --gpumem-update)"
         )
     return warnings
-
-
-def equivalent(old: Entry, new: Entry, tol: Tolerance) -> bool:
-    """Whether ``new`` re-measures ``old`` within ``tol``: same versions, phases and gradients, every peak
-    between ``tol.lower`` and ``tol.upper`` of the stored one (``update.update(keep=...)``)."""
-    if old.torch != new.torch or old.cuda != new.cuda or set(old.phases) != set(new.phases):
-        return False
-    if (old.gradients is None) != (new.gradients is None):
-        return False
-    if old.composition is None and new.composition is not None:  # an explained run adds what was missing
-        return False
-    pairs = [(old.peak_bytes, new.peak_bytes), *((old.phases[k], new.phases[k]) for k in old.phases)]
-    if any(not (tol.lower(b) <= c <= tol.upper(b)) for b, c in pairs):
-        return False
-    if old.gradients is not None and new.gradients is not None:
-        return compare_fingerprints(old.gradients, new.gradients).ok
-    return True
 
 
 _DEFAULT_TOLERANCE = Tolerance()

@@ -5,13 +5,13 @@ touches the file (``file.write`` does).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pytest_gpumem.baselines.schema import BaselineStore
 from pytest_gpumem.results.baseline import DeviceIdentity, Entry
 
-__all__ = ["KeepRule", "UpdateSummary", "prune", "unused", "update"]
+__all__ = ["UpdateSummary", "prune", "unused", "update"]
 
 
 @dataclass
@@ -38,42 +38,22 @@ class UpdateSummary:
             f"{len(self.unchanged)} unchanged, {len(self.removed)} removed{kept}"
         )
 
-    def to_json(self) -> dict[str, list[str]]:
-        return {
-            "added": list(self.added),
-            "updated": list(self.updated),
-            "unchanged": list(self.unchanged),
-            "removed": list(self.removed),
-            "kept": list(self.kept),
-        }
-
-
-KeepRule = Callable[[Entry, Entry], bool]
-"""``keep(stored, measured)``: keep the stored entry as it is (see ``compare.equivalent``)."""
-
 
 def update(
     store: BaselineStore,
     results: Mapping[str, Entry] | Iterable[tuple[str, Entry]],
     *,
-    keep: KeepRule | None = None,
     summary: UpdateSummary | None = None,
 ) -> UpdateSummary:
     """Record the measurements of tests that ran and passed; every other entry stays as it is.
 
     ``results`` maps node ids to ``Entry.measured(...)`` (pass only tests whose body passed; a memory
     regression itself is what an update accepts). Each entry is stored under its own identity, so xdist
-    workers on different devices are fine. A stored entry for which ``keep(stored, measured)`` is true is
-    kept byte for byte ("unchanged"), so re-recording noise does not churn the file.
+    workers on different devices are fine.
     """
     out = summary if summary is not None else UpdateSummary()
     items = results.items() if isinstance(results, Mapping) else results
     for nodeid, entry in items:
-        if keep is not None:
-            old = store.get(nodeid, entry.identity)
-            if old is not None and keep(old, entry):
-                out.unchanged.append(nodeid)
-                continue
         change = store.put(nodeid, entry)
         getattr(out, change).append(nodeid)
     return out
