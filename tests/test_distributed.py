@@ -20,7 +20,7 @@ from pytest_gpumem.distributed.gloo import collectives_settled
 from pytest_gpumem.distributed.messages import DistributedError, Kind, Message, describe, done
 from pytest_gpumem.distributed.spawn import Deadlines, Progress
 from pytest_gpumem.distributed.worker import InRank
-from pytest_gpumem.distributed.world import check_call, check_started, explained
+from pytest_gpumem.distributed.world import check_call, check_phase_names, check_started, explained
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.explain.replay import of_worlds, with_ranks
 from pytest_gpumem.explain.text import made_of
@@ -307,6 +307,38 @@ def test_ddp_and_fsdp2_per_rank_bytes_and_baselines(
     result.stdout.no_fnmatch_line("*ddp.forward@rank0 peak*above*")
 
 
+PATHS = """
+import torch
+
+def adam_step(meter, name):
+    params = [torch.nn.Parameter(torch.ones(1024)) for _ in range(2)]
+    optimizer = torch.optim.Adam(params)
+    for p in params:
+        p.grad = torch.ones(1024)
+    with meter.phase(name):
+        optimizer.step()
+
+def in_rank(rank, world_size, meter):
+    adam_step(meter, "adam")
+
+def test_adam(gpumem):
+    adam_step(gpumem, "parent")
+    gpumem.distributed(in_rank, 2)
+"""
+
+
+@pytest.mark.slow
+def test_every_rank_takes_the_code_paths_the_run_was_given(tracker: pytest.Pytester, reported: Reported) -> None:
+    tracker.makepyfile(PATHS)
+    steps = {}
+    for paths in ("cpu", "gpu"):
+        tracker.runpytest(f"--gpumem-paths={paths}", "--gpumem-json=out.json").assert_outcomes(passed=1)
+        phases = reported()["test_adam"]["phases"]
+        steps[paths] = phases["parent"]["peak_bytes"]
+        assert phases["adam@rank0"]["peak_bytes"] == phases["adam@rank1"]["peak_bytes"] == steps[paths]
+    assert steps["cpu"] != steps["gpu"]
+
+
 XDIST = """
 import torch
 
@@ -419,6 +451,12 @@ def test_world_records_each_rank_and_the_worst() -> None:
         "worst_rank": 1,
         "worst_peak": "700 B",
     }
+
+
+def test_a_rank_phase_named_like_the_world_is_refused() -> None:
+    check_phase_names(_world().ranks, "all")
+    with pytest.raises(GpuMemError, match=r"^rank 0 measured a phase named 'fwd', the name gpumem\.distributed"):
+        check_phase_names(_world().ranks, "fwd")
 
 
 def test_the_call_is_the_worst_device() -> None:

@@ -119,7 +119,7 @@ def _backend(rank: int, spec: RankSpec) -> Backend:
     else:
         from pytest_gpumem.backends.tracker.backend import TrackerBackend
 
-        backend = TrackerBackend(spec.rounding, device=spec.device)
+        backend = TrackerBackend(spec.rounding, device=spec.device, paths=spec.paths)
     from pytest_gpumem.backends.base import ExplainsItsPeaks
 
     if spec.explain and isinstance(backend, ExplainsItsPeaks):

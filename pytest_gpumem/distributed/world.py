@@ -20,7 +20,7 @@ from pytest_gpumem.backends.base import HasCapacity, rounding_of
 from pytest_gpumem.distributed.spawn import DEFAULT_TIMEOUT, MIN_JOIN_TIMEOUT, spawn
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.results import RANK_SEPARATOR
-from pytest_gpumem.results.ranks import RankSpec, World
+from pytest_gpumem.results.ranks import RankResult, RankSpec, World
 from pytest_gpumem.sizes import shorten
 
 if TYPE_CHECKING:
@@ -57,6 +57,7 @@ class Worlds:
         check_started(world_size)
         limit = self.timeout if timeout is None else float(timeout)
         kind, rounding, device, capacity = _meter_kind(meter)
+        paths = getattr(meter.backend, "paths", None) if kind == "tracker" else None
         group = backend if backend is not None else _default_group(kind, world_size)
         payload = _payload(fn, tuple(args))
         join = max(limit, MIN_JOIN_TIMEOUT)
@@ -74,8 +75,10 @@ class Worlds:
                 group_timeout=join + limit + _GROUP_MARGIN,
                 payload=payload,
                 explain=meter.explain,
+                paths=paths,
             )
             ranks = spawn(spec, limit, self.say)
+        check_phase_names(ranks, name)
         meter.notes.extend(f"rank {r.rank}: {note}" for r in ranks for note in r.notes)
         world = World(ranks, group, name)
         return World(ranks, group, name, explained(world))
@@ -129,6 +132,16 @@ def check_started(world_size: int) -> None:
 
 def _seconds(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def check_phase_names(ranks: Sequence[RankResult], name: str) -> None:
+    """A rank's phase may not take the name its whole run is recorded under: one would hide the other."""
+    for result in ranks:
+        if name in result.phases:
+            raise GpuMemError(
+                f"rank {result.rank} measured a phase named {name!r}, the name gpumem.distributed() gives each "
+                f"rank's whole run: rename the phase or pass name= another name"
+            )
 
 
 def _meter_kind(meter: GpuMem) -> tuple[str, str, str, int | None]:

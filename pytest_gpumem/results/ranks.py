@@ -28,6 +28,7 @@ class RankSpec:
     group_timeout: float  # the group's own (longer: the parent ends the ranks first and names the late one)
     payload: bytes  # pickle of (fn, args)
     explain: bool = False  # record what each phase's peak is made of (the test is explained)
+    paths: str | None = None  # the tracker's code paths (cpu or gpu; None: its default for the device)
 
 
 @dataclass(frozen=True)
