@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pytest_gpumem.cli import main
+from pytest_gpumem.history.git import Head, head
 from pytest_gpumem.history.table import sparkline
 from pytest_gpumem.report.width import display_width
 
@@ -41,8 +42,8 @@ def commit(repo: Path, text: str, subject: str, day: int, name: str = FILE) -> s
     return git(repo, "rev-parse", "--short", "HEAD").strip()
 
 
-@pytest.fixture
-def repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def make_repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty repository, the current folder."""
     path = tmp_path / "project"
     path.mkdir()
     git(path, "init", "-q", "-b", "main")
@@ -51,6 +52,11 @@ def repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     git(path, "config", "commit.gpgsign", "false")
     monkeypatch.chdir(path)
     return path
+
+
+@pytest.fixture
+def repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    return make_repo(tmp_path, monkeypatch)
 
 
 def creep(repo: Path) -> list[str]:
@@ -218,3 +224,146 @@ def test_long_names_and_sparklines_fit_120_columns(repo: Path, capsys: pytest.Ca
     out = capsys.readouterr().out.splitlines()
     assert max(display_width(line) for line in out) <= 120
     assert out[2].endswith("▁▁▂▂▃▄▄▅▆▆▇█") and "+1900.0%" in out[2]
+
+
+# ------------------------------------------------------------------- CI reports join in (--reports)
+
+GPU = {"backend": "cuda", "device": "NVIDIA H200", "capability": "9.0", "total_memory": 150754820096}
+
+
+def report(sha: str | None, peak: int, dirty: bool = False) -> str:
+    """A --gpumem-json report of a GPU runner, made at `sha`, with one test."""
+    record = {"identity": GPU, "peak_bytes": peak, "phases": {"forward": peak // 2}, "torch": "2.13.0", "cuda": "12.8"}
+    test = {"nodeid": "t.py::test_grows", "backend": "cuda", "device": "cuda:0", "peak_bytes": peak,
+            "phases": {"forward": {"peak_bytes": peak // 2}}, "status": "ok", "record": record}  # fmt: skip
+    commit = None if sha is None else {"sha": sha, "dirty": dirty}
+    return json.dumps({"version": 1, "backend": "cuda", "device": "cuda:0", "commit": commit, "tests": [test]})
+
+
+def test_reports_join_at_their_commits_and_the_others_are_named(repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shorts = creep(repo)
+    shas = [git(repo, "rev-parse", short).strip() for short in shorts]
+    ci = repo / "ci"
+    ci.mkdir()
+    (ci / "a-gpu.json").write_text(report(shas[1], 10 << 20))
+    (ci / "b-gpu.json").write_text(report(shas[4], 12 << 20))
+    (ci / "c-again.json").write_text(report(shas[4], 13 << 20))  # a rerun that disagrees: the first file wins
+    (ci / "d-local.json").write_text(report(None, 1))
+    (ci / "e-elsewhere.json").write_text(report("f" * 40, 1))
+    (ci / "f-dirty.json").write_text(report(shas[5], 1, dirty=True))
+    (ci / "g-package.json").write_text('{"name": "not a report"}')
+    (ci / "notes.txt").write_text("not read")
+    assert main(["history", "--no-sparklines", "--reports", "ci", "--max-growth", "21"]) == 1
+    captured = capsys.readouterr()
+    out = captured.out.splitlines()
+    assert out[4:7] == [
+        "t.py::test_grows  [cuda NVIDIA H200 cc 9.0 140.4 GiB (reports)]",
+        f"  call      10.0 MiB   12.0 MiB    +2.0 MiB  +20.0%      1      +2.0 MiB  {shorts[4]} 2026-11-05 c5",
+        f"  forward    5.0 MiB    6.0 MiB    +1.0 MiB  +20.0%      1      +1.0 MiB  {shorts[4]} 2026-11-05 c5",
+    ]
+    assert out[-1].startswith("grew: t.py::test_grows [tracker cpu] forward: 488.3 KiB -> 594.1 KiB (+21.7%")
+    assert captured.err.splitlines() == [
+        "pytest-gpumem history: skipped ci/d-local.json: it records no commit (made outside a git work tree, "
+        "or by an older pytest-gpumem)",
+        "pytest-gpumem history: skipped ci/e-elsewhere.json: made at ffffffffffff, which is not in the history read "
+        f"(its commits: {shorts[0]} to HEAD)",
+        f"pytest-gpumem history: skipped ci/f-dirty.json: made at {shorts[5]} with uncommitted changes "
+        "(its figures are not that commit's)",
+        "pytest-gpumem history: skipped ci/g-package.json: not a --gpumem-json report (no list of tests)",
+        f"pytest-gpumem history: ci/c-again.json: other figures than b-gpu.json for 1 test at {shorts[4]}; "
+        "b-gpu.json's are kept",
+    ]
+    assert main(["history", "--reports", "ci", "--max-growth", "19"]) == 1
+    assert "grew: t.py::test_grows [cuda NVIDIA H200 cc 9.0 140.4 GiB (reports)] call: 10.0 MiB -> 12.0 MiB" in (
+        capsys.readouterr().out
+    )
+
+
+def test_a_report_before_the_range_read_is_not_in_the_history(repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shorts = creep(repo)
+    (repo / "ci").mkdir()
+    (repo / "ci" / "old.json").write_text(report(git(repo, "rev-parse", shorts[0]).strip(), 1))
+    assert main(["history", "--since", shorts[2], "--reports", "ci"]) == 0
+    assert capsys.readouterr().err == (
+        f"pytest-gpumem history: skipped ci/old.json: made at {shorts[0]}"
+        f"{git(repo, 'rev-parse', shorts[0]).strip()[7:12]}, which is not in the history read "
+        f"(its commits: {shorts[2]} to HEAD)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("{ truncated", "not a --gpumem-json report (Expecting property name enclosed in double quotes"),
+        ('{"version": 99, "tests": []}', "report version 99 is not one this pytest-gpumem reads (1 to 1)"),
+        ('{"version": 1, "commit": "HEAD", "tests": []}', 'its "commit" is not {"sha": a full commit hash, '),
+        ('{"version": 1, "commit": {"sha": "SHA", "dirty": false}, "tests": [{"peak_bytes": 1}]}', "test 0 has no"),
+        (
+            '{"version": 1, "commit": {"sha": "SHA", "dirty": false}, '
+            '"tests": [{"nodeid": "t.py::x", "backend": "cuda", "device": "cuda:0", "peak_bytes": -1}]}',
+            "test t.py::x: peak_bytes",
+        ),
+    ],
+)
+def test_a_broken_report_is_named_and_skipped(
+    repo: Path, capsys: pytest.CaptureFixture[str], text: str, why: str
+) -> None:
+    creep(repo)
+    (repo / "ci").mkdir()
+    (repo / "ci" / "bad.json").write_text(text.replace("SHA", git(repo, "rev-parse", "HEAD").strip()))
+    assert main(["history", "--reports", "ci"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith(f"pytest-gpumem history: skipped ci/bad.json: {why}") and err.count("\n") == 1
+
+
+def test_reports_from_a_folder_that_is_not_there(repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    creep(repo)
+    assert main(["history", "--reports", "nowhere"]) == 2
+    assert capsys.readouterr().err == "pytest-gpumem history: error: --reports nowhere: not a folder\n"
+
+
+# ------------------------------------------------------------------- the commit a report records
+
+APP = "import torch\n\ndef test_zeros(gpumem):\n    torch.zeros(256, 256)  # 256 * 256 * 4 = 262,144 B\n"
+
+
+def test_a_report_records_its_commit_and_joins_the_history(
+    pytester: pytest.Pytester, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for args in (["init", "-q", "-b", "main"], ["config", "user.name", "T"], ["config", "user.email", "t@example.com"]):
+        git(pytester.path, *args)
+    pytester.makepyfile(test_recorded_app=APP)  # a module name of its own: inner runs share this process
+    pytester.runpytest("--gpumem-backend=tracker", "--gpumem-update").assert_outcomes(passed=1)
+    commit(pytester.path, (pytester.path / FILE).read_text(), "record", 1)
+    (pytester.path / "ci").mkdir()
+    pytester.runpytest("--gpumem-backend=tracker", "--gpumem-json=ci/run.json").assert_outcomes(passed=1)
+    doc = json.loads((pytester.path / "ci" / "run.json").read_text())
+    assert doc["commit"] == {"sha": git(pytester.path, "rev-parse", "HEAD").strip(), "dirty": False}
+    capsys.readouterr()
+    assert main(["history", "--no-sparklines", "--reports", "ci"]) == 0
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        "test_recorded_app.py::test_zeros  [tracker cpu (reports)]",
+        "  call   256.0 KiB  256.0 KiB     0 B  +0.0%      0             -  -",
+    ]
+
+
+def test_a_report_outside_git_records_no_commit(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(pytester.path.parent))
+    pytester.makepyfile(test_outside_app=APP)
+    result = pytester.runpytest("--gpumem-backend=tracker", "--gpumem-json=run.json")
+    result.assert_outcomes(passed=1)
+    assert json.loads((pytester.path / "run.json").read_text())["commit"] is None
+    assert "fatal" not in result.stdout.str() + result.stderr.str() and result.ret == 0
+
+
+def test_head_is_dirty_for_tracked_changes_only(repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert head(repo) is None  # no commit yet
+    commit(repo, baselines({"t.py::test_a": 1}), "first", 1)
+    sha = git(repo, "rev-parse", "HEAD").strip()
+    (repo / "untracked.txt").write_text("x\n")
+    assert head(repo) == Head(sha, dirty=False)
+    (repo / FILE).write_text("changed\n")
+    (repo / "sub").mkdir()
+    assert head(repo / "sub") == Head(sha, dirty=True)  # any folder of the work tree
+    monkeypatch.setenv("PATH", str(repo / "no-bin"))
+    assert head(repo) is None

@@ -1,9 +1,13 @@
 """``pytest-gpumem history [FILE]``: the memory of every test across the commits of the baseline file,
 and a growth gate (``--since REF --max-growth PCT``).
 
+``--reports DIR`` joins the ``--gpumem-json`` reports in DIR at the commits they record, as series of
+their own; ``--html PATH`` writes the page (a chart per test for the top growers, a table of the rest).
+
 Exit status: 0 shown (nothing grew beyond ``--max-growth``), 1 a phase grew beyond it, 2 git cannot
-answer (no git, not a repository, a file never committed; one line). Files are written through the
-``write`` the caller passes (the CLI's atomic writer), lines printed through its ``say``.
+answer (no git, not a repository, a file never committed), or an input or output that cannot be used
+(one line). Files are written through the ``write`` the caller passes (the CLI's atomic writer), lines
+printed through its ``say``.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pytest_gpumem.constants import DEFAULT_FILENAME
-from pytest_gpumem.history.git import GitError, Repo, Version
+from pytest_gpumem.history.git import Commit, GitError, Repo, Version
+from pytest_gpumem.history.reports import Reports, read_reports
 from pytest_gpumem.history.series import Series, build, offenders, read
 from pytest_gpumem.history.table import json_text, markdown_text, table
 
@@ -25,6 +30,7 @@ Write = Callable[[Path, str], None]
 Say = Callable[[str], None]
 
 _FILE_HELP = f"the committed baseline file (default: {DEFAULT_FILENAME})"
+_REPORTS_HELP = "join the --gpumem-json reports in DIR at their commits"
 _DATE = re.compile(r"^\d{4}-\d{2}-\d{2}([ T]\d{2}:\d{2}(:\d{2})?)?$")
 
 
@@ -39,7 +45,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     spark.add_argument("--no-sparklines", dest="sparklines", action="store_false")
     h.add_argument("--json", type=Path, default=None, metavar="PATH", help="write every series as JSON")
     h.add_argument("--markdown", type=Path, default=None, metavar="PATH", help="write the top growers as Markdown")
-    h.add_argument("--top", type=positive, default=10, metavar="N", help="growers in --markdown (default 10)")
+    h.add_argument("--html", type=Path, default=None, metavar="PATH", help="write a page with a chart per top grower")
+    h.add_argument("--top", type=positive, default=10, metavar="N", help="growers in --markdown, --html (default 10)")
+    h.add_argument("--reports", type=Path, default=None, metavar="DIR", help=_REPORTS_HELP)
     return h
 
 
@@ -60,29 +68,69 @@ def positive(value: str) -> int:
 
 
 def run(args: argparse.Namespace, write: Write, say: Say) -> int:
+    _not_onto_the_file(args)
     repo = Repo(args.file)
+    versions = _versions(repo, args.file, args.since)
+    parsed = read(versions)
+    reports = _reports(repo, args.reports, versions[0].commit) if args.reports is not None else None
+    skipped = [*parsed.skipped, *(reports.skipped if reports else [])]
+    for line in skipped:
+        _note(line)
+    series = build(parsed.stores, reports.stores if reports else ())
+    sparklines = args.sparklines if args.sparklines is not None else sys.stdout.isatty()
+    say(table(series, sparklines) if series else f"{args.file}: no baselines in its committed versions")
+    if args.json is not None:
+        write(args.json, json_text(series, skipped))
+    if args.markdown is not None:
+        write(args.markdown, markdown_text(series, args.top))
+    if args.html is not None:
+        from pytest_gpumem.history.page import render  # jinja2 only when a page is asked for
+
+        commits = _axis([c for c, _ in parsed.stores], reports)
+        write(args.html, render(str(args.file), series, commits, skipped, args.top, args.max_growth))
+    return _gate(series, args.max_growth, args.since, say)
+
+
+def _versions(repo: Repo, file: Path, since: str | None) -> list[Version]:
     versions = repo.versions()
     if not versions:
-        raise GitError(f"{args.file}: never committed (history reads its committed versions)")
+        raise GitError(f"{file}: never committed (history reads its committed versions)")
     shallow = repo.shallow()
     if shallow is not None:
         _note(
             f"shallow clone: the history goes back to {shallow.date} ({shallow.short}); "
             "run `git fetch --unshallow` to read all of it"
         )
-    if args.since is not None:
-        versions = _since(repo, versions, args.since)
-    parsed = read(versions)
-    for line in parsed.skipped:
-        _note(line)
-    series = build(parsed.stores)
-    sparklines = args.sparklines if args.sparklines is not None else sys.stdout.isatty()
-    say(table(series, sparklines) if series else f"{args.file}: no baselines in its committed versions")
-    if args.json is not None:
-        write(args.json, json_text(series, parsed.skipped))
-    if args.markdown is not None:
-        write(args.markdown, markdown_text(series, args.top))
-    return _gate(series, args.max_growth, args.since, say)
+    return versions if since is None else _since(repo, versions, since)
+
+
+def _reports(repo: Repo, folder: Path, oldest: Commit) -> Reports:
+    """The reports in ``folder`` made at a commit from the oldest version read to HEAD."""
+    history = repo.since(oldest) if folder.is_dir() else []
+    return read_reports(folder, history)
+
+
+def _axis(versions: list[Commit], reports: Reports | None) -> list[Commit]:
+    """Every commit a point is at, oldest first: the versions', and the reports' in their place."""
+    if reports is None or not reports.stores:
+        return versions
+    joined = {c.sha: c for c in versions} | {c.sha: c for c, _ in reports.stores}
+    order = {sha: i for i, sha in enumerate(reports.order)}
+    return sorted(joined.values(), key=lambda c: order.get(c.sha, -1))
+
+
+def _not_onto_the_file(args: argparse.Namespace) -> None:
+    """An output aimed at the baseline file would replace what history reads: refused before anything."""
+    for flag, path in (("--json", args.json), ("--markdown", args.markdown), ("--html", args.html)):
+        if path is not None and _same(path, args.file):
+            raise GitError(f"{flag} {path} is the baseline file history reads; write the output elsewhere")
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
+    except (OSError, RuntimeError):
+        return False
 
 
 def _since(repo: Repo, versions: list[Version], since: str) -> list[Version]:

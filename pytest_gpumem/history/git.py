@@ -1,5 +1,6 @@
 """Every committed version of a file, read from git: one ``git log --follow`` for the commits and the
-path at each (renames followed), one ``git cat-file --batch`` process for all the blobs."""
+path at each (renames followed), one ``git cat-file --batch`` process for all the blobs; and the commit
+a work tree is at (one ``git status``), which a ``--gpumem-json`` report records."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ from pathlib import Path
 
 from pytest_gpumem.errors import GpuMemError
 
-__all__ = ["Commit", "GitError", "Repo", "Version"]
+__all__ = ["Commit", "GitError", "Head", "Repo", "Version", "head"]
 
 _MARK = "\x1e"
 _SEP = "\x1f"
 _FORMAT = f"{_MARK}%H{_SEP}%h{_SEP}%cs{_SEP}%s"
+HEAD_TIMEOUT_S = 10.0
+"""The longest a report waits for ``git status`` (a huge work tree on a slow disk): then no commit."""
 
 
 class GitError(GpuMemError):
@@ -91,6 +94,13 @@ class Repo:
         data = {c.sha: next(blobs, None) for c, _ in wanted}
         return [Version(c, path, data.get(c.sha)) for c, status, path in touched]
 
+    def since(self, oldest: Commit) -> list[Commit]:
+        """Every commit from ``oldest`` to HEAD (those that touched the file or not), oldest first."""
+        args = ["log", f"--format={_FORMAT}", "HEAD", "--not", f"{oldest.sha}^@"]
+        text = self._git(args, "git log failed")
+        found = [Commit(*record.split("\n")[0].split(_SEP, 3)) for record in text.split(_MARK)[1:]]
+        return found[::-1]
+
     def shallow(self) -> Commit | None:
         """The oldest commit reachable when the clone is shallow, else None."""
         if self._git(["rev-parse", "--is-shallow-repository"], "git rev-parse failed").strip() != "true":
@@ -119,3 +129,30 @@ def _blobs(out: bytes) -> list[bytes | None]:
             found.append(None)
             at = end + 1
     return found
+
+
+@dataclass(frozen=True)
+class Head:
+    """The commit a work tree is at, and whether its tracked files differ from it."""
+
+    sha: str
+    dirty: bool
+
+    def to_json(self) -> dict[str, object]:
+        return {"sha": self.sha, "dirty": self.dirty}
+
+
+def head(folder: Path) -> Head | None:
+    """What ``git status`` says of the work tree holding ``folder`` (untracked files are not changes);
+    None outside one, without git, before its first commit, or when git does not answer in time."""
+    command = ["git", "--no-optional-locks", "-C", str(folder), "status", "--porcelain=v2", "--branch"]
+    command += ["--untracked-files=no", "--ignore-submodules=dirty"]
+    try:
+        done = subprocess.run(command, capture_output=True, check=False, timeout=HEAD_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = done.stdout.decode("utf-8", "replace").splitlines()
+    sha = next((line.split()[-1] for line in lines if line.startswith("# branch.oid ")), "")
+    if done.returncode != 0 or len(sha) not in (40, 64) or not all(c in "0123456789abcdef" for c in sha):
+        return None
+    return Head(sha, any(not line.startswith("#") for line in lines))

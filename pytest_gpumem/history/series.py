@@ -1,11 +1,13 @@
-"""Per test, device identity and phase: the figures each committed version of the baseline file holds,
-the steps between consecutive versions, and the growth from the first figure to the latest."""
+"""Per test, device identity and phase: the figures each committed version of the baseline file holds
+(and, as series of their own, those of ``--gpumem-json`` reports made at commits of its history), the
+steps between consecutive figures, and the growth from the first figure to the latest."""
 
 from __future__ import annotations
 
 import gc
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 from pytest_gpumem.baselines.schema import BaselineError, loads
@@ -13,13 +15,19 @@ from pytest_gpumem.history.git import Commit, Version
 from pytest_gpumem.results.baseline import DeviceIdentity, Entry
 from pytest_gpumem.sizes import format_size
 
-__all__ = ["Point", "Series", "Step", "build", "device_label", "growth_text", "offenders", "read"]
+__all__ = ["Point", "Series", "Step", "build", "device_label", "growth_text", "offenders", "read", "signed"]
 
 CALL = "call"
 """The phase name shown for the whole call's peak."""
 
-Key = tuple[str, str, str]
-"""``(node id, identity key, phase)``."""
+REPORTED = " (reports)"
+"""What a reported series' device label ends with."""
+
+Key = tuple[str, str, str, bool]
+"""``(node id, identity key, phase, reported)``."""
+
+Stores = Sequence[tuple[Commit, dict[str, dict[str, Entry]]]]
+"""Per commit, oldest first: entries by test id, then by identity key."""
 
 
 class Point(NamedTuple):
@@ -44,6 +52,7 @@ class Series:
     device: str
     phase: str
     points: list[Point] = field(default_factory=list)
+    reported: bool = False  # figures of --gpumem-json reports, not of the committed file
 
     @property
     def first(self) -> int:
@@ -64,8 +73,9 @@ class Series:
             return 0.0 if self.latest == 0 else None
         return 100.0 * self.change / self.first
 
-    @property
+    @cached_property
     def steps(self) -> list[Step]:
+        """The changes between consecutive points (read once the series is built: it is kept)."""
         pairs = zip(self.points, self.points[1:], strict=False)
         return [Step(b.commit, a.value, b.value) for a, b in pairs if a.value != b.value]
 
@@ -114,25 +124,28 @@ def _read_one(version: Version, result: Read) -> None:
     result.stores.append((commit, store.entries))
 
 
-def build(stores: Sequence[tuple[Commit, dict[str, dict[str, Entry]]]]) -> list[Series]:
-    """One series per test, identity and phase, over the versions that hold it, sorted by growth."""
+def build(stores: Stores, reported: Stores = ()) -> list[Series]:
+    """One series per test, identity and phase, over the versions that hold it (and one per test, identity
+    and phase of the reports), sorted by growth."""
     found: dict[Key, Series] = {}
     gc.disable()  # a million points: the collector would walk them again and again
     try:
-        for commit, entries in stores:
-            for nodeid, per_device in entries.items():
-                for key, entry in per_device.items():
-                    _add(found, commit, nodeid, key, entry)
+        for flag, each in ((False, stores), (True, reported)):
+            for commit, entries in each:
+                for nodeid, per_device in entries.items():
+                    for key, entry in per_device.items():
+                        _add(found, commit, nodeid, key, entry, flag)
     finally:
         gc.enable()
     return sorted(found.values(), key=lambda s: (-round(s.growth(), 1), s.nodeid, s.device, s.phase != CALL, s.phase))
 
 
-def _add(found: dict[Key, Series], commit: Commit, nodeid: str, key: str, entry: Entry) -> None:
+def _add(found: dict[Key, Series], commit: Commit, nodeid: str, key: str, entry: Entry, reported: bool) -> None:
     for phase, value in ((CALL, entry.peak_bytes), *entry.phases.items()):
-        series = found.get((nodeid, key, phase))
+        series = found.get((nodeid, key, phase, reported))
         if series is None:
-            series = found[nodeid, key, phase] = Series(nodeid, device_label(entry.identity), phase)
+            label = device_label(entry.identity) + (REPORTED if reported else "")
+            series = found[nodeid, key, phase, reported] = Series(nodeid, label, phase, reported=reported)
         series.points.append(Point(commit, value))
 
 
@@ -159,13 +172,14 @@ def offenders(series: Iterable[Series], max_growth: float) -> list[str]:
     for s in series:
         if s.growth() <= max_growth:
             continue
-        steps = ", ".join(f"{step.commit.short} {_signed(step.change)}" for step in s.steps)
+        steps = ", ".join(f"{step.commit.short} {signed(step.change)}" for step in s.steps)
+        count = f"{len(s.steps)} step{'' if len(s.steps) == 1 else 's'}"
         lines.append(
             f"{s.nodeid} [{s.device}] {s.phase}: {format_size(s.first)} -> {format_size(s.latest)} "
-            f"({growth_text(s)}, more than {max_growth:g}%) in {len(s.steps)} steps: {steps}"
+            f"({growth_text(s)}, more than {max_growth:g}%) in {count}: {steps}"
         )
     return lines
 
 
-def _signed(n: int) -> str:
+def signed(n: int) -> str:
     return ("+" if n > 0 else "") + format_size(n)

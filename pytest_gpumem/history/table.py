@@ -8,12 +8,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from pytest_gpumem.history.git import Commit
-from pytest_gpumem.history.series import Series, Step, growth_text
+from pytest_gpumem.history.series import Series, Step, growth_text, signed
 from pytest_gpumem.report.markdown import markdown_table
 from pytest_gpumem.report.width import cut, display_width, pad, truncate
 from pytest_gpumem.sizes import format_size
 
-__all__ = ["WIDTH", "json_text", "markdown_text", "sparkline", "table"]
+__all__ = ["WIDTH", "groups", "json_text", "markdown_text", "sparkline", "table"]
 
 WIDTH = 120
 BARS = "▁▂▃▄▅▆▇█"
@@ -32,28 +32,24 @@ def sparkline(values: Sequence[int], width: int = SPARK) -> str:
     return "".join(BARS[(v - low) * (len(BARS) - 1) // (high - low)] for v in values)
 
 
-def _signed(n: int) -> str:
-    return ("+" if n > 0 else "") + format_size(n)
-
-
 def _step(step: Step | None) -> tuple[str, str]:
     if step is None:
         return "-", "-"
-    return _signed(step.change), step.commit.describe()
+    return signed(step.change), step.commit.describe()
 
 
 def _cells(s: Series) -> list[str]:
     size, where = _step(s.largest)
-    figures = [format_size(s.first), format_size(s.latest), _signed(s.change), growth_text(s)]
+    figures = [format_size(s.first), format_size(s.latest), signed(s.change), growth_text(s)]
     return [s.phase, *figures, str(len(s.steps)), size, where]
 
 
-def _groups(series: Sequence[Series]) -> list[tuple[str, str, list[Series]]]:
+def groups(series: Sequence[Series]) -> list[tuple[str, str, list[Series]]]:
     """The series by test and device, in the order of their largest growth (the series come sorted)."""
-    groups: dict[tuple[str, str], list[Series]] = {}
+    found: dict[tuple[str, str], list[Series]] = {}
     for s in series:
-        groups.setdefault((s.nodeid, s.device), []).append(s)
-    return [(nodeid, device, members) for (nodeid, device), members in groups.items()]
+        found.setdefault((s.nodeid, s.device), []).append(s)
+    return [(nodeid, device, members) for (nodeid, device), members in found.items()]
 
 
 def table(series: Sequence[Series], sparklines: bool, width: int = WIDTH) -> str:
@@ -72,7 +68,7 @@ def table(series: Sequence[Series], sparklines: bool, width: int = WIDTH) -> str
 
     lines = [line(HEADERS, "history" if spark >= 7 else "")]
     by_series = dict(zip(map(id, series), rows, strict=True))
-    for nodeid, device, members in _groups(series):
+    for nodeid, device, members in groups(series):
         lines.append(cut(f"{nodeid}  [{device}]", width, width // 2))
         for s in members:
             bars = sparkline([p.value for p in s.points], spark) if spark else ""
@@ -104,6 +100,7 @@ def _json(s: Series) -> dict[str, Any]:
     return {
         "nodeid": s.nodeid,
         "device": s.device,
+        "reported": s.reported,  # figures of --reports, not of the committed file
         "phase": s.phase,
         "first": s.first,
         "latest": s.latest,

@@ -18,22 +18,26 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
-    from pytest_gpumem.results.advice import Advice
     from pytest_gpumem.measure.meter import GpuMem
     from pytest_gpumem.results import TestResult
+    from pytest_gpumem.results.advice import Advice
     from pytest_gpumem.results.explanation import Explanation
 
 WRITE_ERRORS = (OSError, TypeError, ValueError, pickle.PicklingError)
 
 
-def json_text(results: Sequence[TestResult], backend: Backend | None) -> str:
-    """The JSON report: the run's backend and device (those of its first result when it made none)."""
+def json_text(results: Sequence[TestResult], backend: Backend | None, folder: Path | None = None) -> str:
+    """The JSON report: the run's backend and device (those of its first result when it made none), and
+    the commit of the git work tree holding `folder` (the current one by default; none outside git)."""
+    from pytest_gpumem.history.git import head
     from pytest_gpumem.report.json import document
 
     first = results[0] if results else None
     name = backend.name if backend else (first.backend if first else None)
     device = str(backend.device) if backend else (first.device if first else None)
-    return json.dumps(document(results, name, device), indent=2, sort_keys=True, allow_nan=False) + "\n"
+    commit = head(Path.cwd() if folder is None else folder)
+    doc = document(results, name, device, None if commit is None else commit.to_json())
+    return json.dumps(doc, indent=2, sort_keys=True, allow_nan=False) + "\n"
 
 
 def markdown_text(results: Sequence[TestResult], long: bool, rootpath: Path, path: Path) -> str:

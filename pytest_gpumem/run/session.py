@@ -4,6 +4,7 @@ results, and what the end of the run reports and writes."""
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import TYPE_CHECKING
 
 import pytest
@@ -170,7 +171,8 @@ class GpuMemSession:
         json_path, markdown_path = self.options.json_path, self.options.markdown_path
         long = self.config.get_verbosity() > 0
         if json_path is not None:
-            self._problem(outputs.write_report(json_path, "--gpumem-json", lambda: outputs.json_text(results, backend)))
+            text = partial(outputs.json_text, results, backend, self.config.rootpath)
+            self._problem(outputs.write_report(json_path, "--gpumem-json", text))
         if markdown_path is not None:
             text = lambda: outputs.markdown_text(results, long, self.config.rootpath, markdown_path)  # noqa: E731
             self._problem(outputs.write_report(markdown_path, "--gpumem-markdown", text))

@@ -1,0 +1,222 @@
+"""``--html FILE``: the history as one self-contained page. For each of the tests that grew most, a chart:
+a panel per phase that changed, its peak over the commits as a step line on its own byte axis, each step
+marked with its commit (hash and date under the axis, the subject and the figures on hover); then a
+table of every other test, sorted like the terminal table.
+
+Why a panel per phase: a test's phases differ in size (a whole call of 1 GiB, a step of 4 MiB), so on one
+axis a small phase's steps are flat; on its own axis each step shows. Why charts for the top N only: a
+page of 500 charts of 1,000 commits would weigh megabytes and bury the few tests that moved; the table
+keeps every test on the page, one line each, with its sparkline.
+
+The charts are SVG drawn here (no script: the page's policy allows only its own stylesheet), the markup
+is the jinja2 template ``report/templates/history.html.j2``, the stylesheet ``report/static/history.css``."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import jinja2
+
+from pytest_gpumem.history.git import Commit
+from pytest_gpumem.history.series import Series, Step, growth_text, signed
+from pytest_gpumem.history.table import groups, sparkline
+from pytest_gpumem.sizes import format_size
+
+__all__ = ["byte_ticks", "render"]
+
+WIDTH, HEIGHT = 400, 180  # a panel's viewBox: three side by side at 1280 px, about 1:1
+LEFT, RIGHT, TOP, BOTTOM = 66, 14, 10, 36
+LABEL_WIDTH, LABEL_SPACE = 60, 6  # a commit label (its date, 10 px, is the wider line) and the room between two
+PHASE_CLASSES = 8  # the stylesheet's line colours, c0 (the whole call) to c7, repeating past the last
+_UNITS = ((1024**4, "TiB"), (1024**3, "GiB"), (1024**2, "MiB"), (1024, "KiB"), (1, "B"))
+
+Group = tuple[str, str, list[Series]]
+
+
+@dataclass(frozen=True)
+class _Assets:
+    environment: jinja2.Environment
+    css: str
+    csp: str
+
+
+@cache
+def _assets() -> _Assets:
+    """The template and stylesheet shipped beside the explanation page's, and a policy that lets the page
+    load nothing and use only this stylesheet."""
+    here = resources.files("pytest_gpumem.report")
+    environment = jinja2.Environment(
+        loader=jinja2.FunctionLoader(lambda name: (here / "templates" / name).read_text(encoding="utf-8")),
+        autoescape=True,
+        keep_trailing_newline=True,
+        undefined=jinja2.StrictUndefined,
+    )
+    css = (here / "static" / "history.css").read_text(encoding="utf-8")
+    digest = base64.b64encode(hashlib.sha256(css.encode()).digest()).decode()
+    return _Assets(environment, css, f"default-src 'none'; style-src 'sha256-{digest}'")
+
+
+def render(
+    file: str,
+    series: Sequence[Series],
+    commits: Sequence[Commit],
+    notes: Sequence[str],
+    top: int,
+    gate: float | None = None,
+) -> str:
+    """The page: ``commits`` is the x axis (oldest first: every commit a point of a series is at), the
+    ``top`` tests that changed most get a chart, ``notes`` (what was skipped) are listed, and a test whose
+    phase grew more than ``gate`` % says so."""
+    assets = _assets()
+    axis = {c.sha: i for i, c in enumerate(commits)}
+    found = groups(series)
+    charted = [g for g in found if any(s.steps for s in g[2])][:top]
+    rest = [g for g in found if g not in charted]
+    return assets.environment.get_template("history.html.j2").render(
+        csp=assets.csp,
+        css=assets.css,
+        file=file,
+        summary=_summary(found, commits, len(charted)),
+        notes=list(notes),
+        charts=[_chart(i, group, axis, gate) for i, group in enumerate(charted)],
+        rest=[_row(members) for _, _, members in rest],
+    )
+
+
+def _summary(found: Sequence[Group], commits: Sequence[Commit], charted: int) -> str:
+    if not commits:
+        return "No baselines in the file's committed versions."
+    span = f"{len(commits)} commits, {commits[0].short} ({commits[0].date}) to {commits[-1].short} ({commits[-1].date})"
+    changed = sum(1 for _, _, members in found if any(s.steps for s in members))
+    shown = (
+        f"the {charted} that grew most are charted" if charted < changed else "each is charted, largest growth first"
+    )
+    rest = "; the others are in the table" if len(found) > charted else ""
+    return f"{span}. Of {len(found):,} tests (each device's figures apart), {changed:,} changed: {shown}{rest}."
+
+
+def _row(members: list[Series]) -> dict[str, Any]:
+    """A table line: the test's phase that grew most (the first: the series come sorted)."""
+    s = members[0]
+    largest = s.largest
+    return {
+        "nodeid": s.nodeid,
+        "device": s.device,
+        "phase": s.phase,
+        "first": format_size(s.first),
+        "latest": format_size(s.latest),
+        "change": signed(s.change),
+        "growth": growth_text(s),
+        "steps": len(s.steps),
+        "largest": "-" if largest is None else signed(largest.change),
+        "commit": "-" if largest is None else largest.commit.describe(),
+        "spark": sparkline([p.value for p in s.points]),
+    }
+
+
+def _chart(index: int, group: Group, axis: dict[str, int], gate: float | None) -> dict[str, Any]:
+    """One test's chart: a panel per phase that changed (on one commit axis), the others in a line, and
+    the commits that changed a figure as a table."""
+    nodeid, device, members = group
+    commits = sorted({p.commit for s in members for p in s.points}, key=lambda c: axis[c.sha])
+    first, last = axis[commits[0].sha], axis[commits[-1].sha]
+
+    def x(commit: Commit) -> float:
+        return LEFT + (axis[commit.sha] - first) / max(1, last - first) * (WIDTH - LEFT - RIGHT)
+
+    over = [s.phase for s in members if gate is not None and s.growth() > gate]
+    steady = [f"{s.phase} {format_size(s.latest)}" for s in members if not s.steps]
+    return {
+        "id": f"t{index}",
+        "nodeid": nodeid,
+        "device": device,
+        "over": f"grew more than {gate:g}%: {', '.join(over)}" if over else "",
+        "panels": [_panel(k, s, x, commits[0]) for k, s in enumerate(members) if s.steps],
+        "steady": f"unchanged: {', '.join(steady)}" if steady else "",
+        "steps": [(c.short, c.date, c.subject, _changes(changes)) for c, changes in _steps_by_commit(members, axis)],
+    }
+
+
+def _panel(k: int, s: Series, x: Callable[[Commit], float], start: Commit) -> dict[str, Any]:
+    """One phase: its title and figures, its byte axis, its step line, and at each step a guide, a dot
+    and the commit's label (where there is room)."""
+    low, high, marks = byte_ticks(min(p.value for p in s.points), max(p.value for p in s.points))
+
+    def y(value: float) -> float:
+        return TOP + (high - value) / (high - low) * (HEIGHT - TOP - BOTTOM)
+
+    points = s.points
+    path = [f"M{x(points[0].commit):.1f} {y(points[0].value):.1f}"]
+    path += [f"H{x(point.commit):.1f}V{y(point.value):.1f}" for point in points[1:]]
+    titles = [f"{st.commit.describe()}\n{_change(s, st)}" for st in s.steps]
+    steps = f"{len(s.steps)} step{'' if len(s.steps) == 1 else 's'}"
+    return {
+        "colour": f"c{k % PHASE_CLASSES}",
+        "phase": s.phase,
+        "figures": f"{format_size(s.first)} -> {format_size(s.latest)} ({growth_text(s)}, {steps})",
+        "width": WIDTH,
+        "height": HEIGHT,
+        "plot": {"left": LEFT, "right": WIDTH - RIGHT, "top": TOP, "bottom": HEIGHT - BOTTOM},
+        "yticks": [(round(y(mark), 1), text) for mark, text in marks],
+        "path": "".join(path),
+        "dots": [(round(x(st.commit), 1), round(y(st.after), 1), t) for st, t in zip(s.steps, titles, strict=True)],
+        "guides": [(round(x(st.commit), 1), t) for st, t in zip(s.steps, titles, strict=True)],
+        "labels": _labels([(x(start), start), *((x(st.commit), st.commit) for st in s.steps)]),
+    }
+
+
+def _steps_by_commit(members: list[Series], axis: dict[str, int]) -> list[tuple[Commit, list[tuple[Series, Step]]]]:
+    """The commits that changed a figure of the test, in history order, with each phase's step there."""
+    found: dict[str, tuple[Commit, list[tuple[Series, Step]]]] = {}
+    for s in members:
+        for step in s.steps:
+            found.setdefault(step.commit.sha, (step.commit, []))[1].append((s, step))
+    return sorted(found.values(), key=lambda item: axis[item[0].sha])
+
+
+def _labels(candidates: list[tuple[float, Commit]]) -> list[tuple[float, str, str, str, str]]:
+    """Commit labels under the axis, left to right, each clear of the one before; one near an edge is
+    aligned to end there rather than cross it."""
+    placed: list[tuple[float, str, str, str, str]] = []
+    edge = -math.inf  # where the last label placed ends
+    for at, commit in sorted(candidates, key=lambda item: item[0]):
+        anchor = "start" if at < LEFT + LABEL_WIDTH / 2 else "end" if at > WIDTH - LABEL_WIDTH / 2 else "middle"
+        left = {"start": at, "middle": at - LABEL_WIDTH / 2, "end": at - LABEL_WIDTH}[anchor]
+        if left >= edge + LABEL_SPACE:
+            placed.append((round(at, 1), anchor, commit.short, commit.date, commit.describe()))
+            edge = left + LABEL_WIDTH
+    return placed
+
+
+def _change(s: Series, step: Step) -> str:
+    return f"{s.phase}: {format_size(step.before)} -> {format_size(step.after)} ({signed(step.change)})"
+
+
+def _changes(changes: list[tuple[Series, Step]]) -> str:
+    return ", ".join(f"{s.phase} {signed(step.change)}" for s, step in changes)
+
+
+def byte_ticks(low: int, high: int) -> tuple[float, float, list[tuple[float, str]]]:
+    """The byte axis around ``low``..``high``: its ends, round values a step outside the figures (never
+    below 0), and the marks between them (about five), each labelled in the unit of the top."""
+    unit, name = next((size, text) for size, text in _UNITS if high >= size or size == 1)
+    span = (high - low) / unit or max(high / unit / 10, 1.0)
+    step = max(_nice(span / 4), 1.0 if unit == 1 else 0.0)
+    bottom = max(0.0, (math.ceil(low / unit / step) - 1) * step)
+    top = (math.floor(high / unit / step) + 1) * step
+    decimals = max(0, -math.floor(math.log10(step)))
+    marks = [(bottom + i * step) * unit for i in range(round((top - bottom) / step) + 1)]
+    return bottom * unit, top * unit, [(mark, f"{mark / unit:.{decimals}f} {name}") for mark in marks]
+
+
+def _nice(raw: float) -> float:
+    power = 10.0 ** math.floor(math.log10(raw))
+    ratio = raw / power
+    return (1 if ratio <= 1 else 2 if ratio <= 2 else 5 if ratio <= 5 else 10) * power

@@ -1,0 +1,201 @@
+"""``history --reports DIR``: the ``--gpumem-json`` reports in a folder, each at the commit it records, as
+figures that join the history in series of their own (a GPU runner's, say, that are never committed).
+
+A file that is not a report, a report that records no commit, one made with uncommitted changes and one
+at a commit outside the history read are each named in one line and skipped. Each test's identity is
+the one its report recorded for it (or for the tests measured with its backend and device), its figures
+those of the run; a test that ran out of memory, errored or was an expected failure adds none."""
+
+from __future__ import annotations
+
+import gc
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pytest_gpumem.history.git import Commit, GitError
+from pytest_gpumem.report.json import JSON_VERSION
+from pytest_gpumem.results.baseline import DeviceIdentity, Entry
+from pytest_gpumem.sizes import format_size
+
+__all__ = ["MAX_REPORT_BYTES", "Reports", "read_reports"]
+
+MAX_REPORT_BYTES = 256 * 1024 * 1024
+NO_FIGURES = frozenset({"OUT OF MEMORY", "error", "xfailed"})
+"""The statuses of a test whose figures are not those of a whole call."""
+
+Entries = dict[str, dict[str, Entry]]
+
+
+class _Refused(Exception):
+    """Why a file cannot join, in a few words."""
+
+
+@dataclass
+class Reports:
+    """Per commit, in the history's order: the reports' entries; a line for each file skipped; and the
+    history's commits (their hashes, oldest first), where the reports' commits take their place."""
+
+    stores: list[tuple[Commit, Entries]] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    order: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Report:
+    path: Path
+    sha: str | None
+    dirty: bool
+    entries: Entries
+
+
+def read_reports(folder: Path, history: Sequence[Commit]) -> Reports:
+    """Every ``*.json`` in ``folder`` (not below it) that is a report made at a commit of ``history``
+    (oldest first, its first commit the oldest read); raises ``GitError`` when ``folder`` is no folder."""
+    if not folder.is_dir():
+        raise GitError(f"--reports {folder}: not a folder")
+    order = {c.sha: i for i, c in enumerate(history)}
+    by_sha = {c.sha: c for c in history}
+    found = Reports(order=list(order))
+    at: dict[str, list[_Report]] = {}
+    for path in sorted(p for p in folder.glob("*.json") if p.is_file()):
+        gc.disable()  # the entries of the reports read so far would be walked again after each one
+        try:
+            report = _load(path)
+        except _Refused as exc:
+            found.skipped.append(f"skipped {path}: {exc}")
+            continue
+        finally:
+            gc.enable()
+        problem = _misplaced(report, by_sha, history)
+        if problem is not None:
+            found.skipped.append(f"skipped {path}: {problem}")
+            continue
+        assert report.sha is not None
+        at.setdefault(report.sha, []).append(report)
+    for sha in sorted(at, key=order.__getitem__):
+        found.stores.append((by_sha[sha], _merged(at[sha], by_sha[sha], found.skipped)))
+    return found
+
+
+def _misplaced(report: _Report, by_sha: dict[str, Commit], history: Sequence[Commit]) -> str | None:
+    if report.sha is None:
+        return "it records no commit (made outside a git work tree, or by an older pytest-gpumem)"
+    if report.sha not in by_sha:
+        since = f"{history[0].short} to HEAD" if history else "none"
+        return f"made at {report.sha[:12]}, which is not in the history read (its commits: {since})"
+    if report.dirty:
+        return f"made at {by_sha[report.sha].short} with uncommitted changes (its figures are not that commit's)"
+    return None
+
+
+def _merged(reports: list[_Report], commit: Commit, skipped: list[str]) -> Entries:
+    """The entries of the reports made at one commit; where two disagree on a test, the first file's."""
+    merged: Entries = {}
+    for report in reports:
+        differ = 0
+        for nodeid, per_key in report.entries.items():
+            for key, entry in per_key.items():
+                kept = merged.setdefault(nodeid, {}).setdefault(key, entry)
+                differ += kept is not entry and (kept.peak_bytes, kept.phases) != (entry.peak_bytes, entry.phases)
+        if differ:
+            first = reports[0].path.name
+            tests = f"{differ} test{'' if differ == 1 else 's'}"
+            skipped.append(
+                f"{report.path}: other figures than {first} for {tests} at {commit.short}; {first}'s are kept"
+            )
+    return merged
+
+
+def _load(path: Path) -> _Report:
+    try:
+        if path.stat().st_size > MAX_REPORT_BYTES:
+            raise _Refused(f"too large for a report (limit {format_size(MAX_REPORT_BYTES)})")
+        doc = json.loads(path.read_bytes().decode("utf-8-sig"), parse_constant=_no_constant)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else _first_line(exc)
+        raise _Refused(f"not a --gpumem-json report ({reason})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("tests"), list):
+        raise _Refused("not a --gpumem-json report (no list of tests)")
+    version = doc.get("version")
+    if type(version) is not int or not 1 <= version <= JSON_VERSION:
+        raise _Refused(f"report version {version!r} is not one this pytest-gpumem reads (1 to {JSON_VERSION})")
+    sha, dirty = _commit(doc.get("commit"))
+    return _Report(path, sha, dirty, _entries(doc, doc["tests"]) if sha is not None else {})
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _commit(value: object) -> tuple[str | None, bool]:
+    if value is None:
+        return None, False
+    sha = value.get("sha") if isinstance(value, dict) else None
+    dirty = value.get("dirty") if isinstance(value, dict) else None
+    if not isinstance(sha, str) or len(sha) not in (40, 64) or not isinstance(dirty, bool):
+        raise _Refused('its "commit" is not {"sha": a full commit hash, "dirty": true or false}')
+    return sha.lower(), dirty
+
+
+def _entries(doc: dict[str, Any], tests: list[Any]) -> Entries:
+    """The report's tests with figures, by node id and identity key."""
+    recorded = _recorded(tests)
+    entries: Entries = {}
+    for i, test in enumerate(tests):
+        if not isinstance(test, dict) or not isinstance(test.get("nodeid"), str) or not test["nodeid"]:
+            raise _Refused(f"test {i} has no node id")
+        if test.get("status") in NO_FIGURES or test.get("peak_bytes") is None:
+            continue
+        where = (test.get("backend", doc.get("backend")), test.get("device", doc.get("device")))
+        try:
+            identity = recorded[i] or recorded.get(where) or _measured_on(where)
+            phases = {name: p["peak_bytes"] for name, p in _phases(test).items() if p.get("peak_bytes") is not None}
+            entry = Entry(identity, test["peak_bytes"], phases, None, None)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise _Refused(f"test {test['nodeid']}: {_first_line(exc)}") from None
+        entries.setdefault(test["nodeid"], {})[identity.key] = entry
+    return entries
+
+
+def _phases(test: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    phases = test.get("phases") or {}
+    if not isinstance(phases, dict) or not all(isinstance(p, dict) for p in phases.values()):
+        raise ValueError("phases: expected an object of phase name -> {peak_bytes: bytes}")
+    return phases
+
+
+def _recorded(tests: list[Any]) -> dict[Any, DeviceIdentity | None]:
+    """By test index, the identity its record holds (a passing test's has one), else None; and by
+    (backend, device), the first such identity: a test without a record (a failing one) takes that of
+    the tests measured where it was. Equal identities are read once."""
+    found: dict[Any, DeviceIdentity | None] = {}
+    read: dict[tuple[Any, ...], DeviceIdentity] = {}
+    for i, test in enumerate(tests):
+        found[i] = None
+        record = test.get("record") if isinstance(test, dict) else None
+        raw = record.get("identity") if isinstance(record, dict) else None
+        if not isinstance(raw, dict):
+            continue
+        try:
+            key = tuple(raw.items())
+            identity = read.get(key) or read.setdefault(key, DeviceIdentity.from_json(raw))
+        except (ValueError, TypeError):
+            continue
+        found[i] = identity
+        found.setdefault((test.get("backend"), test.get("device")), identity)
+    return found
+
+
+def _measured_on(where: tuple[object, object]) -> DeviceIdentity:
+    backend, device = where
+    if not isinstance(backend, str) or not isinstance(device, str):
+        raise ValueError("names no backend and device it was measured with")
+    return DeviceIdentity(backend, device)
