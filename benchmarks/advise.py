@@ -1,9 +1,12 @@
 """gpumem.advise on real-sized models: a GPT-2-style model on the tracker (cpu), a 7B decoder on meta.
 
-transformers is not a dependency; a GPT-2-style model (learned positions, pre-LayerNorm blocks with
-fused qkv, GELU MLP, tied head) is defined here when it is not installed, else HF GPT2LMHeadModel is
-built from a config (no download). The 7B case is benchmarks/meta_7b.py's decoder at sequence 4096,
-judged against capacity="80 GiB": which strategies make it fit. Reported: rows, time, host max RSS.
+transformers is not a dependency: a GPT-2-style model (learned positions, pre-LayerNorm blocks with
+fused qkv, GELU MLP, tied head) is defined here, whether it is installed or not. The 7B case is
+benchmarks/meta_7b.py's decoder at sequence 4096, judged against capacity="80 GiB": which strategies
+make it fit. Reported: rows, time, host max RSS.
+
+Each row also says how long its run took, against the as-is run's (the step's own time under the
+tracker, with advise's copies and gradient check).
 
 Run: python benchmarks/advise.py [--json PATH] [--skip-gpt2] [--skip-7b]
 """
@@ -74,22 +77,42 @@ def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-HEADERS = ["strategy", "peak", "above start", "in", "compute", "gradients", "fits"]
+HEADERS = ["strategy", "peak", "above start", "in", "compute", "gradients", "fits", "time"]
+
+
+def _time(advice: Advice, seconds: float | None) -> str:
+    """The run's time and its multiple of the as-is run's."""
+    base = advice.as_is.seconds
+    if seconds is None:
+        return ""
+    return f"{seconds:.2f} s" + (f" ({seconds / base:.1f}x)" if base else "")
 
 
 def rows_of(advice: Advice) -> list[list[str]]:
     """Absolute peaks (what was live when the step began + the step's peak above that), the phase of the
-    peak, the extra compute, the gradients' check and whether the absolute peak is within the capacity."""
+    peak, the extra compute, the gradients' check, whether the absolute peak is within the capacity, and
+    the run's time against the as-is run's."""
     found = []
     for row in advice.rows:
         if not row.measured:
-            found.append([row.name, "skipped", row.skipped or "", "", "", "", ""])
+            found.append([row.name, "skipped", row.skipped or "", "", "", "", "", _time(advice, row.seconds)])
             continue
         assert row.peak_bytes is not None
         fits = "" if row.fits is None else ("yes" if row.fits else "no")
         peak, above = format_size(advice.absolute(row)), format_size(row.peak_bytes)
         gradients = row.gradients.split(" (")[0]
-        found.append([row.name, peak, above, row.peak_phase or "", advice.compute(row), gradients, fits])
+        found.append(
+            [
+                row.name,
+                peak,
+                above,
+                row.peak_phase or "",
+                advice.compute(row),
+                gradients,
+                fits,
+                _time(advice, row.seconds),
+            ]
+        )
     return found
 
 

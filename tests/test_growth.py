@@ -1,5 +1,5 @@
-"""What grew, and where: growth against the baseline by module group, repeated blocks folded, modules new or
-gone named, ranked by growth (not by size)."""
+"""What grew, and where: growth against the baseline by module group, repeated blocks folded, modules new in
+the peak or no longer in it named, ranked by growth (not by size), each group's parts adding up to its growth."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_growth_spread_over_blocks_outranks_a_larger_unchanged_part() -> None:
     assert what_grew(stored, current, "forward") == "h.* +64.0 KiB (4 blocks), saved for backward"
 
 
-def test_ranked_by_growth_with_new_and_gone_modules_named() -> None:
+def test_ranked_by_growth_with_modules_new_in_the_peak_and_no_longer_in_it_named() -> None:
     stored = {
         "call": _phase(
             [["parameters", "h.*", 400 * KIB], ["parameters", "old", 1 * KIB], ["temporaries", "a", 10 * KIB]],
@@ -94,15 +94,37 @@ def test_ranked_by_growth_with_new_and_gone_modules_named() -> None:
     }
     assert what_grew(stored, current, "call") == (
         "h.* +100.0 KiB (5 blocks, was 4), parameters; extra +4.0 KiB (new): gradients +2.0 KiB, "
-        "parameters +2.0 KiB; b +3.0 KiB (new), temporaries; gone: old"
+        "parameters +2.0 KiB; b +3.0 KiB (new), temporaries; no longer in the peak: old"
     )
 
 
-def test_a_new_module_outside_the_top_is_listed_as_new() -> None:
+def test_a_module_new_in_the_peak_outside_the_top_is_listed_as_new_in_the_peak() -> None:
     stored = {"call": _phase([["temporaries", m, KIB] for m in "abc"], {})}
     current = {"call": _phase([["temporaries", m, 2 * KIB] for m in "abc"] + [["saved", "d", 512]], {})}
     assert what_grew(stored, current, "call") == (
-        "a +1.0 KiB, temporaries; b +1.0 KiB, temporaries; c +1.0 KiB, temporaries; new: d"
+        "a +1.0 KiB, temporaries; b +1.0 KiB, temporaries; c +1.0 KiB, temporaries; new in the peak: d"
+    )
+
+
+def test_a_peak_moved_to_another_moment_shows_the_parts_that_shrank_so_that_the_parts_add_up() -> None:
+    """The peak moved from the end of backward (gradients) to the forward's end (saved activations): the
+    blocks grew 8 KiB net, 50 KiB saved for backward and 18 KiB temporaries against 60 KiB of gradients."""
+    before = [["gradients", "h.*", 60 * KIB], ["saved", "h.*", 0], ["temporaries", "h.*", 2 * KIB]]
+    after = [["saved", "h.*", 50 * KIB], ["temporaries", "h.*", 20 * KIB]]
+    stored, current = {"call": _phase(before, {"h.*": 4})}, {"call": _phase(after, {"h.*": 4})}
+    assert what_grew(stored, current, "call") == (
+        "h.* +8.0 KiB (4 blocks): gradients -60.0 KiB, saved for backward +50.0 KiB, temporaries +18.0 KiB"
+    )
+
+
+def test_past_three_parts_the_rest_of_a_groups_change_is_summed() -> None:
+    cells = [["saved", "h.*", 8 * KIB], ["temporaries", "h.*", 4 * KIB], ["gradients", "h.*", 2 * KIB]]
+    stored = {"call": _phase([*cells, ["inputs", "h.*", 3 * KIB], ["parameters", "h.*", 2 * KIB]], {"h.*": 4})}
+    current = {"call": _phase([["saved", "h.*", 16 * KIB], ["temporaries", "h.*", 8 * KIB]], {"h.*": 4})}
+    # +8 saved, +4 temporaries, -2 gradients, then -3 inputs and -2 parameters summed: +5 KiB in all
+    assert what_grew(stored, current, "call") == (
+        "h.* +5.0 KiB (4 blocks): saved for backward +8.0 KiB, temporaries +4.0 KiB, inputs and other -3.0 KiB, "
+        "the rest -4.0 KiB"
     )
 
 
@@ -203,7 +225,8 @@ def test_blocks_without_checkpointing_name_the_block_list_and_the_new_module(tra
     and its hidden activation before and after tanh (16 KiB): 22 KiB. Not checkpointed, at the same moment:
     blocks 0-2 keep tanh's output (8 KiB, saved by `down`) and their output (2 KiB, saved by the next `up`),
     block 3 its two hidden activations (16 KiB), and `extra` its output (2 KiB, saved by block 0): 48 KiB.
-    Blocks: +32 KiB saved for backward, -8 KiB temporaries; all measured once, without --gpumem-explain."""
+    Blocks: +32 KiB saved for backward, -8 KiB temporaries, both said; all measured once, without
+    --gpumem-explain."""
     tracker.makepyfile(test_blocks=BLOCKS)
     first = tracker.runpytest("--gpumem-update", "--gpumem-explain", "--gpumem-slack=0")
     first.assert_outcomes(passed=1)
@@ -215,6 +238,7 @@ def test_blocks_without_checkpointing_name_the_block_list_and_the_new_module(tra
     second.stdout.fnmatch_lines(
         [
             "forward peak 48.0 KiB is 118.2% above baseline 22.0 KiB (tolerance 5%): "
-            "blocks.* +24.0 KiB (4 blocks), saved for backward; extra +2.0 KiB (new), saved for backward"
+            "blocks.* +24.0 KiB (4 blocks): saved for backward +32.0 KiB, temporaries -8.0 KiB; "
+            "extra +2.0 KiB (new), saved for backward"
         ]
     )

@@ -59,6 +59,23 @@ def _ordinal(n: int) -> str:
     return f"{n}{ {1: 'st', 2: 'nd', 3: 'rd'}.get(n if n < 20 else n % 10, 'th') }"
 
 
+def _never_steps(target: Target) -> bool:
+    """Whether the step as it is ran without calling optimizer.step() (it accumulates gradients)."""
+    return target.optimizer is not None and target.optimizer_steps == 0
+
+
+NO_STEP = "the step as it is never calls optimizer.step() (it accumulates gradients)"
+
+
+def _kept_caches(target: Target) -> list[Any]:
+    """The configs (Hugging Face's `model.config`) of a model in training whose `use_cache` is on: the KV
+    cache that HF's own gradient checkpointing turns off, and advise's checkpointing too."""
+    if not target.model.training:
+        return []
+    configs = {id(config): config for m in target.model.modules() if (config := getattr(m, "config", None)) is not None}
+    return [config for config in configs.values() if getattr(config, "use_cache", None) is True]
+
+
 def _checkpointed(forward: Callable[..., Any], context_fn: Callable[[], Any] | None) -> Callable[..., Any]:
     extra: dict[str, Any] = {} if context_fn is None else {"context_fn": context_fn}
 
@@ -87,9 +104,11 @@ class CheckpointBlocks(Strategy):
     def describe(self, target: Target) -> str:
         blocks = target.blocks
         what = "the blocks" if blocks is None else f"the {len(blocks.modules)} `{blocks.kind}`s"
+        cache = ", use_cache off as Hugging Face's checkpointing sets it" if _kept_caches(target) else ""
         if self.selective:
-            return f"checkpointing {what}, keeping matmul outputs"
-        return f"checkpointing {what}" if self.every == 1 else f"checkpointing every {_ordinal(self.every)} of {what}"
+            return f"checkpointing {what}, keeping matmul outputs{cache}"
+        every = "" if self.every == 1 else f"every {_ordinal(self.every)} of "
+        return f"checkpointing {every}{what}{cache}"
 
     def skip_reason(self, target: Target) -> str | None:
         if target.blocks is None:
@@ -101,6 +120,8 @@ class CheckpointBlocks(Strategy):
     def apply(self, run: Run) -> None:
         assert run.target.blocks is not None
         context = partial(create_selective_checkpoint_contexts, _save_matmuls) if self.selective else None
+        for config in _kept_caches(run.target):
+            run.patch.set_attr(config, "use_cache", False)
         for index, block in enumerate(run.target.blocks.modules):
             if index % self.every == 0:
                 run.patch.set_attr(block, "forward", _checkpointed(block.forward, context))
@@ -170,6 +191,8 @@ class FusedStep(Strategy):
         if type(optimizer) not in PER_PARAMETER_OPTIMIZERS:
             kind = type(optimizer).__name__
             return f"{kind} is not one of torch's per-parameter optimizers: its step may couple parameters"
+        if _never_steps(target):
+            return f"{NO_STEP}: fused, the optimizer would step in every backward and free the gradients"
         return None
 
     def apply(self, run: Run) -> None:
@@ -240,6 +263,8 @@ class ForeachOff(Strategy):
             return f"{type(optimizer).__name__} has no foreach option"
         if not _foreach_groups(optimizer):
             return f"{type(optimizer).__name__} already takes the per-tensor loop on {target.device.type}"
+        if _never_steps(target):
+            return f"{NO_STEP}: there is no optimizer step to change"
         return None
 
     def apply(self, run: Run) -> None:
@@ -285,6 +310,7 @@ class MicroBatches(Strategy):
 
     family = "batch"
     order = 0
+    keeps_randomness = False  # dropout draws each micro-batch's masks apart
 
     def __init__(self, count: int) -> None:
         self.count = count
@@ -302,6 +328,8 @@ class MicroBatches(Strategy):
             return f"batch_size {target.batch_size} is not a multiple of {self.count}"
         if target.optimizer is None:
             return "no optimizer given (optimizer=): the accumulated gradients need one step"
+        if _never_steps(target):
+            return f"{NO_STEP}: micro-batching averages the accumulated gradients in that step"
         return None
 
     def apply(self, run: Run) -> None:

@@ -4,26 +4,27 @@ Every run starts from the same state (parameters, buffers, gradients, optimizer 
 were when advise was called) and is split into phases from outside: "step" while the optimizer's step
 runs, "backward" while autograd's engine runs an op (`torch._C._current_graph_task_id() != -1`),
 "forward" otherwise; each phase's peak is taken above its own start (what a test's gpumem.phase()
-measures) and above the step's start. One dispatch mode above the backend's opens those regions and counts FLOPs with
-torch's flop counter formulas (`torch.utils.flop_counter.flop_registry`, which work on meta). The copies
-that make runs repeatable are made with every dispatch mode disabled, so no backend counts them, and
-everything is put back when advise returns: the same parameter, gradient and state objects.
+measures) and above the step's start. One dispatch mode above the backend's opens those regions and counts
+FLOPs with torch's flop counter formulas (`torch.utils.flop_counter.flop_registry`, which work on meta).
+The copies that make runs repeatable and the gradients' check are in `check.py`; everything is put back
+when advise returns: the same parameter, gradient and state objects. Each run is timed: a run costs about
+the step's own time, so an advice costs it once per strategy tried and per combination.
 """
 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+from pytest_gpumem.advise.check import Saved, compare, randomness, scales
 from pytest_gpumem.advise.kinds import all_strategies, conflict, ordered
 from pytest_gpumem.advise.strategies import OptimizerShim, Patch, Run, Strategy, Target, find_blocks
 from pytest_gpumem.backends.base import ListsLiveStorages, rounding_of, sees_earlier_allocations
@@ -31,8 +32,7 @@ from pytest_gpumem.backends.tracker.ledger import cuda_block_size
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.measure.failures import exception_text, release_memory
 from pytest_gpumem.measure.regions import RegionStack
-from pytest_gpumem.results.advice import AS_IS, NOT_CHECKED, Advice, PhasePeak, Row, held_bytes
-from pytest_gpumem.sizes import parse_size, shorten
+from pytest_gpumem.results.advice import AS_IS, NOT_CHECKED, Advice, PhasePeak, Row, brief, capacity_bytes, held_bytes
 
 if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
@@ -40,11 +40,6 @@ if TYPE_CHECKING:
 
 PHASE_ORDER = ("forward", "backward", "step")
 MAX_COMBINATIONS = 4
-# Largest relative error (the norm of the difference over the norm of the as-is gradient, or of the
-# as-is parameter update) that counts as equal, by the dtype the step computes in. fp32: reordered sums
-# of up to ~1e4 terms move a result by ~1e-5 (reference_losses' FP32_RTOL); bf16 keeps 8 bits, so one
-# rounding of every activation moves a gradient by up to ~2**-8 per layer.
-GRADIENT_RTOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 2.0**-4, torch.float16: 2.0**-7}
 
 
 class _Splitter(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -74,7 +69,7 @@ class _Splitter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         out = func(*args, **kwargs)
         count = flop_registry.get(func._overloadpacket)
         if count is not None:
-            self.flops += int(count(*args, **kwargs, out_val=out))
+            self.flops += _flops(count, args, kwargs, out)
         return out
 
     def close(self) -> None:
@@ -94,70 +89,6 @@ class _Splitter(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self.above_start[name] = max(self.above_start.get(name, high), high)
 
 
-def _copy(value: Any) -> Any:
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
-
-
-class _Saved:
-    """The state every run starts from, and what advise leaves behind: the very objects it found."""
-
-    def __init__(self, target: Target) -> None:
-        self.target = target
-        with _disable_current_modes(), torch.no_grad():
-            self.params = [(p, p.detach().clone()) for p in target.parameters()]
-            self.buffers = [(b, b.detach().clone()) for b in target.model.buffers()]
-        self.grads = [(p, p.grad) for p, _ in self.params]
-        optimizer = target.optimizer
-        self.state = None if optimizer is None else optimizer.state
-        self.groups = None if optimizer is None else optimizer.param_groups
-        self.rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
-
-    def _values(self) -> None:
-        with _disable_current_modes(), torch.no_grad():
-            for tensor, saved in [*self.params, *self.buffers]:
-                tensor.copy_(saved)
-        torch.set_rng_state(self.rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-
-    def prepare(self) -> None:
-        """Before a run: the saved values, fresh copies of gradients and of the optimizer's state."""
-        self._values()
-        with _disable_current_modes(), torch.no_grad():
-            for p, grad in self.grads:
-                p.grad = None if grad is None else grad.detach().clone()
-            optimizer = self.target.optimizer
-            if optimizer is not None and self.state is not None and self.groups is not None:
-                optimizer.state = defaultdict(dict, tree_map(_copy, dict(self.state)))
-                optimizer.param_groups = [dict(group) for group in self.groups]
-
-    def restore(self) -> None:
-        self._values()
-        for p, grad in self.grads:
-            p.grad = grad
-        optimizer = self.target.optimizer
-        if optimizer is not None and self.state is not None and self.groups is not None:
-            optimizer.state = self.state
-            optimizer.param_groups = self.groups
-
-    def outcome(self, stepped: Mapping[int, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The gradients the optimizer stepped with (`stepped`, by id of the parameter), or without an
-        optimizer step the gradients the step left, copied to the host."""
-        found: dict[str, torch.Tensor] = {}
-        with _disable_current_modes(), torch.no_grad():
-            for index, (p, _) in enumerate(self.params):
-                grad = stepped.get(id(p)) if stepped else p.grad
-                if grad is not None:
-                    found[f"grad:{index}"] = grad.detach().to("cpu", copy=True)
-        return found
-
-    def scales(self, outcome: Mapping[str, torch.Tensor]) -> dict[str, float]:
-        """What errors are relative to: each gradient's norm."""
-        with _disable_current_modes(), torch.no_grad():
-            return {key: max(float(value.float().norm()), 1e-30) for key, value in outcome.items()}
-
-
 @dataclass
 class _Measured:
     total: PhaseResult
@@ -166,9 +97,35 @@ class _Measured:
     flops: int
     outcome: dict[str, torch.Tensor] | None
     dtype: torch.dtype
+    steps: int | None  # optimizer steps the run took (None: no optimizer given)
+    drew_random: bool
+    seconds: float
 
 
-def _measure(backend: Backend, target: Target, saved: _Saved, chosen: Sequence[Strategy], check: bool) -> _Measured:
+def _flops(count: Callable[..., Any], args: Any, kwargs: dict[str, Any], out: Any) -> int:
+    """FLOPs of one op by its formula in torch's registry. A formula registered on shapes is called on
+    them directly: its own wrapper maps the arguments with pytree, which cost ~80 µs an op, more than the
+    op itself on small tensors."""
+    formula = getattr(count, "__wrapped__", None)
+    if formula is None:  # a formula registered on the raw arguments (get_raw=True)
+        return int(count(*args, **kwargs, out_val=out))
+    shaped = {key: _shapes(value) for key, value in kwargs.items()}
+    return int(formula(*_shapes(args), out_shape=_shapes(out), **shaped))
+
+
+def _shapes(value: Any) -> Any:
+    """`value` with every tensor in it replaced by its shape (what the registry's shape_wrapper passes)."""
+    if isinstance(value, torch.Tensor):
+        return value.shape
+    if isinstance(value, (list, tuple)):
+        return type(value)(_shapes(v) for v in value) if type(value) in (list, tuple) else tuple(map(_shapes, value))
+    if isinstance(value, dict):
+        return {key: _shapes(v) for key, v in value.items()}
+    return value
+
+
+def _measure(backend: Backend, target: Target, saved: Saved, chosen: Sequence[Strategy], check: bool) -> _Measured:
+    started = time.perf_counter()
     patch = Patch()
     shim = None if target.optimizer is None else OptimizerShim(target.optimizer)
     run = Run(target, patch, target.step, shim, target.param_dtype(), check=check)
@@ -195,28 +152,15 @@ def _measure(backend: Backend, target: Target, saved: _Saved, chosen: Sequence[S
         finally:
             splitter.close()
             total = stack.pop()
+        drew = saved.drew_random()
         outcome = saved.outcome(run.grads) if check else None
     finally:
         patch.undo()
-    return _Measured(total, splitter.phases, splitter.above_start, splitter.flops, outcome, run.dtype)
-
-
-def _compare(
-    got: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor], scales: Mapping[str, float], dtype: torch.dtype
-) -> tuple[str, bool | None]:
-    keys = [key for key in got if key in ref]
-    if not keys:
-        return f"{NOT_CHECKED}: no gradients to compare", None
-    rtol = GRADIENT_RTOL.get(dtype, GRADIENT_RTOL[torch.float32])
-    worst_key, worst = keys[0], 0.0
-    with _disable_current_modes(), torch.no_grad():
-        for key in keys:
-            error = float((got[key].float() - ref[key].float()).norm()) / scales[key]
-            if not error <= worst:  # NaN counts as the worst
-                worst_key, worst = key, error
-    if worst <= rtol:
-        return f"equal (error {worst:.0e} <= {rtol:.0e})", True
-    return f"differ (error {worst:.0e} > {rtol:.0e} in {worst_key})", False
+    steps = None if shim is None else shim.steps
+    seconds = time.perf_counter() - started
+    return _Measured(
+        total, splitter.phases, splitter.above_start, splitter.flops, outcome, run.dtype, steps, drew, seconds
+    )
 
 
 def _resident(target: Target) -> dict[int, int]:
@@ -253,7 +197,7 @@ class _Advisor:
         resident = _resident(target)
         self.resident = sum(resident.values())
         self.live = _live(backend, resident)
-        self.saved = _Saved(target)
+        self.saved = Saved(target)
         self.reference: dict[str, torch.Tensor] | None = None
         self.scales: dict[str, float] = {}
         self.base: _Measured | None = None
@@ -262,9 +206,10 @@ class _Advisor:
         started = time.perf_counter()
         try:
             self.base = _measure(self.backend, self.target, self.saved, [], self.check)
+            self.target.optimizer_steps = self.base.steps
             if self.base.outcome is not None:
-                self.reference, self.scales = self.base.outcome, self.saved.scales(self.base.outcome)
-            rows = [self._row(AS_IS, "the step as it is", (), self.base)]
+                self.reference, self.scales = self.base.outcome, scales(self.base.outcome)
+            rows = [self._row(AS_IS, "the step as it is", (), self.base, ())]
             applicable: list[Strategy] = []
             for strategy in self.chosen:
                 reason = strategy.skip_reason(self.target)
@@ -283,13 +228,12 @@ class _Advisor:
         finally:
             self.saved.restore()
         elapsed = time.perf_counter() - started
-        device = str(self.target.device)
         return Advice(
             tuple(rows),
             self.capacity,
             self.live,
             self.backend.name,
-            device,
+            str(self.target.device),
             self.resident,
             tuple(conflicts),
             elapsed,
@@ -299,6 +243,7 @@ class _Advisor:
         name = " + ".join(s.name for s in strategies)
         description = " and ".join(s.describe(self.target) for s in strategies)
         names = tuple(s.name for s in strategies)
+        started = time.perf_counter()
         try:
             measured = _measure(self.backend, self.target, self.saved, strategies, self.check)
         except Exception as exc:  # a strategy the step does not survive is reported, not raised
@@ -308,18 +253,30 @@ class _Advisor:
             text = " ".join(exception_text(exc, f"<{type(exc).__name__} whose str() raised>").split())
             del exc
         else:
-            return self._row(name, description, names, measured)
+            return self._row(name, description, names, measured, strategies)
         release_memory()  # outside the handler: reference cycles among its tensors (graphs, checkpoint storage)
-        return Row(name, description, names, skipped=f"{why}: {text}" if text else why)
+        seconds = time.perf_counter() - started
+        return Row(name, description, names, skipped=f"{why}: {text}" if text else why, seconds=seconds)
 
-    def _row(self, name: str, description: str, names: tuple[str, ...], measured: _Measured) -> Row:
+    def _gradients(self, measured: _Measured, strategies: Sequence[Strategy]) -> tuple[str, bool | None]:
+        if measured.outcome is None or self.reference is None:
+            return f"{NOT_CHECKED} (meta: no data)", None
+        text, equal, where = compare(measured.outcome, self.reference, self.scales, measured.dtype)
+        assert self.base is not None
+        reordered = [s.name for s in strategies if not s.keeps_randomness]
+        if equal is False and reordered and self.base.drew_random:
+            why = randomness(self.target.model)
+            return f"{NOT_CHECKED}: the random numbers differ between the runs ({why}; {where})", None
+        return text, equal
+
+    def _row(
+        self, name: str, description: str, names: tuple[str, ...], measured: _Measured, parts: Sequence[Strategy]
+    ) -> Row:
         assert self.base is not None
         phases = sorted(measured.phases.values(), key=lambda r: PHASE_ORDER.index(r.name))
         peak, reserved = measured.total.peak_bytes, measured.total.reserved_peak_bytes
-        if measured.outcome is None or self.reference is None:
-            gradients, equal = f"{NOT_CHECKED} (meta: no data)", None
-        else:
-            gradients, equal = _compare(measured.outcome, self.reference, self.scales, measured.dtype)
+        gradients, equal = self._gradients(measured, parts)
+        lower = measured.dtype if measured.dtype != self.base.dtype else None
         return Row(
             name,
             description,
@@ -333,32 +290,45 @@ class _Advisor:
             gradients_equal=equal,
             fits=None if self.capacity is None else held_bytes(self.live + peak, reserved) <= self.capacity,
             reserved_bytes=reserved,
+            precision=None if lower is None else str(lower).removeprefix("torch."),
+            seconds=measured.seconds,
         )
 
     def _combinations(self, applicable: list[Strategy], rows: list[Row]) -> list[Row]:
-        """Stack the strategies that saved memory greedily, best saving per extra FLOP first; keep a
-        strategy in the stack only when it lowers the combination's peak."""
+        """Stack the strategies that saved memory greedily, best saving per extra FLOP first; try one on
+        the stack only when alone it lowered the phase where the stack peaks, and keep it there only when
+        it lowers the combination's peak."""
         by_name = {s.name: s for s in applicable}
         singles = [r for r in rows if r.name in by_name and r.measured and (r.saving_bytes or 0) > 0]
         singles = [r for r in singles if r.gradients_equal is not False]
         singles.sort(key=lambda r: (-_per_flop(r), -(r.saving_bytes or 0)))
         if len(singles) < 2:
             return []
-        stack = [by_name[singles[0].name]]
-        best_peak = singles[0].peak_bytes or 0
+        stack, best = [by_name[singles[0].name]], singles[0]
         found: list[Row] = []
         for row in singles[1:]:
             candidate = by_name[row.name]
             if len(found) >= MAX_COMBINATIONS:
                 break
-            if any(conflict(candidate, s) is not None for s in stack):
+            if any(conflict(candidate, s) is not None for s in stack) or not _lowers(row, rows[0], best.peak_phase):
                 continue
             combined = self._try([*stack, candidate])
             found.append(combined)
-            if combined.measured and (combined.peak_bytes or 0) < best_peak and combined.gradients_equal is not False:
+            lower = combined.measured and (combined.peak_bytes or 0) < (best.peak_bytes or 0)
+            if lower and combined.gradients_equal is not False:
                 stack.append(candidate)
-                best_peak = combined.peak_bytes or 0
+                best = combined
         return found
+
+
+def _lowers(row: Row, base: Row, phase: str | None) -> bool:
+    """Whether `row` alone lowered `phase` (what the step holds at that phase's peak) against as-is; a
+    phase it no longer has (a fused step has no step phase) is lowered, one as-is lacks cannot be judged."""
+    if phase is None:
+        return True
+    was = next((p.step_peak for p in base.phases if p.name == phase), None)
+    now = next((p.step_peak for p in row.phases if p.name == phase), None)
+    return was is None or now is None or now < was
 
 
 def _per_flop(row: Row) -> float:
@@ -366,17 +336,21 @@ def _per_flop(row: Row) -> float:
     return float("inf") if extra <= 0 else (row.saving_bytes or 0) / extra
 
 
-def _strategies(names: Sequence[str] | None) -> list[Strategy]:
+def _strategies(names: Iterable[str] | None) -> list[Strategy]:
     known = all_strategies()
     if names is None:
         return known
-    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-        raise GpuMemError(f"gpumem.advise(strategies=...) must be a list of names, got {shorten(names)}")
+    if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
+        raise GpuMemError(f"gpumem.advise(strategies=...) must be a list of names, got {brief(names)}")
+    listed = list(names)  # a generator is read once
+    wrong = [n for n in listed if not isinstance(n, str)]
+    if wrong:
+        raise GpuMemError(f"gpumem.advise(strategies=...) must be a list of names, got {brief(wrong[0])} in it")
     by_name = {s.name: s for s in known}
-    unknown = [n for n in names if n not in by_name]
+    unknown = [n for n in listed if n not in by_name]
     if unknown:
-        raise GpuMemError(f"gpumem.advise: no strategy {unknown[0]!r} (known: {', '.join(by_name)})")
-    return [by_name[n] for n in dict.fromkeys(names)]
+        raise GpuMemError(f"gpumem.advise: no strategy {brief(unknown[0])} (known: {', '.join(by_name)})")
+    return [by_name[n] for n in dict.fromkeys(listed)]
 
 
 def _target(
@@ -388,15 +362,15 @@ def _target(
     device: torch.device,
 ) -> Target:
     if not callable(step):
-        raise GpuMemError(f"gpumem.advise() needs a callable step, got {shorten(step)}")
+        raise GpuMemError(f"gpumem.advise() needs a callable step, got {brief(step)}")
     if not isinstance(model, nn.Module):
-        raise GpuMemError(f"gpumem.advise(model=...) must be a torch.nn.Module, got {shorten(model)}")
+        raise GpuMemError(f"gpumem.advise(model=...) must be a torch.nn.Module, got {brief(model)}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise GpuMemError(f"gpumem.advise(optimizer=...) must be a torch.optim.Optimizer, got {shorten(optimizer)}")
+        raise GpuMemError(f"gpumem.advise(optimizer=...) must be a torch.optim.Optimizer, got {brief(optimizer)}")
     if loss is not None and not isinstance(loss, nn.Module):
-        raise GpuMemError(f"gpumem.advise(loss=...) must be a torch.nn.Module, got {shorten(loss)}")
+        raise GpuMemError(f"gpumem.advise(loss=...) must be a torch.nn.Module, got {brief(loss)}")
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
-        raise GpuMemError(f"gpumem.advise(batch_size=...) must be a positive int, got {shorten(batch_size)}")
+        raise GpuMemError(f"gpumem.advise(batch_size=...) must be a positive int, got {brief(batch_size)}")
     first = next(model.parameters(), None)
     return Target(
         step, model, optimizer, device if first is None else first.device, loss, batch_size, find_blocks(model)
@@ -410,19 +384,12 @@ def advise(
     backend: Backend,
     optimizer: torch.optim.Optimizer | None = None,
     capacity: int | str | None = None,
-    strategies: Sequence[str] | None = None,
+    strategies: Iterable[str] | None = None,
     loss: nn.Module | None = None,
     batch_size: int | None = None,
 ) -> Advice:
     """Measure `step()` as it is and with each strategy on `backend` (already observing), and return the
     Advice. Model, optimizer and RNG are as they were afterwards."""
-    limit = None if capacity is None else _capacity(capacity)
+    limit = None if capacity is None else capacity_bytes(capacity, "gpumem.advise(capacity=...)")
     target = _target(step, model, optimizer, loss, batch_size, backend.device)
     return _Advisor(backend, target, limit, _strategies(strategies)).run()
-
-
-def _capacity(value: object) -> int:
-    try:
-        return parse_size(value)
-    except (GpuMemError, ValueError, TypeError) as exc:
-        raise GpuMemError(f"gpumem.advise(capacity=...): {exc}") from None

@@ -84,6 +84,7 @@ class Target:
     loss: nn.Module | None = None
     batch_size: int | None = None
     blocks: Blocks | None = None
+    optimizer_steps: int | None = None  # the optimizer steps the step took as it is (None: not run yet, or none given)
 
     def parameters(self) -> list[nn.Parameter]:
         found = {id(p): p for p in self.model.parameters()}
@@ -161,6 +162,7 @@ class Strategy:
     name = ""
     family = ""
     order = 1  # strategies that replace the call entirely go first (0), wrappers after
+    keeps_randomness = True  # the run draws the as-is run's random numbers for the same tensors
 
     def describe(self, target: Target) -> str:
         raise NotImplementedError

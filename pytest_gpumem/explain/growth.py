@@ -36,8 +36,9 @@ def compact(explanation: Explanation) -> Composition:
 
 def what_grew(stored: Composition | None, current: Composition | None, phase: str) -> str | None:
     """Where `phase` grew against the baseline: the module groups ranked by their growth, repeated blocks
-    folded, modules new or gone named, e.g. "blocks.* +3.0 MiB (4 blocks), saved for backward; head
-    +64.0 KiB (new), parameters"; None when either side has no composition."""
+    folded, modules new in the peak or no longer in it named, e.g. "blocks.* +3.0 MiB (4 blocks): saved
+    for backward +3.5 MiB, temporaries -0.5 MiB; head +64.0 KiB (new), parameters"; None when either side
+    has no composition."""
     if not stored or not current or phase not in stored or phase not in current:
         return None
     old, new = stored[phase], current[phase]
@@ -79,15 +80,15 @@ class Growth:
 
 
 def describe_growth(grew: Growth, count: int = TOP_GROWN, fmt: Callable[[int], str] = format_size) -> str:
-    """The `count` groups that grew most, then the other new and gone ones by name."""
+    """The `count` groups that grew most, then the others new in the peak and those no longer in it by name."""
     ranked = grew.ranked()[:count]
     parts = [f"{g} +{fmt(total)}{_blocks_note(grew, g)}{_by_category(grew.groups[g], fmt)}" for g, total in ranked]
     shown = {group for group, _ in ranked}
     added = [group for group in grew.added if group not in shown]
     if added:
-        parts.append(f"new: {_names(added)}")
+        parts.append(f"new in the peak: {_names(added)}")
     if grew.gone:
-        parts.append(f"gone: {_names(grew.gone)}")
+        parts.append(f"no longer in the peak: {_names(grew.gone)}")
     return "; ".join(parts)
 
 
@@ -100,11 +101,22 @@ def _blocks_note(grew: Growth, group: str) -> str:
     return f" ({now} blocks, was {was})" if was is not None and was != now else f" ({now} blocks)"
 
 
-def _by_category(parts: Mapping[str, int], fmt: Callable[[int], str]) -> str:
-    grown = sorted(((b, c) for c, b in parts.items() if b > 0), key=lambda bc: (-bc[0], bc[1]))
-    if len(grown) == 1:
-        return f", {LABELS.get(grown[0][1], grown[0][1])}"
-    return ": " + ", ".join(f"{LABELS.get(c, c)} +{fmt(b)}" for b, c in grown[:2])
+def _by_category(parts: Mapping[str, int], fmt: Callable[[int], str], shown: int = 3) -> str:
+    """A group's change by category, largest change first, shrunk parts too (when the peak moves to another
+    moment, saved activations can grow while gradients shrink): the parts shown add up to the group's
+    change, the ones past `shown` summed as "the rest"."""
+    changed = sorted(((b, c) for c, b in parts.items() if b), key=lambda bc: (-abs(bc[0]), bc[1]))
+    if len(changed) == 1:
+        return f", {LABELS.get(changed[0][1], changed[0][1])}"
+    listed = [(LABELS.get(c, c), b) for b, c in changed[:shown]]
+    rest = sum(b for b, _ in changed[shown:])
+    if rest:
+        listed.append(("the rest", rest))
+    return ": " + ", ".join(f"{label} {_signed(b, fmt)}" for label, b in listed)
+
+
+def _signed(size: int, fmt: Callable[[int], str]) -> str:
+    return f"+{fmt(size)}" if size >= 0 else f"-{fmt(-size)}"
 
 
 def _names(groups: Sequence[str], shown: int = 3) -> str:

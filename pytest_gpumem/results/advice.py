@@ -8,16 +8,16 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.sizes import format_size, parse_size
 
-if TYPE_CHECKING:
-    pass
-
 AS_IS = "as-is"
 NOT_CHECKED = "not checked"
+AUTOCAST = "bf16-autocast"  # the strategy that changes the precision, named in advice written before `precision`
+BRIEF = 60  # characters of a value a refusal names
+WIDTH = 120  # a row's phases and gradients share a line up to this many characters
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,8 @@ class Row:
     fits: bool | None = None
     skipped: str | None = None  # why it was not measured (does not apply, or failed)
     reserved_bytes: int | None = None  # the allocator's reserved peak (absolute), where the backend has one
+    precision: str | None = None  # the lower precision the run computes in ("bfloat16"); None: the step's own
+    seconds: float | None = None  # the run's time: preparing it, the step and the gradients' check
 
     @property
     def measured(self) -> bool:
@@ -75,6 +77,8 @@ class Row:
 
     def to_json(self, live: int = 0) -> dict[str, Any]:
         data: dict[str, Any] = {"name": self.name, "description": self.description, "strategies": list(self.strategies)}
+        if self.seconds is not None:
+            data["seconds"] = round(self.seconds, 3)
         if self.skipped is not None:
             data["skipped"] = self.skipped
             return data
@@ -92,16 +96,20 @@ class Row:
             gradients_equal=self.gradients_equal,
             fits=self.fits,
             reserved_peak_bytes=self.reserved_bytes,
+            precision=self.precision,
         )
         return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], live: int = 0) -> Row:
-        """The row `to_json(live)` wrote (each phase's step peak read back from its absolute peak)."""
+        """The row `to_json(live)` wrote (each phase's step peak read back from its absolute peak); advice
+        written before a field existed reads as it meant (no `precision`: autocast's row computes in bfloat16)."""
         name, description = str(data["name"]), str(data.get("description", ""))
         strategies = tuple(str(part) for part in data.get("strategies", []))
+        seconds = None if data.get("seconds") is None else float(data["seconds"])
         if data.get("skipped") is not None:
-            return cls(name, description, strategies, skipped=str(data["skipped"]))
+            return cls(name, description, strategies, skipped=str(data["skipped"]), seconds=seconds)
+        precision = data.get("precision", "bfloat16" if AUTOCAST in strategies else None)
         absolute: Mapping[str, Any] = data.get("absolute_phases", {})
         phases = tuple(
             PhasePeak(str(phase), int(peak), int(absolute[phase]) - live if phase in absolute else None)
@@ -120,7 +128,19 @@ class Row:
             gradients_equal=_bool_or_none(data.get("gradients_equal")),
             fits=_bool_or_none(data.get("fits")),
             reserved_bytes=_int_or_none(data.get("reserved_peak_bytes")),
+            precision=None if precision is None else str(precision),
+            seconds=seconds,
         )
+
+
+def capacity_bytes(value: object, where: str) -> int:
+    """`value` (bytes, or a size such as "80 GiB") in bytes; anything else refused in one line naming `where`."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise GpuMemError(f"{where} must be an int (bytes) or a size such as '80 GiB', got {brief(value)}")
+    try:
+        return parse_size(value)
+    except (GpuMemError, ValueError, TypeError) as exc:
+        raise GpuMemError(f"{where}: {exc}") from None
 
 
 def held_bytes(absolute: int, reserved: int | None) -> int:
@@ -155,7 +175,7 @@ class Advice:
         for row in self.rows:
             if row.name == name:
                 return row
-        raise GpuMemError(f"advice has no row {name!r} (rows: {', '.join(r.name for r in self.rows)})")
+        raise GpuMemError(f"advice has no row {brief(name)} (rows: {', '.join(r.name for r in self.rows)})")
 
     def absolute(self, row: Row) -> int:
         """The row's absolute peak: what was live when the step began + the step's peak above that."""
@@ -171,10 +191,11 @@ class Advice:
         return row.peak_bytes is not None and self.held(row) <= capacity
 
     def best(self, capacity: int | str | None = None) -> Row | None:
-        """The cheapest row (least extra compute, then lowest peak) whose absolute peak is within
-        `capacity` (default: the one given to advise) and whose gradients were not found to differ;
-        None if none fits. The as-is row is a candidate: when it fits, nothing needs to change."""
-        limit = self.capacity if capacity is None else parse_size(capacity)
+        """The cheapest row (`cheapest`: the step's own precision first, then the least extra compute,
+        then the lowest peak) whose absolute peak is within `capacity` (default: the one given to advise)
+        and whose gradients were not found to differ; None if none fits. The as-is row is a candidate:
+        when it fits, nothing needs to change."""
+        limit = self.capacity if capacity is None else capacity_bytes(capacity, "Advice.best(capacity=...)")
         if limit is None:
             raise GpuMemError("Advice.best() needs a capacity (none was given to gpumem.advise)")
         return cheapest([r for r in self.usable() if self.fits(r, limit)])
@@ -228,15 +249,39 @@ class Advice:
             fits = "" if row.fits is None else (f"; fits {judged}" if row.fits else f"; does not fit {judged}")
             where = "" if row.peak_phase is None else f" in {row.peak_phase}"
             reserved = "" if row.reserved_bytes is None else f", {format_size(row.reserved_bytes)} reserved"
+            precision = "" if row.precision is None else f"; in {row.precision}"
             found.append(
                 f"  {row.name}: peak {format_size(self.absolute(row))}{where} = {format_size(self.live_bytes)} at "
-                f"the start + {format_size(row.peak_bytes)}{reserved}{saving}; {self.compute(row)}{fits}"
+                f"the start + {format_size(row.peak_bytes)}{reserved}{saving}; {self.compute(row)}{precision}{fits}"
             )
             phases = ", ".join(f"{p.name} {format_size(self.live_bytes + p.step_peak)}" for p in row.phases)
-            found.append(f"    {'absolute: ' + phases + '; ' if phases else ''}gradients {row.gradients}")
+            second = f"    {'absolute: ' + phases + '; ' if phases else ''}gradients {row.gradients}"
+            if len(second) > WIDTH and phases:
+                found += [f"    absolute: {phases}", f"    gradients {row.gradients}"]
+            else:
+                found.append(second)
         found += [f"  skipped {row.name}: {row.skipped}" for row in self.rows if row.skipped is not None]
         found += [f"  conflict: {text}" for text in self.conflicts]
-        return found
+        timing = self.timing()
+        return found + ([f"  time: {timing}"] if timing else [])
+
+    def timing(self) -> str | None:
+        """Where advise's time went: 'as-is 0.42 s; the 9 other runs 1.0-1.4x it, the slowest micro-batch-4
+        0.59 s' (None for advice written before rows were timed)."""
+        base = self.as_is.seconds
+        timed = [r for r in self.rows[1:] if r.seconds is not None]
+        if base is None:
+            return None
+        text = f"as-is {base:.2f} s"
+        if not timed or base <= 0:
+            return text
+        ratios = [(r.seconds or 0.0) / base for r in timed]
+        slowest = max(timed, key=lambda r: r.seconds or 0.0)
+        runs = f"the {len(timed)} other runs" if len(timed) > 1 else "the other run"
+        return (
+            f"{text}; {runs} {min(ratios):.1f}-{max(ratios):.1f}x it, the slowest {slowest.name} "
+            f"{slowest.seconds:.2f} s"
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -283,10 +328,42 @@ def _moved(observed: int, base: Row, row: Row, region: str) -> int:
 
 
 def cheapest(rows: list[Row]) -> Row | None:
-    """The row that costs least compute (as-is first on a tie), then the lowest peak."""
+    """The row that costs least: one that keeps the step's precision before one that lowers it (a change
+    of the numbers computed, however small the gradients' error), then the least extra compute (as-is
+    first on a tie), then the lowest peak."""
     if not rows:
         return None
-    return min(
-        rows,
-        key=lambda r: (r.extra_flops if r.extra_flops is not None else math.inf, r.name != AS_IS, r.peak_bytes or 0),
-    )
+    return min(rows, key=_cost)
+
+
+def _cost(row: Row) -> tuple[bool, float, bool, int]:
+    extra = math.inf if row.extra_flops is None else row.extra_flops
+    return (row.precision is not None, extra, row.name != AS_IS, row.peak_bytes or 0)
+
+
+def brief(value: object) -> str:
+    """A value a refusal names, as one short line: a module or tensor by its kind (their reprs run over
+    many lines), a collection by its length and first items, anything else by its repr, whitespace
+    folded and cut in the middle past BRIEF characters; a repr that raises is named by its type."""
+    kind = type(value).__name__
+    if hasattr(value, "named_parameters") and callable(value.named_parameters):
+        return f"a {kind} module"
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"a {kind} of {str(dtype).removeprefix('torch.')}{list(shape)}"
+    if isinstance(value, (list, tuple, set, frozenset)) and any(not _plain(v) for v in value):
+        items = list(value)
+        shown = ", ".join(brief(v) for v in items[:2]) + (", ..." if len(items) > 2 else "")
+        return f"a {kind} of {len(items)} ({shown})"
+    try:
+        text = " ".join(repr(value).split())
+    except Exception:
+        return f"<a {kind} whose repr raised>"
+    if len(text) <= BRIEF:
+        return text
+    half = (BRIEF - 5) // 2
+    return f"{text[:half]}...{text[-half:]} ({len(text):,} characters)"
+
+
+def _plain(value: object) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool))

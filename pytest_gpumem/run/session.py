@@ -171,11 +171,11 @@ class GpuMemSession:
         json_path, markdown_path = self.options.json_path, self.options.markdown_path
         long = self.config.get_verbosity() > 0
         if json_path is not None:
-            text = partial(outputs.json_text, results, backend, self.config.rootpath)
-            self._problem(outputs.write_report(json_path, "--gpumem-json", text))
+            report = partial(outputs.json_text, results, backend, self.config.rootpath)
+            self._problem(outputs.write_report(json_path, "--gpumem-json", report))
         if markdown_path is not None:
-            text = lambda: outputs.markdown_text(results, long, self.config.rootpath, markdown_path)  # noqa: E731
-            self._problem(outputs.write_report(markdown_path, "--gpumem-markdown", text))
+            table = partial(outputs.markdown_text, results, long, self.config.rootpath, markdown_path)
+            self._problem(outputs.write_report(markdown_path, "--gpumem-markdown", table))
         if self.baselines.active:
             self._finish_baselines(session, exitstatus)
 
