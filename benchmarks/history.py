@@ -5,8 +5,10 @@
 The repository is built with `git fast-import` (one process, no work tree) in a temporary folder; each
 commit grows one test's figure by 1%. A folder of `--gpumem-json` reports, one at each of the last
 `--reports` commits (every test, on another identity), joins the second run. Prints the build time, the
-time of the gate over every version, and of the gate over the last 500 with the reports joined and the
-page written (target: < 10 s each). `--keep DIR` keeps the page there (to look at a page of 500 tests).
+time of the gate over every version, and of the gate over the last 500 with the reports joined, the page
+and the JSON written, and their sizes (target: < 10 s each, wall clock; the CPU time of this process is
+printed beside it, since a busy machine stretches the wall clock). `--keep DIR` keeps the page and the
+JSON there (to look at a page of 500 tests).
 """
 
 from __future__ import annotations
@@ -90,11 +92,11 @@ def timed(argv: list[str]) -> tuple[str, int, int]:
 
 
 def main_() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--commits", type=int, default=1000)
-    p.add_argument("--tests", type=int, default=500)
-    p.add_argument("--reports", type=int, default=100)
-    p.add_argument("--keep", type=Path, default=None)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--commits", type=int, default=1000, help="commits of the baseline file (default 1000)")
+    p.add_argument("--tests", type=int, default=500, help="tests in the file (default 500)")
+    p.add_argument("--reports", type=int, default=100, help="reports at the last commits (default 100)")
+    p.add_argument("--keep", type=Path, default=None, metavar="DIR", help="keep history.html and history.json here")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         repo = Path(folder) / "repo"
@@ -104,18 +106,19 @@ def main_() -> None:
         os.chdir(repo)
         took, status, rows = timed(["history", "--no-sparklines", "--max-growth", "50"])
         since = ["history", "--no-sparklines", "--since", "main~500", "--max-growth", "50"]
-        outputs = ["--reports", "reports", "--html", "../history.html"]
+        outputs = ["--reports", "reports", "--html", "../history.html", "--json", "../history.json"]
         full, full_status, full_rows = timed([*since, *outputs])
         os.chdir(folder)
-        page = Path(folder, "history.html").stat().st_size
+        page, doc = (Path(folder, name).stat().st_size / 1e6 for name in ("history.html", "history.json"))
         if args.keep is not None:
             args.keep.mkdir(parents=True, exist_ok=True)
-            shutil.copy(Path(folder, "history.html"), args.keep / "history.html")
+            for name in ("history.html", "history.json"):
+                shutil.copy(Path(folder, name), args.keep / name)
     print(f"built {args.commits} commits x {args.tests} tests, {args.reports} reports in {built:.1f} s")
     print(f"history: {took} for {args.commits} versions ({rows} lines of output, exit {status}; target < 10 s)")
     print(
-        f"--since main~500 --reports ({args.reports} reports) --html: {full} ({full_rows} lines, exit "
-        f"{full_status}); page {page / 1e6:.2f} MB"
+        f"--since main~500 --reports ({args.reports} reports) --html --json: {full} ({full_rows} lines, exit "
+        f"{full_status}); page {page:.2f} MB, JSON {doc:.1f} MB"
     )
 
 

@@ -42,24 +42,28 @@ class ReportError(Exception):
 
 def load_report(path: Path) -> Tests:
     """The tests of a `--gpumem-json` report, by node id."""
+    return _by_nodeid(path, _document(path)["tests"])
+
+
+def _document(path: Path) -> dict[str, Any]:
+    """A `--gpumem-json` report, checked as far as its list of tests and its version."""
     try:
         if not path.is_file():
             raise ReportError(f"{path}: not a file")
         if path.stat().st_size > MAX_REPORT_BYTES:
             raise ReportError(f"{path}: too large (limit {format_size(MAX_REPORT_BYTES)})")
         text = path.read_bytes().decode("utf-8-sig")
-        doc = strict_json(text)
+        doc: object = strict_json(text)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ReportError(f"{path}: cannot read a gpumem report: {_first_line(exc)}") from None
-    tests = doc.get("tests") if isinstance(doc, dict) else None
-    if not isinstance(tests, list):
+    if not isinstance(doc, dict) or not isinstance(doc.get("tests"), list):
         raise ReportError(f"{path}: not a gpumem report (no list of tests; written by --gpumem-json?)")
     version = doc.get("version", JSON_VERSION)
     if type(version) is not int or not 1 <= version <= JSON_VERSION:
         raise ReportError(
             f"{path}: report version {shorten(version)} is not one this pytest-gpumem reads (1 to {JSON_VERSION})"
         )
-    return _by_nodeid(path, tests)
+    return doc
 
 
 def _first_line(exc: BaseException) -> str:
@@ -256,10 +260,52 @@ def merge_reports(reports: Sequence[tuple[Path, Tests]]) -> dict[str, Any]:
 
 def run_merge(args: argparse.Namespace) -> int:
     _not_an_input(args.output, "-o", args.reports)
-    doc = merge_reports([(path, load_report(path)) for path in args.reports])
+    loaded = [(path, *_tests_and_commit(path)) for path in args.reports]
+    doc = merge_reports([(path, tests) for path, tests, _ in loaded])
+    doc["commit"] = _shared_commit([(path, commit) for path, _, commit in loaded], args.output)
     _write(args.output, json.dumps(doc, indent=2, sort_keys=True, allow_nan=False) + "\n")
     _say(f"merged {len(args.reports)} reports, {len(doc['tests'])} tests, into {args.output}")
     return 0
+
+
+Commit = dict[str, Any] | None
+"""A report's `commit`: `{"sha": ..., "dirty": ...}`, None where it records none."""
+
+
+def _tests_and_commit(path: Path) -> tuple[Tests, Commit]:
+    doc = _document(path)
+    tests = _by_nodeid(path, doc["tests"])
+    commit = doc.get("commit")
+    if commit is None:
+        return tests, None
+    sha = commit.get("sha") if isinstance(commit, dict) else None
+    dirty = commit.get("dirty") if isinstance(commit, dict) else None
+    if not isinstance(sha, str) or len(sha) not in (40, 64) or not isinstance(dirty, bool):
+        raise ReportError(
+            f'{path}: "commit" must be {{"sha": a full commit hash, "dirty": true or false}} or null, '
+            f"got {shorten(commit)}"
+        )
+    return tests, {"sha": sha.lower(), "dirty": dirty}
+
+
+def _shared_commit(commits: Sequence[tuple[Path, Commit]], output: Path) -> Commit:
+    """The commit every report was made at; None, said in one line, where two differ."""
+    first_path, first = commits[0]
+    other = next(((path, commit) for path, commit in commits[1:] if commit != first), None)
+    if other is None:
+        return first
+    print(
+        f"pytest-gpumem merge: {first_path} was made {_made_at(first)}, {other[0]} {_made_at(other[1])}: "
+        f"{output} records no commit",
+        file=sys.stderr,
+    )
+    return None
+
+
+def _made_at(commit: Commit) -> str:
+    if commit is None:
+        return "with no commit recorded"
+    return f"at {commit['sha'][:7]}" + (" with uncommitted changes" if commit["dirty"] else "")
 
 
 def run_history(args: argparse.Namespace) -> int:

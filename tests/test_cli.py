@@ -123,6 +123,58 @@ def test_merge_shards_and_refuse_disagreeing_duplicates(tracker: pytest.Pytester
     assert not (tracker.path / "bad.json").exists()
 
 
+SHA = "0adb9b476b4034e0bb7f5986d859d26be9607eb1"
+OTHER = "1f3e2d10c9b8a7f6e5d4c3b2a1f0e9d8c7b6a5f4"
+
+
+def _shard(path: Path, nodeid: str, commit: object) -> Path:
+    """A one-test report as --gpumem-json writes it, made at ``commit``."""
+    test = {"nodeid": nodeid, "backend": "tracker", "device": "cpu", "peak_bytes": 4000, "phases": {}, "status": "ok"}
+    doc = {"version": 1, "backend": "tracker", "device": "cpu", "commit": commit, "tests": [test]}
+    path.write_text(json.dumps(doc), encoding="utf-8")
+    return path
+
+
+def test_merge_keeps_the_commit_every_shard_was_made_at(tmp_path: Path) -> None:
+    commit = {"sha": SHA, "dirty": False}
+    a, b = _shard(tmp_path / "a.json", "t.py::test_a", commit), _shard(tmp_path / "b.json", "t.py::test_b", commit)
+    run = _cli("merge", a, b, "-o", tmp_path / "all.json")
+    assert (run.returncode, run.stderr) == (0, "")
+    assert json.loads((tmp_path / "all.json").read_text(encoding="utf-8"))["commit"] == commit
+
+
+@pytest.mark.parametrize(
+    ("commit", "said"),
+    [
+        ({"sha": OTHER, "dirty": False}, "at 1f3e2d1"),
+        ({"sha": SHA, "dirty": True}, "at 0adb9b4 with uncommitted changes"),
+        (None, "with no commit recorded"),
+    ],
+)
+def test_merge_of_shards_made_at_other_commits_records_none_and_says_so(
+    tmp_path: Path, commit: object, said: str
+) -> None:
+    a = _shard(tmp_path / "a.json", "t.py::test_a", {"sha": SHA, "dirty": False})
+    b = _shard(tmp_path / "b.json", "t.py::test_b", commit)
+    out = tmp_path / "all.json"
+    run = _cli("merge", a, b, "-o", out)
+    assert run.returncode == 0
+    assert json.loads(out.read_text(encoding="utf-8"))["commit"] is None
+    assert run.stderr == f"pytest-gpumem merge: {a} was made at 0adb9b4, {b} {said}: {out} records no commit\n"
+
+
+def test_merge_refuses_a_commit_that_is_no_commit(tmp_path: Path) -> None:
+    a = _shard(tmp_path / "a.json", "t.py::test_a", None)
+    b = _shard(tmp_path / "b.json", "t.py::test_b", "HEAD")
+    run = _cli("merge", a, b, "-o", tmp_path / "all.json")
+    assert run.returncode == 2
+    assert run.stderr == (
+        f'pytest-gpumem merge: error: {b}: "commit" must be {{"sha": a full commit hash, "dirty": true or false}} '
+        "or null, got 'HEAD'\n"
+    )
+    assert not (tmp_path / "all.json").exists()
+
+
 def test_installed_as_a_command() -> None:
     command = shutil.which("pytest-gpumem", path=str(Path(sys.executable).parent))
     launch = [sys.executable, "-m", "pytest_gpumem"] if command is None else [command]

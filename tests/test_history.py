@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from pytest_gpumem.baselines.schema import BaselineError, loads
 from pytest_gpumem.cli import main
-from pytest_gpumem.history.git import Head, head
+from pytest_gpumem.history.git import Commit, Head, Version, head
+from pytest_gpumem.history.series import read
 from pytest_gpumem.history.table import sparkline
 from pytest_gpumem.report.width import display_width
 
@@ -135,7 +137,7 @@ def test_a_rename_is_followed(repo: Path, capsys: pytest.CaptureFixture[str]) ->
     doc = json.loads((repo / "h.json").read_text())
     call = doc["series"][0]
     assert (call["phase"], call["first"], call["latest"], call["percent"]) == ("call", 1000, 1500, 50.0)
-    assert [p["sha"][:7] for p in call["points"]] == [first, renamed, last]
+    assert [short for short, _ in call["points"]] == [first, renamed, last]
     assert f"{last} 2026-11-03 grow" in capsys.readouterr().out
 
 
@@ -150,6 +152,30 @@ def test_an_unparseable_version_is_named_and_skipped(repo: Path, capsys: pytest.
     )
     assert "  call     1000 B  2.0 KiB" in captured.out
     assert " 1  " in captured.out.splitlines()[2]
+
+
+def test_a_version_equal_to_the_last_but_for_json_types_is_checked_as_the_file_reader_checks_it() -> None:
+    good = baselines({"t.py::test_a": 1})
+    assert '"peak_bytes": 1,' in good
+    changed = ['"peak_bytes": 1.0,', '"peak_bytes": true,', '"peak_bytes": 7, "peak_bytes": 1,']  # == 1, or 1 at last
+    texts = [good, *(good.replace('"peak_bytes": 1,', text) for text in changed), good]
+    versions = [
+        Version(Commit(f"{i:040x}", f"{i:07x}", "2026-11-01", f"c{i}"), FILE, t.encode()) for i, t in enumerate(texts)
+    ]
+    parsed = read(versions)
+    assert [c.short for c, _ in parsed.stores] == ["0000000", "0000004"]
+    assert [entries["t.py::test_a"]["tracker | cpu"].peak_bytes for _, entries in parsed.stores] == [1, 1]
+    expected = []
+    for version in versions[1:4]:
+        with pytest.raises(BaselineError) as refused:
+            loads(version.data or b"", f"{version.commit.short}:{FILE}")
+        expected.append(f"skipped {version.commit.short} (2026-11-01 {version.commit.subject}): {refused.value}")
+    assert parsed.skipped == expected
+    assert [line.split(": ", 3)[-1] for line in expected] == [
+        "peak_bytes: expected an integer 0 <= n < 2**63 (bytes), got 1.0",
+        "peak_bytes: expected an integer 0 <= n < 2**63 (bytes), got True",
+        'duplicate key "peak_bytes"; fix or delete it',
+    ]
 
 
 def test_outside_git_one_line_and_exit_2(
@@ -193,6 +219,28 @@ def test_markdown_and_json_outputs(repo: Path) -> None:
     doc = json.loads((repo / "all.json").read_text())
     assert len(doc["series"]) == 4 and doc["skipped"] == []
     assert [s["after"] - s["before"] for s in doc["series"][0]["steps"]] == [40000, 41600, 43264, 44994, 46794]
+
+
+def test_json_lists_each_commit_once_and_the_points_name_them(repo: Path) -> None:
+    shorts = creep(repo)
+    assert main(["history", "--json", "all.json"]) == 0
+    text = (repo / "all.json").read_text()
+    doc = json.loads(text)
+    assert (doc["version"], doc["skipped"]) == (1, [])
+    assert doc["commits"][0] == {
+        "short": shorts[0],
+        "sha": git(repo, "rev-parse", shorts[0]).strip(),
+        "date": "2026-11-01",
+        "subject": "c1",
+    }
+    assert [c["short"] for c in doc["commits"]] == shorts
+    grows = doc["series"][0]
+    peaks = [1_000_000, 1_040_000, 1_081_600, 1_124_864, 1_169_858, 1_216_652]  # +4% a commit, rounded down
+    assert grows["points"] == [[short, peak] for short, peak in zip(shorts, peaks, strict=True)]
+    assert grows["steps"][0] == {"commit": shorts[1], "before": 1_000_000, "after": 1_040_000}
+    assert grows["largest_step"] == {"commit": shorts[5], "change": 1_216_652 - 1_169_858}
+    assert doc["series"][3]["largest_step"] is None  # test_steady's forward phase never changed
+    assert len(text.splitlines()) == 1 + 6 + 1 + 4 + 2  # each list's opening, its items, skipped, version
 
 
 def test_a_since_that_is_neither_ref_nor_date(repo: Path, capsys: pytest.CaptureFixture[str]) -> None:

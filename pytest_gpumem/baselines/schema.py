@@ -57,7 +57,18 @@ from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.results.baseline import DeviceIdentity, Entry
 from pytest_gpumem.results.checks import json_key, short
 
-__all__ = ["SCHEMA", "VERSION", "BaselineError", "BaselineStore", "Change", "digest", "dumps", "loads", "strict_json"]
+__all__ = [
+    "SCHEMA",
+    "VERSION",
+    "BaselineError",
+    "BaselineStore",
+    "Change",
+    "Versions",
+    "digest",
+    "dumps",
+    "loads",
+    "strict_json",
+]
 
 SCHEMA = "pytest-gpumem-baselines"
 VERSION = 1
@@ -153,7 +164,43 @@ def digest(raw: bytes) -> bytes:
     return hashlib.sha256(raw).digest()
 
 
-def _loads(data: str | bytes, p: Path) -> dict[str, dict[str, Entry]]:
+class Versions:
+    """Successive versions of one baseline file (its git history, say), each validated as ``loads``
+    validates it, faster: a test whose entries' JSON equals what was last read for it (most tests do not
+    change from one version to the next) gets the entries built then, not built and checked again.
+    The entries returned share those dicts between versions: read them, do not change them."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[dict[str, Any], dict[str, Entry]]] = {}
+        self._floats = False
+        self._exact: bool | None = None
+
+    def entries(self, data: str | bytes, path: str | os.PathLike[str]) -> dict[str, dict[str, Entry]]:
+        """The entries of one version; a ``BaselineError`` where ``loads`` would raise one, with its message."""
+        self._floats, self._exact = False, None
+        with _gc_paused():
+            return _loads(data, Path(path), self)
+
+    def parse_float(self, text: str) -> float:
+        self._floats = True
+        return float(text)
+
+    def known(self, nodeid: str, per_device: object, text: str) -> dict[str, Entry] | None:
+        """The entries built from JSON equal to ``per_device``, if it was read before. ``==`` alone would
+        take ``1.0`` or ``true`` for ``1``: where the version holds a float or a bool, ``repr`` tells them
+        apart (``true`` or ``false`` in a string costs only the ``repr``)."""
+        seen = self._seen.get(nodeid)
+        if seen is None or seen[0] != per_device:
+            return None
+        if self._exact is None:
+            self._exact = not self._floats and "true" not in text and "false" not in text
+        return seen[1] if self._exact or repr(seen[0]) == repr(per_device) else None
+
+    def learn(self, nodeid: str, per_device: Any, built: dict[str, Entry]) -> None:
+        self._seen[nodeid] = (per_device, built)
+
+
+def _loads(data: str | bytes, p: Path, versions: Versions | None = None) -> dict[str, dict[str, Entry]]:
     def fail(problem: str) -> BaselineError:
         return BaselineError(f"baseline file {p}: {problem}")
 
@@ -166,7 +213,7 @@ def _loads(data: str | bytes, p: Path) -> dict[str, dict[str, Entry]]:
         text = data
     if not text.strip():
         raise fail("file is empty (truncated?); fix or delete it")
-    obj = _parse(text, fail)
+    obj = _parse(text, fail, None if versions is None else versions.parse_float)
     if _ESCAPED_SURROGATE.search(text) and not _encodable(obj):
         raise fail(r"a string holds a lone surrogate (an escape like \ud800 that is half of no pair); fix or delete it")
     if not isinstance(obj, dict) or obj.get("schema") != SCHEMA:
@@ -184,18 +231,32 @@ def _loads(data: str | bytes, p: Path) -> dict[str, dict[str, Entry]]:
     raw_entries = obj.get("entries")
     if not isinstance(raw_entries, dict):
         raise fail(f'"entries" must be an object, got {short(raw_entries)}')
+    return _all_entries(raw_entries, fail, versions, text)
+
+
+def _all_entries(
+    raw_entries: dict[str, Any], fail: Callable[[str], BaselineError], versions: Versions | None, text: str
+) -> dict[str, dict[str, Entry]]:
     entries: dict[str, dict[str, Entry]] = {}
     for nodeid, per_device in raw_entries.items():
-        if not nodeid:
-            raise fail("entries: empty test node id")
-        if _CONTROL.search(nodeid):
-            raise fail(f"entries: node id {json_key(nodeid)} holds a control character; fix or delete it")
-        if not isinstance(per_device, dict):
-            raise fail(f"entries[{json_key(nodeid)}]: expected an object of device -> entry, got {short(per_device)}")
-        built = _entries_of(nodeid, per_device, fail)
+        built = None if versions is None else versions.known(nodeid, per_device, text)
+        if built is None:
+            built = _test_entries(nodeid, per_device, fail)
+            if versions is not None:
+                versions.learn(nodeid, per_device, built)
         if built:
             entries[nodeid] = built
     return entries
+
+
+def _test_entries(nodeid: str, per_device: object, fail: Callable[[str], BaselineError]) -> dict[str, Entry]:
+    if not nodeid:
+        raise fail("entries: empty test node id")
+    if _CONTROL.search(nodeid):
+        raise fail(f"entries: node id {json_key(nodeid)} holds a control character; fix or delete it")
+    if not isinstance(per_device, dict):
+        raise fail(f"entries[{json_key(nodeid)}]: expected an object of device -> entry, got {short(per_device)}")
+    return _entries_of(nodeid, per_device, fail)
 
 
 _ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -210,9 +271,9 @@ def _encodable(obj: object) -> bool:
     return True
 
 
-def _parse(text: str, fail: Callable[[str], BaselineError]) -> Any:
+def _parse(text: str, fail: Callable[[str], BaselineError], parse_float: Callable[[str], float] | None) -> Any:
     try:
-        return strict_json(text)
+        return strict_json(text, parse_float)
     except _JSONRefused as exc:
         raise fail(f"{exc}; fix or delete it") from None
     except json.JSONDecodeError as exc:
@@ -251,9 +312,9 @@ class _JSONRefused(ValueError):
     pass
 
 
-def strict_json(text: str) -> Any:
+def strict_json(text: str, parse_float: Callable[[str], float] | None = None) -> Any:
     """JSON that refuses a duplicate key and NaN or Infinity (a ValueError naming the key or the constant)."""
-    return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+    return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant, parse_float=parse_float)
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from pathlib import Path
 from pytest_gpumem.constants import DEFAULT_FILENAME
 from pytest_gpumem.history.git import Commit, GitError, Repo, Version
 from pytest_gpumem.history.reports import Reports, read_reports
-from pytest_gpumem.history.series import Series, build, offenders, read
+from pytest_gpumem.history.series import Series, build, offenders, paused_gc, read
 from pytest_gpumem.history.table import json_text, markdown_text, table
 
 __all__ = ["GitError", "add_parser", "run"]
@@ -68,6 +68,11 @@ def positive(value: str) -> int:
 
 
 def run(args: argparse.Namespace, write: Write, say: Say) -> int:
+    with paused_gc():  # millions of points and steps, none in a cycle
+        return _run(args, write, say)
+
+
+def _run(args: argparse.Namespace, write: Write, say: Say) -> int:
     _not_onto_the_file(args)
     repo = Repo(args.file)
     versions = _versions(repo, args.file, args.since)
@@ -79,14 +84,14 @@ def run(args: argparse.Namespace, write: Write, say: Say) -> int:
     series = build(parsed.stores, reports.stores if reports else ())
     sparklines = args.sparklines if args.sparklines is not None else sys.stdout.isatty()
     say(table(series, sparklines) if series else f"{args.file}: no baselines in its committed versions")
+    commits = _axis([c for c, _ in parsed.stores], reports)
     if args.json is not None:
-        write(args.json, json_text(series, skipped))
+        write(args.json, json_text(series, commits, skipped))
     if args.markdown is not None:
         write(args.markdown, markdown_text(series, args.top))
     if args.html is not None:
         from pytest_gpumem.history.page import render  # jinja2 only when a page is asked for
 
-        commits = _axis([c for c, _ in parsed.stores], reports)
         write(args.html, render(str(args.file), series, commits, skipped, args.top, args.max_growth))
     return _gate(series, args.max_growth, args.since, say)
 

@@ -8,7 +8,6 @@ those of the run; a test that ran out of memory, errored or was an expected fail
 
 from __future__ import annotations
 
-import gc
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_gpumem.history.git import Commit, GitError
+from pytest_gpumem.history.series import paused_gc
 from pytest_gpumem.report.json import JSON_VERSION
 from pytest_gpumem.results.baseline import DeviceIdentity, Entry
 from pytest_gpumem.sizes import format_size
@@ -61,14 +61,12 @@ def read_reports(folder: Path, history: Sequence[Commit]) -> Reports:
     found = Reports(order=list(order))
     at: dict[str, list[_Report]] = {}
     for path in sorted(p for p in folder.glob("*.json") if p.is_file()):
-        gc.disable()  # the entries of the reports read so far would be walked again after each one
         try:
-            report = _load(path)
+            with paused_gc():  # the entries of the reports read so far would be walked again after each one
+                report = _load(path)
         except _Refused as exc:
             found.skipped.append(f"skipped {path}: {exc}")
             continue
-        finally:
-            gc.enable()
         problem = _misplaced(report, by_sha, history)
         if problem is not None:
             found.skipped.append(f"skipped {path}: {problem}")

@@ -4,18 +4,30 @@ steps between consecutive figures, and the growth from the first figure to the l
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
-from pytest_gpumem.baselines.schema import BaselineError, loads
+from pytest_gpumem.baselines.schema import BaselineError, Versions
 from pytest_gpumem.history.git import Commit, Version
 from pytest_gpumem.results.baseline import DeviceIdentity, Entry
 from pytest_gpumem.sizes import format_size
 
-__all__ = ["Point", "Series", "Step", "build", "device_label", "growth_text", "offenders", "read", "signed"]
+__all__ = [
+    "Point",
+    "Series",
+    "Step",
+    "build",
+    "device_label",
+    "growth_text",
+    "offenders",
+    "paused_gc",
+    "read",
+    "signed",
+]
 
 CALL = "call"
 """The phase name shown for the whole call's peak."""
@@ -99,54 +111,72 @@ class Read:
 
 
 def read(versions: Iterable[Version]) -> Read:
-    """Parse each version with the baseline file's own reader; a version that does not parse is named."""
-    result = Read([], [])
-    gc.disable()  # the stores kept so far would be walked again after each version
-    try:
+    """Parse each version as the baseline file's own reader does (a test's entries are checked again only
+    where its JSON changed); a version that does not parse is named."""
+    result, reader = Read([], []), Versions()
+    with paused_gc():  # the stores kept so far would be walked again after each version
         for version in versions:
-            _read_one(version, result)
-    finally:
-        gc.enable()
+            _read_one(version, reader, result)
     return result
 
 
-def _read_one(version: Version, result: Read) -> None:
+def _read_one(version: Version, reader: Versions, result: Read) -> None:
     commit = version.commit
     if version.data is None:  # deleted in this commit: nothing measured from here on
         result.stores.append((commit, {}))
         return
     try:
-        store = loads(version.data, f"{commit.short}:{version.path}")
+        entries = reader.entries(version.data, f"{commit.short}:{version.path}")
     except (BaselineError, ValueError) as exc:
         lines = str(exc).splitlines() or [type(exc).__name__]
         result.skipped.append(f"skipped {commit.short} ({commit.date} {commit.subject}): {lines[0]}")
         return
-    result.stores.append((commit, store.entries))
+    result.stores.append((commit, entries))
 
 
 def build(stores: Stores, reported: Stores = ()) -> list[Series]:
     """One series per test, identity and phase, over the versions that hold it (and one per test, identity
     and phase of the reports), sorted by growth."""
     found: dict[Key, Series] = {}
-    gc.disable()  # a million points: the collector would walk them again and again
-    try:
+    with paused_gc():  # a million points: the collector would walk them again and again
         for flag, each in ((False, stores), (True, reported)):
+            rows: dict[tuple[str, str], tuple[Entry, list[tuple[list[Point], int]]]] = {}
             for commit, entries in each:
                 for nodeid, per_device in entries.items():
                     for key, entry in per_device.items():
-                        _add(found, commit, nodeid, key, entry, flag)
-    finally:
-        gc.enable()
+                        row = rows.get((nodeid, key))
+                        if row is None or row[0] is not entry:  # an entry read again is the same object
+                            row = rows[nodeid, key] = (entry, _figures(found, nodeid, key, entry, flag))
+                        for points, value in row[1]:
+                            points.append(Point(commit, value))
     return sorted(found.values(), key=lambda s: (-round(s.growth(), 1), s.nodeid, s.device, s.phase != CALL, s.phase))
 
 
-def _add(found: dict[Key, Series], commit: Commit, nodeid: str, key: str, entry: Entry, reported: bool) -> None:
+def _figures(
+    found: dict[Key, Series], nodeid: str, key: str, entry: Entry, reported: bool
+) -> list[tuple[list[Point], int]]:
+    """Each of the entry's figures (the call's, then its phases') with the points of its series."""
+    figures = []
     for phase, value in ((CALL, entry.peak_bytes), *entry.phases.items()):
         series = found.get((nodeid, key, phase, reported))
         if series is None:
             label = device_label(entry.identity) + (REPORTED if reported else "")
             series = found[nodeid, key, phase, reported] = Series(nodeid, label, phase, reported=reported)
-        series.points.append(Point(commit, value))
+        figures.append((series.points, value))
+    return figures
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """No cyclic garbage collection while millions of acyclic objects are made (each collection would walk
+    all of them again); the collector as it was afterwards."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def device_label(identity: DeviceIdentity) -> str:

@@ -13,9 +13,11 @@ from pytest_gpumem.report.markdown import markdown_table
 from pytest_gpumem.report.width import cut, display_width, pad, truncate
 from pytest_gpumem.sizes import format_size
 
-__all__ = ["WIDTH", "groups", "json_text", "markdown_text", "sparkline", "table"]
+__all__ = ["JSON_VERSION", "WIDTH", "groups", "json_text", "markdown_text", "sparkline", "table"]
 
 WIDTH = 120
+JSON_VERSION = 1
+"""The ``version`` of the ``--json`` document (docs/reference/json.md)."""
 BARS = "▁▂▃▄▅▆▇█"
 SPARK = 12
 HEADERS = ("phase", "first", "latest", "change", "%", "steps", "largest step", "commit")
@@ -86,16 +88,24 @@ def markdown_text(series: Sequence[Series], top: int) -> str:
     return text + (f"\n{left} more series (the top {top} growers shown)\n" if left > 0 else "")
 
 
-def json_text(series: Sequence[Series], skipped: Sequence[str]) -> str:
-    """Every series with its figures and steps, and the versions that were skipped."""
-    doc: dict[str, Any] = {"series": [_json(s) for s in series], "skipped": list(skipped)}
-    return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
+def json_text(series: Sequence[Series], commits: Sequence[Commit], skipped: Sequence[str]) -> str:
+    """Every commit read (oldest first), every series with its figures and steps, each point and step
+    naming its commit by short hash, and the versions that were skipped: sorted keys, a line per commit
+    and per series (a history of 1,000 commits x 500 tests is tens of megabytes)."""
+
+    def one(value: object) -> str:
+        return json.dumps(value, ensure_ascii=False, sort_keys=True, allow_nan=False)
+
+    def items(name: str, values: Sequence[object]) -> str:
+        return f'"{name}": [' + ",".join(f"\n  {one(v)}" for v in values) + "]"
+
+    listed = [{"short": c.short, "sha": c.sha, "date": c.date, "subject": c.subject} for c in commits]
+    parts = [items("commits", listed), items("series", [_json(s) for s in series])]
+    parts += [f'"skipped": {one(list(skipped))}', f'"version": {JSON_VERSION}']
+    return "{" + ",\n ".join(parts) + "}\n"
 
 
 def _json(s: Series) -> dict[str, Any]:
-    def commit(c: Commit) -> dict[str, str]:
-        return {"sha": c.sha, "date": c.date, "subject": c.subject}
-
     largest = s.largest
     return {
         "nodeid": s.nodeid,
@@ -106,7 +116,7 @@ def _json(s: Series) -> dict[str, Any]:
         "latest": s.latest,
         "change": s.change,
         "percent": s.percent,
-        "points": [{**commit(p.commit), "bytes": p.value} for p in s.points],
-        "steps": [{**commit(st.commit), "before": st.before, "after": st.after} for st in s.steps],
-        "largest_step": None if largest is None else {**commit(largest.commit), "change": largest.change},
+        "points": [[p.commit.short, p.value] for p in s.points],
+        "steps": [{"commit": st.commit.short, "before": st.before, "after": st.after} for st in s.steps],
+        "largest_step": None if largest is None else {"commit": largest.commit.short, "change": largest.change},
     }
