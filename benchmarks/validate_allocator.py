@@ -92,6 +92,12 @@ class Seq:
 
 def default_sequences() -> Iterator[tuple[str, list[Op]]]:
     """The hand-derived cases of the tests, with the default settings."""
+    yield from placement_sequences()
+    yield from fragmentation_sequences()
+
+
+def placement_sequences() -> Iterator[tuple[str, list[Op]]]:
+    """Rounding, pools, best fit and streams (tests/test_allocator_model.py)."""
     s = Seq()
     s.malloc(1), s.malloc(512), s.malloc(513), s.malloc(1024)
     yield "rounding to 512 B (randn(256) adds 1024 B)", s.ops
@@ -132,6 +138,11 @@ def default_sequences() -> Iterator[tuple[str, list[Op]]]:
     s.free(s.malloc(1024, stream=1))
     s.malloc(1024, stream=0), s.malloc(1024, stream=1)
     yield "a block freed on another stream", s.ops
+
+
+def fragmentation_sequences() -> Iterator[tuple[str, list[Op]]]:
+    """Merging, inactive split, empty_cache and out of memory (tests/test_allocator_model.py), and the
+    explanation's reserved memory at a peak (tests/test_explain.py)."""
     s = Seq()
     a, b, c = (s.malloc(256 * KiB) for _ in range(3))
     s.free(b, a, c)
@@ -139,6 +150,10 @@ def default_sequences() -> Iterator[tuple[str, list[Op]]]:
     s = Seq()
     s.malloc(2 * MiB), s.malloc(19 * MiB)
     yield "fragmentation: 19 MiB beside 18 MiB free", s.ops
+    s = Seq()
+    s.free(s.malloc(MiB // 2))
+    s.malloc(2 * MiB)
+    yield "0.5 MiB freed, 2 MiB: 22 MiB reserved, 18 MiB inactive split", s.ops
     s = Seq()
     a = s.malloc(16 * MiB)
     s.malloc(2 * MiB)
@@ -545,6 +560,20 @@ def first_difference(sequence: dict[str, Any]) -> str:
     return ""
 
 
+def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
+    """One row per sequence of each setting (one for a setting whose process did not run)."""
+    rows: list[list[str]] = []
+    for result in results:
+        label = result["settings"] or "(defaults)"
+        if "error" in result:
+            rows.append([label, "-", "-", "-", f"not run: {result['error']}"])
+            continue
+        for sequence in result["sequences"]:
+            steps, differing = str(len(sequence["steps"])), str(sequence["mismatches"])
+            rows.append([label, sequence["name"], steps, differing, first_difference(sequence) or "byte for byte"])
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="the caching allocator's model against the card, step by step")
     p.add_argument("--json", metavar="PATH", type=Path, default=None, help="also write the figures as JSON")
@@ -571,24 +600,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     chosen = args.only or list(SETTINGS)
     results = [run_child(text, args) for text in chosen]
-    rows: list[list[str]] = []
-    differing = 0
-    for result in results:
-        label = result["settings"] or "(defaults)"
-        if "error" in result:
-            rows.append([label, "-", "-", "-", f"not run: {result['error']}"])
-            continue
-        for sequence in result["sequences"]:
-            differing += sequence["mismatches"] > 0
-            rows.append(
-                [
-                    label,
-                    sequence["name"],
-                    str(len(sequence["steps"])),
-                    str(sequence["mismatches"]),
-                    first_difference(sequence) or "byte for byte",
-                ]
-            )
+    rows = table_rows(results)
+    differing = sum(sequence["mismatches"] > 0 for result in results for sequence in result.get("sequences", []))
     card = STAND_IN if args.stand_in else next((r.get("device") for r in results if r.get("device")), "cuda")
     torch_version = next((r.get("torch") for r in results if r.get("torch")), None)
     benchlib.show(

@@ -12,13 +12,20 @@ Expected differences: allocated > requested (rounding to 512 B and whole segment
 kernels allocate scratch or cuBLAS/cuDNN workspaces through the caching allocator.
 Without CUDA it exits 0 with a message, unless --allow-cpu substitutes the tracker for the cuda backend
 (every figure then labelled "tracker (no CUDA)").
+
+On CUDA it also checks the cuBLAS workspaces as the tracker's model serves them: after torch's are cleared,
+a matmul adds its output and one workspace of the size `pytest_gpumem.cards.cublas_workspace_bytes` gives
+the device's compute capability (or CUBLAS_WORKSPACE_CONFIG), and a forward + backward leaves two (the
+thread's and the autograd engine's device thread's), on the device and in the tracker alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import benchlib
@@ -69,6 +76,49 @@ class _Null:
 
     def phase(self, name: str) -> Any:
         return self._nullcontext()
+
+
+def _workspace_step(device: torch.device, allocated: Callable[[], int]) -> tuple[int, int]:
+    """(bytes a 1024 x 1024 float32 matmul adds beyond its 4 MiB output, bytes a Linear-like forward and
+    backward leave allocated once their tensors are gone), read with `allocated()`."""
+    a = torch.empty(1024, 1024, device=device)
+    before = allocated()
+    c = torch.mm(a, a)
+    mm_added = allocated() - before - 4 * 2**20
+    del a, c
+    start = allocated()
+    w = torch.empty(256, 256, device=device, requires_grad=True)
+    (torch.empty(64, 256, device=device) @ w).sum().backward()  # type: ignore[no-untyped-call]
+    del w
+    return mm_added, allocated() - start
+
+
+def workspace_check(device: torch.device) -> dict[str, Any] | None:
+    """The cuBLAS workspaces on the card and as the tracker predicts them (None without CUDA)."""
+    if device.type != "cuda":
+        return None
+    from pytest_gpumem.cards import cublas_workspace_bytes
+
+    props = torch.cuda.get_device_properties(device)
+    expected = cublas_workspace_bytes((props.major, props.minor), os.environ)
+
+    def on_card() -> int:
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    card = _workspace_step(device, on_card)
+    torch._C._cuda_clearCublasWorkspaces()
+    tracker = TrackerBackend("cuda")
+    tracker.ledger.workspace_bytes = expected
+    tracker.start()
+    try:
+        predicted = _workspace_step(device, lambda: tracker.current().allocated)
+    finally:
+        tracker.stop()
+    wanted = (expected, expected)  # one by the matmul; after the step, backward's beside the thread's
+    return {"expected": expected, "card": card, "predicted": predicted, "ok": card == predicted == wanted}
 
 
 def measure_after_others(workloads: list[Workload], device: torch.device, backend: Backend) -> dict[str, Any]:
@@ -141,6 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     later = measure_after_others(workloads, device, backend)
     rows = [row for w in workloads for row in rows_for(w, alone[w.name], later[w.name])]
     cost = per_test_cost(backend)
+    workspaces = workspace_check(device)
+    workspace_line = (
+        "cuBLAS workspaces: no CUDA here, not checked"
+        if workspaces is None
+        else f"cuBLAS workspaces {'match' if workspaces['ok'] else 'DIFFER'}: {workspaces['expected']:,} B each; "
+        f"matmul adds, step leaves: card {workspaces['card']}, tracker {workspaces['predicted']}"
+    )
     benchlib.show(
         f"{label} on {device} vs tracker prediction (rounding cuda); {backend.describe()}",
         [
@@ -159,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{label} per measured test: {cost * 1e3:.2f} ms (begin_call + end_call, gc.collect included)",
             "alloc >= req: 512 B rounding and whole segments; device > pred: kernel scratch, cuBLAS/cuDNN workspaces",
             "req change must be 0 (order independence of requested bytes); alloc may move with the cache",
+            workspace_line,
             f"total {time.perf_counter() - started:.1f} s",
         ],
     )
@@ -169,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                 "backend": label,
                 "describe": backend.describe(),
                 "per_test_s": cost,
+                "cublas_workspaces": workspaces,
                 "workloads": {
                     w.name: {
                         "hand": w.expected,

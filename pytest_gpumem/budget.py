@@ -18,8 +18,8 @@ MARKER_SIGNATURE = (
     "max_memory(limit=None, *, tolerance=None, capacity=None, leak=None, device=None, **phase_limits): fail "
     "the test when the peak memory of its call (limit) or of a named gpumem phase (e.g. forward='20 MB') "
     "exceeds the size given, when it leaves more than leak= allocated, or (capacity=) run it on a device of "
-    "that size; device='meta' makes it a prediction on the meta device; sizes are bytes or strings like "
-    "'64 MiB', '1.5 GB'."
+    "that size or on a card ('H100-80GB': its memory less what lies outside the allocator); device='meta' "
+    "makes it a prediction on the meta device; sizes are bytes or strings like '64 MiB', '1.5 GB'."
 )
 
 
@@ -30,6 +30,7 @@ class Limit:
     bytes: int
     written: str
     binary: bool
+    card: str | None = None  # a capacity that names a card: its name (`bytes` is its total less what lies outside)
 
     def fmt(self, n: int) -> str:
         """`n` in the limit's family of units, exact when rounding would make it look equal to the limit."""
@@ -151,6 +152,24 @@ def _limit(value: object, what: str, zero: bool = False) -> Limit:
     return Limit(size, written.strip(), is_binary(value))
 
 
+def capacity_limit(value: object, what: str = "") -> Limit:
+    """A capacity: a size (the allocator's limit) or a card (`pytest_gpumem.cards.parse_capacity`), named
+    `what` in its one-line error."""
+    from pytest_gpumem.cards import parse_capacity
+
+    prefix = f"{what}: " if what else ""
+    try:
+        capacity = parse_capacity(value)
+    except GpuMemError as exc:
+        raise GpuMemError(f"{prefix}{exc}") from None
+    if capacity.bytes == 0:
+        raise GpuMemError(f"{prefix}a limit must be above zero, got {shorten(value)}")
+    written = value if isinstance(value, str) else f"{value} B"
+    card = None if capacity.card is None else capacity.card.name
+    binary = capacity.on_a_card or is_binary(value)
+    return Limit(capacity.bytes, written.strip(), binary, card)
+
+
 def _tolerance(value: object) -> float:
     if isinstance(value, str) and len(value) > MAX_TEXT:
         raise GpuMemError(f"max_memory tolerance: text must be at most {MAX_TEXT} characters, got {shorten(value)}")
@@ -196,7 +215,7 @@ def budget_from_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Budg
         total=None if total is None else _limit(total, "max_memory limit"),
         phases={name: _limit(value, f"max_memory {name}=") for name, value in kwargs.items()},
         tolerance=None if tolerance is None else _tolerance(tolerance),
-        capacity=None if capacity is None else _limit(capacity, "max_memory capacity="),
+        capacity=None if capacity is None else capacity_limit(capacity, "max_memory capacity="),
         leak=None if leak is None else _limit(leak, "max_memory leak=", zero=True),
         device=device,
         explain=explain,

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from pytest_gpumem.budget import Budget, Limit, budget_from_marker
+from pytest_gpumem.budget import Budget, Limit, budget_from_marker, capacity_limit
 from pytest_gpumem.constants import (
     DEFAULT_DIST_TIMEOUT,
     DEFAULT_FILENAME,
@@ -165,7 +165,15 @@ def _keyword_limit(keyword: str, flag: str) -> Callable[[str], Limit]:
     return read
 
 
-capacity = _keyword_limit("capacity", "--gpumem-capacity")
+def capacity(value: str) -> Limit:
+    """A size (the allocator's limit) or a card's name, as max_memory(capacity=) reads it."""
+    try:
+        limit = capacity_limit(value.strip())
+    except GpuMemError as exc:
+        raise argparse.ArgumentTypeError(f"invalid capacity {shorten(value)}: {exc}") from None
+    return dataclasses.replace(limit, written=f"{limit.written} (--gpumem-capacity)")
+
+
 leak = _keyword_limit("leak", "--gpumem-leak")
 
 
@@ -304,11 +312,12 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "--gpumem-capacity",
-        "run measured tests on a device of SIZE: the tracker raises torch.OutOfMemoryError at the allocation "
-        "past it; on CUDA the process is capped with set_per_process_memory_fraction. max_memory(capacity=...) "
-        "sets it per test.",
+        "run measured tests on a device of SIZE, or on a card (H100-80GB, A100-40GB, T4, ...: its memory less "
+        "what lies outside the allocator, 512 MiB unless given as CARD:SIZE): the tracker raises "
+        "torch.OutOfMemoryError at the allocation past it; on CUDA the process is capped with "
+        "set_per_process_memory_fraction. max_memory(capacity=...) sets it per test.",
         capacity,
-        "SIZE",
+        "SIZE|CARD",
         "none",
     ),
     Option(

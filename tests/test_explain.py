@@ -21,6 +21,7 @@ from pytest_gpumem.budget import budget_from_marker
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.explain.growth import what_grew
 from pytest_gpumem.explain.replay import on_rank
+from pytest_gpumem.explain.text import describe
 from pytest_gpumem.results.explanation import Explanation, PhaseExplanation, composition_from_json
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "saved", "temporaries", "inputs")
@@ -246,7 +247,7 @@ def test_regression_names_the_module_that_grew(tracker: pytest.Pytester) -> None
     second = tracker.runpytest("--gpumem-explain", "--gpumem-slack=0", "-k", "test_two")
     second.assert_outcomes(failed=1)
     message = next(line for line in second.outlines if line.startswith("call peak "))
-    forward = next(part for part in message.split("; ") if part.startswith("forward"))
+    forward = next(line for line in second.outlines if line.startswith("forward peak "))  # the section's
     assert forward.startswith("forward peak 35.2 KiB is 200.0% above baseline 11.7 KiB")  # 36,000 vs 12,000 B
     # 12,000 B more saved (the repeat) and 12,000 B more temporaries (sin's output), all b's, nothing of a's
     assert forward.endswith(": b +23.4 KiB: saved for backward +11.7 KiB, temporaries +11.7 KiB")
@@ -744,3 +745,157 @@ def test_freed_allocations_alike_share_one_record() -> None:
     assert attributor is not None and len(attributor.allocations) == 1000
     assert len({id(a) for a in attributor.allocations}) == 1  # one record for them all, once freed
     assert meter.explanation is not None and meter.explanation.phases["call"].peak_bytes == 8
+
+
+# --- reserved memory at each peak, where the allocator's model serves the call (--gpumem-round=cuda)
+
+MIB = 2**20
+
+FRAGMENTED = """
+import torch
+
+MIB = 2**20
+
+
+def mib(n):
+    return torch.empty(int(n * MIB), dtype=torch.uint8)
+
+
+def test_fragmented(gpumem):
+    with gpumem.phase("split"):
+        a, b = mib(2), mib(0.5)
+    del a, b
+    torch.cuda.empty_cache()
+    with gpumem.phase("sixteens"):
+        blocks = [mib(16) for _ in range(8)]
+        del blocks
+    with gpumem.phase("thirty_twos"):
+        blocks = [mib(32) for _ in range(4)]
+"""
+
+
+def test_the_explanation_says_how_much_of_the_reserved_memory_held_no_block(
+    tracker: pytest.Pytester, reported: Reported
+) -> None:
+    tracker.makepyfile(test_fragmented=FRAGMENTED)
+    result = tracker.runpytest("-p", "no:randomly", "--gpumem-round=cuda", "--gpumem-explain", "--gpumem-json=out.json",
+                               "-rA")  # fmt: skip
+    result.assert_outcomes(passed=1)
+    # split: 2 MiB from a new 20 MiB segment (18 MiB left free in it), 0.5 MiB from a new 2 MiB one (1.5 MiB
+    # left): 22 MiB reserved, 2.5 MiB allocated, the 19.5 MiB rest in segments that hold a live block.
+    # thirty_twos: the eight 16 MiB segments stay cached, whole (no 32 MiB request fits one): four new ones
+    # of 32 MiB make 256 MiB, 128 MiB of it in no block and none of that split.
+    result.stdout.fnmatch_lines(
+        [
+            "  split: peak 2.5 MiB = inputs and other 2.5 MiB",
+            "    at the peak: reserved 22.0 MiB, 19.5 MiB of it unallocated (19.5 MiB inactive split)",
+            "  thirty_twos: peak 128.0 MiB = inputs and other 128.0 MiB",
+            "    at the peak: reserved 256.0 MiB, 128.0 MiB of it unallocated (0 B inactive split)",
+        ]
+    )
+    phases = reported()["test_fragmented"]["explanation"]["phases"]
+    assert phases["sixteens"]["reserved_at_peak"] == {
+        "reserved_bytes": 128 * MIB, "unallocated_bytes": 0, "inactive_split_bytes": 0,
+    }  # fmt: skip
+
+
+Mib = Callable[[float], Any]  # a tensor of that many MiB
+
+
+def _explained_in_process(rounding: str, call: Callable[[Any, Mib], object]) -> Explanation:
+    """The explanation of `call(meter, mib)` measured as a test's call on the tracker, in this process."""
+    import torch
+
+    from pytest_gpumem.backends.tracker.backend import TrackerBackend
+    from pytest_gpumem.measure.meter import GpuMem
+
+    backend = TrackerBackend(rounding=rounding)
+    backend.configure(None, origins=False, events=False, explain=True)
+    meter = GpuMem(backend, "t")
+    meter.explain = True
+    meter.begin_call()
+    kept = call(meter, lambda n: torch.empty(int(n * MIB), dtype=torch.uint8))
+    meter.end_call()
+    del kept
+    assert meter.explanation is not None, meter.notes
+    return meter.explanation
+
+
+def _reserved(explanation: Explanation, phase: str = "call") -> tuple[float, float, float] | None:
+    """(reserved, unallocated, inactive split) at the phase's peak, in MiB."""
+    found = explanation.phases[phase].reserved_at_peak
+    return None if found is None else (found.reserved / MIB, found.unallocated / MIB, found.inactive_split / MIB)
+
+
+def test_a_2_mib_and_a_half_mib_tensor_leave_19_5_of_22_mib_reserved_in_split_segments() -> None:
+    # 2 MiB: large pool, a 20 MiB segment split (18 MiB free); 0.5 MiB: a 2 MiB small segment split (1.5 MiB)
+    explanation = _explained_in_process("cuda", lambda meter, mib: (mib(2), mib(0.5)))
+    assert _reserved(explanation) == (22.0, 19.5, 19.5)
+
+
+def test_a_cached_whole_segment_is_unallocated_but_not_inactive_split() -> None:
+    # 0.5 MiB freed: its 2 MiB segment stays cached with no block; 2 MiB: a new 20 MiB segment, 18 MiB free
+    def call(meter: Any, mib: Mib) -> object:
+        small = mib(0.5)
+        del small
+        return mib(2)
+
+    assert _reserved(_explained_in_process("cuda", call)) == (22.0, 20.0, 18.0)
+
+
+def _freed_then(first: float, second: float) -> Callable[[Any, Mib], object]:
+    """128 MiB in tensors of `first` MiB, freed, then 128 MiB in tensors of `second` MiB in phase "then"."""
+
+    def call(meter: Any, mib: Mib) -> object:
+        blocks = [mib(first) for _ in range(int(128 // first))]
+        del blocks
+        with meter.phase("then"):
+            return [mib(second) for _ in range(int(128 // second))]
+
+    return call
+
+
+def test_eight_16_mib_freed_then_four_32_mib_reserve_256_mib_and_the_reverse_128() -> None:
+    # each 16 MiB request takes a 16 MiB segment, unsplit; none of them holds 32 MiB: four new segments
+    assert _reserved(_explained_in_process("cuda", _freed_then(16, 32)), "then") == (256.0, 128.0, 0.0)
+    # the reverse: each cached 32 MiB block splits into two 16 MiB ones, and nothing is left free
+    assert _reserved(_explained_in_process("cuda", _freed_then(32, 16)), "then") == (128.0, 0.0, 0.0)
+
+
+def test_without_the_allocator_model_no_reserved_memory_is_told() -> None:
+    explanation = _explained_in_process("none", lambda meter, mib: (mib(2), mib(0.5)))
+    assert _reserved(explanation) is None
+    assert not any("unallocated" in line for line in describe(explanation))
+    assert "reserved_at_peak" not in explanation.phases["call"].to_json()
+
+
+def test_reserved_at_the_peak_reads_back_and_an_older_explanation_reads_without_it() -> None:
+    explanation = _explained_in_process("cuda", lambda meter, mib: (mib(2), mib(0.5)))
+    phase = explanation.phases["call"]
+    written = phase.to_json()
+    half_of_39 = 39 * MIB // 2  # 19.5 MiB
+    assert written["reserved_at_peak"] == {
+        "reserved_bytes": 22 * MIB, "unallocated_bytes": half_of_39, "inactive_split_bytes": half_of_39,
+    }  # fmt: skip
+    assert PhaseExplanation.from_json(written) == phase
+    del written["reserved_at_peak"]
+    assert PhaseExplanation.from_json(written).reserved_at_peak is None
+
+
+def test_the_trace_gives_the_models_figures_at_any_moment() -> None:
+    from pytest_gpumem.backends.tracker.allocator import CachingAllocatorModel
+    from pytest_gpumem.backends.tracker.allocator_trace import AllocatorTrace
+
+    class Ledger:
+        model = CachingAllocatorModel()
+
+    trace = AllocatorTrace(Ledger())
+    for key, nbytes in ((1, 2 * MIB), (2, MIB // 2)):
+        Ledger.model.malloc(key, nbytes)
+        trace.record()
+    Ledger.model.free(1)  # the 20 MiB segment is whole again: cached, not split
+    trace.record()
+    assert [trace.at(moment) for moment in range(4)] == [
+        (0, 0), (20 * MIB, 18 * MIB), (22 * MIB, 18 * MIB + 3 * MIB // 2), (22 * MIB, 3 * MIB // 2)
+    ]  # fmt: skip
+    assert list(trace.reserved) == [0, 20 * MIB, 22 * MIB]  # kept only where it changed

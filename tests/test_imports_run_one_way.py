@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pytest_gpumem"
 
 # lowest first; a module may import its own layer and the layers below it
 LAYERS = (
-    ("errors", "constants", "sizes"),
+    ("errors", "constants", "sizes", "cards"),
     ("results",),
     ("budget",),
     ("backends",),
@@ -31,6 +31,7 @@ WITHOUT_PYTEST = (
     "errors",
     "constants",
     "sizes",
+    "cards",
     "results",
     "backends",
     "gradients",

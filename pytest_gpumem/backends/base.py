@@ -120,6 +120,30 @@ class CachesMemory(Protocol):
 
 
 @runtime_checkable
+class KeepsWorkspaces(Protocol):
+    """A backend whose allocator holds cuBLAS workspaces (one per handle and stream, kept once made): the
+    CUDA allocator's, or the tracker's model of it."""
+
+    def clear_workspaces(self) -> None:
+        """Free every cuBLAS workspace (`torch._C._cuda_clearCublasWorkspaces()`): each measured test makes
+        its own, and the one it leaves is not its leak."""
+        ...
+
+
+@runtime_checkable
+class PredictsACard(Protocol):
+    """A backend that predicts a named card (the tracker: its cuBLAS workspaces take the card's size)."""
+
+    def predict_card(self, card: str | None) -> None:
+        """Predict the card called `card` from now on (None: no card named; see `pytest_gpumem.cards`)."""
+        ...
+
+    def predicting(self, card: str | None) -> contextlib.AbstractContextManager[None]:
+        """Within the block, predict `card`; then the card predicted before."""
+        ...
+
+
+@runtime_checkable
 class RecordsTimeline(Protocol):
     """A backend that records the bytes allocated after each event of a block (`gpumem.fit` fits them)."""
 

@@ -75,6 +75,7 @@ class CudaBackend:
     def start(self) -> None:
         import torch
 
+        self.clear_workspaces()  # each measured test makes its own, whatever ran before it
         if self.capacity is not None:
             total = torch.cuda.get_device_properties(self._device).total_memory
             self._fraction = torch.cuda.get_per_process_memory_fraction(self._device)
@@ -96,6 +97,15 @@ class CudaBackend:
         import torch
 
         return torch.cuda.memory._snapshot() if self._recording else None
+
+    def clear_workspaces(self) -> None:
+        """Free the cuBLAS workspaces torch keeps per handle and stream (their blocks stay cached), where this
+        torch has `torch._C._cuda_clearCublasWorkspaces`."""
+        import torch
+
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if callable(clear):
+            clear()
 
     def empty_cache(self) -> None:
         """Give back the caching allocator's free segments."""

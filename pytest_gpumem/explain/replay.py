@@ -4,7 +4,8 @@ phase's peak, by category, module and tensor, and the explained ranks of a distr
 The attributor (`backends/tracker/attribution.py`) records every change of a storage's counted bytes in
 order. Replaying them gives the bytes at any moment: a region's peak is the first moment of its largest
 total, exactly the meter's figure on the tracker. A phase's composition is the growth from its start
-to its peak, so its parts add up to the phase's peak; `live` is what was alive at that moment.
+to its peak, so its parts add up to the phase's peak; `live` is what was alive at that moment, and where
+the allocator's model served the call, `reserved_at_peak` what it held in segments then.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from pytest_gpumem.results.explanation import (
     PhaseExplanation,
     Point,
     RanksExplanation,
+    ReservedAtPeak,
     Tensor,
     Timeline,
+    Unmeasured,
 )
 
 if TYPE_CHECKING:
@@ -78,6 +81,7 @@ def explain(attributor: Attributor, measured: Mapping[str, PhaseResult], nodeid:
             spans=spans[name][:MAX_SPANS],
             entries=len(spans[name]),
             unattributed_bytes=0 if result is None else result.peak_bytes - computed,
+            reserved_at_peak=_reserved_at(attributor, peak, totals),
         )  # fmt: skip
     return Explanation(
         nodeid=nodeid,
@@ -86,8 +90,24 @@ def explain(attributor: Attributor, measured: Mapping[str, PhaseResult], nodeid:
         labels=dict(LABELS),
         folded=folded,
         phases=phases,
-        timeline=Timeline(len(totals) - 1, points),
+        timeline=Timeline(len(totals) - 1, points, _unmeasured(attributor)),
     )
+
+
+def _unmeasured(attributor: Attributor) -> list[Unmeasured]:
+    """The spans of the call that gpumem.advise and gpumem.check_gradients ran, named by what ran."""
+    spans = zip(attributor.paused_by, attributor.paused, strict=True)
+    return [Unmeasured(by, start, end) for by, (start, end) in spans]
+
+
+def _reserved_at(attributor: Attributor, moment: int, totals: array[int]) -> ReservedAtPeak | None:
+    """The allocator model's reserved memory at `moment`, where the model served the call: what of it no
+    block held (its segments minus the bytes allocated then), and what of that was inactive split."""
+    trace = attributor.allocator_trace
+    if trace is None:
+        return None
+    reserved, inactive_split = trace.at(moment)
+    return ReservedAtPeak(reserved, reserved - totals[moment], inactive_split)
 
 
 def _running_totals(attributor: Attributor) -> array[int]:
@@ -191,6 +211,7 @@ def changes(start: Mapping[K, int], top: Mapping[K, int]) -> dict[K, int]:
 def _phase(
     start: _Snapshot, top: _Snapshot, folded: Collection[str], *, peak_bytes: int, start_bytes: int,
     peak_index: int, spans: list[tuple[int, int]], entries: int, unattributed_bytes: int,
+    reserved_at_peak: ReservedAtPeak | None,
 ) -> PhaseExplanation:  # fmt: skip
     grown = changes(start.cells, top.cells)
     cells = sorted(grown.items(), key=lambda kv: (-abs(kv[1]), kv[0]))[:TOP_CELLS]
@@ -207,6 +228,7 @@ def _phase(
         spans=spans,
         entries=entries,
         unattributed_bytes=unattributed_bytes,
+        reserved_at_peak=reserved_at_peak,
     )
 
 

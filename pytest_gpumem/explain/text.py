@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from pytest_gpumem.explain.replay import TOP_MODULES, changes, largest
-from pytest_gpumem.results.explanation import Explanation, PhaseExplanation, Tensor
+from pytest_gpumem.results.explanation import Explanation, PhaseExplanation, ReservedAtPeak, Tensor
 from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
@@ -24,6 +24,8 @@ def describe(explanation: Explanation, fmt: Format = format_size) -> list[str]:
     lines = [f"peak explained ({explanation.backend}):"]
     for name, phase in explanation.phases.items():
         lines.append(f"  {name}: peak {fmt(phase.peak_bytes)} = {_parts(explanation, phase, fmt)}")
+        if phase.reserved_at_peak is not None:
+            lines.append(f"    at the peak: {reserved_clause(phase.reserved_at_peak, fmt)}")
         grown = _by_group(phase).items()
         modules = ", ".join(f"{m} {_signed(b, fmt)}{_blocks(explanation, m)}" for m, b in grown)
         if modules:
@@ -31,6 +33,15 @@ def describe(explanation: Explanation, fmt: Format = format_size) -> list[str]:
         for tensor in phase.tensors[:3]:
             lines.append(f"    alive at the peak: {describe_tensor(explanation, tensor, fmt)}")
     return lines
+
+
+def reserved_clause(reserved: ReservedAtPeak, fmt: Format = format_size) -> str:
+    """How much of the allocator's reserved memory held no block, e.g. "reserved 22.0 MiB, 20.0 MiB of it
+    unallocated (18.0 MiB inactive split)"."""
+    return (
+        f"reserved {fmt(reserved.reserved)}, {fmt(reserved.unallocated)} of it unallocated "
+        f"({fmt(reserved.inactive_split)} inactive split)"
+    )
 
 
 def _by_group(phase: PhaseExplanation) -> dict[str, int]:

@@ -16,6 +16,7 @@ from enum import Enum
 from typing import Protocol
 
 from pytest_gpumem.backends.timeline import Timeline
+from pytest_gpumem.cards import Capacity
 from pytest_gpumem.measure.lines import MAX_BATCH, Lines
 from pytest_gpumem.sizes import format_size, is_binary
 
@@ -99,6 +100,7 @@ class BatchFit:
     unconfirmed: str = ""  # why it was not confirmed
     lines: Lines | None = None
     reserved: bool = False  # the peaks are of reserved bytes (the allocator's segments), as a card judges them
+    card: Capacity | None = None  # the card the capacity names: `capacity` is its total less what lies outside
 
     @property
     def exact(self) -> bool:
@@ -107,7 +109,7 @@ class BatchFit:
 
     @property
     def binary(self) -> bool:
-        return self.capacity_text is None or is_binary(self.capacity_text)
+        return self.capacity_text is None or self.card is not None or is_binary(self.capacity_text)
 
     def size(self, n: int) -> str:
         """Bytes in the unit family the capacity was written in."""
@@ -127,12 +129,21 @@ class BatchFit:
             head = f"no batch fits {self._cap}: batch 1 needs {'more than ' if ran_out else ''}{peak}{at}, {live}"
         else:
             head = f"largest batch that fits {self._cap}: {self.largest:,}, peak {peak}{at}, {live}"
+        kept = "optimizer state, cuBLAS workspaces?" if self.reserved else "optimizer state?"
         warm = (
-            f"; the first run left {self.size(self.warm_up)} allocated (optimizer state?) and ran again as a warm-up"
+            f"; the first run left {self.size(self.warm_up)} allocated ({kept}) and ran again as a warm-up"
             if self.warm_up
             else ""
         )
-        return f"{head}; {self._how()}{self._shown()}{warm}"
+        return f"{head}{self._on_card()}; {self._how()}{self._shown()}{warm}"
+
+    def _on_card(self) -> str:
+        """What a card's capacity judges: the allocator's reserved bytes within its total less what lies
+        outside the allocator."""
+        if self.card is None:
+            return ""
+        judged = "reserved" if self.reserved else "allocated"
+        return f"; judged on {judged} memory plus what lies outside the allocator: {self.card.describe()}"
 
     @property
     def _cap(self) -> str:

@@ -16,10 +16,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from pytest_gpumem.backends.timeline import Timeline
+from pytest_gpumem.cards import Capacity, parse_capacity
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.measure.fit import MAX_BATCH, BatchFit, Check, Found, Measure, Sample, integers
 from pytest_gpumem.measure.lines import Lines, fit_lines
-from pytest_gpumem.sizes import format_size, parse_size, shorten
+from pytest_gpumem.sizes import format_size, shorten
 
 DEFAULT_TOLERANCE = 0.01
 """Largest distance of a size's bytes from its event's line accepted, as a fraction of the largest peak
@@ -97,7 +98,8 @@ def fit_peaks(
     """
     __tracebackhide__ = True
     checked = _check_sizes(sizes)
-    limit = parse_size(capacity)
+    judged = fit_capacity(capacity)
+    limit = judged.bytes
     _check_tolerance(tolerance, slack)
     if not isinstance(confirm, bool):
         raise GpuMemError(f"fit confirm= must be True or False, got {shorten(confirm)}")
@@ -109,7 +111,7 @@ def fit_peaks(
     warm_up = _warm_up(fit)
     text = capacity.strip() if isinstance(capacity, str) else None
     base = BatchFit((), (), limit, None, 0, Found.TIMELINE, False, fit.samples[0].start, (), text, warm_up=warm_up)
-    base = replace(base, reserved=fit.samples[0].reserved)
+    base = replace(base, reserved=fit.samples[0].reserved, card=judged if judged.on_a_card else None)
     lines, note = _lines(fit)
     while lines is not None and not lines.grows:
         lines, note = _sample_larger(fit)
@@ -118,12 +120,24 @@ def fit_peaks(
     return _from_lines(fit, replace(base, lines=lines, note=note), lines, confirm)
 
 
+def fit_capacity(capacity: object) -> Capacity:
+    """The capacity a fit is judged against: a size, or a card less what lies outside its allocator
+    (`pytest_gpumem.cards.parse_capacity`); GpuMemError in one line naming the argument."""
+    try:
+        return parse_capacity(capacity)
+    except GpuMemError as exc:
+        raise GpuMemError(f"gpumem.fit(capacity=...): {exc}") from None
+
+
 def _warm_up(fit: _Fit) -> int:
-    """Run the first size again when it left state behind (optimizer state, caches); refuse a step that
-    keeps memory from one size to the next. Returns the bytes the first run left."""
+    """Run the first size again when it left state behind (optimizer state, caches, the cuBLAS workspaces
+    of its first matmuls), and always where the peaks are of reserved bytes (a training loop's steps run
+    on the cache and the workspaces the first step left); refuse a step that keeps memory from one size to
+    the next. Returns the bytes the first run left where they made it run again."""
     __tracebackhide__ = True
     first = fit.samples[0].left
-    if first > fit.allowed:
+    again = first > fit.allowed or (fit.samples[0].reserved and first > 0)
+    if again:
         fit.samples[0] = fit.sample(fit.sizes[0])
     left = [s.left for s in fit.samples]
     kept = [(n, b) for n, b in zip(fit.sizes, left, strict=True) if b > fit.allowed]
@@ -133,7 +147,7 @@ def _warm_up(fit: _Fit) -> int:
             f"{format_size(kept[0][1])} allocated after it returned; sizes {integers(fit.sizes)} left "
             f"{integers(left)} B): each size's peak would include what earlier sizes kept; free it in the step"
         )
-    return first if first > fit.allowed else 0
+    return first if again else 0
 
 
 def _lines(fit: _Fit) -> tuple[Lines | None, str]:

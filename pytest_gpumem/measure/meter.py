@@ -18,7 +18,9 @@ from pytest_gpumem.backends.base import (
     FindsSurvivors,
     HasNotes,
     HoldsToCapacity,
+    KeepsWorkspaces,
     ListsLiveStorages,
+    PredictsACard,
     RecordsTimeline,
     RecordsTrace,
     collect_garbage,
@@ -81,6 +83,7 @@ class GpuMem:
         self.info: dict[str, Any] = {}
         self._stack: RegionStack | None = None
         self._phase: str | None = None
+        self._advising_now = False  # the step's own gpumem.phase() blocks measure nothing while advise runs
         self._results: dict[str, PhaseResult] = {}
         self._call: PhaseResult | None = None
         self.notes: list[str] = []
@@ -121,6 +124,9 @@ class GpuMem:
             raise GpuMemError(f"gpumem.phase() needs a non-empty name other than {CALL!r}, got {name!r}")
         if self._stack is None:
             raise GpuMemError(f"gpumem.phase({name!r}) works only while the test function of {self.nodeid} runs")
+        if self._advising_now:
+            yield
+            return
         if self._phase is not None:
             raise GpuMemError(f"gpumem.phase({name!r}) opened inside phase {self._phase!r}: phases cannot nest")
         stack = self._stack
@@ -152,22 +158,25 @@ class GpuMem:
         size, else searched by runs held to it; `confirm` runs the answer and the next size held to it where
         a run is cheap (see `pytest_gpumem.measure.fit`)."""
         __tracebackhide__ = True
-        from pytest_gpumem.measure.fit_search import DEFAULT_SLACK, DEFAULT_TOLERANCE, fit_peaks
+        from pytest_gpumem.measure.fit_search import DEFAULT_SLACK, DEFAULT_TOLERANCE, fit_capacity, fit_peaks
         from pytest_gpumem.measure.host import runs_refused
-        from pytest_gpumem.sizes import parse_size
 
         self._fits += 1
         label = name if self._fits == 1 else f"{name}#{self._fits}"  # each fit's phases are its own
-        found = fit_peaks(
-            step,
-            sizes,
-            capacity,
-            self._fit_measure(label),
-            tolerance=DEFAULT_TOLERANCE if tolerance is None else tolerance,
-            slack=DEFAULT_SLACK if slack is None else slack,
-            confirm=confirm,
-            runs_refused=runs_refused(self.backend, parse_size(capacity)),
-        )
+        judged = fit_capacity(capacity)  # a named card's runs are the card's (its cuBLAS workspaces)
+        card = judged.card
+        predicting = self.backend.predicting(card.name) if card and isinstance(self.backend, PredictsACard) else None
+        with predicting or contextlib.nullcontext():
+            found = fit_peaks(
+                step,
+                sizes,
+                capacity,
+                self._fit_measure(label),
+                tolerance=DEFAULT_TOLERANCE if tolerance is None else tolerance,
+                slack=DEFAULT_SLACK if slack is None else slack,
+                confirm=confirm,
+                runs_refused=runs_refused(self.backend, judged.bytes),
+            )
         self.info.setdefault("fits", []).append(found.describe())
         return found
 
@@ -254,12 +263,16 @@ class GpuMem:
         patch = Patch()
         backend = self.backend
         lifted = backend.held_to(None) if isinstance(backend, HoldsToCapacity) else contextlib.nullcontext()
-        with stack.unmeasured(), lifted:
-            try:
-                patch.set_attr(self, "phase", _null_phase)
-                yield
-            finally:
-                patch.undo()
+        try:
+            with stack.unmeasured("gpumem.advise"), lifted:
+                try:
+                    patch.set_attr(self, "_advising_now", True)
+                    yield
+                finally:
+                    patch.undo()
+        finally:  # what advise's runs cached past a lifted capacity must not serve the test's own step
+            if isinstance(backend, CachesMemory) and isinstance(backend, HoldsToCapacity):
+                backend.empty_cache()
 
     def distributed(
         self,
@@ -330,7 +343,7 @@ class GpuMem:
         for name, value in (("rtol", rtol), ("atol", atol)):
             if value is not None and not _finite_non_negative(value):
                 raise GpuMemError(f"gpumem.check_gradients({name}=...) must be a finite number >= 0, got {value!r}")
-        with self._stack.unmeasured():
+        with self._stack.unmeasured("gpumem.check_gradients"):
             try:
                 self.gradients = fingerprint(model_or_named_tensors)
             except (TypeError, ValueError) as exc:
@@ -398,6 +411,8 @@ class GpuMem:
                 collect_garbage(True)  # what survives the call is what it leaves behind
             while len(stack.open) > 1:
                 self._record(stack.pop())
+            if isinstance(self.backend, KeepsWorkspaces):
+                self.backend.clear_workspaces()  # the allocator's, kept for the next matmul: not the call's leak
             self._call = stack.pop()
             if self._ranks_call is not None:
                 self._call = worst_call(self._call, self._ranks_call)
@@ -459,8 +474,3 @@ class GpuMem:
     def _record(self, result: PhaseResult) -> None:
         previous = self._results.get(result.name)
         self._results[result.name] = result if previous is None else previous.merged(result)
-
-
-@contextlib.contextmanager
-def _null_phase(name: str) -> Iterator[None]:
-    yield

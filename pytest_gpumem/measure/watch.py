@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pytest_gpumem.backends.base import Configurable, ExplainsItsPeaks
+from pytest_gpumem.backends.base import Configurable, ExplainsItsPeaks, PredictsACard
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.measure.meter import GpuMem
 
@@ -42,6 +42,8 @@ class Watch:
         meter.explain = self.explain
         capacity = None if self.capacity is None else self.capacity.bytes
         origins = self.leak is not None or self.evidence
+        if isinstance(backend, PredictsACard):  # a card's cuBLAS workspaces
+            backend.predict_card(None if self.capacity is None else self.capacity.card)
         if isinstance(backend, ExplainsItsPeaks):
             backend.configure(capacity, origins=origins, events=self.evidence, explain=self.explain)
         elif isinstance(backend, Configurable):

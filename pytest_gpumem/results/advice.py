@@ -10,8 +10,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pytest_gpumem.cards import capacity_bytes as card_bytes
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.sizes import format_size, parse_size
+from pytest_gpumem.sizes import format_size
 
 AS_IS = "as-is"
 NOT_CHECKED = "not checked"
@@ -134,11 +135,12 @@ class Row:
 
 
 def capacity_bytes(value: object, where: str) -> int:
-    """`value` (bytes, or a size such as "80 GiB") in bytes; anything else refused in one line naming `where`."""
+    """`value` (bytes, a size such as "80 GiB" or a card such as "H100-80GB", see `pytest_gpumem.cards`) in the
+    bytes the allocator is held to; anything else refused in one line naming `where`."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise GpuMemError(f"{where} must be an int (bytes) or a size such as '80 GiB', got {brief(value)}")
+        raise GpuMemError(f"{where} must be an int (bytes), a size such as '80 GiB' or a card, got {brief(value)}")
     try:
-        return parse_size(value)
+        return card_bytes(value)
     except (GpuMemError, ValueError, TypeError) as exc:
         raise GpuMemError(f"{where}: {exc}") from None
 

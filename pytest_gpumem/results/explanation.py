@@ -4,7 +4,9 @@ composition a baseline stores. Each type has one to/from-JSON; the JSON is the r
 and the baseline's `composition`, in the shape and key order they have always had.
 
 `from_json` reads explanations made by earlier versions too: without `live` (before the page), without
-`groups` and `folded` (before repeated blocks were folded), without `entries` (before spans were capped).
+`groups` and `folded` (before repeated blocks were folded), without `entries` (before spans were capped),
+without the timeline's `unmeasured` spans (before the page folded advise's runs), without a phase's
+`reserved_at_peak` (before the allocator's model was explained).
 """
 
 from __future__ import annotations
@@ -95,11 +97,34 @@ class Tensor:
 
 
 @dataclass(frozen=True)
+class ReservedAtPeak:
+    """The allocator model's memory at a phase's peak, as a card would hold it: `reserved` (its segments,
+    all of the call's), `unallocated` of it in no block, and `inactive_split` of that in free blocks of
+    segments that still hold a live block (what no retry or `empty_cache()` can give back)."""
+
+    reserved: int
+    unallocated: int
+    inactive_split: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "reserved_bytes": self.reserved,
+            "unallocated_bytes": self.unallocated,
+            "inactive_split_bytes": self.inactive_split,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ReservedAtPeak:
+        return cls(_int(data["reserved_bytes"]), _int(data["unallocated_bytes"]), _int(data["inactive_split_bytes"]))
+
+
+@dataclass(frozen=True)
 class PhaseExplanation:
     """One phase's peak explained. `categories`, `modules`, `cells` and `groups` are the growth from the
     phase's start to its peak (they add up to it); `live` is what was alive at the peak by category;
     `groups` are the category x module-group parts with repeated blocks folded. A rank's phase (`rank`
-    set) has no spans on the test's timeline; `rank_peak_index` is where its peak was on the rank's own."""
+    set) has no spans on the test's timeline; `rank_peak_index` is where its peak was on the rank's own.
+    `reserved_at_peak` is there where the allocator's model served the call (`--gpumem-round=cuda`)."""
 
     peak_bytes: int
     categories: dict[str, int]
@@ -115,6 +140,7 @@ class PhaseExplanation:
     unattributed_bytes: int = 0
     rank: int | None = None
     rank_peak_index: int | None = None
+    reserved_at_peak: ReservedAtPeak | None = None
 
     @property
     def parts(self) -> list[Cell]:
@@ -139,6 +165,8 @@ class PhaseExplanation:
         if self.entries is not None:
             data["entries"] = self.entries
         data["unattributed_bytes"] = self.unattributed_bytes
+        if self.reserved_at_peak is not None:
+            data["reserved_at_peak"] = self.reserved_at_peak.to_json()
         if self.rank is not None:
             data.update(rank=self.rank, spans=[list(span) for span in self.spans], rank_peak_index=self.rank_peak_index)
         return data
@@ -146,6 +174,7 @@ class PhaseExplanation:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> PhaseExplanation:
         groups, live, entries = data.get("groups"), data.get("live"), data.get("entries")
+        reserved = data.get("reserved_at_peak")
         return cls(
             peak_bytes=_int(data["peak_bytes"]),
             categories=_sizes(data["categories"]),
@@ -161,6 +190,7 @@ class PhaseExplanation:
             unattributed_bytes=_int(data.get("unattributed_bytes") or 0),
             rank=_int_or_none(data.get("rank")),
             rank_peak_index=_int_or_none(data.get("rank_peak_index")),
+            reserved_at_peak=None if reserved is None else ReservedAtPeak.from_json(reserved),
         )
 
 
@@ -185,18 +215,43 @@ class Point:
 
 
 @dataclass(frozen=True)
+class Unmeasured:
+    """Events [start, end] of the call that no phase measures: what gpumem.advise or
+    gpumem.check_gradients (`by`) ran inside the test."""
+
+    by: str
+    start: int
+    end: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"by": self.by, "start": self.start, "end": self.end}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Unmeasured:
+        return cls(_str(data["by"]), _int(data["start"]), _int(data["end"]))
+
+
+@dataclass(frozen=True)
 class Timeline:
-    """How many events the call had, and the sampled moments a chart draws."""
+    """How many events the call had, the sampled moments a chart draws, and the spans not measured."""
 
     events: int
     points: list[Point]
+    unmeasured: list[Unmeasured] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"events": self.events, "points": [point.to_json() for point in self.points]}
+        data: dict[str, Any] = {"events": self.events, "points": [point.to_json() for point in self.points]}
+        if self.unmeasured:
+            data["unmeasured"] = [span.to_json() for span in self.unmeasured]
+        return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Timeline:
-        return cls(_int(data.get("events", 0)), [Point.from_json(point) for point in data.get("points", [])])
+        return cls(
+            _int(data.get("events", 0)),
+            [Point.from_json(point) for point in data.get("points", [])],
+            [Unmeasured.from_json(span) for span in data.get("unmeasured", [])],
+        )
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,4 @@
-"""The settings of the CUDA caching allocator that change its figures, read from `PYTORCH_CUDA_ALLOC_CONF` as
-torch 2.13 reads it (`c10/core/AllocatorConfig.cpp`, `c10/cuda/CUDAAllocatorConfig.cpp`), and the
-allocator's constants (`c10/cuda/CUDACachingAllocator.cpp`). The model is `allocator`."""
+"""The allocator model's settings, read from `PYTORCH_CUDA_ALLOC_CONF` as torch 2.13 reads it, and its constants."""
 
 from __future__ import annotations
 
@@ -158,7 +156,10 @@ class _Parser:
                 buffer += ch
         if buffer:
             self.tokens.append(buffer)
-        self.values: dict[str, object] = {}
+        self.max_split: int | None = None
+        self.non_split_rounding: int | None = None
+        self.rounded: tuple[int, ...] = ()
+        self.expandable = False
         self.ignored: list[str] = []
 
     # -- token helpers
@@ -198,8 +199,41 @@ class _Parser:
 
     def settings(self) -> AllocatorSettings:
         tokens = self.tokens
-        # large_segment_size_mb is read first: the limits of max_split_size_mb and max_non_split_rounding_mb
-        # depend on it (AcceleratorAllocatorConfig::parseArgs)
+        large = self.large_segment()
+        i = 0
+        while i < len(tokens):
+            key = tokens[i]
+            if key in ",:[]":
+                raise self.fail(f"expected a key at {''.join(tokens[i:])!r}")
+            self.colon(i + 1, key)
+            i += 2
+            value = self.token(i, key)
+            if key == "roundup_power2_divisions":
+                self.rounded, i = self.divisions(i)
+            elif key == "expandable_segments":
+                self.expandable = self.boolean(key, value)
+            elif key in ("max_split_size_mb", "max_non_split_rounding_mb"):
+                self.limit(key, value, large)
+            elif key != "large_segment_size_mb":  # read first, by large_segment()
+                self.accepted(key, value)
+            i += 1
+            if i < len(tokens):
+                if tokens[i] != ",":
+                    raise self.fail(f"expected ',' after {key}:{value}, got {tokens[i]!r}")
+                i += 1  # a trailing ',' is accepted, as torch accepts it
+        return AllocatorSettings(
+            max_split_size=self.max_split,
+            roundup_power2_divisions=self.rounded,
+            expandable_segments=self.expandable,
+            ignored=tuple(self.ignored),
+            large_segment_size=large,
+            max_non_split_rounding_size=self.non_split_rounding,
+        )
+
+    def large_segment(self) -> int:
+        """large_segment_size_mb in bytes, read before the other keys: the limits of max_split_size_mb and
+        max_non_split_rounding_mb depend on it (AcceleratorAllocatorConfig::parseArgs)."""
+        tokens = self.tokens
         large = LARGE_SEGMENT
         for i, token in enumerate(tokens):
             if token == "large_segment_size_mb" and (i == 0 or tokens[i - 1] == ","):
@@ -209,81 +243,48 @@ class _Parser:
                 if mb <= MIN_LARGE_ALLOC // MiB:
                     raise self.bad(token, value, f"must be more than {MIN_LARGE_ALLOC // MiB} MiB")
                 large = mb * MiB
-        max_split: int | None = None
-        rounding: int | None = None
-        divisions: tuple[int, ...] = ()
-        expandable = False
-        i = 0
-        while i < len(tokens):
-            key = tokens[i]
-            if key in ",:[]":
-                raise self.fail(f"expected a key at {''.join(tokens[i:])!r}")
-            self.colon(i + 1, key)
-            i += 2
-            value = self.token(i, key)
-            if key == "large_segment_size_mb":
-                pass  # read above
-            elif key in ("max_split_size_mb", "max_non_split_rounding_mb"):
-                mb = self.integer(key, value)
-                if mb < large // MiB:
-                    raise self.bad(key, value, f"must be at least {large // MiB} MiB, the large segment size")
-                if key == "max_split_size_mb":
-                    max_split = mb * MiB
-                else:
-                    rounding = mb * MiB
-            elif key == "roundup_power2_divisions":
-                divisions, i = self.divisions(i)
-            elif key == "expandable_segments":
-                expandable = self.boolean(key, value)
-            elif key == "backend":
-                if value in ("cudaMallocAsync", "hipMallocAsync"):
-                    raise self.fail(
-                        f"backend:{value} (the driver's stream-ordered allocator) is not modelled; only the "
-                        "native caching allocator is"
-                    )
-                if value != "native":
-                    raise self.bad(key, value, "torch knows native and cudaMallocAsync")
-                self.ignored.append(key)
-            elif key == "garbage_collection_threshold":
-                threshold = self.number(key, value)
-                if not 0.0 < threshold < 1.0:
-                    raise self.bad(key, value, "must be in (0.0, 1.0)")
-                self.ignored.append(key)
-            elif key == "per_process_memory_fraction":
-                fraction = self.number(key, value)
-                if not 0.0 <= fraction <= 1.0:
-                    raise self.bad(key, value, "must be in [0.0, 1.0]")
-                self.ignored.append(key)
-            elif key in _BOOL_KEYS:
-                self.boolean(key, value)
-                self.ignored.append(key)
-            elif key in _SIZE_KEYS:
-                self.integer(key, value)
-                self.ignored.append(key)
-            elif key == "pinned_num_register_threads":
-                threads = self.integer(key, value)
-                if threads == 0 or threads & (threads - 1) or threads > 128:
-                    raise self.bad(key, value, "must be a power of 2 up to 128")
-                self.ignored.append(key)
-            elif key == "pinned_reserve_segment_size_mb":
-                if self.integer(key, value) == 0:
-                    raise self.bad(key, value, "must be more than 0")
-                self.ignored.append(key)
-            else:
-                raise self.fail(f"unrecognized key {key!r} (torch 2.13 rejects it too)")
-            i += 1
-            if i < len(tokens):
-                if tokens[i] != ",":
-                    raise self.fail(f"expected ',' after {key}:{value}, got {tokens[i]!r}")
-                i += 1  # a trailing ',' is accepted, as torch accepts it
-        return AllocatorSettings(
-            max_split_size=max_split,
-            roundup_power2_divisions=divisions,
-            expandable_segments=expandable,
-            ignored=tuple(self.ignored),
-            large_segment_size=large,
-            max_non_split_rounding_size=rounding,
-        )
+        return large
+
+    def limit(self, key: str, value: str, large: int) -> None:
+        """max_split_size_mb or max_non_split_rounding_mb: whole MiB, at least the large segment size."""
+        mb = self.integer(key, value)
+        if mb < large // MiB:
+            raise self.bad(key, value, f"must be at least {large // MiB} MiB, the large segment size")
+        if key == "max_split_size_mb":
+            self.max_split = mb * MiB
+        else:
+            self.non_split_rounding = mb * MiB
+
+    def accepted(self, key: str, value: str) -> None:
+        """A key torch accepts that changes no figure here: validated as torch validates it, kept in `ignored`."""
+        if key == "backend":
+            if value in ("cudaMallocAsync", "hipMallocAsync"):
+                raise self.fail(
+                    f"backend:{value} (the driver's stream-ordered allocator) is not modelled; only the "
+                    "native caching allocator is"
+                )
+            if value != "native":
+                raise self.bad(key, value, "torch knows native and cudaMallocAsync")
+        elif key == "garbage_collection_threshold":
+            if not 0.0 < self.number(key, value) < 1.0:
+                raise self.bad(key, value, "must be in (0.0, 1.0)")
+        elif key == "per_process_memory_fraction":
+            if not 0.0 <= self.number(key, value) <= 1.0:
+                raise self.bad(key, value, "must be in [0.0, 1.0]")
+        elif key in _BOOL_KEYS:
+            self.boolean(key, value)
+        elif key in _SIZE_KEYS:
+            self.integer(key, value)
+        elif key == "pinned_num_register_threads":
+            threads = self.integer(key, value)
+            if threads == 0 or threads & (threads - 1) or threads > 128:
+                raise self.bad(key, value, "must be a power of 2 up to 128")
+        elif key == "pinned_reserve_segment_size_mb":
+            if self.integer(key, value) == 0:
+                raise self.bad(key, value, "must be more than 0")
+        else:
+            raise self.fail(f"unrecognized key {key!r} (torch 2.13 rejects it too)")
+        self.ignored.append(key)
 
     def divisions(self, i: int) -> tuple[tuple[int, ...], int]:
         """roundup_power2_divisions from token i: one value for all intervals, or [MiB:d,...,>:d]."""

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+from pytest_gpumem.backends.tracker.allocator_trace import AllocatorTrace, ServedByModel
 from pytest_gpumem.backends.tracker.graph import (
     ACCUMULATE_GRAD_SEQUENCE,
     autograd_nodes,
@@ -57,8 +58,8 @@ _COMPILE_WARNING = r"Using `torch.compile\(module\)` when there are global hooks
 NO_MODULE = "(outside modules)"
 STEP_MODULE = "(optimizer step)"
 MAX_EVENTS = 4_000_000
-"""The most allocations, resizes and frees an explanation follows (16 B each, and 8 B per allocation);
-a call that makes more is measured but not explained."""
+"""The most allocations, resizes and frees an explanation follows (16 B each, 24 B with the allocator's
+model, and 8 B per allocation); a call that makes more is measured but not explained."""
 MAX_SHARED = 65_536  # freed allocations alike in every field share one record, of this many kinds at most
 
 
@@ -110,7 +111,7 @@ class Attributor(Recorder):
     """A recorder that also records, for each allocation, its category and module, and each change of a
     storage's counted bytes in order (`ids`, `sizes`), so that any moment of the call can be replayed."""
 
-    def __init__(self, live: dict[int, Any], events: bool) -> None:
+    def __init__(self, live: dict[int, Any], events: bool, allocator: ServedByModel | None = None) -> None:
         from torch.utils.weak import WeakIdKeyDictionary
 
         super().__init__(events)
@@ -125,10 +126,14 @@ class Attributor(Recorder):
         self._shared: dict[tuple[Any, ...], Allocation] = {}
         self.ids = array("q")  # per event: the allocation, and its counted bytes after the event (0: freed)
         self.sizes = array("q")
+        # with the allocator's model (`allocator`: the ledger), its reserved and inactive-split bytes per event
+        self.allocator_trace = None if allocator is None or allocator.model is None else AllocatorTrace(allocator)
         self.regions: list[Region] = []
         self.paused: list[tuple[int, int]] = []  # event spans the meter does not measure
+        self.paused_by: list[str] = []  # what ran in each paused span (gpumem.advise, ...)
         self._open: list[tuple[str, int]] = []
         self._pause_start: int | None = None
+        self._paused_by = ""
         self._stack: list[str] = []
         self._open_calls: list[tuple[int, str]] = []  # (sequence number at entry, module) per open call
         # objects die during a call and their ids are reused: everything known of one is held weakly
@@ -152,12 +157,13 @@ class Attributor(Recorder):
         name, start = self._open.pop()
         self.regions.append(Region(name, start, len(self.ids)))
 
-    def pause(self) -> None:
-        self._pause_start = len(self.ids)
+    def pause(self, by: str = "") -> None:
+        self._pause_start, self._paused_by = len(self.ids), by
 
     def resume(self) -> None:
         if self._pause_start is not None:
             self.paused.append((self._pause_start, len(self.ids)))
+            self.paused_by.append(self._paused_by)
             self._pause_start = None
 
     # --- the ledger's calls
@@ -190,6 +196,8 @@ class Attributor(Recorder):
         ref.origin = allocation
         self.ids.append(allocation.id)
         self.sizes.append(ref.counted)
+        if self.allocator_trace is not None:
+            self.allocator_trace.record()
         super().event("alloc", ref, total)
         return allocation
 
@@ -201,6 +209,8 @@ class Attributor(Recorder):
             else:
                 self.ids.append(origin.id)
                 self.sizes.append(0 if action == "free" else ref.counted)
+                if self.allocator_trace is not None:
+                    self.allocator_trace.record()
                 if action == "free":  # settled: what it was for cannot change any more
                     self.allocations[origin.id] = self._shared_record(origin)
         super().event(action, ref, total)

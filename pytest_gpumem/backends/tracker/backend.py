@@ -18,8 +18,10 @@ from pytest_gpumem.backends.tracker.allocator_config import AllocatorSettings
 from pytest_gpumem.backends.tracker.ledger import StorageLedger
 from pytest_gpumem.backends.tracker.mode import leave, mode_class
 from pytest_gpumem.backends.tracker.patches import Patches
+from pytest_gpumem.cards import CUBLAS_WORKSPACE_DEFAULT, cublas_workspace_bytes, find_card
 from pytest_gpumem.constants import PATHS, ROUNDINGS
 from pytest_gpumem.results.baseline import DeviceIdentity
+from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
     import torch
@@ -87,6 +89,7 @@ class TrackerBackend:
         self.paths = paths or self._default_paths
         mode_class()  # its imports (torch._dynamo) happen now, not inside the first test's call
         self.ledger = StorageLedger(rounding, out_of_memory=_out_of_memory(), settings=self.allocator)
+        self.predict_card(None)
         self._mode: Any = None
         self._patches: Patches | None = None
         self._notes: list[str] = []
@@ -109,7 +112,32 @@ class TrackerBackend:
         if self.rounding == "none":
             return ""
         settings = self.allocator.describe()
+        workspace = self.ledger.workspace_bytes
+        if workspace != CUBLAS_WORKSPACE_DEFAULT:  # a card's or CUBLAS_WORKSPACE_CONFIG's: other figures
+            settings = f"{settings} cuBLAS workspace {format_size(workspace)}".strip()
         return f"round {self.rounding}" + (f" {settings}" if settings else "")
+
+    def predict_card(self, card: str | None) -> None:
+        """From the next allocation on, predict the card called `card` (None: no card named): with the
+        allocator's model, its cuBLAS workspaces have the size torch gives its compute capability, or
+        `CUBLAS_WORKSPACE_CONFIG`'s, as the GPU job's would (read now)."""
+        found = None if card is None else find_card(card)
+        self.ledger.workspace_bytes = cublas_workspace_bytes(None if found is None else found.capability, os.environ)
+
+    @contextlib.contextmanager
+    def predicting(self, card: str | None) -> Iterator[None]:
+        """Within the block, predict `card` (`predict_card`); then the card predicted before again."""
+        before = self.ledger.workspace_bytes
+        self.predict_card(card)
+        try:
+            yield
+        finally:
+            self.ledger.workspace_bytes = before
+
+    def clear_workspaces(self) -> None:
+        """`torch._C._cuda_clearCublasWorkspaces()`: the model's cuBLAS workspaces are freed (a kept
+        workspace is the allocator's, not the test's: the call's end does this before its last reading)."""
+        self.ledger.clear_workspaces()
 
     def describe(self) -> str:
         device = "meta (a prediction: sizes without data, nothing computed)" if self._device_type == "meta" else "cpu"
@@ -177,7 +205,7 @@ class TrackerBackend:
 
         self.ledger.capacity = capacity
         if explain:
-            self.ledger.recorder = Attributor(self.ledger.live, events)
+            self.ledger.recorder = Attributor(self.ledger.live, events, allocator=self.ledger)
         else:
             self.ledger.recorder = Recorder(events) if origins or events else None
 

@@ -18,7 +18,7 @@ def storage_keys(tensor: object) -> Iterator[int]:
     """The key of the storage holding `tensor` (`_cdata`, what the ledger follows it by), if it has one."""
     try:
         yield tensor.untyped_storage()._cdata  # type: ignore[attr-defined]
-    except (AttributeError, RuntimeError, NotImplementedError):  # sparse and other layouts
+    except (AttributeError, RuntimeError, NotImplementedError, ValueError):  # sparse, a Lazy module's parameter
         return
 
 

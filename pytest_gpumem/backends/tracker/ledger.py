@@ -4,11 +4,14 @@ over them, and, with CUDA rounding, the model of the CUDA caching allocator that
 
 A storage's bytes are added when an op makes it and subtracted when a weak reference to it dies. The
 ledger knows storages only as objects with a key and a size: it imports no torch, so that the
-arithmetic can be used (and tested) without it.
+arithmetic can be used (and tested) without it. With the allocator's model it also holds the cuBLAS
+workspaces (`Workspace`): one per handle, allocated at the handle's first matmul and kept until
+`clear_workspaces()` (`torch._C._cuda_clearCublasWorkspaces()`) or the measurement's end.
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -16,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pytest_gpumem.backends.timeline import FREED, RESIZED
 from pytest_gpumem.backends.tracker.allocator import AllocatorOutOfMemory, CachingAllocatorModel
 from pytest_gpumem.backends.tracker.allocator_config import AllocatorSettings
+from pytest_gpumem.cards import CUBLAS_WORKSPACE_DEFAULT
 from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
@@ -61,6 +65,22 @@ class Storage(Protocol):
     def nbytes(self) -> int: ...
 
 
+_WORKSPACE_KEYS = itertools.count(-1, -1)  # below every storage's key (an address), never reused
+
+
+class Workspace:
+    """A cuBLAS workspace as the allocator sees it: a storage of `size` bytes that no tensor holds."""
+
+    __slots__ = ("__weakref__", "_cdata", "size")
+
+    def __init__(self, size: int) -> None:
+        self._cdata = next(_WORKSPACE_KEYS)
+        self.size = size
+
+    def nbytes(self) -> int:
+        return self.size
+
+
 class StorageRef(weakref.ref):  # type: ignore[type-arg]
     """A weak reference to a live storage, carrying the bytes it was counted with."""
 
@@ -100,6 +120,8 @@ class StorageLedger:
         self.timeline: TimelineRecorder | None = None  # bytes after each event, while a fit's run asks for them
         self.op: object = None  # the op being dispatched and its outputs, read only by the recorder
         self.out: object = None
+        self.workspace_bytes = CUBLAS_WORKSPACE_DEFAULT  # of each cuBLAS workspace (with the allocator's model)
+        self.workspaces: dict[object, Workspace] = {}  # by cuBLAS handle
         self._on_free = self._freed  # one bound method shared by every reference
 
     @property
@@ -132,6 +154,27 @@ class StorageLedger:
         """`torch.cuda.empty_cache()`: the model gives back every segment without a live block."""
         if self.model is not None:
             self.model.empty_cache()
+
+    @property
+    def wants_workspaces(self) -> bool:
+        """Whether a matmul's first use of a cuBLAS handle allocates a workspace (the allocator's model)."""
+        return self.model is not None and self.workspace_bytes > 0
+
+    def workspace(self, handle: object) -> None:
+        """A matmul ran on cuBLAS `handle`: on its first use (or when the workspace size grew since, as
+        `torch.backends.cuda.cublas_workspace_size(n)` makes it) allocate it a workspace, kept from then on;
+        a smaller one it had is freed after the new one is made, as torch replaces it."""
+        held = self.workspaces.get(handle)
+        if held is not None and held.size >= self.workspace_bytes:
+            return
+        made = Workspace(self.workspace_bytes)
+        self.add(made)
+        self.workspaces[handle] = made
+        del held  # the smaller one, if any: freed now
+
+    def clear_workspaces(self) -> None:
+        """`torch._C._cuda_clearCublasWorkspaces()`: every workspace is freed (its blocks cached)."""
+        self.workspaces.clear()
 
     def add(self, storage: Storage) -> None:
         """An op made `storage` (or resized one it made earlier)."""
@@ -179,8 +222,10 @@ class StorageLedger:
         self._update_peaks()
 
     def forget(self) -> None:
-        """Stop following every storage (their frees will no longer change the counters)."""
+        """Stop following every storage (their frees will no longer change the counters); the cuBLAS
+        workspaces go with them: each measurement starts with none."""
         self.live.clear()
+        self.workspaces.clear()
         self.requested = self.allocated = self.peak_requested = self.peak_allocated = self.fake_outputs = 0
         if self.model is not None:  # each measurement starts with an empty cache
             self.model = CachingAllocatorModel(self.settings, self._capacity)

@@ -2,19 +2,23 @@
 
 A `TorchDispatchMode` sees every op below autograd, those run by backward, checkpoint recomputation and
 autocast casts included. Each output whose schema says it is fresh (not an alias of an input) brings a
-new storage, which the ledger follows until a weak reference to it dies. The tracker backend and the
-shadow both count through `mode_class()`, and take the mode off with `leave`.
+new storage, which the ledger follows until a weak reference to it dies. An op that runs on cuBLAS on a
+GPU (`BLAS_OPS`) also tells the ledger which cuBLAS handle it used, for its workspace: the test's thread
+has one, and backward, which CUDA runs on the autograd engine's device thread, another. The tracker
+backend and the shadow both count through `mode_class()`, and take the mode off with `leave`.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpumem.backends.tracker.graph import tensors_in
 from pytest_gpumem.backends.tracker.ledger import StorageLedger
 from pytest_gpumem.backends.tracker.patches import count_compiled_allocations
+from pytest_gpumem.backends.tracker.recording import op_name
 
 if TYPE_CHECKING:
     import torch
@@ -34,6 +38,7 @@ _MANY = 2  # fresh tensors among several returns or in lists: count those positi
 _RESIZE = 3  # out= overloads and resize_/set_: storages that existed may grow
 _LIFT = 4  # lift_fresh: a constant made outside any mode (torch.tensor), or memory torch does not own
 _CHECKED = 5  # fresh by its schema, but may return its inputs' storages: count only the others
+_BLAS = 6  # runs on cuBLAS on a GPU (its handle's workspace); the plan of its outputs follows it
 _NOT_DENSE = object()  # marks the parts of a sparse tensor in a walk over storages
 _FAKE = object()  # marks a fake tensor (FakeTensorMode): shapes without memory, never counted
 
@@ -57,9 +62,42 @@ _UNANNOTATED_ALIASES = frozenset(
 )
 
 
-def _op_plan(func: Any) -> tuple[int, tuple[int, ...] | None]:
+BLAS_OPS = frozenset(
+    (
+        "aten::mm",
+        "aten::addmm",
+        "aten::_addmm_activation",
+        "aten::bmm",
+        "aten::baddbmm",
+        "aten::addbmm",
+        "aten::mv",
+        "aten::addmv",
+        "aten::dot",
+        "aten::vdot",
+        "aten::_int_mm",
+        "aten::_scaled_mm",
+        "aten::triangular_solve",
+        "aten::linalg_solve_triangular",
+    )
+)
+"""Ops (every overload: in place, out=) that CUDA runs through a cuBLAS or cuBLASLt handle
+(`at::cuda::blas` in `aten/src/ATen/native/cuda/Blas.cpp`, the triangular solves in
+`BatchLinearAlgebraLib.cpp`): `matmul`, `linear`, `einsum` and eager attention reach them. Not here: the
+fused attention kernels, convolutions (cuDNN), cuSOLVER's factorizations (their own handles)."""
+
+AUTOGRAD_HANDLE = "autograd"
+"""The cuBLAS handle of backward: CUDA runs backward on the autograd engine's device thread, which reserves
+a handle of its own (every other thread's is its thread's)."""
+
+
+def _op_plan(func: Any) -> tuple[int, Any]:
     """(kind, positions of the fresh returns) for an op overload; for _MANY, None means the one return
-    (a list, an optional tensor) is walked whole."""
+    (a list, an optional tensor) is walked whole; for _BLAS, the plan of its outputs."""
+    plan = _output_plan(func)
+    return (_BLAS, plan) if func._schema.name.removesuffix("_") in BLAS_OPS else plan  # in place: addmm_
+
+
+def _output_plan(func: Any) -> tuple[int, tuple[int, ...] | None]:
     schema = func._schema
     returns = schema.returns
     if schema.name in _RESIZING_OPS or any(arg.is_out for arg in schema.arguments):
@@ -140,7 +178,9 @@ def mode_class() -> type[Any]:
     tensor_type = torch.Tensor
     sparse_parts = _sparse_parts()
     set_eval_frame = _dynamo_guard()
-    plans: dict[Any, tuple[int, tuple[int, ...] | None]] = {}
+    plans: dict[Any, tuple[int, Any]] = {}
+    graph_task = torch._C._current_graph_task_id
+    thread = threading.get_ident
 
     def storages(out: object) -> Iterator[Any]:
         """The storages holding the memory of the tensors in `out`; before the parts of a sparse
@@ -208,6 +248,29 @@ def mode_class() -> type[Any]:
             plan = plans.get(func)
             if plan is None:
                 plan = plans[func] = _op_plan(func)
+            if plan[0] != _BLAS:
+                return self._run(func, plan, args, kwargs)
+            out = self._run(func, plan[1], args, kwargs)
+            if self.ledger.wants_workspaces:
+                self._workspace(func, args, kwargs)
+            return out
+
+        def _workspace(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:
+            """`func` ran on cuBLAS: its handle's workspace, made on the handle's first use (an empty operand
+            returns before cuBLAS is reached)."""
+            ledger = self.ledger
+            handle = AUTOGRAD_HANDLE if graph_task() != -1 else thread()
+            held = ledger.workspaces.get(handle)
+            if held is not None and held.size >= ledger.workspace_bytes:
+                return
+            if any(t.numel() == 0 for t in tensors_in([*args, *(kwargs or {}).values()])):
+                return
+            ledger.out, ledger.op = None, f"cuBLAS workspace ({op_name(func)})"
+            ledger.workspace(handle)
+
+        def _run(self, func: Any, plan: tuple[int, Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+            __tracebackhide__ = True
+            recorder = self.ledger.recorder
             kind = plan[0]
             if kind == _PASS:
                 return func(*args, **kwargs) if kwargs else func(*args)

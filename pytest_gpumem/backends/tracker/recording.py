@@ -148,7 +148,7 @@ def tensors_by_storage(keys: set[int]) -> dict[int, torch.Tensor]:
                 continue
             try:
                 key = obj.untyped_storage()._cdata
-            except (RuntimeError, NotImplementedError):
+            except (RuntimeError, NotImplementedError, ValueError):  # ValueError: a Lazy module's parameter
                 continue
             if key in keys and key not in found:
                 found[key] = obj

@@ -1,0 +1,258 @@
+"""The allocator model's data: segments, blocks, the pools' free lists and counters; splits, merges, invariants."""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from typing import Final
+
+from pytest_gpumem.backends.tracker.allocator_config import UNLIMITED, AllocatorSettings
+
+# A pool keeps one sorted list of free blocks per stream; a block's place in it is one int, (size,
+# address) in that order of significance (ints compare far faster than tuples): with the stream first,
+# torch's BlockComparatorSize order.
+SIZE_SHIFT: Final = 64
+SPARE_BLOCKS: Final = 256  # block objects kept for reuse: splits and merges come in pairs
+
+
+class Segment:
+    """One cudaMalloc, or one expandable segment's address space."""
+
+    __slots__ = ("base", "expandable", "head", "page", "small", "stream", "vsize")
+
+    def __init__(self, base: int, vsize: int, small: bool, stream: int, expandable: bool, page: int) -> None:
+        self.base = base
+        self.vsize = vsize
+        self.small = small
+        self.stream = stream
+        self.expandable = expandable
+        self.page = page
+        self.head: Block | None = None  # the block at the lowest address
+
+
+class Block:
+    """A piece of a segment: handed out, cached free, or (expandable segments) unmapped address space."""
+
+    __slots__ = ("addr", "allocated", "key", "mapped", "next", "prev", "requested", "seg", "size")
+
+    def __init__(self, addr: int, size: int, seg: Segment) -> None:
+        self.addr = addr
+        self.size = size
+        self.seg = seg
+        self.prev: Block | None = None
+        self.next: Block | None = None
+        self.allocated = False
+        self.mapped = True
+        self.requested = 0
+        self.key = 0  # (size, address) while in a free list
+
+
+class Pool:
+    """The small or the large pool: its cached free blocks and (expandable segments) unmapped ranges,
+    one sorted list per stream."""
+
+    __slots__ = ("blocks", "free", "small", "unmapped", "unmapped_blocks")
+
+    def __init__(self, small: bool) -> None:
+        self.small = small
+        self.free: dict[int, list[int]] = {}  # stream -> sorted keys of its mapped free blocks
+        self.blocks: dict[int, Block] = {}  # key -> free block
+        self.unmapped: dict[int, list[int]] = {}  # stream -> sorted addresses of its unmapped blocks
+        self.unmapped_blocks: dict[int, Block] = {}  # address -> unmapped block
+
+    def stream_list(self, stream: int) -> list[int]:
+        free = self.free.get(stream)
+        if free is None:
+            free = self.free[stream] = []
+        return free
+
+    def add(self, block: Block) -> None:
+        key = block.key = (block.size << SIZE_SHIFT) | block.addr
+        insort(self.stream_list(block.seg.stream), key)
+        self.blocks[key] = block
+
+    def remove(self, block: Block) -> None:
+        key = block.key
+        free = self.free[block.seg.stream]
+        del free[bisect_left(free, key)]
+        del self.blocks[key]
+
+    def add_unmapped(self, block: Block) -> None:
+        unmapped = self.unmapped.get(block.seg.stream)
+        if unmapped is None:
+            unmapped = self.unmapped[block.seg.stream] = []
+        insort(unmapped, block.addr)
+        self.unmapped_blocks[block.addr] = block
+
+    def remove_unmapped(self, block: Block) -> None:
+        unmapped = self.unmapped[block.seg.stream]
+        del unmapped[bisect_left(unmapped, block.addr)]
+        del self.unmapped_blocks[block.addr]
+
+
+class AllocatorState:
+    """What the caching allocator holds for one device: its settings, pools, segments and live blocks,
+    and torch's counters (plain attributes, to be read, not written)."""
+
+    __slots__ = (
+        "_divided",
+        "_expandable",
+        "_large",
+        "_large_segment",
+        "_live",
+        "_max_split",
+        "_next_address",
+        "_oversize",
+        "_rounding",
+        "_segments",
+        "_small",
+        "_spare",
+        "allocated",
+        "capacity",
+        "fraction_limit",
+        "inactive_split",
+        "num_alloc_retries",
+        "num_ooms",
+        "peak_allocated",
+        "peak_inactive_split",
+        "peak_requested",
+        "peak_reserved",
+        "requested",
+        "reserved",
+        "settings",
+    )
+
+    def __init__(self, settings: AllocatorSettings | None = None, capacity: int | None = None) -> None:
+        self.settings = settings if settings is not None else AllocatorSettings()
+        self.capacity: int | None = capacity
+        self.fraction_limit: int | None = None
+        s = self.settings
+        self._max_split = UNLIMITED if s.max_split_size is None else s.max_split_size
+        self._oversize = s.max_split_size is not None  # the oversize rules of get_free_block apply
+        self._rounding = s.non_split_rounding
+        self._large_segment = s.large_segment_size
+        self._expandable = s.expandable_segments
+        self._divided = bool(s.roundup_power2_divisions)
+        self._small = Pool(small=True)
+        self._large = Pool(small=False)
+        self._live: dict[int, Block] = {}
+        self._segments: dict[int, Segment] = {}  # by base address
+        self._spare: list[Block] = []
+        self._next_address = 1 << 32  # addresses are only compared; each new segment takes higher ones
+        self.allocated = 0
+        self.reserved = 0
+        self.requested = 0
+        self.inactive_split = 0
+        self.peak_allocated = 0
+        self.peak_reserved = 0
+        self.peak_requested = 0
+        self.peak_inactive_split = 0
+        self.num_alloc_retries = 0
+        self.num_ooms = 0
+
+    def _new_segment(self, pool: Pool, vsize: int, stream: int, expandable: bool, page: int) -> Block:
+        """A segment of `vsize` bytes at the next addresses, as one block (mapped unless expandable)."""
+        base = self._next_address
+        self._next_address += vsize
+        seg = Segment(base, vsize, pool.small, stream, expandable, page)
+        block = Block(base, vsize, seg)
+        block.mapped = not expandable
+        seg.head = block
+        self._segments[base] = seg
+        pool.stream_list(stream)  # the stream's free list exists from its first segment on
+        return block
+
+    def _split(self, pool: Pool, block: Block, size: int, rest: int) -> None:
+        """Cut free block `block` (in no list) to `size`, its last `rest` bytes a free block after it
+        (alloc_found_block), and count what stays inactive split."""
+        seg = block.seg
+        already_split = block.prev is not None or block.next is not None
+        addr = block.addr + size
+        spare = self._spare
+        if spare:
+            remaining = spare.pop()
+            remaining.addr = addr
+            remaining.size = rest
+            remaining.seg = seg
+        else:
+            remaining = Block(addr, rest, seg)
+        following = block.next
+        remaining.prev = block
+        remaining.next = following
+        if following is not None:
+            following.prev = remaining
+        block.next = remaining
+        block.size = size
+        rkey = remaining.key = (rest << 64) | addr  # SIZE_SHIFT
+        insort(pool.free[seg.stream], rkey)
+        pool.blocks[rkey] = remaining
+        if not seg.expandable:
+            if already_split:
+                self.inactive_split -= size
+            else:
+                self.inactive_split += rest
+                if self.inactive_split > self.peak_inactive_split:
+                    self.peak_inactive_split = self.inactive_split
+
+    def _try_merge(self, pool: Pool, dst: Block, src: Block | None) -> int:
+        """Merge free neighbour `src` into `dst` (try_merge_blocks); the bytes taken in, or 0. `dst` is in
+        no list while it changes."""
+        if src is None or src.allocated or src.mapped != dst.mapped:
+            return 0
+        if src.mapped:
+            pool.remove(src)
+        else:
+            pool.remove_unmapped(src)
+        if dst.prev is src:
+            dst.addr = src.addr
+            dst.prev = src.prev
+            if dst.prev is None:
+                dst.seg.head = dst
+            else:
+                dst.prev.next = dst
+        else:
+            dst.next = src.next
+            if dst.next is not None:
+                dst.next.prev = dst
+        dst.size += src.size
+        return src.size
+
+    def check_consistency(self) -> None:
+        """Assert the model's own invariants (for tests): blocks tile each segment, no two free mapped
+        neighbours, the free lists hold exactly the free mapped blocks, the counters are the sums they name."""
+        allocated = reserved = inactive = 0
+        free_keys: dict[bool, set[int]] = {}
+        for seg in self._segments.values():
+            block = seg.head
+            assert block is not None and block.prev is None and block.addr == seg.base
+            end = seg.base
+            while block is not None:
+                assert block.addr == end and block.size > 0 and block.seg is seg
+                end += block.size
+                if block.mapped:
+                    reserved += block.size
+                    if block.allocated:
+                        allocated += block.size
+                    else:
+                        free_keys.setdefault(seg.small, set()).add(block.key)
+                        inactive += self._checked_free_block(block)
+                else:
+                    assert not block.allocated and (block.addr - seg.base) % seg.page == 0
+                assert block.next is None or block.next.prev is block
+                block = block.next
+            assert end == seg.base + seg.vsize
+        for pool in (self._small, self._large):
+            keys = [key for stream in pool.free.values() for key in stream]
+            assert all(stream == sorted(stream) for stream in pool.free.values())
+            assert set(keys) == free_keys.get(pool.small, set()) == set(pool.blocks)
+        assert allocated == self.allocated == sum(block.size for block in self._live.values())
+        assert reserved == self.reserved and inactive == self.inactive_split
+        assert self.requested == sum(block.requested for block in self._live.values())
+
+    @staticmethod
+    def _checked_free_block(block: Block) -> int:
+        """A free mapped block's invariants; its bytes if they are inactive split, else 0."""
+        assert block.key == (block.size << SIZE_SHIFT) | block.addr
+        if block.next is not None and block.next.mapped:
+            assert block.next.allocated, "two free neighbours were not merged"
+        split = not block.seg.expandable and (block.prev is not None or block.next is not None)
+        return block.size if split else 0

@@ -1,0 +1,184 @@
+"""The cuBLAS workspace as the allocator sees it, under the allocator's model: one per cuBLAS handle (the
+test's thread, and the autograd engine's device thread that runs backward on CUDA), allocated on the
+handle's first matmul, of the size torch gives the card's compute capability, kept until the test ends;
+never the test's leak. Figures derived by hand from the allocator's rules (tests/test_allocator_model.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from pytest_gpumem.backends.tracker.backend import TrackerBackend
+from pytest_gpumem.backends.tracker.ledger import StorageLedger, Workspace
+from pytest_gpumem.cards import CUBLAS_WORKSPACE_DEFAULT, CUBLAS_WORKSPACE_LARGE
+
+MIB = 2**20
+WORKSPACE = 8 * MIB + 128 * 1024  # torch's default, ':4096:2:16:8': 8,519,680 B
+Reported = Callable[..., dict[str, dict[str, Any]]]
+
+
+@pytest.fixture
+def meta() -> Iterator[TrackerBackend]:
+    backend = TrackerBackend(device="meta")  # the allocator's model, by default on meta
+    backend.start()
+    yield backend
+    backend.stop()
+
+
+def workspaces(backend: TrackerBackend) -> list[int]:
+    """The counted bytes of the workspaces live in the ledger (storages no tensor holds, keys below 0)."""
+    return [size for key, (size, _) in backend.live_storages().items() if key < 0]
+
+
+def test_the_default_size_is_torchs_before_hopper() -> None:
+    assert CUBLAS_WORKSPACE_DEFAULT == WORKSPACE == 8_519_680
+    assert CUBLAS_WORKSPACE_LARGE == 32 * MIB
+
+
+def test_a_matmul_makes_its_threads_workspace_once(meta: TrackerBackend) -> None:
+    a = torch.empty(1024, 1024, device="meta")  # 4 MiB: a block of a new 20 MiB segment
+    c = torch.mm(a, a)  # its 4 MiB output, then the workspace, both from that segment's free 16 MiB
+    assert meta.current().allocated == 4 * MIB + 4 * MIB + WORKSPACE == 16_908_288
+    assert meta.current().reserved == 20 * MIB
+    d = torch.mm(a, a)  # the same handle: no second workspace; 3.9 MiB are left, so a new segment
+    assert meta.current().allocated == 12 * MIB + WORKSPACE
+    assert meta.current().reserved == 40 * MIB
+    assert workspaces(meta) == [WORKSPACE]
+    del c, d
+
+
+def test_forward_and_backward_hold_two_workspaces(meta: TrackerBackend) -> None:
+    w = torch.empty(256, 256, device="meta", requires_grad=True)
+    x = torch.empty(64, 256, device="meta", requires_grad=True)
+    loss = (x @ w).sum()  # forward: the test thread's handle
+    assert workspaces(meta) == [WORKSPACE]
+    loss.backward()  # type: ignore[no-untyped-call]  # mm's backward (two mms) on the autograd thread's handle: one more
+    assert workspaces(meta) == [WORKSPACE, WORKSPACE]
+    (x @ w).sum().backward()  # type: ignore[no-untyped-call]  # a second step finds both
+    assert workspaces(meta) == [WORKSPACE, WORKSPACE]
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda m, v: torch.mv(m, v),
+        lambda m, v: torch.addmm(m, m, m),
+        lambda m, v: torch.bmm(m[None], m[None]),
+        lambda m, v: torch.baddbmm(m[None], m[None], m[None]),
+        lambda m, v: torch.dot(v, v),
+        lambda m, v: torch.nn.functional.linear(m, m),
+        lambda m, v: torch.einsum("ij,jk->ik", m, m),
+        lambda m, v: m.addmm_(m, m),
+    ],
+    ids=["mv", "addmm", "bmm", "baddbmm", "dot", "linear", "einsum", "in place"],
+)
+def test_the_ops_cuda_runs_on_cublas_make_it(op: Callable[..., Any], meta: TrackerBackend) -> None:
+    m, v = torch.empty(64, 64, device="meta"), torch.empty(64, device="meta")
+    op(m, v)
+    assert workspaces(meta) == [WORKSPACE]
+
+
+def test_other_ops_and_empty_operands_make_none(meta: TrackerBackend) -> None:
+    m = torch.empty(64, 64, device="meta")
+    (m + m).relu().sum()
+    torch.nn.functional.scaled_dot_product_attention(m[None, None], m[None, None], m[None, None])  # fused
+    torch.mm(torch.empty(64, 0, device="meta"), torch.empty(0, 64, device="meta"))  # returns before cuBLAS
+    assert workspaces(meta) == []
+
+
+def test_a_card_of_compute_capability_9_has_32_mib_workspaces(meta: TrackerBackend) -> None:
+    meta.predict_card("H100-80GB")
+    a = torch.empty(1024, 1024, device="meta")
+    torch.mm(a, a)  # 32 MiB: at least 10 MiB, so a segment of its own
+    assert workspaces(meta) == [32 * MIB]
+    assert meta.current().reserved == 20 * MIB + 32 * MIB
+    assert "cuBLAS workspace 32.0 MiB" in meta.identity().backend  # other figures: another identity
+
+
+def test_a_larger_size_replaces_the_workspace_as_torch_does(meta: TrackerBackend) -> None:
+    a = torch.empty(64, 64, device="meta")
+    torch.mm(a, a)
+    with meta.predicting("H200"):
+        torch.mm(a, a)  # the new one is made, then the smaller one freed
+        assert workspaces(meta) == [32 * MIB]
+    torch.mm(a, a)  # back to the default size: the larger one serves it
+    assert workspaces(meta) == [32 * MIB]
+
+
+def test_cublas_workspace_config_sets_the_size_as_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # torch's deterministic setting: 32 MiB
+    backend = TrackerBackend(device="meta")
+    backend.predict_card("T4")  # the variable wins over the card's default, as in torch
+    assert backend.ledger.workspace_bytes == 32 * MIB
+
+
+def test_without_the_allocators_model_there_is_none() -> None:
+    backend = TrackerBackend("none")
+    backend.start()
+    try:
+        a = torch.ones(64, 64)
+        c = torch.mm(a, a)
+        assert workspaces(backend) == [] and backend.current().allocated == 2 * 64 * 64 * 4
+        del c
+    finally:
+        backend.stop()
+
+
+def test_clearing_frees_them_and_keeps_their_segments(meta: TrackerBackend) -> None:
+    a = torch.empty(64, 64, device="meta")  # 16 KiB: a 2 MiB small segment
+    torch.mm(a, a)  # the workspace: a 20 MiB large one
+    meta.clear_workspaces()
+    assert (meta.current().allocated, meta.current().reserved) == (64 * 64 * 4, 22 * MIB)
+
+
+def test_the_ledger_keeps_one_per_handle() -> None:
+    ledger = StorageLedger("cuda")
+    for handle in ("test thread", "test thread", "autograd"):
+        ledger.workspace(handle)
+    assert (len(ledger.workspaces), ledger.allocated, ledger.reserved) == (2, 2 * WORKSPACE, 20 * MIB)
+    assert all(isinstance(w, Workspace) and w.nbytes() == WORKSPACE for w in ledger.workspaces.values())
+    ledger.forget()  # a new measurement starts with none
+    assert ledger.workspaces == {} and ledger.allocated == 0
+
+
+def test_the_cuda_backend_clears_torchs_workspaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_gpumem.backends.cuda import CudaBackend
+
+    cleared: list[bool] = []
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: cleared.append(True), raising=False)
+    backend = object.__new__(CudaBackend)  # no GPU here: only the method is exercised
+    backend.clear_workspaces()
+    assert cleared == [True]
+    monkeypatch.delattr(torch._C, "_cuda_clearCublasWorkspaces")
+    backend.clear_workspaces()  # a torch without it: nothing to clear
+    assert cleared == [True]
+
+
+MATMULS = """
+import torch
+
+def step(gpumem):
+    w = torch.empty(256, 256, device=gpumem.device, requires_grad=True)
+    (torch.empty(64, 256, device=gpumem.device) @ w).sum().backward()
+
+def test_first(gpumem):
+    step(gpumem)
+
+def test_second(gpumem):
+    step(gpumem)
+"""
+
+
+def test_each_test_pays_for_its_workspaces_and_none_is_a_leak(tracker: pytest.Pytester, reported: Reported) -> None:
+    tracker.makepyfile(MATMULS)
+    result = tracker.runpytest("-p", "no:randomly", "--gpumem-device=meta", "--gpumem-leak=0", "--gpumem-json=out.json")
+    result.assert_outcomes(passed=2)  # the workspaces kept at the end are not the tests' leak
+    calls = [test["call"] for test in reported().values()]
+    # at the peak: w and its gradient (256 KiB each), x (64 KiB), the sum and backward's seed (512 B each; mm's
+    # output is freed by the sum) and two workspaces, the test thread's and backward's, in one 20 MiB segment
+    # beside a 2 MiB one; whatever ran before: the second test pays as the first did
+    peak = 2 * 256 * 256 * 4 + 64 * 256 * 4 + 2 * 512 + 2 * WORKSPACE
+    assert [(c["peak_bytes"], c["reserved_peak_bytes"], c["net_bytes"]) for c in calls] == 2 * [(peak, 22 * MIB, 0)]
