@@ -69,8 +69,9 @@ def glob(shown: str) -> str:
     return f"*= {rule['text']} =*" if rule else escaped
 
 
-# pages whose examples take seconds: spawned ranks, each importing torch; a real step under every strategy
-SLOW_PAGES = ("docs/guides/distributed.md", "docs/guides/advise.md")
+# pages whose examples take seconds: spawned ranks, each importing torch; a real step under every strategy;
+# the whole reference suite
+SLOW_PAGES = ("docs/guides/distributed.md", "docs/guides/advise.md", "docs/guides/reference-strategies.md")
 
 
 def examples() -> list[object]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import re
 import shutil
@@ -17,9 +19,10 @@ import pytest
 from pytest_gpumem.backends.tracker.attribution import CATEGORIES as ATTRIBUTED
 from pytest_gpumem.backends.tracker.attribution import LABELS as ATTRIBUTED_LABELS
 from pytest_gpumem.backends.tracker.attribution import NO_MODULE
-from pytest_gpumem.report.html import byte_ticks, chart_texts, event_ticks, render
+from pytest_gpumem.report.html import byte_ticks, chart_texts, render
+from pytest_gpumem.report.html_axis import event_axis, event_ticks
 from pytest_gpumem.results.advice import AS_IS, Advice, PhasePeak, Row
-from pytest_gpumem.results.explanation import Cell, Explanation, PhaseExplanation, Point, Tensor, Timeline
+from pytest_gpumem.results.explanation import Cell, Explanation, PhaseExplanation, Point, Tensor, Timeline, Unmeasured
 from pytest_gpumem.run.outputs import write_evidence, write_picture
 from pytest_gpumem.sizes import format_size
 
@@ -166,8 +169,8 @@ def test_legend_names_every_category_by_its_label() -> None:
 
 def test_each_phase_has_a_section_call_first() -> None:
     points, total = spread_peak(8, 20)
-    page = render(explanation(points, 8))
-    assert re.findall(r'<section class="phase" data-phase="([^"]+)">', page) == ["call", "forward", "backward"]
+    page = render(explanation(points, 8)).replace("<wbr>", "")  # the places a name may break
+    assert re.findall(r'<section class="phase" data-phase="([^"]+)"', page) == ["call", "forward", "backward"]
     call = page.split('data-phase="call"')[1].split("</section>")[0]
     assert f"peak {format_size(total)} above its start" in call
     assert "saved for backward" in call and "encoder.0" in call
@@ -193,7 +196,7 @@ def test_text_in_tables_is_escaped() -> None:
     )
     page = render(data)
     assert "<b>" not in page.split('<script type="application/json"')[0]
-    assert "&lt;b&gt;evil&lt;/b&gt;" in page and "a&lt;b&gt;.py:1" in page
+    assert "&lt;b&gt;evil&lt;/<wbr>b&gt;" in page and "a&lt;b&gt;.<wbr>py:1" in page
 
 
 def test_markup_in_every_name_stays_text_and_a_bare_storage_renders() -> None:
@@ -228,9 +231,9 @@ def test_the_byte_axis_steps_roundly_in_the_largest_unit_reached() -> None:
 
 
 def test_the_event_axis_steps_roundly_in_whole_events() -> None:
-    assert event_ticks(20) == [[0, "0"], [5, "5"], [10, "10"], [15, "15"], [20, "20"]]
-    assert [label for _, label in event_ticks(5000)] == ["0", "1,000", "2,000", "3,000", "4,000", "5,000"]
-    assert event_ticks(1) == [[0, "0"], [1, "1"]]
+    assert event_ticks(event_axis(20)) == [[0, "0"], [5, "5"], [10, "10"], [15, "15"], [20, "20"]]
+    assert [label for _, label in event_ticks(event_axis(5000))] == ["0", "1,000", "2,000", "3,000", "4,000", "5,000"]
+    assert event_ticks(event_axis(1)) == [[0, "0"], [1, "1"]]
 
 
 def test_the_script_gets_every_size_formatted_by_python() -> None:
@@ -449,6 +452,185 @@ def test_an_explained_test_that_advised_shows_the_advice_and_one_not_explained_g
     assert written[1]["skipped"].startswith("no repeated blocks")
 
 
+# --- what advise and check_gradients ran: folded on the event axis --------------------------------------------
+
+UNMEASURED = [Unmeasured("gpumem.advise", 100, 800), Unmeasured("gpumem.check_gradients", 900, 960)]
+
+
+def unmeasured_case(peak_index: int | None = 60) -> Explanation:
+    """1,000 events: forward (0-100) peaks at event 60 with 3 MiB; advise runs 100-800 and reaches 5 MiB at
+    event 400; backward (800-900); check_gradients (900-960) reaches 4 MiB at 930; step (960-1000)."""
+    live = {0: 0, 60: 3, 100: 1, 400: 5, 800: 1, 850: 2, 930: 4, 960: 1, 1000: 0}
+    points = [Point(index, [0, 0, 0, 0, mib * MIB, 0]) for index, mib in live.items()]
+    call = phase(3 * MIB, 60, [(0, 1000)], {"temporaries": 3 * MIB})
+    return Explanation(
+        nodeid="tests/test_x.py::test_advised",
+        backend="tracker",
+        categories=CATEGORIES,
+        labels=dict(LABELS),
+        phases={
+            "call": replace(call, peak_index=peak_index),
+            "forward": phase(3 * MIB, 60, [(0, 100)], {"temporaries": 3 * MIB}),
+            "backward": phase(MIB, 850, [(800, 900)], {"temporaries": MIB}),
+            "step": phase(0, 960, [(960, 1000)], {}),
+        },
+        timeline=Timeline(1000, points, list(UNMEASURED)),
+    )
+
+
+def test_advise_and_check_gradients_take_a_narrow_labeled_part_of_the_event_axis() -> None:
+    """Shares 0.7 and 0.06 of the events fold to 0.08 and 0.06 of the width; the 240 measured events share
+    the other 0.86: 100 of them 0.86 * 100 / 240 = 0.3583."""
+    axis = event_axis(1000, UNMEASURED)
+    assert [(part.start, part.end, part.by) for part in axis.segments] == [
+        (0, 100, None), (100, 800, "gpumem.advise"), (800, 900, None), (900, 960, "gpumem.check_gradients"),
+        (960, 1000, None),
+    ]  # fmt: skip
+    widths = [part.right - part.left for part in axis.segments]
+    assert widths == pytest.approx([0.86 * 100 / 240, 0.08, 0.86 * 100 / 240, 0.06, 0.86 * 40 / 240])
+    assert axis.position(450) == pytest.approx(0.86 * 100 / 240 + 0.04)  # halfway through advise's runs
+    assert axis.fold_at(400) == axis.segments[1] and axis.fold_at(800) is None  # an edge is measured
+    # 240 measured events: a tick every 50, none inside a fold
+    assert [event for event, _ in event_ticks(axis)] == [0, 50, 100, 800, 850, 900, 1000]
+
+
+def test_many_folds_share_at_most_a_quarter_of_the_width_and_an_unmeasured_call_is_not_folded() -> None:
+    many = [Unmeasured("gpumem.check_gradients", 100 * i + 10, 100 * i + 90) for i in range(10)]
+    axis = event_axis(1000, many)
+    assert sum(part.right - part.left for part in axis.folds) == pytest.approx(0.24)
+    assert len(axis.folds) == 10 and axis.position(1000) == 1.0
+    whole = event_axis(100, [Unmeasured("gpumem.advise", 0, 100)])
+    assert [(part.left, part.right) for part in whole.segments] == [(0.0, 1.0)]
+
+
+def test_the_marked_peak_is_the_calls_as_its_table_says_not_a_higher_moment_of_advise() -> None:
+    data = unmeasured_case()
+    texts = chart_texts(data)
+    assert data.timeline.points[texts["peak"]].index == 60  # advise's 5 MiB at event 400 is not the peak
+    page = render(data)
+    call = re.search(
+        r'<section class="phase" data-phase="call" data-peak-index="(\d+)">.*?reached at event ([\d,]+)', page, re.S
+    )
+    assert call is not None and call[1] == "60" and call[2] == "60"
+    # an explanation without the call's moment: the largest point outside the folds (not 400, not 930)
+    assert chart_texts(unmeasured_case(peak_index=None))["peak"] == 1
+
+
+def test_the_page_lists_what_ran_unmeasured_and_the_script_gets_the_folds() -> None:
+    page = render(unmeasured_case())
+    folded = re.findall(
+        r'<span class="fold" data-by="([^"]+)" data-runs="(\d+)" data-events="(\d+)">([^<]+)</span>', page
+    )
+    assert folded == [
+        ("gpumem.advise", "1", "700", "gpumem.advise: 700 events (events 100 to 800)"),
+        ("gpumem.check_gradients", "1", "60", "gpumem.check_gradients: 60 events (events 900 to 960)"),
+    ]
+    view = json.loads(re.findall(r'id="gpumem-view">(.*?)</script>', page, re.S)[0])
+    assert [(fold["label"], fold["start"], fold["end"]) for fold in view["folds"]] == [
+        ("gpumem.advise", 100, 800),
+        ("gpumem.check_gradients", 900, 960),
+    ]
+    assert 'id="gpumem-folded"' not in render(replace(unmeasured_case(), timeline=Timeline(1000, [], [])))
+
+
+def test_unmeasured_spans_round_trip_and_an_old_timeline_reads_without_them() -> None:
+    data = unmeasured_case()
+    assert Explanation.from_json(data.to_json()) == data
+    old = Timeline(5, [Point(5, [0] * 6)])
+    assert "unmeasured" not in old.to_json() and Timeline.from_json({"events": 5, "points": [[5, [0] * 6]]}) == old
+
+
+VOID = {"meta", "col", "wbr", "br", "img", "input", "link", "hr"}
+
+
+class Balance(HTMLParser):
+    """Every element closed in the order it was opened (void elements excepted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open: list[str] = []
+        self.errors: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag not in VOID:
+            self.open.append(tag)
+
+    def handle_endtag(self, tag: str) -> None:
+        if not self.open or self.open[-1] != tag:
+            self.errors.append(f"</{tag}> closes {self.open[-1:] or 'nothing'} at {self.getpos()}")
+        else:
+            self.open.pop()
+
+
+def test_the_page_of_an_advised_test_is_well_formed() -> None:
+    data = replace(unmeasured_case(), nodeid=HOSTILE)
+    long = replace(TENSOR, where="/" + "/".join(["site-packages"] * 12) + "/modeling.py:7", module="m." * 80 + "x")
+    data = changed(data, "call", tensors=[long, TENSOR], modules={"<b>" * 30: 1, "a" * 300: 2})
+    balance = Balance()
+    balance.feed(render(data, advice()))
+    balance.close()
+    assert balance.errors == [] and balance.open == []
+
+
+def test_a_long_source_path_keeps_its_last_parts_and_the_whole_in_its_title() -> None:
+    where = "../../.venv/lib/python3.11/site-packages/transformers/models/gpt2/modeling_gpt2.py:341"
+    page = render(changed(unmeasured_case(), "call", tensors=[replace(TENSOR, where=where)]))
+    assert f'<td class="code" title="{where}">…/<wbr>gpt2/<wbr>modeling_<wbr>gpt2.<wbr>py:341</td>' in page
+    assert '<td class="code">test_<wbr>x.<wbr>py:12</td>' in render(unmeasured_case())  # short: whole
+
+
+ADVISED = """
+import pytest, torch
+from torch import nn
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+
+    def forward(self, x):
+        return x + self.mlp(x)
+
+@pytest.mark.max_memory(explain=True)
+def test_advised(gpumem):
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Block() for _ in range(3)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(16, 32)
+    def step():
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    gpumem.advise(step, model=model, optimizer=opt, strategies=["checkpoint-blocks"])
+    with gpumem.phase("forward"):
+        loss = model(x).square().mean()
+    with gpumem.phase("backward"):
+        loss.backward()
+    gpumem.check_gradients(model)
+    with gpumem.phase("step"):
+        opt.step()
+"""
+
+
+def test_the_page_of_an_advised_test_marks_the_calls_peak_and_folds_advise_and_check_gradients(
+    tracker: pytest.Pytester, reported: Callable[..., dict[str, dict[str, Any]]]
+) -> None:
+    tracker.makepyfile(test_advised=ADVISED)
+    result = tracker.runpytest("-p", "no:cacheprovider", "--gpumem-html=pictures", "--gpumem-json=out.json")
+    result.assert_outcomes(passed=1)
+    test = reported()["test_advised"]
+    timeline = test["explanation"]["timeline"]
+    assert [span["by"] for span in timeline["unmeasured"]] == ["gpumem.advise", "gpumem.check_gradients"]
+    page = (tracker.path / test["html"]).read_text(encoding="utf-8")
+    view = json.loads(re.findall(r'id="gpumem-view">(.*?)</script>', page, re.S)[0])
+    marked = timeline["points"][view["peak"]][0]
+    call = test["explanation"]["phases"]["call"]
+    assert marked == call["peak_index"] and f'data-phase="call" data-peak-index="{marked}"' in page
+    assert [fold["label"] for fold in view["folds"]] == ["gpumem.advise", "gpumem.check_gradients"]
+    advise = timeline["unmeasured"][0]
+    assert not advise["start"] < marked < advise["end"]
+
+
 # --- in a browser ------------------------------------------------------------------------------------------
 
 
@@ -520,3 +702,54 @@ def test_browser_draws_areas_bands_the_peak_label_and_unattributed(chromium: str
     assert all(f">{index}</text>" in chart for index in (0, 5, 10, 15, 20))  # the event axis
     assert f"peak {format_size(total)} ({total:,} B) at event 8" in chart
     assert f"saved for backward of encoder.0: {format_size(193 * MIB + 3)}" in chart
+
+
+def test_browser_marks_the_calls_peak_and_labels_the_folds(chromium: str, tmp_path: Path) -> None:
+    dom = shown(chromium, write_picture(tmp_path, unmeasured_case()), tmp_path / "profile")
+    peak = element(dom, "gpumem-peak")
+    assert peak.attributes is not None and peak.attributes.get("data-index") == "60"  # not advise's 400
+    assert "Peak 3.0 MiB (3,145,728 B) live at event 60 in forward" in peak.text
+    chart = dom.split('id="gpumem-chart"')[1].split("</svg>")[0]
+    assert (
+        '<g class="fold" data-by="gpumem.advise">' in chart
+        and '<g class="fold" data-by="gpumem.check_gradients">' in chart
+    )
+    assert ">gpumem.advise</text>" in chart and ">gpumem.check_gradients</text>" in chart
+    assert "; grey: folded, measured by no phase</text>" in chart
+    assert all(f">{index}</text>" in chart for index in (0, 50, 100, 800, 850, 900, "1,000"))
+
+
+MEASURE = (
+    "document.body.setAttribute('data-width', String(document.documentElement.scrollWidth));"
+    "document.body.setAttribute('data-tables', Array.from(document.querySelectorAll('table'), "
+    "t => Math.ceil(t.getBoundingClientRect().right)).join(','));"
+)
+
+
+def measured(page: str) -> str:
+    """`page` with a script of the test's own allowed to run after the page's: it writes the page's width
+    and each table's right edge, in pixels, on the body."""
+    digest = base64.b64encode(hashlib.sha256(MEASURE.encode()).digest()).decode()
+    page = page.replace("script-src 'sha256-", f"script-src 'sha256-{digest}' 'sha256-", 1)
+    return page.replace("</body>", f"<script>{MEASURE}</script></body>", 1)
+
+
+def test_browser_fits_long_names_in_a_1280_pixel_window(chromium: str, tmp_path: Path) -> None:
+    where = "/".join(["site-packages_with_a_long_name"] * 8) + "/modeling_a_model_with_a_long_name.py:341"
+    module = ".".join(["transformer_layers_with_long_names"] * 6)
+    tensor = replace(TENSOR, where=where, module=module, op="aten._scaled_dot_product_efficient_attention.default")
+    data = changed(unmeasured_case(), "call", tensors=[tensor] * 3, modules={module: MIB, "x" * 200: MIB})
+    path = tmp_path / "page.html"
+    path.write_text(measured(render(data, advice())), encoding="utf-8")
+    command = [chromium, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}"]
+    result = subprocess.run(
+        [*command, "--window-size=1280,1600", "--dump-dom", path.as_uri()],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    body = re.search(r"<body([^>]*)>", result.stdout)
+    assert body is not None
+    width = re.search(r'data-width="(\d+)"', body[1])
+    tables = re.search(r'data-tables="([\d,]+)"', body[1])
+    assert width is not None and tables is not None, body[0]
+    assert int(width[1]) <= 1280 and max(map(int, tables[1].split(","))) <= 1280

@@ -126,3 +126,47 @@ def test_call_so_far() -> None:
     fake.alloc(500)
     fake.free(500)
     assert meter.end_call().peak_bytes == 500
+
+
+@pytest.mark.parametrize("name", ["x@rank1", "forward@rank0", "a@rank@rank12"])
+def test_a_phase_named_like_a_ranks_phase_is_refused(name: str) -> None:
+    fake = ScriptedAllocator()
+    meter = GpuMem(fake, "t")
+    meter.begin_call()
+    with pytest.raises(GpuMemError, match=rf"^phase name '{name}' reads as rank \d+'s phase '.+' \('@rank' and a"):
+        meter.phase(name).__enter__()  # refused before it opens
+    with meter.phase("after"):  # nothing was left open
+        fake.alloc(20)
+    assert list(meter.phases) == ["after"] and meter.end_call().peak_bytes == 20
+
+
+@pytest.mark.parametrize("name", ["x@rank", "x@rankA", "x@rank01", "@rank1", "x@rank1b"])
+def test_other_names_with_at_rank_are_phases_of_their_own(name: str) -> None:
+    fake = ScriptedAllocator()
+    meter = GpuMem(fake, "t")
+    meter.begin_call()
+    with meter.phase(name):
+        fake.alloc(10)
+    meter.end_call()
+    assert meter.result(name).peak_bytes == 10
+
+
+def test_a_test_opening_a_rank_phase_name_fails_in_one_line(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        test_ranks="""
+        import torch
+
+        def test_names_a_rank(gpumem):
+            with gpumem.phase("x@rank1"):
+                torch.ones(10)
+        """
+    )
+    result = tracker.runpytest()
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(
+        [
+            "test_ranks.py::test_names_a_rank: phase name 'x@rank1' reads as rank 1's phase 'x' ('@rank' and a number "
+            "end the phases of gpumem.distributed ranks): choose another name"
+        ]
+    )
+    result.stdout.no_fnmatch_line("*Traceback*")

@@ -7,20 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from pytest_gpumem.report.ids import TestId, common_prefix, elide, shorten_id, shorten_ids
 from pytest_gpumem.report.markdown import markdown
-from pytest_gpumem.report.terminal import (
-    TestId,
-    cell_rank,
-    common_prefix,
-    elide,
-    fold_ranks,
-    join_fitting,
-    one_line,
-    shared_phases,
-    shorten_id,
-    shorten_ids,
-    table_lines,
-)
+from pytest_gpumem.report.terminal import cell_rank, fold_ranks, join_fitting, one_line, shared_phases, table_lines
 from pytest_gpumem.report.width import ELLIPSIS, cut, display_width, pad, truncate
 from pytest_gpumem.results import PhaseResult, Status, TestResult
 from pytest_gpumem.results.baseline import BaselineStatus, PhaseComparison, Verdict
@@ -142,6 +131,12 @@ def test_a_narrow_cell_shows_the_largest_phase_of_each_group_first() -> None:
         ),
         (["t.py::test_a_long_name[p1]"], 10, ["test_a_lo…"]),
         (["t.py::test_日本語の名前[p1]"], 20, ["test_日本語の名前[…]"]),  # 5 + 12 columns of name, 3 left
+        # a name that leaves its parameters under 3 columns gives way at its end, so the rows differ
+        (
+            ["t.py::test_日本語の長い名前[p1]", "t.py::test_日本語の長い名前[p2]"],
+            20,
+            ["test_日本…[p1]", "test_日本…[p2]"],
+        ),
     ],
 )
 def test_ids_lose_whole_leading_parts_before_they_are_cut(ids: list[str], width: int, shown: list[str]) -> None:
@@ -191,6 +186,18 @@ def test_padding_and_cutting_go_by_screen_columns() -> None:
     assert cut("test_日本語[a]", 10, 4) == "test…語[a]"
     assert elide("日本語日本語", 5) == "日…語"
     assert truncate("short", 5) == "short" and truncate("longer", 0) == ""
+
+
+@pytest.mark.parametrize(
+    "text", ["日本語のテスト名", "e\u0301" * 9, "a😀b日c\u200bd", "test_\uff46\uff55\uff4c\uff4c[モデル]"]
+)
+def test_cuts_fit_every_width_and_never_split_a_wide_character_or_lose_a_mark(text: str) -> None:
+    for width in range(display_width(text) + 2):
+        for shown in (truncate(text, width), elide(text, width), cut(text, width, width // 3)):
+            assert display_width(shown) <= width
+            assert not shown.startswith("\u0301")  # a mark is never left without its character
+            kept = shown.replace(ELLIPSIS, "")
+            assert all(char in text for char in kept)  # whole characters of the text, nothing half shown
 
 
 def test_a_cell_is_one_line_without_control_characters() -> None:
@@ -496,9 +503,9 @@ def test_a_training_step_whose_name_is_long_enough_to_be_cut(gpumem, size):
 
 def test_ranks(gpumem):
     for rank in (0, 1):
-        with gpumem.phase(f"ddp.forward@rank{rank}"):
+        with gpumem.phase(f"ddp.forward.rank{rank}"):
             torch.ones(1024 * (rank + 1))
-        with gpumem.phase(f"ddp.backward@rank{rank}"):
+        with gpumem.phase(f"ddp.backward.rank{rank}"):
             torch.ones(4096 * (1 + 6 * rank))
 
 def test_other_phases(gpumem):
@@ -507,6 +514,27 @@ def test_other_phases(gpumem):
     with gpumem.phase("decode"):
         torch.ones(512)
 """
+
+
+# test_ranks stands in for gpumem.distributed (whose ranks are spawned processes): its phases "x.rankN"
+# become rank N's phase "x@rankN", as a distributed run records them
+RANKS_CONFTEST = """
+import dataclasses
+
+def pytest_gpumem_result(item, result):
+    renamed = {}
+    for name, phase in result.phases.items():
+        base, _, rank = name.rpartition(".rank")
+        if base and rank.isdigit():
+            phase = dataclasses.replace(phase, name=f"{base}@rank{rank}", rank=int(rank))
+        renamed[phase.name] = phase
+    result.phases = renamed
+"""
+
+
+def mixed(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(test_mixed=MIXED)
+    tracker.makeconftest(RANKS_CONFTEST)
 
 
 def _report(result: pytest.RunResult) -> list[str]:
@@ -522,7 +550,7 @@ def test_report_fits_the_terminal(tracker: pytest.Pytester, monkeypatch: pytest.
         monkeypatch.delenv("COLUMNS", raising=False)  # no terminal, no COLUMNS: 120
     else:
         monkeypatch.setenv("COLUMNS", columns)
-    tracker.makepyfile(test_mixed=MIXED)
+    mixed(tracker)
     result = tracker.runpytest("--gpumem-report", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=5)
     report = _report(result)
@@ -599,7 +627,7 @@ def test_a_run_mixing_cpu_and_meta_fits_80_columns_with_whole_names_and_its_phas
 
 
 def test_verbose_report_and_markdown_have_a_row_per_phase(tracker: pytest.Pytester) -> None:
-    tracker.makepyfile(test_mixed=MIXED)
+    mixed(tracker)
     (tracker.path / "reports").mkdir()
     result = tracker.runpytest("--gpumem-report", "--gpumem-markdown=reports/m.md", "-v", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=5)
@@ -638,3 +666,35 @@ def test_the_end_of_the_run_says_what_it_writes_unless_quiet(tracker: pytest.Pyt
     quiet = tracker.runpytest(*args, "-q")
     quiet.assert_outcomes(passed=2)
     assert not [line for line in quiet.outlines if line.startswith(("gpumem: writing", "gpumem: updating"))]
+
+
+UNICODE_IDS = """
+import pytest, torch
+
+@pytest.mark.parametrize("model", ["小さいモデル", "大きいモデル-e\u0301-😀"])
+def test_日本語で書かれたとても長いテストの名前(gpumem, model):
+    with gpumem.phase("前向き"):
+        torch.ones(1024)
+    with gpumem.phase("backward"):
+        torch.ones(2048)
+"""
+
+
+def test_a_japanese_name_with_unicode_parameter_ids_fits_80_columns(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    pytester.makeini(
+        "[pytest]\ngpumem_backend = tracker\n"
+        "disable_test_id_escaping_and_forfeit_all_rights_to_community_support = true\n"  # the ids as written
+    )
+    pytester.makepyfile(test_ja=UNICODE_IDS)
+    result = pytester.runpytest("--gpumem-report", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    report = _report(result)
+    assert max(map(display_width, report)) <= 80, "\n".join(report)  # the name: 5 + 2 * 20 columns, 25 characters
+    rows = [line.split("  ")[0] for line in report[3:]]
+    assert rows == [
+        "test_日本語で書かれたとても長いテストの名前[小…ル]",
+        "test_日本語で書かれたとても長いテストの名前[大…-😀]",
+    ]

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import gc
 import inspect
+import os
 import sys
+import textwrap
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
+
+_UNINITIALIZED = "Attempted to use an uninitialized parameter in "  # torch.nn.parameter.UninitializedParameter
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_HOOKS = os.path.join(_PACKAGE, "run") + os.sep
+_PLUGIN = os.path.join(_PACKAGE, "plugin.py")
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -23,6 +31,36 @@ def needs_real_values(exc: BaseException, device: object) -> str | None:
 
     reason = cannot_run_on_meta(exc) if str(device) == "meta" else None
     return None if reason is None else f"this test cannot run on the meta device (tensors without data): {reason}"
+
+
+def uninitialized_in_ours(exc: BaseException) -> str | None:
+    """Where a Lazy module's parameter, used before its first forward, failed in this plugin's code (not in
+    the test's: that keeps torch's error and its traceback, as unmeasured), the one line that says so,
+    naming the call of ours the test made; None for any other error."""
+    if not isinstance(exc, ValueError) or not exception_text(exc).startswith(_UNINITIALIZED):
+        return None
+    ours = [tb for tb in _tracebacks(exc) if _ours(tb.tb_frame.f_code.co_filename)]
+    if not ours:
+        return None
+    code = ours[0].tb_frame.f_code
+    call = f"gpumem.{code.co_name}()" if code.co_filename.endswith("meter.py") else f"pytest-gpumem's {code.co_name}()"
+    return (
+        f"{call} met an uninitialized parameter of a Lazy module (torch.nn.LazyLinear and the like, before "
+        "their first forward): run the model once on a batch before measuring it"
+    )
+
+
+def _tracebacks(exc: BaseException) -> Iterator[TracebackType]:
+    tb = exc.__traceback__
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
+
+
+def _ours(filename: str) -> bool:
+    """A file of this package other than the hooks that run the test (their frames are around every test)."""
+    path = os.path.abspath(filename)
+    return path.startswith(_PACKAGE) and not path.startswith(_HOOKS) and path != _PLUGIN
 
 
 def exception_text(exc: BaseException, fallback: str = "") -> str:
@@ -44,27 +82,41 @@ def release_memory() -> None:
 @dataclass(frozen=True)
 class Holding:
     """What keeps a call's survivors allocated, as far as the objects show: bytes by what they are
-    (parameters, saved for backward, a graph's outputs, ...) and who holds them."""
+    (parameters, saved for backward, a graph's outputs, ...), where they were made, and who holds them."""
 
     kinds: tuple[tuple[str, int], ...]  # (what, bytes), largest first
     graph: bool  # some are held by an autograd graph (saved tensors, the leaves it accumulates into)
     holder: str | None  # 'global LOSSES of test_x (a list)'
+    modules: tuple[tuple[str, str, int], ...] = ()  # (what, module that made it, bytes), largest first
 
-    def describe(self, fmt: Callable[[int], str]) -> str:
-        kinds = ", ".join(f"{what} {fmt(size)}" for what, size in self.kinds)
+    def held(self) -> str:
+        """Who holds them: 'kept by global KEEP of test_x (a list)', 'held by an autograd graph ...', or ''."""
         if self.holder is None:
-            held = "held by an autograd graph" if self.graph else ""
-        else:
-            by = self.holder
-            held = f"held by an autograd graph kept alive by {by}" if self.graph else f"kept by {by}"
-        return ", ".join(part for part in (kinds, held) if part)
+            return "held by an autograd graph" if self.graph else ""
+        return f"held by an autograd graph kept alive by {self.holder}" if self.graph else f"kept by {self.holder}"
+
+    def parts(self, fmt: Callable[[int], str]) -> str:
+        """'parameters 16.6 kB, saved for backward 4.1 kB, graph outputs 4 B'."""
+        return ", ".join(f"{what} {fmt(size)}" for what, size in self.kinds)
+
+    def by_module(self, fmt: Callable[[int], str], width: int = 120) -> list[str]:
+        """For each kind some module made, what each made, in lines of at most `width` characters:
+        'left allocated by module: parameters 3.0 MiB: 0 257.0 KiB, 1 257.0 KiB, ...'."""
+        lines = []
+        for what, size in self.kinds:
+            made = ", ".join(f"{module} {fmt(b)}" for w, module, b in self.modules if w == what)
+            if made:
+                text = f"left allocated by module: {what} {fmt(size)}: {made}"
+                lines += textwrap.wrap(text, width, subsequent_indent="  ", break_long_words=False)
+        return lines
 
 
 def leak_holding(live: Mapping[int, tuple[int, Any]]) -> Holding | None:
     """Who holds the storages `live` (key -> (bytes, origin)) that a call left allocated: a scan of every
     object, run only to explain a leak. Tensors are classed as parameters (an nn.Parameter, or a leaf an
     autograd graph accumulates into), saved for backward, and a graph's outputs; the explainer's category
-    is used where the call was explained. The holder is the first module global found above them."""
+    is used where the call was explained. The holder is the first module global found above the graph's
+    outputs (or, without a graph, the largest survivor)."""
     torch = sys.modules.get("torch")
     if torch is None or not live:
         return None
@@ -76,11 +128,22 @@ def leak_holding(live: Mapping[int, tuple[int, Any]]) -> Holding | None:
                 key = _storage_key(obj)
                 if key in live:
                     tensors.setdefault(key, []).append(obj)
-    from pytest_gpumem.backends.tracker.attribution import LABELS, Allocation
+    roots = [t for found in tensors.values() for t in found if t.grad_fn is not None]
+    kind = _kinds(torch, tensors, roots)
+    totals, modules = _totals(live, kind)
+    graph = any(k != "graph outputs" for k in kind.values()) and bool(roots)
+    holder = next((h for h in (_holder(t) for t in _starts(live, tensors, roots, kind, graph)) if h), None)
+    if not graph and holder is None and set(totals) == {"other"}:
+        return None
+    kinds = tuple(sorted(totals.items(), key=lambda item: -item[1])) if set(totals) != {"other"} else ()
+    return Holding(kinds, graph, holder, tuple(sorted(modules, key=lambda m: -m[2])))
+
+
+def _kinds(torch: Any, tensors: Mapping[int, list[Any]], roots: list[Any]) -> dict[int, str]:
+    """What each storage is, where its tensors show it: parameters, saved for backward, graph outputs."""
     from pytest_gpumem.backends.tracker.graph import autograd_nodes, saved_tensors
 
     kind: dict[int, str] = {}
-    roots = [t for found in tensors.values() for t in found if t.grad_fn is not None]
     for node in autograd_nodes([root.grad_fn for root in roots], lambda n: False):
         for saved in saved_tensors(node):
             kind.setdefault(_storage_key(saved), "saved for backward")
@@ -92,29 +155,47 @@ def leak_holding(live: Mapping[int, tuple[int, Any]]) -> Holding | None:
             kind[key] = "parameters"
     for root in roots:
         kind.setdefault(_storage_key(root), "graph outputs")
+    return kind
+
+
+def _totals(live: Mapping[int, tuple[int, Any]], kind: Mapping[int, str]) -> tuple[dict[str, int], list[Any]]:
+    """Bytes by what they are (the explainer's category where the tensors do not show it), and by what
+    and the module that made them."""
+    from pytest_gpumem.backends.tracker.attribution import LABELS, Allocation
+
     totals: dict[str, int] = {}
+    modules: dict[tuple[str, str], int] = {}
     for key, (size, origin) in live.items():
         what = kind.get(key)
         if what is None:
             what = LABELS.get(origin.category, "other") if isinstance(origin, Allocation) else "other"
-        if isinstance(origin, Allocation) and origin.module and not origin.module.startswith("("):
-            what = f"{what} of {origin.module}"
         totals[what] = totals.get(what, 0) + size
-    graph = any(k != "graph outputs" for k in kind.values()) and bool(roots)
-    largest = max(live, key=lambda key: live[key][0])
-    start = sorted(roots, key=lambda t: -live[_storage_key(t)][0])[:3] if graph else tensors.get(largest, [])[:1]
-    holder = next((h for h in (_holder(t) for t in start) if h is not None), None)
-    kinds = tuple(sorted(totals.items(), key=lambda item: -item[1]))
-    if not graph and holder is None and set(totals) == {"other"}:
-        return None
-    return Holding(kinds if set(totals) != {"other"} else (), graph, holder)
+        if isinstance(origin, Allocation) and origin.module and not origin.module.startswith("("):
+            modules[what, origin.module] = modules.get((what, origin.module), 0) + size
+    return totals, [(what, module, size) for (what, module), size in modules.items()]
+
+
+def _starts(
+    live: Mapping[int, tuple[int, Any]],
+    tensors: Mapping[int, list[Any]],
+    roots: list[Any],
+    kind: Mapping[int, str],
+    graph: bool,
+) -> list[Any]:
+    """Where the search for a holder starts: a graph's largest outputs (a loss the test kept, not a view
+    of a parameter inside the graph, which only the graph holds), or the largest survivor's tensor."""
+    if graph:
+        outputs = [t for t in roots if kind.get(_storage_key(t)) == "graph outputs"]
+        return sorted(outputs or roots, key=lambda t: -live[_storage_key(t)][0])[:3]
+    return tensors.get(max(live, key=lambda key: live[key][0]), [])[:1]
 
 
 def _storage_key(tensor: Any) -> int:
-    """The key the ledger follows a tensor's storage by (-1, never followed, for one without a storage)."""
+    """The key the ledger follows a tensor's storage by (-1, never followed, for one without a storage: a
+    sparse tensor, or the uninitialized parameter of a Lazy module, which raises ValueError)."""
     try:
         return int(tensor.untyped_storage()._cdata)
-    except (RuntimeError, NotImplementedError, AttributeError):
+    except (RuntimeError, NotImplementedError, AttributeError, ValueError):
         return -1
 
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pytest_gpumem.backends.base import Backend, Counters, collect_garbage
-from pytest_gpumem.results import PhaseResult
+from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.results import PhaseResult, split_rank
 
 if TYPE_CHECKING:
     from pytest_gpumem.backends.tracker.attribution import Attributor
@@ -40,6 +41,7 @@ class RegionStack:
         self.open: list[Region] = []
 
     def push(self, name: str, full_collect: bool = False) -> None:
+        refuse_rank_name(name)
         collect_garbage(full_collect)
         self.backend.settle()
         self._fold()
@@ -71,13 +73,14 @@ class RegionStack:
         )
 
     @contextmanager
-    def unmeasured(self) -> Iterator[None]:
-        """Run a block whose transient allocations must not count: the peak so far is folded into the
-        open regions first and reset to the current value afterwards."""
+    def unmeasured(self, by: str = "") -> Iterator[None]:
+        """Run a block whose transient allocations must not count (`by` names what runs, for the
+        explanation's timeline): the peak so far is folded into the open regions first and reset to the
+        current value afterwards."""
         self.backend.settle()
         self._fold()
         if self.attribution is not None:
-            self.attribution.pause()
+            self.attribution.pause(by)
         try:
             yield
         finally:
@@ -90,6 +93,17 @@ class RegionStack:
         peak = self.backend.peak()
         for region in self.open:
             region.high = region.high.max(peak)
+
+
+def refuse_rank_name(name: str) -> None:
+    """A region named `NAME@rankN` would be read as rank N's phase NAME in every report, file and
+    baseline (`split_rank`): the name is refused where it is chosen, not escaped everywhere it is read."""
+    base, rank = split_rank(name)
+    if rank is not None:
+        raise GpuMemError(
+            f"phase name {name!r} reads as rank {rank}'s phase {base!r} ('@rank' and a number end the "
+            "phases of gpumem.distributed ranks): choose another name"
+        )
 
 
 def mark_phase(exc: BaseException, name: str) -> None:

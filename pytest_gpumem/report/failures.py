@@ -1,9 +1,16 @@
-"""The one line a measured test fails with when it runs out of memory or leaks, and its report section
-of what it left allocated."""
+"""The one line a measured test fails with, and what of it goes to the test's report section.
+
+The rule for every failure line: its first clause says what failed, by how much, the limit it passed and,
+for a leak, who holds the memory; then each further clause, most useful first, that still fits in
+`LINE_WIDTH` characters. A clause left out is a line of the report section (`also: ...`), unless the
+section already says it; figures too long for a line (an allocator's state, survivors by module) are
+there anyway."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pytest_gpumem.measure.failures import exception_text
@@ -14,43 +21,129 @@ if TYPE_CHECKING:
     from pytest_gpumem.budget import Budget, Limit
     from pytest_gpumem.measure.meter import GpuMem
 
-SURVIVORS_IN_MESSAGE = 3
+LINE_WIDTH = 200  # characters of a failure line: what reads at a glance, wrapped once at 120 columns
+_JOINERS = ("; ", ", ", ": ")
+
+
+@dataclass(frozen=True)
+class FailureLine:
+    """A failure's line and the lines its report section adds (the clauses that did not fit, the
+    figures that never do)."""
+
+    line: str
+    detail: tuple[str, ...] = ()
+
+    def section(self) -> str:
+        return "".join(f"\n{line}" for line in self.detail)
+
+
+Clause = str | tuple[str, ...]  # a clause, or its forms from the whole one to the shortest
+
+
+def fit_line(head: str, clauses: Sequence[Clause], shown: Collection[str] = (), width: int = LINE_WIDTH) -> FailureLine:
+    """`head`, then each clause in turn in the first of its forms that still fits in `width` characters (a
+    clause carries its own joiner: '; ...', ', ...', ': ...' or ' (...)'); a clause not there whole is an
+    `also:` line of the section, unless it is in `shown` (the section says it already)."""
+    line, moved = head, []
+    for clause in clauses:
+        forms = (clause,) if isinstance(clause, str) else clause
+        kept = next((form for form in forms if len(line) + len(form) <= width), "")
+        line += kept
+        if kept != forms[0] and forms[0] not in shown:
+            moved.append(f"also: {_bare(forms[0])}")
+    return FailureLine(line, tuple(moved))
+
+
+def _bare(clause: str) -> str:
+    """A clause on a line of its own: without its joiner, or its parentheses."""
+    for joiner in _JOINERS:
+        if clause.startswith(joiner):
+            return clause[len(joiner) :]
+    text = clause.strip()
+    return text[1:-1] if text.startswith("(") and text.endswith(")") else text
+
+
+def budget_line(violations: Sequence[str], made: str, advised: str) -> FailureLine:
+    """The first limit exceeded, then what its peak is made of (or how to see it), the advice, and the
+    other limits exceeded."""
+    return fit_line(violations[0], [made, advised, *(f"; {v}" for v in violations[1:])])
+
+
+def verdict_line(problems: Sequence[str], how: str) -> FailureLine:
+    """The first problem against the baseline, what grew, how to learn more, then the other problems
+    (each problem, what grew with it, is a line of the section already)."""
+    head, grew = _growth_apart(problems[0])
+    others = [f"; {p}" for p in problems[1:]]
+    return fit_line(head, [_shorter(grew), how, *others], shown=[grew, *others])
+
+
+def _growth_apart(problem: str) -> tuple[str, str]:
+    """'call peak 4.3 MiB is 277.2% above baseline 1.1 MiB (tolerance 5%)' and ': h.0 +1.5 MiB: ...', the
+    module groups that grew, which `baselines.compare.with_growth` adds after the tolerance."""
+    start = problem.find(" (tolerance ")
+    end = problem.find(")", start) + 1 if start >= 0 else 0
+    return (problem[:end], problem[end:]) if end and problem.startswith(": ", end) else (problem, "")
+
+
+def _shorter(grew: str) -> tuple[str, ...]:
+    """What grew (': h.* +1.5 MiB (12 blocks): gradients +1.0 MiB, ...; head +1.0 MiB, ...'), then the
+    group that grew most with its parts, then that group alone."""
+    if not grew:
+        return ("",)
+    groups = grew.removeprefix(": ").split("; ")
+    more = "; ..." if len(groups) > 1 else ""
+    depth, cut = 0, len(groups[0])
+    for at, char in enumerate(groups[0]):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0 and groups[0].startswith((": ", ", "), at):
+            cut = at
+            break
+    return grew, f": {groups[0]}{more}", f": {groups[0][:cut]}, ..."
 
 
 def out_of_memory_message(
     meter: GpuMem, budget: Budget | None, exc: BaseException, capacity: Limit | None = None
-) -> str:
-    """One sentence: where it ran out, what it asked for, the peak so far, and the limit it hit (the
-    capacity the test ran under, or the device's own memory); the budget only when it was already over;
-    on the meta device, that it is a prediction."""
+) -> FailureLine:
+    """Where it ran out, what it asked for, the peak so far, and the limit it hit (the capacity the test
+    ran under, or the device's own memory); then that it is a prediction (on meta), fragmentation when the
+    allocator's model saw it, the budget when it was already over, and the advice. The allocator's state
+    is a line of the section."""
     phase = meter.phase_left_by(exc)
     where = f"in {phase}" if phase else "in the call"
     asked = re.search(r"[Tt]ried to allocate ([\d.,]+ ?[KMGTP]?i?B)", exception_text(exc))
     tried = f" (tried to allocate {asked.group(1)})" if asked else ""
     limits = ": the device's memory ran out" if capacity is None else f": past the {_capacity_hit(budget, capacity)}"
-    limits += _allocator_state(exc)
-    limits += _budget_over(budget, meter, phase)
-    limits += "; a prediction on meta" if str(meter.device) == "meta" else ""
-    advised = advice_clause(meter.advice, budget, oom=True)
     peak = format_size(meter.peak()) if capacity is None else capacity.fmt(meter.peak())
-    return f"out of memory {where}{tried} after a peak of {peak}{limits}{advised}"
+    state, fragmented = _allocator_state(exc)
+    clauses = [
+        "; a prediction on meta" if str(meter.device) == "meta" else "",
+        fragmented,
+        _budget_over(budget, meter, phase),
+        advice_clause(meter.advice, budget, oom=True),
+    ]
+    found = fit_line(f"out of memory {where}{tried} after a peak of {peak}{limits}", clauses, shown=[fragmented])
+    return FailureLine(found.line, (*found.detail, *state))
 
 
-def _allocator_state(exc: BaseException) -> str:
-    """Where the tracker models the CUDA allocator: what it held when the new segment did not fit, in
-    CUDA's terms, and the setting that helps when fragmentation is the cause (the reserved but
-    unallocated bytes would hold the request, but no free block does)."""
+def _allocator_state(exc: BaseException) -> tuple[tuple[str, ...], str]:
+    """Where the tracker models the CUDA allocator: the section's lines of what it held when the new
+    segment did not fit, in CUDA's terms, and the line's clause when fragmentation is the cause (the
+    reserved but unallocated bytes would hold the request, but no free block does)."""
     error = getattr(exc, "allocator_error", None)
     if error is None:
-        return ""
+        return (), ""
     free = error.reserved - error.allocated
-    state = (
-        f", with {format_size(error.reserved)} reserved: {format_size(error.allocated)} allocated and "
-        f"{format_size(free)} reserved but unallocated"
+    lines = [
+        f"allocator when it ran out: {format_size(error.reserved)} reserved, {format_size(error.allocated)} "
+        f"allocated and {format_size(free)} reserved but unallocated"
+    ]
+    if free < error.requested:
+        return tuple(lines), ""
+    lines.append(
+        f"fragmentation: no free block holds {format_size(error.requested)}, though {format_size(free)} is "
+        "reserved but unallocated; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets that memory serve it"
     )
-    if free >= error.requested:
-        state += " (fragmentation: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets that memory serve it)"
-    return state
+    return tuple(lines), f"; fragmentation ({format_size(free)} reserved but unallocated)"
 
 
 def _capacity_hit(budget: Budget | None, capacity: Limit) -> str:
@@ -73,14 +166,22 @@ def _budget_over(budget: Budget | None, meter: GpuMem, phase: str | None) -> str
     return "" if peak <= limit.bytes else f"; over its budget {name}{limit.written} too, at {limit.fmt(peak)}"
 
 
-def leak_message(meter: GpuMem, leak: Limit, net_bytes: int) -> str:
-    shown = "; ".join(s.describe(leak.fmt) for s in meter.survivors[:SURVIVORS_IN_MESSAGE])
-    more = len(meter.survivors) - SURVIVORS_IN_MESSAGE
-    tail = f"; {more} more in the report section" if more > 0 else ""
+def leak_message(meter: GpuMem, leak: Limit, net_bytes: int) -> FailureLine:
+    """How much the call left allocated, the limit, and who holds it; then what it is (parameters, saved
+    for backward, ...) and the largest survivor. Every survivor is a line of the section, and so is what
+    each module's tensors left."""
     holding = meter.leak_holding
-    held = "" if holding is None else f": {holding.describe(leak.fmt)}"
-    largest = f"{'; largest' if held else ''}: {shown}{tail}" if shown else ""
-    return f"left {leak.fmt(net_bytes)} allocated after the call (leak limit {leak.written}){held}{largest}"
+    held = "" if holding is None or not holding.held() else f", {holding.held()}"
+    parts: Clause = ""
+    if holding is not None and holding.kinds:
+        what, size = holding.kinds[0]
+        whole = f": {holding.parts(leak.fmt)}"
+        parts = (whole, f": {what} {leak.fmt(size)}, ...") if len(holding.kinds) > 1 else whole
+    largest = f"; largest: {meter.survivors[0].describe(leak.fmt)}" if meter.survivors else ""
+    head = f"left {leak.fmt(net_bytes)} allocated after the call (leak limit {leak.written}){held}"
+    found = fit_line(head, [parts, largest], shown=[largest])
+    by_module = () if holding is None else tuple(holding.by_module(format_size))
+    return FailureLine(found.line, (*found.detail, *by_module))
 
 
 def survivors_section(meter: GpuMem) -> str:

@@ -4,14 +4,16 @@ A test that called gpumem.advise also gets the advice's rows as a table.
 
 The page loads nothing (a Content-Security-Policy forbids it): the jinja2 template (`templates/`) writes
 the tables, the explanation travels inside as JSON, and the script (`static/page.js`) draws the chart from
-it and finds the peak a reader sees; every size and axis tick it shows comes from here (`view`)."""
+it; the peak it marks (the call's, as its table says), every size and every axis tick it shows come
+from here (`view`). What advise and check_gradients ran inside the test is folded on the event axis
+(`html_axis`), labeled, and listed under the chart."""
 
 from __future__ import annotations
 
 import base64
 import hashlib
 import json
-import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -20,8 +22,9 @@ from typing import Any
 
 import jinja2
 
+from pytest_gpumem.report.html_axis import Axis, Segment, event_axis, event_ticks, nice_step
 from pytest_gpumem.results.advice import AS_IS, Advice, Row
-from pytest_gpumem.results.explanation import Explanation, PhaseExplanation, Point, Tensor
+from pytest_gpumem.results.explanation import Explanation, PhaseExplanation, Point, Tensor, Unmeasured
 from pytest_gpumem.sizes import format_size
 
 COLOURS = ("#4e79a7", "#f28e2b", "#e15759", "#59a14f", "#edc948", "#b07aa1", "#76b7b2", "#ff9da7", "#9c755f")
@@ -34,6 +37,9 @@ UNLISTED = "#bbb"  # the colour of a category the explanation does not list, and
 TIP_TENSORS = 5  # tensors the chart's tooltip lists at a phase's peak
 PEAK_CONTRIBUTORS = 3  # cells the peak's label names
 Y_HEADROOM = 1.08  # the chart's top, over its peak
+X_LABEL = "event in the test call (allocation, resize or free)"
+X_FOLDED = "; grey: folded, measured by no phase"
+WHERE_CHARS, WHERE_PARTS = 40, 2  # a source path longer than this keeps its last parts in the tensors table
 _TICK_UNITS = ((1024, "KiB"), (1024**2, "MiB"), (1024**3, "GiB"), (1024**4, "TiB"))
 
 
@@ -56,10 +62,25 @@ def _assets() -> _Assets:
         keep_trailing_newline=True,
         undefined=jinja2.StrictUndefined,
     )
+    environment.filters["break_parts"] = break_parts
     script = (here / "static" / "page.js").read_text(encoding="utf-8")
     digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
     csp = f"default-src 'none'; style-src 'unsafe-inline'; script-src 'sha256-{digest}'"
     return _Assets(environment, (here / "static" / "page.css").read_text(encoding="utf-8"), script, csp)
+
+
+def break_parts(text: str) -> list[str]:
+    """`text` in the parts the page may break a line between (the template's `wrap`): after each `.`, `/`
+    and `_`, so module paths, op names and file paths wrap there rather than mid-word."""
+    return re.split(r"(?<=[./_])", text)
+
+
+def short_where(where: str) -> str:
+    """A source line as the tensors table shows it: a long path cut to its last directories."""
+    parts = where.split("/")
+    if len(where) <= WHERE_CHARS or len(parts) <= WHERE_PARTS:
+        return where
+    return "…/" + "/".join(parts[-WHERE_PARTS:])
 
 
 def render(explanation: Explanation, advice: Advice | None = None) -> str:
@@ -76,6 +97,7 @@ def render(explanation: Explanation, advice: Advice | None = None) -> str:
             {"colour": _colour(explanation, c), "label": explanation.label(c)} for c in reversed(explanation.categories)
         ],
         advice=None if advice is None else _advice_view(advice),
+        folded=folded_view(explanation.timeline.unmeasured),
         phases=[_phase_view(name, phase, explanation) for name, phase in _phases(explanation)],
         data=_script_json(explanation.to_json()),
         view=_script_json(chart_texts(explanation)),
@@ -98,17 +120,20 @@ def _colour(explanation: Explanation, category: str) -> str:
 
 def chart_texts(explanation: Explanation) -> dict[str, Any]:
     """Every size the chart's script shows, formatted: for each timeline point its total (size, bytes,
-    growth over the call's start) and its categories; the peak's label and tooltip; both axes, each with
-    its extent (`x_max`, `y_max`) and its ticks ([position, text])."""
+    growth over the call's start) and its categories; the peak's point (the call's, where its table says)
+    with its label and tooltip; both axes, each with its extent (`x_max`, `y_max`) and its ticks
+    ([position, text]), the event axis's `segments` and its `folds` (what ran that no phase measured)."""
     call = explanation.phases.get("call")
     start = 0 if call is None else call.start_bytes
     points = explanation.timeline.points
     x_max = max(1, explanation.timeline.events, points[-1].index if points else 0)
     y_max = max(1.0, max((point.total for point in points), default=0) * Y_HEADROOM)
+    axis = event_axis(x_max, explanation.timeline.unmeasured)
     return {
         "colours": list(COLOURS),
         "points": [_point_texts(point, start) for point in points],
         "empty": _point_texts(Point(0, []), start),
+        "peak": peak_point(explanation, axis),
         "start": format_size(start) if start else "",
         "unattributed": format_size(call.unattributed_bytes) if call is not None and call.unattributed_bytes else "",
         "contributors": [] if call is None else _contributors(explanation, call),
@@ -117,10 +142,48 @@ def chart_texts(explanation: Explanation) -> dict[str, Any]:
             for name, phase in explanation.phases.items()
         },
         "x_max": x_max,
-        "x_ticks": event_ticks(x_max),
+        "x_ticks": event_ticks(axis),
+        "x_label": X_LABEL + (X_FOLDED if axis.folds else ""),
+        "segments": [part.to_json() for part in axis.segments],
+        "folds": [_fold_texts(part) for part in axis.folds],
         "y_max": y_max,
         "ticks": byte_ticks(y_max),
     }
+
+
+def peak_point(explanation: Explanation, axis: Axis) -> int | None:
+    """The timeline point the chart marks as the peak: the call's peak (the moment its table names),
+    else (an explanation without it) the first largest point outside the folded spans; None without
+    points."""
+    points = explanation.timeline.points
+    call = explanation.phases.get("call")
+    if call is not None and call.peak_index is not None:
+        found = next((i for i, point in enumerate(points) if point.index == call.peak_index), None)
+        if found is not None:
+            return found
+    measured = [i for i, point in enumerate(points) if axis.fold_at(point.index) is None] or list(range(len(points)))
+    return max(measured, key=lambda i: (points[i].total, -i), default=None)
+
+
+def folded_view(unmeasured: list[Unmeasured]) -> list[dict[str, Any]]:
+    """What ran that no phase measures, one line per caller (gpumem.advise, ...): how often, how many
+    events, where on the event axis."""
+    by: dict[str, list[Unmeasured]] = {}
+    for span in unmeasured:
+        by.setdefault(span.by or "unmeasured", []).append(span)
+    view = []
+    for name, spans in by.items():
+        events = sum(span.end - span.start for span in spans)
+        where = f"events {spans[0].start:,} to {spans[0].end:,}" if len(spans) == 1 else f"{len(spans)} times"
+        view.append({"by": name, "runs": len(spans), "events": events, "text": f"{name}: {events:,} events ({where})"})
+    return view
+
+
+def _fold_texts(part: Segment) -> dict[str, Any]:
+    """A folded span's label on the chart, and its tooltip."""
+    events = f"events {part.start:,} to {part.end:,} ({part.end - part.start:,} events)"
+    title = f"{part.by}: {events}, folded on this axis; no phase measures them"
+    return {"start": part.start, "end": part.end, "label": part.by, "title": title}
 
 
 def _point_texts(point: Point, start: int) -> list[Any]:
@@ -148,25 +211,13 @@ def byte_ticks(top: float) -> list[list[Any]]:
     for size, unit_name in _TICK_UNITS:
         if top >= size:
             unit, name = size, unit_name
-    step = max(_nice_step(top / unit / 5), 1 if unit == 1 else 0)
+    step = max(nice_step(top / unit / 5), 1 if unit == 1 else 0)
     ticks: list[list[Any]] = []
     value = 0.0
     while value * unit <= top:
         ticks.append([value * unit, f"{_short_number(round(value * 1000) / 1000)} {name}"])
         value += step
     return ticks
-
-
-def event_ticks(top: int) -> list[list[Any]]:
-    """The event axis up to `top`: about eight round steps, whole events."""
-    step = max(1, int(_nice_step(top / 8)))
-    return [[index, f"{index:,}"] for index in range(0, top + 1, step)]
-
-
-def _nice_step(raw: float) -> float:
-    power = 10.0 ** math.floor(math.log10(raw))
-    ratio = raw / power
-    return (1 if ratio <= 1 else 2 if ratio <= 2 else 5 if ratio <= 5 else 10) * power
 
 
 def _short_number(value: float) -> str:
@@ -186,6 +237,7 @@ def _phase_view(name: str, phase: PhaseExplanation, explanation: Explanation) ->
     ranked = [("by module", "module", phase.modules), ("by category and module", "category, module", cells)]
     return {
         "name": name,
+        "peak_index": "" if phase.peak_index is None else phase.peak_index,
         "title": "the whole call" if name == "call" else name,
         "summary": _phase_summary(phase),
         "peak": format_size(phase.peak_bytes),
@@ -237,7 +289,8 @@ def _tensor_view(tensor: Tensor, explanation: Explanation) -> dict[str, Any]:
         "colour": _colour(explanation, tensor.category),
         "label": explanation.label(tensor.category),
         "op": tensor.op,
-        "where": tensor.where or "",
+        "where": short_where(tensor.where or ""),
+        "where_full": tensor.where or "",
         "module": tensor.module,
     }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import quote
@@ -11,6 +12,8 @@ from tabulate import tabulate
 
 from pytest_gpumem.report.terminal import long_columns, one_line, short_columns
 from pytest_gpumem.results import TestResult
+
+_JOINERS = "\u200c\u200d"  # zero-width (non-)joiners: parts of emoji and of words in some scripts, kept
 
 
 def markdown(
@@ -47,11 +50,21 @@ def link_target(path: str) -> str:
 
 
 def markdown_table(headers: Sequence[str], body: Sequence[Sequence[str]]) -> str:
-    """GitHub Markdown, each cell on one line with its pipes escaped."""
-    cells = [[_escape_pipes(one_line(cell)) for cell in row] for row in body]
-    heads = [_escape_pipes(one_line(h)) for h in headers]
-    return tabulate(cells, headers=heads, tablefmt="github", disable_numparse=True) + "\n"
+    """GitHub Markdown, each cell on one line (`cell`)."""
+    cells = [[cell(text) for text in row] for row in body]
+    return tabulate(cells, headers=[cell(h) for h in headers], tablefmt="github", disable_numparse=True) + "\n"
 
 
-def _escape_pipes(cell: str) -> str:
-    return cell.replace("|", "\\|")
+def cell(text: str) -> str:
+    """`text` as a table cell that shows it as it is: on one line, a backslash and a pipe escaped (a
+    backslash before a pipe would escape the pipe's own escape and end the cell), and every control or
+    format character (an escape sequence, NUL, a right-to-left override) written as its Python escape."""
+    return "".join(map(_cell_character, one_line(text)))
+
+
+def _cell_character(char: str) -> str:
+    if char in "\\|":
+        return "\\" + char
+    if unicodedata.category(char)[0] != "C" or char in _JOINERS:
+        return char
+    return "\\" + char.encode("unicode_escape", "backslashreplace").decode("ascii")

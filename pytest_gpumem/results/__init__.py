@@ -23,9 +23,11 @@ def rank_phase(name: str, rank: int) -> str:
 
 
 def split_rank(name: str) -> tuple[str, int | None]:
-    """`name@rankN` -> (name, N); any other name -> (name, None)."""
+    """`name@rankN` as `rank_phase` writes it -> (name, N); any other name (`x@rank01` too) -> (name, None)."""
     base, separator, rank = name.rpartition(RANK_SEPARATOR)
-    return (base, int(rank)) if separator and base and rank.isdigit() and rank.isascii() else (name, None)
+    if separator and base and rank.isdigit() and rank.isascii() and str(int(rank)) == rank:
+        return base, int(rank)
+    return name, None
 
 
 class Status(str, Enum):

@@ -17,10 +17,11 @@ from pytest_gpumem.distributed.worker import json_problem  # pure, and pytest-fr
 from pytest_gpumem.errors import GpuMemError, GpuMemWarning
 from pytest_gpumem.explain.text import made_of, over_limit
 from pytest_gpumem.explain.text import section as explained
-from pytest_gpumem.measure.failures import is_out_of_memory, needs_real_values, release_memory
+from pytest_gpumem.measure.failures import is_out_of_memory, needs_real_values, release_memory, uninitialized_in_ours
 from pytest_gpumem.measure.watch import Watch
+from pytest_gpumem.report import failures
 from pytest_gpumem.report.advice import advice_clause, advice_section
-from pytest_gpumem.report.failures import leak_message, out_of_memory_message, survivors_section
+from pytest_gpumem.report.failures import FailureLine, budget_line, leak_message, out_of_memory_message
 from pytest_gpumem.results import REPORT_ATTRIBUTE, PhaseResult, Status, TestResult, junit_properties, settle
 from pytest_gpumem.results.advice import Advice
 from pytest_gpumem.run import outputs
@@ -110,12 +111,12 @@ def _expected(item: pytest.Item, exc: BaseException) -> bool:
 
 def _memory_failure(
     meter: GpuMem, budget: Budget | None, exc: BaseException, capacity: Limit | None
-) -> tuple[Status, str] | None:
-    """(status, one line) for an error that is about memory, not the test's code."""
+) -> tuple[Status, FailureLine] | None:
+    """(status, its line) for an error that is about memory, not the test's code."""
     if is_out_of_memory(exc):
         return Status.OUT_OF_MEMORY, out_of_memory_message(meter, budget, exc, capacity)
-    meta = needs_real_values(exc, meter.device)
-    return None if meta is None else (Status.ERROR, f"{meter.nodeid}: {meta}")
+    meta = needs_real_values(exc, meter.device) or uninitialized_in_ours(exc)
+    return None if meta is None else (Status.ERROR, FailureLine(f"{meter.nodeid}: {meta}"))
 
 
 def _fail(message: str) -> NoReturn:
@@ -140,9 +141,11 @@ def _warn_notes(item: pytest.Item, notes: list[str]) -> None:
         warnings.warn_explicit(GpuMemWarning(f"{item.nodeid}: {note}"), GpuMemWarning, path, line)
 
 
-def _section(meter: GpuMem, call: PhaseResult, judgement: Judgement | None) -> str:
-    """The report section of a test that ran to the end: phases, survivors, explanation, advice, verdict."""
-    section = breakdown(call, meter.phases) + survivors_section(meter) + explained(meter.explanation)
+def _section(meter: GpuMem, call: PhaseResult, judgement: Judgement | None, failure: FailureLine | None) -> str:
+    """The report section of a test that ran to the end: what its failure line left out, phases,
+    survivors, explanation, advice, verdict."""
+    section = failure.section().removeprefix("\n") + "\n" if failure is not None and failure.detail else ""
+    section += breakdown(call, meter.phases) + failures.survivors_section(meter) + explained(meter.explanation)
     section += advice_section(meter.advice)
     if judgement is not None and judgement.verdict.messages:
         section += "\n" + "\n".join(judgement.verdict.messages)
@@ -151,19 +154,27 @@ def _section(meter: GpuMem, call: PhaseResult, judgement: Judgement | None) -> s
 
 def _outcome(
     meter: GpuMem, budget: Budget | None, watch: Watch, call: PhaseResult, judgement: Judgement | None
-) -> tuple[Status, str | None]:
+) -> tuple[Status, FailureLine | None]:
     """The status of a test that ran to the end, and its failure line (None when it passes): a budget
     first, then a leak, then its baseline."""
     over = [] if budget is None else budget.violations(call, meter.phases)
     if over:
         advised = advice_clause(meter.advice, budget, call, meter.phases)
         made = made_of(meter.explanation, over_limit(budget, call, meter.phases)) if not advised else ""
-        return Status.OVER_BUDGET, "; ".join(over) + made + advised
+        return Status.OVER_BUDGET, budget_line(over, made, advised)
     if watch.leak is not None and call.net_bytes > watch.leak.bytes:
         return Status.LEAKED, leak_message(meter, watch.leak, call.net_bytes)
     if judgement is not None:
-        return verdict_status(judgement.verdict), judgement.failure_message() if judgement.fails else None
+        return verdict_status(judgement.verdict), _verdict_line(judgement) if judgement.fails else None
     return Status.OK, None
+
+
+def _verdict_line(judgement: Judgement) -> FailureLine:
+    """The baseline's line: its first problem and how to learn what grew, the others as they fit."""
+    problems, message = judgement.verdict.problems, judgement.failure_message()
+    if not problems:
+        return FailureLine(message)
+    return failures.verdict_line(problems, message.removeprefix(judgement.verdict.failure_message()))
 
 
 class Judge:
@@ -202,7 +213,7 @@ class Judge:
         try:
             outcome = yield
         except GpuMemError as exc:
-            status, error = Status.ERROR, f"{item.nodeid}: {exc}"
+            status, error, detail = Status.ERROR, f"{item.nodeid}: {exc}", ""
         except (pytest.skip.Exception, pytest.xfail.Exception):
             meter.end_call()
             raise
@@ -214,7 +225,8 @@ class Judge:
                 finally:
                     meter.end_call_if_running()
                 raise
-            status, error = failure
+            status, line = failure
+            error, detail = line.line, line.section()
             if _expected(item, exc):  # xfail(raises=...): the test behaves as it does unmeasured
                 self._finish(item, meter, budget, status, error)
                 raise
@@ -226,7 +238,9 @@ class Judge:
             release_memory()
         self._finish(item, meter, budget, status, error)
         if meter.has_call_result:
-            item.add_report_section("call", "gpumem", breakdown(meter.result(), meter.phases))
+            detail += "\n" + breakdown(meter.result(), meter.phases)
+        if detail:
+            item.add_report_section("call", "gpumem", detail.removeprefix("\n"))
         _fail(error)
 
     def _judge(self, item: pytest.Item, meter: GpuMem, budget: Budget | None, watch: Watch) -> None:
@@ -244,10 +258,11 @@ class Judge:
         judgement = baselines.judge(item.nodeid, meter, budget) if baselines.active else None
         status, failure = _outcome(meter, budget, watch, call, judgement)
         if budget is not None or judgement is not None or status == Status.LEAKED or _has_detail(meter):
-            item.add_report_section("call", "gpumem", _section(meter, call, judgement))
-        self._finish(item, meter, budget, status, failure, judgement)
-        if failure:
-            _fail(failure)
+            item.add_report_section("call", "gpumem", _section(meter, call, judgement, failure))
+        line = None if failure is None else failure.line
+        self._finish(item, meter, budget, status, line, judgement)
+        if line:
+            _fail(line)
 
     def _error(self, item: pytest.Item, meter: GpuMem, budget: Budget | None, message: str) -> NoReturn:
         """Record the test as an error and fail it with one line."""

@@ -26,14 +26,6 @@
       (phases[name].spans || []).some(s => s[0] <= index && index <= s[1]));
   }
 
-  function peakOf(stacked) {
-    let best = 0;
-    for (let i = 1; i < stacked.length; i++) {
-      if (stacked[i][categories.length] > stacked[best][categories.length]) best = i;
-    }
-    return best;
-  }
-
   // stacked[i][c] is the sum of categories before c at point i; stacked[i][categories.length] the total
   function stack() {
     return points.map(p => {
@@ -51,13 +43,34 @@
     return node;
   }
 
+  // the event axis in segments (from Python): [first event, last event, left, right], left and right as
+  // shares of the width; a folded span (what advise or check_gradients ran) takes a narrow one
+  function share(i) {
+    for (const [from, to, left, right] of view.segments) {
+      if (i <= to) return to === from ? left : left + ((Math.max(i, from) - from) / (to - from)) * (right - left);
+    }
+    return 1;
+  }
+
+  function eventAt(x) {
+    for (const [from, to, left, right] of view.segments) {
+      if (x <= right) return right === left ? from : from + ((Math.max(x, left) - left) / (right - left)) * (to - from);
+    }
+    return view.x_max;
+  }
+
   function makeScales(xMax, yMax) {
     const width = W - M.left - M.right, height = H - M.top - M.bottom;
     return {
-      x: i => M.left + (i / xMax) * width,
+      x: i => M.left + share(i) * width,
+      event: px => eventAt((px - M.left) / width),
       y: b => M.top + height - (b / yMax) * height,
       xMax: xMax, yMax: yMax,
     };
+  }
+
+  function foldAt(index) {
+    return view.folds.find(f => f.start < index && index < f.end) || null;
   }
 
   function drawAxes(svg, s) {
@@ -71,7 +84,7 @@
     }
     el(svg, "line", { x1: M.left, x2: W - M.right, y1: H - M.bottom, y2: H - M.bottom, stroke: "#888" });
     el(svg, "text", { x: (M.left + W - M.right) / 2, y: H - 6, "text-anchor": "middle" },
-      "event in the test call (allocation, resize or free)");
+      view.x_label);
     el(svg, "text", { x: 14, y: M.top + (H - M.top - M.bottom) / 2, "text-anchor": "middle",
       transform: "rotate(-90 14 " + (M.top + (H - M.top - M.bottom) / 2) + ")" }, "live memory");
   }
@@ -93,6 +106,24 @@
       el(strip, "title", {}, span.name);
       if (width > span.name.length * 7 + 6) {
         el(svg, "text", { x: x0 + width / 2, y: M.top - 7, "text-anchor": "middle" }, span.name);
+      }
+    }
+  }
+
+  function drawFolds(svg, s) {
+    for (const fold of view.folds) {
+      const x0 = s.x(fold.start), width = Math.max(1, s.x(fold.end) - x0);
+      const group = el(svg, "g", { class: "fold", "data-by": fold.label });
+      el(group, "title", {}, fold.title);
+      el(group, "rect", { x: x0, y: M.top, width: width, height: H - M.top - M.bottom, fill: "#f2f2f2", opacity: 0.7 });
+      el(group, "rect", { x: x0, y: M.top - 20, width: width, height: 18, fill: "#d4d4d4" });
+      for (const i of [fold.start, fold.end]) {
+        el(group, "line", { x1: s.x(i), x2: s.x(i), y1: M.top - 20, y2: H - M.bottom, stroke: "#777" });
+      }
+      if (width >= 16) {  // the label runs up the fold from its foot, whatever its width
+        const x = x0 + width / 2 + 4, y = H - M.bottom - 8;
+        el(group, "text", { x: x, y: y, "text-anchor": "start", class: "fold-label",
+          transform: "rotate(-90 " + x + " " + y + ")" }, fold.label);
       }
     }
   }
@@ -195,9 +226,10 @@
 
   function fillTip(tip, i, stacked) {
     tip.replaceChildren();
-    const index = points[i][0], where = phasesAt(index);
+    const index = points[i][0], where = phasesAt(index), fold = foldAt(index);
     tipRow(tip, "event " + digits(index) + (where.length ? " (" + where.join(", ") + ")" : "") + ": " +
       texts(i)[0] + " live", null, "head");
+    if (fold) tipRow(tip, fold.title, null, "row wrap");
     for (let c = categories.length - 1; c >= 0; c--) {
       if (points[i][1][c]) tipRow(tip, label(categories[c]) + ": " + texts(i)[3][c], colours[c % colours.length]);
     }
@@ -215,7 +247,7 @@
       visibility: "hidden", "pointer-events": "none" });
     svg.addEventListener("mousemove", event => {
       const p = new DOMPoint(event.clientX, event.clientY).matrixTransform(svg.getScreenCTM().inverse());
-      const i = nearest(((p.x - M.left) / (W - M.left - M.right)) * s.xMax);
+      const i = nearest(s.event(p.x));
       cursor.setAttribute("x1", s.x(points[i][0]));
       cursor.setAttribute("x2", s.x(points[i][0]));
       cursor.setAttribute("visibility", "visible");
@@ -239,13 +271,14 @@
       el(svg, "text", { x: W / 2, y: H / 2, "text-anchor": "middle" }, "no memory events recorded");
       return;
     }
-    const peak = peakOf(stacked), total = stacked[peak][categories.length];
+    const peak = view.peak, total = stacked[peak][categories.length];
     showPeak(peak, total);
     const s = makeScales(view.x_max, view.y_max);
     const spans = phaseSpans();
     drawBands(svg, s, spans);
     drawAxes(svg, s);
     drawAreas(svg, s, stacked);
+    drawFolds(svg, s);
     drawEdges(svg, s, spans);
     drawPeak(svg, s, peak, total);
     hover(svg, s, stacked);

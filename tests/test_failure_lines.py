@@ -1,0 +1,234 @@
+"""Every failure line reads at a glance: what failed, by how much, the limit and who holds the memory
+first, then what still fits in 200 characters; the rest is a line of the test's report section, so
+nothing is lost (exact bytes: float32 = 4 bytes; uint8 = 1)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from pytest_gpumem.measure.failures import Holding
+from pytest_gpumem.report.failures import LINE_WIDTH, budget_line, fit_line, verdict_line
+
+Reported = Callable[..., dict[str, dict[str, Any]]]
+
+
+def test_the_head_stays_whole_and_each_clause_follows_while_it_fits() -> None:
+    head = "h" * 150
+    found = fit_line(head, ["; " + "a" * 40, "; " + "b" * 40, " (" + "c" * 5 + ")", ", " + "d" * 60])
+    assert found.line == head + "; " + "a" * 40 + " (ccccc)"  # b and d do not fit; the short c after b does
+    assert found.detail == ("also: " + "b" * 40, "also: " + "d" * 60)
+    assert len(found.line) <= LINE_WIDTH
+    assert fit_line("x" * 300, ["; y"]).line == "x" * 300  # what failed is never cut
+
+
+def test_a_clause_the_section_already_shows_is_not_repeated() -> None:
+    found = fit_line("h" * 190, ["; largest: a survivor", ": parameters 4 B"], shown=["; largest: a survivor"])
+    assert found.detail == ("also: parameters 4 B",)
+
+
+def test_a_budget_line_names_the_first_limit_then_what_made_it_then_the_advice_then_the_others() -> None:
+    over = [f"{name} peak 40.0 MiB exceeds max_memory {name}=1 MiB" for name in ("forward", "backward", "step")]
+    made = "; forward peak made of saved for backward of blocks.* (12 blocks) 30.0 MiB, ..."
+    found = budget_line(over, made, "")
+    assert found.line == over[0] + made + "; " + over[1]
+    assert found.detail == ("also: " + over[2],)
+    hint = " (see what made it with --gpumem-explain or max_memory(explain=True))"
+    assert budget_line(over[:1], hint, "").line == over[0] + hint
+
+
+def test_a_verdict_line_keeps_how_to_learn_more_and_leaves_the_other_problems_to_the_section() -> None:
+    problems = ["call peak 2.0 MiB is 100.0% above baseline 1.0 MiB (tolerance 5%)", "forward " + "x" * 150]
+    how = " (see what made it: pytest t.py::test_a --gpumem-explain)"
+    found = verdict_line(problems, how)
+    assert (found.line, found.detail) == (problems[0] + how, ())  # the section lists every problem already
+
+
+def test_who_holds_a_leak_and_what_each_module_left() -> None:
+    holding = Holding(
+        kinds=(("parameters", 3264), ("saved for backward", 2048)),
+        graph=True,
+        holder="global STATE of test_x (a list)",
+        modules=(*(("parameters", str(i), 1088) for i in range(3)), ("saved for backward", "0", 1024)),
+    )
+    assert holding.held() == "held by an autograd graph kept alive by global STATE of test_x (a list)"
+    assert holding.parts(lambda n: f"{n:,} B") == "parameters 3,264 B, saved for backward 2,048 B"
+    assert holding.by_module(lambda n: f"{n:,} B", width=60) == [
+        "left allocated by module: parameters 3,264 B: 0 1,088 B, 1",
+        "  1,088 B, 2 1,088 B",
+        "left allocated by module: saved for backward 2,048 B: 0",
+        "  1,024 B",
+    ]
+    assert Holding((), False, "global KEEP of t (a list)").held() == "kept by global KEEP of t (a list)"
+    assert Holding((), False, None).held() == ""
+
+
+LEAKS = """
+import types
+
+import pytest
+import torch
+
+STATE = types.SimpleNamespace()
+
+
+@pytest.mark.max_memory(leak="1 kB")
+def test_cache(gpumem):
+    STATE.cache = [torch.ones(1000 + i) for i in range(10)]  # 40,180 B; the largest 4,036 B
+
+
+@pytest.mark.max_memory(leak="1 kB", explain=True)
+def test_model_and_losses(gpumem):
+    net = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
+    STATE.model, STATE.losses = net, [net(torch.ones(4, 16)).pow(2).sum() for _ in range(2)]
+"""
+
+
+def test_a_leak_names_its_holder_first_and_its_survivors_in_the_section(
+    tracker: pytest.Pytester, reported: Reported
+) -> None:
+    tracker.makepyfile(test_leaks=LEAKS)
+    result = tracker.runpytest("-p", "no:randomly", "--gpumem-json=out.json")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "left 40.2 kB allocated after the call (leak limit 1 kB), kept by global STATE of test_leaks (a list); "
+            "largest: 4.0 kB float32[[]1009[]] on cpu, made by aten.ones.default at test_leaks.py:11",
+            *[f"left allocated: 3.9 KiB float32[[]{1009 - i}[]] on cpu, *" for i in range(10)],
+            # each Linear(16, 16): 1,024 + 64 B of parameters; each loss saved its (4, 16) input and the
+            # three layers' outputs (256 B each: the last one for pow) and is 4 B itself
+            "left 5.3 kB allocated after the call (leak limit 1 kB), held by an autograd graph kept alive by "
+            "global STATE of test_leaks (a list): parameters 3.3 kB, saved for backward 2.0 kB, graph outputs 8 B",
+            "left allocated by module: parameters 3.2 KiB: 0 1.1 KiB, 1 1.1 KiB, 2 1.1 KiB",
+            "left allocated by module: saved for backward 2.0 KiB: 0 512 B, 1 512 B, 2 512 B",
+        ]
+    )
+    assert all(len(test["message"]) <= LINE_WIDTH for test in reported().values())
+
+
+BUDGET = """
+import pytest
+import torch
+
+
+@pytest.mark.max_memory("10 kB", forward="1 kB", backward="2 kB", explain=True)
+def test_over_everywhere(gpumem):
+    net = torch.nn.Linear(10, 10)  # 440 B
+    gpumem.advise(lambda: net(torch.ones(4, 10)).sum().backward(), model=net, strategies=["bf16-autocast"])
+    with gpumem.phase("forward"):
+        a = torch.ones(1000)  # 4,000 B
+    with gpumem.phase("backward"):
+        b = torch.ones(2000)  # 8,000 B
+"""
+
+
+def test_a_budget_failure_names_the_first_limit_and_the_advice_and_the_section_the_other_limits(
+    tracker: pytest.Pytester, reported: Reported
+) -> None:
+    tracker.makepyfile(test_budget=BUDGET)
+    result = tracker.runpytest("--gpumem-json=out.json")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "call peak 12.4 kB exceeds max_memory 10 kB; *bf16*",  # 440 + 4,000 + 8,000 B
+            "*Captured gpumem call*",
+            "also: forward peak 4.0 kB exceeds max_memory forward=1 kB",
+            "also: backward peak 8.0 kB exceeds max_memory backward=2 kB",
+            "forward: peak 3.9 KiB *",
+            "peak explained (tracker):",
+            "advice (tracker on cpu*",
+        ]
+    )
+    assert len(reported()["test_over_everywhere"]["message"]) <= LINE_WIDTH
+
+
+FRAGMENTED = """
+import pytest
+import torch
+
+
+@pytest.mark.max_memory("30 MiB", capacity="40 MiB")
+def test_fragmented(gpumem):
+    kept = [torch.empty(5 * 2**20, dtype=torch.uint8) for _ in range(8)]  # two 20 MiB segments
+    del kept[::2]  # 20 MiB free, in 5 MiB holes
+    with gpumem.phase("grow"):
+        torch.empty(8 * 2**20, dtype=torch.uint8)  # no hole holds it; a third segment passes 40 MiB
+"""
+
+
+def test_out_of_memory_on_the_allocators_model_says_the_cause_and_the_section_its_state(
+    tracker: pytest.Pytester, reported: Reported
+) -> None:
+    tracker.makepyfile(test_oom=FRAGMENTED)
+    result = tracker.runpytest("--gpumem-round=cuda", "--gpumem-json=out.json")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "out of memory in grow (tried to allocate 20.0 MiB) after a peak of 40.0 MiB (41,943,040 B): past the "
+            "capacity 40 MiB (max_memory capacity=); fragmentation (20.0 MiB reserved but unallocated)",
+            "also: over its budget 30 MiB too, at 40.0 MiB",
+            "allocator when it ran out: 40.0 MiB reserved, 20.0 MiB allocated and 20.0 MiB reserved but unallocated",
+            "fragmentation: no free block holds 8.0 MiB, though 20.0 MiB is reserved but unallocated; "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets that memory serve it",
+            "call: peak 40.0 MiB *",
+        ]
+    )
+    assert len(reported()["test_fragmented"]["message"]) <= LINE_WIDTH
+
+
+LAZY = """
+import pytest
+import torch
+
+KEEP = []
+
+
+def test_advise_meets_it(gpumem):
+    model = torch.nn.LazyLinear(4)
+    gpumem.advise(lambda: model(torch.ones(2, 3)).sum().backward(), model=model)
+
+
+def test_the_test_meets_it(gpumem):
+    model = torch.nn.LazyLinear(4)
+    model.weight.numel()
+
+
+@pytest.mark.max_memory(leak=0, explain=True)
+def test_a_leak_beside_it(gpumem):
+    KEEP.append(torch.nn.LazyLinear(4))  # no memory yet
+    KEEP.append(torch.ones(10))  # 40 B
+"""
+
+
+def test_an_uninitialized_lazy_module_fails_in_one_line_where_our_code_meets_it(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(test_lazy=LAZY)
+    result = tracker.runpytest("-p", "no:randomly", "-W", "error::pytest_gpumem.GpuMemWarning")
+    result.assert_outcomes(failed=3)
+    result.stdout.fnmatch_lines(
+        [
+            "test_lazy.py::test_advise_meets_it: gpumem.advise() met an uninitialized parameter of a Lazy module "
+            "(torch.nn.LazyLinear and the like, before their first forward): run the model once on a batch before "
+            "measuring it",
+            "*def test_the_test_meets_it*",  # the test's own use: torch's error at the test's line, as unmeasured
+            "E       ValueError: Attempted to use an uninitialized parameter in *numel*",
+            "left 40 B allocated after the call (leak limit 0 B), kept by global KEEP of test_lazy (a list): inputs "
+            "and other 40 B; largest: 40 B float32[[]10[]] on cpu, made by aten.ones.default at test_lazy.py:20",
+        ]
+    )
+    result.stdout.no_fnmatch_line("*pytest_gpumem/*")  # none of our frames
+
+
+def test_what_grew_against_the_baseline_follows_the_regression_as_it_fits() -> None:
+    regressed = "call peak 4.3 MiB is 277.2% above baseline 1.1 MiB (tolerance 0% + 1.0 MiB)"
+    grew = ": h.0 +1.5 MiB: gradients +769.0 KiB, parameters +769.0 KiB; h.2 +1.5 MiB: gradients +769.0 KiB"
+    assert verdict_line([regressed + grew], "").line == regressed + grew
+    found = verdict_line([regressed + grew + "; " + "x" * 60], "")  # the section's line says it whole
+    assert (found.line, found.detail) == (
+        regressed + ": h.0 +1.5 MiB: gradients +769.0 KiB, parameters +769.0 KiB; ...",
+        (),
+    )
+    found = verdict_line([regressed + grew.replace("h.0", "h" * 100)], "")
+    assert found.line == regressed + ": " + "h" * 100 + " +1.5 MiB, ..."
+    assert verdict_line(["gradients changed: fc.weight differs"], "").line == "gradients changed: fc.weight differs"

@@ -1,0 +1,77 @@
+"""A Markdown table cell shows its text as it is, whatever the text: a backslash before a pipe does not
+end the cell, and control and format characters reach the file as escapes, never raw."""
+
+from __future__ import annotations
+
+import string
+import unicodedata
+
+import pytest
+
+from pytest_gpumem.report.markdown import cell, markdown_table
+
+HOSTILE = {
+    "a\\|b": "a\\|b",  # a backslash before a pipe
+    "a\\\\|b": "a\\\\|b",
+    "end\\": "end\\",
+    "esc\x1b[31mred": "esc\\x1b[31mred",  # an escape sequence, written as Python writes it
+    "nul\x00x": "nul\\x00x",
+    "csi\x9bx": "csi\\x9bx",
+    "rlo\u202ex": "rlo\\u202ex",  # a right-to-left override (a format character)
+    "bom\ufeffx": "bom\\ufeffx",
+    "two\nlines": "two lines",
+    "emoji \U0001f469\u200d\U0001f4bb": "emoji \U0001f469\u200d\U0001f4bb",  # the joiner is part of the emoji
+}
+
+
+def read_row(line: str) -> list[str]:
+    """The cells of a table row as GitHub reads them: a backslash escapes the punctuation after it (so a
+    pipe after an escaped backslash ends the cell), an unescaped pipe ends a cell."""
+    cells, text, escaped = [], "", False
+    for char in line.strip().removeprefix("|"):
+        if escaped:
+            text += char if char in string.punctuation else "\\" + char
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == "|":
+            cells.append(text.strip())
+            text = ""
+        else:
+            text += char
+    return cells
+
+
+@pytest.mark.parametrize(("text", "shown"), HOSTILE.items(), ids=ascii)
+def test_a_cell_shows_its_text_as_it_is(text: str, shown: str) -> None:
+    written = cell(text)
+    assert read_row(f"| {written} | next |") == [shown, "next"]
+    assert all(unicodedata.category(c)[0] != "C" or c == "\u200d" for c in written)
+
+
+def test_every_row_of_a_table_of_hostile_names_keeps_its_columns() -> None:
+    names = list(HOSTILE)
+    table = markdown_table(["name | header", "peak"], [[name, "40 B"] for name in names]).splitlines()
+    assert read_row(table[0]) == ["name | header", "peak"]
+    assert [read_row(line) for line in table[2:]] == [[HOSTILE[name], "40 B"] for name in names]
+
+
+def test_the_markdown_report_of_hostile_phase_names_keeps_its_columns(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        test_names=f"""
+        import pytest, torch
+
+        @pytest.mark.parametrize("name", {list(HOSTILE)!r})
+        def test_phase(gpumem, name):
+            with gpumem.phase(name):
+                torch.ones(10)
+        """
+    )
+    result = tracker.runpytest("--gpumem-markdown=m.md", "-p", "no:randomly")
+    result.assert_outcomes(passed=len(HOSTILE))
+    text = (tracker.path / "m.md").read_text(encoding="utf-8")
+    rows = [read_row(line) for line in text.splitlines() if line.startswith("|")]
+    assert {len(row) for row in rows} == {len(rows[0])}
+    phases = [row[rows[0].index("phases")] for row in rows[2:]]
+    assert phases == [f"{shown} 40 B" for shown in HOSTILE.values()]  # 10 float32
+    assert all(unicodedata.category(c)[0] != "C" or c in "\n\u200d" for c in text)
