@@ -1,12 +1,12 @@
-"""mkdocs hook: the options page is written from the option table the plugin registers (pytest_gpumem.config)."""
+"""mkdocs hook: the options page is written from the option table the plugin registers (pytest_gpumem.options)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pytest_gpumem.config import OPTIONS, Option
+from pytest_gpumem.options import OPTIONS, Option
 
-MARKER = "<!-- options table, generated from pytest_gpumem.config.OPTIONS -->"
+MARKER = "<!-- options table, generated from pytest_gpumem.options.OPTIONS -->"
 
 
 def _usage(option: Option) -> str:

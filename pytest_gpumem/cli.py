@@ -19,7 +19,6 @@ from typing import Any
 
 from pytest_gpumem.baselines.compare import Tolerance, compare_peak, with_growth
 from pytest_gpumem.baselines.schema import strict_json
-from pytest_gpumem.config import slack, tolerance
 from pytest_gpumem.constants import DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT
 from pytest_gpumem.explain.growth import compact
 from pytest_gpumem.history import command as history
@@ -30,6 +29,7 @@ from pytest_gpumem.results.baseline import BaselineStatus, PhaseComparison, soun
 from pytest_gpumem.results.explanation import Composition, Explanation
 from pytest_gpumem.run.outputs import why, write_file
 from pytest_gpumem.sizes import format_size, shorten
+from pytest_gpumem.values import slack, tolerance
 
 MAX_REPORT_BYTES = 256 * 1024 * 1024
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpumem import config as options
+from pytest_gpumem import values
 from pytest_gpumem.baselines.schema import BaselineError, dumps, loads
 from pytest_gpumem.budget import budget_from_marker
 from pytest_gpumem.cli import main
@@ -218,7 +218,7 @@ def test_a_hostile_marker_argument_is_one_short_line(
     ],
 )
 def test_a_hostile_option_value_is_one_short_line(parse: str, value: str, problem: str) -> None:
-    function = getattr(options, parse)
+    function = getattr(values, parse)
     with pytest.raises(argparse.ArgumentTypeError) as refused:
         function(value)
     assert problem in str(refused.value)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpumem import config
+from pytest_gpumem import values
 from pytest_gpumem.budget import budget_from_marker
 from pytest_gpumem.cards import CARDS, DEFAULT_OUTSIDE, Capacity, find_card, parse_capacity
 from pytest_gpumem.errors import GpuMemError
@@ -66,14 +66,14 @@ def test_a_bad_capacity_is_one_line_naming_the_argument(value: object, said: str
 
 
 def test_the_option_reads_the_same_spellings() -> None:
-    limit = config.capacity("A100-40GB")
+    limit = values.capacity("A100-40GB")
     assert (limit.bytes, limit.card, limit.written) == (
         42_298_834_944 - 512 * MIB,
         "A100-40GB",
         "A100-40GB (--gpumem-capacity)",
     )
     with pytest.raises(argparse.ArgumentTypeError, match=r"^invalid capacity 'A100': unknown card 'A100': give a"):
-        config.capacity("A100")  # 40 or 80 GB: not a name of its own
+        values.capacity("A100")  # 40 or 80 GB: not a name of its own
 
 
 def test_a_bad_card_stops_the_run_in_one_line(tracker: pytest.Pytester) -> None:

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from pytest_gpumem.config import devices_spec
 from pytest_gpumem.run.devices import Assignment, assign, visible_devices
+from pytest_gpumem.values import devices_spec
 
 
 def _no_count() -> int:

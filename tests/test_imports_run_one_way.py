@@ -23,7 +23,7 @@ LAYERS = (
     ("distributed",),
     ("baselines",),
     ("report", "history"),
-    ("config",),
+    ("config", "options", "values"),
     ("run",),
     ("hookspecs", "plugin", "cli", "__main__", "__init__"),
 )
@@ -39,6 +39,8 @@ WITHOUT_PYTEST = (
     "baselines",
     "report",
     "history",
+    "options",
+    "values",
 )
 
 

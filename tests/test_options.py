@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from pytest_gpumem import config
+from pytest_gpumem import options as options_table
+from pytest_gpumem import values
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -53,8 +54,8 @@ def test_help_lists_every_option_with_its_ini_twin(pytester: pytest.Pytester) ->
         ]
     )
     shown = result.stdout.str()
-    assert [o.flag for o in config.OPTIONS if o.flag not in shown] == []
-    assert [o.ini for o in config.OPTIONS if o.ini is not None and f"{o.ini} (" not in shown] == []
+    assert [o.flag for o in options_table.OPTIONS if o.flag not in shown] == []
+    assert [o.ini for o in options_table.OPTIONS if o.ini is not None and f"{o.ini} (" not in shown] == []
 
 
 def test_the_report_table_the_json_file_and_the_markdown_table(
@@ -117,13 +118,13 @@ def test_a_json_file_that_cannot_be_written_is_refused_before_the_run(
 @pytest.mark.parametrize(
     ("parse", "value", "message"),
     [
-        (config.rounding, "banana", "invalid rounding 'banana' (choose from auto, none, cuda)"),
-        (config.backend_name, "no such", "invalid backend name 'no such' (auto, cuda, accelerator, tracker)"),
-        (config.device_name, "gpu", "invalid device 'gpu' (cpu, or meta: a prediction without data)"),
-        (config.code_paths, "tpu", "invalid paths 'tpu' (cpu or gpu: whose code paths the tracker runs)"),
-        (config.tolerance, "lots", "invalid tolerance 'lots' (a percentage, e.g. 5 or 2.5%)"),
-        (config.seconds, "0", "invalid timeout '0' (a number of seconds above 0)"),
-        (config.devices_spec, "0,0", "invalid devices '0,0': a device is named twice"),
+        (values.rounding, "banana", "invalid rounding 'banana' (choose from auto, none, cuda)"),
+        (values.backend_name, "no such", "invalid backend name 'no such' (auto, cuda, accelerator, tracker)"),
+        (values.device_name, "gpu", "invalid device 'gpu' (cpu, or meta: a prediction without data)"),
+        (values.code_paths, "tpu", "invalid paths 'tpu' (cpu or gpu: whose code paths the tracker runs)"),
+        (values.tolerance, "lots", "invalid tolerance 'lots' (a percentage, e.g. 5 or 2.5%)"),
+        (values.seconds, "0", "invalid timeout '0' (a number of seconds above 0)"),
+        (values.devices_spec, "0,0", "invalid devices '0,0': a device is named twice"),
     ],
 )
 def test_a_bad_option_value_is_named(parse: Callable[[str], object], value: str, message: str) -> None:
@@ -185,7 +186,20 @@ def test_header_only_when_used(pytester: pytest.Pytester) -> None:
 
 
 # what a run that measures nothing may load of the package: the hooks, the option table, the marker
-IDLE = {"", "budget", "config", "constants", "errors", "hookspecs", "plugin", "results", "run", "sizes"}
+IDLE = {
+    "",
+    "budget",
+    "config",
+    "constants",
+    "errors",
+    "hookspecs",
+    "options",
+    "plugin",
+    "results",
+    "run",
+    "sizes",
+    "values",
+}
 IDLE |= {"run.regression", "run.session", "run.xdist"}
 
 

@@ -1,0 +1,214 @@
+"""The option table: each command-line option and its ini twin, the one source of addoption, addini and
+the options page (docs/hooks.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pytest_gpumem.constants import (
+    DEFAULT_DIST_TIMEOUT,
+    DEFAULT_FILENAME,
+    DEFAULT_SLACK_BYTES,
+    DEFAULT_TOLERANCE_PERCENT,
+)
+from pytest_gpumem.sizes import format_size
+from pytest_gpumem.values import (
+    backend_name,
+    capacity,
+    code_paths,
+    default_budget,
+    device_name,
+    devices_spec,
+    leak,
+    rounding,
+    seconds,
+    slack,
+    tolerance,
+    update_mode,
+)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One command-line option and its ini twin: the one source of addoption, addini and the options page."""
+
+    flag: str
+    help: str
+    parse: Callable[[str], object] | None = None
+    metavar: str | None = None
+    shown_default: str | None = None
+    """The default in words, for the help text and the docs; None for an option without an ini twin."""
+    ini_default: str | bool = ""
+    switch: bool = False
+    const: str | None = None
+    """The value when the option is given without one (the option then takes an optional value)."""
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+    @property
+    def ini(self) -> str | None:
+        """The ini twin's name, read when the option is not given; None when the option has none."""
+        return self.dest if self.shown_default is not None else None
+
+    @property
+    def full_help(self) -> str:
+        if self.ini is None:
+            return self.help
+        return f"{self.help} Default: {self.shown_default} (ini {self.ini})."
+
+
+def switch(flag: str, help: str) -> Option:
+    """An option without a value, off by default, with an ini twin of the same name."""
+    return Option(flag, help, shown_default="off", ini_default=False, switch=True)
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        "--gpumem-backend",
+        "how to measure: auto (cuda, else another accelerator, else tracker), cuda, accelerator, "
+        "tracker, or a name a plugin provides.",
+        backend_name,
+        "NAME",
+        "auto",
+        "auto",
+    ),
+    Option(
+        "--gpumem-round",
+        "tracker only: 'cuda' serves every tensor by a model of the CUDA caching allocator (its blocks, its "
+        "reserved segments, out of memory where a card runs out), to predict GPU figures; 'none' counts the "
+        "requested bytes; 'auto': cuda on meta, none on cpu.",
+        rounding,
+        "auto|none|cuda",
+        "auto",
+        "auto",
+    ),
+    switch("--gpumem-report", "print a table of every measured test at the end."),
+    Option("--gpumem-json", "write every measured test's figures to PATH as JSON.", None, "PATH", "none"),
+    Option(
+        "--gpumem-markdown", "write the report table to PATH as Markdown (CI step summaries).", None, "PATH", "none"
+    ),
+    Option(
+        "--gpumem-baseline-file",
+        "stored baselines to compare with.",
+        None,
+        "PATH",
+        f"{DEFAULT_FILENAME} in the rootdir",
+    ),
+    Option(
+        "--gpumem-update",
+        "record the baselines of the tests that ran and passed, with what made each peak (so that a regression "
+        "names the modules that grew): all (the default) refreshes every one of them, new records only those "
+        "that have none; other entries stay as they are, and a test that allocates nothing needs none.",
+        update_mode,
+        "new|all",
+        const="all",
+    ),
+    Option("--gpumem-prune", "remove the baselines that no test used (only after a full run).", switch=True),
+    Option(
+        "--gpumem-tolerance",
+        "growth over a baseline allowed before a test fails; max_memory(tolerance=...) overrides it per test.",
+        tolerance,
+        "PERCENT",
+        f"{DEFAULT_TOLERANCE_PERCENT:g}",
+        f"{DEFAULT_TOLERANCE_PERCENT:g}",
+    ),
+    Option(
+        "--gpumem-slack",
+        "bytes allowed over a baseline on top of the tolerance (allocator rounding).",
+        slack,
+        "SIZE",
+        format_size(DEFAULT_SLACK_BYTES),
+        f"{DEFAULT_SLACK_BYTES}",
+    ),
+    switch("--gpumem-strict", "fail a measured test that has no baseline."),
+    switch(
+        "--gpumem-all",
+        "measure the call of every test, with or without the gpumem fixture or a max_memory marker.",
+    ),
+    Option(
+        "--gpumem-max-memory",
+        "limit on the whole call of every measured test whose max_memory markers set no limit.",
+        default_budget,
+        "SIZE",
+        "none",
+    ),
+    Option(
+        "--gpumem-devices",
+        "with pytest-xdist, give each worker one device, round-robin over all the devices the caller can see "
+        "(auto) or over the listed ordinals (e.g. 0,1).",
+        devices_spec,
+        "auto|LIST",
+        "off",
+    ),
+    Option(
+        "--gpumem-device",
+        "tracker only: meta runs the tests with tensors that have sizes but no data, so a CPU runner predicts "
+        "the memory of models far larger than itself (gpumem.device is meta).",
+        device_name,
+        "cpu|meta",
+        "cpu",
+        "cpu",
+    ),
+    Option(
+        "--gpumem-paths",
+        "tracker only: whose code paths the tests take: gpu (optimizers default to foreach; on meta,"
+        " attention is counted as the fused kernels flash and memory-efficient keep it) or cpu (single-tensor"
+        " optimizers; on meta, attention's math path, which saves the S x S weights).",
+        code_paths,
+        "cpu|gpu",
+        "gpu on meta and with --gpumem-round=cuda, else cpu",
+        "",
+    ),
+    Option(
+        "--gpumem-capacity",
+        "run measured tests on a device of SIZE, or on a card (H100-80GB, A100-40GB, T4, ...: its memory less "
+        "what lies outside the allocator, 512 MiB unless given as CARD:SIZE): the tracker raises "
+        "torch.OutOfMemoryError at the allocation past it; on CUDA the process is capped with "
+        "set_per_process_memory_fraction. max_memory(capacity=...) sets it per test.",
+        capacity,
+        "SIZE|CARD",
+        "none",
+    ),
+    Option(
+        "--gpumem-leak",
+        "fail a measured test that leaves more than SIZE allocated after its call returns and garbage is "
+        "collected; max_memory(leak=...) sets it per test.",
+        leak,
+        "SIZE",
+        "none",
+    ),
+    Option(
+        "--gpumem-snapshot-dir",
+        "a test that runs out of memory, exceeds a budget, leaks or regresses leaves its memory trace there "
+        "(tracker: JSON; CUDA: a memory-history snapshot).",
+        None,
+        "DIR",
+        "none",
+    ),
+    Option(
+        "--gpumem-dist-timeout",
+        "how long the ranks of gpumem.distributed() may run the function before all are ended and the test "
+        "fails (joining the group may take at least 60 s more).",
+        seconds,
+        "SECONDS",
+        f"{DEFAULT_DIST_TIMEOUT:g}",
+        f"{DEFAULT_DIST_TIMEOUT:g}",
+    ),
+    switch(
+        "--gpumem-explain",
+        "explain the peaks of every measured test: what was alive at each phase's peak, by category "
+        "(parameters, gradients, optimizer state, saved for backward, temporaries, inputs) and by module, and "
+        "the largest tensors with the op and line that made them; max_memory(explain=True) does it per test.",
+    ),
+    Option(
+        "--gpumem-html",
+        "write a self-contained HTML picture of each explained test's memory over time there (stacked by "
+        "category, phases shaded, the peak marked).",
+        None,
+        "DIR",
+        "none",
+    ),
+)
