@@ -3,6 +3,7 @@ bad argument (read by `budget_from_marker`; one run shows how a bad marker fails
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable
 from fnmatch import fnmatchcase
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 
 from pytest_gpumem import Budget, GpuMemError, budget_from_marker
+from pytest_gpumem.budget import max_memory
 
 # forward peak of torch.sum(x * y) on N float32: the product (4N) and the sum (4): 4004 bytes for N = 1000;
 # backward: the seed (4) and grad * y (4000)
@@ -263,8 +265,14 @@ def test_markers_of_one_level_all_hold_and_a_closer_level_overrides_a_farther_on
     assert closest_first([marker("8 KiB"), module]).to_dict() == {"call": 8192, "tolerance": 3}
 
 
-def test_marker_registered(pytester: pytest.Pytester) -> None:
+def test_marker_registered_with_every_argument_it_takes(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("--markers")
     result.stdout.fnmatch_lines(
-        ["@pytest.mark.max_memory(limit=None, *, tolerance=None, capacity=None, leak=None, device=None, *"]
+        [
+            "@pytest.mark.max_memory(limit=None, *, tolerance=None, capacity=None, leak=None, device=None, "
+            "explain=False, **phase_limits): fail the test *"
+        ]
     )
+    taken = {"limit": "1 MiB", "tolerance": 5, "capacity": "1 GiB", "leak": 0, "device": "meta", "explain": True}
+    assert set(taken) | {"phase_limits"} == set(inspect.signature(max_memory).parameters)
+    assert budget_from_marker((), taken).explain
