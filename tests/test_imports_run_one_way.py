@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pytest_gpumem"
 
 # lowest first; a module may import its own layer and the layers below it
 LAYERS = (
-    ("errors", "constants", "sizes", "cards"),
+    ("errors", "constants", "sizes", "cards", "files"),
     ("results",),
     ("budget",),
     ("backends",),
@@ -32,6 +32,7 @@ WITHOUT_PYTEST = (
     "constants",
     "sizes",
     "cards",
+    "files",
     "results",
     "backends",
     "gradients",

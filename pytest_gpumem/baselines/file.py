@@ -16,12 +16,12 @@ import os
 import re
 import stat
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from pytest_gpumem.baselines.schema import BaselineError, BaselineStore, digest, dumps, loads
+from pytest_gpumem.files import replace_atomically
 from pytest_gpumem.sizes import format_size
 
 __all__ = ["LOCK_TIMEOUT_S", "MAX_FILE_BYTES", "STALE_TMP_AGE_S", "load", "read_file", "write"]
@@ -143,25 +143,13 @@ def _merge_with_file(store: BaselineStore, target: Path) -> None:
 
 def _write_atomically(store: BaselineStore, target: Path) -> bytes:
     """Write the store to a temp file and rename it over ``target``; returns the bytes written."""
-    tmp: str | None = None
     try:
         data = dumps(store).encode("utf-8")
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=target.parent)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, _mode_for(target))
-        os.replace(tmp, target)
-        tmp = None
+        replace_atomically(target, data, durable=True)
     except Exception as exc:
         raise BaselineError(
             f"could not write baseline file {target}: {_describe(exc)}; the previous file is unchanged"
         ) from exc
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
     return data
 
 
@@ -217,15 +205,6 @@ def _alive(pid: int) -> bool:
     except (PermissionError, OverflowError):
         return True
     return True
-
-
-def _mode_for(target: Path) -> int:
-    try:
-        return target.stat().st_mode & 0o7777
-    except OSError:
-        umask = os.umask(0)
-        os.umask(umask)
-        return 0o666 & ~umask
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -3,7 +3,6 @@ picture of an explained test (--gpumem-html) and the memory trace of a failing o
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
@@ -11,14 +10,15 @@ import os
 import pickle
 import re
 import stat
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pytest_gpumem.files import replace_atomically
+
 if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
-    from pytest_gpumem.measure.meter import GpuMem
+    from pytest_gpumem.measure.measurement import Measurement
     from pytest_gpumem.results import TestResult
     from pytest_gpumem.results.advice import Advice
     from pytest_gpumem.results.explanation import Explanation
@@ -91,23 +91,7 @@ def _write_file(path: Path, data: bytes) -> None:
         with path.open("wb") as out:  # closing it flushes: a device that refuses the bytes raises here
             out.write(data)
         return
-    target = Path(os.path.realpath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-        os.chmod(tmp, stat.S_IMODE(mode) if mode is not None else 0o666 & ~_umask())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def _umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
+    replace_atomically(Path(os.path.realpath(path)), data)
 
 
 def file_stem(nodeid: str) -> str:
@@ -135,13 +119,11 @@ def shown_from(path: Path, rootpath: Path) -> str:
         return path.as_posix()
 
 
-def write_trace(folder: Path, meter: GpuMem, result: TestResult, trace: Any) -> Path | None:
+def write_trace(folder: Path, measured: Measurement, result: TestResult, trace: Any) -> Path | None:
     """The failing test's memory trace: the one recorded, else the allocator's history taken now (CUDA).
     Returns the file written, or None when there was nothing to write."""
-    from pytest_gpumem.backends.base import TakesSnapshots
-
-    if trace is None and isinstance(meter.backend, TakesSnapshots):
-        trace = meter.backend.snapshot()
+    if trace is None:
+        trace = measured.backend.snapshot()
     return write_evidence(folder, result.nodeid, result.status, result.message, trace)
 
 
