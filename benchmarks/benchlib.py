@@ -24,6 +24,7 @@ from torch import nn
 
 from pytest_gpumem.backends.base import Backend
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
+from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.measure.meter import GpuMem
 from pytest_gpumem.results import PhaseResult
 
@@ -235,23 +236,25 @@ def strategy_workloads(scale: float = 1.0) -> list[Workload]:
 
 def tracker_peaks(run: Run, backend: Backend | None = None) -> dict[str, int]:
     """Phase peaks from the plugin's meter (the tracker unless another backend is given)."""
-    meter = GpuMem(backend or TrackerBackend(), "bench")
-    meter.begin_call()
+    measured = Measurement(backend or TrackerBackend(), "bench")
+    meter = GpuMem(measured)
+    measured.begin()
     try:
         run(meter)
     finally:
-        meter.end_call()
+        measured.end()
     return {name: r.peak_bytes for name, r in meter.phases.items()}
 
 
 def phases_of(run: Run, backend: Backend) -> dict[str, PhaseResult]:
     """The phases `run` opens, measured on `backend` as the plugin measures a test's call."""
-    meter = GpuMem(backend, "bench")
-    meter.begin_call()
+    measured = Measurement(backend, "bench")
+    meter = GpuMem(measured)
+    measured.begin()
     try:
         run(meter)
     finally:
-        meter.end_call()
+        measured.end()
     return meter.phases
 
 

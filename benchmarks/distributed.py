@@ -14,6 +14,7 @@ from typing import Any
 import benchlib
 
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
+from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.measure.meter import GpuMem
 from reference_losses.distributed import PHASES, STRATEGIES, expected, run_strategies, sizes
 
@@ -26,14 +27,15 @@ def noop(rank: int, world_size: int, meter: GpuMem) -> None:
 
 def measured(fn: Any, world_size: int, args: tuple[Any, ...] = ()) -> tuple[float, GpuMem]:
     """Seconds for one measured world, and the meter holding its phases."""
-    meter = GpuMem(TrackerBackend(), f"benchmark {world_size} ranks")
-    meter.begin_call()
+    measured = Measurement(TrackerBackend(), f"benchmark {world_size} ranks")
+    meter = GpuMem(measured)
+    measured.begin()
     try:
         start = time.perf_counter()
         meter.distributed(fn, world_size, args=args)
         seconds = time.perf_counter() - start
     finally:
-        meter.end_call_if_running()
+        measured.end_if_running()
     return seconds, meter
 
 

@@ -16,27 +16,29 @@ from typing import Any
 import benchlib
 import torch
 
+from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
+from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.measure.meter import GpuMem
 
 
-def measured(run: benchlib.Run, explain: bool) -> GpuMem:
+def measured(run: benchlib.Run, explain: bool) -> Measurement:
     backend = TrackerBackend()
-    backend.configure(None, origins=False, events=False, explain=explain)
-    meter = GpuMem(backend, "bench")
-    meter.explain = explain
-    meter.begin_call()
+    backend.configure(Settings(None, origins=False, events=False, explain=explain))
+    measurement = Measurement(backend, "bench")
+    measurement.explain = explain
+    measurement.begin()
     try:
-        run(meter)
+        run(GpuMem(measurement))
     finally:
-        meter.end_call()
-    return meter
+        measurement.end()
+    return measurement
 
 
-def exact(meter: GpuMem) -> bool:
-    assert meter.explanation is not None
-    phases = meter.explanation.phases
-    figures = {"call": meter.result(), **meter.phases}
+def exact(measurement: Measurement) -> bool:
+    assert measurement.explanation is not None
+    phases = measurement.explanation.phases
+    figures = {"call": measurement.result(), **measurement.phases}
     return all(sum(phases[n].categories.values()) == r.peak_bytes for n, r in figures.items())
 
 

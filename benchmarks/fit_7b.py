@@ -19,6 +19,7 @@ from benchlib import parser, show, write_json
 from meta_7b import HandCount, Shape, build, parameter_count
 
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
+from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.measure.meter import GpuMem
 
 
@@ -29,9 +30,10 @@ def main() -> None:
     options = args.parse_args()
     s = Shape()
     hand = HandCount.of(s)
-    meter = GpuMem(TrackerBackend(device="meta"), "fit_7b")
+    measured = Measurement(TrackerBackend(device="meta"), "fit_7b")
+    meter = GpuMem(measured)
     start = time.perf_counter()
-    meter.begin_call()
+    measured.begin()
     try:
         model = build(s)[0]  # its example inputs are dropped: only the model is live
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # meta takes the GPU's foreach path
@@ -52,7 +54,7 @@ def main() -> None:
         fit = meter.fit(step, options.sizes, options.capacity)
         fit_wall = time.perf_counter() - began
     finally:
-        meter.end_call()
+        measured.end()
     wall = time.perf_counter() - start
     expected_live = hand.params + hand.grads + hand.optimizer_state
     runs = len(fit.sizes) + len(fit.checks)

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 import torch
 from benchlib import parser, show, write_json
 
+from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
+from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.measure.meter import GpuMem
 from pytest_gpumem.sizes import parse_size
 
@@ -109,9 +111,10 @@ def held_run(meter: GpuMem, step: Step, n: int, capacity: int) -> str:
 
 def run(case: Case) -> dict[str, object]:
     backend = TrackerBackend(device=case.device)
-    backend.configure(case.test_capacity, origins=False, events=False)
-    meter = GpuMem(backend, case.name)
-    meter.begin_call()
+    backend.configure(Settings(case.test_capacity, origins=False, events=False))
+    measured = Measurement(backend, case.name)
+    meter = GpuMem(measured)
+    measured.begin()
     try:
         step = case.build(case.device)
         began = time.perf_counter()
@@ -128,7 +131,7 @@ def run(case: Case) -> dict[str, object]:
         above = math.ceil(answer * 1.1) if answer else None
         at_above = held_run(meter, step, above, limit) if above and on_meta else "not run"
     finally:
-        meter.end_call()
+        measured.end()
     wrong = at_n == "out of memory" or at_above == "fits"
     return {
         "case": case.name,

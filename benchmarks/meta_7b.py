@@ -29,6 +29,7 @@ from benchlib import BF16, FP32, parser, show, write_json
 from torch import nn
 
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
+from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.measure.meter import GpuMem
 from pytest_gpumem.results import PhaseResult
 from pytest_gpumem.sizes import format_size
@@ -174,8 +175,9 @@ def build(s: Shape) -> tuple[Decoder, torch.Tensor, torch.Tensor]:
 def measure_step(s: Shape, paths: str = "gpu", rounding: str = "none") -> tuple[dict[str, PhaseResult], PhaseResult]:
     model, ids, targets = build(s)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # torch's default: foreach only on GPU paths
-    meter = GpuMem(TrackerBackend(rounding, device="meta", paths=paths), "meta_7b")
-    meter.begin_call()
+    measured = Measurement(TrackerBackend(rounding, device="meta", paths=paths), "meta_7b")
+    meter = GpuMem(measured)
+    measured.begin()
     try:
         with meter.phase("forward"):
             logits = model(ids)
@@ -187,7 +189,7 @@ def measure_step(s: Shape, paths: str = "gpu", rounding: str = "none") -> tuple[
         with meter.phase("step"):
             optimizer.step()
     finally:
-        whole = meter.end_call()
+        whole = measured.end()
     return meter.phases, whole
 
 

@@ -34,7 +34,7 @@ from benchlib import Workload
 
 from pytest_gpumem.backends.base import Backend
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
-from pytest_gpumem.measure.meter import GpuMem
+from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.results import PhaseResult
 
 CPU_STAND_IN = "tracker (no CUDA)"
@@ -131,13 +131,13 @@ def measure_after_others(workloads: list[Workload], device: torch.device, backen
 
 
 def per_test_cost(backend: Backend, repeat: int = 30) -> float:
-    """Seconds that measuring an empty test call costs (begin_call + end_call, gc.collect included)."""
+    """Seconds that measuring an empty test call costs (begin + end, gc.collect included)."""
     times = []
     for _ in range(repeat):
-        meter = GpuMem(backend, "cost")
+        measured = Measurement(backend, "cost")
         start = time.perf_counter()
-        meter.begin_call()
-        meter.end_call()
+        measured.begin()
+        measured.end()
         times.append(time.perf_counter() - start)
     return benchlib.median(times)
 
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         ],
         rows,
         [
-            f"{label} per measured test: {cost * 1e3:.2f} ms (begin_call + end_call, gc.collect included)",
+            f"{label} per measured test: {cost * 1e3:.2f} ms (begin + end, gc.collect included)",
             "alloc >= req: 512 B rounding and whole segments; device > pred: kernel scratch, cuBLAS/cuDNN workspaces",
             "req change must be 0 (order independence of requested bytes); alloc may move with the cache",
             workspace_line,

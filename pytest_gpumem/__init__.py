@@ -15,10 +15,12 @@ if TYPE_CHECKING:
     from pytest_gpumem.budget import budget_from_marker as budget_from_marker
     from pytest_gpumem.errors import GpuMemError as GpuMemError
     from pytest_gpumem.errors import GpuMemWarning as GpuMemWarning
+    from pytest_gpumem.measure.fit import BatchFit as BatchFit
     from pytest_gpumem.measure.meter import GpuMem as GpuMem
     from pytest_gpumem.results import PhaseResult as PhaseResult
     from pytest_gpumem.results import TestResult as TestResult
     from pytest_gpumem.results.advice import Advice as Advice
+    from pytest_gpumem.results.ranks import RankResult as RankResult
     from pytest_gpumem.sizes import format_size as format_size
     from pytest_gpumem.sizes import parse_size as parse_size
 
@@ -29,6 +31,8 @@ _HOMES = {
     "GpuMemWarning": "pytest_gpumem.errors",
     "Budget": "pytest_gpumem.budget",
     "Advice": "pytest_gpumem.results.advice",
+    "BatchFit": "pytest_gpumem.measure.fit",
+    "RankResult": "pytest_gpumem.results.ranks",
     "budget_from_marker": "pytest_gpumem.budget",
     "GpuMem": "pytest_gpumem.measure.meter",
     "PhaseResult": "pytest_gpumem.results",

@@ -4,7 +4,7 @@ Example conftest.py::
 
     def pytest_gpumem_make_backend(config, name):
         if name == "mydevice":
-            return MyDeviceBackend()      # any object with the methods of pytest_gpumem.Backend
+            return MyDeviceBackend()      # a pytest_gpumem.Backend subclass
 
     def pytest_gpumem_result(item, result):
         dashboard.send(result.nodeid, result.peak_bytes, {n: p.peak_bytes for n, p in result.phases.items()})
@@ -28,6 +28,10 @@ hookspec = pluggy.HookspecMarker("pytest")
 @hookspec(firstresult=True)
 def pytest_gpumem_make_backend(config: pytest.Config, name: str) -> Backend | None:
     """Return the backend for `--gpumem-backend=name`, or None to leave the choice to others.
+
+    A backend subclasses `pytest_gpumem.Backend`: it implements the abstract members (its counters) and
+    overrides what else it can do, each with a default that does nothing or says it cannot (the list is
+    in docs/reference/hooks.md).
 
     The first non-None answer wins; pytest-gpumem's own implementation runs last and builds the
     built-in backends (auto, cuda, accelerator, tracker). Raise `pytest_gpumem.GpuMemError` with one

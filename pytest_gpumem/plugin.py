@@ -144,16 +144,17 @@ def gpumem(request: pytest.FixtureRequest) -> GpuMem:
         )
     _measure_calls(session)  # also when a fixture asks for it with request.getfixturevalue
     try:
-        meter = session.meter(request.node, fresh=True)
+        measured = session.measurement(request.node, fresh=True)
     except GpuMemError as exc:
         pytest.fail(f"{request.node.nodeid}: {exc}", pytrace=False)
     from pytest_gpumem.distributed.world import Worlds
+    from pytest_gpumem.measure.meter import GpuMem
 
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     verbose = request.config.get_verbosity() >= 1  # -v: a line per test, none broken into
     say = reporter.write_line if reporter is not None and verbose else None
-    meter.worlds = Worlds(session.options.dist_timeout, say)
-    return meter
+    measured.worlds = Worlds(session.options.dist_timeout, say)
+    return GpuMem(measured)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -85,7 +85,7 @@ def measured(gpumem: GpuMem, expectation: Expectation) -> int:
 
 
 def check_bytes(case: Case, gpumem: GpuMem) -> None:
-    rel, extra = EXACT_SLACK if gpumem.backend_name == "tracker" else DEVICE_SLACK
+    rel, extra = EXACT_SLACK if gpumem.backend.name == "tracker" else DEVICE_SLACK
     failures: list[str] = []
     for exp in case.strategy.expect(case.workload):
         got = measured(gpumem, exp)

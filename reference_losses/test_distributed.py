@@ -29,7 +29,7 @@ def test_data_parallel(gpumem: GpuMem, gpumem_scale: float, world_size: int) -> 
     assert not far, f"parameters after one step differ from one process on the whole batch: {far}"
     worst = {f"{s}.{p}": gpumem.result(f"{s}.{p}").requested_peak_bytes for s in STRATEGIES for p in PHASES}
     gpumem.info[INFO_KEY] = describe(world_size, gpumem_scale, worst)
-    rel, extra = EXACT_SLACK if gpumem.backend_name == "tracker" else DEVICE_SLACK
+    rel, extra = EXACT_SLACK if gpumem.backend.name == "tracker" else DEVICE_SLACK
     failures = []
     for strategy in STRATEGIES:
         for exp in expected(strategy, sizes(gpumem_scale, world_size)):

@@ -15,8 +15,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from pytest_gpumem.advise.run import _lowers, advise
+from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.measure.meter import GpuMem
 from pytest_gpumem.report.advice import advice_clause
 from pytest_gpumem.results.advice import AS_IS, Advice, PhasePeak, Row
@@ -119,11 +121,12 @@ def test_fused_step_on_the_qa_net_never_holds_two_weight_gradients() -> None:
 
 
 def _reference(name: str, w: ModelWorkload) -> tuple[int, dict[str, int]]:
-    meter = GpuMem(TrackerBackend(), name)
-    meter.begin_call()
+    measured = Measurement(TrackerBackend(), name)
+    meter = GpuMem(measured)
+    measured.begin()
     TRAINING_STRATEGIES[name].step(meter, w)
-    call = meter.end_call()
-    return call.peak_bytes, {k: v.peak_bytes for k, v in meter.phases.items()}
+    call = measured.end()
+    return call.peak_bytes, {k: v.peak_bytes for k, v in measured.phases.items()}
 
 
 def _advise_workload(w: ModelWorkload, forward: Callable[[ModelWorkload], torch.Tensor], names: list[str]) -> Advice:
@@ -480,7 +483,7 @@ def test_failing_budget_names_the_best_strategy_and_reports_the_rows(
         ]
     )
     (test,) = reported().values()
-    rows = test["info"]["advice"]["rows"]
+    rows = test["advice"]["rows"]
     assert [r["name"] for r in rows] == [AS_IS, "checkpoint-blocks", "fused-step"]
 
 
@@ -640,8 +643,9 @@ def test_strategies_given_as_any_iterable_are_all_tried() -> None:
 
 
 def test_a_step_holding_the_bound_phase_measures_no_phase_while_advise_runs() -> None:
-    meter = GpuMem(TrackerBackend(), "t.py::t")
-    meter.begin_call()
+    measured = Measurement(TrackerBackend(), "t.py::t")
+    meter = GpuMem(measured)
+    measured.begin()
     model, opt, _ = _stack_step()
     x = torch.randn(B, D)
     phase = meter.phase  # bound before advise runs
@@ -653,8 +657,8 @@ def test_a_step_holding_the_bound_phase_measures_no_phase_while_advise_runs() ->
         opt.step()
 
     meter.advise(step, model=model, optimizer=opt, strategies=["checkpoint-blocks", "fused-step"])
-    meter.end_call()
-    assert "forward" not in meter.phases
+    measured.end()
+    assert "forward" not in measured.phases
 
 
 @pytest.mark.parametrize(
@@ -694,9 +698,10 @@ def test_what_advise_cached_past_a_lifted_capacity_does_not_serve_the_test() -> 
     """advise lifts the capacity for its runs; on the allocator's model a 4 MiB tensor takes a 20 MiB
     segment, which must not stay cached for the test's own 4 MiB past its 8 MiB capacity."""
     backend = TrackerBackend("cuda")
-    backend.configure(8 * 2**20, origins=False, events=False)
-    meter = GpuMem(backend, "t.py::t")
-    meter.begin_call()
+    backend.configure(Settings(8 * 2**20, origins=False, events=False))
+    measured = Measurement(backend, "t.py::t")
+    meter = GpuMem(measured)
+    measured.begin()
     model, opt, step = _stack_step()
 
     def step_with_a_buffer() -> None:
@@ -708,4 +713,4 @@ def test_what_advise_cached_past_a_lifted_capacity_does_not_serve_the_test() -> 
         with pytest.raises(torch.OutOfMemoryError):
             torch.ones(2**20)
     finally:
-        meter.end_call_if_running()
+        measured.end_if_running()

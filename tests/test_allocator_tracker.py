@@ -83,7 +83,7 @@ def test_running_out_in_a_test_says_what_was_reserved_and_that_fragmentation_is_
             "allocator when it ran out: 40.0 MiB reserved, 20.0 MiB allocated and 20.0 MiB reserved but unallocated",
             "fragmentation: no free block holds 8.0 MiB, though 20.0 MiB is reserved but unallocated; "
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets that memory serve it",
-            "call: peak 40.0 MiB (requested 40.0 MiB, reserved 40.0 MiB), net 20.0 MiB, entered 1x",
+            "call: peak 40.0 MiB (requested 40.0 MiB, reserved 40.0 MiB in all), net 20.0 MiB, entered 1x",
         ]
     )
 

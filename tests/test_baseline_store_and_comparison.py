@@ -700,13 +700,20 @@ def test_a_baseline_file_and_a_report_written_before_typed_results_load_and_comp
     assert schema.dumps(store).encode() == raw
     tests = read_report(BEFORE / "report.json")
     results = {name: TestResult.from_dict(test) for name, test in tests.items()}
+    added_since: dict[str, object] = {
+        "fits": [],
+        "advice": None,
+        "distributed": [],
+        "simulated": [],
+    }  # none measured then
     for name, result in results.items():
-        assert result.to_dict() == tests[name]
+        assert result.to_dict() == {**tests[name], **added_since}
     phases, plain = results["test_phases"], results["test_plain"]
-    assert phases.record is not None and phases.baseline is not None
-    verdict = C.compare(phases.nodeid, phases.record, store.get(phases.nodeid, TRACKER))
-    assert {c.label: c for c in verdict.comparisons} == {c.label: c for c in phases.baseline.comparisons}
-    assert (verdict.status, verdict.gradient_status) == (phases.baseline.status, phases.baseline.gradient_status)
+    assert phases.baseline_entry is not None and phases.verdict is not None
+    verdict = C.compare(phases.nodeid, phases.baseline_entry, store.get(phases.nodeid, TRACKER))
+    assert {c.label: c for c in verdict.comparisons} == {c.label: c for c in phases.verdict.comparisons}
+    assert (verdict.status, verdict.gradient_status) == (phases.verdict.status, phases.verdict.gradient_status)
     assert (verdict.status, verdict.gradient_status) == (BaselineStatus.OK, BaselineStatus.OK)
-    assert plain.record is None and plain.baseline is not None and plain.baseline.status == BaselineStatus.REGRESSED
-    assert [(c.label, c.baseline, c.current) for c in plain.baseline.comparisons] == [("call", 4096, 4 << 20)]
+    assert plain.baseline_entry is None and plain.verdict is not None
+    assert plain.verdict.status == BaselineStatus.REGRESSED
+    assert [(c.label, c.baseline, c.current) for c in plain.verdict.comparisons] == [("call", 4096, 4 << 20)]

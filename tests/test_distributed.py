@@ -24,6 +24,7 @@ from pytest_gpumem.distributed.world import check_call, check_phase_names, check
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.explain.replay import of_worlds, with_ranks
 from pytest_gpumem.explain.text import made_of
+from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.measure.meter import GpuMem
 from pytest_gpumem.measure.regions import mark_phase
 from pytest_gpumem.results import PhaseResult, TestResult
@@ -145,11 +146,11 @@ def grows_and_starts_no_ranks(rank, world_size, meter):
     return value, refused(lambda: meter.distributed(nothing, 1)), refused(lambda: meter.simulate_rank(nothing, 2))
 
 
-def test_runs_normally_after(gpumem, monkeypatch):
+def test_runs_normally_after(gpumem, monkeypatch, request):
     monkeypatch.setattr("pytest_gpumem.distributed.spawn.SLOW_START", 0.5)  # ranks importing torch are later than that
     ranks = gpumem.distributed(grows_and_starts_no_ranks)
     assert [r.value[0] for r in ranks] == [0, 10]
-    assert ranks[0].value[1].endswith(f"inside a rank of {gpumem.nodeid}: ranks cannot start ranks")
+    assert ranks[0].value[1].endswith(f"inside a rank of {request.node.nodeid}: ranks cannot start ranks")
     assert ranks[0].value[2].endswith("this process already has a process group; it cannot be simulated")
     assert [r.phases["forward"].peak_bytes for r in ranks] == [4000, 8000]
     assert [r.explanation for r in ranks] == [None, None]  # not explained: the ranks record nothing
@@ -382,8 +383,10 @@ def test_inside_phase(gpumem):
     with gpumem.phase("outer"):
         gpumem.distributed(fn)
 
-def test_timeout_option(gpumem):
-    assert gpumem.worlds.timeout == float(__import__("os").environ["EXPECTED_TIMEOUT"])
+def test_timeout_option(gpumem, request):
+    from pytest_gpumem.plugin import METER_KEY
+
+    assert request.node.stash[METER_KEY].worlds.timeout == float(__import__("os").environ["EXPECTED_TIMEOUT"])
 """
 
 
@@ -691,19 +694,20 @@ def test_a_rank_starts_no_ranks_and_simulates_none() -> None:
     with pytest.raises(GpuMemError, match=r"inside a rank of t\.py::test_a: ranks cannot start ranks$"):
         InRank("t.py::test_a").run(None, print, 1)  # type: ignore[arg-type]
     with pytest.raises(GpuMemError, match=r"already has a process group; it cannot be simulated$"):
-        InRank("t.py::test_a").simulate(None, print, 2)  # type: ignore[arg-type]
+        InRank("t.py::test_a").simulate(None, print, 2)
 
 
 def test_a_meter_without_worlds_says_where_ranks_run() -> None:
     from pytest_gpumem.backends.tracker.backend import TrackerBackend
 
-    meter = GpuMem(TrackerBackend("none"), "t.py::test_a")
-    meter.begin_call()
+    measured = Measurement(TrackerBackend("none"), "t.py::test_a")
+    meter = GpuMem(measured)
+    measured.begin()
     try:
         with pytest.raises(GpuMemError, match=r"^gpumem.distributed\(\) runs ranks only for a meter given its worlds"):
             meter.distributed(print)
     finally:
-        meter.end_call()
+        measured.end()
 
 
 def test_a_rank_result_travels_as_json_and_its_value_pickled() -> None:
@@ -734,3 +738,59 @@ def test_an_error_line_names_the_phase_it_left() -> None:
 
 def test_idle_when_this_process_has_no_gloo_threads() -> None:
     assert collectives_settled(limit=0.0)
+
+
+def test_every_rank_takes_the_cublas_workspace_of_the_card_the_parent_predicts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pytest_gpumem.backends.tracker.backend import TrackerBackend
+    from pytest_gpumem.distributed import world
+    from pytest_gpumem.distributed.worker import _backend
+    from pytest_gpumem.results.ranks import RankSpec
+
+    given: list[RankSpec] = []
+
+    def spawn(spec: RankSpec, limit: float, say: object) -> list[RankResult]:
+        given.append(spec)
+        return []
+
+    monkeypatch.setattr(world, "spawn", spawn)
+    parent = TrackerBackend("cuda")
+    parent.predict_card("H100-80GB")  # compute capability 9.0: 32 MiB workspaces
+    world.Worlds().run(Measurement(parent, "t.py::test_a"), print, 2)  # picklable, never run
+    assert given[0].cublas_workspace == parent.workspace_bytes == 4096 * 8 * 1024
+    assert _backend(0, given[0]).workspace_bytes == 4096 * 8 * 1024  # type: ignore[attr-defined]
+    assert _backend(0, replace(given[0], cublas_workspace=None)).workspace_bytes == 8 * 2**20 + 128 * 1024  # type: ignore[attr-defined]
+
+
+DDP_BUCKETS = """
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+def wrap(rank, world_size, meter):
+    model = torch.nn.Linear(256, 256)
+    with meter.phase("setup"):
+        model = DistributedDataParallel(model)
+    with meter.phase("forward"):
+        model(torch.ones(4, 256)).sum()
+
+def test_ddp(gpumem):
+    gpumem.distributed(wrap, 2)
+"""
+
+
+@pytest.mark.slow
+def test_ddps_flat_buffers_are_its_gradient_buckets_and_a_broadcast_temporary(
+    tracker: pytest.Pytester, reported: Reported
+) -> None:
+    tracker.makepyfile(DDP_BUCKETS)
+    tracker.runpytest("--gpumem-explain", "--gpumem-json=out.json").assert_outcomes(passed=1)
+    phases = reported()["test_ddp"]["explanation"]["phases"]
+    flat = (256 * 256 + 256) * 4  # 263,168 B: every parameter, flattened
+    for rank in ("@rank0", "@rank1"):
+        # at the setup's peak: the copy of the parameters that DDP broadcasts from rank 0 (a cat)
+        setup = [(t["op"], t["category"]) for t in phases[f"setup{rank}"]["tensors"] if t["bytes"] == flat]
+        assert setup == [("aten.cat.default", "temporaries")]
+        # kept after it: the Reducer's bucket, into which backward copies and all-reduces the gradients
+        kept = [(t["op"], t["category"]) for t in phases[f"forward{rank}"]["tensors"] if t["bytes"] == flat]
+        assert kept == [("aten.empty.memory_format", "gradients")]

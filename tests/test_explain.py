@@ -17,11 +17,13 @@ from typing import Any
 
 import pytest
 
+from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.budget import budget_from_marker
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.explain.growth import what_grew
 from pytest_gpumem.explain.replay import on_rank
 from pytest_gpumem.explain.text import describe
+from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.results.explanation import Explanation, PhaseExplanation, composition_from_json
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "saved", "temporaries", "inputs")
@@ -443,16 +445,15 @@ def test_a_backend_without_attribution_is_explained_by_a_shadow(pytester: pytest
     assert call["unattributed_bytes"] == 8000 - 8192
 
 
-def _explaining_meter() -> Any:
+def _explaining_meter() -> Measurement:
     """A meter on the tracker that explains its call, in this process."""
     from pytest_gpumem.backends.tracker.backend import TrackerBackend
-    from pytest_gpumem.measure.meter import GpuMem
 
     backend = TrackerBackend()
-    backend.configure(None, origins=False, events=False, explain=True)
-    meter = GpuMem(backend, "t")
-    meter.explain = True
-    return meter
+    backend.configure(Settings(None, origins=False, events=False, explain=True))
+    measured = Measurement(backend, "t")
+    measured.explain = True
+    return measured
 
 
 def test_an_error_in_our_hooks_is_a_note_not_the_tests_failure() -> None:
@@ -465,14 +466,14 @@ def test_an_error_in_our_hooks_is_a_note_not_the_tests_failure() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x * 2
 
-    meter = _explaining_meter()
-    meter.begin_call()
+    measured = _explaining_meter()
+    measured.begin()
     model = Unhashable()
     y = model(model(torch.ones(1000)))  # the module runs as it does unmeasured, twice: one note
-    meter.end_call()
+    measured.end()
     assert y.tolist() == [4.0] * 1000
     note = "the explanation may be incomplete: module_entered: TypeError: unhashable type: 'Unhashable'"
-    assert meter.notes == [note]
+    assert measured.notes == [note]
 
 
 @dataclass
@@ -494,13 +495,13 @@ def test_a_modules_output_in_a_registered_pytree_type_is_followed() -> None:
             return _Output(x.exp())  # exp saves its result: 1,000 floats, 4,000 B
 
     x = torch.randn(1000, requires_grad=True)
-    meter = _explaining_meter()
-    meter.begin_call()
+    measured = _explaining_meter()
+    measured.begin()
     out = Exp()(x)
-    meter.end_call()
+    measured.end()
     assert out.hidden.grad_fn is not None
-    assert meter.explanation is not None
-    cells = meter.explanation.phases["call"].cells
+    assert measured.explanation is not None
+    cells = measured.explanation.phases["call"].cells
     assert [(c.category, c.module, c.size) for c in cells] == [("saved", "(Exp)", 4000)]
 
 
@@ -719,14 +720,14 @@ def test_a_call_past_the_event_limit_is_measured_but_not_explained(monkeypatch: 
     from pytest_gpumem.backends.tracker import attribution as attribution
 
     monkeypatch.setattr(attribution, "MAX_EVENTS", 100)
-    meter = _explaining_meter()
-    meter.begin_call()
+    measured = _explaining_meter()
+    measured.begin()
     for _ in range(60):  # 120 events: an allocation and a free each
         t = torch.ones(1)
     del t
-    call = meter.end_call()
-    assert call.peak_bytes == 8 and meter.explanation is None  # the next 4-byte tensor, before the last is freed
-    assert meter.notes == [
+    call = measured.end()
+    assert call.peak_bytes == 8 and measured.explanation is None  # the next 4-byte tensor, before the last is freed
+    assert measured.notes == [
         "the peak could not be explained: ValueError: the call made more than 100 allocations, resizes and frees, "
         "the most an explanation follows (its host memory stays under about 100 MB)"
     ]
@@ -735,16 +736,16 @@ def test_a_call_past_the_event_limit_is_measured_but_not_explained(monkeypatch: 
 def test_freed_allocations_alike_share_one_record() -> None:
     import torch
 
-    meter = _explaining_meter()
-    meter.begin_call()
-    attributor = meter.backend.attribution()
+    measured = _explaining_meter()
+    measured.begin()
+    attributor = measured.backend.attribution()
     for _ in range(1000):
         t = torch.ones(1)  # one line, one op, one shape: each freed by the next
     del t
-    meter.end_call()
+    measured.end()
     assert attributor is not None and len(attributor.allocations) == 1000
     assert len({id(a) for a in attributor.allocations}) == 1  # one record for them all, once freed
-    assert meter.explanation is not None and meter.explanation.phases["call"].peak_bytes == 8
+    assert measured.explanation is not None and measured.explanation.phases["call"].peak_bytes == 8
 
 
 # --- reserved memory at each peak, where the allocator's model serves the call (--gpumem-round=cuda)
@@ -807,18 +808,20 @@ def _explained_in_process(rounding: str, call: Callable[[Any, Mib], object]) -> 
     import torch
 
     from pytest_gpumem.backends.tracker.backend import TrackerBackend
+    from pytest_gpumem.measure.measurement import Measurement
     from pytest_gpumem.measure.meter import GpuMem
 
     backend = TrackerBackend(rounding=rounding)
-    backend.configure(None, origins=False, events=False, explain=True)
-    meter = GpuMem(backend, "t")
-    meter.explain = True
-    meter.begin_call()
+    backend.configure(Settings(None, origins=False, events=False, explain=True))
+    measured = Measurement(backend, "t")
+    meter = GpuMem(measured)
+    measured.explain = True
+    measured.begin()
     kept = call(meter, lambda n: torch.empty(int(n * MIB), dtype=torch.uint8))
-    meter.end_call()
+    measured.end()
     del kept
-    assert meter.explanation is not None, meter.notes
-    return meter.explanation
+    assert measured.explanation is not None, measured.notes
+    return measured.explanation
 
 
 def _reserved(explanation: Explanation, phase: str = "call") -> tuple[float, float, float] | None:

@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 import torch
 
+from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.measure.fit import MAX_BATCH, BatchFit, Found, Sample
 from pytest_gpumem.measure.fit_search import fit_peaks
 from pytest_gpumem.measure.host import runs_refused
+from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.measure.meter import GpuMem
 
 Reported = Callable[..., dict[str, dict[str, Any]]]
@@ -102,7 +104,7 @@ def test_the_peak_that_moves_from_backward_to_forward_is_found_exactly(tracked: 
     # held to 64 KiB, batch 96 runs out allocating the output: the parameters and x were live
     assert (above.size, above.peak, above.out_of_memory) == (96, SMALL + 256 * 96, True)
     assert fit.describe() == (
-        "largest batch that fits 64 KiB: 95, peak 63.8 KiB at aten.sum.default (tests/test_fit.py:80), of which "
+        "largest batch that fits 64 KiB: 95, peak 63.8 KiB at aten.sum.default (tests/test_fit.py:82), of which "
         "32.5 KiB was live when the fit began; found exactly from the timelines of sizes 1, 2, 4, 8, confirmed: "
         "95 ran within 64 KiB, 96 ran out of memory after 40.2 KiB"
     )
@@ -130,7 +132,7 @@ def test_a_kernel_that_switches_beyond_the_sizes_is_searched(tracked: Tracked) -
     assert fit.peak_bytes == FIXED + 63 * ROW
     assert [c.size for c in fit.checks] == [191, 97, 50, 73, 61, 67, 64, 62, 63]
     assert fit.describe() == (
-        "largest batch that fits 200,000 B: 63, peak 66.9 KiB at aten.ones.default (tests/test_fit.py:64), of which "
+        "largest batch that fits 200,000 B: 63, peak 66.9 KiB at aten.ones.default (tests/test_fit.py:66), of which "
         "0 B was live when the fit began; searched at 9 sizes held to the capacity (the timelines' answer, 191 "
         "fits, did not hold when run), confirmed: 63 ran within 200,000 B, 64 ran out of memory after 3.9 KiB"
     )
@@ -176,7 +178,7 @@ def test_capacity_below_batch_one_gives_none_confirmed(tracked: Tracked) -> None
     fit = fit_peaks(rows, [4, 8, 16], FIXED + ROW - 1, tracked)
     assert (fit.largest, fit.peak_bytes, fit.confirmed) == (None, FIXED + ROW, True)
     assert fit.describe().startswith(
-        "no batch fits 5,023 B: batch 1 needs 4.9 KiB at aten.ones.default (tests/test_fit.py:59), of which 0 B "
+        "no batch fits 5,023 B: batch 1 needs 4.9 KiB at aten.ones.default (tests/test_fit.py:61), of which 0 B "
         "was live"
     )
     assert fit.describe().endswith("confirmed: batch 1 ran out of memory after 3.9 KiB")
@@ -224,7 +226,7 @@ def test_a_step_that_keeps_memory_at_every_size_is_refused(tracked: Tracked) -> 
 
 
 P = 2048 * 2048 * 4 + 2048 * 4  # Linear(2048, 2048)'s weight and bias: 16,785,408 B
-ADAMW = 2 * P + 2 * 4  # exp_avg and exp_avg_sq like each parameter, and two fp32 step counters
+ADAMW = 2 * P  # exp_avg and exp_avg_sq like each parameter (its two step counters are CPU scalars: host memory)
 LIVE = P + ADAMW + P  # after a warm-up step: parameters, AdamW state and the gradients (zeroed next step)
 
 
@@ -234,7 +236,7 @@ def adamw_step(device: str) -> Callable[[int], None]:
     Its absolute peak is the largest of: forward, the input x and the output (8,192 n B each) and the
     loss (4 B) over parameters and state, P + ADAMW + 16,384 n + 4; backward, x, the loss, the seed and
     the gradients, P + ADAMW + 8,192 n + 8 + P; the step, two weight-sized temporaries of AdamW's
-    denominator (sqrt, then the division) over everything, LIVE + 2 x 16,777,216 = 100,696,072.
+    denominator (sqrt, then the division) over everything, LIVE + 2 x 16,777,216 = 100,696,064.
     """
     with torch.device(device):
         model = torch.nn.Linear(2048, 2048)
@@ -248,52 +250,61 @@ def adamw_step(device: str) -> Callable[[int], None]:
     return step
 
 
-def started_meter(device: str, capacity: int | None = None, rounding: str = "none") -> GpuMem:
+def meta_rows(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows` on the meta device, which a meta run counts (a CPU tensor there is host memory)."""
+    with torch.device("meta"):
+        return rows(n)
+
+
+def started_meter(device: str, capacity: int | None = None, rounding: str = "none") -> Measurement:
     backend = TrackerBackend(rounding, device=device)
-    backend.configure(capacity, origins=False, events=False)
-    meter = GpuMem(backend, "test_fit")
-    meter.begin_call()
-    return meter
+    backend.configure(Settings(capacity, origins=False, events=False))
+    measured = Measurement(backend, "test_fit")
+    measured.begin()
+    return measured
 
 
 def test_a_step_whose_small_sizes_peak_in_the_optimizer_is_answered_from_the_backward() -> None:
-    meter = started_meter("meta")  # sizes without data: the same bytes as on cpu, nothing computed
+    measured = started_meter("meta")  # sizes without data: the same bytes as on cpu, nothing computed
+    meter = GpuMem(measured)
     try:
         step = adamw_step("meta")
         step(1)
         fit = meter.fit(step, [8, 16, 32], "200 MiB")
     finally:
-        meter.end_call()
+        measured.end()
     # at 8-32 the optimizer step is the peak at every size: one line through the peaks had slope 0 and
-    # said 2,147,483,647. forward: 50,356,236 + 16,384 n <= 209,715,200  ->  n <= 9,726.5
-    assert (fit.live, fit.peaks) == (LIVE, (100_696_072,) * 3)
-    assert (fit.largest, fit.peak_bytes, fit.exact, fit.confirmed) == (9726, 209_707_020, True, True)
+    # said 2,147,483,647. forward: 50,356,228 + 16,384 n <= 209,715,200  ->  n <= 9,726.5
+    assert (fit.live, fit.peaks) == (LIVE, (100_696_064,) * 3)
+    assert (fit.largest, fit.peak_bytes, fit.exact, fit.confirmed) == (9726, 209_707_012, True, True)
     assert fit.peak_bytes == P + ADAMW + 16_384 * 9726 + 4
     answer, above = fit.checks
     assert (answer.size, answer.out_of_memory, above.size, above.out_of_memory) == (9726, False, 9727, True)
     # batch 9,727 ran out allocating forward's output: x (8,192 x 9,727 B) over the parameters and state
     assert above.peak == P + ADAMW + 8192 * 9727
-    assert meter.info["fits"] == [fit.describe()]
+    assert measured.fits == [fit.describe()] and measured.info == {}
 
 
 def test_the_fit_holds_its_runs_to_its_own_capacity_under_a_smaller_test_capacity() -> None:
-    meter = started_meter("meta", capacity=64 * 2**20)  # max_memory(capacity="64 MiB") on the test
-    backend = meter.backend
+    measured = started_meter("meta", capacity=64 * 2**20)  # max_memory(capacity="64 MiB") on the test
+    meter = GpuMem(measured)
+    backend = measured.backend
     assert isinstance(backend, TrackerBackend)
     try:
-        fit = meter.fit(rows, [1, 2, 4], "1 GiB")
+        fit = meter.fit(meta_rows, [1, 2, 4], "1 GiB")
         assert backend.capacity == 64 * 2**20  # the test's own capacity holds again after the fit
     finally:
-        meter.end_call()
+        measured.end()
     assert (fit.largest, fit.confirmed) == ((2**30 - FIXED) // ROW, True)
 
 
 def test_on_the_allocators_model_a_batch_fits_on_reserved_memory() -> None:
-    meter = started_meter("meta", rounding="cuda")  # the default on meta: what a card would reserve
+    measured = started_meter("meta", rounding="cuda")  # the default on meta: what a card would reserve
+    meter = GpuMem(measured)
     try:
-        fit = meter.fit(rows, [1, 2, 4], "20 MiB")
+        fit = meter.fit(meta_rows, [1, 2, 4], "20 MiB")
     finally:
-        meter.end_call()
+        measured.end()
     # up to 1,024 rows (1 MiB) the rows and the zeros share one 2 MiB segment of the small pool; more rows
     # take a 20 MiB segment of the large pool, and 22 MiB are reserved. Allocated bytes alone: 20,476.
     assert (fit.largest, fit.peak_bytes, fit.reserved, fit.found, fit.confirmed) == (
@@ -410,13 +421,13 @@ def test_the_fixture_fits_a_batch_size(tracker: pytest.Pytester, reported: Repor
     result.stdout.no_fnmatch_line("*pytest_gpumem/*")  # the user's frames only
     result.stdout.no_fnmatch_line("*INTERNALERROR*")
     tests = reported()
-    assert tests["test_fits"]["info"]["fits"] == [
+    assert tests["test_fits"]["fits"] == [
         "largest batch that fits 200,000 B: 171, peak 194.4 KiB at aten.ones.default (test_the_fixture_fits_a_batch_"
         "size.py:5), of which 19.5 KiB was live when the fit began; found exactly from the timelines of sizes 1, 2, "
         "4, 8, confirmed: 171 ran within 200,000 B, 172 ran out of memory after 23.4 KiB"
     ]
     # 64 n^2 floats: the sizes' bytes are no lines; searched: 64 n^2 x 4 <= 4 MiB  ->  n <= 128
-    (searched,) = tests["test_not_lines"]["info"]["fits"]
+    (searched,) = tests["test_not_lines"]["fits"]
     assert searched.startswith("largest batch that fits 4 MiB: 128, peak 4.0 MiB at aten.ones.default")
     assert "the sizes' bytes are not lines in n: off by up to" in searched
 

@@ -16,7 +16,7 @@ def test_the_fixture_reads_the_call_its_phases_device_and_backend(tracker: pytes
 
         def test_device_and_backend(gpumem):
             assert str(gpumem.device) == "cpu"
-            assert gpumem.backend_name == "tracker"
+            assert gpumem.backend.name == "tracker"
 
         def test_call_peak_so_far(gpumem):
             a = torch.ones(1000)
@@ -218,7 +218,7 @@ def test_a_plugin_backend_may_identify_with_a_dict_and_a_result_hook_set_a_statu
     pytester.makepyfile(
         test_it="""
         def test_it(gpumem):
-            assert gpumem.backend_name == "fixed"
+            assert gpumem.backend.name == "fixed"
 
         def test_bad_status(gpumem):
             pass
@@ -309,3 +309,63 @@ def test_a_status_set_as_its_word_is_a_status() -> None:
     with pytest.raises(GpuMemError, match=r"^result.status: 'over' is not a status \(one of: ok, NEW, "):
         result.status = "over"  # type: ignore[assignment]
     assert result.status is Status.OVER_BUDGET
+
+
+def test_the_fixture_shows_only_what_a_test_author_uses() -> None:
+    from pytest_gpumem.backends.tracker.backend import TrackerBackend
+    from pytest_gpumem.measure.measurement import Measurement
+    from pytest_gpumem.measure.meter import GpuMem
+
+    public = [name for name in dir(GpuMem(Measurement(TrackerBackend(), "t.py::t"))) if not name.startswith("_")]
+    assert public == [
+        "advise",
+        "backend",
+        "check_gradients",
+        "device",
+        "distributed",
+        "fit",
+        "info",
+        "peak",
+        "phase",
+        "phases",
+        "result",
+        "simulate_rank",
+    ]
+
+
+def test_what_the_plugin_measured_on_request_is_kept_out_of_the_tests_info(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        """
+        import torch
+
+        def test_fits(gpumem):
+            gpumem.info["mine"] = 1
+            gpumem.fit(lambda n: torch.ones(n, 256), [1, 2, 4], "1 MiB", confirm=False)
+            gpumem.simulate_rank(lambda rank, world_size, meter: None, 8, rank=3)
+        """
+    )
+    tracker.runpytest("--gpumem-json=run.json").assert_outcomes(passed=1)
+    (test,) = json.loads((tracker.path / "run.json").read_text())["tests"]
+    assert (test["info"], test["simulated"], test["advice"], test["distributed"]) == (
+        {"mine": 1},
+        [{"world_size": 8, "rank": 3}],
+        None,
+        [],
+    )
+    assert [sentence.split(":")[0] for sentence in test["fits"]] == ["largest batch that fits 1 MiB"]
+
+
+def test_an_earlier_reports_summaries_in_info_are_read_into_their_own_fields() -> None:
+    from pytest_gpumem.results import TestResult
+
+    info = {"mine": 1, "fits": ["largest batch that fits 1 MiB: 1,023"], "simulated": [{"world_size": 8, "rank": 0}]}
+    written = {"nodeid": "t.py::t", "backend": "tracker", "device": "cpu", "call": None, "info": info}
+    result = TestResult.from_dict(written)
+    assert (result.info, result.fits, result.simulated, result.distributed, result.advice) == (
+        {"mine": 1},
+        ["largest batch that fits 1 MiB: 1,023"],
+        [{"world_size": 8, "rank": 0}],
+        [],
+        None,
+    )
+    assert TestResult.from_dict(result.to_dict()) == result

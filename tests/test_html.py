@@ -439,11 +439,11 @@ def test_an_explained_test_that_advised_shows_the_advice_and_one_not_explained_g
     result = tracker.runpytest("-p", "no:cacheprovider", "--gpumem-html=pictures", "--gpumem-json=out.json")
     result.assert_outcomes(passed=2)
     tests = reported()
-    assert tests["test_not_explained"]["html"] is None and tests["test_not_explained"]["info"]["advice"]["rows"]
+    assert tests["test_not_explained"]["html"] is None and tests["test_not_explained"]["advice"]["rows"]
     (page,) = (tracker.path / "pictures").glob("*.html")
     assert tracker.path / tests["test_explained"]["html"] == page
     text = page.read_text(encoding="utf-8")
-    written = tests["test_explained"]["info"]["advice"]["rows"]
+    written = tests["test_explained"]["advice"]["rows"]
     assert [r["name"] for r in written] == [AS_IS, "checkpoint-blocks", "fused-step"]
     assert [(attrs["data-strategy"], cells[1]) for attrs, cells in rows(text, "advice")[1:]] == [
         (row["name"], format_size(row["absolute_peak_bytes"])) for row in written if "skipped" not in row

@@ -13,6 +13,7 @@ import torch._dynamo
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 
 
@@ -72,7 +73,7 @@ def _attention_training_step() -> None:
 def test_a_measurement_on_meta_puts_back_every_global_it_touched() -> None:
     before = _global_state()
     backend = TrackerBackend(device="meta")  # a GPU's paths: foreach optimizers, fused attention
-    backend.configure(None, origins=True, events=True, explain=True)
+    backend.configure(Settings(None, origins=True, events=True, explain=True))
     backend.start()
     try:
         _attention_training_step()

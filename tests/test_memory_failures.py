@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.measure.failures import leak_holding
 
@@ -76,7 +77,7 @@ CACHE: dict[str, object] = {}
 
 def _counts(device: str = "cpu") -> TrackerBackend:
     backend = TrackerBackend(device=device)
-    backend.configure(None, origins=True, events=False)
+    backend.configure(Settings(None, origins=True, events=False))
     backend.start()
     return backend
 

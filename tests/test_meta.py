@@ -69,9 +69,14 @@ def _step_phases(device: str, rounding: str) -> dict[str, tuple[int, int, int, i
 
 
 @pytest.mark.parametrize("rounding", ["none", "cuda"])
-def test_meta_bytes_equal_cpu_bytes(rounding: str) -> None:
-    meta = _step_phases("meta", rounding)
-    assert meta == _step_phases("cpu", rounding)
+def test_meta_bytes_equal_cpu_bytes_but_for_the_host_memory_of_adams_step_counters(rounding: str) -> None:
+    meta, cpu = _step_phases("meta", rounding), _step_phases("cpu", rounding)
+    # AdamW's 4 step counters (one per parameter) are 4-byte CPU scalars: on a GPU host memory, on the cpu
+    # device the device's own; made at the step's start, they are live at its peak and after it
+    counters = 4 * (512 if rounding == "cuda" else 4)
+    peak, net, peak_requested, net_requested = cpu.pop("step")
+    assert meta.pop("step") == (peak - counters, net - counters, peak_requested - 16, net_requested - 16)
+    assert meta == cpu
     # forward: the peak is ReLU's output made while the first Linear's (64 x 1024 float32 each) still
     # exists; after ReLU only its output stays (saved by ReLU and the second Linear), then 64 x 256 twice
     # and the 4-byte mean: 262,144 + 2 x 65,536 + 4 < 2 x 262,144
@@ -400,6 +405,26 @@ def _adamw_step_peak(paths: str | None, foreach: bool | None = None) -> int:
 
 
 WEIGHT = 256 * 256 * FP32
+
+
+def test_on_meta_only_meta_tensors_count_and_on_cpu_every_tensor() -> None:
+    """AdamW's step counter is a CPU scalar (not capturable, not fused): on meta, host memory beside the GPU."""
+    found = {}
+    for device in ("meta", "cpu"):
+        backend = TrackerBackend(device=device)
+        param = torch.nn.Parameter(torch.ones(1024, device=device))
+        param.grad = torch.ones(1024, device=device)
+        optimizer = torch.optim.AdamW([param])
+        backend.start()
+        try:
+            optimizer.step()
+            found[device] = backend.current()
+        finally:
+            backend.stop()
+        assert optimizer.state[param]["step"].device.type == "cpu"
+    # exp_avg and exp_avg_sq: 1024 float32 each, rounded to 512-byte blocks on meta; the 4-byte step on cpu
+    assert (found["meta"].allocated, found["meta"].requested) == (2 * 4096, 2 * 4096)
+    assert (found["cpu"].allocated, found["cpu"].requested) == (2 * 4096 + 4, 2 * 4096 + 4)
 
 
 def test_optimizers_default_to_foreach_on_meta() -> None:

@@ -281,7 +281,7 @@ def markdown_links(text: str) -> list[str]:
 @pytest.mark.parametrize("folder", FOLDERS)
 def test_a_picture_link_renders_as_a_link_to_the_picture(tmp_path: Path, folder: str) -> None:
     result = result_with_phases("f")
-    result.html = f"{folder}/t.html"
+    result.html_path = f"{folder}/t.html"
     text = markdown([result], False, tmp_path, tmp_path / "reports")
     (href,) = markdown_links(text)
     assert unquote(href) == f"../{folder}/t.html"

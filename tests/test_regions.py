@@ -9,10 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_gpumem import Counters, GpuMem, GpuMemError
+from pytest_gpumem import Backend, Counters, GpuMemError
+from pytest_gpumem.measure.measurement import Measurement
+from pytest_gpumem.measure.meter import GpuMem
 
 
-class ScriptedAllocator:
+class ScriptedAllocator(Backend):
     """A fake allocator with one resettable peak, driven by `alloc`/`free` calls from the test."""
 
     name = "scripted"
@@ -56,8 +58,9 @@ class ScriptedAllocator:
 def test_phase_reset_does_not_hide_an_earlier_call_peak() -> None:
     fake = ScriptedAllocator()
     fake.alloc(1000)  # before the call: not part of any peak
-    meter = GpuMem(fake, "t")
-    meter.begin_call()
+    measured = Measurement(fake, "t")
+    meter = GpuMem(measured)
+    measured.begin()
     fake.alloc(500)
     fake.free(500)  # a transient before any phase: the call's peak must keep it
     with meter.phase("forward"):
@@ -66,89 +69,95 @@ def test_phase_reset_does_not_hide_an_earlier_call_peak() -> None:
         fake.free(200)
         fake.alloc(300)
         fake.free(300)
-    call = meter.end_call()
+    call = measured.end()
     assert call.peak_bytes == 500
     assert call.net_bytes == 0
-    assert meter.peak("forward") == 200
-    assert meter.result("forward").net_bytes == 200
+    assert measured.peak("forward") == 200
+    assert measured.result("forward").net_bytes == 200
     # backward starts at 1200, frees 200 and allocates 300: its peak above start is 100
-    assert meter.peak("backward") == 100
-    assert meter.result("backward").net_bytes == -200
-    assert meter.result("backward").reserved_peak_bytes == 1300 + 100  # the fake reserves 100 above allocated
+    assert measured.peak("backward") == 100
+    assert measured.result("backward").net_bytes == -200
+    assert measured.result("backward").reserved_peak_bytes == 1300 + 100  # the fake reserves 100 above allocated
     assert fake.resets == 3
 
 
 def test_peak_inside_phase_reaches_the_call() -> None:
     fake = ScriptedAllocator()
-    meter = GpuMem(fake, "t")
-    meter.begin_call()
+    measured = Measurement(fake, "t")
+    meter = GpuMem(measured)
+    measured.begin()
     with meter.phase("p"):
         fake.alloc(5000)
         fake.free(5000)
     fake.alloc(10)
-    assert meter.end_call().peak_bytes == 5000
+    assert measured.end().peak_bytes == 5000
 
 
 def test_repeated_phase_keeps_max_and_last_net() -> None:
     fake = ScriptedAllocator()
-    meter = GpuMem(fake, "t")
-    meter.begin_call()
+    measured = Measurement(fake, "t")
+    meter = GpuMem(measured)
+    measured.begin()
     for n in (300, 700, 100):
         with meter.phase("step"):
             fake.alloc(n)
-    meter.end_call()
-    result = meter.result("step")
+    measured.end()
+    result = measured.result("step")
     assert (result.peak_bytes, result.net_bytes, result.count) == (700, 100, 3)
 
 
-def test_open_phase_is_closed_by_end_call() -> None:
+def test_a_phase_left_open_is_closed_when_the_call_ends() -> None:
     fake = ScriptedAllocator()
-    meter = GpuMem(fake, "t")
-    meter.begin_call()
+    measured = Measurement(fake, "t")
+    meter = GpuMem(measured)
+    measured.begin()
     context = meter.phase("left-open")
     context.__enter__()
     fake.alloc(64)
-    assert meter.end_call().peak_bytes == 64
+    assert measured.end().peak_bytes == 64
     with pytest.raises(GpuMemError, match="the call of t is measured only while its test function runs"):
-        GpuMem(fake, "t").peak()
+        GpuMem(Measurement(fake, "t")).peak()
 
 
 def test_call_so_far() -> None:
     fake = ScriptedAllocator()
-    meter = GpuMem(fake, "t")
-    meter.begin_call()
+    measured = Measurement(fake, "t")
+    meter = GpuMem(measured)
+    measured.begin()
     with meter.phase("forward"):
         fake.alloc(300)
-        assert meter.peak() == 300
+        assert measured.peak() == 300
     fake.free(300)
-    assert meter.peak() == 300
-    assert meter.result().net_bytes == 0
+    assert measured.peak() == 300
+    assert measured.result().net_bytes == 0
     fake.alloc(500)
     fake.free(500)
-    assert meter.end_call().peak_bytes == 500
+    assert measured.end().peak_bytes == 500
 
 
 @pytest.mark.parametrize("name", ["x@rank1", "forward@rank0", "a@rank@rank12"])
 def test_a_phase_named_like_a_ranks_phase_is_refused(name: str) -> None:
     fake = ScriptedAllocator()
-    meter = GpuMem(fake, "t")
-    meter.begin_call()
+    measured = Measurement(fake, "t")
+    meter = GpuMem(measured)
+    measured.begin()
     with pytest.raises(GpuMemError, match=rf"^phase name '{name}' reads as rank \d+'s phase '.+' \('@rank' and a"):
         meter.phase(name).__enter__()  # refused before it opens
     with meter.phase("after"):  # nothing was left open
         fake.alloc(20)
-    assert list(meter.phases) == ["after"] and meter.end_call().peak_bytes == 20
+    assert list(measured.phases) == ["after"] and measured.end().peak_bytes == 20
 
 
 @pytest.mark.parametrize("name", ["x@rank", "x@rankA", "x@rank01", "@rank1", "x@rank1b"])
 def test_other_names_with_at_rank_are_phases_of_their_own(name: str) -> None:
     fake = ScriptedAllocator()
-    meter = GpuMem(fake, "t")
-    meter.begin_call()
+    measured = Measurement(fake, "t")
+    meter = GpuMem(measured)
+    measured.begin()
     with meter.phase(name):
         fake.alloc(10)
-    meter.end_call()
-    assert meter.result(name).peak_bytes == 10
+    measured.end()
+    assert measured.result(name).peak_bytes == 10
 
 
 def test_a_test_opening_a_rank_phase_name_fails_in_one_line(tracker: pytest.Pytester) -> None:

@@ -377,7 +377,7 @@ def compared(*comparisons: tuple[str | None, int, float, BaselineStatus]) -> Ver
 
 def test_long_form_shows_each_phase_against_its_baseline() -> None:
     result = strategy("dot")
-    result.baseline = compared(
+    result.verdict = compared(
         (None, 40 * MIB, 0.0, BaselineStatus.OK), ("backward", 4 * MIB, 100.0, BaselineStatus.REGRESSED)
     )
     lines = table_lines([result], 120, long=True)
@@ -400,7 +400,7 @@ def test_long_markdown_has_a_row_per_phase() -> None:
 
 def test_markdown_links_pictures_from_its_own_folder(tmp_path: Path) -> None:
     result = strategy("dot")
-    result.html = "pictures/dot.html"  # relative to the rootdir
+    result.html_path = "pictures/dot.html"  # relative to the rootdir
     text = markdown([result], root=tmp_path, folder=tmp_path / "reports" / "ci")
     assert "[picture](<../../pictures/dot.html>)" in text
     assert "[picture](<pictures/dot.html>)" in markdown([result], root=tmp_path, folder=tmp_path)
@@ -418,7 +418,7 @@ def test_fixed_columns_empty_in_every_row_are_left_out() -> None:
         "status",
     ]
     budgeted.budget_text = "50 MiB"
-    budgeted.baseline = compared()  # NEW: a baseline run, nothing to compare with
+    budgeted.verdict = compared()  # NEW: a baseline run, nothing to compare with
     assert "budget" in table_lines([plain, budgeted])[1] and "baseline" not in table_lines([plain, budgeted])[1]
 
 
@@ -426,7 +426,7 @@ def test_one_compared_test_keeps_its_whole_id_at_80_columns() -> None:
     # 1250 float32 = 5,000 B = 4.9 KiB against a baseline of 4,000 B = 3.9 KiB: +25.0%
     made = PhaseResult("made", 5000, 5000, None, 0)
     result = TestResult("test_suite.py::test_alloc[a]", "tracker", "cpu", made, {"made": made}, status=Status.REGRESSED)
-    result.baseline = compared((None, 4000, 25.0, BaselineStatus.REGRESSED))
+    result.verdict = compared((None, 4000, 25.0, BaselineStatus.REGRESSED))
     lines = table_lines([result], 80)
     assert lines[0].split() == ["test", "made", "call", "peak", "baseline", "change", "status"]
     assert lines[2].split() == [

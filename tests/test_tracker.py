@@ -7,18 +7,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from pytest_gpumem.backends.base import (
-    Configurable,
-    ExplainsItsPeaks,
-    HasCapacity,
-    IdentifiesDevice,
-    TakesSnapshots,
-    rounding_of,
-    sees_earlier_allocations,
-)
+from pytest_gpumem.backends.base import Backend, Counters, Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.backends.tracker.ledger import StorageLedger, cuda_block_size
+from pytest_gpumem.errors import GpuMemError
 
 WORKLOADS = """
 import pytest, torch
@@ -208,7 +202,9 @@ def test_cuda_block_size(request_bytes: int, counted: int) -> None:
 
 
 class FakeStorage:
-    """What the ledger reads of a storage: a key and a size (and a weak reference to it)."""
+    """What the ledger reads of a storage: a key, a size and a device (and a weak reference to it)."""
+
+    device = torch.device("cpu")
 
     def __init__(self, key: int, size: int) -> None:
         self._cdata, self.size = key, size
@@ -262,27 +258,59 @@ def test_the_ledger_refuses_an_allocation_past_its_capacity() -> None:
     assert ledger.allocated == 600
 
 
-def test_a_backend_without_optional_features_is_taken_to_see_everything() -> None:
-    class Minimal:
-        name = "minimal"
+class Minimal(Backend):
+    """A backend with only the required members."""
 
+    name = "minimal"
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def describe(self) -> str:
+        return "minimal"
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
+    def current(self) -> Counters:
+        return Counters(0, 0)
+
+    def peak(self) -> Counters:
+        return Counters(0, 0)
+
+    def reset_peak(self) -> None:
+        pass
+
+
+def test_a_backend_with_only_the_required_members_sees_everything_and_can_do_nothing_more() -> None:
     backend = Minimal()
-    assert (sees_earlier_allocations(backend), rounding_of(backend)) == (True, "none")
-    features = (Configurable, ExplainsItsPeaks, HasCapacity, IdentifiesDevice, TakesSnapshots)
-    assert not any(isinstance(backend, feature) for feature in features)
+    backend.configure(Settings(1000, origins=True, events=True, explain=True))
+    assert (backend.sees_earlier_allocations, backend.rounding, backend.capacity) == (True, "none", None)
+    assert (backend.sets_capacity, backend.records_events, backend.holds_capacity) == (False, False, False)
+    assert (backend.attribution(), backend.snapshot(), backend.trace(), backend.timeline()) == (None,) * 4
+    assert (backend.live_storages(), backend.survivors(3), backend.notes()) == ({}, [], [])
+    assert (backend.identity().backend, backend.identity().device) == ("minimal", "cpu")  # type: ignore[union-attr]
+    with pytest.raises(GpuMemError, match=r"^the minimal backend cannot hold a block to a capacity$"):
+        backend.held_to(1000)
 
 
 def test_the_tracker_explains_rounds_and_counts_only_what_it_observes() -> None:
     backend = TrackerBackend("cuda")
-    assert isinstance(backend, ExplainsItsPeaks) and not isinstance(backend, TakesSnapshots)
-    assert (sees_earlier_allocations(backend), rounding_of(backend)) == (False, "cuda")
-    backend.configure(1000, origins=False, events=False)
-    assert backend.capacity == 1000
+    assert (backend.sees_earlier_allocations, backend.rounding, backend.snapshot()) == (False, "cuda", None)
+    backend.configure(Settings(1000, explain=True))
+    assert backend.capacity == 1000 and backend.attribution() is not None
 
 
 def test_the_trackers_capacity_is_set_or_lifted_for_a_block() -> None:
     backend = TrackerBackend()
-    backend.configure(1000, origins=False, events=False)
+    backend.configure(Settings(1000, origins=False, events=False))
     with backend.held_to(2000):  # a fit asks about a larger card than the test's
         assert backend.capacity == 2000
     with backend.held_to(500):

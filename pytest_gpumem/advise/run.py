@@ -27,7 +27,6 @@ from torch.utils.flop_counter import flop_registry
 from pytest_gpumem.advise.check import Saved, compare, randomness, scales
 from pytest_gpumem.advise.kinds import all_strategies, conflict, ordered
 from pytest_gpumem.advise.strategies import OptimizerShim, Patch, Run, Strategy, Target, find_blocks
-from pytest_gpumem.backends.base import KeepsWorkspaces, ListsLiveStorages, rounding_of, sees_earlier_allocations
 from pytest_gpumem.backends.tracker.ledger import cuda_block_size
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.measure.failures import exception_text, release_memory
@@ -130,8 +129,7 @@ def _measure(backend: Backend, target: Target, saved: Saved, chosen: Sequence[St
     shim = None if target.optimizer is None else OptimizerShim(target.optimizer)
     run = Run(target, patch, target.step, shim, target.param_dtype(), check=check)
     saved.prepare()
-    if isinstance(backend, KeepsWorkspaces):  # every run makes its cuBLAS workspaces, as the test's own step does
-        backend.clear_workspaces()
+    backend.clear_workspaces()  # every run makes its cuBLAS workspaces, as the test's own step does
     try:
         if shim is not None:
             shim.install(patch)
@@ -185,10 +183,10 @@ def _live(backend: Backend, resident: Mapping[int, int]) -> int:
     as it would have counted it. Taken before advise makes its own copies."""
     backend.settle()
     counted = backend.current().allocated
-    if sees_earlier_allocations(backend):
+    if backend.sees_earlier_allocations:
         return counted
-    seen = backend.live_storages() if isinstance(backend, ListsLiveStorages) else {}
-    rounded = cuda_block_size if rounding_of(backend) == "cuda" else int
+    seen = backend.live_storages()
+    rounded = cuda_block_size if backend.rounding == "cuda" else int
     return counted + sum(rounded(size) for key, size in resident.items() if key not in seen)
 
 

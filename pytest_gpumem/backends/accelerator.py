@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pytest_gpumem.backends.base import Counters
+from pytest_gpumem.backends.base import Backend, Counters
 from pytest_gpumem.backends.cuda import counters_from_stats
 from pytest_gpumem.errors import GpuMemError
 
@@ -31,7 +31,7 @@ def accelerator_module() -> Any | None:
     return module if module.is_available() else None
 
 
-class AcceleratorBackend:
+class AcceleratorBackend(Backend):
     """Peaks of `torch.accelerator.memory_stats()` on the current accelerator."""
 
     name = "accelerator"

@@ -1,17 +1,21 @@
-"""What every way of measuring provides (allocator-style counters with one resettable peak), and the
-optional features a backend may have, one Protocol each: the meter, the session and the tools ask
-`isinstance(backend, Feature)` and use the feature only where it is there.
+"""What every way of measuring provides, in one base class: allocator-style counters with one resettable
+peak (the abstract members), and what a backend may do beyond them (members with defaults that do
+nothing or say "cannot"). A backend overrides what it can do; callers read its attributes and return
+values, never its type.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     import torch
 
     from pytest_gpumem.backends.timeline import Timeline
@@ -35,206 +39,128 @@ class Counters:
         return Counters(max(self.allocated, other.allocated), max(self.requested, other.requested), reserved)
 
 
-@runtime_checkable
-class Backend(Protocol):
+@dataclass(frozen=True)
+class Settings:
+    """What the next measurement asks of a backend (`Backend.configure`)."""
+
+    capacity: int | None = None  # bytes of the device; None: all of it
+    origins: bool = False  # record where each allocation came from
+    events: bool = False  # record the sequence of allocations and frees
+    explain: bool = False  # attribute every storage: what it is for, which module made it
+
+
+class Backend(abc.ABC):
     """A way of measuring. Like the CUDA caching allocator, it has current and peak counters and one
     global peak that `reset_peak` sets to the current value; the meter folds nested regions on top.
-    What a backend may do beyond this is one of the feature Protocols below."""
+
+    Subclasses set `name` and implement the abstract members; the others are what a backend may do
+    beyond counting, each with a default that does nothing or says it cannot."""
 
     name: str
+    sees_earlier_allocations: bool = True  # False: counts only what it saw allocated (no full gc needed)
+    rounding: str = "none"  # "none" (exact) or "cuda" (the CUDA caching allocator's blocks)
+    sets_capacity: bool = False  # `configure` holds the process to `Settings.capacity`
+    records_events: bool = False  # `configure(events=True)` keeps a trace or history for evidence
+    holds_capacity: bool = False  # `held_to` sets the capacity for a block
 
     @property
+    @abc.abstractmethod
     def device(self) -> torch.device: ...
 
+    @abc.abstractmethod
     def describe(self) -> str:
         """One line for the report header: backend, device and settings."""
-        ...
 
+    @abc.abstractmethod
     def start(self) -> None:
         """Begin observing (called once per measured test, before any region opens)."""
-        ...
 
+    @abc.abstractmethod
     def stop(self) -> None:
         """Stop observing; must undo everything `start` did, also after an error."""
-        ...
 
+    @abc.abstractmethod
     def settle(self) -> None:
         """Make the counters current before a reading (e.g. synchronize the device)."""
-        ...
 
+    @abc.abstractmethod
     def current(self) -> Counters: ...
 
+    @abc.abstractmethod
     def peak(self) -> Counters: ...
 
+    @abc.abstractmethod
     def reset_peak(self) -> None: ...
 
+    def configure(self, settings: Settings) -> None:
+        """Take `settings` for the next measurement (called before each one). By default: nothing kept,
+        so `sets_capacity`, `records_events` stay False and attribution() None."""
+        return None
 
-@runtime_checkable
-class IdentifiesDevice(Protocol):
-    """A backend that identifies its device for baselines (without it: its name and `str(device)`)."""
+    def identity(self) -> DeviceIdentity | Mapping[str, Any]:
+        """What stored baselines are keyed by (figures of one identity are never compared with another's):
+        the backend and device, optionally capability and total memory. By default its name and device."""
+        from pytest_gpumem.results.baseline import DeviceIdentity
 
-    def identity(self) -> DeviceIdentity:
-        """The backend and device, optionally capability and total memory: what stored baselines are
-        keyed by (figures of one identity are never compared with another's)."""
-        ...
-
-
-@runtime_checkable
-class Configurable(Protocol):
-    """A backend that is told, before each measurement, the device's capacity and what to record."""
-
-    def configure(self, capacity: int | None, origins: bool, events: bool) -> None:
-        """For the next measurement: `capacity` bytes of the device (None: all of it); record where each
-        allocation came from (`origins`) and the sequence of allocations and frees (`events`)."""
-        ...
-
-
-@runtime_checkable
-class HasCapacity(Protocol):
-    """A backend that holds the process to a capacity (the one `configure` set)."""
+        return DeviceIdentity(self.name, str(self.device))
 
     @property
     def capacity(self) -> int | None:
         """Bytes past which an allocation raises OutOfMemoryError; None: the device's own memory."""
-        ...
-
-
-@runtime_checkable
-class HoldsToCapacity(Protocol):
-    """A backend that can set its capacity for a block: to the card a fit asks about (`gpumem.fit` runs its
-    answers so) or to none (`gpumem.advise()` judges a capacity itself)."""
+        return None
 
     def held_to(self, capacity: int | None) -> contextlib.AbstractContextManager[None]:
-        """Within the block, an allocation past `capacity` bytes raises OutOfMemoryError, whatever capacity
-        was set before; None: no capacity holds within the block."""
-        ...
+        """Within the block, an allocation past `capacity` bytes raises OutOfMemoryError (None: no capacity
+        holds), whatever was configured; only where `holds_capacity` says so."""
+        from pytest_gpumem.errors import GpuMemError
 
-
-@runtime_checkable
-class CachesMemory(Protocol):
-    """A backend with an allocator's cache (the CUDA allocator's segments, or the tracker's model of it)."""
+        raise GpuMemError(f"the {self.name} backend cannot hold a block to a capacity")
 
     def empty_cache(self) -> None:
         """Give back every cached segment without a live block (`torch.cuda.empty_cache()`)."""
-        ...
-
-
-@runtime_checkable
-class KeepsWorkspaces(Protocol):
-    """A backend whose allocator holds cuBLAS workspaces (one per handle and stream, kept once made): the
-    CUDA allocator's, or the tracker's model of it."""
+        return None
 
     def clear_workspaces(self) -> None:
-        """Free every cuBLAS workspace (`torch._C._cuda_clearCublasWorkspaces()`): each measured test makes
-        its own, and the one it leaves is not its leak."""
-        ...
-
-
-@runtime_checkable
-class PredictsACard(Protocol):
-    """A backend that predicts a named card (the tracker: its cuBLAS workspaces take the card's size)."""
+        """Free every cuBLAS workspace its allocator keeps (each measured test makes its own)."""
+        return None
 
     def predict_card(self, card: str | None) -> None:
-        """Predict the card called `card` from now on (None: no card named; see `pytest_gpumem.cards`)."""
-        ...
+        """Predict the card called `card` from now on (None: none named; see `pytest_gpumem.cards`)."""
+        return None
 
     def predicting(self, card: str | None) -> contextlib.AbstractContextManager[None]:
         """Within the block, predict `card`; then the card predicted before."""
-        ...
+        return contextlib.nullcontext()
 
-
-@runtime_checkable
-class RecordsTimeline(Protocol):
-    """A backend that records the bytes allocated after each event of a block (`gpumem.fit` fits them)."""
-
-    def timeline(self) -> contextlib.AbstractContextManager[Callable[[], Timeline]]:
-        """Within the block, every allocation, resize and free is recorded; the value it gives, called after
-        the block, returns the block's timeline."""
-        ...
-
-
-@runtime_checkable
-class ExplainsItsPeaks(Protocol):
-    """A backend that explains its own peaks: what each storage is for and which module made it (others
-    are explained by a shadow tracker beside them)."""
-
-    def configure(self, capacity: int | None, origins: bool, events: bool, explain: bool = False) -> None:
-        """As `Configurable.configure`; `explain` also attributes every storage."""
-        ...
+    def timeline(self) -> contextlib.AbstractContextManager[Callable[[], Timeline]] | None:
+        """A block within which the bytes allocated after each event are recorded (its value, called after
+        the block, returns them: `gpumem.fit` fits them); None: it records no timeline."""
+        return None
 
     def attribution(self) -> Attributor | None:
-        """The attributor of the measurement under way, when `configure` asked to explain."""
-        ...
-
-
-@runtime_checkable
-class TakesSnapshots(Protocol):
-    """A backend that takes allocator snapshots (the CUDA allocator's memory history)."""
+        """The attributor of the measurement under way, when it explains its own peaks (`Settings.explain`);
+        None: a shadow tracker beside it explains them."""
+        return None
 
     def snapshot(self) -> Any:
         """The allocator's history, which PyTorch's memory visualizer opens; None when none was recorded."""
-        ...
-
-
-@runtime_checkable
-class RecordsTrace(Protocol):
-    """A backend that records the allocations and frees of a measurement itself, as JSON."""
+        return None
 
     def trace(self) -> dict[str, Any] | None:
-        """The measurement's events, when `configure` asked for them; else None."""
-        ...
-
-
-@runtime_checkable
-class CountsOnlyWhatItObserves(Protocol):
-    """A backend that counts only what is allocated while it observes (with `sees_earlier_allocations`
-    False), so that no full garbage collection is needed before a test's call."""
-
-    sees_earlier_allocations: bool
-
-
-@runtime_checkable
-class ListsLiveStorages(Protocol):
-    """A backend that lists the storages still allocated of those it counted."""
+        """The measurement's allocations and frees as JSON, when `Settings.events` asked for them."""
+        return None
 
     def live_storages(self) -> dict[int, tuple[int, Origin | None]]:
         """Each storage the call made that is still allocated, by key: its counted bytes and its origin."""
-        ...
-
-
-@runtime_checkable
-class FindsSurvivors(Protocol):
-    """A backend that can say what the call left allocated: the largest storages, with what they hold."""
+        return {}
 
     def survivors(self, count: int) -> list[Survivor]:
-        """The `count` largest storages the call made that are still allocated."""
-        ...
-
-
-@runtime_checkable
-class RoundsLikeAnAllocator(Protocol):
-    """A backend whose counted bytes follow an allocator's rounding of the requested bytes."""
-
-    rounding: str  # "none" (exact) or "cuda" (the CUDA caching allocator's blocks)
-
-
-@runtime_checkable
-class HasNotes(Protocol):
-    """A backend that says what its last measurement could not see."""
+        """The `count` largest storages the call made that are still allocated, with what they hold."""
+        return []
 
     def notes(self) -> list[str]:
-        """One sentence each, for the test's report."""
-        ...
-
-
-def sees_earlier_allocations(backend: object) -> bool:
-    """Whether `backend`'s counters include what was allocated before it began to observe."""
-    return not isinstance(backend, CountsOnlyWhatItObserves) or backend.sees_earlier_allocations
-
-
-def rounding_of(backend: object) -> str:
-    """The allocator rounding `backend`'s counted bytes follow ("none" when it does not say)."""
-    return backend.rounding if isinstance(backend, RoundsLikeAnAllocator) else "none"
+        """What the last measurement could not see, one sentence each, for the test's report."""
+        return []
 
 
 def collect_garbage(full: bool) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pytest_gpumem.backends.base import Counters
+from pytest_gpumem.backends.base import Backend, Counters, Settings
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.results.baseline import DeviceIdentity
 
@@ -23,10 +23,12 @@ def counters_from_stats(stats: dict[str, Any], which: str) -> Counters:
     return Counters(allocated, requested, int(stats.get(f"reserved_bytes.all.{which}", 0)))
 
 
-class CudaBackend:
+class CudaBackend(Backend):
     """Peaks of `torch.cuda.memory_stats()` on the current CUDA (or ROCm) device."""
 
     name = "cuda"
+    sets_capacity = True
+    records_events = True
 
     def __init__(self) -> None:
         import torch
@@ -37,18 +39,22 @@ class CudaBackend:
                 f"built for CUDA {torch.version.cuda}, HIP {torch.version.hip})"
             )
         self._device = torch.device("cuda", torch.cuda.current_device())
-        self.capacity: int | None = None
+        self._capacity: int | None = None
         self._history = False
         self._recording = False
         self._fraction = 1.0
 
     HISTORY_ENTRIES = 100_000  # allocator events kept (bounds the history's memory and cost)
 
-    def configure(self, capacity: int | None, origins: bool, events: bool) -> None:
-        """For the next measurement: cap the process at `capacity` bytes of this device
+    def configure(self, settings: Settings) -> None:
+        """For the next measurement: cap the process at `settings.capacity` bytes of this device
         (`set_per_process_memory_fraction`), and record the allocator's history when `events` is asked
         for (a snapshot that PyTorch's memory visualizer opens)."""
-        self.capacity, self._history = capacity, events
+        self._capacity, self._history = settings.capacity, settings.events
+
+    @property
+    def capacity(self) -> int | None:
+        return self._capacity
 
     @property
     def device(self) -> torch.device:

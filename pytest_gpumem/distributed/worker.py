@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from pytest_gpumem.distributed.gloo import SettledBoundaries, settle_after_calls
 from pytest_gpumem.distributed.messages import Kind, Message, describe, done
 from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.measure.meter import GpuMem
 from pytest_gpumem.results.ranks import RankResult, RankSpec
 
@@ -120,12 +121,11 @@ def _backend(rank: int, spec: RankSpec) -> Backend:
         from pytest_gpumem.backends.tracker.backend import TrackerBackend
 
         backend = TrackerBackend(spec.rounding, device=spec.device, paths=spec.paths)
-    from pytest_gpumem.backends.base import ExplainsItsPeaks
+        if spec.cublas_workspace is not None:  # the card the parent predicts
+            backend.workspace_bytes = spec.cublas_workspace
+    from pytest_gpumem.backends.base import Settings
 
-    if spec.explain and isinstance(backend, ExplainsItsPeaks):
-        backend.configure(spec.capacity, origins=False, events=False, explain=True)
-    elif spec.capacity is not None:
-        backend.configure(spec.capacity, origins=False, events=False)
+    backend.configure(Settings(spec.capacity, explain=spec.explain))
     result: Backend = backend
     return result
 
@@ -136,27 +136,26 @@ class InRank:
     def __init__(self, nodeid: str) -> None:
         self.nodeid = nodeid
 
-    def run(self, meter: GpuMem, fn: Any, world_size: int, **options: Any) -> NoReturn:
+    def run(self, measured: Measurement, fn: Any, world_size: int, **options: Any) -> NoReturn:
         raise GpuMemError(f"gpumem.distributed() was called inside a rank of {self.nodeid}: ranks cannot start ranks")
 
-    def simulate(self, meter: GpuMem, fn: Any, world_size: int, **options: Any) -> NoReturn:
+    def simulate(self, meter: object, fn: Any, world_size: int, **options: Any) -> NoReturn:
         raise GpuMemError("gpumem.simulate_rank(): this process already has a process group; it cannot be simulated")
 
 
 def _measured(rank: int, spec: RankSpec, backend: Backend, fn: Any, args: tuple[Any, ...]) -> RankResult:
     boundaries = SettledBoundaries(backend)
     setattr(backend, "settle", boundaries)  # noqa: B010  (this rank's own backend, for its lifetime)
-    meter = GpuMem(backend, f"{spec.nodeid} rank {rank}")
-    meter.explain = spec.explain
-    meter.worlds = InRank(spec.nodeid)
-    meter.begin_call()
+    measured = Measurement(backend, f"{spec.nodeid} rank {rank}", InRank(spec.nodeid))
+    measured.explain = spec.explain
+    measured.begin()
     try:
-        value = fn(rank, spec.world_size, meter, *args)
-        call = meter.end_call()
+        value = fn(rank, spec.world_size, GpuMem(measured), *args)
+        call = measured.end()
     finally:
-        meter.end_call_if_running()
-    notes = [*meter.notes, *boundaries.notes()]
-    return RankResult(rank, call, meter.phases, value, _sendable(meter.info), notes, meter.explanation)
+        measured.end_if_running()
+    notes = [*measured.notes, *boundaries.notes()]
+    return RankResult(rank, call, measured.phases, value, _sendable(measured.info), notes, measured.explanation)
 
 
 def _sendable(info: object) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The worlds a test's meter runs (`GpuMem.worlds`, given where the fixture is made): the arguments of
+"""The worlds a test's meter runs (`Measurement.worlds`, given where the fixture is made): the arguments of
 `gpumem.distributed()` checked, the parent's backend copied into a `RankSpec`, the ranks started and
 their results gathered into a `World`; or one rank simulated in this process (`gpumem.simulate_rank()`).
 
@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pytest_gpumem.backends.base import HasCapacity, rounding_of
 from pytest_gpumem.distributed.spawn import DEFAULT_TIMEOUT, MIN_JOIN_TIMEOUT, spawn
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.results import RANK_SEPARATOR
@@ -24,7 +23,7 @@ from pytest_gpumem.results.ranks import RankResult, RankSpec, World
 from pytest_gpumem.sizes import shorten
 
 if TYPE_CHECKING:
-    from pytest_gpumem.measure.meter import GpuMem
+    from pytest_gpumem.measure.measurement import Measurement
     from pytest_gpumem.results.explanation import RanksExplanation
 
 MAX_WORLD = 64
@@ -43,7 +42,7 @@ class Worlds:
 
     def run(
         self,
-        meter: GpuMem,
+        measured: Measurement,
         fn: Callable[..., object],
         world_size: int,
         *,
@@ -56,14 +55,15 @@ class Worlds:
         check_call(fn, world_size, timeout, name)
         check_started(world_size)
         limit = self.timeout if timeout is None else float(timeout)
-        kind, rounding, device, capacity = _meter_kind(meter)
-        paths = getattr(meter.backend, "paths", None) if kind == "tracker" else None
+        kind, rounding, device, capacity = _meter_kind(measured)
+        paths = getattr(measured.backend, "paths", None) if kind == "tracker" else None
+        workspace = getattr(measured.backend, "workspace_bytes", None) if kind == "tracker" else None
         group = backend if backend is not None else _default_group(kind, world_size)
         payload = _payload(fn, tuple(args))
         join = max(limit, MIN_JOIN_TIMEOUT)
         with tempfile.TemporaryDirectory(prefix="gpumem-dist-") as folder:
             spec = RankSpec(
-                nodeid=meter.nodeid,
+                nodeid=measured.nodeid,
                 world_size=world_size,
                 process_group=group,
                 store_path=str(Path(folder, "store")),
@@ -74,17 +74,24 @@ class Worlds:
                 join_timeout=join,
                 group_timeout=join + limit + _GROUP_MARGIN,
                 payload=payload,
-                explain=meter.explain,
+                explain=measured.explain,
                 paths=paths,
+                cublas_workspace=workspace,
             )
             ranks = spawn(spec, limit, self.say)
         check_phase_names(ranks, name)
-        meter.notes.extend(f"rank {r.rank}: {note}" for r in ranks for note in r.notes)
+        measured.notes.extend(f"rank {r.rank}: {note}" for r in ranks for note in r.notes)
         world = World(ranks, group, name)
         return World(ranks, group, name, explained(world))
 
     def simulate(
-        self, meter: GpuMem, fn: Callable[..., object], world_size: int, *, rank: int = 0, args: Sequence[Any] = ()
+        self,
+        meter: object,
+        fn: Callable[..., object],
+        world_size: int,
+        *,
+        rank: int = 0,
+        args: Sequence[Any] = (),
     ) -> Any:
         """Run `fn(rank, world_size, meter, *args)` here, as rank `rank` of a world that only exists in this
         process: torch's fake process group, whose collectives move no data. Allocations are the rank's own,
@@ -144,12 +151,12 @@ def check_phase_names(ranks: Sequence[RankResult], name: str) -> None:
             )
 
 
-def _meter_kind(meter: GpuMem) -> tuple[str, str, str, int | None]:
+def _meter_kind(measured: Measurement) -> tuple[str, str, str, int | None]:
     """(kind, rounding, tracker device, capacity) of the parent's backend, for the ranks to copy."""
-    backend = meter.backend
-    capacity = backend.capacity if isinstance(backend, HasCapacity) else None
+    backend = measured.backend
+    capacity = backend.capacity
     if backend.name == "tracker":
-        return "tracker", rounding_of(backend), str(backend.device), capacity
+        return "tracker", backend.rounding, str(backend.device), capacity
     if backend.name == "cuda":
         return "cuda", "none", "cuda", capacity
     raise GpuMemError(f"gpumem.distributed() measures ranks with the tracker or cuda backend, not {backend.name!r}")

@@ -1,6 +1,6 @@
-"""The `gpumem` fixture object: the whole call and named phases measured on one backend (regions that
-nest, `pytest_gpumem.measure.regions`), and what a test asks of it: fits, advice, gradients, worlds of
-ranks (run by the `WorldRunner` it is given)."""
+"""The `gpumem` fixture object, what a test author uses: named phases of the call, fits, advice,
+gradients and worlds of ranks. What it measures lives in its `Measurement`
+(`pytest_gpumem.measure.measurement`), the plugin's side, which begins and ends the call."""
 
 from __future__ import annotations
 
@@ -9,138 +9,104 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, final
 
-from pytest_gpumem.backends.base import (
-    Backend,
-    CachesMemory,
-    ExplainsItsPeaks,
-    FindsSurvivors,
-    HasNotes,
-    HoldsToCapacity,
-    KeepsWorkspaces,
-    ListsLiveStorages,
-    PredictsACard,
-    RecordsTimeline,
-    RecordsTrace,
-    collect_garbage,
-    sees_earlier_allocations,
-)
+from pytest_gpumem.backends.base import Backend
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.measure.failures import Holding, is_out_of_memory, leak_holding, release_memory
-from pytest_gpumem.measure.regions import RegionStack, mark_phase, phase_left_by
+from pytest_gpumem.measure.failures import is_out_of_memory, release_memory
+from pytest_gpumem.measure.regions import RegionStack, mark_phase
 from pytest_gpumem.results import PhaseResult
-from pytest_gpumem.results.ranks import RankResult, World, worst_call
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
     import torch
 
-    from pytest_gpumem.backends.tracker.attribution import Attributor
-    from pytest_gpumem.backends.tracker.recording import Survivor
-    from pytest_gpumem.backends.tracker.shadow import Shadow
     from pytest_gpumem.measure.fit import BatchFit, Measure
+    from pytest_gpumem.measure.measurement import Measurement, WorldRunner
     from pytest_gpumem.results.advice import Advice
-    from pytest_gpumem.results.explanation import Explanation, RanksExplanation
-    from pytest_gpumem.results.gradients import Fingerprint
+    from pytest_gpumem.results.ranks import RankResult
 
 CALL = "call"
-SURVIVORS_SHOWN = 10
-
-
-class WorldRunner(Protocol):
-    """What runs the worlds of `gpumem.distributed()` and `gpumem.simulate_rank()` for a meter (given
-    where the meter is made: `pytest_gpumem.distributed.world.Worlds` in a test, a refusal in a rank)."""
-
-    def run(
-        self,
-        meter: GpuMem,
-        fn: Callable[..., object],
-        world_size: int,
-        *,
-        args: Sequence[Any],
-        backend: str | None,
-        timeout: float | None,
-        name: str,
-    ) -> World: ...
-
-    def simulate(
-        self, meter: GpuMem, fn: Callable[..., object], world_size: int, *, rank: int, args: Sequence[Any]
-    ) -> Any: ...
 
 
 def _finite_non_negative(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
 
 
+@final
 class GpuMem:
-    """Measures the test call and the phases opened with `phase(name)`; read with `peak` and `result`."""
+    """The `gpumem` fixture: measures the test's call and the phases opened with `phase(name)`; read them
+    with `peak()`, `result()` and `phases`. Made by the plugin for each test, not by tests."""
 
-    def __init__(self, backend: Backend, nodeid: str) -> None:
-        self.backend = backend
-        self.nodeid = nodeid
-        self.info: dict[str, Any] = {}
-        self._stack: RegionStack | None = None
-        self._phase: str | None = None
-        self._advising_now = False  # the step's own gpumem.phase() blocks measure nothing while advise runs
-        self._results: dict[str, PhaseResult] = {}
-        self._call: PhaseResult | None = None
-        self.notes: list[str] = []
-        self.leak_check = False  # collect garbage before the call ends, and keep the call's survivors
-        self.survivors: list[Survivor] = []
-        self.leak_holding: Holding | None = None  # who keeps the survivors allocated, when it can be seen
-        self.trace: dict[str, Any] | None = None
-        self._fits = 0
-        self._ranks_call: PhaseResult | None = None  # the worst rank's whole run, of gpumem.distributed()
-        self._ranks_explained: RanksExplanation | None = None  # their explanations (World.explained), when explained
-        self.worlds: WorldRunner | None = None  # runs gpumem.distributed(), set where the fixture is made
-        self.gradients: Fingerprint | None = None
-        self.gradient_tolerance: tuple[float | None, float | None] = (None, None)
-        self.explain = False  # explain the peaks of the next call (what was alive, who made it)
-        self.explanation: Explanation | None = None
-        self._shadow: Shadow | None = None
-        self.advice: Advice | None = None  # the last gpumem.advise() of the call
+    def __init__(self, measured: Measurement) -> None:
+        """Made by the plugin for each test on its `Measurement`, not by tests."""
+        self._measured = measured
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """Your own JSON values for this test (str, numbers, lists, dicts): they travel into its result,
+        the JSON report, the hooks and from xdist workers. pytest-gpumem writes nothing here: what it
+        measures on request (fits, advice, worlds) has fields of its own on the `TestResult`."""
+        info: dict[str, Any] = self._measured.info
+        return info
+
+    @info.setter
+    def info(self, value: dict[str, Any]) -> None:
+        self._measured.info = value
 
     @property
     def device(self) -> torch.device:
         """Where the test's tensors should go to be measured (e.g. cuda:0, or cpu for the tracker)."""
-        return self.backend.device
+        return self._measured.backend.device
 
     @property
-    def backend_name(self) -> str:
-        return self.backend.name
+    def backend(self) -> Backend:
+        """The backend measuring this test (its `name`: tracker, cuda, or a plugin's)."""
+        return self._measured.backend
 
     @property
     def phases(self) -> dict[str, PhaseResult]:
-        """The phases measured so far, in the order first opened."""
-        return dict(self._results)
+        """The phases measured so far, in the order first opened (a copy)."""
+        return self._measured.phases
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Measure the block as phase `name`; the same name again keeps the maximum of the two."""
+        """Measure the `with` block as a phase of the call.
+
+        Args:
+            name: the phase's name, not empty and not "call"; the same name again keeps the larger peak
+                of the two and the last net bytes. Phases do not nest.
+        """
         __tracebackhide__ = True
         if not isinstance(name, str) or not name or name == CALL:
             raise GpuMemError(f"gpumem.phase() needs a non-empty name other than {CALL!r}, got {name!r}")
-        if self._stack is None:
-            raise GpuMemError(f"gpumem.phase({name!r}) works only while the test function of {self.nodeid} runs")
-        if self._advising_now:
+        measured = self._measured
+        stack = self._running(f"phase({name!r})")
+        if measured.advising:
             yield
             return
-        if self._phase is not None:
-            raise GpuMemError(f"gpumem.phase({name!r}) opened inside phase {self._phase!r}: phases cannot nest")
-        stack = self._stack
+        if measured.open_phase is not None:
+            raise GpuMemError(f"gpumem.phase({name!r}) opened inside phase {measured.open_phase!r}: phases cannot nest")
         stack.push(name)
-        self._phase = name
+        measured.open_phase = name
         try:
             yield
         except BaseException as exc:
             mark_phase(exc, name)
             raise
         finally:
-            if self._stack is stack and self._phase == name:
-                self._phase = None
-                self._record(stack.pop())
+            if measured.stack is stack and measured.open_phase == name:
+                measured.open_phase = None
+                measured.record(stack.pop())
+
+    def _running(self, call: str) -> RegionStack:
+        """The call's open regions, or the one-line refusal of `gpumem.<call>` outside the test function."""
+        __tracebackhide__ = True
+        stack = self._measured.stack
+        if stack is None:
+            raise GpuMemError(f"gpumem.{call} works only while the test function of {self._measured.nodeid} runs")
+        return stack
 
     def fit(
         self,
@@ -153,19 +119,34 @@ class GpuMem:
         slack: int | None = None,
         confirm: bool = True,
     ) -> BatchFit:
-        """Run `step(n)` for each n in `sizes`, each in its own phase `name[i]`, and return the largest n
-        whose absolute peak fits `capacity`: from each size's timeline where the ops are the same at every
-        size, else searched by runs held to it; `confirm` runs the answer and the next size held to it where
-        a run is cheap (see `pytest_gpumem.measure.fit`)."""
+        """Find the largest batch size whose absolute peak fits a capacity (see the fit guide).
+
+        The answer comes from each size's timeline where the ops are the same at every size, else it is
+        searched by runs held to the capacity; its sentence is also in the result's `fits`.
+
+        Args:
+            step: runs one step at batch size n; each run is its own phase `name[i]`.
+            sizes: the batch sizes measured first (at least 2 distinct, 3 to check the lines).
+            capacity: bytes or a size ("24 GB") or a card's name ("H100-80GB", its usable memory).
+            name: the prefix of the runs' phases (a second fit in the test adds "#2").
+            tolerance: how far a size's bytes may lie from its line, as a fraction of the largest peak
+                (default 0.01) before the answer is searched instead.
+            slack: bytes always accepted off the line (default 4096).
+            confirm: run the answer and the next size held to the capacity where a run is cheap.
+
+        Returns:
+            The `BatchFit`: `largest` (None when no batch fits), its peak, how it was found.
+        """
         __tracebackhide__ = True
         from pytest_gpumem.measure.fit_search import DEFAULT_SLACK, DEFAULT_TOLERANCE, fit_capacity, fit_peaks
         from pytest_gpumem.measure.host import runs_refused
 
-        self._fits += 1
-        label = name if self._fits == 1 else f"{name}#{self._fits}"  # each fit's phases are its own
+        self._measured.fit_count += 1
+        count = self._measured.fit_count
+        label = name if count == 1 else f"{name}#{count}"  # each fit's phases are its own
         judged = fit_capacity(capacity)  # a named card's runs are the card's (its cuBLAS workspaces)
         card = judged.card
-        predicting = self.backend.predicting(card.name) if card and isinstance(self.backend, PredictsACard) else None
+        predicting = self.backend.predicting(card.name) if card else None
         with predicting or contextlib.nullcontext():
             found = fit_peaks(
                 step,
@@ -177,7 +158,7 @@ class GpuMem:
                 confirm=confirm,
                 runs_refused=runs_refused(self.backend, judged.bytes),
             )
-        self.info.setdefault("fits", []).append(found.describe())
+        self._measured.fits.append(found.describe())
         return found
 
     def _fit_measure(self, label: str) -> Measure:
@@ -191,11 +172,10 @@ class GpuMem:
             __tracebackhide__ = True
             phase = f"{label}[{next(counter)}]"
             backend = self.backend
-            holding = backend.held_to(limit) if limit is not None and isinstance(backend, HoldsToCapacity) else None
-            recording = backend.timeline() if isinstance(backend, RecordsTimeline) else None
+            holding = backend.held_to(limit) if limit is not None and backend.holds_capacity else None
+            recording = backend.timeline()
             start, out_of_memory, timeline = 0, False, None
-            if isinstance(backend, CachesMemory):
-                backend.empty_cache()  # each size as in a fresh process: no segments cached by other sizes
+            backend.empty_cache()  # each size as in a fresh process: no segments cached by other sizes
             try:
                 with self.phase(phase):
                     start = self.backend.current().allocated  # the phase's start: what is live before the step
@@ -209,7 +189,7 @@ class GpuMem:
                 del exc
             if out_of_memory:
                 release_memory()  # outside the handler, where the exception is no longer the one handled
-            result = self._results[phase]
+            result = self._measured.results[phase]
             end, reserved = start + result.net_bytes, result.reserved_peak_bytes
             peak = start + result.peak_bytes if reserved is None else reserved  # a card runs out on reserved
             return Sample(start, peak, end, out_of_memory, holding is not None, timeline, reserved is not None)
@@ -227,9 +207,24 @@ class GpuMem:
         loss: torch.nn.Module | None = None,
         batch_size: int | None = None,
     ) -> Advice:
-        """Measure the training step `step()` as it is and with each memory-saving strategy applied to
-        `model` and `optimizer` from outside, leaving both as they were (see `pytest_gpumem.advise.run`).
-        The advice's runs are not part of the call's peak; a failing budget names its best strategy."""
+        """Measure a training step as it is and with each memory-saving strategy (see the advise guide).
+
+        The strategies are applied to `model` and `optimizer` from outside and undone: both are as they
+        were afterwards. Advise's runs are not part of the call's peak; a test over its budget names the
+        cheapest strategy that keeps it in its failure line.
+
+        Args:
+            step: one training step, called with no argument (micro-batching calls it with `batch=`).
+            model: the module the strategies change (checkpointing, autocast, ...).
+            optimizer: its optimizer, for `fused-step`, `foreach-off` and micro-batching.
+            capacity: bytes, a size or a card's name; each row then says whether it fits.
+            strategies: the names to try (any iterable); None tries them all and stacks those that save.
+            loss: the loss module, for `chunked-ce`: `forward(hidden, targets)`.
+            batch_size: the step's batch size, for micro-batching.
+
+        Returns:
+            The `Advice`: one row per strategy, `best()`, and the strategies skipped with their reasons.
+        """
         __tracebackhide__ = True
         from pytest_gpumem.advise.run import advise
 
@@ -244,8 +239,7 @@ class GpuMem:
                 loss=loss,
                 batch_size=batch_size,
             )
-        self.advice = found  # for the failure line, report and JSON
-        self.info["advice"] = found.to_json()
+        self._measured.advice = found  # for the failure line, report and JSON
         return found
 
     @contextmanager
@@ -255,23 +249,21 @@ class GpuMem:
         the tracker is lifted (advise judges the capacity itself)."""
         from pytest_gpumem.advise.strategies import Patch
 
-        stack = self._stack
-        if stack is None:
-            raise GpuMemError(f"gpumem.advise() works only while the test function of {self.nodeid} runs")
-        if self._phase is not None:
-            raise GpuMemError(f"gpumem.advise() called inside phase {self._phase!r}: call it outside phases")
+        stack = self._running("advise()")
+        if (phase := self._measured.open_phase) is not None:
+            raise GpuMemError(f"gpumem.advise() called inside phase {phase!r}: call it outside phases")
         patch = Patch()
         backend = self.backend
-        lifted = backend.held_to(None) if isinstance(backend, HoldsToCapacity) else contextlib.nullcontext()
+        lifted = backend.held_to(None) if backend.holds_capacity else contextlib.nullcontext()
         try:
             with stack.unmeasured("gpumem.advise"), lifted:
                 try:
-                    patch.set_attr(self, "_advising_now", True)
+                    patch.set_attr(self._measured, "advising", True)
                     yield
                 finally:
                     patch.undo()
         finally:  # what advise's runs cached past a lifted capacity must not serve the test's own step
-            if isinstance(backend, CachesMemory) and isinstance(backend, HoldsToCapacity):
+            if backend.holds_capacity:
                 backend.empty_cache()
 
     def distributed(
@@ -284,46 +276,65 @@ class GpuMem:
         timeout: float | None = None,
         name: str = "ranks",
     ) -> list[RankResult]:
-        """Run `fn(rank, world_size, meter, *args)` on `world_size` spawned ranks, each with a meter on its own
-        backend, and record their phases as `phase@rankN` and `phase` (the worst rank); see
-        `pytest_gpumem.distributed.world`. A failed rank fails the test in one line naming it."""
-        __tracebackhide__ = True
-        if self._stack is None or self._phase is not None:
-            where = "while the test function runs" if self._stack is None else f"outside phase {self._phase!r}"
-            raise GpuMemError(f"gpumem.distributed() works only {where} in {self.nodeid}")
-        world = self._runner("distributed").run(
-            self, fn, world_size, args=args, backend=backend, timeout=timeout, name=name
-        )
-        for result in world.phases():
-            self._record(result)
-        worst = world.worst(name)
-        self._ranks_call = worst if self._ranks_call is None else self._ranks_call.merged(worst)
-        explained = world.explanation
-        if explained is not None:
-            from pytest_gpumem.explain.replay import of_worlds
+        """Run a function on spawned ranks, each measured on its own backend (see the distributed guide).
 
-            earlier = self._ranks_explained
-            self._ranks_explained = explained if earlier is None else of_worlds(earlier, explained)
-        self.info.setdefault("distributed", []).append(world.summary())
+        Each rank's phases are recorded as `phase@rankN` and `phase` (the worst rank); the worst rank's
+        whole run is phase `name` and counts in the call's peak. A failed rank fails the test in one line
+        naming it.
+
+        Args:
+            fn: called as `fn(rank, world_size, meter, *args)` in each rank, `meter` the rank's own.
+            world_size: how many ranks to start (at most 64).
+            args: more arguments for `fn`, pickled to each rank.
+            backend: the process group's backend (default gloo on the tracker, NCCL on CUDA).
+            timeout: seconds the ranks may take (default: --gpumem-dist-timeout).
+            name: the phase of each rank's whole run.
+
+        Returns:
+            One `RankResult` per rank: its call, phases, `fn`'s value, info and notes.
+        """
+        __tracebackhide__ = True
+        measured = self._measured
+        if measured.stack is None or measured.open_phase is not None:
+            where = (
+                "while the test function runs" if measured.stack is None else f"outside phase {measured.open_phase!r}"
+            )
+            raise GpuMemError(f"gpumem.distributed() works only {where} in {measured.nodeid}")
+        world = self._runner("distributed").run(
+            measured, fn, world_size, args=args, backend=backend, timeout=timeout, name=name
+        )
+        measured.add_world(world, name)
+        measured.distributed.append(world.summary())
         return world.ranks
 
     def simulate_rank(
         self, fn: Callable[..., object], world_size: int, *, rank: int = 0, args: Sequence[Any] = ()
     ) -> Any:
-        """Run `fn(rank, world_size, meter, *args)` in this process as rank `rank` of a simulated world
-        (torch's fake process group: collectives move no data), `meter` being this one: an estimate of
-        that rank's peaks at a world size this machine cannot start (see `pytest_gpumem.distributed.world`)."""
+        """Run a function here as one rank of a simulated world (torch's fake process group).
+
+        Collectives move no data, so the phases it opens estimate that rank's peaks at a world size this
+        machine cannot start.
+
+        Args:
+            fn: called as `fn(rank, world_size, meter, *args)`, `meter` being this one.
+            world_size: the size of the simulated world.
+            rank: the rank this process plays, in 0..world_size - 1.
+            args: more arguments for `fn`.
+
+        Returns:
+            What `fn` returns.
+        """
         __tracebackhide__ = True
-        if self._stack is None:
-            raise GpuMemError(f"gpumem.simulate_rank() works only while the test function of {self.nodeid} runs")
+        self._running("simulate_rank()")
         value = self._runner("simulate_rank").simulate(self, fn, world_size, rank=rank, args=args)
-        self.info.setdefault("simulated", []).append({"world_size": world_size, "rank": rank})
+        self._measured.simulated.append({"world_size": world_size, "rank": rank})
         return value
 
     def _runner(self, method: str) -> WorldRunner:
-        if self.worlds is None:
+        __tracebackhide__ = True
+        if self._measured.worlds is None:
             raise GpuMemError(f"gpumem.{method}() runs ranks only for a meter given its worlds (the gpumem fixture)")
-        return self.worlds
+        return self._measured.worlds
 
     def check_gradients(
         self,
@@ -332,145 +343,49 @@ class GpuMem:
         rtol: float | None = None,
         atol: float | None = None,
     ) -> None:
-        """Fingerprint the gradients now (a module's `.grad`; a dict's tensors are gradients themselves
-        unless they are parameters), to compare with the stored baseline after the call; `rtol`/`atol`
-        override the dtype's defaults. The fingerprint's own work is not measured."""
+        """Fingerprint the gradients now, to compare with the stored baseline after the call.
+
+        The fingerprint's own work is not measured.
+
+        Args:
+            model_or_named_tensors: a module (its parameters' `.grad`) or a dict of names to tensors
+                (gradients themselves, unless they are parameters: then their `.grad`).
+            rtol: relative tolerance, instead of the dtype's default.
+            atol: absolute tolerance, instead of the dtype's default.
+        """
         __tracebackhide__ = True
         from pytest_gpumem.gradients.fingerprint import fingerprint
 
-        if self._stack is None:
-            raise GpuMemError(f"gpumem.check_gradients() works only while the test function of {self.nodeid} runs")
+        stack = self._running("check_gradients()")
         for name, value in (("rtol", rtol), ("atol", atol)):
             if value is not None and not _finite_non_negative(value):
                 raise GpuMemError(f"gpumem.check_gradients({name}=...) must be a finite number >= 0, got {value!r}")
-        with self._stack.unmeasured("gpumem.check_gradients"):
+        with stack.unmeasured("gpumem.check_gradients"):
             try:
-                self.gradients = fingerprint(model_or_named_tensors)
+                self._measured.gradients = fingerprint(model_or_named_tensors)
             except (TypeError, ValueError) as exc:
                 raise GpuMemError(f"gpumem.check_gradients(): {exc}") from None
-        self.gradient_tolerance = (rtol, atol)
+        self._measured.gradient_tolerance = (rtol, atol)
 
     def peak(self, name: str | None = None) -> int:
-        """Peak bytes of phase `name` above its start, or of the whole call (so far) when `name` is None."""
+        """Peak bytes above the start of a phase, or of the whole call (so far, while the test runs).
+
+        Args:
+            name: the phase; None or "call" for the call. A name never opened fails in one line listing
+                the phases measured.
+        """
         __tracebackhide__ = True
-        return self.result(name).peak_bytes
+        return self._measured.peak(name)
 
     def result(self, name: str | None = None) -> PhaseResult:
+        """What a phase measured, or the whole call (so far, while the test runs).
+
+        Args:
+            name: the phase; None or "call" for the call. A name never opened fails in one line listing
+                the phases measured.
+
+        Returns:
+            The `PhaseResult`: peak, net and start bytes, and the reserved peak where the backend caches.
+        """
         __tracebackhide__ = True
-        if name is None or name == CALL:
-            if self._call is not None:
-                return self._call
-            if self._stack is None or not self._stack.open:
-                raise GpuMemError(f"the call of {self.nodeid} is measured only while its test function runs")
-            return self._stack.peek(0)  # the call so far
-        if name not in self._results:
-            opened = ", ".join(self._results) or "none"
-            raise GpuMemError(f"gpumem has no phase {name!r} in {self.nodeid} (phases measured: {opened})")
-        return self._results[name]
-
-    @property
-    def has_call_result(self) -> bool:
-        return self._call is not None
-
-    def begin_call(self) -> None:
-        """Start measuring the call; a rerun of the test starts from nothing (info set by fixtures stays)."""
-        self._results, self._call, self.notes = {}, None, []
-        self.gradients, self.gradient_tolerance = None, (None, None)
-        self.survivors, self.trace, self._fits, self.explanation = [], None, 0, None
-        self.leak_holding = None
-        self.advice = None
-        self._ranks_call, self._ranks_explained = None, None
-        self.backend.start()
-        try:
-            attribution = self._attribution()
-        except BaseException:
-            self.backend.stop()  # the backend's observation never outlives a call that could not begin
-            raise
-        self._stack = RegionStack(self.backend, attribution)
-        self._stack.push(CALL, full_collect=sees_earlier_allocations(self.backend))
-
-    def _attribution(self) -> Attributor | None:
-        """The backend's own attributor when it explains; otherwise (cuda, accelerators) a shadow tracker
-        on the same device, whose figures the measured ones are compared with ("unattributed")."""
-        if not self.explain:
-            return None
-        found = self.backend.attribution() if isinstance(self.backend, ExplainsItsPeaks) else None
-        if found is None:
-            from pytest_gpumem.backends.tracker.shadow import Shadow
-
-            self._shadow = Shadow(self.backend.device)
-            found = self._shadow.start()
-        return found
-
-    def end_call(self) -> PhaseResult:
-        stack = self._stack
-        if stack is None:
-            raise GpuMemError(f"gpumem: the call of {self.nodeid} was never begun")
-        try:
-            if self.leak_check:
-                collect_garbage(True)  # what survives the call is what it leaves behind
-            while len(stack.open) > 1:
-                self._record(stack.pop())
-            if isinstance(self.backend, KeepsWorkspaces):
-                self.backend.clear_workspaces()  # the allocator's, kept for the next matmul: not the call's leak
-            self._call = stack.pop()
-            if self._ranks_call is not None:
-                self._call = worst_call(self._call, self._ranks_call)
-            self._keep_evidence()
-        finally:
-            self._stack = None
-            self._phase = None
-            shadow, self._shadow = self._shadow, None
-            try:
-                if shadow is not None:
-                    shadow.stop()
-            finally:
-                self.backend.stop()
-            own = self.backend.notes() if isinstance(self.backend, HasNotes) else []
-            self.notes = [*own, *self.notes]  # the backend's, then ours
-        return self._call
-
-    def _keep_evidence(self) -> None:
-        """Read what the backend can tell about the call before it stops observing it."""
-        backend = self.backend
-        leaked = self.leak_check and self._call is not None and self._call.net_bytes > 0
-        if leaked and isinstance(backend, FindsSurvivors):
-            self.survivors = backend.survivors(SURVIVORS_SHOWN)
-            if isinstance(backend, ListsLiveStorages):
-                self.leak_holding = leak_holding(backend.live_storages())
-        self.trace = backend.trace() if isinstance(backend, RecordsTrace) else None
-        stack = self._stack
-        if stack is not None and stack.attribution is not None and self._call is not None:
-            self.explanation = self._explained(stack.attribution, self._call)
-
-    def _explained(self, attribution: Attributor, call: PhaseResult) -> Explanation | None:
-        from pytest_gpumem.explain.replay import explain
-
-        name = self.backend.name if self._shadow is None else f"{self.backend.name} (composition from a shadow tracker)"
-        self.notes += [f"the explanation may be incomplete: {problem}" for problem in attribution.problems]
-        try:
-            explained = explain(attribution, {CALL: call, **self._results}, self.nodeid, name)
-            ranks = self._ranks_explained
-            if ranks is None:
-                return explained
-            from pytest_gpumem.explain.replay import with_ranks
-
-            return with_ranks(explained, ranks, ranks_peak=call.rank is not None)
-        except Exception as exc:  # an explanation never changes the test's outcome
-            self.notes.append(f"the peak could not be explained: {type(exc).__name__}: {exc}")
-            return None
-
-    @staticmethod
-    def phase_left_by(exc: BaseException) -> str | None:
-        """The phase that `exc` propagated out of, if any (marked on the exception itself)."""
-        return phase_left_by(exc)
-
-    def end_call_if_running(self) -> None:
-        """End the call if it is still measured (after an error on the way out): the backend's
-        observation must never outlive the test."""
-        if self._stack is not None:
-            self.end_call()
-
-    def _record(self, result: PhaseResult) -> None:
-        previous = self._results.get(result.name)
-        self._results[result.name] = result if previous is None else previous.merged(result)
+        return self._measured.result(name)

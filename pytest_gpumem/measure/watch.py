@@ -6,13 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pytest_gpumem.backends.base import Configurable, ExplainsItsPeaks, PredictsACard
+from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.measure.meter import GpuMem
 
 if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
     from pytest_gpumem.budget import Budget, Limit
+    from pytest_gpumem.measure.measurement import Measurement
 
 
 @dataclass(frozen=True)
@@ -36,17 +36,13 @@ class Watch:
             explain = explain or budget.explain
         return cls(capacity, leak, evidence, explain)
 
-    def apply(self, backend: Backend, meter: GpuMem) -> None:
+    def apply(self, backend: Backend, measured: Measurement) -> None:
         """Set up the backend for the next call (every measured test: nothing carries over)."""
-        meter.leak_check = self.leak is not None
-        meter.explain = self.explain
+        measured.leak_check = self.leak is not None
+        measured.explain = self.explain
         capacity = None if self.capacity is None else self.capacity.bytes
         origins = self.leak is not None or self.evidence
-        if isinstance(backend, PredictsACard):  # a card's cuBLAS workspaces
-            backend.predict_card(None if self.capacity is None else self.capacity.card)
-        if isinstance(backend, ExplainsItsPeaks):
-            backend.configure(capacity, origins=origins, events=self.evidence, explain=self.explain)
-        elif isinstance(backend, Configurable):
-            backend.configure(capacity, origins=origins, events=self.evidence)
-        elif self.capacity is not None:  # a test held to a capacity must not run without one
+        backend.predict_card(None if self.capacity is None else self.capacity.card)  # a card's cuBLAS workspaces
+        if self.capacity is not None and not backend.sets_capacity:  # a test held to one must not run without
             raise GpuMemError(f"capacity {self.capacity.written}: the {backend.name} backend cannot set a capacity")
+        backend.configure(Settings(capacity, origins=origins, events=self.evidence, explain=self.explain))

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pytest_gpumem.measure.failures import exception_text
+from pytest_gpumem.measure.regions import phase_left_by
 from pytest_gpumem.report.advice import advice_clause
 from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
     from pytest_gpumem.budget import Budget, Limit
-    from pytest_gpumem.measure.meter import GpuMem
+    from pytest_gpumem.measure.measurement import Measurement
 
 LINE_WIDTH = 200  # characters of a failure line: what reads at a glance, wrapped once at 120 columns
 _JOINERS = ("; ", ", ", ": ")
@@ -102,24 +103,24 @@ def _shorter(grew: str) -> tuple[str, ...]:
 
 
 def out_of_memory_message(
-    meter: GpuMem, budget: Budget | None, exc: BaseException, capacity: Limit | None = None
+    measured: Measurement, budget: Budget | None, exc: BaseException, capacity: Limit | None = None
 ) -> FailureLine:
     """Where it ran out, what it asked for, the peak so far, and the limit it hit (the capacity the test
     ran under, or the device's own memory); then that it is a prediction (on meta), fragmentation when the
     allocator's model saw it, the budget when it was already over, and the advice. The allocator's state
     is a line of the section."""
-    phase = meter.phase_left_by(exc)
+    phase = phase_left_by(exc)
     where = f"in {phase}" if phase else "in the call"
     asked = re.search(r"[Tt]ried to allocate ([\d.,]+ ?[KMGTP]?i?B)", exception_text(exc))
     tried = f" (tried to allocate {asked.group(1)})" if asked else ""
     limits = ": the device's memory ran out" if capacity is None else f": past the {_capacity_hit(budget, capacity)}"
-    peak = format_size(meter.peak()) if capacity is None else capacity.fmt(meter.peak())
+    peak = format_size(measured.peak()) if capacity is None else capacity.fmt(measured.peak())
     state, fragmented = _allocator_state(exc)
     clauses = [
-        "; a prediction on meta" if str(meter.device) == "meta" else "",
+        "; a prediction on meta" if str(measured.device) == "meta" else "",
         fragmented,
-        _budget_over(budget, meter, phase),
-        advice_clause(meter.advice, budget, oom=True),
+        _budget_over(budget, measured, phase),
+        advice_clause(measured.advice, budget, oom=True),
     ]
     found = fit_line(f"out of memory {where}{tried} after a peak of {peak}{limits}", clauses, shown=[fragmented])
     return FailureLine(found.line, (*found.detail, *state))
@@ -152,37 +153,37 @@ def _capacity_hit(budget: Budget | None, capacity: Limit) -> str:
     return f"capacity {capacity.written}{source}"
 
 
-def _budget_over(budget: Budget | None, meter: GpuMem, phase: str | None) -> str:
+def _budget_over(budget: Budget | None, measured: Measurement, phase: str | None) -> str:
     """'; over its budget 100 MB too, at 120.3 MB' when the peak so far already exceeded the limit on the
     phase it ran out in (or on the call)."""
     if budget is None:
         return ""
-    if phase is not None and phase in budget.phases and phase in meter.phases:
-        name, limit, peak = f"{phase}=", budget.phases[phase], meter.phases[phase].peak_bytes
+    if phase is not None and phase in budget.phases and phase in measured.phases:
+        name, limit, peak = f"{phase}=", budget.phases[phase], measured.phases[phase].peak_bytes
     elif budget.total is not None:
-        name, limit, peak = "", budget.total, meter.peak()
+        name, limit, peak = "", budget.total, measured.peak()
     else:
         return ""
     return "" if peak <= limit.bytes else f"; over its budget {name}{limit.written} too, at {limit.fmt(peak)}"
 
 
-def leak_message(meter: GpuMem, leak: Limit, net_bytes: int) -> FailureLine:
+def leak_message(measured: Measurement, leak: Limit, net_bytes: int) -> FailureLine:
     """How much the call left allocated, the limit, and who holds it; then what it is (parameters, saved
     for backward, ...) and the largest survivor. Every survivor is a line of the section, and so is what
     each module's tensors left."""
-    holding = meter.leak_holding
+    holding = measured.leak_holding
     held = "" if holding is None or not holding.held() else f", {holding.held()}"
     parts: Clause = ""
     if holding is not None and holding.kinds:
         what, size = holding.kinds[0]
         whole = f": {holding.parts(leak.fmt)}"
         parts = (whole, f": {what} {leak.fmt(size)}, ...") if len(holding.kinds) > 1 else whole
-    largest = f"; largest: {meter.survivors[0].describe(leak.fmt)}" if meter.survivors else ""
+    largest = f"; largest: {measured.survivors[0].describe(leak.fmt)}" if measured.survivors else ""
     head = f"left {leak.fmt(net_bytes)} allocated after the call (leak limit {leak.written}){held}"
     found = fit_line(head, [parts, largest], shown=[largest])
     by_module = () if holding is None else tuple(holding.by_module(format_size))
     return FailureLine(found.line, (*found.detail, *by_module))
 
 
-def survivors_section(meter: GpuMem) -> str:
-    return "".join(f"\nleft allocated: {survivor.describe()}" for survivor in meter.survivors)
+def survivors_section(measured: Measurement) -> str:
+    return "".join(f"\nleft allocated: {survivor.describe()}" for survivor in measured.survivors)

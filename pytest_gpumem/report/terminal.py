@@ -212,7 +212,7 @@ def _call(result: TestResult, folded: Mapping[str, PhaseResult], run: str | None
 
 def _baseline(result: TestResult, phase: str | None) -> tuple[str, str, str]:
     """A region's baseline, change and verdict cells ("call" is None)."""
-    comparisons = () if result.baseline is None else result.baseline.comparisons
+    comparisons = () if result.verdict is None else result.verdict.comparisons
     found = next((c for c in comparisons if c.phase == phase), None)
     if found is None:
         return "", "", ""
@@ -278,8 +278,9 @@ def short_columns(
     if any(r.explanation is not None for r in results):
         made = [[summary(r.explanation) if r.explanation else ""] for r in results]
         columns.append(Column("call peak made of", made, key="made of", brief="made of"))
-    if links is not None and any(r.html for r in results):
-        columns.append(Column("picture", [[f"[picture](<{links(r.html)}>)" if r.html else ""] for r in results]))
+    if links is not None and any(r.html_path for r in results):
+        pictures = [[f"[picture](<{links(r.html_path)}>)" if r.html_path else ""] for r in results]
+        columns.append(Column("picture", pictures))
     return columns
 
 
@@ -296,7 +297,7 @@ def long_columns(
              "net": _net(r.call), "baseline": base,
              "change": change, "budget": r.budget_text or "", "status": r.status,
              "made of": summary(r.explanation) if r.explanation else "",
-             "picture": f"[picture](<{links(r.html)}>)" if links and r.html else ""}
+             "picture": f"[picture](<{links(r.html_path)}>)" if links and r.html_path else ""}
         )  # fmt: skip
         for name, phase in r.phases.items():
             base, change, verdict = _baseline(r, name)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from pytest_gpumem.errors import GpuMemError
 
 if TYPE_CHECKING:  # imported where a result is read back (start-up needs neither)
+    from pytest_gpumem.results.advice import Advice
     from pytest_gpumem.results.baseline import Entry, Verdict
     from pytest_gpumem.results.explanation import Explanation
 
@@ -108,9 +109,21 @@ class PhaseResult:
         return data
 
 
+_SUMMARIES = ("fits", "advice", "distributed", "simulated")
+"""What earlier reports kept in the test's `info`: read back from there into the result's own fields."""
+
+
 @dataclass
 class TestResult:
-    """Everything measured for one test call, plus its budget and verdict."""
+    """Everything measured for one test call, plus its budget and verdict.
+
+    `info` is the test's own `gpumem.info`; what pytest-gpumem measured on request has fields of its
+    own: `fits` (each `gpumem.fit()`'s sentence), `advice` (the last `gpumem.advise()`), `distributed`
+    (a summary per `gpumem.distributed()` world) and `simulated` (each `gpumem.simulate_rank()`'s world
+    size and rank). `budget_limits` is the budget's limits as its JSON writes them, `verdict` the
+    baseline's comparison, `baseline_entry` the figures recorded as the test's baseline (None unless
+    they are) and `html_path` the path of its picture (--gpumem-html) as the report shows it.
+    """
 
     __test__ = False  # not a test class, despite its name
 
@@ -119,17 +132,21 @@ class TestResult:
     device: str
     call: PhaseResult | None
     phases: dict[str, PhaseResult] = field(default_factory=dict)
-    budget: dict[str, Any] | None = None
+    budget_limits: dict[str, Any] | None = None
     budget_text: str | None = None
     status: Status = Status.OK
     message: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
-    baseline: Verdict | None = None
-    record: Entry | None = None
+    verdict: Verdict | None = None
+    baseline_entry: Entry | None = None
     notes: list[str] = field(default_factory=list)
     worker_device: str | None = None  # under --gpumem-devices: which of the caller's devices a worker used
     explanation: Explanation | None = None  # what made each peak (pytest_gpumem.explain.replay), when asked for
-    html: str | None = None  # the picture of an explained test (--gpumem-html)
+    html_path: str | None = None  # the picture of an explained test (--gpumem-html)
+    fits: list[str] = field(default_factory=list)
+    advice: Advice | None = None
+    distributed: list[dict[str, Any]] = field(default_factory=list)
+    simulated: list[dict[str, int]] = field(default_factory=list)
 
     def __setattr__(self, name: str, value: object) -> None:
         super().__setattr__(name, Status.of(value) if name == "status" else value)
@@ -146,42 +163,55 @@ class TestResult:
             "peak_bytes": self.peak_bytes,
             "call": None if self.call is None else self.call.to_dict(),
             "phases": {name: phase.to_dict() for name, phase in self.phases.items()},
-            "budget": self.budget,
+            "budget": self.budget_limits,
             "budget_text": self.budget_text,
             "status": self.status.value,
             "message": self.message,
             "info": self.info,
-            "baseline": None if self.baseline is None else self.baseline.to_json(),
-            "record": None if self.record is None else self.record.to_json(),
+            "baseline": None if self.verdict is None else self.verdict.to_json(),
+            "record": None if self.baseline_entry is None else self.baseline_entry.to_json(),
             "notes": self.notes,
             "worker_device": self.worker_device,
             "explanation": None if self.explanation is None else self.explanation.to_json(),
-            "html": self.html,
+            "html": self.html_path,
+            "fits": self.fits,
+            "advice": None if self.advice is None else self.advice.to_json(),
+            "distributed": self.distributed,
+            "simulated": self.simulated,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TestResult:
+        from pytest_gpumem.results.advice import Advice
         from pytest_gpumem.results.baseline import Entry, Verdict
         from pytest_gpumem.results.explanation import Explanation
 
-        call = data.get("call")
+        call, info, data = data.get("call"), dict(data.get("info", {})), dict(data)
+        for key in _SUMMARIES:  # an earlier report: the summaries were in the test's info
+            if key not in data and key in info:
+                data[key] = info.pop(key)
+        advice = data.get("advice")
         return cls(
             nodeid=data["nodeid"],
             backend=data["backend"],
             device=data["device"],
             call=None if call is None else PhaseResult(name="call", **call),
             phases={name: PhaseResult(name=name, **p) for name, p in data.get("phases", {}).items()},
-            budget=data.get("budget"),
+            budget_limits=data.get("budget"),
             budget_text=data.get("budget_text"),
             status=Status.of(data.get("status", Status.OK)),
             message=data.get("message"),
-            info=dict(data.get("info", {})),
-            baseline=None if data.get("baseline") is None else Verdict.from_json(data["baseline"]),
-            record=None if data.get("record") is None else Entry.from_json(data["record"]),
+            info=info,
+            verdict=None if data.get("baseline") is None else Verdict.from_json(data["baseline"]),
+            baseline_entry=None if data.get("record") is None else Entry.from_json(data["record"]),
             notes=list(data.get("notes", [])),
             worker_device=data.get("worker_device"),
             explanation=None if data.get("explanation") is None else Explanation.from_json(data["explanation"]),
-            html=data.get("html"),
+            html_path=data.get("html"),
+            fits=list(data.get("fits") or []),
+            advice=None if advice is None else Advice.from_json(advice),
+            distributed=list(data.get("distributed") or []),
+            simulated=list(data.get("simulated") or []),
         )
 
 
@@ -198,7 +228,7 @@ def settle(result: TestResult, report: Any) -> None:
     elif expected_failure and result.status.passing:
         result.status = Status.XPASS
     if not report.passed or expected_failure:
-        result.record = None
+        result.baseline_entry = None
 
 
 def _first_line(text: str) -> str:

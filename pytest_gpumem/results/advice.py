@@ -299,7 +299,7 @@ class Advice:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Advice:
-        """The advice `to_json` wrote (a test's `info["advice"]` in the report). Raises KeyError,
+        """The advice `to_json` wrote (a test's `advice` in the report). Raises KeyError,
         TypeError or ValueError for data not shaped like it."""
         live, capacity = int(data.get("live_bytes") or 0), data.get("capacity")
         return cls(

@@ -29,6 +29,7 @@ class RankSpec:
     payload: bytes  # pickle of (fn, args)
     explain: bool = False  # record what each phase's peak is made of (the test is explained)
     paths: str | None = None  # the tracker's code paths (cpu or gpu; None: its default for the device)
+    cublas_workspace: int | None = None  # bytes of each cuBLAS workspace the tracker models (a card's)
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ class World:
         return {name: self._worst(name)[0] for name in names}
 
     def summary(self) -> dict[str, Any]:
-        """For `gpumem.info["distributed"]`: plain JSON."""
+        """For the test result's `distributed`: plain JSON."""
         worst = self.worst(self.name)
         return {
             "name": self.name,

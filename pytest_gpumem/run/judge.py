@@ -31,7 +31,7 @@ from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
     from pytest_gpumem.config import Options
-    from pytest_gpumem.measure.meter import GpuMem
+    from pytest_gpumem.measure.measurement import Measurement
     from pytest_gpumem.run.regression import Judgement
 
 RESULT_KEY = pytest.StashKey[TestResult]()  # the call's result, until its report is made
@@ -92,7 +92,8 @@ def breakdown(call: PhaseResult, phases: dict[str, PhaseResult]) -> str:
     """The report section of a measured test: every phase and the whole call."""
     lines = []
     for phase in [*phases.values(), call]:
-        reserved = "" if phase.reserved_peak_bytes is None else f", reserved {format_size(phase.reserved_peak_bytes)}"
+        shown = phase.reserved_peak_bytes
+        reserved = "" if shown is None else f", reserved {format_size(shown)} in all"
         lines.append(
             f"{phase.name}: peak {format_size(phase.peak_bytes)} (requested {format_size(phase.requested_peak_bytes)}"
             f"{reserved}), net {format_size(phase.net_bytes)}, entered {phase.count}x"
@@ -110,13 +111,13 @@ def _expected(item: pytest.Item, exc: BaseException) -> bool:
 
 
 def _memory_failure(
-    meter: GpuMem, budget: Budget | None, exc: BaseException, capacity: Limit | None
+    measured: Measurement, budget: Budget | None, exc: BaseException, capacity: Limit | None
 ) -> tuple[Status, FailureLine] | None:
     """(status, its line) for an error that is about memory, not the test's code."""
     if is_out_of_memory(exc):
-        return Status.OUT_OF_MEMORY, out_of_memory_message(meter, budget, exc, capacity)
-    meta = needs_real_values(exc, meter.device) or uninitialized_in_ours(exc)
-    return None if meta is None else (Status.ERROR, FailureLine(f"{meter.nodeid}: {meta}"))
+        return Status.OUT_OF_MEMORY, out_of_memory_message(measured, budget, exc, capacity)
+    meta = needs_real_values(exc, measured.device) or uninitialized_in_ours(exc)
+    return None if meta is None else (Status.ERROR, FailureLine(f"{measured.nodeid}: {meta}"))
 
 
 def _fail(message: str) -> NoReturn:
@@ -141,29 +142,29 @@ def _warn_notes(item: pytest.Item, notes: list[str]) -> None:
         warnings.warn_explicit(GpuMemWarning(f"{item.nodeid}: {note}"), GpuMemWarning, path, line)
 
 
-def _section(meter: GpuMem, call: PhaseResult, judgement: Judgement | None, failure: FailureLine | None) -> str:
+def _section(measured: Measurement, call: PhaseResult, judgement: Judgement | None, failure: FailureLine | None) -> str:
     """The report section of a test that ran to the end: what its failure line left out, phases,
     survivors, explanation, advice, verdict."""
     section = failure.section().removeprefix("\n") + "\n" if failure is not None and failure.detail else ""
-    section += breakdown(call, meter.phases) + failures.survivors_section(meter) + explained(meter.explanation)
-    section += advice_section(meter.advice)
+    section += breakdown(call, measured.phases) + failures.survivors_section(measured) + explained(measured.explanation)
+    section += advice_section(measured.advice)
     if judgement is not None and judgement.verdict.messages:
         section += "\n" + "\n".join(judgement.verdict.messages)
-    return section + "".join(f"\nnote: {note}" for note in meter.notes)
+    return section + "".join(f"\nnote: {note}" for note in measured.notes)
 
 
 def _outcome(
-    meter: GpuMem, budget: Budget | None, watch: Watch, call: PhaseResult, judgement: Judgement | None
+    measured: Measurement, budget: Budget | None, watch: Watch, call: PhaseResult, judgement: Judgement | None
 ) -> tuple[Status, FailureLine | None]:
     """The status of a test that ran to the end, and its failure line (None when it passes): a budget
     first, then a leak, then its baseline."""
-    over = [] if budget is None else budget.violations(call, meter.phases)
+    over = [] if budget is None else budget.violations(call, measured.phases)
     if over:
-        advised = advice_clause(meter.advice, budget, call, meter.phases)
-        made = made_of(meter.explanation, over_limit(budget, call, meter.phases)) if not advised else ""
+        advised = advice_clause(measured.advice, budget, call, measured.phases)
+        made = made_of(measured.explanation, over_limit(budget, call, measured.phases)) if not advised else ""
         return Status.OVER_BUDGET, budget_line(over, made, advised)
     if watch.leak is not None and call.net_bytes > watch.leak.bytes:
-        return Status.LEAKED, leak_message(meter, watch.leak, call.net_bytes)
+        return Status.LEAKED, leak_message(measured, watch.leak, call.net_bytes)
     if judgement is not None:
         return verdict_status(judgement.verdict), _verdict_line(judgement) if judgement.fails else None
     return Status.OK, None
@@ -194,100 +195,100 @@ class Judge:
             return (yield)
         try:
             budget = with_default(budget_of(marks), session.options.default_budget)
-            meter = session.meter(item)
-            watch = watch_of(session.options, budget, session.baselines.explains(item.nodeid, meter.backend))
-            watch.apply(meter.backend, meter)
+            measured = session.measurement(item)
+            watch = watch_of(session.options, budget, session.baselines.explains(item.nodeid, measured.backend))
+            watch.apply(measured.backend, measured)
         except GpuMemError as exc:
             error = f"{item.nodeid}: {exc}"
         else:
-            return (yield from self._measured(item, meter, budget, watch))
+            return (yield from self._measured(item, measured, budget, watch))
         result = TestResult(item.nodeid, session.backend_name, "", None, status=Status.ERROR, message=error)
         self._keep(item, result)
         _fail(error)
 
     def _measured(
-        self, item: pytest.Item, meter: GpuMem, budget: Budget | None, watch: Watch
+        self, item: pytest.Item, measured: Measurement, budget: Budget | None, watch: Watch
     ) -> Generator[None, object, object]:
         __tracebackhide__ = True
-        meter.begin_call()
+        measured.begin()
         try:
             outcome = yield
         except GpuMemError as exc:
             status, error, detail = Status.ERROR, f"{item.nodeid}: {exc}", ""
         except (pytest.skip.Exception, pytest.xfail.Exception):
-            meter.end_call()
+            measured.end()
             raise
         except BaseException as exc:
-            failure = _memory_failure(meter, budget, exc, watch.capacity)
+            failure = _memory_failure(measured, budget, exc, watch.capacity)
             if failure is None:
                 try:
-                    self._finish(item, meter, budget, Status.ERROR, _first_line(exc))
+                    self._finish(item, measured, budget, Status.ERROR, _first_line(exc))
                 finally:
-                    meter.end_call_if_running()
+                    measured.end_if_running()
                 raise
             status, line = failure
             error, detail = line.line, line.section()
             if _expected(item, exc):  # xfail(raises=...): the test behaves as it does unmeasured
-                self._finish(item, meter, budget, status, error)
+                self._finish(item, measured, budget, status, error)
                 raise
             exc.__traceback__ = None  # its frames hold the test's tensors
         else:
-            self._judge(item, meter, budget, watch)
+            self._judge(item, measured, budget, watch)
             return outcome
         if status == Status.OUT_OF_MEMORY:
             release_memory()
-        self._finish(item, meter, budget, status, error)
-        if meter.has_call_result:
-            detail += "\n" + breakdown(meter.result(), meter.phases)
+        self._finish(item, measured, budget, status, error)
+        if measured.has_call_result:
+            detail += "\n" + breakdown(measured.result(), measured.phases)
         if detail:
             item.add_report_section("call", "gpumem", detail.removeprefix("\n"))
         _fail(error)
 
-    def _judge(self, item: pytest.Item, meter: GpuMem, budget: Budget | None, watch: Watch) -> None:
-        call = meter.end_call()
-        bad_info = not_json(meter.info)
+    def _judge(self, item: pytest.Item, measured: Measurement, budget: Budget | None, watch: Watch) -> None:
+        call = measured.end()
+        bad_info = not_json(measured.info)
         if bad_info:
             message = f"gpumem.info must be a dict of JSON values (str, numbers, lists, dicts): {bad_info}"
-            self._error(item, meter, budget, f"{item.nodeid}: {message}")
-        unopened = [] if budget is None else budget.unopened(meter.phases)
+            self._error(item, measured, budget, f"{item.nodeid}: {message}")
+        unopened = [] if budget is None else budget.unopened(measured.phases)
         if unopened:
-            opened = ", ".join(meter.phases) or "none"
+            opened = ", ".join(measured.phases) or "none"
             message = f"max_memory names phase {unopened[0]!r} that the test never opened (opened: {opened})"
-            self._error(item, meter, budget, f"{item.nodeid}: {message}")
+            self._error(item, measured, budget, f"{item.nodeid}: {message}")
         baselines = self.session.baselines
-        judgement = baselines.judge(item.nodeid, meter, budget) if baselines.active else None
-        status, failure = _outcome(meter, budget, watch, call, judgement)
-        if budget is not None or judgement is not None or status == Status.LEAKED or _has_detail(meter):
-            item.add_report_section("call", "gpumem", _section(meter, call, judgement, failure))
+        judgement = baselines.judge(item.nodeid, measured, budget) if baselines.active else None
+        status, failure = _outcome(measured, budget, watch, call, judgement)
+        if budget is not None or judgement is not None or status == Status.LEAKED or _has_detail(measured):
+            item.add_report_section("call", "gpumem", _section(measured, call, judgement, failure))
         line = None if failure is None else failure.line
-        self._finish(item, meter, budget, status, line, judgement)
+        self._finish(item, measured, budget, status, line, judgement)
         if line:
             _fail(line)
 
-    def _error(self, item: pytest.Item, meter: GpuMem, budget: Budget | None, message: str) -> NoReturn:
+    def _error(self, item: pytest.Item, measured: Measurement, budget: Budget | None, message: str) -> NoReturn:
         """Record the test as an error and fail it with one line."""
-        self._finish(item, meter, budget, Status.ERROR, message)
+        self._finish(item, measured, budget, Status.ERROR, message)
         _fail(message)
 
     def _finish(
         self,
         item: pytest.Item,
-        meter: GpuMem,
+        measured: Measurement,
         budget: Budget | None,
         status: Status,
         message: str | None,
         judgement: Judgement | None = None,
     ) -> None:
-        result = self._result(item, meter, budget, status, message, judgement)
-        self._picture(item, result, meter.advice)
-        self._keep_evidence(item, meter, result)
+        result = self._result(item, measured, budget, status, message, judgement)
+        self._picture(item, result, measured.advice)
+        self._keep_evidence(item, measured, result)
         self._keep(item, result)
-        _warn_notes(item, meter.notes)  # after: under `filterwarnings = error` a note fails the test here
+        _warn_notes(item, measured.notes)  # after: under `filterwarnings = error` a note fails the test here
 
     def _result(
         self,
         item: pytest.Item,
-        meter: GpuMem,
+        measured: Measurement,
         budget: Budget | None,
         status: Status,
         message: str | None,
@@ -296,20 +297,24 @@ class Judge:
         assignment = self.session.assignment
         return TestResult(
             nodeid=item.nodeid,
-            backend=meter.backend_name,
-            device=str(meter.device),
-            call=meter.result() if meter.has_call_result else meter.end_call(),
-            phases=meter.phases,
-            budget=None if budget is None else budget.to_dict(),
+            backend=measured.backend.name,
+            device=str(measured.device),
+            call=measured.result() if measured.has_call_result else measured.end(),
+            phases=measured.phases,
+            budget_limits=None if budget is None else budget.to_dict(),
             budget_text=None if budget is None else budget.describe(),
             status=status,
             message=message,
-            info=plain_info(meter.info),
-            baseline=None if judgement is None else judgement.verdict,
-            record=None if judgement is None else judgement.entry,
-            notes=meter.notes,
+            info=plain_info(measured.info),
+            verdict=None if judgement is None else judgement.verdict,
+            baseline_entry=None if judgement is None else judgement.entry,
+            notes=measured.notes,
             worker_device=None if assignment is None else assignment.describe(),
-            explanation=meter.explanation,
+            explanation=measured.explanation,
+            fits=list(measured.fits),
+            advice=measured.advice,
+            distributed=list(measured.distributed),
+            simulated=list(measured.simulated),
         )
 
     def _keep(self, item: pytest.Item, result: TestResult) -> None:
@@ -328,16 +333,16 @@ class Judge:
         except (OSError, TypeError, ValueError) as exc:
             self.session.problems.append(f"--gpumem-html: cannot write the picture of {item.nodeid}: {exc}")
             return
-        result.html = outputs.shown_from(path, self.session.config.rootpath)
+        result.html_path = outputs.shown_from(path, self.session.config.rootpath)
         item.add_report_section("call", "gpumem picture", f"memory over time: {path}")
 
-    def _keep_evidence(self, item: pytest.Item, meter: GpuMem, result: TestResult) -> None:
-        folder, trace = self.session.options.snapshot_dir, meter.trace
-        meter.trace = None  # a passing test's trace is not kept for the rest of the run
+    def _keep_evidence(self, item: pytest.Item, measured: Measurement, result: TestResult) -> None:
+        folder, trace = self.session.options.snapshot_dir, measured.trace
+        measured.trace = None  # a passing test's trace is not kept for the rest of the run
         if folder is None or not result.status.leaves_evidence:
             return
         try:
-            path = outputs.write_trace(folder, meter, result, trace)
+            path = outputs.write_trace(folder, measured, result, trace)
         except outputs.WRITE_ERRORS as exc:
             self.session.problems.append(f"--gpumem-snapshot-dir: cannot write the trace of {item.nodeid}: {exc}")
             return
@@ -386,7 +391,7 @@ def _after_hook(item: pytest.Item, result: TestResult, report: pytest.TestReport
     if report.failed:  # failed on its own: pytest shows that failure, the hook's line beside it
         report.sections.append(("Captured gpumem hook call", problem if trace is None else f"{problem}\n{trace}"))
     else:
-        result.status, result.message, result.record = Status.ERROR, problem, None
+        result.status, result.message, result.baseline_entry = Status.ERROR, problem, None
         _fail_report(report, problem, trace)
     return json.dumps(result.to_dict(), allow_nan=False)
 
@@ -432,6 +437,6 @@ def _fail_report(report: pytest.TestReport, line: str, trace: str | None) -> Non
         report.sections.append(("Captured gpumem hook traceback call", trace))
 
 
-def _has_detail(meter: GpuMem) -> bool:
+def _has_detail(measured: Measurement) -> bool:
     """Whether the measurement has something to say beyond a budget or a verdict."""
-    return bool(meter.notes or meter.explanation or meter.advice)
+    return bool(measured.notes or measured.explanation or measured.advice)

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.baselines.schema import BaselineStore
     from pytest_gpumem.baselines.update import UpdateSummary
     from pytest_gpumem.budget import Budget
-    from pytest_gpumem.measure.meter import GpuMem
+    from pytest_gpumem.measure.measurement import Measurement
     from pytest_gpumem.results.baseline import DeviceIdentity, Entry, Verdict
 
 
@@ -29,13 +29,10 @@ def identity_of(backend: Backend) -> DeviceIdentity:
     the contract before `DeviceIdentity`; anything else is a `GpuMemError` naming the backend."""
     from collections.abc import Mapping
 
-    from pytest_gpumem.backends.base import IdentifiesDevice
     from pytest_gpumem.errors import GpuMemError
     from pytest_gpumem.results.baseline import DeviceIdentity
     from pytest_gpumem.results.checks import short
 
-    if not isinstance(backend, IdentifiesDevice):
-        return DeviceIdentity(backend.name, str(backend.device))
     own: object = backend.identity()
     if isinstance(own, DeviceIdentity):
         return own
@@ -164,7 +161,7 @@ class BaselineRun:
         under --gpumem-update, only those without one under --gpumem-update=new."""
         return self.options.update and (stored is None or not self.options.update_new_only)
 
-    def judge(self, nodeid: str, meter: GpuMem, budget: Budget | None) -> Judgement:
+    def judge(self, nodeid: str, measured: Measurement, budget: Budget | None) -> Judgement:
         import torch
 
         from pytest_gpumem.baselines.compare import Tolerance, compare
@@ -173,17 +170,17 @@ class BaselineRun:
 
         assert self.store is not None, "judge() is called only when baselines are active"
 
-        call = meter.result()
+        call = measured.result()
         entry = Entry.measured(
-            identity_of(meter.backend),
+            identity_of(measured.backend),
             Environment.from_torch(torch),
             call.peak_bytes,
-            {name: phase.peak_bytes for name, phase in meter.phases.items()},
-            meter.gradients,
-            None if meter.explanation is None else compact(meter.explanation),
+            {name: phase.peak_bytes for name, phase in measured.phases.items()},
+            measured.gradients,
+            None if measured.explanation is None else compact(measured.explanation),
         )
         percent = self.options.tolerance if budget is None or budget.tolerance is None else budget.tolerance
-        rtol, atol = meter.gradient_tolerance
+        rtol, atol = measured.gradient_tolerance
         stored = self.store.get(nodeid, entry.identity)
         # a test this run records is accepted as it is (what is missing, a regression); one it leaves as
         # stored (--gpumem-update=new) is judged as without the option

@@ -17,11 +17,11 @@ from pytest_gpumem.run.regression import BaselineRun, partial_run, selection_fla
 if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
     from pytest_gpumem.config import Options
-    from pytest_gpumem.measure.meter import GpuMem
+    from pytest_gpumem.measure.measurement import Measurement
     from pytest_gpumem.results import TestResult
     from pytest_gpumem.run.devices import Assignment
 
-METER_KEY = pytest.StashKey["GpuMem"]()
+METER_KEY = pytest.StashKey["Measurement"]()
 JUDGE = "gpumem-session"  # the name of the plugin that measures test calls, registered in runs that measure
 
 
@@ -65,7 +65,9 @@ class GpuMemSession:
                 raise GpuMemError(
                     f"--gpumem-backend={name}: no such backend (built in: auto, cuda, accelerator, tracker)"
                 )
-            self._backend = backend
+            from pytest_gpumem.backends.adopted import adopt
+
+            self._backend = adopt(backend, f"--gpumem-backend={name}")
         return self._backend
 
     @property
@@ -83,16 +85,16 @@ class GpuMemSession:
             self._meta = meta or TrackerBackend(self.options.rounding, device="meta", paths=self.options.paths)
         return self._meta
 
-    def meter(self, item: pytest.Item, fresh: bool = False) -> GpuMem:
-        """The item's meter; `fresh` (the fixture's setup, again on a rerun) starts a new one, so nothing of
-        an earlier attempt (its info) carries over."""
-        meter = None if fresh else item.stash.get(METER_KEY, None)
-        if meter is None:
-            from pytest_gpumem.measure.meter import GpuMem
+    def measurement(self, item: pytest.Item, fresh: bool = False) -> Measurement:
+        """The item's measurement (the gpumem fixture is a `GpuMem` on it); `fresh` (the fixture's setup, again on
+        a rerun) starts a new one, so nothing of an earlier attempt (its info) carries over."""
+        measured = None if fresh else item.stash.get(METER_KEY, None)
+        if measured is None:
+            from pytest_gpumem.measure.measurement import Measurement
 
             backend = self.meta_backend() if _marked_meta(item) else self.backend()
-            meter = item.stash[METER_KEY] = GpuMem(backend, item.nodeid)
-        return meter
+            measured = item.stash[METER_KEY] = Measurement(backend, item.nodeid)
+        return measured
 
     @property
     def measuring(self) -> bool:
@@ -106,9 +108,7 @@ class GpuMemSession:
         return f"gpumem: {self.backend().describe()}{spread}{cap}{self._no_traces()}"
 
     def _no_traces(self) -> str:
-        from pytest_gpumem.backends.base import Configurable
-
-        if self.options.snapshot_dir is None or isinstance(self.backend(), Configurable):
+        if self.options.snapshot_dir is None or self.backend().records_events:
             return ""
         return f"; --gpumem-snapshot-dir: the {self.backend().name} backend records no trace, none will be written"
 
@@ -199,7 +199,7 @@ class GpuMemSession:
         if not self.baselines.active or exitstatus == pytest.ExitCode.INTERRUPTED:
             return
         if options.update:
-            tests = plural(sum(1 for r in self.results if r.record is not None), "passed test")
+            tests = plural(sum(1 for r in self.results if r.baseline_entry is not None), "passed test")
             reporter.write_line(f"gpumem: updating {shown(options.path, start)} from {tests}")
         elif options.prune:
             where = shown(options.path, start)
@@ -211,7 +211,7 @@ class GpuMemSession:
             return
         self.baselines.partial |= partial_run(self.config, session)
         try:
-            records = [(r.nodeid, r.record) for r in self.results if r.record is not None]
+            records = [(r.nodeid, r.baseline_entry) for r in self.results if r.baseline_entry is not None]
             missing = [r.nodeid for r in self.results if r.status == Status.MISSING_BASELINE]
             self.baseline_lines += self.baselines.finish(records, self.backend, missing)
         except GpuMemError as exc:

@@ -9,7 +9,8 @@ Categories come from use, never from size:
   them, so that no saved-tensor hook runs and no checkpoint recomputes: when a module's forward returns,
   and when a backward pass reaches a node);
 - inputs and other: made by a factory op (no tensor arguments, or a `*_like`) in the test's own code,
-  outside any module, backward pass or optimizer step (an input the graph saves stays an input);
+  outside any module, backward pass or optimizer step (an input the graph saves stays an input); DDP's
+  gradient buckets, made so when it is wrapped, are gradients;
 - temporaries: everything else (intermediate results, outputs, workspaces).
 
 Modules: forward pre/post hooks (global, for the measured call only) keep a stack of qualified names;
@@ -21,7 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import sys
 import threading
+import types
 import warnings
 import weakref
 from array import array
@@ -60,6 +64,7 @@ STEP_MODULE = "(optimizer step)"
 MAX_EVENTS = 4_000_000
 """The most allocations, resizes and frees an explanation follows (16 B each, 24 B with the allocator's
 model, and 8 B per allocation); a call that makes more is measured but not explained."""
+_PLUGIN = os.path.dirname(os.path.dirname(os.path.dirname(__file__))) + os.sep  # pytest_gpumem's own frames
 MAX_SHARED = 65_536  # freed allocations alike in every field share one record, of this many kinds at most
 
 
@@ -354,7 +359,9 @@ class Attributor(Recorder):
             return self._backward_module(), "temporaries"
         if self._in_step:
             return STEP_MODULE, "temporaries"
-        return NO_MODULE, "inputs" if self._is_factory(op) else "temporaries"
+        if not self._is_factory(op):
+            return NO_MODULE, "temporaries"
+        return NO_MODULE, "gradients" if _making_gradient_buckets() else "inputs"
 
     def _backward_module(self) -> str:
         import torch
@@ -391,6 +398,17 @@ class Attributor(Recorder):
 
 def _never() -> bool:
     return False
+
+
+def _making_gradient_buckets() -> bool:
+    """Whether DDP's constructor is making its `Reducer` (`at::empty` in C++, called from
+    `DistributedDataParallel._ddp_init_helper`): its flat buckets, the parameters' size in all, are where
+    backward copies and all-reduces the gradients, kept for the model's life (with
+    `gradient_as_bucket_view=True` they are the `.grad` tensors), so they are gradients, not an input."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PLUGIN):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_name == "_ddp_init_helper"
 
 
 def _described(out: object, key: int) -> tuple[tuple[int, ...] | None, str | None]:

@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from pytest_gpumem.backends.base import Counters
+from pytest_gpumem.backends.base import Backend, Counters, Settings
 from pytest_gpumem.backends.timeline import Timeline, TimelineRecorder
 from pytest_gpumem.backends.tracker.allocator_config import AllocatorSettings
 from pytest_gpumem.backends.tracker.ledger import StorageLedger
@@ -67,11 +67,12 @@ def stop_counting(mode: Any, ledger: StorageLedger, undo: Callable[[], None] = l
         ledger.recorder = None
 
 
-class TrackerBackend:
+class TrackerBackend(Backend):
     """Counts tensor storages on any device; `rounding="cuda"` predicts the CUDA allocator's counts."""
 
     name = "tracker"
     sees_earlier_allocations = False
+    sets_capacity = records_events = holds_capacity = True
 
     def __init__(self, rounding: str = "auto", device: str = "cpu", paths: str | None = None) -> None:
         if rounding == "auto":
@@ -89,6 +90,7 @@ class TrackerBackend:
         self.paths = paths or self._default_paths
         mode_class()  # its imports (torch._dynamo) happen now, not inside the first test's call
         self.ledger = StorageLedger(rounding, out_of_memory=_out_of_memory(), settings=self.allocator)
+        self.ledger.device_type = "meta" if device == "meta" else None  # a CPU tensor is the GPU's host memory
         self.predict_card(None)
         self._mode: Any = None
         self._patches: Patches | None = None
@@ -123,6 +125,15 @@ class TrackerBackend:
         `CUBLAS_WORKSPACE_CONFIG`'s, as the GPU job's would (read now)."""
         found = None if card is None else find_card(card)
         self.ledger.workspace_bytes = cublas_workspace_bytes(None if found is None else found.capability, os.environ)
+
+    @property
+    def workspace_bytes(self) -> int:
+        """The bytes of each cuBLAS workspace the allocator's model makes: the predicted card's."""
+        return self.ledger.workspace_bytes
+
+    @workspace_bytes.setter
+    def workspace_bytes(self, size: int) -> None:
+        self.ledger.workspace_bytes = size
 
     @contextlib.contextmanager
     def predicting(self, card: str | None) -> Iterator[None]:
@@ -196,18 +207,19 @@ class TrackerBackend:
         """What the last measurement could not see, one sentence each."""
         return list(self._notes)
 
-    def configure(self, capacity: int | None, origins: bool, events: bool, explain: bool = False) -> None:
+    def configure(self, settings: Settings) -> None:
         """For the next measurement: a device of `capacity` bytes (None: unlimited); record where each
         storage came from (`origins`), the sequence of allocations and frees (`events`), and what each
         storage is for and which module made it (`explain`)."""
         from pytest_gpumem.backends.tracker.attribution import Attributor
         from pytest_gpumem.backends.tracker.recording import Recorder
 
-        self.ledger.capacity = capacity
-        if explain:
-            self.ledger.recorder = Attributor(self.ledger.live, events, allocator=self.ledger)
+        self.ledger.capacity = settings.capacity
+        if settings.explain:
+            self.ledger.recorder = Attributor(self.ledger.live, settings.events, allocator=self.ledger)
         else:
-            self.ledger.recorder = Recorder(events) if origins or events else None
+            recording = settings.origins or settings.events
+            self.ledger.recorder = Recorder(settings.events) if recording else None
 
     @contextlib.contextmanager
     def held_to(self, capacity: int | None) -> Iterator[None]:

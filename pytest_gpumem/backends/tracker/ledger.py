@@ -23,6 +23,8 @@ from pytest_gpumem.cards import CUBLAS_WORKSPACE_DEFAULT
 from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
+    import torch
+
     from pytest_gpumem.backends.timeline import TimelineRecorder
     from pytest_gpumem.backends.tracker.recording import Origin, Recorder
 
@@ -57,12 +59,15 @@ ROUNDERS: dict[str, Callable[[int], int]] = {"none": _exact, "cuda": cuda_block_
 
 
 class Storage(Protocol):
-    """What the ledger reads of a storage (`torch.UntypedStorage`): its identity and its size."""
+    """What the ledger reads of a storage (`torch.UntypedStorage`): its identity, size and device."""
 
     @property
     def _cdata(self) -> int: ...
 
     def nbytes(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
 
 
 _WORKSPACE_KEYS = itertools.count(-1, -1)  # below every storage's key (an address), never reused
@@ -115,6 +120,7 @@ class StorageLedger:
         self.peak_requested = 0
         self.peak_allocated = 0
         self.fake_outputs = 0  # outputs of ops under FakeTensorMode, which hold no memory
+        self.device_type: str | None = None  # count only storages on it (meta: the GPU); None: every storage
         self._capacity: int | None = None
         self.recorder: Recorder | None = None  # origins (and events) of the storages, when asked for
         self.timeline: TimelineRecorder | None = None  # bytes after each event, while a fit's run asks for them
@@ -168,7 +174,7 @@ class StorageLedger:
         if held is not None and held.size >= self.workspace_bytes:
             return
         made = Workspace(self.workspace_bytes)
-        self.add(made)
+        self._follow(made, made._cdata, made.size)  # the device's own memory, wherever the ledger counts
         self.workspaces[handle] = made
         del held  # the smaller one, if any: freed now
 
@@ -182,6 +188,8 @@ class StorageLedger:
         if key in self.live:
             self.resize(storage)
             return
+        if self.device_type is not None and storage.device.type != self.device_type:
+            return  # host memory beside the device the ledger stands for
         self._follow(storage, key, storage.nbytes())
 
     def resized(self, storage: Storage, before: int) -> None:
@@ -198,7 +206,7 @@ class StorageLedger:
             self.resize(storage)
             return
         requested = storage.nbytes() - before
-        if requested > 0:
+        if requested > 0 and (self.device_type is None or storage.device.type == self.device_type):
             self._follow(storage, key, requested, base=before)
 
     def resize(self, storage: Storage) -> None:
@@ -237,7 +245,7 @@ class StorageLedger:
         if self.model is not None:
             self.model.reset_peak()
 
-    def _follow(self, storage: Storage, key: int, requested: int, base: int = 0) -> None:
+    def _follow(self, storage: object, key: int, requested: int, base: int = 0) -> None:
         if self.model is not None:
             counted = self._malloc(key, requested)
         else:

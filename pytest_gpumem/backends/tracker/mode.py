@@ -13,15 +13,16 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from pytest_gpumem.backends.tracker.graph import tensors_in
 from pytest_gpumem.backends.tracker.ledger import StorageLedger
 from pytest_gpumem.backends.tracker.patches import count_compiled_allocations
 from pytest_gpumem.backends.tracker.recording import op_name
-
-if TYPE_CHECKING:
-    import torch
 
 
 def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
@@ -120,8 +121,6 @@ def _rewrapped_numbers(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | No
     TorchScript passes numbers as "wrapped number" tensors (`prim::NumToTensor`); on the way into a
     Python dispatch mode they become Python numbers, which the op then refuses.
     """
-    import torch
-
     numbers = [
         i
         for i, (arg, value) in enumerate(zip(func._schema.arguments, args, strict=False))
@@ -134,8 +133,6 @@ def _rewrapped_numbers(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | No
 
 def _sparse_parts() -> dict[Any, tuple[str, ...]]:
     """The component tensors that hold a sparse tensor's memory, by layout."""
-    import torch
-
     compressed_rows = ("crow_indices", "col_indices", "values")
     compressed_cols = ("ccol_indices", "row_indices", "values")
     return {
@@ -169,175 +166,175 @@ def _hide_from_dynamo(dispatch: Any) -> None:
     dispatch._torchdynamo_disable = True
 
 
-@functools.cache
-def mode_class() -> type[Any]:
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensor as fake_type
-    from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+_TENSOR = torch.Tensor
+_SPARSE_PARTS = _sparse_parts()
+_SET_EVAL_FRAME = _dynamo_guard()
+_PLANS: dict[Any, tuple[int, Any]] = {}  # each op overload's plan, decided on its first call
+_graph_task = torch._C._current_graph_task_id
+_thread = threading.get_ident
 
-    tensor_type = torch.Tensor
-    sparse_parts = _sparse_parts()
-    set_eval_frame = _dynamo_guard()
-    plans: dict[Any, tuple[int, Any]] = {}
-    graph_task = torch._C._current_graph_task_id
-    thread = threading.get_ident
 
-    def storages(out: object) -> Iterator[Any]:
-        """The storages holding the memory of the tensors in `out`; before the parts of a sparse
-        tensor, `_NOT_DENSE`; for a fake tensor, `_FAKE`."""
-        for tensor in tensors_in(out):
-            parts = sparse_parts.get(tensor.layout)
-            if isinstance(tensor, fake_type):
-                yield _FAKE
-            elif parts is not None:
-                yield _NOT_DENSE
-                yield from storages([getattr(tensor, part)() for part in parts])
-            elif type(tensor) is not tensor_type and is_traceable_wrapper_subclass(tensor):
-                # a wrapper's own storage is nominal; its inner tensors hold the memory
-                attrs, _ = tensor.__tensor_flatten__()
-                yield from storages([getattr(tensor, attr) for attr in attrs])
-            else:
-                storage = _storage(tensor)
-                if storage is not None:
-                    yield storage
+def _storages(out: object) -> Iterator[Any]:
+    """The storages holding the memory of the tensors in `out`; before the parts of a sparse tensor,
+    `_NOT_DENSE`; for a fake tensor, `_FAKE`."""
+    for tensor in tensors_in(out):
+        parts = _SPARSE_PARTS.get(tensor.layout)
+        if isinstance(tensor, FakeTensor):
+            yield _FAKE
+        elif parts is not None:
+            yield _NOT_DENSE
+            yield from _storages([getattr(tensor, part)() for part in parts])
+        elif type(tensor) is not _TENSOR and is_traceable_wrapper_subclass(tensor):
+            # a wrapper's own storage is nominal; its inner tensors hold the memory
+            attrs, _ = tensor.__tensor_flatten__()
+            yield from _storages([getattr(tensor, attr) for attr in attrs])
+        else:
+            storage = _storage(tensor)
+            if storage is not None:
+                yield storage
 
-    def input_keys(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> set[int]:
-        found = storages([*args, *(kwargs or {}).values()])
-        return {s._cdata for s in found if s is not _NOT_DENSE and s is not _FAKE}
 
-    class StorageTrackingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
-        def __init__(self, ledger: StorageLedger) -> None:
-            super().__init__()  # type: ignore[no-untyped-call]
-            self.ledger = ledger
+def _input_keys(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> set[int]:
+    found = _storages([*args, *(kwargs or {}).values()])
+    return {s._cdata for s in found if s is not _NOT_DENSE and s is not _FAKE}
 
-        @classmethod
-        def ignore_compile_internals(cls) -> bool:
-            # Dynamo compiles under the mode (instead of falling back to eager), with the mode off
-            # while compiling and on while the compiled program runs (its allocators are wrapped).
-            return True
 
-        @classmethod
-        def _should_skip_dynamo(cls) -> bool:
-            # True makes TorchDispatchMode wrap __torch_dispatch__ in torch._disable_dynamo; the
-            # guard below does the same (no eval-frame callback inside the mode) for less.
-            return set_eval_frame is None
+class StorageTrackingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    def __init__(self, ledger: StorageLedger) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.ledger = ledger
 
-        def __torch_dispatch__(
-            self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-        ) -> Any:
-            __tracebackhide__ = True  # a user's error in an op shows the user's frames, not ours
-            prior = None if set_eval_frame is None else set_eval_frame(None)
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Dynamo compiles under the mode (instead of falling back to eager), with the mode off
+        # while compiling and on while the compiled program runs (its allocators are wrapped).
+        return True
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # True makes TorchDispatchMode wrap __torch_dispatch__ in torch._disable_dynamo; the
+        # guard below does the same (no eval-frame callback inside the mode) for less.
+        return _SET_EVAL_FRAME is None
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        __tracebackhide__ = True  # a user's error in an op shows the user's frames, not ours
+        set_eval_frame = _SET_EVAL_FRAME  # one global lookup per op
+        prior = None if set_eval_frame is None else set_eval_frame(None)
+        try:
+            return self._dispatch(func, args, kwargs)
+        except RuntimeError:
+            numbers = _rewrapped_numbers(func, args)
+            if numbers is None:
+                raise
+            return self._dispatch(func, numbers, kwargs)
+        finally:
+            self.ledger.out = None  # the recorder's view of the outputs must not keep them alive
+            if set_eval_frame is not None:
+                set_eval_frame(prior)
+
+    def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+        __tracebackhide__ = True
+        self.ledger.op = func  # what made the allocations to come, for a recorder or a timeline
+        recorder = self.ledger.recorder
+        if recorder is not None:
+            recorder.entered()
+        plan = _PLANS.get(func)
+        if plan is None:
+            plan = _PLANS[func] = _op_plan(func)
+        if plan[0] != _BLAS:
+            return self._run(func, plan, args, kwargs)
+        out = self._run(func, plan[1], args, kwargs)
+        if self.ledger.wants_workspaces:
+            self._workspace(func, args, kwargs)
+        return out
+
+    def _workspace(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:
+        """`func` ran on cuBLAS: its handle's workspace, made on the handle's first use (an empty operand
+        returns before cuBLAS is reached)."""
+        ledger = self.ledger
+        handle = AUTOGRAD_HANDLE if _graph_task() != -1 else _thread()
+        held = ledger.workspaces.get(handle)
+        if held is not None and held.size >= ledger.workspace_bytes:
+            return
+        if any(t.numel() == 0 for t in tensors_in([*args, *(kwargs or {}).values()])):
+            return
+        ledger.out, ledger.op = None, f"cuBLAS workspace ({op_name(func)})"
+        ledger.workspace(handle)
+
+    def _run(self, func: Any, plan: tuple[int, Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+        __tracebackhide__ = True
+        recorder = self.ledger.recorder
+        kind = plan[0]
+        if kind == _PASS:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        if kind == _RESIZE:
+            return self._dispatch_resizing(func, args, kwargs or {})
+        if kind == _LIFT:
+            return self._dispatch_lifting(func, args, kwargs or {})
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        if recorder is not None:
+            self.ledger.out = out
+        if kind == _SINGLE and type(out) is _TENSOR:
             try:
-                return self._dispatch(func, args, kwargs)
-            except RuntimeError:
-                numbers = _rewrapped_numbers(func, args)
-                if numbers is None:
-                    raise
-                return self._dispatch(func, numbers, kwargs)
-            finally:
-                self.ledger.out = None  # the recorder's view of the outputs must not keep them alive
-                if set_eval_frame is not None:
-                    set_eval_frame(prior)
-
-        def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
-            __tracebackhide__ = True
-            self.ledger.op = func  # what made the allocations to come, for a recorder or a timeline
-            recorder = self.ledger.recorder
-            if recorder is not None:
-                recorder.entered()
-            plan = plans.get(func)
-            if plan is None:
-                plan = plans[func] = _op_plan(func)
-            if plan[0] != _BLAS:
-                return self._run(func, plan, args, kwargs)
-            out = self._run(func, plan[1], args, kwargs)
-            if self.ledger.wants_workspaces:
-                self._workspace(func, args, kwargs)
-            return out
-
-        def _workspace(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:
-            """`func` ran on cuBLAS: its handle's workspace, made on the handle's first use (an empty operand
-            returns before cuBLAS is reached)."""
-            ledger = self.ledger
-            handle = AUTOGRAD_HANDLE if graph_task() != -1 else thread()
-            held = ledger.workspaces.get(handle)
-            if held is not None and held.size >= ledger.workspace_bytes:
-                return
-            if any(t.numel() == 0 for t in tensors_in([*args, *(kwargs or {}).values()])):
-                return
-            ledger.out, ledger.op = None, f"cuBLAS workspace ({op_name(func)})"
-            ledger.workspace(handle)
-
-        def _run(self, func: Any, plan: tuple[int, Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
-            __tracebackhide__ = True
-            recorder = self.ledger.recorder
-            kind = plan[0]
-            if kind == _PASS:
-                return func(*args, **kwargs) if kwargs else func(*args)
-            if kind == _RESIZE:
-                return self._dispatch_resizing(func, args, kwargs or {})
-            if kind == _LIFT:
-                return self._dispatch_lifting(func, args, kwargs or {})
-            out = func(*args, **kwargs) if kwargs else func(*args)
-            if recorder is not None:
-                self.ledger.out = out
-            if kind == _SINGLE and type(out) is tensor_type:
-                try:
-                    storage = out.untyped_storage()
-                except (RuntimeError, NotImplementedError):  # sparse and other layouts without one storage
-                    self._count(out, args, kwargs)
-                    return out
-                self.ledger.add(storage)
+                storage = out.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # sparse and other layouts without one storage
+                self._count(out, args, kwargs)
                 return out
-            positions = plan[1]
-            fresh = out if positions is None or kind == _SINGLE else [out[i] for i in positions]
-            self._count(fresh, args, kwargs, checked=kind == _CHECKED)
+            self.ledger.add(storage)
             return out
+        positions = plan[1]
+        fresh = out if positions is None or kind == _SINGLE else [out[i] for i in positions]
+        self._count(fresh, args, kwargs, checked=kind == _CHECKED)
+        return out
 
-        def _count(
-            self, out: object, args: tuple[Any, ...], kwargs: dict[str, Any] | None, checked: bool = False
-        ) -> None:
-            """Count the storages of `out`; `checked` (or a sparse output) leaves out the inputs' own."""
-            inputs = input_keys(args, kwargs) if checked else None
-            for storage in storages(out):
-                if storage is _NOT_DENSE:  # a sparse tensor's parts may be tensors it was given
-                    if inputs is None:
-                        inputs = input_keys(args, kwargs)
-                elif storage is _FAKE:
-                    self.ledger.fake_outputs += 1
-                elif inputs is None or storage._cdata not in inputs:
-                    self.ledger.add(storage)
-
-        def _dispatch_lifting(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            __tracebackhide__ = True
-            out = self.ledger.out = func(*args, **kwargs)
-            storage = _storage(out) if isinstance(out, tensor_type) else None
-            # torch.tensor(data) fills a new, resizable storage; torch.as_tensor/from_numpy share
-            # memory torch did not allocate (not resizable)
-            if storage is not None and storage.resizable():
+    def _count(self, out: object, args: tuple[Any, ...], kwargs: dict[str, Any] | None, checked: bool = False) -> None:
+        """Count the storages of `out`; `checked` (or a sparse output) leaves out the inputs' own."""
+        inputs = _input_keys(args, kwargs) if checked else None
+        for storage in _storages(out):
+            if storage is _NOT_DENSE:  # a sparse tensor's parts may be tensors it was given
+                if inputs is None:
+                    inputs = _input_keys(args, kwargs)
+            elif storage is _FAKE:
+                self.ledger.fake_outputs += 1
+            elif inputs is None or storage._cdata not in inputs:
                 self.ledger.add(storage)
-            return out
 
-        def _dispatch_resizing(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            __tracebackhide__ = True
-            before: dict[int, int] = {}
-            for tensor in tensors_in([*args, *kwargs.values()]):
-                storage = _storage(tensor)
-                if storage is not None:
-                    before[storage._cdata] = storage.nbytes()
-            out = self.ledger.out = func(*args, **kwargs)
-            for tensor in tensors_in(out):
-                storage = _storage(tensor)
-                if storage is None:
-                    continue
-                previous = before.get(storage._cdata)
-                if previous is None:
-                    self.ledger.add(storage)
-                else:
-                    self.ledger.grow_existing(storage, previous)
-            return out
+    def _dispatch_lifting(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        __tracebackhide__ = True
+        out = self.ledger.out = func(*args, **kwargs)
+        storage = _storage(out) if isinstance(out, _TENSOR) else None
+        # torch.tensor(data) fills a new, resizable storage; torch.as_tensor/from_numpy share
+        # memory torch did not allocate (not resizable)
+        if storage is not None and storage.resizable():
+            self.ledger.add(storage)
+        return out
 
-    if set_eval_frame is not None:
+    def _dispatch_resizing(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        __tracebackhide__ = True
+        before: dict[int, int] = {}
+        for tensor in tensors_in([*args, *kwargs.values()]):
+            storage = _storage(tensor)
+            if storage is not None:
+                before[storage._cdata] = storage.nbytes()
+        out = self.ledger.out = func(*args, **kwargs)
+        for tensor in tensors_in(out):
+            storage = _storage(tensor)
+            if storage is None:
+                continue
+            previous = before.get(storage._cdata)
+            if previous is None:
+                self.ledger.add(storage)
+            else:
+                self.ledger.grow_existing(storage, previous)
+        return out
+
+
+@functools.cache
+def mode_class() -> type[StorageTrackingMode]:
+    """The tracker's mode, made ready once: hidden from Dynamo, and told of compiled programs' allocations."""
+    if _SET_EVAL_FRAME is not None:
         _hide_from_dynamo(StorageTrackingMode.__torch_dispatch__)
     count_compiled_allocations(StorageTrackingMode)
     return StorageTrackingMode
