@@ -167,10 +167,8 @@ def test_a_step_that_ignores_n_is_refused(tracked: Tracked) -> None:
     with pytest.raises(GpuMemError) as info:
         fit_peaks(lambda n: torch.ones(1000), [1, 2, 3], "1 MiB", tracked)
     assert str(info.value) == (
-        "fit: the step's peak does not grow with the batch size (3.9 KiB at sizes 1, 2, 3, 6, 12, 24, 48, 96, 192, "
-        "384, 768, 1,536, 3,072, 6,144, 12,288, 24,576, 49,152, 98,304, 196,608, 393,216, 786,432, 1,572,864, "
-        "3,145,728, 6,291,456, 12,582,912, 25,165,824, 50,331,648, 100,663,296, 201,326,592, 402,653,184, "
-        "805,306,368, 1,610,612,736, 2,147,483,647): does step(n) use n?"
+        "fit: the step's peak does not grow with the batch size (3.9 KiB from size 1 to 3,072): does step(n) use n, "
+        "and make its tensors on the measured device?"
     )
 
 

@@ -29,6 +29,10 @@ DEFAULT_TOLERANCE = 0.01
 DEFAULT_SLACK = 4096
 """Bytes always accepted (small allocations whose sizes do not follow n exactly)."""
 
+FLAT_REACH = 1024
+"""How many times the largest size given a step whose peak does not grow is sampled up to, before it is
+refused: tensors the meter does not count (on another device) must not be made at billions of rows."""
+
 
 @dataclass
 class _Fit:
@@ -39,6 +43,7 @@ class _Fit:
     capacity: int
     runs_refused: str | None  # why runs at the sizes the capacity allows cannot be made here; None: they can
     allowed: int = 0  # bytes a size may leave allocated, and a line may miss by
+    given: int = 0  # the largest size the caller gave
     sizes: list[int] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
@@ -103,7 +108,7 @@ def fit_peaks(
     _check_tolerance(tolerance, slack)
     if not isinstance(confirm, bool):
         raise GpuMemError(f"fit confirm= must be True or False, got {shorten(confirm)}")
-    fit = _Fit(step, measure, limit, runs_refused)
+    fit = _Fit(step, measure, limit, runs_refused, given=max(checked))
     for n in checked:
         fit.sizes.append(n)
         fit.samples.append(fit.sample(n))
@@ -183,10 +188,10 @@ def _sample_larger(fit: _Fit) -> tuple[Lines | None, str]:
     """No event grew with n over the sizes sampled: sample twice the largest, held to the capacity."""
     __tracebackhide__ = True
     largest = max(fit.sizes)
-    if largest >= MAX_BATCH:
+    if largest >= min(MAX_BATCH, FLAT_REACH * fit.given):
         raise GpuMemError(
-            f"fit: the step's peak does not grow with the batch size ({format_size(fit.samples[0].peak)} at sizes "
-            f"{integers(fit.sizes)}): does step(n) use n?"
+            f"fit: the step's peak does not grow with the batch size ({format_size(fit.samples[0].peak)} from size "
+            f"{min(fit.sizes):,} to {largest:,}): does step(n) use n, and make its tensors on the measured device?"
         )
     if fit.runs_refused is not None:
         raise GpuMemError(
