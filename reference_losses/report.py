@@ -6,8 +6,8 @@ from typing import Any
 
 from tabulate import tabulate
 
-from pytest_gpumem.backends.tracker.attribution import LABELS
 from pytest_gpumem.explain.replay import changes as growth
+from pytest_gpumem.results.categories import LABELS
 from pytest_gpumem.sizes import format_size
 
 COLUMNS = ("forward", "backward", "step", "total")

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from pytest_gpumem.backends.tracker.attribution import CATEGORIES as ATTRIBUTED
-from pytest_gpumem.backends.tracker.attribution import LABELS as ATTRIBUTED_LABELS
 from pytest_gpumem.backends.tracker.attribution import NO_MODULE
 from pytest_gpumem.report.html import byte_ticks, chart_texts, render
 from pytest_gpumem.report.html_axis import event_axis, event_ticks
 from pytest_gpumem.results.advice import AS_IS, Advice, PhasePeak, Row
+from pytest_gpumem.results.categories import CATEGORIES as ATTRIBUTED
+from pytest_gpumem.results.categories import LABELS as ATTRIBUTED_LABELS
 from pytest_gpumem.results.explanation import Cell, Explanation, PhaseExplanation, Point, Tensor, Timeline, Unmeasured
 from pytest_gpumem.run.outputs import write_evidence, write_picture
 from pytest_gpumem.sizes import format_size

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from pytest_gpumem.backends.tracker.attribution import LABELS
 from pytest_gpumem.explain.blocks import fold
 from pytest_gpumem.explain.replay import OTHER_MODULES, changes
+from pytest_gpumem.results.categories import LABELS
 from pytest_gpumem.results.explanation import Cell, Composition, Explanation, PhaseComposition
 from pytest_gpumem.sizes import format_size
 

@@ -15,9 +15,10 @@ from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, TypeVar
 
-from pytest_gpumem.backends.tracker.attribution import CATEGORIES, LABELS, Allocation, Attributor, Region
+from pytest_gpumem.backends.tracker.attribution import Allocation, Attributor, Region
 from pytest_gpumem.explain.blocks import fold, repeated_blocks
 from pytest_gpumem.results import RANK_SEPARATOR, rank_phase
+from pytest_gpumem.results.categories import CATEGORIES, LABELS
 from pytest_gpumem.results.explanation import (
     Cell,
     Explanation,

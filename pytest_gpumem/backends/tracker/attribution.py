@@ -43,19 +43,11 @@ from pytest_gpumem.backends.tracker.graph import (
     tensors_in,
 )
 from pytest_gpumem.backends.tracker.recording import Followed, Origin, Recorder, op_name, user_line
+from pytest_gpumem.results.categories import CATEGORIES
 
 if TYPE_CHECKING:
     import torch
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "saved", "temporaries", "inputs")
-LABELS = {
-    "parameters": "parameters",
-    "gradients": "gradients",
-    "optimizer_state": "optimizer state",
-    "saved": "saved for backward",
-    "temporaries": "temporaries",
-    "inputs": "inputs and other",
-}
 # which use wins when a storage has several: an input the graph saves stays an input
 _RANK = {category: rank for rank, category in enumerate((*CATEGORIES[:3], "inputs", "saved", "temporaries"))}
 _COMPILE_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
