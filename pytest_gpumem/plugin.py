@@ -13,6 +13,7 @@ from pytest_gpumem.config import add_options, read_options
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.run.regression import BaselineRun
 from pytest_gpumem.run.session import METER_KEY, GpuMemSession
+from pytest_gpumem.run.xdist import worker_id
 
 if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
@@ -169,11 +170,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
         terminalreporter.write_sep("-", "gpumem baselines")
         for line in session.baseline_lines:
             terminalreporter.write_line(line, yellow=line.startswith("warning"))
-    if session.options.report and not hasattr(config, "workerinput"):
+    if session.options.report and worker_id(config) is None:
         terminalreporter.write_sep("=", "gpumem report")
         for line in session.report_lines(_report_width(terminalreporter), config.get_verbosity() > 0):
             terminalreporter.write_line(line)
-    if session.results and not hasattr(config, "workerinput"):
+    if session.results and worker_id(config) is None:
         from pytest_gpumem.report.terminal import counts_line
 
         terminalreporter.write_line(f"gpumem: {counts_line(session.results)}")

@@ -67,20 +67,47 @@ def _bounded(size: int, value: object) -> int:
 
 
 def shorten(value: object, limit: int = 60) -> str:
-    """`repr(value)`, cut in the middle when longer than `limit`, with its length: a bad value echoed in a
-    one-line message stays one readable line ('99999...99999 GiB' (5,004 characters))."""
+    """A value a message names, as one short line: `repr(value)`, cut in the middle when longer than
+    `limit`, with its length ('99999...99999 GiB' (5,004 characters)); a module or a tensor by its kind and
+    a collection of them by its length and first items (their reprs run over many lines); a repr over
+    several lines folded into one; a repr that raises named by its type."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > _REPR_BITS:
         return integer_words(value)
+    kind = _kind(value)
+    if kind is not None:
+        return kind
     try:
         text = repr(value)
     except Exception:
         return f"<a {type(value).__name__} whose repr raised>"
+    if "\n" in text:
+        text = " ".join(text.split())
     if len(text) <= limit:
         return text
     half = (limit - 5) // 2
     what = "digits" if isinstance(value, int) else "characters"
     size = len(text) - (value < 0 if isinstance(value, int) else 2)
     return f"{text[:half]}...{text[-half:]} ({size:,} {what})"
+
+
+def _kind(value: object) -> str | None:
+    """'a Linear module', 'a Tensor of float32[2, 3]', 'a list of 3 (a Parameter of ..., ...)'; None for a
+    value whose repr says it in one line."""
+    kind = type(value).__name__
+    if hasattr(value, "named_parameters") and callable(value.named_parameters):
+        return f"a {kind} module"
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"a {kind} of {str(dtype).removeprefix('torch.')}{list(shape)}"
+    if isinstance(value, (list, tuple, set, frozenset)) and any(not _plain(v) for v in value):
+        items = list(value)
+        shown = ", ".join(shorten(v) for v in items[:2]) + (", ..." if len(items) > 2 else "")
+        return f"a {kind} of {len(items)} ({shown})"
+    return None
+
+
+def _plain(value: object) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool))
 
 
 def integer_words(value: int) -> str:

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pytest_gpumem import GpuMemError, format_size, parse_size
+from pytest_gpumem.sizes import shorten
 
 
 @pytest.mark.parametrize(
@@ -73,3 +75,15 @@ def test_largest_size() -> None:
 )
 def test_format_size(n: int, binary: bool, text: str) -> None:
     assert format_size(n, binary=binary) == text
+
+
+def test_a_value_named_in_a_message_is_one_short_line() -> None:
+    class Lines:
+        def __repr__(self) -> str:
+            return "Lines(\n  a=1,\n  b=2\n)"
+
+    assert shorten(Lines()) == "Lines( a=1, b=2 )"
+    assert shorten(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())) == "a Sequential module"
+    assert shorten(torch.ones(2, 3)) == "a Tensor of float32[2, 3]"
+    assert shorten([torch.ones(1)] * 3) == "a list of 3 (a Tensor of float32[1], a Tensor of float32[1], ...)"
+    assert shorten("two\nlines") == "'two\\nlines'"

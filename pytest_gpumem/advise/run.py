@@ -31,7 +31,8 @@ from pytest_gpumem.backends.tracker.ledger import cuda_block_size
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.measure.failures import exception_text, release_memory
 from pytest_gpumem.measure.regions import RegionStack
-from pytest_gpumem.results.advice import AS_IS, NOT_CHECKED, Advice, PhasePeak, Row, brief, capacity_bytes, held_bytes
+from pytest_gpumem.results.advice import AS_IS, NOT_CHECKED, Advice, PhasePeak, Row, capacity_bytes, held_bytes
+from pytest_gpumem.sizes import shorten
 
 if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
@@ -341,15 +342,15 @@ def _strategies(names: Iterable[str] | None) -> list[Strategy]:
     if names is None:
         return known
     if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
-        raise GpuMemError(f"gpumem.advise(strategies=...) must be a list of names, got {brief(names)}")
+        raise GpuMemError(f"gpumem.advise(strategies=...) must be a list of names, got {shorten(names)}")
     listed = list(names)  # a generator is read once
     wrong = [n for n in listed if not isinstance(n, str)]
     if wrong:
-        raise GpuMemError(f"gpumem.advise(strategies=...) must be a list of names, got {brief(wrong[0])} in it")
+        raise GpuMemError(f"gpumem.advise(strategies=...) must be a list of names, got {shorten(wrong[0])} in it")
     by_name = {s.name: s for s in known}
     unknown = [n for n in listed if n not in by_name]
     if unknown:
-        raise GpuMemError(f"gpumem.advise: no strategy {brief(unknown[0])} (known: {', '.join(by_name)})")
+        raise GpuMemError(f"gpumem.advise: no strategy {shorten(unknown[0])} (known: {', '.join(by_name)})")
     return [by_name[n] for n in dict.fromkeys(listed)]
 
 
@@ -362,15 +363,15 @@ def _target(
     device: torch.device,
 ) -> Target:
     if not callable(step):
-        raise GpuMemError(f"gpumem.advise() needs a callable step, got {brief(step)}")
+        raise GpuMemError(f"gpumem.advise() needs a callable step, got {shorten(step)}")
     if not isinstance(model, nn.Module):
-        raise GpuMemError(f"gpumem.advise(model=...) must be a torch.nn.Module, got {brief(model)}")
+        raise GpuMemError(f"gpumem.advise(model=...) must be a torch.nn.Module, got {shorten(model)}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise GpuMemError(f"gpumem.advise(optimizer=...) must be a torch.optim.Optimizer, got {brief(optimizer)}")
+        raise GpuMemError(f"gpumem.advise(optimizer=...) must be a torch.optim.Optimizer, got {shorten(optimizer)}")
     if loss is not None and not isinstance(loss, nn.Module):
-        raise GpuMemError(f"gpumem.advise(loss=...) must be a torch.nn.Module, got {brief(loss)}")
+        raise GpuMemError(f"gpumem.advise(loss=...) must be a torch.nn.Module, got {shorten(loss)}")
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
-        raise GpuMemError(f"gpumem.advise(batch_size=...) must be a positive int, got {brief(batch_size)}")
+        raise GpuMemError(f"gpumem.advise(batch_size=...) must be a positive int, got {shorten(batch_size)}")
     first = next(model.parameters(), None)
     return Target(
         step, model, optimizer, device if first is None else first.device, loss, batch_size, find_blocks(model)

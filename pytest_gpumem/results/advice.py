@@ -12,12 +12,11 @@ from typing import Any
 
 from pytest_gpumem.cards import capacity_bytes as card_bytes
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.sizes import format_size
+from pytest_gpumem.sizes import format_size, shorten
 
 AS_IS = "as-is"
 NOT_CHECKED = "not checked"
 AUTOCAST = "bf16-autocast"  # the strategy that changes the precision, named in advice written before `precision`
-BRIEF = 60  # characters of a value a refusal names
 WIDTH = 120  # a row's phases and gradients share a line up to this many characters
 
 
@@ -138,7 +137,7 @@ def capacity_bytes(value: object, where: str) -> int:
     """`value` (bytes, a size such as "80 GiB" or a card such as "H100-80GB", see `pytest_gpumem.cards`) in the
     bytes the allocator is held to; anything else refused in one line naming `where`."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise GpuMemError(f"{where} must be an int (bytes), a size such as '80 GiB' or a card, got {brief(value)}")
+        raise GpuMemError(f"{where} must be an int (bytes), a size such as '80 GiB' or a card, got {shorten(value)}")
     try:
         return card_bytes(value)
     except (GpuMemError, ValueError, TypeError) as exc:
@@ -177,7 +176,7 @@ class Advice:
         for row in self.rows:
             if row.name == name:
                 return row
-        raise GpuMemError(f"advice has no row {brief(name)} (rows: {', '.join(r.name for r in self.rows)})")
+        raise GpuMemError(f"advice has no row {shorten(name)} (rows: {', '.join(r.name for r in self.rows)})")
 
     def absolute(self, row: Row) -> int:
         """The row's absolute peak: what was live when the step began + the step's peak above that."""
@@ -341,31 +340,3 @@ def cheapest(rows: list[Row]) -> Row | None:
 def _cost(row: Row) -> tuple[bool, float, bool, int]:
     extra = math.inf if row.extra_flops is None else row.extra_flops
     return (row.precision is not None, extra, row.name != AS_IS, row.peak_bytes or 0)
-
-
-def brief(value: object) -> str:
-    """A value a refusal names, as one short line: a module or tensor by its kind (their reprs run over
-    many lines), a collection by its length and first items, anything else by its repr, whitespace
-    folded and cut in the middle past BRIEF characters; a repr that raises is named by its type."""
-    kind = type(value).__name__
-    if hasattr(value, "named_parameters") and callable(value.named_parameters):
-        return f"a {kind} module"
-    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
-    if shape is not None and dtype is not None:
-        return f"a {kind} of {str(dtype).removeprefix('torch.')}{list(shape)}"
-    if isinstance(value, (list, tuple, set, frozenset)) and any(not _plain(v) for v in value):
-        items = list(value)
-        shown = ", ".join(brief(v) for v in items[:2]) + (", ..." if len(items) > 2 else "")
-        return f"a {kind} of {len(items)} ({shown})"
-    try:
-        text = " ".join(repr(value).split())
-    except Exception:
-        return f"<a {kind} whose repr raised>"
-    if len(text) <= BRIEF:
-        return text
-    half = (BRIEF - 5) // 2
-    return f"{text[:half]}...{text[-half:]} ({len(text):,} characters)"
-
-
-def _plain(value: object) -> bool:
-    return value is None or isinstance(value, (str, int, float, bool))

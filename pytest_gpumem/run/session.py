@@ -13,6 +13,7 @@ from pytest_gpumem.budget import MARKER
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.results import Status
 from pytest_gpumem.run.regression import BaselineRun, partial_run, selection_flags
+from pytest_gpumem.run.xdist import worker_id
 
 if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
@@ -124,7 +125,7 @@ class GpuMemSession:
     def assign_device(self) -> None:
         """On an xdist worker under --gpumem-devices: see only this worker's device, before CUDA starts.
         On the controller: refuse, in one line, devices the caller cannot see."""
-        worker = getattr(self.config, "workerinput", {}).get("workerid")
+        worker = worker_id(self.config)
         if self.options.devices is None or (worker is None and not getattr(self.config.option, "numprocesses", None)):
             return
         from pytest_gpumem.run.devices import VISIBLE, assign, visible_devices
@@ -156,7 +157,7 @@ class GpuMemSession:
 
     def finish(self, session: pytest.Session, exitstatus: int) -> None:
         """At the end of the run: workers hand their results over; the controller writes the files."""
-        if hasattr(self.config, "workerinput"):
+        if worker_id(self.config) is not None:
             return  # each result went to the controller with its test's report
         if self.options.json_path or self.options.markdown_path or self.baselines.active:
             self._write_files(session, exitstatus)

@@ -17,6 +17,12 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 
+def worker_id(config: pytest.Config) -> str | None:
+    """This process's xdist worker id ("gw0"), or None on the controller or without xdist."""
+    found = getattr(config, "workerinput", {}).get("workerid")
+    return None if found is None else str(found)
+
+
 class XdistResults:
     """Registered only when pytest-xdist is installed; collects the results that workers' reports carry."""
 
