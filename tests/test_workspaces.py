@@ -6,14 +6,18 @@ never the test's leak. Figures derived by hand from the allocator's rules (tests
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.backends.tracker.ledger import StorageLedger, Workspace
 from pytest_gpumem.cards import CUBLAS_WORKSPACE_DEFAULT, CUBLAS_WORKSPACE_LARGE
+from pytest_gpumem.explain.text import describe
+from pytest_gpumem.measure.measurement import Measurement
 
 MIB = 2**20
 WORKSPACE = 8 * MIB + 128 * 1024  # torch's default, ':4096:2:16:8': 8,519,680 B
@@ -182,3 +186,25 @@ def test_each_test_pays_for_its_workspaces_and_none_is_a_leak(tracker: pytest.Py
     # beside a 2 MiB one; whatever ran before: the second test pays as the first did
     peak = 2 * 256 * 256 * 4 + 64 * 256 * 4 + 2 * 512 + 2 * WORKSPACE
     assert [(c["peak_bytes"], c["reserved_peak_bytes"], c["net_bytes"]) for c in calls] == 2 * [(peak, 22 * MIB, 0)]
+
+
+def test_the_explanation_names_a_workspace_as_one() -> None:
+    backend = TrackerBackend("cuda", device="meta")
+    backend.configure(Settings(None, origins=False, events=False, explain=True))
+    measured = Measurement(backend, "t.py::t")
+    measured.explain = True
+    measured.begin()
+    a = torch.ones(64, 64, device="meta")
+    kept = a @ a
+    measured.end()
+    assert measured.explanation is not None and kept.shape == (64, 64)
+    alive = [line for line in describe(measured.explanation) if "cuBLAS" in line]
+    assert alive == [
+        f"    alive at the peak: 8.1 MiB cuBLAS workspace (temporaries, (outside modules)), made by aten.mm.default "
+        f"at tests/test_workspaces.py:{_line_of('kept = a @ a')}"
+    ]
+
+
+def _line_of(text: str) -> int:
+    lines = Path(__file__).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if line.strip() == text)

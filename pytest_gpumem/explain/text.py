@@ -73,10 +73,15 @@ def _signed(value: int, fmt: Format) -> str:
 
 def describe_tensor(explanation: Explanation, tensor: Tensor, fmt: Format = format_size) -> str:
     shape = None if tensor.shape is None else list(tensor.shape)
-    what = "a storage" if tensor.dtype is None else f"{tensor.dtype}{shape}"
+    what, op = ("a storage" if tensor.dtype is None else f"{tensor.dtype}{shape}"), tensor.op
+    if tensor.dtype is None and op.startswith(_WORKSPACE) and op.endswith(")"):  # "cuBLAS workspace (aten.mm)"
+        what, op = _WORKSPACE.removesuffix(" ("), op.removeprefix(_WORKSPACE).removesuffix(")")
     where = f" at {tensor.where}" if tensor.where else ""
     used = f"{explanation.label(tensor.category)}, {tensor.module}"
-    return f"{fmt(tensor.size)} {what} ({used}), made by {tensor.op}{where}"
+    return f"{fmt(tensor.size)} {what} ({used}), made by {op}{where}"
+
+
+_WORKSPACE = "cuBLAS workspace ("
 
 
 def summary(explanation: Explanation, phase: str = "call", count: int = 2) -> str:
