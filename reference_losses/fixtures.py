@@ -236,6 +236,8 @@ def _rows(config: pytest.Config) -> tuple[list[dict[str, Any]], bool]:
         if isinstance(info, dict):
             phases = {name: phase.requested_peak_bytes for name, phase in result.phases.items()}
             row = {**info, "phases": phases, "backend": result.backend, "device": result.device}
+            total = result.phases.get("total")
+            row["reserved"] = None if total is None else total.reserved_peak_bytes  # with the allocator's model
             if result.explanation is not None:  # --gpumem-explain: what each phase's peak was made of
                 explained = result.explanation.phases
                 row["composition"] = {name: explained[name].categories for name in phases if name in explained}

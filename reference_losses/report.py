@@ -22,11 +22,15 @@ def _ratio(value: Any, base: Any) -> str:
 
 
 def workload_table(rows: list[dict[str, Any]]) -> str:
-    """Rows of one workload: peaks per phase, total vs the naive strategy's total and vs the minimum, and
-    (explained runs) which category of the total peak the difference from the naive one comes from."""
+    """Rows of one workload: peaks per phase, total vs the naive strategy's total and vs the minimum, the
+    total's reserved memory vs the naive one's (with the allocator's model: what a card holds for the
+    step), and (explained runs) which category of the total peak the difference from the naive one
+    comes from."""
     naive = {row["strategy"]: row["phases"].get("total") for row in rows}
+    naive_reserved = {row["strategy"]: row.get("reserved") for row in rows}
     compositions = {row["strategy"]: row.get("composition") for row in rows}
     explained = any(compositions.values())
+    reserved = any(row.get("reserved") is not None for row in rows)
     body = []
     for row in rows:
         phases = row["phases"]
@@ -34,10 +38,14 @@ def workload_table(rows: list[dict[str, Any]]) -> str:
         cells = [row["strategy"], *(_size(phases.get(c)) for c in COLUMNS),
                  _ratio(total, naive.get(row["reference"])), _ratio(total, row["minimum_bytes"]),
                  _size(row["minimum_bytes"])]  # fmt: skip
+        if reserved:  # what a card holds for the step: the allocator's segments (--gpumem-round=cuda)
+            ratio = _ratio(row.get("reserved"), naive_reserved.get(row["reference"]))
+            cells.append(ratio if ratio == "-" else f"{ratio}x")
         if explained:
             cells.append(difference(compositions.get(row["reference"]), row.get("composition"), row))
         body.append(cells)
     headers = ["strategy", *COLUMNS, "total/naive", "total/minimum", "minimum"]
+    headers += ["reserved"] if reserved else []
     headers += ["vs naive, comes from"] if explained else []
     return tabulate(body, headers=headers, disable_numparse=True)
 
@@ -68,8 +76,11 @@ def _relative(change: int, before: int) -> str:
     return f"{percent:+.0f}%" if abs(percent) >= 1 else f"{percent:+.2g}%"
 
 
+RESERVED_NOTE = "reserved: the total's reserved memory (the allocator's model) against the naive strategy's"
+
+
 def report_lines(rows: list[dict[str, Any]]) -> list[str]:
-    lines: list[str] = []
+    lines: list[str] = [RESERVED_NOTE] if any(row.get("reserved") is not None for row in rows) else []
     for workload in dict.fromkeys(row["workload"] for row in rows):
         picked = [row for row in rows if row["workload"] == workload]
         first = picked[0]

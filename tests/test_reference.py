@@ -20,6 +20,23 @@ def test_reference_report_subset(tracker: pytest.Pytester) -> None:
             "*= gpumem report =*",
         ]
     )
+    result.stdout.no_fnmatch_line("reserved: *")
+
+
+def test_reference_report_compares_reserved_memory_under_the_allocators_model(tracker: pytest.Pytester) -> None:
+    result = tracker.runpytest(
+        "--pyargs", "reference_losses", "-k", "naive_sum or dot", "--gpumem-report", "--gpumem-round=cuda",
+        "-p", "no:cacheprovider",
+    )  # fmt: skip
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "reserved: the total's reserved memory (the allocator's model) against the naive strategy's",
+            "strategy*total/naive*total/minimum*minimum*reserved",
+            "naive_sum*8.0 MiB*1.00*1.00*8.0 MiB*1.00x",
+            "dot*8.0 MiB*1.00*1.00*8.0 MiB*1.00x",  # the same 8 MiB gradient in the same segments
+        ]
+    )
 
 
 def test_reference_report_only_when_asked(tracker: pytest.Pytester) -> None:
