@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch._dynamo
 import torch._dynamo.repro.after_dynamo  # what torch.compile imports for any backend
+from builders import Reported
 from filelock import FileLock
 
 import pytest_gpumem
@@ -79,7 +80,7 @@ def read_report() -> Callable[[Path], dict[str, dict[str, Any]]]:
 
 
 @pytest.fixture
-def reported(pytester: pytest.Pytester) -> Callable[..., dict[str, dict[str, Any]]]:
+def reported(pytester: pytest.Pytester) -> Reported:
     """The tests of an inner run's JSON report (`--gpumem-json=out.json`), by the name after the file's."""
 
     def read(name: str = "out.json") -> dict[str, dict[str, Any]]:

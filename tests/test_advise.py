@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from builders import Reported
 from torch import nn
 from torch.nn import functional as F
 
@@ -448,7 +449,7 @@ def test_failure_clause_moves_the_measured_peak_by_the_strategys_change() -> Non
 
 
 def test_failing_budget_names_the_best_strategy_and_reports_the_rows(
-    tracker: pytest.Pytester, reported: Callable[..., dict[str, dict[str, Any]]]
+    tracker: pytest.Pytester, reported: Reported
 ) -> None:
     tracker.makepyfile(
         """

@@ -4,16 +4,15 @@ on reserved memory. Figures derived by hand from the allocator's rules (see test
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 import torch
+from builders import Reported
 
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 
 MIB = 2**20
-Reported = Callable[..., dict[str, dict[str, Any]]]
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from builders import BASELINES, assert_one_line_failure, phase_result, run, strict_json
 
 from pytest_gpumem import values
 from pytest_gpumem.baselines.schema import BaselineError, dumps, loads
@@ -18,45 +19,18 @@ from pytest_gpumem.cli import main
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.report.markdown import markdown
 from pytest_gpumem.report.terminal import table
-from pytest_gpumem.results import PhaseResult, Status, TestResult
-
-BASELINES = "gpumem-baselines.json"
-
-
-def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    return pytester.runpytest("--gpumem-slack=0", "-p", "no:cacheprovider", *args)
-
-
-def strict_json(text: str) -> Any:
-    def refuse(name: str) -> None:
-        raise ValueError(f"not JSON: {name}")
-
-    return json.loads(text, parse_constant=refuse)
-
-
-def stored_gradients(pytester: pytest.Pytester, test: str) -> dict[str, Any]:
-    data = strict_json((pytester.path / BASELINES).read_text())
-    entry = data["entries"][f"test_suite.py::{test}"]["tracker | cpu"]
-    params: dict[str, Any] = entry["gradients"]["params"]
-    return params
-
-
-def assert_one_line_failure(result: pytest.RunResult) -> None:
-    result.stdout.no_fnmatch_line("*INTERNALERROR*")
-    result.stdout.no_fnmatch_line("*Traceback*")
-    result.stdout.no_fnmatch_line("*pytest_gpumem/*")
-
+from pytest_gpumem.results import Status, TestResult
 
 # -------------------------------------------------------------------------------------- table cells
 
 
 def hostile_result() -> TestResult:
-    phases = {name: PhaseResult(name, 1024, 1024, None, 0) for name in ("fwd|bwd", "two\nlines")}
+    phases = {name: phase_result(name, 1024) for name in ("fwd|bwd", "two\nlines")}
     return TestResult(
         "test_x.py::test_it[a|b]",
         "tracker",
         "cpu",
-        PhaseResult("call", 2048, 2048, None, 0),
+        phase_result("call", 2048),
         phases,
         budget_text="fwd|bwd=1 MiB",
         status=Status.OK,

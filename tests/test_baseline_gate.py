@@ -13,10 +13,10 @@ import shlex
 from pathlib import Path
 
 import pytest
+from builders import BASELINES, stored_entries
 
 from pytest_gpumem.cli import main
 
-BASELINES = "gpumem-baselines.json"
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
@@ -31,11 +31,6 @@ def _gate_commands() -> tuple[list[str], list[str]]:
 
 
 RECORD, ENFORCE = _gate_commands()
-
-
-def _entries(pytester: pytest.Pytester) -> dict[str, dict[str, object]]:
-    data = json.loads((pytester.path / BASELINES).read_text(encoding="utf-8"))
-    return {nodeid: per_device["tracker | cpu"] for nodeid, per_device in data["entries"].items()}
 
 
 def test_a_test_that_allocates_nothing_needs_no_baseline(pytester: pytest.Pytester) -> None:
@@ -61,7 +56,7 @@ def test_a_test_that_allocates_nothing_needs_no_baseline(pytester: pytest.Pytest
             f"wrote {pytester.path / BASELINES}: 1 added, 0 updated, 0 unchanged, 0 removed",
         ]
     )
-    assert list(_entries(pytester)) == ["test_units.py::test_tensor"]
+    assert list(stored_entries(pytester)) == ["test_units.py::test_tensor"]
     gate = pytester.runpytest(*ENFORCE)
     gate.assert_outcomes(passed=3)
     gate.stdout.fnmatch_lines(
@@ -75,7 +70,7 @@ def test_an_update_drops_the_baseline_of_a_test_that_now_allocates_nothing(track
     with pytest.MonkeyPatch.context() as env:
         env.setenv("N", "1000")
         tracker.runpytest("--gpumem-update").assert_outcomes(passed=1)
-        assert list(_entries(tracker)) == ["test_one.py::test_one"]
+        assert list(stored_entries(tracker)) == ["test_one.py::test_one"]
         env.setenv("N", "0")
         emptied = tracker.runpytest("--gpumem-update")
     emptied.assert_outcomes(passed=1)
@@ -85,7 +80,7 @@ def test_an_update_drops_the_baseline_of_a_test_that_now_allocates_nothing(track
             f"wrote {tracker.path / BASELINES}: 0 added, 0 updated, 0 unchanged, 1 removed",
         ]
     )
-    assert _entries(tracker) == {}
+    assert stored_entries(tracker) == {}
 
 
 MODEL = """
@@ -114,7 +109,7 @@ def test_the_documented_record_command_lets_a_regression_name_the_module_that_gr
 ) -> None:
     pytester.makepyfile(test_model=MODEL.format(hidden=256))
     pytester.runpytest(*RECORD).assert_outcomes(passed=1)
-    assert "composition" in _entries(pytester)["test_model.py::test_step"]
+    assert "composition" in stored_entries(pytester)["test_model.py::test_step"]
     pytester.makepyfile(test_model=MODEL.format(hidden=4096))  # head: 4096 x 256 float32, 4 MiB, and its grad
     grown = pytester.runpytest(*ENFORCE)
     grown.assert_outcomes(failed=1)
@@ -186,7 +181,7 @@ def test_update_new_fails_a_stored_test_as_a_run_without_it_would(tracker: pytes
     )
     result.stdout.fnmatch_lines(["*test_grows*REGRESSED*", "*test_grads*GRADIENTS CHANGED*"])
     result.stdout.fnmatch_lines([f"wrote {tracker.path / BASELINES}: 1 added, 0 updated, 0 unchanged, 0 removed"])
-    entries = _entries(tracker)
+    entries = stored_entries(tracker)
     assert sorted(entries) == ["test_added.py::test_added", "test_stored.py::test_grads", "test_stored.py::test_grows"]
     stored_before = json.loads(before)["entries"]
     assert all(entries[n] == stored_before[n]["tracker | cpu"] for n in stored_before)
@@ -200,10 +195,10 @@ def test_a_test_path_right_after_update_is_a_test_path(tracker: pytest.Pytester)
     result = tracker.runpytest("--gpumem-update", "test_x.py")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines([f"wrote {tracker.path / BASELINES}: 1 added, 0 updated, 0 unchanged, 0 removed"])
-    assert list(_entries(tracker)) == ["test_x.py::test_x"]
+    assert list(stored_entries(tracker)) == ["test_x.py::test_x"]
     again = tracker.runpytest("--gpumem-update=new", "test_other.py::test_other")
     again.assert_outcomes(passed=1)
-    assert sorted(_entries(tracker)) == ["test_other.py::test_other", "test_x.py::test_x"]
+    assert sorted(stored_entries(tracker)) == ["test_other.py::test_other", "test_x.py::test_x"]
     refused = tracker.runpytest("--gpumem-update", "nwe")
     assert refused.ret == pytest.ExitCode.USAGE_ERROR
     refused.stderr.fnmatch_lines(

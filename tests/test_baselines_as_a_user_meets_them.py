@@ -6,8 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-BASELINES = "gpumem-baselines.json"
+from builders import BASELINES, run, stored_entries
 
 # Each test allocates N float32 in a phase "made" (4N bytes, exactly, with the tracker).
 SUITE = """
@@ -26,15 +25,6 @@ def suite(pytester: pytest.Pytester, **sizes: int) -> None:
     pytester.makepyfile(test_suite=SUITE.format(sizes=sizes))
 
 
-def stored(pytester: pytest.Pytester) -> dict[str, dict[str, object]]:
-    data = json.loads((pytester.path / BASELINES).read_text())
-    return {nodeid: per_device["tracker | cpu"] for nodeid, per_device in data["entries"].items()}
-
-
-def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    return pytester.runpytest("--gpumem-slack=0", "-p", "no:cacheprovider", *args)
-
-
 def test_record_then_pass(tracker: pytest.Pytester) -> None:
     suite(tracker, a=1000, b=2000)
     result = run(tracker, "--gpumem-update")
@@ -42,7 +32,7 @@ def test_record_then_pass(tracker: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(
         ["*- gpumem baselines -*", f"wrote */{BASELINES}: 2 added, 0 updated, 0 unchanged, 0 removed"]
     )
-    entries = stored(tracker)
+    entries = stored_entries(tracker)
     assert entries["test_suite.py::test_alloc[a]"]["phases"] == {"made": 4000}
     assert entries["test_suite.py::test_alloc[b]"]["phases"] == {"made": 8000}
     assert entries["test_suite.py::test_alloc[b]"]["torch"] is not None
@@ -71,7 +61,7 @@ def test_regression_fails_with_one_sentence(tracker: pytest.Pytester) -> None:
             "*test_alloc?a?*+25.0%*REGRESSED*",
         ]
     )
-    assert stored(tracker)["test_suite.py::test_alloc[a]"]["phases"] == {"made": 4000}
+    assert stored_entries(tracker)["test_suite.py::test_alloc[a]"]["phases"] == {"made": 4000}
     # a baseline recorded without its composition (by an older version) says how to record one
     path = tracker.path / BASELINES
     data = json.loads(path.read_text())
@@ -98,7 +88,7 @@ def test_improvement_passes_and_says_so(tracker: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(["*test_alloc?a?*-50.0%*IMPROVED*"])
     updated = run(tracker, "--gpumem-update")
     updated.stdout.fnmatch_lines(["wrote *: 0 added, 1 updated, 0 unchanged, 0 removed"])
-    assert stored(tracker)["test_suite.py::test_alloc[a]"]["phases"] == {"made": 2000}
+    assert stored_entries(tracker)["test_suite.py::test_alloc[a]"]["phases"] == {"made": 2000}
 
 
 def test_tolerance_option_sets_the_edge(tracker: pytest.Pytester) -> None:
@@ -181,9 +171,9 @@ def test_unused_reported_and_pruned_only_in_a_full_run(tracker: pytest.Pytester)
     )
     partial = run(tracker, "-k", "a", "--gpumem-prune")
     partial.stdout.fnmatch_lines(["--gpumem-prune needs a full run*nothing removed"])
-    assert "test_suite.py::test_alloc[b]" in stored(tracker)
+    assert "test_suite.py::test_alloc[b]" in stored_entries(tracker)
     run(tracker, "--gpumem-prune").stdout.fnmatch_lines(["wrote *: 0 added, 0 updated, 0 unchanged, 1 removed"])
-    assert list(stored(tracker)) == ["test_suite.py::test_alloc[a]"]
+    assert list(stored_entries(tracker)) == ["test_suite.py::test_alloc[a]"]
 
 
 def test_failed_tests_are_not_recorded(tracker: pytest.Pytester) -> None:
@@ -248,7 +238,9 @@ def test_other_versions_warned_once(tracker: pytest.Pytester) -> None:
     run(tracker, "--gpumem-update")
     path = tracker.path / BASELINES
     path.write_text(
-        path.read_text().replace(json.dumps(stored(tracker)["test_suite.py::test_alloc[a]"]["torch"]), '"1.0.0"')
+        path.read_text().replace(
+            json.dumps(stored_entries(tracker)["test_suite.py::test_alloc[a]"]["torch"]), '"1.0.0"'
+        )
     )
     result = run(tracker)
     result.assert_outcomes(passed=2)
@@ -277,7 +269,7 @@ def test_gradient_change_caught(tracker: pytest.Pytester) -> None:
     """float32 end to end; the tolerance of each dtype is a unit test (test_gradients_unit.py)."""
     tracker.makepyfile(test_suite=GRADIENTS.format(factor=1.0, dtype="float32"))
     run(tracker, "--gpumem-update").assert_outcomes(passed=1)
-    assert "gradients" in stored(tracker)["test_suite.py::test_grads"]
+    assert "gradients" in stored_entries(tracker)["test_suite.py::test_grads"]
     run(tracker).assert_outcomes(passed=1)
     tracker.makepyfile(test_suite=GRADIENTS.format(factor=1.001, dtype="float32"))
     result = run(tracker, "--gpumem-report")
@@ -385,4 +377,4 @@ def test_prune_after_every_measured_test_is_gone(tracker: pytest.Pytester) -> No
     tracker.makepyfile(test_suite="def test_plain():\n    pass\n")
     result = run(tracker, "--gpumem-prune")
     result.stdout.fnmatch_lines(["wrote *: 0 added, 0 updated, 0 unchanged, 1 removed"])
-    assert stored(tracker) == {}
+    assert stored_entries(tracker) == {}

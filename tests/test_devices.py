@@ -4,10 +4,9 @@ That two workers see one device each is asserted on test_xdist.py's shared run."
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
-from typing import Any
 
 import pytest
+from builders import Reported
 
 from pytest_gpumem.run.devices import Assignment, assign, visible_devices
 from pytest_gpumem.values import devices_spec
@@ -82,7 +81,7 @@ def test_sees(gpumem, n):
 
 
 def test_without_xdist_nothing_changes(
-    tracker: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, reported: Callable[..., dict[str, dict[str, Any]]]
+    tracker: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, reported: Reported
 ) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     tracker.makepyfile(SUITE)

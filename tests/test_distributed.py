@@ -9,11 +9,11 @@ import json
 import os
 import tempfile
 import threading
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import pytest
+from builders import Reported, phase_result
 
 from pytest_gpumem.budget import budget_from_marker
 from pytest_gpumem.distributed.gloo import collectives_settled
@@ -27,11 +27,9 @@ from pytest_gpumem.explain.text import made_of
 from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.measure.meter import GpuMem
 from pytest_gpumem.measure.regions import mark_phase
-from pytest_gpumem.results import PhaseResult, TestResult
+from pytest_gpumem.results import TestResult
 from pytest_gpumem.results.explanation import Cell, Explanation, PhaseExplanation, RanksExplanation, Timeline
 from pytest_gpumem.results.ranks import RankResult, World, worst_call
-
-Reported = Callable[..., dict[str, dict[str, Any]]]
 
 FAULTS = """
 import os, time
@@ -422,14 +420,10 @@ def test_timeout_option_refuses_a_bad_value(pytester: pytest.Pytester) -> None:
 # --- without spawning -------------------------------------------------------------------------------
 
 
-def _phase(name: str, peak: int, rank: int | None = None) -> PhaseResult:
-    return PhaseResult(name, peak, peak, None, 0, rank=rank)
-
-
 def _world() -> World:
     ranks = [
-        RankResult(0, _phase("call", 500), {"fwd": _phase("fwd", 300)}),
-        RankResult(1, _phase("call", 700), {"fwd": _phase("fwd", 300), "bwd": _phase("bwd", 50)}),
+        RankResult(0, phase_result("call", 500), {"fwd": phase_result("fwd", 300)}),
+        RankResult(1, phase_result("call", 700), {"fwd": phase_result("fwd", 300), "bwd": phase_result("bwd", 50)}),
     ]
     return World(ranks, "gloo", "ranks")
 
@@ -463,24 +457,24 @@ def test_a_rank_phase_named_like_the_world_is_refused() -> None:
 
 
 def test_the_call_is_the_worst_device() -> None:
-    parent = _phase("call", 600)
+    parent = phase_result("call", 600)
     assert worst_call(parent, None) == parent
-    assert worst_call(parent, _phase("ranks", 500, rank=1)) == parent
-    assert worst_call(parent, _phase("ranks", 700, rank=1)) == _phase("call", 700, rank=1)
+    assert worst_call(parent, phase_result("ranks", 500, rank=1)) == parent
+    assert worst_call(parent, phase_result("ranks", 700, rank=1)) == phase_result("call", 700, rank=1)
 
 
 def test_rank_travels_in_json_only_when_set() -> None:
-    plain, ranked = _phase("fwd", 10), _phase("fwd", 10, rank=3)
+    plain, ranked = phase_result("fwd", 10), phase_result("fwd", 10, rank=3)
     assert "rank" not in plain.to_dict()
     result = TestResult("t", "tracker", "cpu", plain, phases={"fwd": ranked})
     assert TestResult.from_dict(json.loads(json.dumps(result.to_dict()))).phases["fwd"] == ranked
-    assert ranked.merged(_phase("fwd", 20, rank=1)).rank == 1
-    assert ranked.merged(_phase("fwd", 5, rank=1)).rank == 3
+    assert ranked.merged(phase_result("fwd", 20, rank=1)).rank == 1
+    assert ranked.merged(phase_result("fwd", 5, rank=1)).rank == 3
 
 
 def test_budget_messages_name_the_rank() -> None:
     budget = budget_from_marker(("1 kB",), {"fwd": "1 kB"})
-    found = budget.violations(_phase("call", 2000, rank=0), {"fwd": _phase("fwd", 3000, rank=2)})
+    found = budget.violations(phase_result("call", 2000, rank=0), {"fwd": phase_result("fwd", 3000, rank=2)})
     assert found == [
         "call peak 2.0 kB on rank 0 exceeds max_memory 1 kB",
         "fwd peak 3.0 kB on rank 2 exceeds max_memory fwd=1 kB",
@@ -658,7 +652,7 @@ def test_late_ranks_are_named_by_how_far_they_got(loaded: set[int], ready: set[i
 
 
 def test_the_limit_runs_from_when_every_rank_has_joined() -> None:
-    progress = Progress(3, loaded={0, 1, 2}, ready={0, 1, 2}, done={1: RankResult(1, _phase("call", 500), {})})
+    progress = Progress(3, loaded={0, 1, 2}, ready={0, 1, 2}, done={1: RankResult(1, phase_result("call", 500), {})})
     deadlines = Deadlines(progress, limit=1.0, join=8.0, say=None, now=100.0)
     deadlines.all_joined(now=107.0)
     deadlines.check(now=107.9)  # past the join timeout, within the limit
@@ -711,19 +705,23 @@ def test_a_meter_without_worlds_says_where_ranks_run() -> None:
 
 
 def test_a_rank_result_travels_as_json_and_its_value_pickled() -> None:
-    result = RankResult(1, _phase("call", 700, rank=1), {"fwd": _phase("fwd", 300)}, {"loss": [1.5]}, {"k": 1}, ["n"])
+    result = RankResult(
+        1, phase_result("call", 700, rank=1), {"fwd": phase_result("fwd", 300)}, {"loss": [1.5]}, {"k": 1}, ["n"]
+    )
     message = Message.from_wire(done(result).to_wire())
     assert (message.kind, message.rank, message.result()) == (Kind.DONE, 1, result)
-    assert json.loads(message.text)["phases"] == {"fwd": {**_phase("fwd", 300).to_dict()}}
+    assert json.loads(message.text)["phases"] == {"fwd": {**phase_result("fwd", 300).to_dict()}}
 
 
 def test_a_value_that_cannot_be_sent_or_loaded_is_named() -> None:
     with pytest.raises(TypeError) as sent:
-        done(RankResult(0, _phase("call", 0), {}, threading.Lock()))
+        done(RankResult(0, phase_result("call", 0), {}, threading.Lock()))
     assert str(sent.value) == (
         "the function returned a value that cannot be sent back: TypeError: cannot pickle '_thread.lock' object"
     )
-    unloadable = Message(Kind.DONE, 2, json.dumps(RankResult(2, _phase("call", 0), {}).to_json()), b"not a pickle")
+    unloadable = Message(
+        Kind.DONE, 2, json.dumps(RankResult(2, phase_result("call", 0), {}).to_json()), b"not a pickle"
+    )
     with pytest.raises(DistributedError) as loaded:
         unloadable.result()
     assert (str(loaded.value).split(":")[0], loaded.value.rank) == ("a rank's result cannot be loaded in the parent", 2)

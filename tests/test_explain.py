@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from builders import Reported
 
 from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.budget import budget_from_marker
@@ -121,9 +122,6 @@ NO_MODULE = "(outside modules)"
 def _line(text: str) -> int:
     """The line of WORKLOADS holding `text`, as pytester writes the file (without the first blank line)."""
     return next(i for i, line in enumerate(WORKLOADS.strip().splitlines(), 1) if text in line)
-
-
-Reported = Callable[..., dict[str, dict[str, Any]]]
 
 
 def _explained(pytester: pytest.Pytester, reported: Reported, *args: str, passed: int = 5) -> dict[str, dict[str, Any]]:

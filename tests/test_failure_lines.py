@@ -4,15 +4,11 @@ nothing is lost (exact bytes: float32 = 4 bytes; uint8 = 1)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import pytest
+from builders import Reported
 
 from pytest_gpumem.measure.failures import Holding
 from pytest_gpumem.report.failures import LINE_WIDTH, budget_line, fit_line, verdict_line
-
-Reported = Callable[..., dict[str, dict[str, Any]]]
 
 
 def test_the_head_stays_whole_and_each_clause_follows_while_it_fits() -> None:

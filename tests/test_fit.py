@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from builders import Reported
 
 from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
@@ -21,8 +22,6 @@ from pytest_gpumem.measure.fit_search import fit_peaks
 from pytest_gpumem.measure.host import runs_refused
 from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.measure.meter import GpuMem
-
-Reported = Callable[..., dict[str, dict[str, Any]]]
 
 FIXED = 1000 * 4  # torch.zeros(1000)
 ROW = 256 * 4  # one row of torch.ones(n, 256)
@@ -104,7 +103,7 @@ def test_the_peak_that_moves_from_backward_to_forward_is_found_exactly(tracked: 
     # held to 64 KiB, batch 96 runs out allocating the output: the parameters and x were live
     assert (above.size, above.peak, above.out_of_memory) == (96, SMALL + 256 * 96, True)
     assert fit.describe() == (
-        "largest batch that fits 64 KiB: 95, peak 63.8 KiB at aten.sum.default (tests/test_fit.py:82), of which "
+        "largest batch that fits 64 KiB: 95, peak 63.8 KiB at aten.sum.default (tests/test_fit.py:81), of which "
         "32.5 KiB was live when the fit began; found exactly from the timelines of sizes 1, 2, 4, 8, confirmed: "
         "95 ran within 64 KiB, 96 ran out of memory after 40.2 KiB"
     )
@@ -132,7 +131,7 @@ def test_a_kernel_that_switches_beyond_the_sizes_is_searched(tracked: Tracked) -
     assert fit.peak_bytes == FIXED + 63 * ROW
     assert [c.size for c in fit.checks] == [191, 97, 50, 73, 61, 67, 64, 62, 63]
     assert fit.describe() == (
-        "largest batch that fits 200,000 B: 63, peak 66.9 KiB at aten.ones.default (tests/test_fit.py:66), of which "
+        "largest batch that fits 200,000 B: 63, peak 66.9 KiB at aten.ones.default (tests/test_fit.py:65), of which "
         "0 B was live when the fit began; searched at 9 sizes held to the capacity (the timelines' answer, 191 "
         "fits, did not hold when run), confirmed: 63 ran within 200,000 B, 64 ran out of memory after 3.9 KiB"
     )
@@ -176,7 +175,7 @@ def test_capacity_below_batch_one_gives_none_confirmed(tracked: Tracked) -> None
     fit = fit_peaks(rows, [4, 8, 16], FIXED + ROW - 1, tracked)
     assert (fit.largest, fit.peak_bytes, fit.confirmed) == (None, FIXED + ROW, True)
     assert fit.describe().startswith(
-        "no batch fits 5,023 B: batch 1 needs 4.9 KiB at aten.ones.default (tests/test_fit.py:61), of which 0 B "
+        "no batch fits 5,023 B: batch 1 needs 4.9 KiB at aten.ones.default (tests/test_fit.py:60), of which 0 B "
         "was live"
     )
     assert fit.describe().endswith("confirmed: batch 1 ran out of memory after 3.9 KiB")

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from typing import Any
 
 import pytest
+from builders import Reported
 
 
 def test_the_fixture_reads_the_call_its_phases_device_and_backend(tracker: pytest.Pytester) -> None:
@@ -98,7 +97,7 @@ def test_misuse_of_the_fixture_fails_that_test_in_one_line(tracker: pytest.Pytes
 
 
 def test_a_phase_that_raises_is_closed_and_what_follows_is_measured(
-    tracker: pytest.Pytester, reported: Callable[..., dict[str, dict[str, Any]]]
+    tracker: pytest.Pytester, reported: Reported
 ) -> None:
     tracker.makepyfile(
         """
@@ -182,7 +181,7 @@ def test_result_hook_sees_whole_call_and_info(tracker: pytest.Pytester) -> None:
 
 
 def test_a_plugin_backend_may_identify_with_a_dict_and_a_result_hook_set_a_status_word(
-    pytester: pytest.Pytester, reported: Callable[..., dict[str, dict[str, Any]]]
+    pytester: pytest.Pytester, reported: Reported
 ) -> None:
     pytester.makeconftest(
         """

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from builders import Reported
 
 from pytest_gpumem.backends.tracker.attribution import NO_MODULE
 from pytest_gpumem.report.html import byte_ticks, chart_texts, render
@@ -409,7 +410,7 @@ def test_a_test_that_did_not_advise_shows_no_advice() -> None:
 
 
 def test_an_explained_test_that_advised_shows_the_advice_and_one_not_explained_gets_no_page(
-    tracker: pytest.Pytester, reported: Callable[..., dict[str, dict[str, Any]]]
+    tracker: pytest.Pytester, reported: Reported
 ) -> None:
     tracker.makepyfile(
         """
@@ -613,7 +614,7 @@ def test_advised(gpumem):
 
 
 def test_the_page_of_an_advised_test_marks_the_calls_peak_and_folds_advise_and_check_gradients(
-    tracker: pytest.Pytester, reported: Callable[..., dict[str, dict[str, Any]]]
+    tracker: pytest.Pytester, reported: Reported
 ) -> None:
     tracker.makepyfile(test_advised=ADVISED)
     result = tracker.runpytest("-p", "no:cacheprovider", "--gpumem-html=pictures", "--gpumem-json=out.json")

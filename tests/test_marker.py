@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Callable
 from fnmatch import fnmatchcase
 from typing import Any
 
 import pytest
+from builders import Reported
 
 from pytest_gpumem import Budget, GpuMemError, budget_from_marker
 from pytest_gpumem.budget import max_memory
@@ -139,7 +139,7 @@ def test_call_limits_on_functions_classes_modules_and_parameters(tracker: pytest
 
 
 def test_a_bad_marker_fails_only_its_test_in_one_line_and_the_files_are_still_written(
-    tracker: pytest.Pytester, reported: Callable[..., dict[str, dict[str, Any]]]
+    tracker: pytest.Pytester, reported: Reported
 ) -> None:
     """Sizes travel as JSON integers: one beyond 64 bits fails its test, and the report and the baseline
     file are still written, without it."""

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import pytest
+from builders import Reported
 
 SUITE = """
 import pytest, torch
@@ -26,9 +24,6 @@ def test_phase_limit(gpumem):
     with gpumem.phase("made"):
         torch.ones(1000)
 """
-
-
-Reported = Callable[..., dict[str, dict[str, Any]]]
 
 
 def _statuses(reported: Reported) -> dict[str, tuple[str, int]]:

@@ -7,16 +7,14 @@ import fnmatch
 import json
 import types
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import torch
+from builders import Reported
 
 from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.measure.failures import leak_holding
-
-Reported = Callable[..., dict[str, dict[str, Any]]]
 
 LEAKS = """
 import pytest, torch

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from builders import Reported
 
 from pytest_gpumem.backends import make_builtin
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
@@ -84,9 +85,7 @@ def test_meta_bytes_equal_cpu_bytes_but_for_the_host_memory_of_adams_step_counte
         assert meta["forward"][0] == 2 * 64 * 1024 * 4
 
 
-def test_header_identity_and_report_say_prediction(
-    tracker: pytest.Pytester, reported: Callable[..., dict[str, dict[str, Any]]]
-) -> None:
+def test_header_identity_and_report_say_prediction(tracker: pytest.Pytester, reported: Reported) -> None:
     tracker.makepyfile(WORKLOAD)
     result = tracker.runpytest("--gpumem-device=meta", "--gpumem-update", "--gpumem-json=out.json")
     result.stdout.fnmatch_lines(
@@ -165,9 +164,7 @@ def test_not_cuda(gpumem):
 """
 
 
-def test_a_marker_makes_one_test_a_prediction(
-    tracker: pytest.Pytester, reported: Callable[..., dict[str, dict[str, Any]]]
-) -> None:
+def test_a_marker_makes_one_test_a_prediction(tracker: pytest.Pytester, reported: Reported) -> None:
     tracker.makepyfile(FITS)
     result = tracker.runpytest("--gpumem-json=out.json", "-p", "no:randomly")
     result.assert_outcomes(passed=2, failed=2)

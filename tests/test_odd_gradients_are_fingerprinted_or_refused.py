@@ -6,40 +6,13 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any
 
 import pytest
 import torch
+from builders import assert_one_line_failure, run, stored_gradients, strict_json
 
 from pytest_gpumem.gradients.compare import compare_fingerprints
 from pytest_gpumem.gradients.fingerprint import fingerprint
-
-BASELINES = "gpumem-baselines.json"
-
-
-def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    return pytester.runpytest("--gpumem-slack=0", "-p", "no:cacheprovider", *args)
-
-
-def strict_json(text: str) -> Any:
-    def refuse(name: str) -> None:
-        raise ValueError(f"not JSON: {name}")
-
-    return json.loads(text, parse_constant=refuse)
-
-
-def stored_gradients(pytester: pytest.Pytester, test: str) -> dict[str, Any]:
-    data = strict_json((pytester.path / BASELINES).read_text())
-    entry = data["entries"][f"test_suite.py::{test}"]["tracker | cpu"]
-    params: dict[str, Any] = entry["gradients"]["params"]
-    return params
-
-
-def assert_one_line_failure(result: pytest.RunResult) -> None:
-    result.stdout.no_fnmatch_line("*INTERNALERROR*")
-    result.stdout.no_fnmatch_line("*Traceback*")
-    result.stdout.no_fnmatch_line("*pytest_gpumem/*")
-
 
 # ------------------------------------------------------------------------------- gradients as a dict
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
+from builders import Reported
 
 from pytest_gpumem import options as options_table
 from pytest_gpumem import values
@@ -58,9 +58,7 @@ def test_help_lists_every_option_with_its_ini_twin(pytester: pytest.Pytester) ->
     assert [o.ini for o in options_table.OPTIONS if o.ini is not None and f"{o.ini} (" not in shown] == []
 
 
-def test_the_report_table_the_json_file_and_the_markdown_table(
-    tracker: pytest.Pytester, reported: Callable[..., dict[str, dict[str, Any]]]
-) -> None:
+def test_the_report_table_the_json_file_and_the_markdown_table(tracker: pytest.Pytester, reported: Reported) -> None:
     tracker.makepyfile(test_two=TWO_TESTS, test_pipe=PIPE_IN_ID)
     result = tracker.runpytest("--gpumem-report", "--gpumem-json=out.json", "--gpumem-markdown=m.md")
     result.assert_outcomes(passed=3)

@@ -3,10 +3,8 @@ one names the phase it happened in, though a phase the test left by an exception
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import pytest
+from builders import Reported
 
 SUITE = """
 import pytest, torch
@@ -30,9 +28,7 @@ def test_caught_then_oom(gpumem):
 """
 
 
-def test_out_of_memory_is_judged_as_pytest_judges_the_test(
-    tracker: pytest.Pytester, reported: Callable[..., dict[str, dict[str, Any]]]
-) -> None:
+def test_out_of_memory_is_judged_as_pytest_judges_the_test(tracker: pytest.Pytester, reported: Reported) -> None:
     tracker.makepyfile(SUITE)
     result = tracker.runpytest("--gpumem-json=out.json", "-p", "no:randomly")
     result.assert_outcomes(xfailed=2, failed=1)

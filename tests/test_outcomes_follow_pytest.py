@@ -5,12 +5,9 @@ xdist worker: tests/test_xdist.py)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from typing import Any
 
 import pytest
-
-Reported = Callable[..., dict[str, dict[str, Any]]]
+from builders import Reported
 
 FLAKY = """
 import pytest, torch

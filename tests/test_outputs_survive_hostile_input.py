@@ -16,10 +16,11 @@ from pathlib import Path
 from urllib.parse import unquote
 
 import pytest
+from builders import phase_result
 
 from pytest_gpumem.cli import main
 from pytest_gpumem.report.markdown import link_target, markdown
-from pytest_gpumem.results import PhaseResult, TestResult, junit_properties
+from pytest_gpumem.results import TestResult, junit_properties
 from pytest_gpumem.run import outputs
 
 NO_SPACE = os.strerror(28)  # ENOSPC: "No space left on device", what /dev/full answers every write
@@ -70,8 +71,8 @@ HOSTILE_PHASES = [
 
 
 def result_with_phases(*names: str) -> TestResult:
-    phases = {name: PhaseResult(name, 64, 64, None, 0) for name in names}
-    return TestResult("t.py::test_a", "tracker", "cpu", PhaseResult("call", 128, 128, None, 0), phases)
+    phases = {name: phase_result(name, 64) for name in names}
+    return TestResult("t.py::test_a", "tracker", "cpu", phase_result("call", 128), phases)
 
 
 def test_junit_properties_write_what_xml_cannot_carry_as_pytest_does_and_keep_the_rest() -> None:

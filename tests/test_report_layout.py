@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from builders import phase_result
 
 from pytest_gpumem.report.ids import TestId, common_prefix, elide, shorten_id, shorten_ids
 from pytest_gpumem.report.markdown import markdown
@@ -18,7 +19,7 @@ MIB = 1024 * 1024
 
 
 def phase(name: str, mib: float, rank: int | None = None) -> PhaseResult:
-    return PhaseResult(name, int(mib * MIB), int(mib * MIB), None, 0, rank=rank)
+    return phase_result(name, int(mib * MIB), rank)
 
 
 def strategy(name: str, test: str = "test_training_strategy") -> TestResult:
@@ -424,7 +425,7 @@ def test_fixed_columns_empty_in_every_row_are_left_out() -> None:
 
 def test_one_compared_test_keeps_its_whole_id_at_80_columns() -> None:
     # 1250 float32 = 5,000 B = 4.9 KiB against a baseline of 4,000 B = 3.9 KiB: +25.0%
-    made = PhaseResult("made", 5000, 5000, None, 0)
+    made = phase_result("made", 5000)
     result = TestResult("test_suite.py::test_alloc[a]", "tracker", "cpu", made, {"made": made}, status=Status.REGRESSED)
     result.verdict = compared((None, 4000, 25.0, BaselineStatus.REGRESSED))
     lines = table_lines([result], 80)

@@ -4,10 +4,9 @@ report, and JUnit holds one gpumem status per test."""
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
-from collections.abc import Callable
-from typing import Any
 
 import pytest
+from builders import Reported
 
 FLAKY = """
 import pytest, torch
@@ -28,9 +27,7 @@ def test_flaky(noted):
 """
 
 
-def test_a_rerun_starts_from_nothing(
-    tracker: pytest.Pytester, reported: Callable[..., dict[str, dict[str, Any]]]
-) -> None:
+def test_a_rerun_starts_from_nothing(tracker: pytest.Pytester, reported: Reported) -> None:
     pytest.importorskip("pytest_rerunfailures")
     tracker.makepyfile(FLAKY)
     tracker.runpytest("--junitxml=j.xml", "--gpumem-json=out.json", "-p", "no:randomly")

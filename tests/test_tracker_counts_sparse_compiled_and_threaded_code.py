@@ -4,12 +4,11 @@ resizes, views without alias annotations, CPU-only defaults, tracing and threads
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 import torch.optim.optimizer as optimizer
+from builders import Reported
 
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 
@@ -158,9 +157,7 @@ def test_after_runs_unmeasured():
 """
 
 
-def test_sparse_resize_views_trace_threads_and_hostile_tests(
-    tracker: pytest.Pytester, reported: Callable[..., dict[str, dict[str, Any]]]
-) -> None:
+def test_sparse_resize_views_trace_threads_and_hostile_tests(tracker: pytest.Pytester, reported: Reported) -> None:
     tracker.makepyfile(SPARSE_AND_STORAGES)
     result = tracker.runpytest("-p", "no:cacheprovider", "-p", "no:randomly", "-rA", "--gpumem-json=out.json")
     result.assert_outcomes(passed=11, failed=2)
@@ -283,7 +280,7 @@ def test_compiled_backward(gpumem):
 
 @pytest.mark.slow
 def test_compiled_programs_are_measured_as_compiled(
-    tracker: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, reported: Callable[..., dict[str, dict[str, Any]]]
+    tracker: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, reported: Reported
 ) -> None:
     tracker.makepyfile(COMPILED)
     # a cold compile starts the compiler's worker threads inside the call: they are not the test's

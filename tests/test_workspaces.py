@@ -11,17 +11,17 @@ from typing import Any
 
 import pytest
 import torch
+from builders import Reported
 
 from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.backends.tracker.ledger import StorageLedger, Workspace
-from pytest_gpumem.cards import CUBLAS_WORKSPACE_DEFAULT, CUBLAS_WORKSPACE_LARGE
+from pytest_gpumem.cards import cublas_workspace_bytes
 from pytest_gpumem.explain.text import describe
 from pytest_gpumem.measure.measurement import Measurement
 
 MIB = 2**20
 WORKSPACE = 8 * MIB + 128 * 1024  # torch's default, ':4096:2:16:8': 8,519,680 B
-Reported = Callable[..., dict[str, dict[str, Any]]]
 
 
 @pytest.fixture
@@ -37,9 +37,22 @@ def workspaces(backend: TrackerBackend) -> list[int]:
     return [size for key, (size, _) in backend.live_storages().items() if key < 0]
 
 
-def test_the_default_size_is_torchs_before_hopper() -> None:
-    assert CUBLAS_WORKSPACE_DEFAULT == WORKSPACE == 8_519_680
-    assert CUBLAS_WORKSPACE_LARGE == 32 * MIB
+@pytest.mark.parametrize(
+    ("capability", "environ", "size"),
+    [
+        pytest.param(None, {}, WORKSPACE, id="no card: torch's default"),
+        pytest.param((8, 0), {}, WORKSPACE, id="A100: torch's default"),
+        pytest.param((9, 0), {}, 32 * MIB, id="H100: 32 MiB"),
+        pytest.param((12, 0), {}, 32 * MIB, id="12.x: 32 MiB"),
+        pytest.param((9, 0), {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}, 128 * 1024, id="config: 8 x 16 KiB"),
+        pytest.param((8, 0), {"CUBLAS_WORKSPACE_CONFIG": ":4096:2:16:8"}, WORKSPACE, id="config: pairs summed"),
+        pytest.param((9, 0), {"CUBLAS_WORKSPACE_CONFIG": "bad"}, 32 * MIB, id="unreadable config: the default"),
+    ],
+)
+def test_the_workspace_size_follows_the_card_and_cublas_workspace_config(
+    capability: tuple[int, int] | None, environ: dict[str, str], size: int
+) -> None:
+    assert cublas_workspace_bytes(capability, environ) == size
 
 
 def test_a_matmul_makes_its_threads_workspace_once(meta: TrackerBackend) -> None:

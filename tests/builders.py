@@ -1,0 +1,53 @@
+"""Builders and readers that several test files share: inner runs, the stored baselines file, results."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from pytest_gpumem.results import PhaseResult
+
+BASELINES = "gpumem-baselines.json"
+
+
+def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    """An inner run that fails at any byte over a budget (no slack), without pytest's cache."""
+    return pytester.runpytest("--gpumem-slack=0", "-p", "no:cacheprovider", *args)
+
+
+def strict_json(text: str) -> Any:
+    """`json.loads` that refuses NaN and Infinity, which strict JSON readers do not take."""
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def stored_entries(pytester: pytest.Pytester) -> dict[str, dict[str, Any]]:
+    """Node id -> the tracker's entry on the CPU, as the inner run's baselines file has it."""
+    data = strict_json((pytester.path / BASELINES).read_text(encoding="utf-8"))
+    return {nodeid: per_device["tracker | cpu"] for nodeid, per_device in data["entries"].items()}
+
+
+def stored_gradients(pytester: pytest.Pytester, test: str) -> dict[str, Any]:
+    """The stored gradient fingerprint's parameters of `test` in the inner run's test_suite.py."""
+    params: dict[str, Any] = stored_entries(pytester)[f"test_suite.py::{test}"]["gradients"]["params"]
+    return params
+
+
+def assert_one_line_failure(result: pytest.RunResult) -> None:
+    result.stdout.no_fnmatch_line("*INTERNALERROR*")
+    result.stdout.no_fnmatch_line("*Traceback*")
+    result.stdout.no_fnmatch_line("*pytest_gpumem/*")
+
+
+def phase_result(name: str, peak: int, rank: int | None = None) -> PhaseResult:
+    """A phase that peaked at `peak` bytes (requested alike, no cache) and kept nothing."""
+    return PhaseResult(name, peak, peak, None, 0, rank=rank)
+
+
+Reported = Callable[..., dict[str, dict[str, Any]]]  # the `reported` fixture: an inner run's tests by name
