@@ -18,10 +18,11 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from pytest_gpumem.baselines.schema import paused_gc
 from pytest_gpumem.constants import DEFAULT_FILENAME
 from pytest_gpumem.history.git import Commit, GitError, Repo, Version
 from pytest_gpumem.history.reports import Reports, read_reports
-from pytest_gpumem.history.series import Series, build, offenders, paused_gc, read
+from pytest_gpumem.history.series import Series, build, offenders, read
 from pytest_gpumem.history.table import json_text, markdown_text, table
 
 __all__ = ["GitError", "add_parser", "run"]

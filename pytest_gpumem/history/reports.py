@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pytest_gpumem.baselines.schema import paused_gc
 from pytest_gpumem.history.git import Commit, GitError
-from pytest_gpumem.history.series import paused_gc
 from pytest_gpumem.report.json import JSON_VERSION
 from pytest_gpumem.results.baseline import DeviceIdentity, Entry
 from pytest_gpumem.sizes import format_size

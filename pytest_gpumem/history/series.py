@@ -4,14 +4,12 @@ steps between consecutive figures, and the growth from the first figure to the l
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
-from pytest_gpumem.baselines.schema import BaselineError, Versions
+from pytest_gpumem.baselines.schema import BaselineError, Versions, paused_gc
 from pytest_gpumem.history.git import Commit, Version
 from pytest_gpumem.results.baseline import DeviceIdentity, Entry
 from pytest_gpumem.sizes import format_size
@@ -24,7 +22,6 @@ __all__ = [
     "device_label",
     "growth_text",
     "offenders",
-    "paused_gc",
     "read",
     "signed",
 ]
@@ -164,19 +161,6 @@ def _figures(
             series = found[nodeid, key, phase, reported] = Series(nodeid, label, phase, reported=reported)
         figures.append((series.points, value))
     return figures
-
-
-@contextlib.contextmanager
-def paused_gc() -> Iterator[None]:
-    """No cyclic garbage collection while millions of acyclic objects are made (each collection would walk
-    all of them again); the collector as it was afterwards."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def device_label(identity: DeviceIdentity) -> str:
