@@ -13,13 +13,10 @@ is the jinja2 template ``report/templates/history.html.j2``, the stylesheet ``re
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
-from importlib import resources
 from typing import Any
 
 import jinja2
@@ -27,6 +24,7 @@ import jinja2
 from pytest_gpumem.history.git import Commit
 from pytest_gpumem.history.series import Series, Step, growth_text, signed
 from pytest_gpumem.history.table import groups, sparkline
+from pytest_gpumem.report import assets
 from pytest_gpumem.sizes import format_size
 
 __all__ = ["byte_ticks", "render"]
@@ -51,16 +49,8 @@ class _Assets:
 def _assets() -> _Assets:
     """The template and stylesheet shipped beside the explanation page's, and a policy that lets the page
     load nothing and use only this stylesheet."""
-    here = resources.files("pytest_gpumem.report")
-    environment = jinja2.Environment(
-        loader=jinja2.FunctionLoader(lambda name: (here / "templates" / name).read_text(encoding="utf-8")),
-        autoescape=True,
-        keep_trailing_newline=True,
-        undefined=jinja2.StrictUndefined,
-    )
-    css = (here / "static" / "history.css").read_text(encoding="utf-8")
-    digest = base64.b64encode(hashlib.sha256(css.encode()).digest()).decode()
-    return _Assets(environment, css, f"default-src 'none'; style-src 'sha256-{digest}'")
+    css = assets.static("history.css")
+    return _Assets(assets.environment(), css, f"default-src 'none'; style-src {assets.sha256(css)}")
 
 
 def render(
@@ -74,14 +64,14 @@ def render(
     """The page: ``commits`` is the x axis (oldest first: every commit a point of a series is at), the
     ``top`` tests that changed most get a chart, ``notes`` (what was skipped) are listed, and a test whose
     phase grew more than ``gate`` % says so."""
-    assets = _assets()
+    shipped = _assets()
     axis = {c.sha: i for i, c in enumerate(commits)}
     found = groups(series)
     charted = [g for g in found if any(s.steps for s in g[2])][:top]
     rest = [g for g in found if g not in charted]
-    return assets.environment.get_template("history.html.j2").render(
-        csp=assets.csp,
-        css=assets.css,
+    return shipped.environment.get_template("history.html.j2").render(
+        csp=shipped.csp,
+        css=shipped.css,
         file=file,
         summary=_summary(found, commits, len(charted)),
         notes=list(notes),

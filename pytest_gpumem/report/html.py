@@ -10,18 +10,16 @@ from here (`view`). What advise and check_gradients ran inside the test is folde
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
-from importlib import resources
 from typing import Any
 
 import jinja2
 
+from pytest_gpumem.report import assets
 from pytest_gpumem.report.html_axis import Axis, Segment, event_axis, event_ticks, nice_step
 from pytest_gpumem.results.advice import AS_IS, Advice, Row
 from pytest_gpumem.results.explanation import Explanation, PhaseExplanation, Point, Tensor, Unmeasured
@@ -55,18 +53,9 @@ class _Assets:
 def _assets() -> _Assets:
     """The template, stylesheet and script shipped in the package, and the policy that lets only this
     script run."""
-    here = resources.files("pytest_gpumem.report")
-    environment = jinja2.Environment(
-        loader=jinja2.FunctionLoader(lambda name: (here / "templates" / name).read_text(encoding="utf-8")),
-        autoescape=True,
-        keep_trailing_newline=True,
-        undefined=jinja2.StrictUndefined,
-    )
-    environment.filters["break_parts"] = break_parts
-    script = (here / "static" / "page.js").read_text(encoding="utf-8")
-    digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
-    csp = f"default-src 'none'; style-src 'unsafe-inline'; script-src 'sha256-{digest}'"
-    return _Assets(environment, (here / "static" / "page.css").read_text(encoding="utf-8"), script, csp)
+    script = assets.static("page.js")
+    csp = f"default-src 'none'; style-src 'unsafe-inline'; script-src {assets.sha256(script)}"
+    return _Assets(assets.environment(break_parts=break_parts), assets.static("page.css"), script, csp)
 
 
 def break_parts(text: str) -> list[str]:
@@ -86,11 +75,11 @@ def short_where(where: str) -> str:
 def render(explanation: Explanation, advice: Advice | None = None) -> str:
     """The whole page for one explanation, and the test's advice (if it called gpumem.advise) as a
     table: one HTML document that needs nothing else to open."""
-    assets = _assets()
-    return assets.environment.get_template("page.html.j2").render(
-        csp=assets.csp,
-        css=assets.css,
-        script=assets.script,
+    shipped = _assets()
+    return shipped.environment.get_template("page.html.j2").render(
+        csp=shipped.csp,
+        css=shipped.css,
+        script=shipped.script,
         nodeid=explanation.nodeid,
         backend=explanation.backend,
         legend=[
