@@ -187,10 +187,7 @@ def capacity_limit(value: object, what: str = "") -> Limit:
     from pytest_gpumem.cards import parse_capacity
 
     prefix = f"{what}: " if what else ""
-    try:
-        capacity = parse_capacity(value)
-    except GpuMemError as exc:
-        raise GpuMemError(f"{prefix}{exc}") from None
+    capacity = parse_capacity(value, what)
     if capacity.bytes == 0:
         raise GpuMemError(f"{prefix}a limit must be above zero, got {shorten(value)}")
     written = value if isinstance(value, str) else f"{value} B"

@@ -167,11 +167,20 @@ class Capacity:
         )
 
 
-def parse_capacity(value: object) -> Capacity:
+def parse_capacity(value: object, where: str = "") -> Capacity:
     """A capacity from an int or a size ('16 GiB': the allocator's own limit), a card's name ('H100-80GB':
     its total less `DEFAULT_OUTSIDE`), a name or a total with what lies outside the allocator after a colon
-    ('H100-80GB:1 GiB', '24 GiB:600 MiB'). Raises GpuMemError in one line, listing the cards for a name it
-    does not know."""
+    ('H100-80GB:1 GiB', '24 GiB:600 MiB'). Raises GpuMemError in one line, starting with `where` (the
+    option or argument) when given, listing the cards for a name it does not know."""
+    try:
+        return _capacity(value)
+    except GpuMemError as exc:
+        if not where:
+            raise
+        raise GpuMemError(f"{where}: {exc}") from None
+
+
+def _capacity(value: object) -> Capacity:
     if not isinstance(value, str):
         return Capacity(parse_size(value))
     if len(value) > MAX_TEXT:
@@ -205,6 +214,6 @@ def _card(name: str) -> Card:
     return card
 
 
-def capacity_bytes(value: object) -> int:
-    """The bytes the allocator is held to for a capacity (`parse_capacity(value).bytes`)."""
-    return parse_capacity(value).bytes
+def capacity_bytes(value: object, where: str = "") -> int:
+    """The bytes the allocator is held to for a capacity (`parse_capacity(value, where).bytes`)."""
+    return parse_capacity(value, where).bytes

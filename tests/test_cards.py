@@ -15,7 +15,7 @@ from pytest_gpumem.budget import budget_from_marker
 from pytest_gpumem.cards import CARDS, DEFAULT_OUTSIDE, Capacity, find_card, parse_capacity
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.measure.fit import BatchFit, Found
-from pytest_gpumem.measure.fit_search import fit_capacity
+from pytest_gpumem.measure.fit_search import FIT_CAPACITY
 
 MIB, GIB = 2**20, 2**30
 H100 = 81_082 * MIB  # torch's total_memory on an H100 80GB HBM3 (the smallest printout found)
@@ -58,7 +58,7 @@ def test_a_size_keeps_its_meaning_the_allocators_limit(size: object) -> None:
 def test_a_bad_capacity_is_one_line_naming_the_argument(value: object, said: str) -> None:
     for read, named in (
         (lambda v: budget_from_marker((), {"capacity": v}), "max_memory capacity=: "),
-        (fit_capacity, "gpumem.fit(capacity=...): "),
+        (lambda v: parse_capacity(v, FIT_CAPACITY), "gpumem.fit(capacity=...): "),
     ):
         with pytest.raises(GpuMemError) as info:
             read(value)

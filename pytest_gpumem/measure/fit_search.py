@@ -16,11 +16,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from pytest_gpumem.backends.timeline import Timeline
-from pytest_gpumem.cards import Capacity, parse_capacity
+from pytest_gpumem.cards import parse_capacity
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.measure.fit import MAX_BATCH, BatchFit, Check, Found, Measure, Sample, integers
 from pytest_gpumem.measure.lines import Lines, fit_lines
 from pytest_gpumem.sizes import format_size, shorten
+
+FIT_CAPACITY = "gpumem.fit(capacity=...)"  # how its errors name the argument
 
 DEFAULT_TOLERANCE = 0.01
 """Largest distance of a size's bytes from its event's line accepted, as a fraction of the largest peak
@@ -103,7 +105,7 @@ def fit_peaks(
     """
     __tracebackhide__ = True
     checked = _check_sizes(sizes)
-    judged = fit_capacity(capacity)
+    judged = parse_capacity(capacity, FIT_CAPACITY)
     limit = judged.bytes
     _check_tolerance(tolerance, slack)
     if not isinstance(confirm, bool):
@@ -123,15 +125,6 @@ def fit_peaks(
     if lines is None:
         return _searched(fit, base, note)
     return _from_lines(fit, replace(base, lines=lines, note=note), lines, confirm)
-
-
-def fit_capacity(capacity: object) -> Capacity:
-    """The capacity a fit is judged against: a size, or a card less what lies outside its allocator
-    (`pytest_gpumem.cards.parse_capacity`); GpuMemError in one line naming the argument."""
-    try:
-        return parse_capacity(capacity)
-    except GpuMemError as exc:
-        raise GpuMemError(f"gpumem.fit(capacity=...): {exc}") from None
 
 
 def _warm_up(fit: _Fit) -> int:

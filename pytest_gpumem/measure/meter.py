@@ -138,13 +138,14 @@ class GpuMem:
             The `BatchFit`: `largest` (None when no batch fits), its peak, how it was found.
         """
         __tracebackhide__ = True
-        from pytest_gpumem.measure.fit_search import DEFAULT_SLACK, DEFAULT_TOLERANCE, fit_capacity, fit_peaks
+        from pytest_gpumem.cards import parse_capacity
+        from pytest_gpumem.measure.fit_search import DEFAULT_SLACK, DEFAULT_TOLERANCE, FIT_CAPACITY, fit_peaks
         from pytest_gpumem.measure.host import runs_refused
 
         self._measured.fit_count += 1
         count = self._measured.fit_count
         label = name if count == 1 else f"{name}#{count}"  # each fit's phases are its own
-        judged = fit_capacity(capacity)  # a named card's runs are the card's (its cuBLAS workspaces)
+        judged = parse_capacity(capacity, FIT_CAPACITY)  # a named card's runs are the card's (its cuBLAS workspaces)
         card = judged.card
         predicting = self.backend.predicting(card.name) if card else None
         with predicting or contextlib.nullcontext():

@@ -138,10 +138,7 @@ def capacity_bytes(value: object, where: str) -> int:
     bytes the allocator is held to; anything else refused in one line naming `where`."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise GpuMemError(f"{where} must be an int (bytes), a size such as '80 GiB' or a card, got {shorten(value)}")
-    try:
-        return card_bytes(value)
-    except (GpuMemError, ValueError, TypeError) as exc:
-        raise GpuMemError(f"{where}: {exc}") from None
+    return card_bytes(value, where)
 
 
 def held_bytes(absolute: int, reserved: int | None) -> int:
