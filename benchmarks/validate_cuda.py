@@ -171,7 +171,7 @@ def rows_for(workload: Workload, alone: dict[str, Any], later: dict[str, PhaseRe
 
 
 def _phase_json(phases: dict[str, PhaseResult]) -> dict[str, Any]:
-    return {name: p.to_dict() for name, p in phases.items()}
+    return {name: p.to_json() for name, p in phases.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

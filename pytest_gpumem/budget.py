@@ -79,7 +79,7 @@ class Budget:
     device: str | None = None  # "meta": this test is a prediction on the meta device (tracker)
     explain: bool = False  # explain the peaks: what was alive at each, who made it
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {name: limit.bytes for name, limit in self.phases.items()}
         if self.total is not None:
             data["call"] = self.total.bytes

@@ -20,6 +20,7 @@ from typing import Any
 from pytest_gpumem.baselines.compare import Tolerance, compare_peak, with_growth
 from pytest_gpumem.baselines.schema import strict_json
 from pytest_gpumem.constants import DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT
+from pytest_gpumem.errors import first_line
 from pytest_gpumem.explain.growth import compact
 from pytest_gpumem.history import command as history
 from pytest_gpumem.report.json import JSON_VERSION
@@ -55,7 +56,7 @@ def _document(path: Path) -> dict[str, Any]:
         text = path.read_bytes().decode("utf-8-sig")
         doc: object = strict_json(text)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ReportError(f"{path}: cannot read a gpumem report: {_first_line(exc)}") from None
+        raise ReportError(f"{path}: cannot read a gpumem report: {first_line(exc)}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("tests"), list):
         raise ReportError(f"{path}: not a gpumem report (no list of tests; written by --gpumem-json?)")
     version = doc.get("version", JSON_VERSION)
@@ -64,13 +65,6 @@ def _document(path: Path) -> dict[str, Any]:
             f"{path}: report version {shorten(version)} is not one this pytest-gpumem reads (1 to {JSON_VERSION})"
         )
     return doc
-
-
-def _first_line(exc: BaseException) -> str:
-    if isinstance(exc, RecursionError):
-        return "nested too deeply"
-    text = str(exc).splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 def _by_nodeid(path: Path, tests: list[Any]) -> Tests:

@@ -1,4 +1,4 @@
-"""The one error type and the one warning of pytest-gpumem."""
+"""The one error type and the one warning of pytest-gpumem, and the one way an exception becomes a line."""
 
 from __future__ import annotations
 
@@ -9,3 +9,25 @@ class GpuMemError(Exception):
 
 class GpuMemWarning(UserWarning):
     """A measurement that ran but could not see everything (e.g. threads the test started)."""
+
+
+def exception_text(exc: BaseException) -> str:
+    """`str(exc)`, or `<Type.__str__ raised>` where the exception's own `__str__` raises."""
+    try:
+        return str(exc)
+    except Exception:
+        return f"<{type(exc).__name__}.__str__ raised>"
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (`nested too deeply` for a recursion), else its type's name."""
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    lines = exception_text(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def one_line(exc: BaseException) -> str:
+    """`Type: first line of the message`, or `Type` alone where there is no message."""
+    lines = exception_text(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__

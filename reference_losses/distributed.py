@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 
 STRATEGIES = ("ddp", "fsdp2")
 PHASES = ("setup", "forward", "backward", "step")
-SMALL = 256 * 1024  # scalars and metadata, as in training.py
+SMALL = 256 * 1024  # scalars and metadata, as in bounds.py
 LOSS = FP32  # a float32 scalar: the loss, its gradient
 INFO_KEY = "reference_distributed"  # the rows of the report, in gpumem.info (fixtures.DIST_INFO_KEY)
 MOMENTUM = 0.9

@@ -92,6 +92,18 @@ class ModelWorkload:
     def batch(self) -> int:
         return self.inputs.shape[0]
 
+    @property
+    def net(self) -> Net:
+        """The model, where it is the Q&A's Net."""
+        assert isinstance(self.model, Net)
+        return self.model
+
+    @property
+    def residual(self) -> ResidualMLP:
+        """The model, where it is the deep residual MLP."""
+        assert isinstance(self.model, ResidualMLP)
+        return self.model
+
     def param_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 

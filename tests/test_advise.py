@@ -23,8 +23,9 @@ from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.measure.meter import GpuMem
 from pytest_gpumem.report.advice import advice_clause
 from pytest_gpumem.results.advice import AS_IS, Advice, PhasePeak, Row
+from reference_losses.bounds import NetBytes
 from reference_losses.models import ModelWorkload, build_net, build_residual
-from reference_losses.training import TRAINING_STRATEGIES, NetBytes, plain, residual_plain
+from reference_losses.training import TRAINING_STRATEGIES, plain, residual_plain
 
 F4 = 4  # bytes of a float32
 B, D, H, L = 8, 16, 32, 4  # rows, width, hidden width (2 D), blocks of the hand-derived stack

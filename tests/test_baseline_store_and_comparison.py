@@ -699,7 +699,7 @@ def test_a_baseline_file_and_a_report_written_before_typed_results_load_and_comp
     store = F.load(BEFORE / DEFAULT_FILENAME)
     assert schema.dumps(store).encode() == raw
     tests = read_report(BEFORE / "report.json")
-    results = {name: TestResult.from_dict(test) for name, test in tests.items()}
+    results = {name: TestResult.from_json(test) for name, test in tests.items()}
     added_since: dict[str, object] = {
         "fits": [],
         "advice": None,
@@ -707,7 +707,7 @@ def test_a_baseline_file_and_a_report_written_before_typed_results_load_and_comp
         "simulated": [],
     }  # none measured then
     for name, result in results.items():
-        assert result.to_dict() == {**tests[name], **added_since}
+        assert result.to_json() == {**tests[name], **added_since}
     phases, plain = results["test_phases"], results["test_plain"]
     assert phases.baseline_entry is not None and phases.verdict is not None
     verdict = C.compare(phases.nodeid, phases.baseline_entry, store.get(phases.nodeid, TRACKER))

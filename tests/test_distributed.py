@@ -465,9 +465,9 @@ def test_the_call_is_the_worst_device() -> None:
 
 def test_rank_travels_in_json_only_when_set() -> None:
     plain, ranked = phase_result("fwd", 10), phase_result("fwd", 10, rank=3)
-    assert "rank" not in plain.to_dict()
+    assert "rank" not in plain.to_json()
     result = TestResult("t", "tracker", "cpu", plain, phases={"fwd": ranked})
-    assert TestResult.from_dict(json.loads(json.dumps(result.to_dict()))).phases["fwd"] == ranked
+    assert TestResult.from_json(json.loads(json.dumps(result.to_json()))).phases["fwd"] == ranked
     assert ranked.merged(phase_result("fwd", 20, rank=1)).rank == 1
     assert ranked.merged(phase_result("fwd", 5, rank=1)).rank == 3
 
@@ -710,7 +710,7 @@ def test_a_rank_result_travels_as_json_and_its_value_pickled() -> None:
     )
     message = Message.from_wire(done(result).to_wire())
     assert (message.kind, message.rank, message.result()) == (Kind.DONE, 1, result)
-    assert json.loads(message.text)["phases"] == {"fwd": {**phase_result("fwd", 300).to_dict()}}
+    assert json.loads(message.text)["phases"] == {"fwd": {**phase_result("fwd", 300).to_json()}}
 
 
 def test_a_value_that_cannot_be_sent_or_loaded_is_named() -> None:

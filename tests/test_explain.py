@@ -25,7 +25,8 @@ from pytest_gpumem.explain.growth import what_grew
 from pytest_gpumem.explain.replay import on_rank
 from pytest_gpumem.explain.text import describe
 from pytest_gpumem.measure.measurement import Measurement
-from pytest_gpumem.results.explanation import Explanation, PhaseExplanation, composition_from_json
+from pytest_gpumem.results.baseline import check_composition
+from pytest_gpumem.results.explanation import Explanation, PhaseExplanation
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "saved", "temporaries", "inputs")
 
@@ -583,7 +584,7 @@ def test_what_grew_never_names_a_cell_the_baseline_may_have_cut() -> None:
             "cells": [["saved", "z", 5000], ["temporaries", "a", 100]],
         }
     }
-    grew = what_grew(composition_from_json(stored), composition_from_json(current), "call")
+    grew = what_grew(check_composition(stored), check_composition(current), "call")
     assert grew == "saved for backward +4.9 KiB"
 
 

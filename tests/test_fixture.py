@@ -155,7 +155,7 @@ def test_result_hook_sees_whole_call_and_info(tracker: pytest.Pytester) -> None:
 
         def pytest_gpumem_result(item, result):
             with open("results.jsonl", "a") as f:
-                f.write(json.dumps(result.to_dict()) + "\\n")
+                f.write(json.dumps(result.to_json()) + "\\n")
         """
     )
     tracker.makepyfile(
@@ -359,7 +359,7 @@ def test_an_earlier_reports_summaries_in_info_are_read_into_their_own_fields() -
 
     info = {"mine": 1, "fits": ["largest batch that fits 1 MiB: 1,023"], "simulated": [{"world_size": 8, "rank": 0}]}
     written = {"nodeid": "t.py::t", "backend": "tracker", "device": "cpu", "call": None, "info": info}
-    result = TestResult.from_dict(written)
+    result = TestResult.from_json(written)
     assert (result.info, result.fits, result.simulated, result.distributed, result.advice) == (
         {"mine": 1},
         ["largest batch that fits 1 MiB: 1,023"],
@@ -367,4 +367,15 @@ def test_an_earlier_reports_summaries_in_info_are_read_into_their_own_fields() -
         [],
         None,
     )
-    assert TestResult.from_dict(result.to_dict()) == result
+    assert TestResult.from_json(result.to_json()) == result
+
+
+def test_a_hook_that_calls_the_old_to_dict_is_warned_and_gets_the_same_entry() -> None:
+    from pytest_gpumem.results import TestResult
+
+    result = TestResult(nodeid="t.py::t", backend="tracker", device="cpu", call=None, info={"mine": 1})
+    with pytest.warns(DeprecationWarning, match=r"to_dict\(\) is deprecated: call to_json\(\)"):
+        written = result.to_dict()
+    with pytest.warns(DeprecationWarning, match=r"from_dict\(\) is deprecated: call from_json\(\)"):
+        assert TestResult.from_dict(written) == result
+    assert written == result.to_json()

@@ -14,10 +14,10 @@ from pytest_gpumem.explain.replay import OTHER_MODULES, folded_cells
 from pytest_gpumem.results.baseline import check_composition
 from pytest_gpumem.results.explanation import (
     Cell,
+    Composition,
     Explanation,
     PhaseExplanation,
     Timeline,
-    composition_from_json,
     composition_to_json,
 )
 
@@ -26,7 +26,11 @@ KIB = 1024
 
 def what_grew(stored: dict[str, Any] | None, current: dict[str, Any] | None, phase: str) -> str | None:
     """What grew between two compositions as the baseline file stores them."""
-    return what_grew_typed(composition_from_json(stored), composition_from_json(current), phase)
+    return what_grew_typed(_read(stored), _read(current), phase)
+
+
+def _read(stored: dict[str, Any] | None) -> Composition | None:
+    return None if stored is None else check_composition(stored)
 
 
 def _phase(cells: list[list[Any]], folded: dict[str, int] | None = None) -> dict[str, Any]:

@@ -247,7 +247,7 @@ def test_a_good_marker_reads_as_written(args: tuple[Any, ...], kwargs: dict[str,
 
 def test_sizes_keep_their_family_of_units() -> None:
     budget = budget_from_marker(("4 KiB",), {"forward": "4 kB"})
-    assert budget.to_dict() == {"call": 4096, "forward": 4000}
+    assert budget.to_json() == {"call": 4096, "forward": 4000}
     assert budget.total is not None
     assert (budget.total.fmt(4000), budget.phases["forward"].fmt(4100)) == ("3.9 KiB", "4.1 kB")
 
@@ -259,10 +259,10 @@ def test_markers_of_one_level_all_hold_and_a_closer_level_overrides_a_farther_on
         return budget_from_marker(args, kwargs)
 
     stacked = all_of([marker("1 MiB", tolerance=10, forward="2 KiB"), marker("2 KiB", tolerance=5, forward="1 KiB")])
-    assert stacked.to_dict() == {"call": 2048, "tolerance": 5, "forward": 1024}
+    assert stacked.to_json() == {"call": 2048, "tolerance": 5, "forward": 1024}
     function, module = marker(forward="100 KiB"), marker("1 KiB", tolerance=3)
-    assert closest_first([function, module]).to_dict() == {"call": 1024, "forward": 102400, "tolerance": 3}
-    assert closest_first([marker("8 KiB"), module]).to_dict() == {"call": 8192, "tolerance": 3}
+    assert closest_first([function, module]).to_json() == {"call": 1024, "forward": 102400, "tolerance": 3}
+    assert closest_first([marker("8 KiB"), module]).to_json() == {"call": 8192, "tolerance": 3}
 
 
 def test_marker_registered_with_every_argument_it_takes(pytester: pytest.Pytester) -> None:

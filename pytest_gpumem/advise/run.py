@@ -28,8 +28,8 @@ from pytest_gpumem.advise.check import Saved, compare, randomness, scales
 from pytest_gpumem.advise.kinds import all_strategies, conflict, ordered
 from pytest_gpumem.advise.strategies import OptimizerShim, Patch, Run, Strategy, Target, find_blocks
 from pytest_gpumem.backends.tracker.ledger import cuda_block_size
-from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.measure.failures import exception_text, release_memory
+from pytest_gpumem.errors import GpuMemError, exception_text
+from pytest_gpumem.measure.failures import release_memory
 from pytest_gpumem.measure.regions import RegionStack
 from pytest_gpumem.results.advice import AS_IS, NOT_CHECKED, Advice, PhasePeak, Row, capacity_bytes, held_bytes
 from pytest_gpumem.sizes import shorten
@@ -251,7 +251,7 @@ class _Advisor:
             exc.__traceback__ = None  # its frames hold what the failed run allocated
             oom = isinstance(exc, torch.OutOfMemoryError)
             why = "ran out of memory" if oom else f"the step raised {type(exc).__name__}"
-            text = " ".join(exception_text(exc, f"<{type(exc).__name__} whose str() raised>").split())
+            text = " ".join(exception_text(exc).split())
             del exc
         else:
             return self._row(name, description, names, measured, strategies)

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pytest_gpumem.baselines.schema import BaselineError, BaselineStore, digest, dumps, loads
+from pytest_gpumem.errors import one_line
 from pytest_gpumem.files import replace_atomically
 from pytest_gpumem.sizes import format_size
 
@@ -148,7 +149,7 @@ def _write_atomically(store: BaselineStore, target: Path) -> bytes:
         replace_atomically(target, data, durable=True)
     except Exception as exc:
         raise BaselineError(
-            f"could not write baseline file {target}: {_describe(exc)}; the previous file is unchanged"
+            f"could not write baseline file {target}: {one_line(exc)}; the previous file is unchanged"
         ) from exc
     return data
 
@@ -165,7 +166,7 @@ def _locked(target: Path) -> Iterator[None]:
     except Timeout:
         raise _lock_error(target, path, f"another run held it for {LOCK_TIMEOUT_S:g} s") from None
     except OSError as exc:
-        raise _lock_error(target, path, _describe(exc)) from None
+        raise _lock_error(target, path, one_line(exc)) from None
     try:
         yield
     finally:
@@ -218,8 +219,3 @@ def _fsync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -12,7 +12,7 @@ import json
 import pickle
 from dataclasses import dataclass
 
-from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.errors import GpuMemError, one_line
 from pytest_gpumem.measure.regions import phase_left_by
 from pytest_gpumem.results.ranks import RankResult
 
@@ -72,10 +72,6 @@ def done(result: RankResult) -> Message:
 
 def describe(exc: BaseException) -> str:
     """`Type: first line` of an exception, with the phase it left when there was one."""
-    try:
-        text = str(exc).strip()
-    except Exception:
-        text = f"<{type(exc).__name__}.__str__ raised>"
-    line = f"{type(exc).__name__}: {text}".splitlines()[0] if text else type(exc).__name__
+    line = one_line(exc)
     phase = phase_left_by(exc)
     return line if phase is None else f"{line} (in phase {phase!r})"

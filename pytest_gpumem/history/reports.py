@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_gpumem.baselines.schema import paused_gc
+from pytest_gpumem.errors import first_line
 from pytest_gpumem.history.git import Commit, GitError
 from pytest_gpumem.report.json import JSON_VERSION
 from pytest_gpumem.results.baseline import DeviceIdentity, Entry
@@ -113,8 +114,7 @@ def _load(path: Path) -> _Report:
             raise _Refused(f"too large for a report (limit {format_size(MAX_REPORT_BYTES)})")
         doc = json.loads(path.read_bytes().decode("utf-8-sig"), parse_constant=_no_constant)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        reason = "nested too deeply" if isinstance(exc, RecursionError) else _first_line(exc)
-        raise _Refused(f"not a --gpumem-json report ({reason})") from None
+        raise _Refused(f"not a --gpumem-json report ({first_line(exc)})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("tests"), list):
         raise _Refused("not a --gpumem-json report (no list of tests)")
     version = doc.get("version")
@@ -126,11 +126,6 @@ def _load(path: Path) -> _Report:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).splitlines()
-    return lines[0] if lines else type(exc).__name__
 
 
 def _commit(value: object) -> tuple[str | None, bool]:
@@ -158,7 +153,7 @@ def _entries(doc: dict[str, Any], tests: list[Any]) -> Entries:
             phases = {name: p["peak_bytes"] for name, p in _phases(test).items() if p.get("peak_bytes") is not None}
             entry = Entry(identity, test["peak_bytes"], phases, None, None)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise _Refused(f"test {test['nodeid']}: {_first_line(exc)}") from None
+            raise _Refused(f"test {test['nodeid']}: {first_line(exc)}") from None
         entries.setdefault(test["nodeid"], {})[identity.key] = entry
     return entries
 

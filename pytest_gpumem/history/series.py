@@ -10,6 +10,7 @@ from functools import cached_property
 from typing import NamedTuple
 
 from pytest_gpumem.baselines.schema import BaselineError, Versions, paused_gc
+from pytest_gpumem.errors import first_line
 from pytest_gpumem.history.git import Commit, Version
 from pytest_gpumem.results.baseline import DeviceIdentity, Entry
 from pytest_gpumem.sizes import format_size
@@ -125,8 +126,7 @@ def _read_one(version: Version, reader: Versions, result: Read) -> None:
     try:
         entries = reader.entries(version.data, f"{commit.short}:{version.path}")
     except (BaselineError, ValueError) as exc:
-        lines = str(exc).splitlines() or [type(exc).__name__]
-        result.skipped.append(f"skipped {commit.short} ({commit.date} {commit.subject}): {lines[0]}")
+        result.skipped.append(f"skipped {commit.short} ({commit.date} {commit.subject}): {first_line(exc)}")
         return
     result.stores.append((commit, entries))
 

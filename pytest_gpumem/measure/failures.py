@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from pytest_gpumem.errors import exception_text
+
 _UNINITIALIZED = "Attempted to use an uninitialized parameter in "  # torch.nn.parameter.UninitializedParameter
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _HOOKS = os.path.join(_PACKAGE, "run") + os.sep
@@ -61,14 +63,6 @@ def _ours(filename: str) -> bool:
     """A file of this package other than the hooks that run the test (their frames are around every test)."""
     path = os.path.abspath(filename)
     return path.startswith(_PACKAGE) and not path.startswith(_HOOKS) and path != _PLUGIN
-
-
-def exception_text(exc: BaseException, fallback: str = "") -> str:
-    """`str(exc)`, or `fallback` where the exception's own `__str__` raises."""
-    try:
-        return str(exc)
-    except Exception:
-        return fallback
 
 
 def release_memory() -> None:

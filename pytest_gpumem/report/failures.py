@@ -13,7 +13,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pytest_gpumem.measure.failures import exception_text
+from pytest_gpumem.errors import exception_text
 from pytest_gpumem.measure.regions import phase_left_by
 from pytest_gpumem.report.advice import advice_clause
 from pytest_gpumem.sizes import format_size

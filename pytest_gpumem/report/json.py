@@ -21,5 +21,5 @@ def document(
         "backend": backend,
         "device": device,
         "commit": None if commit is None else dict(commit),
-        "tests": [r.to_dict() for r in results],
+        "tests": [r.to_json() for r in results],
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -101,7 +102,8 @@ class PhaseResult:
             rank=later.rank if later.peak_bytes > self.peak_bytes else self.rank,
         )
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
+        """The phase's figures as the report writes them (its name is the key they sit under)."""
         data = asdict(self)
         del data["name"]
         if self.rank is None:
@@ -155,14 +157,15 @@ class TestResult:
     def peak_bytes(self) -> int | None:
         return None if self.call is None else self.call.peak_bytes
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
+        """The test's entry in the `--gpumem-json` report."""
         return {
             "nodeid": self.nodeid,
             "backend": self.backend,
             "device": self.device,
             "peak_bytes": self.peak_bytes,
-            "call": None if self.call is None else self.call.to_dict(),
-            "phases": {name: phase.to_dict() for name, phase in self.phases.items()},
+            "call": None if self.call is None else self.call.to_json(),
+            "phases": {name: phase.to_json() for name, phase in self.phases.items()},
             "budget": self.budget_limits,
             "budget_text": self.budget_text,
             "status": self.status.value,
@@ -181,7 +184,8 @@ class TestResult:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TestResult:
+    def from_json(cls, data: dict[str, Any]) -> TestResult:
+        """The result a report's entry holds (entries of earlier versions too)."""
         from pytest_gpumem.results.advice import Advice
         from pytest_gpumem.results.baseline import Entry, Verdict
         from pytest_gpumem.results.explanation import Explanation
@@ -213,6 +217,17 @@ class TestResult:
             distributed=list(data.get("distributed") or []),
             simulated=list(data.get("simulated") or []),
         )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Deprecated: `to_json()`, the name every result type of pytest-gpumem uses."""
+        warnings.warn("TestResult.to_dict() is deprecated: call to_json()", DeprecationWarning, stacklevel=2)
+        return self.to_json()
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TestResult:
+        """Deprecated: `from_json()`, the name every result type of pytest-gpumem uses."""
+        warnings.warn("TestResult.from_dict() is deprecated: call from_json()", DeprecationWarning, stacklevel=2)
+        return cls.from_json(data)
 
 
 def settle(result: TestResult, report: Any) -> None:

@@ -335,15 +335,6 @@ class PhaseComposition:
             data["folded"] = dict(self.folded)
         return data
 
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> PhaseComposition:
-        folded = data.get("folded")
-        return cls(
-            categories=_sizes(data.get("categories", {})),
-            cells=[Cell(_str(c), _str(m), _int(b)) for c, m, b in data.get("cells", [])],
-            folded=None if folded is None else _sizes(folded),
-        )
-
 
 Composition = dict[str, PhaseComposition]
 """A test's composition: per phase name."""
@@ -351,8 +342,3 @@ Composition = dict[str, PhaseComposition]
 
 def composition_to_json(composition: Mapping[str, PhaseComposition]) -> dict[str, Any]:
     return {name: phase.to_json() for name, phase in composition.items()}
-
-
-def composition_from_json(data: Mapping[str, Any] | None) -> Composition | None:
-    """The typed form of a stored (already validated) composition; None stays None."""
-    return None if data is None else {_str(name): PhaseComposition.from_json(phase) for name, phase in data.items()}

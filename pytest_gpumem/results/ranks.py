@@ -48,8 +48,8 @@ class RankResult:
         """Everything but `value` (the function's own object, which travels pickled)."""
         return {
             "rank": self.rank,
-            "call": self.call.to_dict(),
-            "phases": {name: phase.to_dict() for name, phase in self.phases.items()},
+            "call": self.call.to_json(),
+            "phases": {name: phase.to_json() for name, phase in self.phases.items()},
             "info": self.info,
             "notes": self.notes,
             "explanation": None if self.explanation is None else self.explanation.to_json(),

@@ -14,7 +14,7 @@ import pytest
 
 from pytest_gpumem.budget import MARKER, Budget, Limit, all_of, budget_from_marker, closest_first
 from pytest_gpumem.distributed.worker import json_problem  # pure, and pytest-free for the ranks
-from pytest_gpumem.errors import GpuMemError, GpuMemWarning
+from pytest_gpumem.errors import GpuMemError, GpuMemWarning, one_line
 from pytest_gpumem.explain.text import made_of, over_limit
 from pytest_gpumem.explain.text import section as explained
 from pytest_gpumem.measure.failures import is_out_of_memory, needs_real_values, release_memory, uninitialized_in_ours
@@ -126,15 +126,6 @@ def _fail(message: str) -> NoReturn:
     pytest.fail(message, pytrace=False)
 
 
-def _first_line(exc: BaseException) -> str:
-    """`Type: message` of the test's exception, also when its `__str__` raises."""
-    try:
-        text = str(exc)
-    except Exception:
-        text = f"<{type(exc).__name__}.__str__ raised>"
-    return f"{type(exc).__name__}: {text}".splitlines()[0]
-
-
 def _warn_notes(item: pytest.Item, notes: list[str]) -> None:
     """Each thing the measurement could not see, as a warning at the test's own line."""
     path, line = item.location[0], (item.location[1] or 0) + 1
@@ -222,7 +213,7 @@ class Judge:
             failure = _memory_failure(measured, budget, exc, watch.capacity)
             if failure is None:
                 try:
-                    self._finish(item, measured, budget, Status.ERROR, _first_line(exc))
+                    self._finish(item, measured, budget, Status.ERROR, one_line(exc))
                 finally:
                     measured.end_if_running()
                 raise
@@ -301,7 +292,7 @@ class Judge:
             device=str(measured.device),
             call=measured.result() if measured.has_call_result else measured.end(),
             phases=measured.phases,
-            budget_limits=None if budget is None else budget.to_dict(),
+            budget_limits=None if budget is None else budget.to_json(),
             budget_text=None if budget is None else budget.describe(),
             status=status,
             message=message,
@@ -359,7 +350,7 @@ class Judge:
         if result is not None and report.when == "call":
             del item.stash[RESULT_KEY]
             settle(result, report)
-            text = json.dumps(result.to_dict(), allow_nan=False)
+            text = json.dumps(result.to_json(), allow_nan=False)
             if item.config.hook.pytest_gpumem_result.get_hookimpls():
                 text = _after_hook(item, result, report, text)
             setattr(report, REPORT_ATTRIBUTE, text)
@@ -384,16 +375,16 @@ def _after_hook(item: pytest.Item, result: TestResult, report: pytest.TestReport
     except GpuMemError as exc:  # e.g. a status that is none of ours, or a value JSON cannot hold
         problem, trace = f"{item.nodeid}: pytest_gpumem_result: {exc}", None
     except (Exception, pytest.fail.Exception, pytest.skip.Exception) as exc:
-        problem = f"{item.nodeid}: pytest_gpumem_result raised {_first_line(exc)}"
+        problem = f"{item.nodeid}: pytest_gpumem_result raised {one_line(exc)}"
         trace = _hook_traceback(exc)
-    for name, value in vars(TestResult.from_dict(json.loads(before))).items():
+    for name, value in vars(TestResult.from_json(json.loads(before))).items():
         setattr(result, name, value)  # in place: the run's results hold this very object
     if report.failed:  # failed on its own: pytest shows that failure, the hook's line beside it
         report.sections.append(("Captured gpumem hook call", problem if trace is None else f"{problem}\n{trace}"))
     else:
         result.status, result.message, result.baseline_entry = Status.ERROR, problem, None
         _fail_report(report, problem, trace)
-    return json.dumps(result.to_dict(), allow_nan=False)
+    return json.dumps(result.to_json(), allow_nan=False)
 
 
 def _hook_traceback(exc: BaseException) -> str:
@@ -412,18 +403,18 @@ def _checked(result: TestResult) -> str:
     if not isinstance(result.info, dict):
         raise GpuMemError(f"result.info was set to a {type(result.info).__name__}, not a dict")
     try:
-        data = result.to_dict()
+        data = result.to_json()
     except Exception as exc:
-        raise GpuMemError(f"the result cannot be written: {_first_line(exc)}") from None
+        raise GpuMemError(f"the result cannot be written: {one_line(exc)}") from None
     try:
         text = json.dumps(data, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as exc:
         found = next(filter(None, (json_problem(value, f"result.{key}") for key, value in data.items())), None)
-        raise GpuMemError(found or f"the result cannot be written as JSON: {_first_line(exc)}") from None
+        raise GpuMemError(found or f"the result cannot be written as JSON: {one_line(exc)}") from None
     try:
-        TestResult.from_dict(json.loads(text))
+        TestResult.from_json(json.loads(text))
     except Exception as exc:
-        raise GpuMemError(f"the result cannot be read back from its JSON: {_first_line(exc)}") from None
+        raise GpuMemError(f"the result cannot be read back from its JSON: {one_line(exc)}") from None
     return text
 
 

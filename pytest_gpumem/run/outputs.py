@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pytest_gpumem.errors import first_line
 from pytest_gpumem.files import replace_atomically
 
 if TYPE_CHECKING:
@@ -60,8 +61,7 @@ def why(exc: BaseException) -> str:
     """Why a write failed, in one line: the OS's words (`No space left on device`), else the error's."""
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
-    lines = str(exc).splitlines()
-    return lines[0] if lines else type(exc).__name__
+    return first_line(exc)
 
 
 def write_file(path: Path, text: str) -> None:

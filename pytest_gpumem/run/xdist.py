@@ -34,4 +34,4 @@ class XdistResults:
             return
         carried = getattr(report, REPORT_ATTRIBUTE, None)
         if isinstance(carried, str):
-            self.add(TestResult.from_dict(json.loads(carried)))
+            self.add(TestResult.from_json(json.loads(carried)))
