@@ -18,100 +18,28 @@ from pathlib import Path
 from typing import Any
 
 from pytest_gpumem.baselines.compare import Tolerance, compare_peak, with_growth
-from pytest_gpumem.baselines.schema import strict_json
 from pytest_gpumem.constants import DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT
-from pytest_gpumem.errors import first_line
 from pytest_gpumem.explain.growth import compact
 from pytest_gpumem.history import command as history
-from pytest_gpumem.report.json import JSON_VERSION
+from pytest_gpumem.report.json import JSON_VERSION, MadeAt, Report, ReportedTest, ReportError, read_report
 from pytest_gpumem.report.markdown import markdown_table
 from pytest_gpumem.results import Status
 from pytest_gpumem.results.baseline import BaselineStatus, PhaseComparison, sound_composition
 from pytest_gpumem.results.explanation import Composition, Explanation
 from pytest_gpumem.run.outputs import why, write_file
-from pytest_gpumem.sizes import format_size, shorten
+from pytest_gpumem.sizes import format_size
 from pytest_gpumem.values import slack, tolerance
 
-MAX_REPORT_BYTES = 256 * 1024 * 1024
-
-Tests = dict[str, dict[str, Any]]
+Tests = dict[str, ReportedTest]
 
 
-class ReportError(Exception):
-    """A report file that cannot be used; the message names the file."""
+class CommandError(Exception):
+    """A command that cannot go on; the message names the file or the flag."""
 
 
 def load_report(path: Path) -> Tests:
     """The tests of a `--gpumem-json` report, by node id."""
-    return _by_nodeid(path, _document(path)["tests"])
-
-
-def _document(path: Path) -> dict[str, Any]:
-    """A `--gpumem-json` report, checked as far as its list of tests and its version."""
-    try:
-        if not path.is_file():
-            raise ReportError(f"{path}: not a file")
-        if path.stat().st_size > MAX_REPORT_BYTES:
-            raise ReportError(f"{path}: too large (limit {format_size(MAX_REPORT_BYTES)})")
-        text = path.read_bytes().decode("utf-8-sig")
-        doc: object = strict_json(text)
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ReportError(f"{path}: cannot read a gpumem report: {first_line(exc)}") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("tests"), list):
-        raise ReportError(f"{path}: not a gpumem report (no list of tests; written by --gpumem-json?)")
-    version = doc.get("version", JSON_VERSION)
-    if type(version) is not int or not 1 <= version <= JSON_VERSION:
-        raise ReportError(
-            f"{path}: report version {shorten(version)} is not one this pytest-gpumem reads (1 to {JSON_VERSION})"
-        )
-    return doc
-
-
-def _by_nodeid(path: Path, tests: list[Any]) -> Tests:
-    found: Tests = {}
-    for i, test in enumerate(tests):
-        if not isinstance(test, dict) or not isinstance(test.get("nodeid"), str) or not test["nodeid"]:
-            raise ReportError(f"{path}: test {i} has no node id")
-        nodeid = test["nodeid"]
-        where = f"{path}: {json.dumps(nodeid)[1:-1]}"
-        if not _printable(nodeid):
-            raise ReportError(f"{where}: a node id must be printable text (no control characters, no lone surrogates)")
-        phases = test.get("phases", {})
-        if not isinstance(phases, dict) or not _is_size(test.get("peak_bytes")):
-            raise ReportError(f"{where}: peaks must be byte counts")
-        bad = next((name for name, phase in phases.items() if not _is_phase(name, phase)), None)
-        if bad is not None:
-            raise ReportError(f"{where}: phase {json.dumps(bad)} must be an object with a peak_bytes byte count")
-        if not isinstance(test.get("status", "ok"), str):
-            raise ReportError(f"{where}: status must be a string, got {shorten(test['status'])}")
-        if nodeid in found and found[nodeid] != test:
-            raise ReportError(f"{where} appears twice with different figures")
-        found[nodeid] = test
-    return found
-
-
-def _printable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return not any(ord(c) < 32 or ord(c) == 127 for c in text)
-
-
-def _is_phase(name: str, phase: object) -> bool:
-    return bool(name) and _printable(name) and isinstance(phase, dict) and _is_size(phase.get("peak_bytes"))
-
-
-def _is_size(value: object) -> bool:
-    return value is None or (type(value) is int and 0 <= value < 2**63)
-
-
-def _phase_peaks(test: dict[str, Any]) -> dict[str | None, int | None]:
-    """The whole call (None) and each phase's peak; None where it was not measured."""
-    peaks: dict[str | None, int | None] = {None: test.get("peak_bytes")}
-    for name, phase in test.get("phases", {}).items():
-        peaks[name] = phase.get("peak_bytes")
-    return peaks
+    return read_report(path).tests
 
 
 PASSING = frozenset({*(status for status in Status if status.passing), Status.XFAILED})
@@ -134,20 +62,20 @@ class Comparison:
 def compare_reports(old: Tests, new: Tests, tol: Tolerance) -> Comparison:
     rows: list[tuple[str, PhaseComparison]] = []
     for nodeid in (n for n in new if n in old):
-        before, after = _phase_peaks(old[nodeid]), _phase_peaks(new[nodeid])
+        before, after = old[nodeid].peaks, new[nodeid].peaks
         for phase in dict.fromkeys([*before, *after]):
             stored, current = before.get(phase), after.get(phase)
             if stored is None and current is None:
                 continue
             compared = compare_peak(phase, stored, current, tol, format_size)
             rows.append((nodeid, with_growth(compared, _composition(old[nodeid]), _composition(new[nodeid]))))
-    failed = [(n, str(t.get("status"))) for n, t in new.items() if t.get("status", "ok") not in PASSING]
+    failed = [(n, t.status) for n, t in new.items() if t.status not in PASSING]
     mixed = [n for n in new if n in old and _where(old[n]) != _where(new[n])]
     return Comparison(rows, [n for n in new if n not in old], [n for n in old if n not in new], failed, mixed)
 
 
-def _composition(test: dict[str, Any]) -> Composition | None:
-    explanation = test.get("explanation")
+def _composition(test: ReportedTest) -> Composition | None:
+    explanation = test.entry.get("explanation")
     try:
         if not isinstance(explanation, dict):
             return None
@@ -157,8 +85,8 @@ def _composition(test: dict[str, Any]) -> Composition | None:
         return None
 
 
-def _where(test: dict[str, Any]) -> tuple[object, object]:
-    return test.get("backend"), test.get("device")
+def _where(test: ReportedTest) -> tuple[object, object]:
+    return test.backend, test.device
 
 
 _HEADERS = ("test", "phase", "old", "new", "change", "status")
@@ -232,81 +160,62 @@ def run_compare(args: argparse.Namespace) -> int:
     return 1 if comparison.regressed or comparison.failed else 0
 
 
-def merge_reports(reports: Sequence[tuple[Path, Tests]]) -> dict[str, Any]:
+def merge_reports(reports: Sequence[Report]) -> dict[str, Any]:
     """One report of a suite split across machines; a test in two reports must have the same figures."""
     merged: Tests = {}
     source: dict[str, Path] = {}
-    for path, tests in reports:
-        for nodeid, test in tests.items():
-            if nodeid in merged and merged[nodeid] != test:
-                raise ReportError(f"{nodeid} is in {source[nodeid]} and in {path} with different figures")
+    for report in reports:
+        for nodeid, test in report.tests.items():
+            if nodeid in merged and merged[nodeid].entry != test.entry:
+                raise CommandError(f"{nodeid} is in {source[nodeid]} and in {report.path} with different figures")
             merged.setdefault(nodeid, test)
-            source.setdefault(nodeid, path)
-    backends = {t.get("backend") for t in merged.values()}
-    devices = {t.get("device") for t in merged.values()}
+            source.setdefault(nodeid, report.path)
+    backends = {t.backend for t in merged.values()}
+    devices = {t.device for t in merged.values()}
     return {
         "version": JSON_VERSION,
         "backend": backends.pop() if len(backends) == 1 else None,
         "device": devices.pop() if len(devices) == 1 else None,
-        "tests": list(merged.values()),
+        "tests": [t.entry for t in merged.values()],
     }
 
 
 def run_merge(args: argparse.Namespace) -> int:
     _not_an_input(args.output, "-o", args.reports)
-    loaded = [(path, *_tests_and_commit(path)) for path in args.reports]
-    doc = merge_reports([(path, tests) for path, tests, _ in loaded])
-    doc["commit"] = _shared_commit([(path, commit) for path, _, commit in loaded], args.output)
+    reports = [read_report(path) for path in args.reports]
+    doc = merge_reports(reports)
+    made_at = _shared_commit(reports, args.output)
+    doc["commit"] = None if made_at is None else made_at.to_json()
     _write(args.output, json.dumps(doc, indent=2, sort_keys=True, allow_nan=False) + "\n")
     _say(f"merged {len(args.reports)} reports, {len(doc['tests'])} tests, into {args.output}")
     return 0
 
 
-Commit = dict[str, Any] | None
-"""A report's `commit`: `{"sha": ..., "dirty": ...}`, None where it records none."""
-
-
-def _tests_and_commit(path: Path) -> tuple[Tests, Commit]:
-    doc = _document(path)
-    tests = _by_nodeid(path, doc["tests"])
-    commit = doc.get("commit")
-    if commit is None:
-        return tests, None
-    sha = commit.get("sha") if isinstance(commit, dict) else None
-    dirty = commit.get("dirty") if isinstance(commit, dict) else None
-    if not isinstance(sha, str) or len(sha) not in (40, 64) or not isinstance(dirty, bool):
-        raise ReportError(
-            f'{path}: "commit" must be {{"sha": a full commit hash, "dirty": true or false}} or null, '
-            f"got {shorten(commit)}"
-        )
-    return tests, {"sha": sha.lower(), "dirty": dirty}
-
-
-def _shared_commit(commits: Sequence[tuple[Path, Commit]], output: Path) -> Commit:
+def _shared_commit(reports: Sequence[Report], output: Path) -> MadeAt | None:
     """The commit every report was made at; None, said in one line, where two differ."""
-    first_path, first = commits[0]
-    other = next(((path, commit) for path, commit in commits[1:] if commit != first), None)
+    first = reports[0]
+    other = next((report for report in reports[1:] if report.commit != first.commit), None)
     if other is None:
-        return first
+        return first.commit
     print(
-        f"pytest-gpumem merge: {first_path} was made {_made_at(first)}, {other[0]} {_made_at(other[1])}: "
-        f"{output} records no commit",
+        f"pytest-gpumem merge: {first.path} was made {_made_at(first.commit)}, {other.path} "
+        f"{_made_at(other.commit)}: {output} records no commit",
         file=sys.stderr,
     )
     return None
 
 
-def _made_at(commit: Commit) -> str:
+def _made_at(commit: MadeAt | None) -> str:
     if commit is None:
         return "with no commit recorded"
-    return f"at {commit['sha'][:7]}" + (" with uncommitted changes" if commit["dirty"] else "")
+    return f"at {commit.sha[:7]}" + (" with uncommitted changes" if commit.dirty else "")
 
 
 def run_history(args: argparse.Namespace) -> int:
     try:
         return history.run(args, _write, _say)
     except history.GitError as exc:
-        raise ReportError(str(exc)) from None
+        raise CommandError(str(exc)) from None
 
 
 def _not_an_input(output: Path, flag: str, inputs: Sequence[Path]) -> None:
@@ -317,7 +226,7 @@ def _not_an_input(output: Path, flag: str, inputs: Sequence[Path]) -> None:
         except (OSError, RuntimeError):  # a link loop, a path that cannot be resolved: not an input
             same = False
         if same:
-            raise ReportError(f"{flag} {output} is one of the input reports; write the output elsewhere")
+            raise CommandError(f"{flag} {output} is one of the input reports; write the output elsewhere")
 
 
 def _write(path: Path, text: str) -> None:
@@ -326,7 +235,7 @@ def _write(path: Path, text: str) -> None:
     try:
         write_file(path, text)
     except (OSError, ValueError) as exc:
-        raise ReportError(f"{path}: cannot write: {why(exc)}") from None
+        raise CommandError(f"{path}: cannot write: {why(exc)}") from None
 
 
 def _say(text: str) -> None:
@@ -337,7 +246,7 @@ def _say(text: str) -> None:
         # what is left in the buffer would fail again at exit, with a traceback: it goes nowhere instead
         with contextlib.suppress(OSError, ValueError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        raise ReportError(f"standard output: cannot write: {why(exc)}") from None
+        raise CommandError(f"standard output: cannot write: {why(exc)}") from None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -362,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         result: int = args.run(args)
-    except ReportError as exc:
+    except (CommandError, ReportError) as exc:
         print(f"pytest-gpumem {args.command}: error: {exc}", file=sys.stderr)
         return 2
     return result

@@ -317,7 +317,8 @@ def test_reports_join_at_their_commits_and_the_others_are_named(repo: Path, caps
         f"(its commits: {shorts[0]} to HEAD)",
         f"pytest-gpumem history: skipped ci/f-dirty.json: made at {shorts[5]} with uncommitted changes "
         "(its figures are not that commit's)",
-        "pytest-gpumem history: skipped ci/g-package.json: not a --gpumem-json report (no list of tests)",
+        "pytest-gpumem history: skipped ci/g-package.json: not a gpumem report "
+        "(no list of tests; written by --gpumem-json?)",
         f"pytest-gpumem history: ci/c-again.json: other figures than b-gpu.json for 1 test at {shorts[4]}; "
         "b-gpu.json's are kept",
     ]
@@ -342,14 +343,14 @@ def test_a_report_before_the_range_read_is_not_in_the_history(repo: Path, capsys
 @pytest.mark.parametrize(
     ("text", "why"),
     [
-        ("{ truncated", "not a --gpumem-json report (Expecting property name enclosed in double quotes"),
+        ("{ truncated", "cannot read a gpumem report: Expecting property name enclosed in double quotes"),
         ('{"version": 99, "tests": []}', "report version 99 is not one this pytest-gpumem reads (1 to 1)"),
-        ('{"version": 1, "commit": "HEAD", "tests": []}', 'its "commit" is not {"sha": a full commit hash, '),
+        ('{"version": 1, "commit": "HEAD", "tests": []}', '"commit" must be {"sha": a full commit hash, '),
         ('{"version": 1, "commit": {"sha": "SHA", "dirty": false}, "tests": [{"peak_bytes": 1}]}', "test 0 has no"),
         (
             '{"version": 1, "commit": {"sha": "SHA", "dirty": false}, '
             '"tests": [{"nodeid": "t.py::x", "backend": "cuda", "device": "cuda:0", "peak_bytes": -1}]}',
-            "test t.py::x: peak_bytes",
+            "t.py::x: peaks must be byte counts",
         ),
     ],
 )

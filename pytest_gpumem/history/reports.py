@@ -8,7 +8,6 @@ those of the run; a test that ran out of memory, errored or was an expected fail
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,13 +16,11 @@ from typing import Any
 from pytest_gpumem.baselines.schema import paused_gc
 from pytest_gpumem.errors import first_line
 from pytest_gpumem.history.git import Commit, GitError
-from pytest_gpumem.report.json import JSON_VERSION
+from pytest_gpumem.report.json import Report, ReportedTest, ReportError, read_report
 from pytest_gpumem.results.baseline import DeviceIdentity, Entry
-from pytest_gpumem.sizes import format_size
 
-__all__ = ["MAX_REPORT_BYTES", "Reports", "read_reports"]
+__all__ = ["Reports", "read_reports"]
 
-MAX_REPORT_BYTES = 256 * 1024 * 1024
 NO_FIGURES = frozenset({"OUT OF MEMORY", "error", "xfailed"})
 """The statuses of a test whose figures are not those of a whole call."""
 
@@ -110,62 +107,33 @@ def _merged(reports: list[_Report], commit: Commit, skipped: list[str]) -> Entri
 
 def _load(path: Path) -> _Report:
     try:
-        if path.stat().st_size > MAX_REPORT_BYTES:
-            raise _Refused(f"too large for a report (limit {format_size(MAX_REPORT_BYTES)})")
-        doc = json.loads(path.read_bytes().decode("utf-8-sig"), parse_constant=_no_constant)
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise _Refused(f"not a --gpumem-json report ({first_line(exc)})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("tests"), list):
-        raise _Refused("not a --gpumem-json report (no list of tests)")
-    version = doc.get("version")
-    if type(version) is not int or not 1 <= version <= JSON_VERSION:
-        raise _Refused(f"report version {version!r} is not one this pytest-gpumem reads (1 to {JSON_VERSION})")
-    sha, dirty = _commit(doc.get("commit"))
-    return _Report(path, sha, dirty, _entries(doc, doc["tests"]) if sha is not None else {})
+        report = read_report(path)
+    except ReportError as exc:
+        raise _Refused(exc.reason) from None
+    sha, dirty = (None, False) if report.commit is None else (report.commit.sha, report.commit.dirty)
+    return _Report(path, sha, dirty, _entries(report) if sha is not None else {})
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _commit(value: object) -> tuple[str | None, bool]:
-    if value is None:
-        return None, False
-    sha = value.get("sha") if isinstance(value, dict) else None
-    dirty = value.get("dirty") if isinstance(value, dict) else None
-    if not isinstance(sha, str) or len(sha) not in (40, 64) or not isinstance(dirty, bool):
-        raise _Refused('its "commit" is not {"sha": a full commit hash, "dirty": true or false}')
-    return sha.lower(), dirty
-
-
-def _entries(doc: dict[str, Any], tests: list[Any]) -> Entries:
+def _entries(report: Report) -> Entries:
     """The report's tests with figures, by node id and identity key."""
+    tests = list(report.tests.values())
     recorded = _recorded(tests)
     entries: Entries = {}
     for i, test in enumerate(tests):
-        if not isinstance(test, dict) or not isinstance(test.get("nodeid"), str) or not test["nodeid"]:
-            raise _Refused(f"test {i} has no node id")
-        if test.get("status") in NO_FIGURES or test.get("peak_bytes") is None:
+        call = test.peaks[None]
+        if test.status in NO_FIGURES or call is None:
             continue
-        where = (test.get("backend", doc.get("backend")), test.get("device", doc.get("device")))
+        where = (test.backend or report.backend, test.device or report.device)
         try:
             identity = recorded[i] or recorded.get(where) or _measured_on(where)
-            phases = {name: p["peak_bytes"] for name, p in _phases(test).items() if p.get("peak_bytes") is not None}
-            entry = Entry(identity, test["peak_bytes"], phases, None, None)
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise _Refused(f"test {test['nodeid']}: {first_line(exc)}") from None
-        entries.setdefault(test["nodeid"], {})[identity.key] = entry
+        except ValueError as exc:
+            raise _Refused(f"{test.nodeid}: {first_line(exc)}") from None
+        phases = {name: peak for name, peak in test.peaks.items() if name is not None and peak is not None}
+        entries.setdefault(test.nodeid, {})[identity.key] = Entry(identity, call, phases, None, None)
     return entries
 
 
-def _phases(test: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    phases = test.get("phases") or {}
-    if not isinstance(phases, dict) or not all(isinstance(p, dict) for p in phases.values()):
-        raise ValueError("phases: expected an object of phase name -> {peak_bytes: bytes}")
-    return phases
-
-
-def _recorded(tests: list[Any]) -> dict[Any, DeviceIdentity | None]:
+def _recorded(tests: Sequence[ReportedTest]) -> dict[Any, DeviceIdentity | None]:
     """By test index, the identity its record holds (a passing test's has one), else None; and by
     (backend, device), the first such identity: a test without a record (a failing one) takes that of
     the tests measured where it was. Equal identities are read once."""
@@ -173,7 +141,7 @@ def _recorded(tests: list[Any]) -> dict[Any, DeviceIdentity | None]:
     read: dict[tuple[Any, ...], DeviceIdentity] = {}
     for i, test in enumerate(tests):
         found[i] = None
-        record = test.get("record") if isinstance(test, dict) else None
+        record = test.entry.get("record")
         raw = record.get("identity") if isinstance(record, dict) else None
         if not isinstance(raw, dict):
             continue
@@ -183,7 +151,7 @@ def _recorded(tests: list[Any]) -> dict[Any, DeviceIdentity | None]:
         except (ValueError, TypeError):
             continue
         found[i] = identity
-        found.setdefault((test.get("backend"), test.get("device")), identity)
+        found.setdefault((test.backend, test.device), identity)
     return found
 
 

@@ -1,14 +1,22 @@
 """The `--gpumem-json` document: its version, the run's backend and device, the commit it was made at,
-and each test's result."""
+and each test's result; written at the end of a run (`document`) and read back (`read_report`) by the
+one reader of `pytest-gpumem compare`, `merge` and `history --reports`."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from pytest_gpumem.baselines.schema import strict_json
+from pytest_gpumem.errors import first_line
 from pytest_gpumem.results import TestResult
+from pytest_gpumem.sizes import format_size, shorten
 
 JSON_VERSION = 1
+MAX_REPORT_BYTES = 256 * 1024 * 1024
 
 
 def document(
@@ -23,3 +31,135 @@ def document(
         "commit": None if commit is None else dict(commit),
         "tests": [r.to_json() for r in results],
     }
+
+
+class ReportError(Exception):
+    """A report that cannot be used: `reason` says why in a few words, the message names the file too."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = path, reason
+
+
+@dataclass(frozen=True)
+class MadeAt:
+    """The commit a report was made at, and whether the work tree had uncommitted changes."""
+
+    sha: str
+    dirty: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sha": self.sha, "dirty": self.dirty}
+
+
+@dataclass(frozen=True)
+class ReportedTest:
+    """One test of a report: its figures checked, and its entry as written (`entry`, which a merge keeps
+    whole, keys of later versions too)."""
+
+    nodeid: str
+    status: str
+    backend: object
+    device: object
+    peaks: Mapping[str | None, int | None]  # the whole call (None) and each phase; None: not measured
+    entry: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Report:
+    """A `--gpumem-json` report read back, its tests by node id."""
+
+    path: Path
+    commit: MadeAt | None
+    backend: object
+    device: object
+    tests: dict[str, ReportedTest]
+
+
+def read_report(path: Path) -> Report:
+    """The report in `path`, every figure checked; `ReportError` names what is wrong."""
+    doc = _document(path)
+    tests: dict[str, ReportedTest] = {}
+    for i, raw in enumerate(doc["tests"]):
+        test = _test(path, i, raw)
+        if test.nodeid in tests and tests[test.nodeid].entry != test.entry:
+            raise ReportError(path, f"{_quoted(test.nodeid)} appears twice with different figures")
+        tests[test.nodeid] = test
+    return Report(path, _made_at(path, doc.get("commit")), doc.get("backend"), doc.get("device"), tests)
+
+
+def _document(path: Path) -> dict[str, Any]:
+    """A report as far as its list of tests and its version."""
+    try:
+        if not path.is_file():
+            raise ReportError(path, "not a file")
+        if path.stat().st_size > MAX_REPORT_BYTES:
+            raise ReportError(path, f"too large (limit {format_size(MAX_REPORT_BYTES)})")
+        doc: object = strict_json(path.read_bytes().decode("utf-8-sig"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ReportError(path, f"cannot read a gpumem report: {first_line(exc)}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("tests"), list):
+        raise ReportError(path, "not a gpumem report (no list of tests; written by --gpumem-json?)")
+    version = doc.get("version", JSON_VERSION)
+    if type(version) is not int or not 1 <= version <= JSON_VERSION:
+        raise ReportError(
+            path, f"report version {shorten(version)} is not one this pytest-gpumem reads (1 to {JSON_VERSION})"
+        )
+    return doc
+
+
+def _test(path: Path, i: int, raw: object) -> ReportedTest:
+    if not isinstance(raw, dict) or not isinstance(raw.get("nodeid"), str) or not raw["nodeid"]:
+        raise ReportError(path, f"test {i} has no node id")
+    nodeid = _quoted(raw["nodeid"])
+    if not _printable(raw["nodeid"]):
+        raise ReportError(
+            path, f"{nodeid}: a node id must be printable text (no control characters, no lone surrogates)"
+        )
+    phases = raw.get("phases", {})
+    if not isinstance(phases, dict) or not _is_size(raw.get("peak_bytes")):
+        raise ReportError(path, f"{nodeid}: peaks must be byte counts")
+    bad = next((name for name, phase in phases.items() if not _is_phase(name, phase)), None)
+    if bad is not None:
+        raise ReportError(path, f"{nodeid}: phase {_quoted(bad, True)} must be an object with a peak_bytes byte count")
+    status = raw.get("status", "ok")
+    if not isinstance(status, str):
+        raise ReportError(path, f"{nodeid}: status must be a string, got {shorten(status)}")
+    peaks: dict[str | None, int | None] = {None: raw.get("peak_bytes")}
+    peaks.update((name, phase.get("peak_bytes")) for name, phase in phases.items())
+    return ReportedTest(raw["nodeid"], status, raw.get("backend"), raw.get("device"), peaks, raw)
+
+
+def _made_at(path: Path, commit: object) -> MadeAt | None:
+    if commit is None:
+        return None
+    sha = commit.get("sha") if isinstance(commit, dict) else None
+    dirty = commit.get("dirty") if isinstance(commit, dict) else None
+    if not isinstance(sha, str) or len(sha) not in (40, 64) or not isinstance(dirty, bool):
+        raise ReportError(
+            path,
+            f'"commit" must be {{"sha": a full commit hash, "dirty": true or false}} or null, got {shorten(commit)}',
+        )
+    return MadeAt(sha.lower(), dirty)
+
+
+def _quoted(text: str, quotes: bool = False) -> str:
+    """`text` as JSON writes it (control characters and lone surrogates escaped), in quotes if asked."""
+    written = json.dumps(text)
+    return written if quotes else written[1:-1]
+
+
+def _printable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return not any(ord(c) < 32 or ord(c) == 127 for c in text)
+
+
+def _is_phase(name: str, phase: object) -> bool:
+    return bool(name) and _printable(name) and isinstance(phase, dict) and _is_size(phase.get("peak_bytes"))
+
+
+def _is_size(value: object) -> bool:
+    return value is None or (type(value) is int and 0 <= value < 2**63)
