@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from pytest_gpumem.results import PhaseResult
+
+if TYPE_CHECKING:
+    import torch
 
 BASELINES = "gpumem-baselines.json"
 
@@ -51,3 +54,16 @@ def phase_result(name: str, peak: int, rank: int | None = None) -> PhaseResult:
 
 
 Reported = Callable[..., dict[str, dict[str, Any]]]  # the `reported` fixture: an inner run's tests by name
+
+
+def model_with_grads(seed: int = 0, dtype: torch.dtype | None = None) -> torch.nn.Sequential:
+    """A small MLP after one backward: every parameter has a gradient (float32 unless `dtype`)."""
+    import torch
+    from torch import nn
+
+    dtype = dtype or torch.float32
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(dtype)
+    x = torch.randn(8, 16, dtype=dtype)
+    model(x).square().mean().backward()
+    return model
