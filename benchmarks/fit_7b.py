@@ -12,6 +12,7 @@ Run: python benchmarks/fit_7b.py [--json PATH] [--capacity "80 GiB"] [--sizes 1 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,20 +20,25 @@ from benchlib import parser, show, write_json
 from meta_7b import HandCount, Shape, build, parameter_count
 
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
+from pytest_gpumem.measure.fit import BatchFit
 from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.measure.meter import GpuMem
 
 
-def main() -> None:
-    args = parser("The largest 7B training batch that fits a card, fitted on meta and confirmed under its capacity")
-    args.add_argument("--capacity", default="80 GiB")
-    args.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 3])
-    options = args.parse_args()
-    s = Shape()
-    hand = HandCount.of(s)
+@dataclass(frozen=True)
+class Timed:
+    """The fit, what was live when it began, and how long one step and the fit took."""
+
+    fit: BatchFit
+    live: int
+    one_step: float
+    fit_wall: float
+
+
+def fit_on_meta(s: Shape, sizes: list[int], capacity: str) -> Timed:
+    """Build the model and AdamW inside a measured call on meta, warm one step up, then fit."""
     measured = Measurement(TrackerBackend(device="meta"), "fit_7b")
     meter = GpuMem(measured)
-    start = time.perf_counter()
     measured.begin()
     try:
         model = build(s)[0]  # its example inputs are dropped: only the model is live
@@ -51,40 +57,57 @@ def main() -> None:
         one_step = time.perf_counter() - began
         live = meter.backend.current().allocated
         began = time.perf_counter()
-        fit = meter.fit(step, options.sizes, options.capacity)
-        fit_wall = time.perf_counter() - began
+        fit = meter.fit(step, sizes, capacity)
+        return Timed(fit, live, one_step, time.perf_counter() - began)
     finally:
         measured.end()
-    wall = time.perf_counter() - start
-    expected_live = hand.params + hand.grads + hand.optimizer_state
+
+
+def rows(timed: Timed, expected_live: int, capacity: str) -> list[list[str]]:
+    fit = timed.fit
+    checks = [
+        [f"batch {c.size} under {capacity}", "out of memory" if c.out_of_memory else "fits", f"{c.peak:,} B"]
+        for c in fit.checks
+    ]
     runs = len(fit.sizes) + len(fit.checks)
-    rows = [
+    return [
         ["live at the fit (B)", f"{fit.live:,}", f"params + grads + AdamW state: {expected_live:,}"],
         ["largest batch", f"{fit.largest}", f"peak {fit.peak_bytes:,} B at {fit.at}"],
         ["found", f"{fit.found.value}{', exact' if fit.exact else ''}", fit.note],
-        *[
-            [
-                f"batch {c.size} under {options.capacity}",
-                "out of memory" if c.out_of_memory else "fits",
-                f"{c.peak:,} B",
-            ]
-            for c in fit.checks
-        ],
+        *checks,
         ["runs of the step", f"{runs}", f"{len(fit.sizes)} sampled, {len(fit.checks)} held to the capacity"],
-        ["fit's time", f"{fit_wall:.1f} s", f"{fit_wall / one_step:.1f} x one step ({one_step:.2f} s)"],
+        ["fit's time", f"{timed.fit_wall:.1f} s", f"{timed.fit_wall / timed.one_step:.1f} x one step"],
     ]
+
+
+def main() -> None:
+    args = parser("The largest 7B training batch that fits a card, fitted on meta and confirmed under its capacity")
+    args.add_argument("--capacity", default="80 GiB")
+    args.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 3])
+    options = args.parse_args()
+    s = Shape()
+    hand = HandCount.of(s)
+    start = time.perf_counter()
+    timed = fit_on_meta(s, options.sizes, options.capacity)
+    fit = timed.fit
+    wall = time.perf_counter() - start
+    expected_live = hand.params + hand.grads + hand.optimizer_state
     show(
         f"7B decoder ({parameter_count(s):,} parameters, bf16) on meta, seq {s.seq}: fit against {options.capacity}",
         ["figure", "measured", "hand count / note"],
-        rows,
-        [fit.describe(), f"wall {wall:.1f} s; live before the fit as counted by the tracker: {live:,} B"],
+        rows(timed, expected_live, options.capacity),
+        [
+            fit.describe(),
+            f"wall {wall:.1f} s, one step {timed.one_step:.2f} s; live before the fit as counted by the tracker: "
+            f"{timed.live:,} B",
+        ],
     )
     write_json(
         options.json,
         {
             "wall_s": wall,
-            "fit_s": fit_wall,
-            "step_s": one_step,
+            "fit_s": timed.fit_wall,
+            "step_s": timed.one_step,
             "live": fit.live,
             "hand_live": expected_live,
             "sizes": list(fit.sizes),

@@ -174,6 +174,42 @@ def _phase_json(phases: dict[str, PhaseResult]) -> dict[str, Any]:
     return {name: p.to_json() for name, p in phases.items()}
 
 
+def _workspace_line(workspaces: dict[str, Any] | None) -> str:
+    if workspaces is None:
+        return "cuBLAS workspaces: no CUDA here, not checked"
+    return (
+        f"cuBLAS workspaces {'match' if workspaces['ok'] else 'DIFFER'}: {workspaces['expected']:,} B each; "
+        f"matmul adds, step leaves: card {workspaces['card']}, tracker {workspaces['predicted']}"
+    )
+
+
+def _figures(
+    label: str,
+    backend: Backend,
+    cost: float,
+    workspaces: dict[str, Any] | None,
+    workloads: list[Workload],
+    alone: dict[str, Any],
+    later: dict[str, Any],
+) -> dict[str, Any]:
+    """What the run found, as its --json writes it."""
+    return {
+        "backend": label,
+        "describe": backend.describe(),
+        "per_test_s": cost,
+        "cublas_workspaces": workspaces,
+        "workloads": {
+            w.name: {
+                "hand": w.expected,
+                "alone": _phase_json(alone[w.name]["device"]),
+                "predicted": _phase_json(alone[w.name]["predicted"]),
+                "after_others": _phase_json(later[w.name]),
+            }
+            for w in workloads
+        },
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = benchlib.parser("cuda backend vs tracker prediction, per reference strategy")
     p.add_argument("--scale", type=float, default=1.0, help="reference_losses batch scale (default 1)")
@@ -192,12 +228,6 @@ def main(argv: list[str] | None = None) -> int:
     rows = [row for w in workloads for row in rows_for(w, alone[w.name], later[w.name])]
     cost = per_test_cost(backend)
     workspaces = workspace_check(device)
-    workspace_line = (
-        "cuBLAS workspaces: no CUDA here, not checked"
-        if workspaces is None
-        else f"cuBLAS workspaces {'match' if workspaces['ok'] else 'DIFFER'}: {workspaces['expected']:,} B each; "
-        f"matmul adds, step leaves: card {workspaces['card']}, tracker {workspaces['predicted']}"
-    )
     benchlib.show(
         f"{label} on {device} vs tracker prediction (rounding cuda); {backend.describe()}",
         [
@@ -216,29 +246,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{label} per measured test: {cost * 1e3:.2f} ms (begin + end, gc.collect included)",
             "alloc >= req: 512 B rounding and whole segments; device > pred: kernel scratch, cuBLAS/cuDNN workspaces",
             "req change must be 0 (order independence of requested bytes); alloc may move with the cache",
-            workspace_line,
+            _workspace_line(workspaces),
             f"total {time.perf_counter() - started:.1f} s",
         ],
     )
     benchlib.write_json(
-        args.json,
-        {
-            "validate_cuda": {
-                "backend": label,
-                "describe": backend.describe(),
-                "per_test_s": cost,
-                "cublas_workspaces": workspaces,
-                "workloads": {
-                    w.name: {
-                        "hand": w.expected,
-                        "alone": _phase_json(alone[w.name]["device"]),
-                        "predicted": _phase_json(alone[w.name]["predicted"]),
-                        "after_others": _phase_json(later[w.name]),
-                    }
-                    for w in workloads
-                },
-            }
-        },
+        args.json, {"validate_cuda": _figures(label, backend, cost, workspaces, workloads, alone, later)}
     )
     return 0
 

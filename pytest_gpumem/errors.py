@@ -1,10 +1,10 @@
-"""The one error type and the one warning of pytest-gpumem, and the one way an exception becomes a line."""
+"""pytest-gpumem's error for bad input and its warning, and the one way an exception becomes a line."""
 
 from __future__ import annotations
 
 
 class GpuMemError(Exception):
-    """The one error type of pytest-gpumem; its message is a single line naming the bad value."""
+    """Bad input to the plugin or the fixture; its message is a single line naming the bad value."""
 
 
 class GpuMemWarning(UserWarning):
@@ -24,10 +24,10 @@ def first_line(exc: BaseException) -> str:
     if isinstance(exc, RecursionError):
         return "nested too deeply"
     lines = exception_text(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
+    return lines[0].strip() if lines else type(exc).__name__
 
 
 def one_line(exc: BaseException) -> str:
     """`Type: first line of the message`, or `Type` alone where there is no message."""
     lines = exception_text(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return f"{type(exc).__name__}: {lines[0].strip()}" if lines else type(exc).__name__

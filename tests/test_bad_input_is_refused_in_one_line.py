@@ -221,6 +221,9 @@ BAD_REPORTS = [
     ("nesting", '{"tests": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
     ("5000 digits", report_text(TEST).replace("100", "9" * 5000), "cannot read a gpumem report: Exceeds the limit"),
     ("twice", report_text(TEST, {**TEST, "peak_bytes": 1}), "t::a appears twice with different figures"),
+    ("backend list", report_text({**TEST, "backend": ["x"]}), "t::a: backend must be a name or null, got ['x']"),
+    ("device object", report_text(TEST, device={"a": 1}), "device must be a name or null, got {'a': 1}"),
+    ("phases null", report_text({**TEST, "phases": None}), "t::a: phases must be an object of phase name -> figures"),
 ]
 
 

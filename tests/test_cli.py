@@ -94,7 +94,7 @@ def test_added_removed_and_markdown(tracker: pytest.Pytester) -> None:
         (None, "not a file"),
         ("{", "cannot read a gpumem report"),
         ('{"tests": 3}', "not a gpumem report"),
-        ('{"tests": [{"nodeid": "t", "peak_bytes": "big"}]}', "t: peaks must be byte counts"),
+        ('{"tests": [{"nodeid": "t", "peak_bytes": "big"}]}', "t: peak_bytes must be a byte count or null, got 'big'"),
     ],
 )
 def test_unreadable_input_exits_2_naming_the_file(tmp_path: Path, content: str | None, problem: str) -> None:

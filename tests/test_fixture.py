@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from builders import Reported
+from builders import Reported, phase_result
 
 
 def test_the_fixture_reads_the_call_its_phases_device_and_backend(tracker: pytest.Pytester) -> None:
@@ -370,12 +370,14 @@ def test_an_earlier_reports_summaries_in_info_are_read_into_their_own_fields() -
     assert TestResult.from_json(result.to_json()) == result
 
 
-def test_a_hook_that_calls_the_old_to_dict_is_warned_and_gets_the_same_entry() -> None:
+def test_a_hook_that_calls_the_old_to_dict_is_warned_and_gets_the_same_json() -> None:
+    from pytest_gpumem.budget import Budget
     from pytest_gpumem.results import TestResult
 
-    result = TestResult(nodeid="t.py::t", backend="tracker", device="cpu", call=None, info={"mine": 1})
-    with pytest.warns(DeprecationWarning, match=r"to_dict\(\) is deprecated: call to_json\(\)"):
-        written = result.to_dict()
-    with pytest.warns(DeprecationWarning, match=r"from_dict\(\) is deprecated: call from_json\(\)"):
-        assert TestResult.from_dict(written) == result
-    assert written == result.to_json()
+    call = phase_result("call", 4000)
+    result = TestResult(nodeid="t.py::t", backend="tracker", device="cpu", call=call)
+    for value in (result, call, Budget(tolerance=5)):
+        with pytest.warns(DeprecationWarning, match=rf"{type(value).__name__}.to_dict\(\) is deprecated: call to_json"):
+            assert value.to_dict() == value.to_json()
+    with pytest.warns(DeprecationWarning, match=r"TestResult.from_dict\(\) is deprecated: call from_json\(\)"):
+        assert TestResult.from_dict(result.to_json()) == result

@@ -350,7 +350,12 @@ def test_a_report_before_the_range_read_is_not_in_the_history(repo: Path, capsys
         (
             '{"version": 1, "commit": {"sha": "SHA", "dirty": false}, '
             '"tests": [{"nodeid": "t.py::x", "backend": "cuda", "device": "cuda:0", "peak_bytes": -1}]}',
-            "t.py::x: peaks must be byte counts",
+            "t.py::x: peak_bytes must be a byte count or null, got -1",
+        ),
+        (
+            '{"version": 1, "commit": {"sha": "SHA", "dirty": false}, '
+            '"tests": [{"nodeid": "t.py::x", "backend": ["cuda"], "device": "cuda:0", "peak_bytes": 1}]}',
+            "t.py::x: backend must be a name or null, got ['cuda']",
         ),
     ],
 )

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpumem.distributed.spawn import DEFAULT_TIMEOUT, MIN_JOIN_TIMEOUT, spawn
-from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.errors import GpuMemError, one_line
 from pytest_gpumem.results import RANK_SEPARATOR
 from pytest_gpumem.results.ranks import RankResult, RankSpec, World
 from pytest_gpumem.sizes import shorten
@@ -184,8 +184,7 @@ def _payload(fn: Callable[..., object], args: tuple[Any, ...]) -> bytes:
         what = getattr(fn, "__qualname__", None) or type(fn).__name__
         raise GpuMemError(
             f"gpumem.distributed(): {what} and its args must be picklable to reach the ranks "
-            f"(define the function at module level, not a lambda or a local function): {type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}"
+            f"(define the function at module level, not a lambda or a local function): {one_line(exc)}"
         ) from None
 
 

@@ -123,7 +123,7 @@ def _entries(report: Report) -> Entries:
         call = test.peaks[None]
         if test.status in NO_FIGURES or call is None:
             continue
-        where = (test.backend or report.backend, test.device or report.device)
+        where = (test.backend, test.device)
         try:
             identity = recorded[i] or recorded.get(where) or _measured_on(where)
         except ValueError as exc:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pytest_gpumem.backends.base import Backend, collect_garbage
-from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.errors import GpuMemError, one_line
 from pytest_gpumem.measure.failures import Holding, leak_holding
 from pytest_gpumem.measure.regions import RegionStack
 from pytest_gpumem.results import PhaseResult
@@ -220,5 +220,5 @@ class Measurement:
 
             return with_ranks(explained, ranks, ranks_peak=call.rank is not None)
         except Exception as exc:  # an explanation never changes the test's outcome
-            self.notes.append(f"the peak could not be explained: {type(exc).__name__}: {exc}")
+            self.notes.append(f"the peak could not be explained: {one_line(exc)}")
             return None

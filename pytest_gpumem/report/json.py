@@ -17,6 +17,8 @@ from pytest_gpumem.sizes import format_size, shorten
 
 JSON_VERSION = 1
 MAX_REPORT_BYTES = 256 * 1024 * 1024
+NAMES = ("backend", "device")
+"""What a report and each of its tests name the measurement by."""
 
 
 def document(
@@ -59,8 +61,8 @@ class ReportedTest:
 
     nodeid: str
     status: str
-    backend: object
-    device: object
+    backend: str | None
+    device: str | None
     peaks: Mapping[str | None, int | None]  # the whole call (None) and each phase; None: not measured
     entry: Mapping[str, Any]
 
@@ -71,21 +73,23 @@ class Report:
 
     path: Path
     commit: MadeAt | None
-    backend: object
-    device: object
+    backend: str | None
+    device: str | None
     tests: dict[str, ReportedTest]
 
 
 def read_report(path: Path) -> Report:
-    """The report in `path`, every figure checked; `ReportError` names what is wrong."""
+    """The report in `path`, each test's node id, status, backend, device and peaks checked (the rest of
+    an entry is its readers' to check); `ReportError` names what is wrong."""
     doc = _document(path)
+    where = {key: _name(path, key, doc.get(key)) for key in NAMES}
     tests: dict[str, ReportedTest] = {}
     for i, raw in enumerate(doc["tests"]):
-        test = _test(path, i, raw)
+        test = _test(path, i, raw, where)
         if test.nodeid in tests and tests[test.nodeid].entry != test.entry:
             raise ReportError(path, f"{_quoted(test.nodeid)} appears twice with different figures")
         tests[test.nodeid] = test
-    return Report(path, _made_at(path, doc.get("commit")), doc.get("backend"), doc.get("device"), tests)
+    return Report(path, _made_at(path, doc.get("commit")), where["backend"], where["device"], tests)
 
 
 def _document(path: Path) -> dict[str, Any]:
@@ -108,26 +112,40 @@ def _document(path: Path) -> dict[str, Any]:
     return doc
 
 
-def _test(path: Path, i: int, raw: object) -> ReportedTest:
+def _test(path: Path, i: int, raw: object, where: Mapping[str, str | None]) -> ReportedTest:
+    """One test; one that names no backend or device was measured with the report's."""
     if not isinstance(raw, dict) or not isinstance(raw.get("nodeid"), str) or not raw["nodeid"]:
         raise ReportError(path, f"test {i} has no node id")
     nodeid = _quoted(raw["nodeid"])
     if not _printable(raw["nodeid"]):
-        raise ReportError(
-            path, f"{nodeid}: a node id must be printable text (no control characters, no lone surrogates)"
-        )
-    phases = raw.get("phases", {})
-    if not isinstance(phases, dict) or not _is_size(raw.get("peak_bytes")):
-        raise ReportError(path, f"{nodeid}: peaks must be byte counts")
-    bad = next((name for name, phase in phases.items() if not _is_phase(name, phase)), None)
-    if bad is not None:
-        raise ReportError(path, f"{nodeid}: phase {_quoted(bad, True)} must be an object with a peak_bytes byte count")
+        problem = "a node id must be printable text (no control characters, no lone surrogates)"
+        raise ReportError(path, f"{nodeid}: {problem}")
     status = raw.get("status", "ok")
     if not isinstance(status, str):
         raise ReportError(path, f"{nodeid}: status must be a string, got {shorten(status)}")
-    peaks: dict[str | None, int | None] = {None: raw.get("peak_bytes")}
+    backend, device = (_name(path, f"{nodeid}: {key}", raw[key]) if key in raw else where[key] for key in NAMES)
+    return ReportedTest(raw["nodeid"], status, backend, device, _peaks(path, nodeid, raw), raw)
+
+
+def _name(path: Path, what: str, value: object) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ReportError(path, f"{what} must be a name or null, got {shorten(value)}")
+    return value
+
+
+def _peaks(path: Path, nodeid: str, raw: dict[str, Any]) -> dict[str | None, int | None]:
+    """The call's peak (None) and each phase's."""
+    call, phases = raw.get("peak_bytes"), raw.get("phases", {})
+    if not _is_size(call):
+        raise ReportError(path, f"{nodeid}: peak_bytes must be a byte count or null, got {shorten(call)}")
+    if not isinstance(phases, dict):
+        raise ReportError(path, f"{nodeid}: phases must be an object of phase name -> figures, got {shorten(phases)}")
+    bad = next((name for name, phase in phases.items() if not _is_phase(name, phase)), None)
+    if bad is not None:
+        raise ReportError(path, f"{nodeid}: phase {_quoted(bad, True)} must be an object with a peak_bytes byte count")
+    peaks: dict[str | None, int | None] = {None: call}
     peaks.update((name, phase.get("peak_bytes")) for name, phase in phases.items())
-    return ReportedTest(raw["nodeid"], status, raw.get("backend"), raw.get("device"), peaks, raw)
+    return peaks
 
 
 def _made_at(path: Path, commit: object) -> MadeAt | None:

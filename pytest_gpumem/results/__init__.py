@@ -71,8 +71,21 @@ class Status(str, Enum):
         return self in (Status.OUT_OF_MEMORY, Status.LEAKED, Status.OVER_BUDGET, Status.REGRESSED)
 
 
+class OldToDict:
+    """`to_dict()`, the name `to_json()` had before 0.2: still answers, with a DeprecationWarning, until 0.3."""
+
+    def to_json(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        """Deprecated: `to_json()`, the name every result type of pytest-gpumem uses."""
+        name = type(self).__name__
+        warnings.warn(f"{name}.to_dict() is deprecated: call to_json()", DeprecationWarning, stacklevel=2)
+        return self.to_json()
+
+
 @dataclass(frozen=True)
-class PhaseResult:
+class PhaseResult(OldToDict):
     """Bytes of one phase, as the backend counts them, above what was allocated when it began.
 
     `peak_bytes`: peak allocated (the allocator's rounded sizes on CUDA, or the tracker's counting);
@@ -116,7 +129,7 @@ _SUMMARIES = ("fits", "advice", "distributed", "simulated")
 
 
 @dataclass
-class TestResult:
+class TestResult(OldToDict):
     """Everything measured for one test call, plus its budget and verdict.
 
     `info` is the test's own `gpumem.info`; what pytest-gpumem measured on request has fields of its
@@ -217,11 +230,6 @@ class TestResult:
             distributed=list(data.get("distributed") or []),
             simulated=list(data.get("simulated") or []),
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        """Deprecated: `to_json()`, the name every result type of pytest-gpumem uses."""
-        warnings.warn("TestResult.to_dict() is deprecated: call to_json()", DeprecationWarning, stacklevel=2)
-        return self.to_json()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TestResult:

@@ -43,6 +43,7 @@ from pytest_gpumem.backends.tracker.graph import (
     tensors_in,
 )
 from pytest_gpumem.backends.tracker.recording import Followed, Origin, Recorder, op_name, user_line
+from pytest_gpumem.errors import one_line
 from pytest_gpumem.results.categories import CATEGORIES
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ def _contained(hook: _Hook) -> _Hook:
             hook(self, *args)
         except Exception as exc:
             if not self.problems:
-                self.problems.append(f"{hook.__name__.strip('_')}: {type(exc).__name__}: {exc}")
+                self.problems.append(f"{hook.__name__.strip('_')}: {one_line(exc)}")
 
     return cast(_Hook, contained)
 
@@ -188,7 +189,7 @@ class Attributor(Recorder):
             allocation.shape, allocation.dtype = _described(out, ref.key)
         except Exception as exc:
             if not self.problems:
-                self.problems.append(f"allocation: {type(exc).__name__}: {exc}")
+                self.problems.append(f"allocation: {one_line(exc)}")
         self.allocations.append(allocation)
         ref.origin = allocation
         self.ids.append(allocation.id)
