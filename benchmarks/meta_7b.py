@@ -29,6 +29,7 @@ from benchlib import BF16, FP32, parser, show, write_json
 from torch import nn
 
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
+from pytest_gpumem.cards import cublas_workspace_bytes
 from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.measure.meter import GpuMem
 from pytest_gpumem.results import PhaseResult
@@ -106,11 +107,6 @@ def parameter_count(s: Shape) -> int:
     return s.layers * per_layer + 2 * s.vocab * s.hidden + s.hidden
 
 
-def parameter_tensors(s: Shape) -> int:
-    """9 a block (two norms, q, k, v, o, gate, up, down), plus the embedding, final norm and head."""
-    return 9 * s.layers + 3
-
-
 def saved_per_layer(s: Shape, paths: str = "gpu") -> int:
     """Bytes a block's forward leaves for backward (bf16 unless noted); `paths="cpu"`: meta's math SDPA.
 
@@ -147,18 +143,26 @@ class HandCount:
     optimizer_state: int
     activations: int
     step_temporaries: int
+    workspaces: int = 0
 
     @classmethod
-    def of(cls, s: Shape, paths: str = "gpu") -> HandCount:
+    def of(cls, s: Shape, paths: str = "gpu", rounding: str = "none") -> HandCount:
         p = parameter_count(s)
-        # AdamW: exp_avg and exp_avg_sq like each parameter, and a `step` counter per parameter tensor,
-        # an fp32 scalar on the CPU (capturable=False)
-        states = 2 * p * BF16 + parameter_tensors(s) * FP32
+        # AdamW: exp_avg and exp_avg_sq like each parameter; its `step` counters (one fp32 scalar per
+        # parameter tensor, capturable=False) are host memory on a GPU too, and on meta only meta tensors count
+        states = 2 * p * BF16
         # foreach: one sqrt of exp_avg_sq per parameter, all alive at once (the parameters' size); the
         # single-tensor loop: the head's sqrt and denominator while the final norm's denominator is still bound
         temps = p * BF16 if paths == "gpu" else 2 * s.vocab * s.hidden * BF16 + s.hidden * BF16
         activations = s.layers * saved_per_layer(s, paths) + saved_outside_layers(s)
-        return cls(p * BF16, p * BF16, states, activations, temps)
+        # under the allocator's model each cuBLAS handle (the test's thread, backward's) makes its workspace
+        workspaces = 2 * cublas_workspace_bytes(None) if rounding == "cuda" else 0
+        return cls(p * BF16, p * BF16, states, activations, temps, workspaces)
+
+    @property
+    def whole_peak(self) -> int:
+        """The call's peak: gradients, AdamW states and the step's temporaries, and the workspaces."""
+        return self.grads + self.optimizer_state + self.step_temporaries + self.workspaces
 
 
 # --------------------------------------------------------------------------------------------- the run
@@ -205,10 +209,8 @@ def table(phases: dict[str, PhaseResult], whole: PhaseResult, hand: HandCount) -
         [name, f"{r.peak_bytes:,}", f"{r.net_bytes:,}", f"{nets[name][0]}: {nets[name][1]:,}"]
         for name, r in phases.items()
     ]
-    whole_peak = hand.grads + hand.optimizer_state + hand.step_temporaries
-    rows.append(
-        ["whole", f"{whole.peak_bytes:,}", f"{whole.net_bytes:,}", f"peak: grads + states + temps: {whole_peak:,}"]
-    )
+    parts = "grads + states + temps" + (" + workspaces" if hand.workspaces else "")
+    rows.append(["whole", f"{whole.peak_bytes:,}", f"{whole.net_bytes:,}", f"peak: {parts}: {hand.whole_peak:,}"])
     return rows
 
 
@@ -218,7 +220,7 @@ def differences(phases: dict[str, PhaseResult], whole: PhaseResult, hand: HandCo
         "backward net": phases["backward"].net_bytes - (hand.grads - hand.activations),
         "step net": phases["step"].net_bytes - hand.optimizer_state,
         "step peak": phases["step"].peak_bytes - (hand.optimizer_state + hand.step_temporaries),
-        "whole peak": whole.peak_bytes - (hand.grads + hand.optimizer_state + hand.step_temporaries),
+        "whole peak": whole.peak_bytes - hand.whole_peak,
     }
 
 
@@ -237,7 +239,7 @@ def main() -> None:
     phases, whole = measure_step(s, args.paths, args.round)
     wall = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    hand = HandCount.of(s, args.paths)
+    hand = HandCount.of(s, args.paths, args.round)
     rows = table(phases, whole, hand)
     show(
         f"7B decoder ({parameter_count(s):,} parameters, bf16) on meta, seq {s.seq}, batch {s.batch}, "
