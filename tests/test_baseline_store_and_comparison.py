@@ -701,6 +701,7 @@ def test_a_baseline_file_and_a_report_written_before_typed_results_load_and_comp
     tests = read_report(BEFORE / "report.json")
     results = {name: TestResult.from_json(test) for name, test in tests.items()}
     added_since: dict[str, object] = {
+        "detail": [],
         "fits": [],
         "advice": None,
         "distributed": [],

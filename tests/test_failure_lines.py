@@ -137,7 +137,12 @@ def test_a_budget_failure_names_the_first_limit_and_the_advice_and_the_section_t
             "advice (tracker on cpu*",
         ]
     )
-    assert len(reported()["test_over_everywhere"]["message"]) <= LINE_WIDTH
+    test = reported()["test_over_everywhere"]
+    assert len(test["message"]) <= LINE_WIDTH
+    assert test["detail"] == [  # what the line leaves to the section reaches the JSON too
+        "also: forward peak 4.0 kB exceeds max_memory forward=1 kB",
+        "also: backward peak 8.0 kB exceeds max_memory backward=2 kB",
+    ]
 
 
 FRAGMENTED = """

@@ -151,6 +151,7 @@ class TestResult(OldToDict):
     budget_text: str | None = None
     status: Status = Status.OK
     message: str | None = None
+    detail: list[str] = field(default_factory=list)  # what the one-line message left to the report section
     info: dict[str, Any] = field(default_factory=dict)
     verdict: Verdict | None = None
     baseline_entry: Entry | None = None
@@ -183,6 +184,7 @@ class TestResult(OldToDict):
             "budget_text": self.budget_text,
             "status": self.status.value,
             "message": self.message,
+            "detail": self.detail,
             "info": self.info,
             "baseline": None if self.verdict is None else self.verdict.to_json(),
             "record": None if self.baseline_entry is None else self.baseline_entry.to_json(),
@@ -218,6 +220,7 @@ class TestResult(OldToDict):
             budget_text=data.get("budget_text"),
             status=Status.of(data.get("status", Status.OK)),
             message=data.get("message"),
+            detail=list(data.get("detail") or []),
             info=info,
             verdict=None if data.get("baseline") is None else Verdict.from_json(data["baseline"]),
             baseline_entry=None if data.get("record") is None else Entry.from_json(data["record"]),

@@ -205,22 +205,21 @@ class Judge:
         try:
             outcome = yield
         except GpuMemError as exc:
-            status, error, detail = Status.ERROR, f"{item.nodeid}: {exc}", ""
+            status, failure = Status.ERROR, FailureLine(f"{item.nodeid}: {exc}")
         except (pytest.skip.Exception, pytest.xfail.Exception):
             measured.end()
             raise
         except BaseException as exc:
-            failure = _memory_failure(measured, budget, exc, watch.capacity)
-            if failure is None:
+            memory = _memory_failure(measured, budget, exc, watch.capacity)
+            if memory is None:
                 try:
-                    self._finish(item, measured, budget, Status.ERROR, one_line(exc))
+                    self._finish(item, measured, budget, Status.ERROR, FailureLine(one_line(exc)))
                 finally:
                     measured.end_if_running()
                 raise
-            status, line = failure
-            error, detail = line.line, line.section()
+            status, failure = memory
             if _expected(item, exc):  # xfail(raises=...): the test behaves as it does unmeasured
-                self._finish(item, measured, budget, status, error)
+                self._finish(item, measured, budget, status, failure)
                 raise
             exc.__traceback__ = None  # its frames hold the test's tensors
         else:
@@ -228,12 +227,13 @@ class Judge:
             return outcome
         if status == Status.OUT_OF_MEMORY:
             release_memory()
-        self._finish(item, measured, budget, status, error)
+        self._finish(item, measured, budget, status, failure)
+        detail = failure.section()
         if measured.has_call_result:
             detail += "\n" + breakdown(measured.result(), measured.phases)
         if detail:
             item.add_report_section("call", "gpumem", detail.removeprefix("\n"))
-        _fail(error)
+        _fail(failure.line)
 
     def _judge(self, item: pytest.Item, measured: Measurement, budget: Budget | None, watch: Watch) -> None:
         call = measured.end()
@@ -251,14 +251,13 @@ class Judge:
         status, failure = _outcome(measured, budget, watch, call, judgement)
         if budget is not None or judgement is not None or status == Status.LEAKED or _has_detail(measured):
             item.add_report_section("call", "gpumem", _section(measured, call, judgement, failure))
-        line = None if failure is None else failure.line
-        self._finish(item, measured, budget, status, line, judgement)
-        if line:
-            _fail(line)
+        self._finish(item, measured, budget, status, failure, judgement)
+        if failure is not None and failure.line:
+            _fail(failure.line)
 
     def _error(self, item: pytest.Item, measured: Measurement, budget: Budget | None, message: str) -> NoReturn:
         """Record the test as an error and fail it with one line."""
-        self._finish(item, measured, budget, Status.ERROR, message)
+        self._finish(item, measured, budget, Status.ERROR, FailureLine(message))
         _fail(message)
 
     def _finish(
@@ -267,10 +266,10 @@ class Judge:
         measured: Measurement,
         budget: Budget | None,
         status: Status,
-        message: str | None,
+        failure: FailureLine | None,
         judgement: Judgement | None = None,
     ) -> None:
-        result = self._result(item, measured, budget, status, message, judgement)
+        result = self._result(item, measured, budget, status, failure, judgement)
         self._picture(item, result, measured.advice)
         self._keep_evidence(item, measured, result)
         self._keep(item, result)
@@ -282,7 +281,7 @@ class Judge:
         measured: Measurement,
         budget: Budget | None,
         status: Status,
-        message: str | None,
+        failure: FailureLine | None,
         judgement: Judgement | None,
     ) -> TestResult:
         assignment = self.session.assignment
@@ -295,7 +294,8 @@ class Judge:
             budget_limits=None if budget is None else budget.to_json(),
             budget_text=None if budget is None else budget.describe(),
             status=status,
-            message=message,
+            message=None if failure is None else failure.line,
+            detail=[] if failure is None else list(failure.detail),
             info=plain_info(measured.info),
             verdict=None if judgement is None else judgement.verdict,
             baseline_entry=None if judgement is None else judgement.entry,
