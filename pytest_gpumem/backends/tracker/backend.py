@@ -258,10 +258,12 @@ class TrackerBackend(Backend):
         return recorder if isinstance(recorder, Attributor) else None
 
     def survivors(self, count: int) -> list[Survivor]:
-        """The largest storages the call made that are still allocated, with what they hold."""
+        """The largest storages the call made that are still allocated, with what they hold (an empty one,
+        such as a Lazy module's uninitialized parameter, holds no memory and is none)."""
         from pytest_gpumem.backends.tracker.recording import Survivor, tensors_by_storage
 
-        refs = sorted(self.ledger.live.values(), key=lambda ref: ref.counted, reverse=True)[:count]
+        holding = (ref for ref in self.ledger.live.values() if ref.counted)
+        refs = sorted(holding, key=lambda ref: ref.counted, reverse=True)[:count]
         tensors = tensors_by_storage({ref.key for ref in refs})
         found = []
         for ref in refs:
