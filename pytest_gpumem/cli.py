@@ -21,7 +21,8 @@ from pytest_gpumem.baselines.compare import Tolerance, compare_peak, with_growth
 from pytest_gpumem.constants import DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT
 from pytest_gpumem.explain.growth import compact
 from pytest_gpumem.history import command as history
-from pytest_gpumem.report.json import JSON_VERSION, MadeAt, Report, ReportedTest, ReportError, read_report
+from pytest_gpumem.history.git import Head
+from pytest_gpumem.report.json import JSON_VERSION, Report, ReportedTest, ReportError, read_report
 from pytest_gpumem.report.markdown import markdown_table
 from pytest_gpumem.results import Status
 from pytest_gpumem.results.baseline import BaselineStatus, PhaseComparison, sound_composition
@@ -191,7 +192,7 @@ def run_merge(args: argparse.Namespace) -> int:
     return 0
 
 
-def _shared_commit(reports: Sequence[Report], output: Path) -> MadeAt | None:
+def _shared_commit(reports: Sequence[Report], output: Path) -> Head | None:
     """The commit every report was made at; None, said in one line, where two differ."""
     first = reports[0]
     other = next((report for report in reports[1:] if report.commit != first.commit), None)
@@ -205,7 +206,7 @@ def _shared_commit(reports: Sequence[Report], output: Path) -> MadeAt | None:
     return None
 
 
-def _made_at(commit: MadeAt | None) -> str:
+def _made_at(commit: Head | None) -> str:
     if commit is None:
         return "with no commit recorded"
     return f"at {commit.sha[:7]}" + (" with uncommitted changes" if commit.dirty else "")

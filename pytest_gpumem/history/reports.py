@@ -15,7 +15,7 @@ from typing import Any
 
 from pytest_gpumem.baselines.schema import paused_gc
 from pytest_gpumem.errors import first_line
-from pytest_gpumem.history.git import Commit, GitError
+from pytest_gpumem.history.git import Commit, GitError, Head
 from pytest_gpumem.report.json import Report, ReportedTest, ReportError, read_report
 from pytest_gpumem.results.baseline import DeviceIdentity, Entry
 
@@ -44,8 +44,7 @@ class Reports:
 @dataclass(frozen=True)
 class _Report:
     path: Path
-    sha: str | None
-    dirty: bool
+    commit: Head | None
     entries: Entries
 
 
@@ -69,21 +68,22 @@ def read_reports(folder: Path, history: Sequence[Commit]) -> Reports:
         if problem is not None:
             found.skipped.append(f"skipped {path}: {problem}")
             continue
-        assert report.sha is not None
-        at.setdefault(report.sha, []).append(report)
+        assert report.commit is not None
+        at.setdefault(report.commit.sha, []).append(report)
     for sha in sorted(at, key=order.__getitem__):
         found.stores.append((by_sha[sha], _merged(at[sha], by_sha[sha], found.skipped)))
     return found
 
 
 def _misplaced(report: _Report, by_sha: dict[str, Commit], history: Sequence[Commit]) -> str | None:
-    if report.sha is None:
+    made = report.commit
+    if made is None:
         return "it records no commit (made outside a git work tree, or by an older pytest-gpumem)"
-    if report.sha not in by_sha:
+    if made.sha not in by_sha:
         since = f"{history[0].short} to HEAD" if history else "none"
-        return f"made at {report.sha[:12]}, which is not in the history read (its commits: {since})"
-    if report.dirty:
-        return f"made at {by_sha[report.sha].short} with uncommitted changes (its figures are not that commit's)"
+        return f"made at {made.sha[:12]}, which is not in the history read (its commits: {since})"
+    if made.dirty:
+        return f"made at {by_sha[made.sha].short} with uncommitted changes (its figures are not that commit's)"
     return None
 
 
@@ -110,8 +110,7 @@ def _load(path: Path) -> _Report:
         report = read_report(path)
     except ReportError as exc:
         raise _Refused(exc.reason) from None
-    sha, dirty = (None, False) if report.commit is None else (report.commit.sha, report.commit.dirty)
-    return _Report(path, sha, dirty, _entries(report) if sha is not None else {})
+    return _Report(path, report.commit, {} if report.commit is None else _entries(report))
 
 
 def _entries(report: Report) -> Entries:

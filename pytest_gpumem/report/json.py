@@ -12,6 +12,7 @@ from typing import Any
 
 from pytest_gpumem.baselines.schema import strict_json
 from pytest_gpumem.errors import first_line
+from pytest_gpumem.history.git import Head
 from pytest_gpumem.results import TestResult
 from pytest_gpumem.sizes import format_size, shorten
 
@@ -22,15 +23,14 @@ NAMES = ("backend", "device")
 
 
 def document(
-    results: Sequence[TestResult], backend: str | None, device: str | None, commit: Mapping[str, object] | None = None
+    results: Sequence[TestResult], backend: str | None, device: str | None, commit: Head | None = None
 ) -> dict[str, Any]:
-    """The `--gpumem-json` document; `commit` is the work tree's (`{"sha": ..., "dirty": ...}`), None
-    outside git."""
+    """The `--gpumem-json` document; `commit` is the work tree's, None outside git."""
     return {
         "version": JSON_VERSION,
         "backend": backend,
         "device": device,
-        "commit": None if commit is None else dict(commit),
+        "commit": None if commit is None else commit.to_json(),
         "tests": [r.to_json() for r in results],
     }
 
@@ -41,17 +41,6 @@ class ReportError(Exception):
     def __init__(self, path: Path, reason: str) -> None:
         super().__init__(f"{path}: {reason}")
         self.path, self.reason = path, reason
-
-
-@dataclass(frozen=True)
-class MadeAt:
-    """The commit a report was made at, and whether the work tree had uncommitted changes."""
-
-    sha: str
-    dirty: bool
-
-    def to_json(self) -> dict[str, Any]:
-        return {"sha": self.sha, "dirty": self.dirty}
 
 
 @dataclass(frozen=True)
@@ -72,7 +61,7 @@ class Report:
     """A `--gpumem-json` report read back, its tests by node id."""
 
     path: Path
-    commit: MadeAt | None
+    commit: Head | None  # the commit it was made at
     backend: str | None
     device: str | None
     tests: dict[str, ReportedTest]
@@ -148,7 +137,7 @@ def _peaks(path: Path, nodeid: str, raw: dict[str, Any]) -> dict[str | None, int
     return peaks
 
 
-def _made_at(path: Path, commit: object) -> MadeAt | None:
+def _made_at(path: Path, commit: object) -> Head | None:
     if commit is None:
         return None
     sha = commit.get("sha") if isinstance(commit, dict) else None
@@ -158,7 +147,7 @@ def _made_at(path: Path, commit: object) -> MadeAt | None:
             path,
             f'"commit" must be {{"sha": a full commit hash, "dirty": true or false}} or null, got {shorten(commit)}',
         )
-    return MadeAt(sha.lower(), dirty)
+    return Head(sha.lower(), dirty)
 
 
 def _quoted(text: str, quotes: bool = False) -> str:

@@ -37,7 +37,7 @@ def json_text(results: Sequence[TestResult], backend: Backend | None, folder: Pa
     name = backend.name if backend else (first.backend if first else None)
     device = str(backend.device) if backend else (first.device if first else None)
     commit = head(Path.cwd() if folder is None else folder)
-    doc = document(results, name, device, None if commit is None else commit.to_json())
+    doc = document(results, name, device, commit)
     return json.dumps(doc, indent=2, sort_keys=True, allow_nan=False) + "\n"
 
 
