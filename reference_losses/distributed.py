@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from reference_losses.bounds import SMALL
 from reference_losses.models import FP32, ModelWorkload, Net, _scaled, build_net, model_loss
 from reference_losses.strategy import Expectation
 
@@ -60,7 +61,6 @@ if TYPE_CHECKING:
 
 STRATEGIES = ("ddp", "fsdp2")
 PHASES = ("setup", "forward", "backward", "step")
-SMALL = 256 * 1024  # scalars and metadata, as in bounds.py
 LOSS = FP32  # a float32 scalar: the loss, its gradient
 INFO_KEY = "reference_distributed"  # the rows of the report, in gpumem.info (fixtures.DIST_INFO_KEY)
 MOMENTUM = 0.9
