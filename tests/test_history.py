@@ -98,7 +98,7 @@ def test_sparklines_when_asked(repo: Path, capsys: pytest.CaptureFixture[str]) -
 def test_the_gate_fails_above_the_threshold_and_passes_below(repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
     shorts = creep(repo)
     git(repo, "tag", "v1", shorts[0])
-    assert main(["history", "--since", "v1", "--max-growth", "10"]) == 1
+    assert main(["history", "--since", "v1", "--max-growth", "10", "--slack", "0"]) == 1
     lines = capsys.readouterr().out.splitlines()
     steps = ", ".join(
         f"{s} +{k}"
@@ -114,17 +114,17 @@ def test_the_gate_fails_above_the_threshold_and_passes_below(repo: Path, capsys:
         f"grew since v1: t.py::test_grows [tracker cpu] forward: 488.3 KiB -> 594.1 KiB (+21.7%, more than 10%) "
         f"in 5 steps: {half}",
     ]
-    assert main(["history", "--since", "v1", "--max-growth", "30"]) == 0
+    assert main(["history", "--since", "v1", "--max-growth", "30", "--slack", "0"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "no phase grew more than 30% since v1"
 
 
 def test_since_a_date_starts_from_the_version_of_that_day(repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
     shorts = creep(repo)
-    assert main(["history", "--since", "2026-11-05", "--max-growth", "5"]) == 1
+    assert main(["history", "--since", "2026-11-05", "--max-growth", "5", "--slack", "0"]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert lines[-2].startswith("grew since 2026-11-05: t.py::test_grows [tracker cpu] call: 1.1 MiB -> 1.2 MiB")
     assert lines[-2].endswith(f"(+8.2%, more than 5%) in 2 steps: {shorts[4]} +43.9 KiB, {shorts[5]} +45.7 KiB")
-    assert main(["history", "--since", "2026-11-05", "--max-growth", "9"]) == 0
+    assert main(["history", "--since", "2026-11-05", "--max-growth", "9", "--slack", "0"]) == 0
 
 
 def test_a_rename_is_followed(repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -301,7 +301,7 @@ def test_reports_join_at_their_commits_and_the_others_are_named(repo: Path, caps
     (ci / "f-dirty.json").write_text(report(shas[5], 1, dirty=True))
     (ci / "g-package.json").write_text('{"name": "not a report"}')
     (ci / "notes.txt").write_text("not read")
-    assert main(["history", "--no-sparklines", "--reports", "ci", "--max-growth", "21"]) == 1
+    assert main(["history", "--no-sparklines", "--reports", "ci", "--max-growth", "21", "--slack", "0"]) == 1
     captured = capsys.readouterr()
     out = captured.out.splitlines()
     assert out[4:7] == [
@@ -322,7 +322,7 @@ def test_reports_join_at_their_commits_and_the_others_are_named(repo: Path, caps
         f"pytest-gpumem history: ci/c-again.json: other figures than b-gpu.json for 1 test at {shorts[4]}; "
         "b-gpu.json's are kept",
     ]
-    assert main(["history", "--reports", "ci", "--max-growth", "19"]) == 1
+    assert main(["history", "--reports", "ci", "--max-growth", "19", "--slack", "0"]) == 1
     assert "grew: t.py::test_grows [cuda NVIDIA H200 cc 9.0 140.4 GiB (reports)] call: 10.0 MiB -> 12.0 MiB" in (
         capsys.readouterr().out
     )

@@ -72,7 +72,7 @@ def test_a_chart_per_top_grower_with_its_steps_named_and_a_table_of_the_rest(rep
 
 def test_a_test_over_the_gate_says_so_on_the_page(repo: Path) -> None:
     creep(repo)
-    assert main(["history", "--html", "history.html", "--max-growth", "20"]) == 1
+    assert main(["history", "--html", "history.html", "--max-growth", "20", "--slack", "0"]) == 1
     badge = page(repo / "history.html").find(".//section[@class='test']/h2/span[@class='over']")
     assert badge is not None and badge.text == "grew more than 20%: call, forward"
 

@@ -1,29 +1,34 @@
 """``pytest-gpumem history [FILE]``: the memory of every test across the commits of the baseline file,
-and a growth gate (``--since REF --max-growth PCT``).
+along the first-parent line of the branch checked out, and a growth gate (``--since REF --max-growth PCT``,
+with the baseline gate's byte slack, ``--slack SIZE``).
 
 ``--reports DIR`` joins the ``--gpumem-json`` reports in DIR at the commits they record, as series of
 their own; ``--html PATH`` writes the page (a chart per test for the top growers, a table of the rest).
 
-Exit status: 0 shown (nothing grew beyond ``--max-growth``), 1 a phase grew beyond it, 2 git cannot
-answer (no git, not a repository, a file never committed), or an input or output that cannot be used
-(one line). Files are written through the ``write`` the caller passes (the CLI's atomic writer), lines
-printed through its ``say``.
+Exit status: 0 shown (nothing grew beyond ``--max-growth`` and ``--slack``), 1 a phase grew beyond them,
+2 git cannot answer (no git, not a repository, a file never committed), or an input or output that
+cannot be used (one line: an impossible date, two outputs on one path). Files are written through the
+``write`` the caller passes (the CLI's atomic writer), lines printed through its ``say``.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from pytest_gpumem.baselines.compare import Tolerance
 from pytest_gpumem.baselines.schema import paused_gc
-from pytest_gpumem.constants import DEFAULT_FILENAME
+from pytest_gpumem.constants import DEFAULT_FILENAME, DEFAULT_SLACK_BYTES
+from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.history.git import Commit, GitError, Repo, Version
 from pytest_gpumem.history.reports import Reports, read_reports
-from pytest_gpumem.history.series import Series, build, offenders, read
+from pytest_gpumem.history.series import Gate, Series, build, offenders, read
 from pytest_gpumem.history.table import json_text, markdown_text, table
+from pytest_gpumem.sizes import format_size, parse_size
 
 __all__ = ["GitError", "add_parser", "run"]
 
@@ -32,7 +37,9 @@ Say = Callable[[str], None]
 
 _FILE_HELP = f"the committed baseline file (default: {DEFAULT_FILENAME})"
 _REPORTS_HELP = "join the --gpumem-json reports in DIR at their commits"
-_DATE = re.compile(r"^\d{4}-\d{2}-\d{2}([ T]\d{2}:\d{2}(:\d{2})?)?$")
+_SLACK_HELP = f"bytes a phase may grow beyond --max-growth (default {format_size(DEFAULT_SLACK_BYTES)}, as baselines)"
+_DATE = re.compile(r"^(\d{4})-(\d{2})-(\d{2})(?:[ T](\d{2}):(\d{2})(?::(\d{2}))?)?$")
+_OUTPUTS = ("--json", "--markdown", "--html")
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -41,6 +48,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     h.add_argument("file", type=Path, nargs="?", default=Path(DEFAULT_FILENAME), metavar="FILE", help=_FILE_HELP)
     h.add_argument("--since", default=None, metavar="REF", help="a commit, branch, tag or date (2026-11-01)")
     h.add_argument("--max-growth", type=percent, default=None, metavar="PCT", help="exit 1 above this growth")
+    h.add_argument("--slack", type=slack, default=DEFAULT_SLACK_BYTES, metavar="SIZE", help=_SLACK_HELP)
     spark = h.add_mutually_exclusive_group()
     spark.add_argument("--sparklines", action="store_true", default=None, help="draw each series (default: on a tty)")
     spark.add_argument("--no-sparklines", dest="sparklines", action="store_false")
@@ -54,12 +62,19 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def percent(value: str) -> float:
     try:
-        number = float(value)
+        number = float(value.strip().removesuffix("%"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a percentage like 10, got {value!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a percentage like 10 or 10%, got {value!r}") from None
     if not 0 <= number < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a percentage >= 0, got {value!r}")
     return number
+
+
+def slack(value: str) -> int:
+    try:
+        return parse_size(value.strip())
+    except GpuMemError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None  # it names the value
 
 
 def positive(value: str) -> int:
@@ -74,7 +89,7 @@ def run(args: argparse.Namespace, write: Write, say: Say) -> int:
 
 
 def _run(args: argparse.Namespace, write: Write, say: Say) -> int:
-    _not_onto_the_file(args)
+    _outputs_apart(args)
     repo = Repo(args.file)
     versions = _versions(repo, args.file, args.since)
     parsed = read(versions)
@@ -86,15 +101,16 @@ def _run(args: argparse.Namespace, write: Write, say: Say) -> int:
     sparklines = args.sparklines if args.sparklines is not None else sys.stdout.isatty()
     say(table(series, sparklines) if series else f"{args.file}: no baselines in its committed versions")
     commits = _axis([c for c, _ in parsed.stores], reports)
+    gate = None if args.max_growth is None else Gate(Tolerance(args.max_growth, args.slack), args.since)
     if args.json is not None:
         write(args.json, json_text(series, commits, skipped))
     if args.markdown is not None:
-        write(args.markdown, markdown_text(series, args.top))
+        write(args.markdown, markdown_text(series, args.top, gate))
     if args.html is not None:
         from pytest_gpumem.history.page import render  # jinja2 only when a page is asked for
 
-        write(args.html, render(str(args.file), series, commits, skipped, args.top, args.max_growth))
-    return _gate(series, args.max_growth, args.since, say)
+        write(args.html, render(str(args.file), series, commits, skipped, args.top, gate))
+    return _gate(series, gate, say)
 
 
 def _versions(repo: Repo, file: Path, since: str | None) -> list[Version]:
@@ -125,11 +141,16 @@ def _axis(versions: list[Commit], reports: Reports | None) -> list[Commit]:
     return sorted(joined.values(), key=lambda c: order.get(c.sha, -1))
 
 
-def _not_onto_the_file(args: argparse.Namespace) -> None:
-    """An output aimed at the baseline file would replace what history reads: refused before anything."""
-    for flag, path in (("--json", args.json), ("--markdown", args.markdown), ("--html", args.html)):
-        if path is not None and _same(path, args.file):
+def _outputs_apart(args: argparse.Namespace) -> None:
+    """An output aimed at the baseline file would replace what history reads, two outputs on one path
+    would leave only the last: each refused before anything is read."""
+    given = [(flag, path) for flag, path in zip(_OUTPUTS, (args.json, args.markdown, args.html), strict=True) if path]
+    for at, (flag, path) in enumerate(given):
+        if _same(path, args.file):
             raise GitError(f"{flag} {path} is the baseline file history reads; write the output elsewhere")
+        earlier = next((other for other, before in given[:at] if _same(path, before)), None)
+        if earlier is not None:
+            raise GitError(f"{flag} {path} is also the {earlier} output; give each output its own path")
 
 
 def _same(a: Path, b: Path) -> bool:
@@ -141,25 +162,40 @@ def _same(a: Path, b: Path) -> bool:
 
 def _since(repo: Repo, versions: list[Version], since: str) -> list[Version]:
     """The version as it was at ``since`` (the newest before the range), then the versions in it: a ref
-    is the range ``REF..HEAD``, a date ``git log --since``."""
+    is the range ``REF..HEAD``, a date ``git rev-list --since`` (both along the first-parent line)."""
     if repo.is_ref(since):
         revisions = [f"{since}..HEAD"]
-    elif _DATE.match(since):  # a day alone starts at midnight (git would take the time of day now)
-        revisions = [f"--since={since if len(since) > 10 else since + ' 00:00:00'}"]
+    elif (when := _date(since)) is not None:
+        revisions = [f"--since={when}", "HEAD"]
     else:
         raise GitError(f"--since {since}: neither a commit, branch or tag nor a date like 2026-11-01")
-    inside = {commit.sha for commit, _, _ in repo.commits(revisions)}
+    inside = repo.inside(revisions)
     before = [v for v in versions if v.commit.sha not in inside]
     return [*before[-1:], *(v for v in versions if v.commit.sha in inside)]
 
 
-def _gate(series: Sequence[Series], max_growth: float | None, since: str | None, say: Say) -> int:
-    if max_growth is None:
+def _date(since: str) -> str | None:
+    """``since`` as git reads a date (a day alone from its midnight: git would take the time of day now),
+    None when it is not written as one; one that no calendar holds (the 31st of November, which git
+    would read as some other day) raises ``GitError``."""
+    match = _DATE.fullmatch(since)
+    if match is None:
+        return None
+    year, month, day, hour, minute, second = (int(part) for part in match.groups(default="0"))
+    try:
+        when = datetime.datetime(year, month, day, hour, minute, second)  # git reads it in local time
+    except ValueError as exc:
+        raise GitError(f"--since {since}: no such date ({exc})") from None
+    return when.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _gate(series: Sequence[Series], gate: Gate | None, say: Say) -> int:
+    if gate is None:
         return 0
-    lines = offenders(series, max_growth)
-    where = f" since {since}" if since is not None else ""
+    lines = offenders(series, gate)
+    where = f" since {gate.since}" if gate.since is not None else ""
     if not lines:
-        say(f"no phase grew more than {max_growth:g}%{where}")
+        say(f"no phase grew more than {gate.describe()}")
         return 0
     for line in lines:
         say(f"grew{where}: {line}")

@@ -1,22 +1,28 @@
-"""Every committed version of a file, read from git: one ``git log --follow`` for the commits and the
-path at each (renames followed), one ``git cat-file --batch`` process for all the blobs; and the commit
-a work tree is at (one ``git status``), which a ``--gpumem-json`` report records."""
+"""Every version of a file along the first-parent line of HEAD (the branch being gated), as each commit
+of that line holds it: one ``git log --first-parent`` of the file (a merge read against its first
+parent, so a clean merge, ``-s ours`` and a resolved conflict each give what the merge holds), one
+``git diff-tree -M`` where the file appears (renames followed, copies not), one ``git cat-file --batch``
+for all the blobs; and the commit a work tree is at (one ``git status``), which a ``--gpumem-json``
+report records. Git's output is read NUL-separated, so no subject or file name can break a record."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
-from collections.abc import Sequence
+import unicodedata
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.report.terminal import one_line
 
 __all__ = ["Commit", "GitError", "Head", "Repo", "Version", "head"]
 
-_MARK = "\x1e"
-_SEP = "\x1f"
-_FORMAT = f"{_MARK}%H{_SEP}%h{_SEP}%cs{_SEP}%s"
+_FIELDS = 5
+_FORMAT = "%H%x00%h%x00%cs%x00%P%x00%s"  # hash, short hash, committer date, parents, subject
+_GIT = ["git", "-c", "core.quotePath=false", "--literal-pathspecs", "--no-pager"]
 HEAD_TIMEOUT_S = 10.0
 """The longest a report waits for ``git status`` (a huge work tree on a slow disk): then no commit."""
 
@@ -30,7 +36,7 @@ class Commit:
     sha: str
     short: str
     date: str  # the committer date, YYYY-MM-DD
-    subject: str
+    subject: str  # on one line, control characters written as Python escapes
 
     def describe(self) -> str:
         return f"{self.short} {self.date} {self.subject}"
@@ -45,6 +51,17 @@ class Version:
     data: bytes | None
 
 
+@dataclass(frozen=True)
+class _Change:
+    """A first-parent commit that changed the file: its first parent, the status letter, the blob."""
+
+    commit: Commit
+    parent: str | None
+    status: str
+    blob: str | None
+    path: str
+
+
 class Repo:
     """The git repository holding ``path``; raises ``GitError`` when there is none or no git."""
 
@@ -52,66 +69,120 @@ class Repo:
         if shutil.which("git") is None:
             raise GitError("git is not installed (history reads the baseline file's versions from git)")
         self.folder = path.parent if path.parent.is_dir() else Path.cwd()
-        self.file = path.name if path.parent.is_dir() else str(path)
-        top = self._git(["rev-parse", "--show-toplevel"], f"{path}: not inside a git repository", detail=False)
-        self.top = top.strip()
+        name = path.name if path.parent.is_dir() else str(path)
+        where = self._text(
+            ["rev-parse", "--show-toplevel", "--show-prefix"], f"{path}: not inside a git repository", False
+        )
+        top, _, prefix = where.removesuffix("\n").partition("\n")
+        self.folder = Path(top)  # every command from here on runs at the top, on paths relative to it
+        self.path = os.path.normpath(prefix + name)
 
-    def _git(self, args: Sequence[str], problem: str, detail: bool = True) -> str:
-        return self._run(args, problem, None, detail).decode("utf-8", "replace")
+    def _text(self, args: Sequence[str], problem: str, detail: bool = True) -> str:
+        return os.fsdecode(self._run(args, problem, None, detail))
 
     def _run(self, args: Sequence[str], problem: str, stdin: bytes | None = None, detail: bool = True) -> bytes:
-        command = ["git", "-c", "core.quotePath=false", "-C", str(self.folder), *args]
+        command = [*_GIT, "-C", str(self.folder), *args]
         try:
             done = subprocess.run(command, input=stdin, capture_output=True, check=False)
         except OSError as exc:
             raise GitError(f"cannot run git: {exc.strerror or exc}") from None
         if done.returncode != 0:
             reason = done.stderr.decode("utf-8", "replace").strip().splitlines()
-            raise GitError(f"{problem}: {reason[-1]}" if reason and detail else problem)
+            raise GitError(f"{problem}: {one_line(reason[-1])}" if reason and detail else problem)
         return done.stdout
 
-    def commits(self, revisions: Sequence[str] = ()) -> list[tuple[Commit, str, str]]:
-        """The commits that touched the file, newest first, each with its status letter and the path."""
-        args = ["log", "--follow", "--name-status", f"--format={_FORMAT}", *revisions, "--", self.file]
-        text = self._git(args, f"git log of {self.file} failed")
-        found: list[tuple[Commit, str, str]] = []
-        for record in text.split(_MARK)[1:]:
-            head, _, names = record.partition("\n")
-            sha, short, date, subject = head.split(_SEP, 3)
-            lines = [line.split("\t") for line in names.splitlines() if "\t" in line]
-            if lines:
-                status, *paths = lines[-1]
-                found.append((Commit(sha, short, date, subject), status[:1], paths[-1]))
-        return found
-
-    def versions(self, revisions: Sequence[str] = ()) -> list[Version]:
-        """Every committed version of the file, oldest first, its blobs read by one ``cat-file --batch``."""
-        touched = self.commits(revisions)[::-1]
-        wanted = [(c, path) for c, status, path in touched if status != "D"]
-        query = "".join(f"{c.sha}:{path}\n" for c, path in wanted).encode("utf-8")
+    def versions(self) -> list[Version]:
+        """The file at each first-parent commit of HEAD that changed it, oldest first, its blobs read by
+        one ``cat-file --batch``."""
+        changes = list(self._changes())[::-1]
+        wanted = list(dict.fromkeys(c.blob for c in changes if c.blob is not None))
+        query = "".join(f"{blob}\n" for blob in wanted).encode("ascii")
         out = self._run(["cat-file", "--batch"], "git cat-file failed", query) if wanted else b""
-        blobs = iter(_blobs(out))
-        data = {c.sha: next(blobs, None) for c, _ in wanted}
-        return [Version(c, path, data.get(c.sha)) for c, status, path in touched]
+        data = dict(zip(wanted, _blobs(out), strict=True))
+        return [Version(c.commit, c.path, None if c.blob is None else data[c.blob]) for c in changes]
+
+    def _changes(self) -> Iterator[_Change]:
+        """Newest first: the commits of HEAD's first-parent line that changed the file, under the name
+        it had at each; where a commit renamed it, on under its old name from that commit's parent."""
+        start: str | None = "HEAD"
+        path = self.path
+        while start is not None:
+            changes, start = self._log(start, path), None
+            for change in changes:
+                yield change
+                source = self._renamed_from(change)
+                if source is not None:
+                    start, path = change.parent, source
+                    break
+
+    def _log(self, start: str, path: str) -> list[_Change]:
+        args = ["log", "--first-parent", "--diff-merges=first-parent", "--no-renames", "--raw"]
+        args += ["-z", f"--format={_FORMAT}", start, "--", path]
+        changes = []
+        for commit, parents, raw in _records(self._run(args, f"git log of {self.path} failed")):
+            if raw:
+                fields = raw[-1][0].decode("ascii", "replace").split()
+                blob = fields[3].rstrip(".")  # abbreviated (unique), as the short hash; zeros where deleted
+                parent = parents[0] if parents else None
+                changes.append(_Change(commit, parent, fields[4][:1], blob if blob.strip("0") else None, path))
+        return changes
+
+    def _renamed_from(self, change: _Change) -> str | None:
+        """The file's name in the parent of a commit that renamed it to its name there (a copy is no
+        rename); None for any other change."""
+        if change.status != "A" or change.parent is None:
+            return None
+        args = ["diff-tree", "-r", "-z", "-M", "--diff-filter=R", "--no-commit-id", change.parent, change.commit.sha]
+        tokens = self._run(args, f"git diff-tree of {change.commit.short} failed").split(b"\0")
+        for at in range(0, len(tokens) - 2, 3):
+            if os.fsdecode(tokens[at + 2]) == change.path:
+                return os.fsdecode(tokens[at + 1])
+        return None
 
     def since(self, oldest: Commit) -> list[Commit]:
-        """Every commit from ``oldest`` to HEAD (those that touched the file or not), oldest first."""
-        args = ["log", f"--format={_FORMAT}", "HEAD", "--not", f"{oldest.sha}^@"]
-        text = self._git(args, "git log failed")
-        found = [Commit(*record.split("\n")[0].split(_SEP, 3)) for record in text.split(_MARK)[1:]]
-        return found[::-1]
+        """Every commit of HEAD's first-parent line from ``oldest`` on (those that changed the file or
+        not), oldest first."""
+        args = ["log", "--first-parent", "-z", f"--format={_FORMAT}", "HEAD", "--not", f"{oldest.sha}^@"]
+        return [commit for commit, _, _ in _records(self._run(args, "git log failed"))][::-1]
+
+    def inside(self, revisions: Sequence[str]) -> set[str]:
+        """The hashes of the first-parent commits that ``git rev-list`` selects with ``revisions``."""
+        text = self._text(["rev-list", "--first-parent", *revisions], "git rev-list failed")
+        return set(text.split())
 
     def shallow(self) -> Commit | None:
         """The oldest commit reachable when the clone is shallow, else None."""
-        if self._git(["rev-parse", "--is-shallow-repository"], "git rev-parse failed").strip() != "true":
+        if self._text(["rev-parse", "--is-shallow-repository"], "git rev-parse failed").strip() != "true":
             return None
-        text = self._git(["log", "--max-parents=0", f"--format={_FORMAT}", "HEAD"], "git log failed")
-        oldest = [r.split("\n")[0].split(_SEP, 3) for r in text.split(_MARK)[1:]]
-        return min((Commit(*fields) for fields in oldest), key=lambda c: c.date, default=None)
+        out = self._run(["log", "--max-parents=0", "-z", f"--format={_FORMAT}", "HEAD"], "git log failed")
+        return min((commit for commit, _, _ in _records(out)), key=lambda c: c.date, default=None)
 
     def is_ref(self, name: str) -> bool:
-        command = ["git", "-C", str(self.folder), "rev-parse", "--verify", "--quiet", f"{name}^{{commit}}"]
+        command = [*_GIT, "-C", str(self.folder), "rev-parse", "--verify", "--quiet", f"{name}^{{commit}}"]
         return subprocess.run(command, capture_output=True, check=False).returncode == 0
+
+
+def _records(out: bytes) -> Iterator[tuple[Commit, list[str], list[tuple[bytes, bytes]]]]:
+    """The commits of a ``git log -z --format=_FORMAT`` answer, each with its parents and its ``--raw``
+    lines (each line's fields and path)."""
+    tokens = out.split(b"\0")
+    at = 0
+    while at + _FIELDS <= len(tokens) and tokens[at].strip():
+        sha, short, date, parents, subject = (t.decode("utf-8", "replace") for t in tokens[at : at + _FIELDS])
+        at += _FIELDS
+        raw = []
+        while at + 1 < len(tokens) and tokens[at].lstrip(b"\n").startswith(b":"):
+            raw.append((tokens[at].lstrip(b"\n"), tokens[at + 1]))
+            at += 2
+        yield Commit(sha.strip(), short, date, _printable(subject)), parents.split(), raw
+
+
+def _printable(text: str) -> str:
+    """``text`` with every control character (a record separator, an escape sequence) written as its
+    Python escape, so that no output it reaches obeys it or breaks on it."""
+    if text.isprintable():
+        return text
+    return "".join(c.encode("unicode_escape").decode("ascii") if unicodedata.category(c) == "Cc" else c for c in text)
 
 
 def _blobs(out: bytes) -> list[bytes | None]:

@@ -22,7 +22,7 @@ from typing import Any
 import jinja2
 
 from pytest_gpumem.history.git import Commit
-from pytest_gpumem.history.series import Series, Step, growth_text, signed
+from pytest_gpumem.history.series import Gate, Series, Step, growth_text, signed
 from pytest_gpumem.history.table import groups, sparkline
 from pytest_gpumem.report import assets
 from pytest_gpumem.sizes import format_size
@@ -32,10 +32,14 @@ __all__ = ["byte_ticks", "render"]
 WIDTH, HEIGHT = 400, 180  # a panel's viewBox: three side by side at 1280 px, about 1:1
 LEFT, RIGHT, TOP, BOTTOM = 66, 14, 10, 36
 LABEL_WIDTH, LABEL_SPACE = 60, 6  # a commit label (its date, 10 px, is the wider line) and the room between two
+MIN_SPAN = 0.05
+"""The least a byte axis spans, as a share of its top figure: a change of a few bytes stays flat."""
 PHASE_CLASSES = 8  # the stylesheet's line colours, c0 (the whole call) to c7, repeating past the last
 _UNITS = ((1024**4, "TiB"), (1024**3, "GiB"), (1024**2, "MiB"), (1024, "KiB"), (1, "B"))
 
 Group = tuple[str, str, list[Series]]
+Label = tuple[float, str, str, str, str]
+"""Where a commit label is (x), how it is anchored there, the short hash, the date and the hover text."""
 
 
 @dataclass(frozen=True)
@@ -59,11 +63,11 @@ def render(
     commits: Sequence[Commit],
     notes: Sequence[str],
     top: int,
-    gate: float | None = None,
+    gate: Gate | None = None,
 ) -> str:
     """The page: ``commits`` is the x axis (oldest first: every commit a point of a series is at), the
     ``top`` tests that changed most get a chart, ``notes`` (what was skipped) are listed, and a test whose
-    phase grew more than ``gate`` % says so."""
+    phase broke ``gate`` says so."""
     shipped = _assets()
     axis = {c.sha: i for i, c in enumerate(commits)}
     found = groups(series)
@@ -111,7 +115,7 @@ def _row(members: list[Series]) -> dict[str, Any]:
     }
 
 
-def _chart(index: int, group: Group, axis: dict[str, int], gate: float | None) -> dict[str, Any]:
+def _chart(index: int, group: Group, axis: dict[str, int], gate: Gate | None) -> dict[str, Any]:
     """One test's chart: a panel per phase that changed (on one commit axis), the others in a line, and
     the commits that changed a figure as a table."""
     nodeid, device, members = group
@@ -121,20 +125,20 @@ def _chart(index: int, group: Group, axis: dict[str, int], gate: float | None) -
     def x(commit: Commit) -> float:
         return LEFT + (axis[commit.sha] - first) / max(1, last - first) * (WIDTH - LEFT - RIGHT)
 
-    over = [s.phase for s in members if gate is not None and s.growth() > gate]
+    over = [s.phase for s in members if gate is not None and gate.broke(s)]
     steady = [f"{s.phase} {format_size(s.latest)}" for s in members if not s.steps]
     return {
         "id": f"t{index}",
         "nodeid": nodeid,
         "device": device,
-        "over": f"grew more than {gate:g}%: {', '.join(over)}" if over else "",
-        "panels": [_panel(k, s, x, commits[0]) for k, s in enumerate(members) if s.steps],
+        "over": f"grew more than {gate.tolerance.describe()}: {', '.join(over)}" if gate and over else "",
+        "panels": [_panel(k, s, x) for k, s in enumerate(members) if s.steps],
         "steady": f"unchanged: {', '.join(steady)}" if steady else "",
         "steps": [(c.short, c.date, c.subject, _changes(changes)) for c, changes in _steps_by_commit(members, axis)],
     }
 
 
-def _panel(k: int, s: Series, x: Callable[[Commit], float], start: Commit) -> dict[str, Any]:
+def _panel(k: int, s: Series, x: Callable[[Commit], float]) -> dict[str, Any]:
     """One phase: its title and figures, its byte axis, its step line, and at each step a guide, a dot
     and the commit's label (where there is room)."""
     low, high, marks = byte_ticks(min(p.value for p in s.points), max(p.value for p in s.points))
@@ -158,7 +162,7 @@ def _panel(k: int, s: Series, x: Callable[[Commit], float], start: Commit) -> di
         "path": "".join(path),
         "dots": [(round(x(st.commit), 1), round(y(st.after), 1), t) for st, t in zip(s.steps, titles, strict=True)],
         "guides": [(round(x(st.commit), 1), t) for st, t in zip(s.steps, titles, strict=True)],
-        "labels": _labels([(x(start), start), *((x(st.commit), st.commit) for st in s.steps)]),
+        "labels": _labels(s, x),
     }
 
 
@@ -171,18 +175,47 @@ def _steps_by_commit(members: list[Series], axis: dict[str, int]) -> list[tuple[
     return sorted(found.values(), key=lambda item: axis[item[0].sha])
 
 
-def _labels(candidates: list[tuple[float, Commit]]) -> list[tuple[float, str, str, str, str]]:
-    """Commit labels under the axis, left to right, each clear of the one before; one near an edge is
-    aligned to end there rather than cross it."""
-    placed: list[tuple[float, str, str, str, str]] = []
-    edge = -math.inf  # where the last label placed ends
-    for at, commit in sorted(candidates, key=lambda item: item[0]):
-        anchor = "start" if at < LEFT + LABEL_WIDTH / 2 else "end" if at > WIDTH - LABEL_WIDTH / 2 else "middle"
-        left = {"start": at, "middle": at - LABEL_WIDTH / 2, "end": at - LABEL_WIDTH}[anchor]
-        if left >= edge + LABEL_SPACE:
-            placed.append((round(at, 1), anchor, commit.short, commit.date, commit.describe()))
-            edge = left + LABEL_WIDTH
-    return placed
+def _labels(s: Series, x: Callable[[Commit], float]) -> list[Label]:
+    """Commit labels under the axis, none over another: the last commit's, the largest step's and the
+    first's always (one that would cover another moved aside, to the nearest free place), then the
+    other steps' where there is room, left to right."""
+    placed: list[Label] = []
+    largest = s.largest
+    kept = [s.points[-1].commit, *([largest.commit] if largest else []), s.points[0].commit]
+    for commit in dict.fromkeys(kept):
+        natural = _left(x(commit))
+        left = _nearest_free(natural, placed)
+        placed.append(_label(commit, x(commit)) if left == natural else _label(commit, left, "start"))
+    for commit in sorted({st.commit for st in s.steps} - set(kept), key=x):
+        natural = _left(x(commit))
+        if _nearest_free(natural, placed) == natural:
+            placed.append(_label(commit, x(commit)))
+    return sorted(placed, key=lambda label: label[0])
+
+
+def _anchor(at: float) -> str:
+    """A label near an edge is aligned to end there rather than cross it."""
+    return "start" if at < LEFT + LABEL_WIDTH / 2 else "end" if at > WIDTH - LABEL_WIDTH / 2 else "middle"
+
+
+def _left(at: float, anchor: str | None = None) -> float:
+    return at - {"start": 0, "middle": LABEL_WIDTH / 2, "end": LABEL_WIDTH}[anchor or _anchor(at)]
+
+
+def _label(commit: Commit, at: float, anchor: str | None = None) -> Label:
+    return (round(at, 1), anchor or _anchor(at), commit.short, commit.date, commit.describe())
+
+
+def _nearest_free(left: float, placed: Sequence[Label]) -> float:
+    """The left edge nearest to ``left`` where a label covers none of ``placed`` and stays in the panel."""
+    boxes = [_left(at, anchor) for at, anchor, *_ in placed]
+
+    def free(edge: float) -> bool:
+        inside = 0 <= edge <= WIDTH - LABEL_WIDTH
+        return inside and all(abs(edge - other) >= LABEL_WIDTH + LABEL_SPACE for other in boxes)
+
+    edges = [left, *(b + sign * (LABEL_WIDTH + LABEL_SPACE) for b in boxes for sign in (-1, 1))]
+    return min((edge for edge in edges if free(edge)), key=lambda edge: abs(edge - left), default=left)
 
 
 def _change(s: Series, step: Step) -> str:
@@ -194,13 +227,15 @@ def _changes(changes: list[tuple[Series, Step]]) -> str:
 
 
 def byte_ticks(low: int, high: int) -> tuple[float, float, list[tuple[float, str]]]:
-    """The byte axis around ``low``..``high``: its ends, round values a step outside the figures (never
-    below 0), and the marks between them (about five), each labelled in the unit of the top."""
+    """The byte axis around ``low``..``high``, widened to span ``MIN_SPAN`` of the top figure at least:
+    its ends, round values a step outside the figures (never below 0), and the marks between them (about
+    five), each labelled in the unit of the top."""
     unit, name = next((size, text) for size, text in _UNITS if high >= size or size == 1)
-    span = (high - low) / unit or max(high / unit / 10, 1.0)
+    widen = max(0.0, high * MIN_SPAN - (high - low)) / 2
+    span = (high - low + 2 * widen) / unit or max(high / unit / 10, 1.0)
     step = max(_nice(span / 4), 1.0 if unit == 1 else 0.0)
-    bottom = max(0.0, (math.ceil(low / unit / step) - 1) * step)
-    top = (math.floor(high / unit / step) + 1) * step
+    bottom = max(0.0, (math.ceil((low - widen) / unit / step) - 1) * step)
+    top = (math.floor((high + widen) / unit / step) + 1) * step
     decimals = max(0, -math.floor(math.log10(step)))
     marks = [(bottom + i * step) * unit for i in range(round((top - bottom) / step) + 1)]
     return bottom * unit, top * unit, [(mark, f"{mark / unit:.{decimals}f} {name}") for mark in marks]

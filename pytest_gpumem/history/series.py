@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
+from pytest_gpumem.baselines.compare import Tolerance
 from pytest_gpumem.baselines.schema import BaselineError, Versions, paused_gc
 from pytest_gpumem.errors import first_line
 from pytest_gpumem.history.git import Commit, Version
@@ -16,6 +17,7 @@ from pytest_gpumem.results.baseline import DeviceIdentity, Entry
 from pytest_gpumem.sizes import format_size
 
 __all__ = [
+    "Gate",
     "Point",
     "Series",
     "Step",
@@ -179,18 +181,34 @@ def growth_text(series: Series) -> str:
     return "new" if percent is None else f"{percent:+.1f}%"
 
 
-def offenders(series: Iterable[Series], max_growth: float) -> list[str]:
-    """One line per series that grew more than ``max_growth`` %: the test, the phase, both figures and
-    the commits of its steps."""
+@dataclass(frozen=True)
+class Gate:
+    """``--max-growth PCT --slack SIZE``: a series breaks it when its latest figure is above its first
+    by more than the baseline gate's arithmetic allows (PCT % of the first figure plus SIZE bytes)."""
+
+    tolerance: Tolerance
+    since: str | None = None
+
+    def broke(self, s: Series) -> bool:
+        return s.latest > self.tolerance.upper(s.first)
+
+    def describe(self) -> str:
+        """``10% + 1.0 MiB since v1``."""
+        return self.tolerance.describe() + (f" since {self.since}" if self.since is not None else "")
+
+
+def offenders(series: Iterable[Series], gate: Gate) -> list[str]:
+    """One line per series that broke ``gate``: the test, the phase, both figures and the commits of
+    its steps."""
     lines = []
     for s in series:
-        if s.growth() <= max_growth:
+        if not gate.broke(s):
             continue
         steps = ", ".join(f"{step.commit.short} {signed(step.change)}" for step in s.steps)
         count = f"{len(s.steps)} step{'' if len(s.steps) == 1 else 's'}"
         lines.append(
             f"{s.nodeid} [{s.device}] {s.phase}: {format_size(s.first)} -> {format_size(s.latest)} "
-            f"({growth_text(s)}, more than {max_growth:g}%) in {count}: {steps}"
+            f"({growth_text(s)}, more than {gate.tolerance.describe()}) in {count}: {steps}"
         )
     return lines
 

@@ -1,15 +1,18 @@
 """The history shown: a table for the terminal (a test's line, then a row per phase, sorted by growth,
-with a sparkline of each series where asked), a Markdown table of the top growers, and JSON."""
+with a sparkline of each series where asked), a Markdown table of the top growers (and of what broke the
+gate), and JSON."""
 
 from __future__ import annotations
 
+import html
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from pytest_gpumem.history.git import Commit
-from pytest_gpumem.history.series import Series, Step, growth_text, signed
-from pytest_gpumem.report.markdown import markdown_table
+from pytest_gpumem.history.series import Gate, Series, Step, growth_text, signed
+from pytest_gpumem.report.markdown import cell, markdown_table
 from pytest_gpumem.report.width import cut, display_width, pad, truncate
 from pytest_gpumem.sizes import format_size
 
@@ -78,14 +81,38 @@ def table(series: Sequence[Series], sparklines: bool, width: int = WIDTH) -> str
     return "\n".join(lines)
 
 
-def markdown_text(series: Sequence[Series], top: int) -> str:
-    """The ``top`` growers as a GitHub table, one line saying how many more series there are."""
-    shown = list(series[:top])
-    headers = ["test", "device", *HEADERS]
-    body = [[f"`{s.nodeid}`", s.device, *_cells(s)] for s in shown]
+def markdown_text(series: Sequence[Series], top: int, gate: Gate | None = None) -> str:
+    """The ``top`` growers and every series that broke ``gate`` as a GitHub table (text written as the
+    page writes it: ``<`` as ``&lt;``, so a subject or a phase name is never markup), one line saying
+    how many more series there are, and under a gate, how many broke it and the exit status."""
+    broke = {id(s) for s in series if gate is not None and gate.broke(s)}
+    shown = [s for i, s in enumerate(series) if i < top or id(s) in broke]
+    headers = ["test", "device", *(["gate"] if gate else []), *HEADERS]
+    verdicts = [["over" if id(s) in broke else "-"] if gate else [] for s in shown]
+    body = [[_code(s.nodeid), *map(_text, [s.device, *v, *_cells(s)])] for s, v in zip(shown, verdicts, strict=True)]
     text = markdown_table(headers, body) if shown else "No baselines in the file's history.\n"
     left = len(series) - len(shown)
-    return text + (f"\n{left} more series (the top {top} growers shown)\n" if left > 0 else "")
+    which = f"the top {top} growers" + (" and every series over the gate" if len(shown) > top else "")
+    text += f"\n{left} more series ({which} shown)\n" if left > 0 else ""
+    if gate is None:
+        return text
+    if broke:
+        return text + f"\n{len(broke)} series grew more than {gate.describe()}: exit 1\n"
+    return text + f"\nNo phase grew more than {gate.describe()}: exit 0\n"
+
+
+def _text(text: str) -> str:
+    return html.escape(text, quote=False)
+
+
+def _code(nodeid: str) -> str:
+    """A test id as a code span, its fence longer than any run of backticks in it; as escaped text
+    where the cell would escape more than a pipe (a backslash would show doubled in a code span)."""
+    if cell(nodeid).replace("\\|", "|") != nodeid:
+        return _text(nodeid).replace("`", "&#96;")
+    fence = "`" * (max(map(len, re.findall("`+", nodeid)), default=0) + 1)
+    pad = " " if nodeid.startswith("`") or nodeid.endswith("`") else ""
+    return f"{fence}{pad}{nodeid}{pad}{fence}"
 
 
 def json_text(series: Sequence[Series], commits: Sequence[Commit], skipped: Sequence[str]) -> str:
