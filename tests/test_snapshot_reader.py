@@ -1,0 +1,205 @@
+"""The snapshot reader runs no code and refuses what is not a snapshot in one line; the replay gives a card's
+peaks from its trace. Real cards' snapshots are read from ../shared/snapshots (skipped when absent)."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.snapshots.read import Snapshot, read_snapshot, snapshot_from_bytes
+from pytest_gpumem.snapshots.replay import replay, starts_empty
+
+MiB = 1 << 20
+SNAPSHOTS = Path(__file__).resolve().parents[1].parent / "shared" / "snapshots"
+FROM_EMPTY = {  # the catalog's from-empty traces
+    "NiuHuangxiaozi__assignment2-systems__fwd_ctx100_fp32.pickle",
+    "NiuHuangxiaozi__assignment2-systems__fwd_ctx200_bf16autocast.pickle",
+    "NiuHuangxiaozi__assignment2-systems__train_ctx100_fp32.pickle",
+    "shreyansh26__MLSys-Experiments__profile_grad.pickle",
+    "silmont2000__assignment2-systems__mem_snapshot.pickle",
+}
+SMALL, LARGE = 0x7F0000000000, 0x7F0010000000  # segment addresses of the hand-made trace
+
+
+def frame(name: str, filename: str = "train.py", line: int = 1) -> dict[str, Any]:
+    return {"name": name, "filename": filename, "line": line}
+
+
+def event(action: str, addr: int, size: int, **extra: Any) -> dict[str, Any]:
+    return {"action": action, "addr": addr, "size": size, "stream": 0, "frames": [frame("step")], **extra}
+
+
+def hand_made() -> dict[str, Any]:
+    """A from-empty trace: 1000 B and 600 B in a 2 MiB small segment, the 1000 B freed, then 3,000,000 B in a
+    20 MiB large segment, freed, its segment released."""
+    trace = [
+        event("segment_alloc", SMALL, 2 * MiB),
+        event("alloc", SMALL, 1000, time_us=1),
+        event("alloc", SMALL + 1024, 600, compile_context="N/A", user_metadata=""),
+        event("free_requested", SMALL, 1000),
+        event("free_completed", SMALL, 1000),
+        event("segment_alloc", LARGE, 20 * MiB),
+        event("alloc", LARGE, 3_000_000),
+        event("free_requested", LARGE, 3_000_000),
+        event("free_completed", LARGE, 3_000_000),
+        event("segment_free", LARGE, 20 * MiB),
+    ]
+    block = {"address": SMALL + 1024, "size": 1024, "requested_size": 600, "state": "active_allocated", "frames": []}
+    free = {"address": SMALL, "size": 2 * MiB - 1024, "requested_size": 0, "state": "inactive", "frames": []}
+    segment = {
+        "device": 0, "address": SMALL, "total_size": 2 * MiB, "stream": 0, "segment_type": "small",
+        "is_expandable": False, "blocks": [free, block], "segment_pool_id": (0, 0), "frames": [],
+    }  # fmt: skip
+    settings = {"PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1, "expandable_segments": False}
+    settings["roundup_power2_divisions"] = {str(1 << i): 0 for i in range(16)}
+    annotations = [{"stage": "START", "name": "Optimizer.step#AdamW.step", "device": 0, "time_us": 5}]
+    return {
+        "segments": [segment],
+        "device_traces": [trace, []],
+        "allocator_settings": settings,
+        "external_annotations": annotations,
+    }
+
+
+def refusal(data: bytes) -> str:
+    with pytest.raises(GpuMemError) as caught:
+        snapshot_from_bytes(data, "card.pickle")
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith("card.pickle: ")
+    return message
+
+
+# ------------------------------------------------------------------------------------------- refused
+
+
+def test_a_pickle_naming_a_global_is_refused_without_running_it(tmp_path: Path) -> None:
+    ran = tmp_path / "ran"
+    data = f"cos\nsystem\n(S'touch {ran}'\ntR.".encode()
+    assert "the global os.system" in refusal(data)
+    assert not ran.exists()
+
+
+def test_a_global_inside_an_otherwise_good_snapshot_is_refused() -> None:
+    from collections import OrderedDict
+
+    snapshot = hand_made()
+    snapshot["segments"][0]["blocks"][0]["frames"] = OrderedDict()
+    assert "the global collections.OrderedDict" in refusal(pickle.dumps(snapshot))
+
+
+def test_a_truncated_file_is_refused() -> None:
+    data = pickle.dumps(hand_made())
+    assert "cut short" in refusal(data[: len(data) // 2])
+
+
+def test_a_git_lfs_pointer_is_refused() -> None:
+    pointer = b"version https://git-lfs.github.com/spec/v1\noid sha256:" + b"0" * 64 + b"\nsize 622340\n"
+    assert "a Git LFS pointer" in refusal(pointer)
+
+
+@pytest.mark.parametrize(
+    ("value", "found"),
+    [
+        ([1, 2, 3], "holds a list, not a dict"),
+        ({"weights": 1}, "without 'segments' and 'device_traces' (keys: weights)"),
+        ({"segments": [], "device_traces": [[{"action": "alloc", "addr": 0, "size": "8"}]]}, "'size' is a str"),
+        ({"segments": [], "device_traces": [[{"action": "teleport", "addr": 0, "size": 8}]]}, "unknown action"),
+        ({"segments": [{"address": 0}], "device_traces": []}, "segments[0] has no 'total_size'"),
+    ],
+)
+def test_what_is_not_a_snapshot_is_refused_in_one_line(value: object, found: str) -> None:
+    assert found in refusal(pickle.dumps(value))
+
+
+def test_a_text_file_is_refused() -> None:
+    assert "not a pickle" in refusal(b"hello, world\n")
+
+
+def test_a_missing_file_is_refused_with_its_name(tmp_path: Path) -> None:
+    with pytest.raises(GpuMemError, match=r"nothing\.pickle: cannot read"):
+        read_snapshot(tmp_path / "nothing.pickle")
+
+
+# ------------------------------------------------------------------------------------- a hand-made one
+
+
+def test_a_hand_made_snapshot_reads_into_typed_records(tmp_path: Path) -> None:
+    path = tmp_path / "hand.pickle"
+    path.write_bytes(pickle.dumps(hand_made()))
+    snapshot = read_snapshot(path)
+    assert isinstance(snapshot, Snapshot) and snapshot.path == str(path)
+    assert [len(t) for t in snapshot.traces] == [10, 0]
+    second = snapshot.trace(0)[2]
+    assert (second.action, second.addr, second.size, second.compile_context) == ("alloc", SMALL + 1024, 600, "N/A")
+    assert second.frames[0].name == "step" and snapshot.trace(0)[1].time_us == 1
+    assert [b.state for b in snapshot.segments[0].blocks] == ["inactive", "active_allocated"]
+    assert snapshot.annotations[0].name == "Optimizer.step#AdamW.step"
+    assert snapshot.allocator_settings is not None and snapshot.allocator_settings.describe() == ""
+    assert snapshot.tier == "T6"  # user_metadata
+
+
+def test_the_hand_made_trace_replays_to_peaks_derived_by_hand() -> None:
+    figures = replay(snapshot_from_bytes(pickle.dumps(hand_made())))
+    assert figures.from_empty
+    # requested: 1000 + 600, then 600 + 3,000,000 after the first is freed
+    assert figures.peak_requested == 3_000_600
+    # blocks: 1000 -> 1024 and 600 -> 1024 B (512 B steps), 3,000,000 -> 3,000,320 B split off its 20 MiB
+    # segment (more than 1 MiB remains); at the peak 1024 + 3,000,320
+    assert figures.peak_allocated == 3_001_344
+    # segments: 2 MiB small + 20 MiB large; the allocator's model fed the requests makes the same two
+    assert figures.peak_reserved == figures.model_peak_reserved == 22 * MiB
+    assert [e.size for e in figures.requests] == [1000, 600, 3_000_000]
+
+
+def test_a_trace_that_frees_what_it_never_allocated_starts_warm() -> None:
+    snapshot = hand_made()
+    snapshot["device_traces"][0] = snapshot["device_traces"][0][3:]  # begins with the free of the 1000 B
+    read = snapshot_from_bytes(pickle.dumps(snapshot))
+    assert not starts_empty(read.trace())
+    figures = replay(read)
+    # live at the start: the 600 B block left at the end, and the 1000 B freed in the trace (1024 B counted)
+    assert (figures.start_requested, figures.start_allocated) == (1600, 2048)
+    # reserved at the start: the final 2 MiB segment; the trace adds 20 MiB and gives it back
+    assert (figures.start_reserved, figures.peak_reserved) == (2 * MiB, 22 * MiB)
+
+
+# ------------------------------------------------------------------------------------- real cards' files
+
+
+@pytest.fixture(scope="module")
+def cards() -> dict[str, Snapshot]:
+    if not SNAPSHOTS.is_dir():
+        pytest.skip(f"no snapshots folder at {SNAPSHOTS}")
+    return {path.name: read_snapshot(path) for path in sorted(SNAPSHOTS.glob("*.pickle"))}
+
+
+def test_every_real_snapshot_reads(cards: dict[str, Snapshot]) -> None:
+    assert len(cards) == 21
+    assert {s.tier for s in cards.values()} == {"T0", "T1", "T2", "T3", "T4", "T5", "T6"}
+    assert all(s.trace(0) and s.segments for s in cards.values())
+    streams = {e.stream for e in cards["Maphsge4__select_n__llama_selectn_multistream.pickle"].trace()}
+    assert len(streams) == 10
+
+
+def test_the_from_empty_traces_are_the_catalogs(cards: dict[str, Snapshot]) -> None:
+    assert {name for name, s in cards.items() if starts_empty(s.trace())} == FROM_EMPTY
+
+
+def reserved_at_peak(snapshot: Snapshot) -> int:
+    reserved = peak = 0
+    for e in snapshot.trace():
+        reserved += e.size if e.action == "segment_alloc" else -e.size if e.action == "segment_free" else 0
+        peak = max(peak, reserved)
+    return peak
+
+
+@pytest.mark.parametrize("name", sorted(FROM_EMPTY))
+def test_a_from_empty_replay_reserves_the_segments_of_its_trace(cards: dict[str, Snapshot], name: str) -> None:
+    figures = replay(cards[name])
+    assert figures.peak_reserved == reserved_at_peak(cards[name])
+    assert figures.model_peak_reserved == figures.peak_reserved  # the allocator's model, fed the card's requests
+    assert figures.peak_requested <= figures.peak_allocated <= figures.peak_reserved
