@@ -14,6 +14,10 @@ CUDA 11.7) are 254-426 MiB, and the kernels a training step loads on first use a
 with `CUDA_MODULE_LOADING=EAGER` (636 MiB and more) and with NCCL. `docs/reference/cards.md` lists the
 sources; `'H100-80GB:1 GiB'` overrides the figure, `'24 GiB:600 MiB'` names an unlisted card by its total.
 
+A card's SM count and the threads one SM holds (`threads_per_sm`, from the compute capability, as CUDA's
+`maxThreadsPerMultiProcessor`) size some kernels' launches, and with them the temporaries they take from the
+allocator (a reduction's staging buffer: `backends/tracker/kernel_temporaries.py`).
+
 The cuBLAS workspace is inside the allocator: one per cuBLAS handle (one per thread) and stream, of the
 size `cublas_workspace_bytes` gives, allocated on the handle's first matmul and kept
 (`aten/src/ATen/cuda/CublasHandlePool.cpp`, `parseChosenWorkspaceSize`).
@@ -42,6 +46,7 @@ CUBLAS_WORKSPACE_LARGE = 4096 * 8 * 1024
 """torch's cuBLAS workspace on compute capability 9.x, 10.x and 12.x (Hopper, Blackwell): 32 MiB."""
 
 _LARGE_WORKSPACE_MAJORS = frozenset((9, 10, 12))
+_THREADS_PER_SM = {(7, 5): 1024, (8, 6): 1536, (8, 9): 1536, (12, 0): 1536}  # 2048 on 8.0, 9.0, 10.0
 _WORKSPACE_PAIR = re.compile(r":([0-9]+):([0-9]+)")
 _SIZE_START = re.compile(r"^[-+.0-9]")
 
@@ -49,7 +54,7 @@ _SIZE_START = re.compile(r"^[-+.0-9]")
 @dataclass(frozen=True)
 class Card:
     """A GPU: its total memory as the driver reports it, its compute capability, the memory a process keeps
-    outside the allocator on it by default, and where the total comes from."""
+    outside the allocator on it by default, where the total comes from, and its SM count."""
 
     name: str
     total: int
@@ -57,6 +62,12 @@ class Card:
     source: str
     aliases: tuple[str, ...] = ()
     outside: int = DEFAULT_OUTSIDE
+    sm_count: int = 108  # an A100's, where a card does not say
+
+    @property
+    def threads_per_sm(self) -> int:
+        """The most resident threads per SM on the card's compute capability (`maxThreadsPerMultiProcessor`)."""
+        return _THREADS_PER_SM.get(self.capability, 2048)
 
     @property
     def allocator_bytes(self) -> int:
@@ -74,15 +85,29 @@ def _mib(n: int) -> int:
 
 
 CARDS: tuple[Card, ...] = (
-    Card("T4", _mib(14_930), (7, 5), "torch printouts 14,930-15,109 MiB; nvidia-smi 15,360 MiB", ("Tesla T4",)),
-    Card("L4", 23_583_784_960, (8, 9), "deviceQuery 22,491 MiB (bottlerocket-kernel-kit#139); nvidia-smi 23,034 MiB"),
-    Card("A10G", _mib(22_587), (8, 6), "torch printout 22,587 MiB; nvidia-smi (A10) 23,028 MiB"),
+    Card(
+        "T4",
+        _mib(14_930),
+        (7, 5),
+        "torch printouts 14,930-15,109 MiB; nvidia-smi 15,360 MiB",
+        ("Tesla T4",),
+        sm_count=40,
+    ),
+    Card(
+        "L4",
+        23_583_784_960,
+        (8, 9),
+        "deviceQuery 22,491 MiB (bottlerocket-kernel-kit#139); nvidia-smi 23,034 MiB",
+        sm_count=58,
+    ),
+    Card("A10G", _mib(22_587), (8, 6), "torch printout 22,587 MiB; nvidia-smi (A10) 23,028 MiB", sm_count=80),
     Card(
         "A100-40GB",
         42_298_834_944,
         (8, 0),
         "deviceQuery 40,339 MiB (bottlerocket#3873); torch printouts 40,536 MiB; nvidia-smi 40,960 MiB",
         ("A100-SXM4-40GB", "A100 40GB PCIe"),
+        sm_count=108,
     ),
     Card(
         "A100-80GB",
@@ -90,6 +115,7 @@ CARDS: tuple[Card, ...] = (
         (8, 0),
         "A100 80GB PCIe 81,049 MiB (mixbench#47); nvidia-smi 81,920 MiB",
         ("A100-SXM4-80GB", "A100 80GB PCIe"),
+        sm_count=108,
     ),
     Card(
         "H100-80GB",
@@ -97,11 +123,17 @@ CARDS: tuple[Card, ...] = (
         (9, 0),
         "torch printouts 81,082-81,090 MiB (H100 80GB HBM3); nvidia-smi 81,559 MiB",
         ("H100", "H100 80GB HBM3", "H100-SXM"),
+        sm_count=132,
     ),
-    Card("H200", _mib(143_156), (9, 0), "torch printout 143,156 MiB; nvidia-smi 143,771 MiB"),
-    Card("RTX-4090", _mib(24_563), (8, 9), "torch printout 24,563 MiB", ("GeForce RTX 4090",)),
+    Card("H200", _mib(143_156), (9, 0), "torch printout 143,156 MiB; nvidia-smi 143,771 MiB", sm_count=132),
+    Card("RTX-4090", _mib(24_563), (8, 9), "torch printout 24,563 MiB", ("GeForce RTX 4090",), sm_count=128),
     Card(
-        "RTX-5090", 33_677_180_928, (12, 0), "deviceQuery 32,117 MiB (open-gpu-kernel-modules#1)", ("GeForce RTX 5090",)
+        "RTX-5090",
+        33_677_180_928,
+        (12, 0),
+        "deviceQuery 32,117 MiB (open-gpu-kernel-modules#1)",
+        ("GeForce RTX 5090",),
+        sm_count=170,
     ),
     Card(
         "RTX-6000-Ada",
@@ -109,6 +141,7 @@ CARDS: tuple[Card, ...] = (
         (8, 9),
         "total_memory 48,509 MiB (unsloth-zoo#1053)",
         ("RTX 6000 Ada Generation",),
+        sm_count=142,
     ),
 )
 

@@ -124,6 +124,11 @@ class Backend(abc.ABC):
         """Free every cuBLAS workspace its allocator keeps (each measured test makes its own)."""
         return None
 
+    def expandable_segments(self) -> contextlib.AbstractContextManager[None] | None:
+        """A block within which its allocator serves with expandable segments (`gpumem.fit` compares its
+        answer with theirs); None where it cannot be changed or has them already."""
+        return None
+
     def predict_card(self, card: str | None) -> None:
         """Predict the card called `card` from now on (None: none named; see `pytest_gpumem.cards`)."""
         return None

@@ -1,12 +1,24 @@
-"""The allocator model's settings, read from `PYTORCH_CUDA_ALLOC_CONF` as torch 2.13 reads it, and its constants."""
+"""The allocator model's settings, read from `PYTORCH_CUDA_ALLOC_CONF` as torch 2.13 reads it, and its constants.
+
+Read as a CUDA build of torch 2.13 reads it (`c10/core/AllocatorConfig.{h,cpp}`: `ConfigTokenizer` and
+`AcceleratorAllocatorConfig::parseArgs`; `c10/cuda/CUDAAllocatorConfig.{h,cpp}`: `CUDAAllocatorConfig::parseArgs`):
+tokens split at `, : [ ]` with C blanks dropped; a key's value is the token two after it and the next key two
+after that, whatever separates them (torch checks only that a token is there); numbers are `std::stoull`
+(`_whole`) and `std::stod` (`_real`); a size in MiB is clamped to SIZE_MAX / 1 MiB; with the CUDA parser
+loaded every key outside the two key lists is an error. A value torch refuses raises GpuMemError, one line.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
 from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.sizes import shorten
 
 __all__ = ["AllocatorSettings"]
 
@@ -20,14 +32,20 @@ LARGE_SEGMENT: Final = 20 * MiB  # kLargeBuffer: the default large_segment_size
 INTERVALS: Final = 16  # kRoundUpPowerOfTwoIntervals: [1 MiB, 2 MiB) ... [32 GiB, ...)
 ONE_EXABYTE: Final = 1 << 60
 UNLIMITED: Final = (1 << 64) - 1  # SIZE_MAX: max_split_size when unset
+MAX_MB: Final = UNLIMITED // MiB  # a size in MiB is clamped to it (max_allowed_split_size_mb)
 ENV: Final = "PYTORCH_CUDA_ALLOC_CONF"
+# AcceleratorAllocatorConfig::instance reads the first of these that is set (the generic keys) ...
+GENERIC_VARIABLES: Final = (ENV, "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+# ... and a CUDA build's CUDAAllocatorConfig::instance the first of these (backend, per_process_memory_fraction)
+CUDA_VARIABLES: Final = (ENV, "PYTORCH_ALLOC_CONF")
 
 # Keys torch 2.13 accepts (AcceleratorAllocatorConfig::getKeys and CUDAAllocatorConfig::getKeys) that do
 # not change the device allocator's figures here: accepted, validated as torch validates them, reported
 # in `AllocatorSettings.ignored`.
-_BOOL_KEYS: Final = frozenset(
+_GENERIC_BOOLS: Final = frozenset({"pinned_use_background_threads"})
+_GENERIC_SIZES: Final = frozenset({"pinned_max_round_threshold_mb", "pinned_max_cached_size_mb"})
+_CUDA_BOOLS: Final = frozenset(
     {
-        "pinned_use_background_threads",
         "release_lock_on_cudamalloc",
         "release_lock_on_hipmalloc",
         "pinned_use_cuda_host_register",
@@ -37,7 +55,31 @@ _BOOL_KEYS: Final = frozenset(
         "throw_on_cudamalloc_oom",
     }
 )
-_SIZE_KEYS: Final = frozenset({"pinned_max_round_threshold_mb", "pinned_max_cached_size_mb"})
+_GENERIC_KEYS: Final = (
+    _GENERIC_BOOLS
+    | _GENERIC_SIZES
+    | {
+        "large_segment_size_mb",
+        "max_split_size_mb",
+        "max_non_split_rounding_mb",
+        "garbage_collection_threshold",
+        "roundup_power2_divisions",
+        "expandable_segments",
+    }
+)
+_CUDA_KEYS: Final = _CUDA_BOOLS | {
+    "backend",
+    "pinned_reserve_segment_size_mb",
+    "pinned_num_register_threads",
+    "per_process_memory_fraction",
+}
+_BLANKS: Final = frozenset(" \t\n\v\f\r")  # std::isspace in the C locale: no other character is dropped
+_WHOLE: Final = re.compile(r"([+-]?)([0-9]+)")
+_REAL: Final = re.compile(
+    r"[+-]?(?:0[xX](?P<hex>(?:[0-9a-fA-F]+\.?[0-9a-fA-F]*|\.[0-9a-fA-F]+))(?:[pP][+-]?[0-9]+)?"
+    r"|(?P<dec>[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
+    r"|[iI][nN][fF](?:[iI][nN][iI][tT][yY])?|[nN][aA][nN](?:\([0-9A-Za-z_]*\))?)"
+)
 
 
 # ------------------------------------------------------------------------------------------- settings
@@ -60,7 +102,8 @@ def _canonical_divisions(values: tuple[int, ...]) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class AllocatorSettings:
-    """The settings of the caching allocator that change its figures, as `PYTORCH_CUDA_ALLOC_CONF` gives them.
+    """The settings of the caching allocator that change its figures or limit its memory, as
+    `PYTORCH_CUDA_ALLOC_CONF` gives them, and the total memory of the card predicted (`on_card`).
 
     `roundup_power2_divisions` holds the divisions per power-of-two interval as torch stores them (16
     intervals from 1 MiB, the last open); a shorter tuple repeats its last value, so `(4,)` applies 4 to
@@ -73,6 +116,8 @@ class AllocatorSettings:
     ignored: tuple[str, ...] = ()  # keys torch accepts that the model does not use, in the order given
     large_segment_size: int = LARGE_SEGMENT  # bytes (large_segment_size_mb)
     max_non_split_rounding_size: int | None = None  # bytes; None: the large segment size (max_non_split_rounding_mb)
+    per_process_memory_fraction: float = 1.0  # of the card's total memory; 1.0: no limit
+    card_total: int | None = None  # the predicted card's total memory (totalGlobalMem); None: no card named
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "roundup_power2_divisions", _canonical_divisions(tuple(self.roundup_power2_divisions)))
@@ -80,6 +125,21 @@ class AllocatorSettings:
             raise GpuMemError(f"max_split_size must be a positive number of bytes, got {self.max_split_size}")
         if self.large_segment_size <= 0:
             raise GpuMemError(f"large_segment_size must be a positive number of bytes, got {self.large_segment_size}")
+        if not 0.0 <= self.per_process_memory_fraction <= 1.0:
+            raise GpuMemError(f"per_process_memory_fraction must be in [0, 1], got {self.per_process_memory_fraction}")
+
+    @property
+    def fraction_limit(self) -> int | None:
+        """The reserved bytes past which torch refuses a new segment with `per_process_memory_fraction`: the
+        fraction of the card's total (setMemoryFraction, truncated as torch truncates it); None: no limit, or
+        no card named to take a fraction of."""
+        if self.per_process_memory_fraction >= 1.0 or self.card_total is None:
+            return None
+        return int(self.per_process_memory_fraction * float(self.card_total))
+
+    def on_card(self, total: int | None) -> AllocatorSettings:
+        """The settings on a card of `total` bytes (None: no card named)."""
+        return self if total == self.card_total else dataclasses.replace(self, card_total=total)
 
     @property
     def non_split_rounding(self) -> int:
@@ -97,28 +157,29 @@ class AllocatorSettings:
         return divisions[index]
 
     @classmethod
-    def parse(cls, text: str | None) -> AllocatorSettings:
+    def parse(cls, text: str | None, variable: str = ENV) -> AllocatorSettings:
         """Settings from a `PYTORCH_CUDA_ALLOC_CONF` value, read as torch 2.13 reads it (None or "": defaults).
 
-        Keys torch accepts but the model does not use are kept in `ignored`; a malformed value, a key torch
-        does not know or `backend:cudaMallocAsync` raise GpuMemError with one line.
+        Keys torch accepts but the model does not use are kept in `ignored`; a value torch refuses, a key it
+        does not know or `backend:cudaMallocAsync` raise GpuMemError in one line naming `variable`.
         """
-        if not text or not text.strip():
-            return cls()
-        return _Parser(text).settings()
+        return _Parser(text or "", variable).read(generic=True, cuda=True).settings()
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> AllocatorSettings:
-        """The settings a process with `environ` gets: `PYTORCH_CUDA_ALLOC_CONF`, else `PYTORCH_ALLOC_CONF`
-        (torch 2.13 reads the first that is set); errors name the variable read."""
-        for variable in (ENV, "PYTORCH_ALLOC_CONF"):
-            text = environ.get(variable)
-            if text is not None:
-                return cls() if not text.strip() else _Parser(text, variable).settings()
-        return cls()
+        """The settings a process with `environ` gets: the generic keys from the first of `GENERIC_VARIABLES`
+        set, the CUDA keys from the first of `CUDA_VARIABLES` (torch 2.13 reads them so); errors name the
+        variable read."""
+        generic = next((v for v in GENERIC_VARIABLES if v in environ), ENV)
+        cuda = next((v for v in CUDA_VARIABLES if v in environ), ENV)
+        if generic == cuda:
+            return cls.parse(environ.get(generic), generic)
+        read = _Parser(environ.get(generic, ""), generic).read(generic=True, cuda=False)
+        return read.settings(_Parser(environ.get(cuda, ""), cuda).read(generic=False, cuda=True))
 
-    def describe(self) -> str:
-        """The settings that change figures, e.g. "max_split_size_mb:128, expandable_segments"; "" for the defaults."""
+    def describe(self, limits: bool = False) -> str:
+        """The settings that change figures, e.g. "max_split_size_mb:128, expandable_segments"; "" for the
+        defaults; with `limits`, also those that only limit memory (per_process_memory_fraction)."""
         parts: list[str] = []
         if self.large_segment_size != LARGE_SEGMENT:
             parts.append(f"large_segment_size_mb:{_mb(self.large_segment_size)}")
@@ -132,6 +193,11 @@ class AllocatorSettings:
             parts.append(f"roundup_power2_divisions:[{','.join(map(str, self.roundup_power2_divisions))}]")
         if self.expandable_segments:
             parts.append("expandable_segments")
+        if limits and self.per_process_memory_fraction < 1.0:
+            parts.append(
+                f"per_process_memory_fraction:{self.per_process_memory_fraction!r} (applied where a card is named, "
+                "to its total memory; not applied where none is)"
+            )
         return ", ".join(parts)
 
 
@@ -139,12 +205,52 @@ def _mb(nbytes: int) -> str:
     return str(nbytes // MiB) if nbytes % MiB == 0 else f"{nbytes / MiB:g}"
 
 
-class _Parser:
-    """`PYTORCH_CUDA_ALLOC_CONF` in torch's tokens (ConfigTokenizer): keys, values and , : [ ] ; blanks dropped."""
+class _Refused(Exception):
+    """A value torch refuses: why, in words."""
 
-    def __init__(self, text: str, variable: str = ENV) -> None:
+
+def _whole(token: str) -> int:
+    """`std::stoull(token)`: the longest prefix of ASCII digits after an optional sign; a minus wraps around
+    2**64; none, or past 2**64 - 1, refused."""
+    match = _WHOLE.match(token)
+    if match is None:
+        raise _Refused("expected a whole number")
+    sign, digits = match.groups()
+    digits = digits.lstrip("0") or "0"
+    if len(digits) > 20 or int(digits) > UNLIMITED:
+        raise _Refused("past 2**64 - 1, which std::stoull refuses")
+    return -int(digits) % (1 << 64) if sign == "-" else int(digits)
+
+
+def _real(token: str) -> float:
+    """`std::stod(token)`: the longest prefix strtod reads (decimal, hexadecimal, inf, nan); none, or a
+    value that overflows or underflows a double, refused."""
+    match = _REAL.match(token)
+    if match is None:
+        raise _Refused("expected a number")
+    text, hexadecimal, decimal = match.group(0), match.group("hex"), match.group("dec")
+    try:
+        value = float.fromhex(text) if hexadecimal is not None else float(text)
+    except OverflowError:
+        value = float("inf")
+    mantissa = hexadecimal if hexadecimal is not None else decimal
+    nonzero = mantissa is not None and mantissa.strip("0.") != ""
+    if nonzero and not sys.float_info.min <= abs(value) < float("inf"):
+        raise _Refused("out of range of a double, which std::stod refuses")
+    return value
+
+
+def _power_of_two(value: int) -> bool:
+    return value != 0 and value & (value - 1) == 0
+
+
+class _Parser:
+    """`PYTORCH_CUDA_ALLOC_CONF` read as torch's parsers read it: the generic keys
+    (AcceleratorAllocatorConfig::parseArgs), the CUDA keys (CUDAAllocatorConfig::parseArgs), or both."""
+
+    def __init__(self, text: str, variable: str) -> None:
         self.variable = variable
-        self.tokens: list[str] = []
+        self.tokens: list[str] = []  # ConfigTokenizer
         buffer = ""
         for ch in text:
             if ch in ",:[]":
@@ -152,178 +258,206 @@ class _Parser:
                     self.tokens.append(buffer)
                     buffer = ""
                 self.tokens.append(ch)
-            elif not ch.isspace():
+            elif ch not in _BLANKS:
                 buffer += ch
         if buffer:
             self.tokens.append(buffer)
+        self.large = LARGE_SEGMENT
         self.max_split: int | None = None
         self.non_split_rounding: int | None = None
-        self.rounded: tuple[int, ...] = ()
+        self.divisions = [0] * INTERVALS
         self.expandable = False
+        self.fraction = 1.0
         self.ignored: list[str] = []
 
-    # -- token helpers
-    def fail(self, message: str) -> GpuMemError:
-        return GpuMemError(f"{self.variable}: {message}")
-
-    def bad(self, key: str, value: str, why: str) -> GpuMemError:
-        return self.fail(f"invalid value {value!r} for {key} ({why})")
-
-    def token(self, i: int, key: str) -> str:
-        if i >= len(self.tokens):
-            raise self.fail(f"{key} has no value")
-        return self.tokens[i]
-
-    def colon(self, i: int, key: str) -> None:
-        if i >= len(self.tokens) or self.tokens[i] != ":":
-            raise self.fail(f"expected ':' after {key}")
-
-    def integer(self, key: str, value: str) -> int:
-        if not value.isdigit():
-            raise self.bad(key, value, "expected a whole number")
-        return int(value)
-
-    def boolean(self, key: str, value: str) -> bool:
-        if value not in ("True", "False"):
-            raise self.bad(key, value, "expected True or False")
-        return value == "True"
-
-    def number(self, key: str, value: str) -> float:
+    def read(self, generic: bool, cuda: bool) -> _Parser:
+        """Walk the tokens, applying the generic keys, the CUDA keys or both; GpuMemError where torch refuses."""
         try:
-            result = float(value)
-        except ValueError:
-            raise self.bad(key, value, "expected a number") from None
-        if result != result or result in (float("inf"), float("-inf")):
-            raise self.bad(key, value, "expected a finite number")
-        return result
+            if generic:
+                self._large_segment_first()
+            i = 0
+            while i < len(self.tokens):
+                i = self._key(i, generic, cuda)
+                i += 2 if i + 1 < len(self.tokens) else 1  # whatever token follows is taken as the ','
+        except _Refused as refused:
+            raise GpuMemError(f"{self.variable}: {refused}") from None
+        return self
 
-    def settings(self) -> AllocatorSettings:
-        tokens = self.tokens
-        large = self.large_segment()
-        i = 0
-        while i < len(tokens):
-            key = tokens[i]
-            if key in ",:[]":
-                raise self.fail(f"expected a key at {''.join(tokens[i:])!r}")
-            self.colon(i + 1, key)
-            i += 2
-            value = self.token(i, key)
-            if key == "roundup_power2_divisions":
-                self.rounded, i = self.divisions(i)
-            elif key == "expandable_segments":
-                self.expandable = self.boolean(key, value)
-            elif key in ("max_split_size_mb", "max_non_split_rounding_mb"):
-                self.limit(key, value, large)
-            elif key != "large_segment_size_mb":  # read first, by large_segment()
-                self.accepted(key, value)
-            i += 1
-            if i < len(tokens):
-                if tokens[i] != ",":
-                    raise self.fail(f"expected ',' after {key}:{value}, got {tokens[i]!r}")
-                i += 1  # a trailing ',' is accepted, as torch accepts it
+    def settings(self, cuda: _Parser | None = None) -> AllocatorSettings:
+        """The settings read, the CUDA keys from `cuda` where another variable gave them."""
+        cuda = cuda or self
         return AllocatorSettings(
             max_split_size=self.max_split,
-            roundup_power2_divisions=self.rounded,
+            roundup_power2_divisions=tuple(self.divisions),
             expandable_segments=self.expandable,
-            ignored=tuple(self.ignored),
-            large_segment_size=large,
+            ignored=tuple(self.ignored + (cuda.ignored if cuda is not self else [])),
+            large_segment_size=self.large,
             max_non_split_rounding_size=self.non_split_rounding,
+            per_process_memory_fraction=cuda.fraction,
         )
 
-    def large_segment(self) -> int:
-        """large_segment_size_mb in bytes, read before the other keys: the limits of max_split_size_mb and
-        max_non_split_rounding_mb depend on it (AcceleratorAllocatorConfig::parseArgs)."""
-        tokens = self.tokens
-        large = LARGE_SEGMENT
-        for i, token in enumerate(tokens):
-            if token == "large_segment_size_mb" and (i == 0 or tokens[i - 1] == ","):
-                self.colon(i + 1, token)
-                value = self.token(i + 2, token)
-                mb = self.integer(token, value)
+    # -- tokens
+    def _at(self, i: int, key: str, colon: bool = False) -> str:
+        """Token i, which torch asserts is there (Index out of bounds in ConfigTokenizer)."""
+        if i >= len(self.tokens):
+            raise _Refused(f"expected ':' after {key}" if colon else f"{key} has no value")
+        return self.tokens[i]
+
+    def _value(self, i: int, key: str) -> str:
+        """The value of the key at token i: the token two after it (the one between is not checked)."""
+        self._at(i + 1, key, colon=True)
+        return self._at(i + 2, key)
+
+    def _bad(self, key: str, value: str, why: str) -> _Refused:
+        return _Refused(f"invalid value {shorten(value)} for {key} ({why})")
+
+    def _whole(self, key: str, value: str) -> int:
+        try:
+            return _whole(value)
+        except _Refused as refused:
+            raise self._bad(key, value, str(refused)) from None
+
+    def _real(self, key: str, value: str) -> float:
+        try:
+            return _real(value)
+        except _Refused as refused:
+            raise self._bad(key, value, str(refused)) from None
+
+    # -- keys
+    def _key(self, i: int, generic: bool, cuda: bool) -> int:
+        """Read the key at token i; the index of its value's last token."""
+        key = self.tokens[i]
+        if key not in _GENERIC_KEYS and key not in _CUDA_KEYS:
+            raise _Refused(f"unrecognized key {shorten(key)} (torch 2.13 rejects it too)")
+        if key == "large_segment_size_mb" or (key in _GENERIC_KEYS and not generic) or (key in _CUDA_KEYS and not cuda):
+            return self._skip(i, key)
+        if key == "roundup_power2_divisions":
+            return self._divisions(i, key)
+        value = self._value(i, key)
+        if key in _CUDA_KEYS:
+            self._cuda(key, value)
+        else:
+            self._generic(key, value)
+        return i + 2
+
+    def _skip(self, i: int, key: str) -> int:
+        """ConfigTokenizer::skipKey: the value, or a list to its ']'."""
+        if self._value(i, key) != "[":
+            return i + 2
+        end = i + 3
+        while end < len(self.tokens) and self.tokens[end] != "]":
+            end += 1
+        if end == len(self.tokens):
+            raise _Refused(f"the list of {key} has no ']'")
+        return end
+
+    def _large_segment_first(self) -> None:
+        """large_segment_size_mb, read before the rest wherever it stands: the limits of max_split_size_mb
+        and max_non_split_rounding_mb depend on it."""
+        key, i = "large_segment_size_mb", 0
+        while i < len(self.tokens):
+            if self.tokens[i] == key:
+                value = self._value(i, key)
+                mb = self._whole(key, value)
                 if mb <= MIN_LARGE_ALLOC // MiB:
-                    raise self.bad(token, value, f"must be more than {MIN_LARGE_ALLOC // MiB} MiB")
-                large = mb * MiB
-        return large
+                    raise self._bad(key, value, f"must be more than {MIN_LARGE_ALLOC // MiB} MiB")
+                self.large = min(mb, MAX_MB) * MiB
+                i += 2
+            i += 1
 
-    def limit(self, key: str, value: str, large: int) -> None:
-        """max_split_size_mb or max_non_split_rounding_mb: whole MiB, at least the large segment size."""
-        mb = self.integer(key, value)
-        if mb < large // MiB:
-            raise self.bad(key, value, f"must be at least {large // MiB} MiB, the large segment size")
-        if key == "max_split_size_mb":
-            self.max_split = mb * MiB
+    def _generic(self, key: str, value: str) -> None:
+        if key in ("max_split_size_mb", "max_non_split_rounding_mb"):
+            mb = self._whole(key, value)
+            if mb < self.large // MiB:
+                raise self._bad(key, value, f"must be at least {self.large // MiB} MiB, the large segment size")
+            if key == "max_split_size_mb":
+                self.max_split = min(mb, MAX_MB) * MiB
+            else:
+                self.non_split_rounding = min(mb, MAX_MB) * MiB
+            return
+        if key == "expandable_segments":
+            self.expandable = self._boolean(key, value)
+            return
+        if key == "garbage_collection_threshold":
+            if not 0.0 < self._real(key, value) < 1.0:
+                raise self._bad(key, value, "must be in (0.0, 1.0)")
+        elif key in _GENERIC_BOOLS:
+            self._boolean(key, value)
         else:
-            self.non_split_rounding = mb * MiB
-
-    def accepted(self, key: str, value: str) -> None:
-        """A key torch accepts that changes no figure here: validated as torch validates it, kept in `ignored`."""
-        if key == "backend":
-            if value in ("cudaMallocAsync", "hipMallocAsync"):
-                raise self.fail(
-                    f"backend:{value} (the driver's stream-ordered allocator) is not modelled; only the "
-                    "native caching allocator is"
-                )
-            if value != "native":
-                raise self.bad(key, value, "torch knows native and cudaMallocAsync")
-        elif key == "garbage_collection_threshold":
-            if not 0.0 < self.number(key, value) < 1.0:
-                raise self.bad(key, value, "must be in (0.0, 1.0)")
-        elif key == "per_process_memory_fraction":
-            if not 0.0 <= self.number(key, value) <= 1.0:
-                raise self.bad(key, value, "must be in [0.0, 1.0]")
-        elif key in _BOOL_KEYS:
-            self.boolean(key, value)
-        elif key in _SIZE_KEYS:
-            self.integer(key, value)
-        elif key == "pinned_num_register_threads":
-            threads = self.integer(key, value)
-            if threads == 0 or threads & (threads - 1) or threads > 128:
-                raise self.bad(key, value, "must be a power of 2 up to 128")
-        elif key == "pinned_reserve_segment_size_mb":
-            if self.integer(key, value) == 0:
-                raise self.bad(key, value, "must be more than 0")
-        else:
-            raise self.fail(f"unrecognized key {key!r} (torch 2.13 rejects it too)")
+            self._whole(key, value)
         self.ignored.append(key)
 
-    def divisions(self, i: int) -> tuple[tuple[int, ...], int]:
-        """roundup_power2_divisions from token i: one value for all intervals, or [MiB:d,...,>:d]."""
-        key = "roundup_power2_divisions"
-        tokens = self.tokens
-        if tokens[i] != "[":
-            value = tokens[i]
-            d = self.integer(key, value)
-            if d == 0 or d & (d - 1):
-                raise self.bad(key, value, "the divisions must be a power of 2")
-            return (d,) * INTERVALS, i
-        table = [0] * INTERVALS
-        first = True
-        last = 0
-        i += 1
+    def _cuda(self, key: str, value: str) -> None:
+        if key == "per_process_memory_fraction":
+            fraction = self._real(key, value)
+            if not 0.0 <= fraction <= 1.0:
+                raise self._bad(key, value, "must be in [0.0, 1.0]")
+            self.fraction = fraction
+            return
+        if key == "backend":
+            if value in ("cudaMallocAsync", "hipMallocAsync"):
+                raise _Refused(
+                    f"backend:{value} (the driver's stream-ordered allocator) is not modelled; only the native "
+                    "caching allocator is"
+                )
+            if value != "native":
+                raise self._bad(key, value, "torch knows native and cudaMallocAsync")
+        elif key in _CUDA_BOOLS:
+            self._boolean(key, value)
+        elif key == "pinned_num_register_threads":
+            threads = self._whole(key, value)
+            if not _power_of_two(threads) or threads > 128:
+                raise self._bad(key, value, "must be a power of 2 up to 128")
+        elif self._whole(key, value) == 0:  # pinned_reserve_segment_size_mb
+            raise self._bad(key, value, "must be more than 0")
+        self.ignored.append(key)
+
+    def _boolean(self, key: str, value: str) -> bool:
+        if value not in ("True", "False"):
+            raise self._bad(key, value, "expected True or False")
+        return value == "True"
+
+    def _divisions(self, i: int, key: str) -> int:
+        """roundup_power2_divisions: one value for every interval, or [MiB:d,...,>:d]; the index of its end."""
+        value = self._value(i, key)
+        i += 2
+        if value != "[":
+            d = self._whole(key, value)
+            if not _power_of_two(d):
+                raise self._bad(key, value, "the divisions must be a power of 2")
+            self.divisions = [d] * INTERVALS
+            return i
+        first, last = True, 0
         while True:
-            boundary = self.token(i, key)
-            if boundary == "]":
-                return tuple(table), i
-            self.colon(i + 1, f"{key} interval {boundary}")
-            value = self.token(i + 2, key)
-            d = self.integer(key, value)
-            if d & (d - 1):
-                raise self.bad(key, value, "the divisions must be a power of 2, or 0 for none")
+            i += 1
+            if i >= len(self.tokens):
+                raise _Refused(f"the list of {key} has no ']'")
+            if self.tokens[i] == "]":
+                return i
+            boundary = self.tokens[i]
+            value = self._value(i, key)
+            i += 2
+            d = self._whole(key, value)
+            if d != 0 and not _power_of_two(d):
+                raise self._bad(key, value, "the divisions must be a power of 2, or 0 for none")
             if boundary == ">":
-                table[last + 1 :] = [d] * (INTERVALS - last - 1)
+                self.divisions[last + 1 :] = [d] * (INTERVALS - last - 1)
             else:
-                mb = self.integer(key, boundary)
-                if mb == 0 or mb & (mb - 1):
-                    raise self.bad(key, boundary, "the interval must be a power of 2 MiB")
-                index = min(mb.bit_length() - 1, INTERVALS - 1)
-                if first:
-                    table[:index] = [d] * index
-                    first = False
-                table[index] = d
-                last = index
-            i += 3
-            closing = self.token(i, key)
-            if closing == ",":
-                i += 1
-            elif closing != "]":
-                raise self.fail(f"expected ',' or ']' in {key}, got {closing!r}")
+                last = self._interval(key, boundary, d, first)
+                first = False
+            if i + 1 == len(self.tokens):
+                raise _Refused(f"the list of {key} has no ']'")
+            if self.tokens[i + 1] != "]":
+                i += 1  # the ',' after an entry: not checked
+
+    def _interval(self, key: str, boundary: str, d: int, first: bool) -> int:
+        """Set the divisions of the interval that starts at `boundary` MiB (the first entry also sets the
+        intervals below it); its index."""
+        mb = self._whole(key, boundary)
+        if not _power_of_two(mb):
+            raise self._bad(key, boundary, "the interval must be a power of 2 MiB")
+        index = min(mb.bit_length() - 1, INTERVALS - 1)
+        if first:
+            self.divisions[:index] = [d] * index
+        self.divisions[index] = d
+        return index

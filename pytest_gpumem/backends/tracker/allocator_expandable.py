@@ -29,8 +29,8 @@ class ExpandableSegments(AllocatorState):
         if self.capacity is not None:  # torch reserves 9/8 of the card's memory
             total = self.capacity + self.capacity // 8
             vsize = max(1, -(-total // page)) * page
-        else:
-            vsize = (1 << 40) // page * page
+        else:  # an unlimited device: address space for any request (below 1 EiB, refused before)
+            vsize = max((1 << 40) // page, -(-size // page)) * page
         block = self._new_segment(pool, vsize, stream, True, page)
         pool.add_unmapped(block)
         return block

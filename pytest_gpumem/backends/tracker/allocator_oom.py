@@ -28,12 +28,14 @@ class AllocatorOutOfMemory(Exception):
         reserved: int,
         capacity: int,
         expandable_segments: bool = False,
+        fraction: float | None = None,
     ) -> None:
         self.requested = requested  # the rounded request size
         self.segment = segment  # the new segment's size: what CUDA's "Tried to allocate" names
         self.allocated = allocated
         self.reserved = reserved
         self.capacity = capacity
+        self.fraction = fraction  # the per-process memory fraction the capacity is, where it is one
         super().__init__(self._message(expandable_segments))
 
     @property
@@ -44,9 +46,10 @@ class AllocatorOutOfMemory(Exception):
     def _message(self, expandable_segments: bool) -> str:
         if self.segment >= ONE_EXABYTE:
             return "CUDA out of memory (allocator model). Tried to allocate more than 1EB memory."
+        limit = "" if self.fraction is None else f" (per_process_memory_fraction {self.fraction!r} of the card)"
         text = (
             f"CUDA out of memory (allocator model). Tried to allocate {format_size(self.segment)}. "
-            f"Of the capacity of {format_size(self.capacity)}, {format_size(self.reserved)} is reserved by "
+            f"Of the capacity of {format_size(self.capacity)}{limit}, {format_size(self.reserved)} is reserved by "
             f"PyTorch, of which {format_size(self.allocated)} is allocated and {format_size(self.unallocated)} "
             "reserved but unallocated"
         )
@@ -95,20 +98,30 @@ class NewMemory(ExpandableSegments):
             block = self._alloc_block(pool, size, segment, stream)
         if block is None:
             self.num_ooms += 1
-            limit = self._failed_limit(segment)
-            raise AllocatorOutOfMemory(size, segment, self.allocated, self.reserved, limit, self._expandable)
+            raise self._out_of_memory(size, segment)
         return block
 
-    def _failed_limit(self, segment: int) -> int:
-        if self.fraction_limit is not None and self.reserved + segment > self.fraction_limit:
-            return self.fraction_limit
-        if self.capacity is not None:
-            return self.capacity
-        return self.fraction_limit if self.fraction_limit is not None else self.reserved
+    def _out_of_memory(self, size: int, segment: int) -> AllocatorOutOfMemory:
+        """The error for a request of `size` that needed a new segment of `segment` bytes, naming the limit
+        it ran into: the memory fraction's, else the capacity."""
+        fraction = self._fraction_limit()
+        if fraction is not None and self.reserved + segment > fraction:
+            # PYTORCH_CUDA_ALLOC_CONF's fraction is named; set_per_process_memory_fraction's is the caller's
+            share = self.settings.per_process_memory_fraction if self.fraction_limit is None else None
+            return AllocatorOutOfMemory(size, segment, self.allocated, self.reserved, fraction, self._expandable, share)
+        limit = self.capacity if self.capacity is not None else fraction
+        limit = self.reserved if limit is None else limit
+        return AllocatorOutOfMemory(size, segment, self.allocated, self.reserved, limit, self._expandable)
+
+    def _fraction_limit(self) -> int | None:
+        """The limit of `torch.cuda.set_per_process_memory_fraction` (`fraction_limit`), else that of
+        per_process_memory_fraction in PYTORCH_CUDA_ALLOC_CONF on the card predicted; None: none."""
+        return self.fraction_limit if self.fraction_limit is not None else self.settings.fraction_limit
 
     def _alloc_block(self, pool: Pool, size: int, segment: int, stream: int) -> Block | None:
         """A new segment of `segment` bytes (or new pages) for a request of `size`; None when refused."""
-        if self.fraction_limit is not None and self.reserved + segment > self.fraction_limit:
+        fraction = self._fraction_limit()
+        if fraction is not None and self.reserved + segment > fraction:
             return None  # the memory fraction: refused without asking the driver
         if self._expandable:
             return self._try_allocate_expandable_block(pool, size, stream)

@@ -8,6 +8,7 @@ cannot see, and on request a recorder of origins and events (`recording`) or an 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -84,7 +85,8 @@ class TrackerBackend(Backend):
         if paths is not None and paths not in PATHS:
             raise ValueError(f"paths must be one of {PATHS}, got {paths!r}")
         self.rounding = rounding
-        self.allocator = AllocatorSettings.from_environ(os.environ)
+        # PYTORCH_CUDA_ALLOC_CONF is the allocator model's: a run without it ignores a GPU job's settings
+        self.allocator = AllocatorSettings.from_environ(os.environ) if rounding == "cuda" else AllocatorSettings()
         self._device_type = device
         self._default_paths = default_paths(rounding, device)
         self.paths = paths or self._default_paths
@@ -125,6 +127,15 @@ class TrackerBackend(Backend):
         `CUBLAS_WORKSPACE_CONFIG`'s, as the GPU job's would (read now)."""
         found = None if card is None else find_card(card)
         self.ledger.workspace_bytes = cublas_workspace_bytes(None if found is None else found.capability, os.environ)
+        self._on_card(None if found is None else found.total)
+        self.ledger.card = found
+
+    def _on_card(self, total: int | None) -> None:
+        """The allocator's settings on a card of `total` bytes, what per_process_memory_fraction takes a
+        fraction of (None: no card named), from the next allocation on."""
+        self.ledger.settings = self.ledger.settings.on_card(total)
+        if self.ledger.model is not None:
+            self.ledger.model.settings = self.ledger.model.settings.on_card(total)
 
     @property
     def workspace_bytes(self) -> int:
@@ -135,15 +146,23 @@ class TrackerBackend(Backend):
     def workspace_bytes(self, size: int) -> None:
         self.ledger.workspace_bytes = size
 
+    @property
+    def largest_kernel_temporaries(self) -> int:
+        """The most bytes one op's modelled kernel temporaries (`kernel_temporaries`) held at once in the
+        measurement under way; 0 where none were modelled."""
+        return self.ledger.largest_temporaries
+
     @contextlib.contextmanager
     def predicting(self, card: str | None) -> Iterator[None]:
         """Within the block, predict `card` (`predict_card`); then the card predicted before again."""
-        before = self.ledger.workspace_bytes
+        before, total, card_before = self.ledger.workspace_bytes, self.ledger.settings.card_total, self.ledger.card
         self.predict_card(card)
         try:
             yield
         finally:
             self.ledger.workspace_bytes = before
+            self._on_card(total)
+            self.ledger.card = card_before
 
     def clear_workspaces(self) -> None:
         """`torch._C._cuda_clearCublasWorkspaces()`: the model's cuBLAS workspaces are freed (a kept
@@ -154,7 +173,7 @@ class TrackerBackend(Backend):
         device = "meta (a prediction: sizes without data, nothing computed)" if self._device_type == "meta" else "cpu"
         served = "rounding none"
         if self.rounding == "cuda":
-            settings = self.allocator.describe()
+            settings = self.allocator.describe(limits=True)
             served = "served by a model of the CUDA caching allocator" + (f", {settings}" if settings else "")
         line = f"tracker (storages created by ATen ops, {served}), device {device}"
         predicting = self._device_type == "meta" or self.rounding == "cuda"
@@ -175,7 +194,13 @@ class TrackerBackend(Backend):
         self._patches = Patches(tracking_mode, self._notes)
         gpu = self.paths == "gpu"
         meta = self._device_type == "meta"
-        self._patches.install(foreach=gpu, fused_attention=gpu and meta, allocator=self.rounding == "cuda")
+        self._patches.install(
+            foreach=gpu,
+            fused_attention=gpu and meta,
+            allocator=self.rounding == "cuda",
+            meta=meta,
+            cuda_autocast=self._device_type if gpu else None,
+        )
         self._mode = tracking_mode(self.ledger)
         attribution = self.attribution()
         try:
@@ -236,6 +261,38 @@ class TrackerBackend(Backend):
     def empty_cache(self) -> None:
         """Give back the allocator model's free segments (nothing without the model)."""
         self.ledger.empty_cache()
+
+    def expandable_segments(self) -> contextlib.AbstractContextManager[None] | None:
+        """A block within which the allocator's model has expandable segments, where it has none; the live
+        storages are placed anew, in the order they were made, on the way in and out (the model's peaks kept)."""
+        settings = self.ledger.settings
+        if self.ledger.model is None or settings.expandable_segments:
+            return None
+        return self._served_with(dataclasses.replace(settings, expandable_segments=True))
+
+    @contextlib.contextmanager
+    def _served_with(self, settings: AllocatorSettings) -> Iterator[None]:
+        before = self.ledger.settings
+        self._place_anew(settings)
+        try:
+            yield
+        finally:
+            self._place_anew(before)
+
+    def _place_anew(self, settings: AllocatorSettings) -> None:
+        from pytest_gpumem.backends.tracker.allocator import CachingAllocatorModel
+
+        ledger, old = self.ledger, self.ledger.model
+        model = CachingAllocatorModel(settings)
+        for ref in ledger.live.values():
+            counted = model.malloc(ref.key, ref.requested)
+            ledger.allocated += counted - ref.counted
+            ref.counted = counted
+        if old is not None:
+            model.peak_reserved = max(model.peak_reserved, old.peak_reserved)
+            model.peak_allocated = max(model.peak_allocated, old.peak_allocated)
+        model.capacity = ledger.capacity
+        ledger.settings, ledger.model = settings, model
 
     @contextlib.contextmanager
     def timeline(self) -> Iterator[Callable[[], Timeline]]:

@@ -16,6 +16,10 @@ backward runs (a checkpoint's recomputed forward, reentrant or not; a custom Fun
 the path the forward took. `F.multi_head_attention_forward` (`nn.MultiheadAttention`) is a torch function
 calling SDPA in its body: for its calls, `F.scaled_dot_product_attention` goes through the mode.
 
+Under CUDA's autocast (`autocast`), SDPA is a lower-precision op: the kernel is picked from its inputs as
+that policy casts them (flash for float32 inputs in a bf16 region), as CUDA's autocast kernel hands them
+to the op on a card, and the casts are counted (backward gets their ToCopyBackward).
+
 While torch.compile traces, the mode steps aside: the graph holds the op as written (Inductor cannot
 lower the flash kernel's meta graph), so a compiled region on meta takes the path it takes on CPU.
 
@@ -197,6 +201,8 @@ def _fused_attention_class() -> type[Any]:
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
 
+    from pytest_gpumem.backends.tracker.autocast import lower_precision
+
     sdpa = torch._C._nn.scaled_dot_product_attention
     multi_head = F.multi_head_attention_forward
 
@@ -209,7 +215,7 @@ def _fused_attention_class() -> type[Any]:
                 bound = sdpa_arguments(args, kwargs)
                 query = None if bound is None else bound["query"]
                 if isinstance(query, torch.Tensor) and query.device.type == "meta":
-                    out = attention(**bound)  # type: ignore[arg-type]
+                    out = attention(**lower_precision(bound))  # type: ignore[arg-type]
                     if out is not None:
                         return out
             if func is multi_head and F.scaled_dot_product_attention is sdpa:

@@ -6,20 +6,22 @@ A storage's bytes are added when an op makes it and subtracted when a weak refer
 ledger knows storages only as objects with a key and a size: it imports no torch, so that the
 arithmetic can be used (and tested) without it. With the allocator's model it also holds the cuBLAS
 workspaces (`Workspace`): one per handle, allocated at the handle's first matmul and kept until
-`clear_workspaces()` (`torch._C._cuda_clearCublasWorkspaces()`) or the measurement's end.
+`clear_workspaces()` (`torch._C._cuda_clearCublasWorkspaces()`) or the measurement's end; and, when it
+predicts a GPU, the temporaries a kernel allocates and frees inside one op (`transient`, sized by
+`kernel_temporaries` for the predicted `card`).
 """
 
 from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pytest_gpumem.backends.timeline import FREED, RESIZED
 from pytest_gpumem.backends.tracker.allocator import AllocatorOutOfMemory, CachingAllocatorModel
 from pytest_gpumem.backends.tracker.allocator_config import AllocatorSettings
-from pytest_gpumem.cards import CUBLAS_WORKSPACE_DEFAULT
+from pytest_gpumem.cards import CUBLAS_WORKSPACE_DEFAULT, Card
 from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
@@ -74,7 +76,8 @@ _WORKSPACE_KEYS = itertools.count(-1, -1)  # below every storage's key (an addre
 
 
 class Workspace:
-    """A cuBLAS workspace as the allocator sees it: a storage of `size` bytes that no tensor holds."""
+    """Memory the allocator hands out that no tensor holds, a storage of `size` bytes: a cuBLAS workspace,
+    or a kernel's temporary."""
 
     __slots__ = ("__weakref__", "_cdata", "size")
 
@@ -128,6 +131,8 @@ class StorageLedger:
         self.out: object = None
         self.workspace_bytes = CUBLAS_WORKSPACE_DEFAULT  # of each cuBLAS workspace (with the allocator's model)
         self.workspaces: dict[object, Workspace] = {}  # by cuBLAS handle
+        self.card: Card | None = None  # the card predicted (its SMs size kernel temporaries); None: none named
+        self.largest_temporaries = 0  # the most bytes one op's kernel temporaries held at once, since `forget`
         self._on_free = self._freed  # one bound method shared by every reference
 
     @property
@@ -177,6 +182,33 @@ class StorageLedger:
         self._follow(made, made._cdata, made.size)  # the device's own memory, wherever the ledger counts
         self.workspaces[handle] = made
         del held  # the smaller one, if any: freed now
+
+    @property
+    def wants_temporaries(self) -> bool:
+        """Whether ops' kernel temporaries are counted: only where the ledger predicts a GPU (the allocator's
+        model, or the meta device)."""
+        return self.model is not None or self.device_type == "meta"
+
+    def transient(self, sizes: Sequence[int], during: Callable[[], None] | None = None) -> None:
+        """An op's kernel allocated blocks of `sizes` bytes in this order and freed them, in reverse order,
+        before returning; `during` (if given) runs while they are all held. Each goes through the allocator's
+        model, attributed to the ledger's `op`. A size of 0 takes nothing (torch hands out a null pointer)."""
+        held: list[Workspace] = []
+        self.largest_temporaries = max(self.largest_temporaries, sum(sizes))
+        try:
+            for size in sizes:
+                if size > 0:
+                    held.append(self._hold(size))
+            if during is not None:
+                during()
+        finally:
+            while held:
+                held.pop()  # its last reference: freed now
+
+    def _hold(self, size: int) -> Workspace:
+        made = Workspace(size)
+        self._follow(made, made._cdata, size)
+        return made
 
     def clear_workspaces(self) -> None:
         """`torch._C._cuda_clearCublasWorkspaces()`: every workspace is freed (its blocks cached)."""
@@ -235,6 +267,7 @@ class StorageLedger:
         self.live.clear()
         self.workspaces.clear()
         self.requested = self.allocated = self.peak_requested = self.peak_allocated = self.fake_outputs = 0
+        self.largest_temporaries = 0
         if self.model is not None:  # each measurement starts with an empty cache
             self.model = CachingAllocatorModel(self.settings, self._capacity)
 

@@ -20,9 +20,12 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from pytest_gpumem.backends.tracker.graph import tensors_in
+from pytest_gpumem.backends.tracker.kernel_temporaries import modelled
+from pytest_gpumem.backends.tracker.kernel_temporaries import record as record_temporaries
 from pytest_gpumem.backends.tracker.ledger import StorageLedger
 from pytest_gpumem.backends.tracker.patches import count_compiled_allocations
 from pytest_gpumem.backends.tracker.recording import op_name
+from pytest_gpumem.backends.tracker.unmoded import CANDIDATES, in_place_twin
 
 
 def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
@@ -40,6 +43,8 @@ _RESIZE = 3  # out= overloads and resize_/set_: storages that existed may grow
 _LIFT = 4  # lift_fresh: a constant made outside any mode (torch.tensor), or memory torch does not own
 _CHECKED = 5  # fresh by its schema, but may return its inputs' storages: count only the others
 _BLAS = 6  # runs on cuBLAS on a GPU (its handle's workspace); the plan of its outputs follows it
+_TWIN = 7  # in backward, may run in place as without a mode (`unmoded`); the plan of its outputs follows it
+_TEMPS = 8  # its CUDA kernel takes temporaries inside the op (`kernel_temporaries`); its outputs' plan follows
 _NOT_DENSE = object()  # marks the parts of a sparse tensor in a walk over storages
 _FAKE = object()  # marks a fake tensor (FakeTensorMode): shapes without memory, never counted
 
@@ -93,9 +98,13 @@ a handle of its own (every other thread's is its thread's)."""
 
 def _op_plan(func: Any) -> tuple[int, Any]:
     """(kind, positions of the fresh returns) for an op overload; for _MANY, None means the one return
-    (a list, an optional tensor) is walked whole; for _BLAS, the plan of its outputs."""
+    (a list, an optional tensor) is walked whole; for _BLAS and _TWIN, the plan of its outputs."""
     plan = _output_plan(func)
-    return (_BLAS, plan) if func._schema.name.removesuffix("_") in BLAS_OPS else plan  # in place: addmm_
+    if func in CANDIDATES:
+        return _TWIN, plan
+    if func._schema.name.removesuffix("_") in BLAS_OPS:  # in place: addmm_
+        return _BLAS, plan
+    return (_TEMPS, plan) if modelled(func) else plan
 
 
 def _output_plan(func: Any) -> tuple[int, tuple[int, ...] | None]:
@@ -243,11 +252,21 @@ class StorageTrackingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         plan = _PLANS.get(func)
         if plan is None:
             plan = _PLANS[func] = _op_plan(func)
-        if plan[0] != _BLAS:
+        if plan[0] < _BLAS:
             return self._run(func, plan, args, kwargs)
-        out = self._run(func, plan[1], args, kwargs)
-        if self.ledger.wants_workspaces:
-            self._workspace(func, args, kwargs)
+        if plan[0] == _TWIN:
+            out = in_place_twin(func, args, kwargs) if _graph_task() != -1 else None
+            out = self._run(func, plan[1], args, kwargs) if out is None else out
+        else:
+            out = self._run(func, plan[1], args, kwargs)
+        ledger = self.ledger
+        workspace = None
+        if plan[0] == _BLAS and ledger.wants_workspaces:
+            workspace = functools.partial(self._workspace, func, args, kwargs)
+        if ledger.wants_temporaries and modelled(func):
+            record_temporaries(ledger, func, args, kwargs, during=workspace)  # held while the workspace is made
+        elif workspace is not None:
+            workspace()
         return out
 
     def _workspace(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:

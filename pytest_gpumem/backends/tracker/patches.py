@@ -107,11 +107,19 @@ class Patches:
         self._undo: list[Callable[[], None]] = []
         self.threads: list[str] = []
 
-    def install(self, foreach: bool = False, fused_attention: bool = False, allocator: bool = False) -> None:
+    def install(
+        self,
+        foreach: bool = False,
+        fused_attention: bool = False,
+        allocator: bool = False,
+        meta: bool = False,
+        cuda_autocast: str | None = None,
+    ) -> None:
         """The patches every measurement needs, with the GPU's optimizer path (`foreach`) and attention
         kernels (`fused_attention`) where asked, and `torch.cuda.empty_cache` where the ledger models the
         CUDA allocator (`allocator`)."""
         try:
+            self._backward_as_without_a_mode()
             self._resize()
             if allocator:
                 self._empty_cache()
@@ -121,6 +129,10 @@ class Patches:
                 self._foreach()
             if fused_attention:
                 self._fused_attention()
+            if meta:
+                self._meta_counts()
+            if cuda_autocast is not None:
+                self._cuda_autocast(cuda_autocast)
         except BaseException:
             self.undo()
             raise
@@ -164,20 +176,26 @@ class Patches:
         self._replace(torch.UntypedStorage, "resize_", resize_)
 
     def _empty_cache(self) -> None:
+        """`torch.cuda.empty_cache` by both its names (also `torch.cuda.memory.empty_cache`): the model's
+        free segments are given back, then CUDA's where there is CUDA."""
         import torch
+        import torch.cuda.memory
 
-        original = torch.cuda.empty_cache
         mode_class = self.mode_class
 
-        @functools.wraps(original)
-        def empty_cache() -> None:
-            ledger = active_ledger(mode_class)
-            if ledger is not None:
-                ledger.empty_cache()
-            if torch.cuda.is_available():
-                original()
+        def emptying(original: Callable[[], None]) -> Callable[[], None]:
+            @functools.wraps(original)
+            def empty_cache() -> None:
+                ledger = active_ledger(mode_class)
+                if ledger is not None:
+                    ledger.empty_cache()
+                if torch.cuda.is_available():
+                    original()
 
-        self._replace(torch.cuda, "empty_cache", empty_cache)
+            return empty_cache
+
+        for owner in (torch.cuda, torch.cuda.memory):
+            self._replace(owner, "empty_cache", emptying(owner.empty_cache))
 
     def _jit_trace(self) -> None:
         import torch.jit
@@ -224,20 +242,52 @@ class Patches:
         self._undo.append(lambda: leave_function_mode(mode))
         self._backward_under(mode)
 
+    def _meta_counts(self) -> None:
+        """What meta does not count by itself (`meta_counts`): tensors made from data, tied parameters."""
+        import torch
+
+        from pytest_gpumem.backends.tracker.gpu_paths import leave_function_mode
+        from pytest_gpumem.backends.tracker.meta_counts import factory_mode_class, keeping_ties
+
+        self._replace(torch.nn.Module, "_apply", keeping_ties(torch.nn.Module._apply))
+        mode_class = self.mode_class
+        mode = factory_mode_class()(lambda: active_ledger(mode_class))
+        mode.__enter__()
+        self._undo.append(lambda: leave_function_mode(mode))
+
+    def _cuda_autocast(self, device_type: str) -> None:
+        """CUDA's autocast and GradScaler on `device_type`'s tensors, which stand for the GPU's (`autocast`)."""
+        from pytest_gpumem.backends.tracker.autocast import CudaAutocast
+
+        emulation = CudaAutocast(device_type, self.notes)
+        self._undo.append(emulation.undo)
+        emulation.install(self._replace)
+
+    def _backward_as_without_a_mode(self) -> None:
+        """Each run of the autograd engine allocates what it allocates without a dispatch mode (`unmoded`)."""
+        from pytest_gpumem.backends.tracker.unmoded import calibrate, hooked
+
+        calibrate(lambda: self.mode_class(StorageLedger("none")))
+        self._backward_under(hooked)
+
     def _backward_under(self, mode: Any) -> None:
-        """Each run of the autograd engine with `mode` on the torch-function stack (see `gpu_paths`)."""
+        """Each run of the autograd engine with `mode` on the torch-function stack (see `gpu_paths`), or,
+        where `mode` is a function of the engine's roots (tensors or gradient edges), inside the context
+        it returns (`unmoded.hooked`)."""
         import torch.autograd
         import torch.autograd.graph as graph
+        from torch.overrides import TorchFunctionMode
 
         from pytest_gpumem.backends.tracker.gpu_paths import on_stack
 
         original = getattr(graph, "_engine_run_backward", None)
         if original is None:  # torch before 2.4's engine entry: backward runs without the mode
             return
+        context = (lambda roots: on_stack(mode)) if isinstance(mode, TorchFunctionMode) else mode
 
         @functools.wraps(original)
         def run_backward(*args: Any, **kwargs: Any) -> Any:
-            with on_stack(mode):
+            with context(args[0] if args else kwargs.get("t_outputs", ())):
                 return original(*args, **kwargs)
 
         self._replace(graph, "_engine_run_backward", run_backward)

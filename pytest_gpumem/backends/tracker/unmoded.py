@@ -1,0 +1,378 @@
+"""Backward as torch runs it without a dispatch mode, under the tracker's mode.
+
+While any Python dispatch mode is on, ATen's `isTensorSubclassLike` is true for every tensor (for a meta
+tensor it always is), and backward then allocates more than it does without one:
+
+- autograd's `InputBuffer` adds a gradient's second contribution out of place (`old + new`), where torch
+  otherwise adds it into `old` when it holds the last reference to it (`can_accumulate_inplace`);
+- some backward formulas fill a fresh tensor out of place (`new_zeros(...).scatter(...)` instead of
+  `scatter_`): the nodes and ops of `TWINS`, found by comparing torch.profiler's record of each op's
+  backward with and without a mode.
+
+The tracker's mode hands each candidate op (`CANDIDATES`) met in backward to `in_place_twin`, which runs
+the in-place twin and returns its `self`, as torch without a mode does, when it can prove that torch would
+have: grad mode off (create_graph keeps the out-of-place branches), a plain dense tensor, and nothing else
+holding it or its storage (use counts read against a probe's, `calibrate`). Anything else runs as before.
+
+Where backward is comes from hooks on the graph's nodes (`hooked`, around each engine run): a node's
+formula runs between its pre- and post-hook; the engine adds what it returned into its consumers' buffers
+after its post-hook and before the next hooked node's pre-hook, so an `add` there of a tensor it returned
+is the buffer's accumulation. Only the nodes that need them are hooked (those whose outputs meet another
+gradient in a buffer, their consumers, the nodes of `TWINS`): a hook, removed, leaves an empty dictionary
+on its node, which a retained graph keeps. `AccumulateGrad` nodes, which outlive a backward, get none.
+
+Not emulated: formulas whose subclass branch is another algorithm (`prod`, `cumprod`, the full `max`,
+`min` and `median`), sparse gradients of leaves (cloned under a mode: their parts have Python references),
+the branches of forward composites and of double backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+_VALUE_SELECTING = ("scatter.src",)  # value_selecting_reduction_backward: zeros, then scatter_
+_TWIN_OPS: dict[str, tuple[str, ...]] = {
+    "MaxBackward0": _VALUE_SELECTING,
+    "MinBackward0": _VALUE_SELECTING,
+    "MedianBackward1": _VALUE_SELECTING,
+    "NanmedianBackward1": _VALUE_SELECTING,
+    "KthvalueBackward0": _VALUE_SELECTING,
+    "ModeBackward0": _VALUE_SELECTING,
+    "TopkBackward0": _VALUE_SELECTING,
+    "SortBackward0": _VALUE_SELECTING,
+    "SortBackward1": _VALUE_SELECTING,
+    "CummaxBackward0": ("scatter_add.default",),  # cummaxmin_backward
+    "CumminBackward0": ("scatter_add.default",),
+    "GatherBackward0": ("scatter_add.default",),  # gather_backward
+    "IndexBackward0": ("index_put.default",),  # index_backward
+    "IndexSelectBackward0": ("index_add.default",),  # index_select_backward
+    "MaskedSelectBackward0": ("masked_scatter.default",),  # masked_select_backward
+    "TraceBackward0": ("index_fill.int_Tensor",),  # trace_backward
+    "TakeBackward0": ("put.default",),  # take_backward
+    "Atan2Backward0": ("masked_fill.Scalar",),  # atan2_backward: the reciprocal's masked_fill_
+    # binary_cross_entropy_with_logits_backward: sigmoid (or pos_weight's terms), then sub_ and mul_
+    "BinaryCrossEntropyWithLogitsBackward0": ("sub.Tensor", "mul.Tensor"),
+}
+"""Per node, the ops its formula runs out of place under a mode, each on a tensor the formula has just
+made and drops afterwards (read in FunctionsManual.cpp and ATen's composites; checked against the
+profiler): without a mode each runs in place."""
+_PASSED_BY_VALUE = {"IndexBackward0": 1}
+"""References to the fresh tensor that a node's formula holds beyond a buffer's one: `index_backward`
+takes it by value through the dispatcher."""
+
+
+def _overload(name: str) -> Any:
+    packet, _, overload = name.partition(".")
+    return getattr(getattr(torch.ops.aten, packet), overload)
+
+
+def _in_place(name: str) -> Any:
+    packet, _, overload = name.partition(".")
+    return getattr(getattr(torch.ops.aten, packet + "_"), overload)
+
+
+_ADD = torch.ops.aten.add.Tensor
+_ADD_ = torch.ops.aten.add_.Tensor
+TWINS: dict[str, dict[Any, Any]] = {
+    node: {_overload(op): _in_place(op) for op in ops} for node, ops in _TWIN_OPS.items()
+}
+"""Per node name, its out-of-place ops and their in-place twins."""
+CANDIDATES = frozenset({_ADD, *(op for twins in TWINS.values() for op in twins)})
+"""The ops the tracker's mode hands to `in_place_twin` in backward."""
+
+_NOTHING: frozenset[int] = frozenset()
+
+
+class _Run:
+    """Where one engine run is on its thread: the node whose formula runs (None between formulas), and
+    the tensors (by TensorImpl) the last node returned, until the next node starts. Hooks fired by
+    another run through the same nodes (a backward inside a hook), or on another thread, are ignored."""
+
+    __slots__ = ("node", "produced", "task", "thread")
+
+    def __init__(self) -> None:
+        self.node: str | None = None
+        self.produced: frozenset[int] = _NOTHING
+        self.thread = threading.get_ident()
+        self.task: int | None = None  # the engine's graph task, known at the first hook (its root's)
+
+    def starts(self, name: str, grad_outputs: object) -> None:
+        if self._ours():
+            self.node, self.produced = name, _NOTHING
+
+    def returned(self, grad_inputs: Sequence[torch.Tensor | None], grad_outputs: object) -> None:
+        if self._ours():
+            self.node = None
+            self.produced = frozenset(t._cdata for t in grad_inputs if t is not None)
+
+    def _ours(self) -> bool:
+        task = _graph_task()
+        if self.task is None:
+            self.task = task
+        return task == self.task and threading.get_ident() == self.thread
+
+
+def _graph_task() -> int:
+    """The autograd engine's current graph task on this thread (-1 outside backward)."""
+    return int(torch._C._current_graph_task_id())
+
+
+_LOCAL = threading.local()
+
+
+def _runs() -> list[_Run]:
+    runs: list[_Run] | None = getattr(_LOCAL, "runs", None)
+    if runs is None:
+        runs = _LOCAL.runs = []
+    return runs
+
+
+@contextlib.contextmanager
+def hooked(roots: Sequence[Any]) -> Iterator[None]:
+    """Within the block (one run of the autograd engine from `roots`, tensors or gradient edges), the
+    nodes reachable from them tell this thread's `in_place_twin` where backward is."""
+    run = _Run()
+    handles = None if _engine_replaced() else _hook_graph(roots, run)
+    if handles is None:
+        yield
+        return
+    runs = _runs()
+    runs.append(run)
+    try:
+        yield
+    finally:
+        runs.remove(run)
+        for handle in handles:
+            handle.remove()
+
+
+def _hook_graph(roots: Sequence[Any], run: _Run) -> list[Any] | None:
+    """The handles of the hooks put on the graph, or None where a node refuses one (none is left).
+
+    Post-hooks on the nodes whose outputs meet another gradient in a buffer and on those of `TWINS`;
+    pre-hooks on those and on every consumer of the first (the window of an accumulation closes when one
+    of them starts). `AccumulateGrad` nodes, which outlive a backward, get none."""
+    handles: list[Any] = []
+    try:
+        _add_hooks(_graph(roots), run, handles)
+    except (RuntimeError, TypeError, AttributeError):
+        for handle in handles:
+            handle.remove()
+        return None
+    return handles
+
+
+def _add_hooks(graph: _Graph, run: _Run, handles: list[Any]) -> None:
+    nodes, feeds = graph
+    starting: dict[int, Any] = {}
+    for node, consumers in nodes.values():
+        joins = any(feeds[id(consumer), slot] > 1 for consumer, slot in consumers)
+        if joins or node.name() in TWINS:
+            handles.append(node.register_hook(run.returned))
+            starting[id(node)] = node
+        if joins:
+            starting.update((id(consumer), consumer) for consumer, _ in consumers)
+    for node in starting.values():
+        name = node.name()
+        if name != _ACCUMULATE_GRAD:
+            handles.append(node.register_prehook(functools.partial(run.starts, name)))
+
+
+_ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+_Graph = tuple[dict[int, tuple[Any, list[Any]]], dict[tuple[int, int], int]]
+
+
+def _graph(roots: Sequence[Any]) -> _Graph:
+    """The graph's nodes reachable from `roots`, each once, with the edges (consumer, input) they send
+    gradients along, by the id of the node (held, so the id stays its own); and how many edges end in
+    each buffer slot (consumer's id, input)."""
+    nodes: dict[int, tuple[Any, list[Any]]] = {}
+    feeds: dict[tuple[int, int], int] = {}
+    roots = roots if isinstance(roots, (list, tuple)) else (roots,)
+    pending = [node for node in map(_root_node, roots) if node is not None]
+    while pending:
+        node = pending.pop()
+        if id(node) in nodes:
+            continue
+        consumers = [edge for edge in node.next_functions if edge[0] is not None]
+        nodes[id(node)] = (node, consumers)
+        for consumer, slot in consumers:
+            edge = (id(consumer), slot)
+            feeds[edge] = feeds.get(edge, 0) + 1
+            pending.append(consumer)
+    return nodes, feeds
+
+
+def _root_node(root: Any) -> Any:
+    if isinstance(root, torch.Tensor):
+        return root.grad_fn
+    return getattr(root, "node", None)  # a GradientEdge
+
+
+def _engine_replaced() -> bool:
+    """Whether backward may run other than node by node on this engine: compiled autograd traces the
+    graph, functorch's transforms wrap the tensors (subclass-like to ATen with or without a mode)."""
+    compiled = sys.modules.get("torch._dynamo.compiled_autograd")
+    if compiled is not None and getattr(compiled, "compiled_autograd_enabled", False):
+        return True
+    return bool(torch._C._are_functorch_transforms_active())
+
+
+def in_place_twin(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+    """The in-place twin of `func` run on `args` and its `self` returned, where torch without a mode
+    would have run it; else None (run `func` as it is)."""
+    runs = getattr(_LOCAL, "runs", None)
+    if not runs:
+        return None
+    run = runs[-1]
+    if run.node is None:
+        twin = _ADD_ if func is _ADD and _accumulating(run, args, kwargs) else None
+    else:
+        twin = TWINS.get(run.node, {}).get(func)
+    if twin is None or torch.is_grad_enabled() or not _keeps_self(func, args, kwargs):
+        return None
+    target = args[0]
+    if not _sole_holder(target, _PASSED_BY_VALUE.get(run.node, 0) if run.node else 0):
+        return None
+    twin(*args, **(kwargs or {}))
+    return target
+
+
+def _accumulating(run: _Run, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
+    """Whether an `add` is the engine's `old + new` into a buffer, `new` the last node's output."""
+    return (
+        not kwargs
+        and len(args) == 2
+        and isinstance(args[1], torch.Tensor)
+        and args[1]._cdata in run.produced
+        and _plain(args[1])
+    )
+
+
+def _keeps_self(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
+    """Whether the out-of-place op's result would have `self`'s shape and dtype (no broadcasting, no
+    promotion), so that its twin's result is the same tensor."""
+    target = args[0]
+    if not isinstance(target, torch.Tensor):
+        return False
+    if func in _ELEMENTWISE:
+        other = args[1]
+        if isinstance(other, torch.Tensor) and not _plain(other):
+            return False
+        shape = other.shape if isinstance(other, torch.Tensor) else ()
+        return torch.result_type(target, other) == target.dtype and _broadcasts_into(shape, target.shape)
+    if func is _MASKED_SCATTER:
+        return _broadcasts_into(args[1].shape, target.shape)
+    return True
+
+
+def _broadcasts_into(shape: Sequence[int], into: Sequence[int]) -> bool:
+    """Whether broadcasting `shape` with `into` gives `into`."""
+    if len(shape) > len(into):
+        return False
+    return all(size in (1, full) for size, full in zip(reversed(shape), reversed(into), strict=False))
+
+
+_ELEMENTWISE = frozenset({_ADD, torch.ops.aten.sub.Tensor, torch.ops.aten.mul.Tensor})
+_MASKED_SCATTER = torch.ops.aten.masked_scatter.default
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    """Not subclass-like to ATen without a mode: a plain strided tensor (a meta one counts, as the GPU's
+    would), not a zero tensor."""
+    return (
+        type(tensor) is torch.Tensor
+        and tensor.layout == torch.strided
+        and not tensor.is_nested
+        and not tensor._is_zerotensor()
+    )
+
+
+def _sole_holder(tensor: torch.Tensor, passed_by_value: int) -> bool:
+    """`can_accumulate_inplace` without the mode: a plain, dense tensor whose caller holds the only
+    reference to it (and `passed_by_value` copies of it) and to its storage (the counts a probe read
+    where torch adds in place)."""
+    if not _plain(tensor) or not _non_overlapping_and_dense(tensor):
+        return False
+    storage = tensor.untyped_storage()
+    readings = (
+        _use_count(tensor) - passed_by_value,
+        sys.getrefcount(tensor),
+        _storage_use_count(storage),
+        sys.getrefcount(storage),
+    )
+    if _PROBE.reading is not None:
+        _PROBE.reading.append(readings)
+        return False
+    return readings == _PROBE.calibrated
+
+
+def _use_count(tensor: torch.Tensor) -> int:
+    """C++ references to the TensorImpl (torch's own test, `is_tensor_stealable`, reads it)."""
+    return int(tensor._use_count())  # type: ignore[attr-defined]
+
+
+def _storage_use_count(storage: torch.UntypedStorage) -> int:
+    """References to the StorageImpl (`can_accumulate_inplace` wants one); no public API reads it."""
+    return int(torch._C._storage_Use_Count(storage._cdata))
+
+
+def _non_overlapping_and_dense(tensor: torch.Tensor) -> bool:
+    """`TensorImpl::compute_non_overlapping_and_dense` (no Python binding): its elements fill its
+    storage's span exactly once, in some order of its dimensions."""
+    sizes, strides = tensor.shape, tensor.stride()
+    if len(sizes) == 1:
+        return sizes[0] < 2 or strides[0] == 1
+    order = sorted(range(len(sizes)), key=lambda d: (sizes[d] < 2, strides[d]))
+    expected = 1
+    for d in order:
+        if sizes[d] < 2:
+            return True
+        if strides[d] != expected:
+            return False
+        expected *= sizes[d]
+    return True
+
+
+class _Probe:
+    """The reference counts of a tensor that only the engine's buffer holds, as `_sole_holder` reads
+    them under the tracker's mode (None: not read, nothing is run in place)."""
+
+    def __init__(self) -> None:
+        self.calibrated: tuple[int, ...] | None = None
+        self.reading: list[tuple[int, ...]] | None = None
+        self.tries = 0
+
+
+_PROBE = _Probe()
+_PROBE_TRIES = 3  # a probe that read nothing (its mode replaced, say) is run again at the next start
+
+
+def calibrate(make_mode: Callable[[], Any]) -> None:
+    """Read, once, the counts of the one accumulation of `y * 2 + y * 3`'s backward on the CPU, which
+    torch without a mode runs in place (`y`'s gradient, made by the first product's node, held only by
+    the buffer), under a mode from `make_mode` (the tracker's, on a throwaway ledger)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    if _PROBE.calibrated is not None or _PROBE.tries >= _PROBE_TRIES:
+        return
+    _PROBE.tries += 1
+    readings: list[tuple[int, ...]] = []
+    with _disable_current_modes():
+        x = torch.ones(2, requires_grad=True)
+        y = x.exp()
+        loss = (y * 2 + y * 3).sum()
+        _PROBE.reading = readings
+        try:
+            with make_mode(), hooked([loss]):
+                torch.autograd.backward(loss)
+        finally:
+            _PROBE.reading = None
+    _PROBE.calibrated = readings[0] if len(readings) == 1 else None
