@@ -2,8 +2,8 @@
 
 The model of `meta_7b.py` (bf16 parameters, gradients and AdamW state), built inside the measured call
 as a test builds it, warmed up by one step, then `gpumem.fit(step, sizes=[1, 2, 3], capacity="80 GiB")`:
-the answer from the sizes' timelines, confirmed by running it and the next size held to 80 GiB (the
-tracker raises OutOfMemoryError past it, as `max_memory(device="meta", capacity="80 GiB")` does). The
+the answer shown by training loops of 3 steps at it and the next size held to 80 GiB (the tracker raises
+OutOfMemoryError past it, as `max_memory(device="meta", capacity="80 GiB")` does). The
 hand count of what is live when the fit begins: parameters + gradients + AdamW state + the two cuBLAS
 workspaces (under the allocator's model, which meta uses by default).
 
@@ -67,16 +67,21 @@ def fit_on_meta(s: Shape, sizes: list[int], capacity: str) -> Timed:
 def rows(timed: Timed, expected_live: int, capacity: str) -> list[list[str]]:
     fit = timed.fit
     checks = [
-        [f"batch {c.size} under {capacity}", "out of memory" if c.out_of_memory else "fits", f"{c.peak:,} B"]
+        [
+            f"batch {c.size} under {capacity}",
+            f"out of memory in step {c.steps}" if c.out_of_memory else f"{c.steps} steps",
+            f"{c.peak:,} B",
+        ]
         for c in fit.checks
     ]
-    runs = len(fit.sizes) + len(fit.checks)
+    runs = len(fit.sizes) + len(fit.checks) + len(fit.expandable_checks)
+    loops = f"{len(fit.checks)} loops held to the capacity, {len(fit.expandable_checks)} with expandable segments"
     return [
         ["live at the fit (B)", f"{fit.live:,}", f"params + grads + AdamW state + workspaces: {expected_live:,}"],
         ["largest batch", f"{fit.largest}", f"peak {fit.peak_bytes:,} B at {fit.at}"],
         ["found", f"{fit.found.value}{', exact' if fit.exact else ''}", fit.note],
         *checks,
-        ["runs of the step", f"{runs}", f"{len(fit.sizes)} sampled, {len(fit.checks)} held to the capacity"],
+        ["runs of the step", f"{runs}", f"{len(fit.sizes)} sampled, {loops}"],
         ["fit's time", f"{timed.fit_wall:.1f} s", f"{timed.fit_wall / timed.one_step:.1f} x one step"],
     ]
 
@@ -119,6 +124,7 @@ def main() -> None:
             "exact": fit.exact,
             "confirmed": fit.confirmed,
             "checks": [vars(c) for c in fit.checks],
+            "expandable": fit.expandable,
             "describe": fit.describe(),
         },
     )

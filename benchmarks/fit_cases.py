@@ -1,31 +1,37 @@
-"""`gpumem.fit` on the steps a line through peaks answered wrongly: each answer N, and whether N and
-N + 10% run within the capacity (each run held to it on the tracker: OutOfMemoryError past it).
+"""`gpumem.fit` on the steps a line through peaks or a first step answered wrongly: each answer N, and
+whether a training loop in a fresh process (a new tracker, the step built anew, warmed up where the
+case is, then 3 steps in a row held to the capacity) runs at N and runs out at N + 1.
 
 The cases: a warmed-up Linear(2048, 2048, bias=False) + AdamW step from small and from large sizes
 (its small sizes peak in the optimizer step), Linear(256, 256) + AdamW not warmed up, an 8-layer decoder
-on meta (width 2048, sequence 1024, AdamW; a batch of 1 takes other ops), the fit guide's step against
-80 GiB on meta and on the CPU (whose host cannot hold 80 GiB), and a fit under a test capacity smaller
-than its own. A wrong answer is one where N does not fit or N + 10% does.
+on meta (width 2048, sequence 1024, AdamW; a batch of 1 takes other ops), a step on the CPU that grows
+as n squared, the fit guide's steps (a Linear(1024, 1024) against 80 GiB on meta and on the CPU, whose
+host cannot hold 80 GiB; its MLP against 24 GB warmed up and not, and against an L4), a fit under a test
+capacity smaller than its own, and a 1B Llama-like decoder (16 layers, width 2048, MLP 8192, vocabulary
+128,256, sequence 2048, bf16, AdamW) against an H100-80GB and an A100-40GB. A wrong answer is one where
+N's loop runs out or N + 1's runs.
 
-Run: python benchmarks/fit_cases.py [--json PATH]
+Run: python benchmarks/fit_cases.py [--json PATH] [--only NAME]
 """
 
 from __future__ import annotations
 
-import gc
-import math
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from benchlib import parser, show, write_json
+from meta_7b import Shape
+from meta_7b import build as build_decoder
 
 from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
+from pytest_gpumem.cards import parse_capacity
 from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.measure.meter import GpuMem
-from pytest_gpumem.sizes import parse_size
 
 Step = Callable[[int], None]
 
@@ -59,6 +65,45 @@ def decoder(device: str) -> Step:
     return step
 
 
+def squares(device: str) -> Step:
+    def step(n: int) -> None:
+        torch.ones(n, n, device=device).sum()
+
+    return step
+
+
+def guide_mlp(device: str) -> Step:
+    """The fit guide's 24 GB step: Linear(4096, 16384), GELU, Linear(16384, 4096) on n x 2048 x 4096 + AdamW."""
+    with torch.device(device):
+        model = torch.nn.Sequential(torch.nn.Linear(4096, 16384), torch.nn.GELU(), torch.nn.Linear(16384, 4096))
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def step(n: int) -> None:
+        model(torch.randn(n, 2048, 4096, device=device)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+LLAMA_1B = Shape(layers=16, hidden=2048, heads=32, mlp=8192, vocab=128_256, seq=2048)
+
+
+def llama_1b(device: str) -> Step:
+    model = build_decoder(LLAMA_1B)[0]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    s = LLAMA_1B
+
+    def step(n: int) -> None:
+        ids = torch.zeros(n, s.seq, dtype=torch.long, device=device)
+        targets = torch.zeros(n * s.seq, dtype=torch.long, device=device)
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(ids).float().view(-1, s.vocab), targets).backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+
+    return step
+
+
 def guide(device: str) -> Step:
     model = torch.nn.Linear(1024, 1024).to(device)
 
@@ -81,6 +126,12 @@ class Case:
 
 
 CASES = [
+    Case("the fit guide's MLP, 24 GB, warmed up", "meta", guide_mlp, [1, 2, 3], "24 GB"),
+    Case("the fit guide's MLP, 24 GB, not warmed up", "meta", guide_mlp, [1, 2, 3], "24 GB", False),
+    Case("the fit guide's MLP, L4, not warmed up", "meta", guide_mlp, [1, 2, 3], "L4", False),
+    Case("1B Llama-like decoder, H100-80GB", "meta", llama_1b, [1, 2, 3], "H100-80GB", False),
+    Case("1B Llama-like decoder, A100-40GB", "meta", llama_1b, [1, 2, 3], "A100-40GB", False),
+    Case("n x n floats on the CPU, 64 MiB", "cpu", squares, [8, 16, 32], "64 MiB", False),
     Case("Linear 2048 + AdamW, small sizes", "cpu", lambda d: linear_adamw(2048, d), [8, 16, 32], "200 MiB"),
     Case("Linear 2048 + AdamW, large sizes", "cpu", lambda d: linear_adamw(2048, d), [1000, 3000, 6000], "200 MiB"),
     Case("Linear 256 + AdamW, not warmed up", "cpu", lambda d: linear_adamw(256, d, True), [1, 2, 4], "1 GiB", False),
@@ -91,22 +142,29 @@ CASES = [
 ]
 
 
-def held_run(meter: GpuMem, step: Step, n: int, capacity: int) -> str:
-    """Run `step(n)` held to `capacity`, from an empty cache as a fresh process: 'fits' or 'out of memory'."""
-    backend = meter.backend
-    assert isinstance(backend, TrackerBackend)
-    gc.collect()  # as a measured phase does: cycles the fit's runs left are no longer held
-    backend.empty_cache()
+def loop(case: Case, n: int, steps: int = 3) -> str:
+    """A fresh process's training loop: a new tracker, the case's step built on it (warmed up with its first
+    size where the case is), then `steps` steps of n held to the capacity ('3 steps' or 'out of memory in
+    step k')."""
+    judged = parse_capacity(case.capacity, "capacity")
+    backend = TrackerBackend(device=case.device)
+    backend.configure(Settings(None, origins=False, events=False))
+    backend.start()
     try:
-        with backend.held_to(capacity):
-            step(n)
-    except torch.OutOfMemoryError as exc:
-        exc.__traceback__ = None
-        ran_out = True
-    else:
-        ran_out = False
-    gc.collect()
-    return "out of memory" if ran_out else "fits"
+        step = case.build(case.device)
+        with backend.predicting(judged.card.name) if judged.card else contextlib.nullcontext():
+            if case.warm:
+                step(case.sizes[0])
+            with backend.held_to(judged.bytes):
+                for k in range(1, steps + 1):
+                    try:
+                        step(n)
+                    except torch.OutOfMemoryError as exc:
+                        exc.__traceback__ = None
+                        return f"out of memory in step {k}"
+        return f"{steps} steps"
+    finally:
+        backend.stop()
 
 
 def run(case: Case) -> dict[str, object]:
@@ -117,40 +175,38 @@ def run(case: Case) -> dict[str, object]:
     measured.begin()
     try:
         step = case.build(case.device)
-        began = time.perf_counter()
         if case.warm:
             step(case.sizes[0])
-        one_step = time.perf_counter() - began
         began = time.perf_counter()
         fit = meter.fit(step, case.sizes, case.capacity)
         seconds = time.perf_counter() - began
-        limit = parse_size(case.capacity)
-        answer = fit.largest
-        on_meta = case.device == "meta" or limit < 8 * 2**30
-        at_n = held_run(meter, step, answer, limit) if answer and on_meta else "not run"
-        above = math.ceil(answer * 1.1) if answer else None
-        at_above = held_run(meter, step, above, limit) if above and on_meta else "not run"
     finally:
         measured.end()
-    wrong = at_n == "out of memory" or at_above == "fits"
+    answer = fit.largest
+    runnable = fit.confirmed and answer is not None
+    at_n = loop(case, answer) if runnable and answer else "not run"
+    above = loop(case, answer + 1) if runnable and answer else "not run"
+    wrong = at_n.startswith("out of memory") or above.endswith("steps")
     return {
         "case": case.name,
         "answer": answer,
         "how": fit.found.value + (", exact" if fit.exact else "") + (", confirmed" if fit.confirmed else ""),
         "N": at_n,
-        "N + 10%": at_above,
+        "N + 1": above,
+        "expandable": fit.expandable,
         "wrong": wrong,
-        "runs": len(fit.sizes) + len(fit.checks),
+        "runs": len(fit.sizes) + len(fit.checks) + len(fit.expandable_checks),
         "seconds": round(seconds, 2),
-        "x step": round(seconds / one_step, 1) if case.warm and one_step else None,
         "describe": fit.describe(),
     }
 
 
 def main() -> None:
-    options = parser("gpumem.fit on the cases a line through peaks got wrong").parse_args()
-    results = [run(case) for case in CASES]
-    headers = ["case", "answer", "how", "N", "N + 10%", "wrong", "runs", "seconds", "x step"]
+    args = parser("gpumem.fit on the cases a line through peaks or a first step got wrong")
+    args.add_argument("--only", default="", help="run the cases whose name contains this")
+    options = args.parse_args()
+    results = [run(case) for case in CASES if options.only in case.name]
+    headers = ["case", "answer", "how", "N", "N + 1", "expandable", "wrong", "runs", "seconds"]
     show("gpumem.fit: each answer, run within its capacity", headers, [[r[h] for h in headers] for r in results])
     for r in results:
         print(f"  * {r['case']}: {r['describe']}")

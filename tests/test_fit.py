@@ -1,7 +1,9 @@
 """gpumem.fit: the largest batch that fits, from each size's timeline where the ops are the same at every
-size, searched with runs held to the capacity where not, and shown by running the answer and the next size.
+size, searched with loops held to the capacity where not, and shown by loops at the answer and the next size.
 
-Every figure is counted by hand from the tensors the step makes (float32: 4 B an element)."""
+Every figure is counted by hand from the tensors the step makes (float32: 4 B an element), except the
+answers on the allocator's model whose loops fragment its cache: those are checked against a fresh
+process's training loop, run apart from the fit."""
 
 from __future__ import annotations
 
@@ -99,19 +101,19 @@ def test_the_peak_that_moves_from_backward_to_forward_is_found_exactly(tracked: 
     )
     assert fit.peak_bytes == SMALL + 512 * 95 + 4
     answer, above = fit.checks
-    assert (answer.size, answer.peak, answer.out_of_memory) == (95, 65_284, False)
-    # held to 64 KiB, batch 96 runs out allocating the output: the parameters and x were live
-    assert (above.size, above.peak, above.out_of_memory) == (96, SMALL + 256 * 96, True)
+    assert (answer.size, answer.peak, answer.out_of_memory, answer.steps) == (95, 65_284, False, 3)
+    # held to 64 KiB, batch 96 runs out in its first step allocating the output: the parameters and x were live
+    assert (above.size, above.peak, above.out_of_memory, above.steps) == (96, SMALL + 256 * 96, True, 1)
     assert fit.describe() == (
-        "largest batch that fits 64 KiB: 95, peak 63.8 KiB at aten.sum.default (tests/test_fit.py:81), of which "
+        "largest batch that fits 64 KiB: 95, peak 63.8 KiB at aten.sum.default (tests/test_fit.py:83), of which "
         "32.5 KiB was live when the fit began; found exactly from the timelines of sizes 1, 2, 4, 8, confirmed: "
-        "95 ran within 64 KiB, 96 ran out of memory after 40.2 KiB"
+        "95 ran 3 steps within 64 KiB, 96 ran out of memory in its 1st step after 40.2 KiB"
     )
 
 
 def test_state_the_first_run_made_is_taken_as_a_warm_up(tracked: Tracked) -> None:
     fit = fit_peaks(linear_step(torch.nn.Linear(64, 64)), [1, 2, 4, 8], "64 KiB", tracked)
-    assert (fit.warm_up, fit.left, fit.live, fit.largest) == (SMALL, (0, 0, 0, 0), 2 * SMALL, 95)
+    assert (fit.warm_up, fit.left, fit.live, fit.largest) == (SMALL, (0, 0, 0, 0), SMALL, 95)
     assert fit.describe().endswith(
         "; the first run left 16.2 KiB allocated (optimizer state?) and ran again as a warm-up"
     )
@@ -126,14 +128,16 @@ def test_rows_give_the_exact_answer_and_the_next_size_runs_out(tracked: Tracked)
 
 def test_a_kernel_that_switches_beyond_the_sizes_is_searched(tracked: Tracked) -> None:
     fit = fit_peaks(switching, [1, 2, 4], 200_000, tracked)
-    # the timelines say 191; run, 191 takes the 4,096 B rows and runs out: bisect between 4 and 191
+    # the timelines say 191; run, 191 takes the 4,096 B rows and runs out, and so does 190: the largest
+    # sampled size, 4, runs and 5 too; bisect between 5 and 190
     assert (fit.largest, fit.found, fit.confirmed) == (63, Found.SEARCH, True)
     assert fit.peak_bytes == FIXED + 63 * ROW
-    assert [c.size for c in fit.checks] == [191, 97, 50, 73, 61, 67, 64, 62, 63]
+    assert [c.size for c in fit.checks] == [191, 190, 4, 5, 97, 51, 74, 62, 68, 65, 63, 64]
     assert fit.describe() == (
-        "largest batch that fits 200,000 B: 63, peak 66.9 KiB at aten.ones.default (tests/test_fit.py:65), of which "
-        "0 B was live when the fit began; searched at 9 sizes held to the capacity (the timelines' answer, 191 "
-        "fits, did not hold when run), confirmed: 63 ran within 200,000 B, 64 ran out of memory after 3.9 KiB"
+        "largest batch that fits 200,000 B: 63, peak 66.9 KiB at aten.ones.default (tests/test_fit.py:67), of which "
+        "0 B was live when the fit began; searched by loops of 3 steps at 12 sizes held to the capacity (the "
+        "timelines' answer, 191 fits, did not hold in a loop of 3 steps), confirmed: 63 ran 3 steps within 200,000 "
+        "B, 64 ran out of memory in its 1st step after 3.9 KiB"
     )
 
 
@@ -175,10 +179,10 @@ def test_capacity_below_batch_one_gives_none_confirmed(tracked: Tracked) -> None
     fit = fit_peaks(rows, [4, 8, 16], FIXED + ROW - 1, tracked)
     assert (fit.largest, fit.peak_bytes, fit.confirmed) == (None, FIXED + ROW, True)
     assert fit.describe().startswith(
-        "no batch fits 5,023 B: batch 1 needs 4.9 KiB at aten.ones.default (tests/test_fit.py:60), of which 0 B "
+        "no batch fits 5,023 B: batch 1 needs 4.9 KiB at aten.ones.default (tests/test_fit.py:62), of which 0 B "
         "was live"
     )
-    assert fit.describe().endswith("confirmed: batch 1 ran out of memory after 3.9 KiB")
+    assert fit.describe().endswith("confirmed: batch 1 ran out of memory in its 1st step after 3.9 KiB")
     assert fit_peaks(rows, [4, 8, 16], FIXED + ROW, tracked).largest == 1
 
 
@@ -273,8 +277,13 @@ def test_a_step_whose_small_sizes_peak_in_the_optimizer_is_answered_from_the_bac
     # at 8-32 the optimizer step is the peak at every size: one line through the peaks had slope 0 and
     # said 2,147,483,647. forward: 50,356,228 + 16,384 n <= 209,715,200  ->  n <= 9,726.5
     assert (fit.live, fit.peaks) == (LIVE, (100_696_064,) * 3)
-    assert (fit.largest, fit.peak_bytes, fit.exact, fit.confirmed) == (9726, 209_707_012, True, True)
-    assert fit.peak_bytes == P + ADAMW + 16_384 * 9726 + 4
+    # at the forward's peak, the full sum of the 9,726 x 2,048 output stages its partial sums on a card (a
+    # modelled kernel temporary: 1,728 B + a 4-byte semaphore on the default card)
+    from pytest_gpumem.backends.tracker.kernel_temporaries import temporaries
+
+    staging = sum(temporaries("aten.sum.default", [torch.empty(9726, 2048, device="meta")], {}, None))
+    assert (fit.largest, fit.exact, fit.confirmed) == (9726, True, True)
+    assert fit.peak_bytes == P + ADAMW + 16_384 * 9726 + 4 + staging == 209_708_744
     answer, above = fit.checks
     assert (answer.size, answer.out_of_memory, above.size, above.out_of_memory) == (9726, False, 9727, True)
     # batch 9,727 ran out allocating forward's output: x (8,192 x 9,727 B) over the parameters and state
@@ -303,7 +312,9 @@ def test_on_the_allocators_model_a_batch_fits_on_reserved_memory() -> None:
     finally:
         measured.end()
     # up to 1,024 rows (1 MiB) the rows and the zeros share one 2 MiB segment of the small pool; more rows
-    # take a 20 MiB segment of the large pool, and 22 MiB are reserved. Allocated bytes alone: 20,476.
+    # take a 20 MiB segment of the large pool, and 22 MiB are reserved: no peak grows up to 1,024, and 2,048
+    # runs out. Allocated bytes alone: 20,476. (From 10 MiB of rows on a segment is their size rounded up
+    # to 2 MiB: 18,432 rows reserve 20 MiB and fit too; the search stays below the size that ran out.)
     assert (fit.largest, fit.peak_bytes, fit.reserved, fit.found, fit.confirmed) == (
         1024,
         2**21,
@@ -312,7 +323,9 @@ def test_on_the_allocators_model_a_batch_fits_on_reserved_memory() -> None:
         True,
     )
     assert fit.describe().startswith("largest batch that fits 20 MiB: 1,024, peak 2.0 MiB reserved at aten.")
-    assert fit.describe().endswith("confirmed: 1,024 ran within 20 MiB, 1,025 ran out of memory after 2.0 MiB")
+    assert fit.describe().endswith(
+        "confirmed: 1,024 ran 3 steps within 20 MiB, 1,025 ran out of memory in its 1st step after 2.0 MiB"
+    )
 
 
 def test_a_cpu_fit_larger_than_the_host_is_not_run() -> None:
@@ -420,7 +433,7 @@ def test_the_fixture_fits_a_batch_size(tracker: pytest.Pytester, reported: Repor
     assert tests["test_fits"]["fits"] == [
         "largest batch that fits 200,000 B: 171, peak 194.4 KiB at aten.ones.default (test_the_fixture_fits_a_batch_"
         "size.py:5), of which 19.5 KiB was live when the fit began; found exactly from the timelines of sizes 1, 2, "
-        "4, 8, confirmed: 171 ran within 200,000 B, 172 ran out of memory after 23.4 KiB"
+        "4, 8, confirmed: 171 ran 3 steps within 200,000 B, 172 ran out of memory in its 1st step after 23.4 KiB"
     ]
     # 64 n^2 floats: the sizes' bytes are no lines; searched: 64 n^2 x 4 <= 4 MiB  ->  n <= 128
     (searched,) = tests["test_not_lines"]["fits"]
@@ -443,3 +456,177 @@ def test_two_fits_in_one_test_are_measured_apart(tracker: pytest.Pytester) -> No
         """
     )
     tracker.runpytest().assert_outcomes(passed=1)
+
+
+class Reserved(Tracked):
+    """`Tracked` on meta under the allocator's model (meta's default), measured as the meter measures a
+    run there: from an empty cache, its peak of reserved bytes (what a card runs out on)."""
+
+    def __init__(self) -> None:
+        super().__init__("meta")
+
+    def __call__(self, fn: Callable[[], object], limit: int | None = None) -> Sample:
+        backend, out_of_memory = self.backend, False
+        backend.empty_cache()
+        start = backend.current().allocated
+        backend.reset_peak()
+        with backend.held_to(limit) if limit is not None else contextlib.nullcontext(), backend.timeline() as got:
+            try:
+                fn()
+            except torch.OutOfMemoryError as exc:
+                exc.__traceback__ = None  # its frames hold the step's tensors
+                out_of_memory = True
+        peak, end = backend.peak().reserved, backend.current().allocated
+        assert peak is not None
+        return Sample(start, peak, end, out_of_memory, limit is not None, got(), reserved=True)
+
+
+def guide_step(warm: bool = False) -> Callable[[int], None]:
+    """The fit guide's 24 GB step 8 times narrower and with an 8 times shorter sequence, on meta: Linear(512,
+    2,048), GELU, Linear(2,048, 512) on n x 256 x 512 (512 KiB a row in, 2 MiB a row hidden) + AdamW;
+    `warm`: one step of batch 1 first, so that AdamW's state exists before the fit (else the fit's make it)."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512))
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def step(n: int) -> None:
+        model(torch.randn(n, 256, 512, device="meta")).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    if warm:
+        step(1)
+    return step
+
+
+def ran_out_in(n: int, capacity: int, steps: int = 3, warm: bool = False) -> int | None:
+    """A fresh process's training loop, independent of the fit: a new meta tracker, the guide's step built on
+    it, `steps` steps of n held to `capacity`; the step that ran out of memory (None: all ran)."""
+    backend = TrackerBackend(device="meta")
+    backend.start()
+    try:
+        step = guide_step(warm)
+        with backend.held_to(capacity):
+            for i in range(1, steps + 1):
+                try:
+                    step(n)
+                except torch.OutOfMemoryError as exc:
+                    exc.__traceback__ = None
+                    return i
+        return None
+    finally:
+        backend.stop()
+
+
+GUIDE_CAPACITY = 128 * 2**20
+
+
+def fit_guide_step(capacity: str, warm: bool = False) -> BatchFit:
+    """`guide_step` fitted on its own tracker (stopped before any loop runs apart from it), the backend
+    given as the meter gives it: the answer with expandable segments is found too."""
+    measure = Reserved()
+    try:
+        return fit_peaks(guide_step(warm), [1, 2, 3], capacity, measure, backend=measure.backend)
+    finally:
+        measure.backend.stop()
+
+
+def test_the_answer_runs_three_steps_in_a_loop_and_the_next_size_runs_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    fit = fit_guide_step("128 MiB")
+    # Linear(512, 2,048) and Linear(2,048, 512): 2,099,712 parameters of 4 B; the first run left AdamW's two
+    # moments of each and the two cuBLAS workspaces (8 MiB + 128 KiB each): 2 x 8,398,848 + 2 x 8,519,680
+    assert (fit.live, fit.warm_up) == (8_398_848, 33_837_056)
+    # AdamW's state is made in each loop's first step, among its activations, and the later steps run on
+    # the cache the first left: 8 x 512 KiB rows in and 8 x 2 MiB hidden (with the loss's reduction staging
+    # its partial sums, a kernel temporary) no longer fit beside it
+    assert (fit.largest, fit.found, fit.confirmed) == (7, Found.SEARCH, True)
+    loops = {c.size: (c.out_of_memory, c.steps) for c in fit.checks}
+    assert (loops[7], loops[8]) == ((False, 3), (True, 3))
+    # a fresh process's loop, run apart from the fit, agrees: 7 runs 3 steps, 8 runs out in its third
+    assert (ran_out_in(7, GUIDE_CAPACITY), ran_out_in(8, GUIDE_CAPACITY)) == (None, 3)
+    # judged on a first step alone, from an empty cache, the answer would have been 11
+    assert (ran_out_in(11, GUIDE_CAPACITY, steps=1), ran_out_in(12, GUIDE_CAPACITY, steps=1)) == (None, 1)
+    assert fit.describe().endswith(
+        "confirmed: 7 ran 3 steps within 128 MiB, 8 ran out of memory in its 3rd step after 126.0 MiB; the first "
+        "run left 32.3 MiB allocated (optimizer state, cuBLAS workspaces?) and ran again as a warm-up; "
+        "fragmentation decides it: with expandable segments: 8; without: 7"
+    )
+    # a fresh process that sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True runs 8 and runs out at 9
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert (ran_out_in(8, GUIDE_CAPACITY), ran_out_in(9, GUIDE_CAPACITY)) == (None, 1)
+
+
+def test_optimizer_state_the_fit_made_is_made_again_in_each_loops_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    # AdamW's state is the fit's own (its first run made it): each loop forgets it and makes it again among
+    # its own activations, as a fresh process's loop does: 16 runs 3 steps, 17 runs out in its second
+    assert fit_guide_step("208 MiB").largest == 16
+    assert (ran_out_in(16, 208 * 2**20), ran_out_in(17, 208 * 2**20)) == (None, 2)
+    # made before the fit, among batch 1's activations, the state is live when it begins and stays where
+    # it lies: 15, as that process's loop shows
+    assert fit_guide_step("208 MiB", warm=True).largest == 15
+    assert (ran_out_in(15, 208 * 2**20, warm=True), ran_out_in(16, 208 * 2**20, warm=True)) == (None, 1)
+
+
+def squares(called: list[int]) -> Callable[[int], torch.Tensor]:
+    """A step that makes an n x n float32 tensor (4 n^2 B) on the CPU, recording the sizes it ran."""
+
+    def step(n: int) -> torch.Tensor:
+        called.append(n)
+        return torch.ones(n, n)
+
+    return step
+
+
+def test_a_step_that_grows_as_n_squared_runs_no_size_past_its_curve(
+    tracked: Tracked, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("pytest_gpumem.measure.fit_search.host_available", lambda: 64 * 2**20)
+    called: list[int] = []
+    fit = fit_peaks(squares(called), [8, 16, 32], "4 MiB", tracked, backend=tracked.backend)
+    # 256, 1,024 and 4,096 B: the line through 8 and 32 (160 B a row) misses 16 by 512 B, within the
+    # tolerance, and says 26,220 (an n x n tensor of 2.6 GiB); the curve through the three says 4 n^2:
+    # 1,024 (4 MiB), run 3 times, and 1,025 runs out
+    assert (fit.largest, fit.peak_bytes, fit.found) == (1024, 4 * 2**20, Found.SEARCH)
+    assert called == [8, 16, 32, 1024, 1024, 1024, 1025]
+    assert fit.note == "the sizes' bytes curve away from the lines by up to 512 B: 26,220 was not run, 1,024 was"
+
+
+def test_on_the_cpu_a_run_past_what_the_host_can_give_is_refused_before_it_runs(
+    tracked: Tracked, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("pytest_gpumem.measure.fit_search.host_available", lambda: 2**21)
+    called: list[int] = []
+    with pytest.raises(GpuMemError) as info:
+        fit_peaks(squares(called), [8, 16, 32], "4 MiB", tracked, backend=tracked.backend)
+    # the host gives 80% of its 2 MiB available to the runs: 1.6 MiB, and batch 1,024 would take 4 MiB
+    assert str(info.value) == (
+        "fit: a run of size 1,024 would take about 4.0 MiB of the host's memory (the sampled sizes extrapolated), "
+        "more than the 1.6 MiB its runs may take (80% of what it has available): fit on the meta device, whose "
+        "runs allocate nothing"
+    )
+    assert called == [8, 16, 32]  # the sampled sizes only
+
+
+def test_the_tracker_serves_a_block_with_expandable_segments_its_live_storages_placed_anew(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert TrackerBackend().expandable_segments() is None  # the CPU's exact bytes: no allocator to change
+    backend = TrackerBackend(device="meta")
+    backend.start()
+    try:
+        kept = torch.empty(12 * 2**20, dtype=torch.uint8, device="meta")
+        # 12 MiB takes a segment of its own size (10 MiB or more: rounded up to 2 MiB); an expandable
+        # segment maps 20 MiB pages
+        assert (backend.current().allocated, backend.current().reserved) == (12 * 2**20, 12 * 2**20)
+        serving = backend.expandable_segments()
+        assert serving is not None
+        with serving:
+            assert (backend.current().allocated, backend.current().reserved) == (12 * 2**20, 20 * 2**20)
+        assert (backend.current().allocated, backend.current().reserved) == (12 * 2**20, 12 * 2**20)
+        del kept
+        assert backend.current().allocated == 0
+    finally:
+        backend.stop()

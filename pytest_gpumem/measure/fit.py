@@ -2,10 +2,11 @@
 
 The peaks are absolute: the bytes allocated at the step's peak, everything live when it began
 (parameters, gradients, optimizer state) included, as the backend counts them (the tracker: what the
-test's call made; CUDA: the device's allocated bytes). A batch fits when that peak is within the capacity.
-How the answer is found is `pytest_gpumem.measure.fit_search`'s: from the lines through the sampled
-timelines where the ops are the same at every size (`pytest_gpumem.measure.lines`), else searched by runs
-held to the capacity, and confirmed where a run is cheap.
+test's call made; CUDA: the device's allocated bytes). A batch fits when a training loop of `LOOP_STEPS`
+steps at that size runs held to the capacity. How the answer is found is
+`pytest_gpumem.measure.fit_search`'s: guessed from the lines through the sampled timelines where the ops
+are the same at every size (`pytest_gpumem.measure.lines`), else from the sampled peaks extrapolated, and
+shown by loops held to the capacity where a run is cheap.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ from pytest_gpumem.cards import Capacity
 from pytest_gpumem.measure.lines import MAX_BATCH, Lines
 from pytest_gpumem.sizes import format_size, is_binary
 
-__all__ = ["MAX_BATCH", "BatchFit", "Check", "Found", "Measure", "Sample"]
+__all__ = ["LOOP_STEPS", "MAX_BATCH", "BatchFit", "Check", "Found", "Measure", "Sample"]
+
+LOOP_STEPS = 3
+"""The steps in a row a size's loop runs: the second starts on the cache the first left, with the
+optimizer state the first made among its activations; the third shows that the cache holds steady."""
+
+_ORDINALS = {1: "1st", 2: "2nd", 3: "3rd"}
 
 
 @dataclass(frozen=True)
@@ -67,13 +74,14 @@ class Found(str, Enum):
 
 @dataclass(frozen=True)
 class Check:
-    """The step run at a batch size held to the capacity, to confirm or search an answer."""
+    """A loop of the step at a batch size held to the capacity, to confirm or search an answer."""
 
     size: int
-    peak: int  # bytes allocated at its peak (the peak reached before it ran out, if it did)
+    peak: int  # bytes allocated at the loop's peak (the peak reached before it ran out, if it did)
     out_of_memory: bool
     enforced: bool  # whether the backend held the run to the capacity (else the peak is compared with it)
     at: str | None = None  # what made its peak, where the backend records a timeline
+    steps: int = 1  # the steps it ran, the last the one that ran out where it did
 
     def fits(self, capacity: int) -> bool:
         return not self.out_of_memory and self.peak <= capacity
@@ -93,7 +101,7 @@ class BatchFit:
     live: int = 0  # bytes allocated when the fit began
     left: tuple[int, ...] = ()  # bytes each size left allocated after it returned
     capacity_text: str | None = None
-    checks: tuple[Check, ...] = ()  # the runs held to the capacity, in order
+    checks: tuple[Check, ...] = ()  # the loops held to the capacity, in order
     at: str | None = None  # what made the peak at `largest` ('aten.mm.default (test_x.py:12)')
     warm_up: int = 0  # bytes the first run left allocated (optimizer state), after which it ran again
     note: str = ""  # why it was searched, or which sizes the lines left out
@@ -101,6 +109,8 @@ class BatchFit:
     lines: Lines | None = None
     reserved: bool = False  # the peaks are of reserved bytes (the allocator's segments), as a card judges them
     card: Capacity | None = None  # the card the capacity names: `capacity` is its total less what lies outside
+    expandable: int | None = None  # the answer with expandable segments, where the allocator's model had none
+    expandable_checks: tuple[Check, ...] = ()  # the loops that found it
 
     @property
     def exact(self) -> bool:
@@ -135,7 +145,19 @@ class BatchFit:
             if self.warm_up
             else ""
         )
-        return f"{head}{self._on_card()}; {self._how()}{self._shown()}{warm}"
+        return f"{head}{self._on_card()}; {self._how()}{self._shown()}{warm}{self._fragmentation()}"
+
+    @property
+    def fragmented(self) -> bool:
+        """Whether fragmentation decided the answer: with expandable segments it differs."""
+        return bool(self.expandable_checks) and self.expandable != self.largest
+
+    def _fragmentation(self) -> str:
+        if not self.fragmented:
+            return ""
+        with_ = "none" if self.expandable is None else f"{self.expandable:,}"
+        without = "none" if self.largest is None else f"{self.largest:,}"
+        return f"; fragmentation decides it: with expandable segments: {with_}; without: {without}"
 
     def _on_card(self) -> str:
         """What a card's capacity judges: the allocator's reserved bytes within its total less what lies
@@ -151,8 +173,8 @@ class BatchFit:
 
     def _how(self) -> str:
         if self.found is Found.SEARCH or self.lines is None:
-            twice = ", each run twice and the second judged" if self.reserved else ""
-            return f"searched at {len(self.checks)} sizes held to the capacity{twice} ({self.note})"
+            loops = f"loops of {LOOP_STEPS} steps at {len(self.checks)} sizes held to the capacity"
+            return f"searched by {loops} ({self.note})"
         lines = self.lines
         if self.exact:
             quality = "exactly"
@@ -173,14 +195,15 @@ class BatchFit:
 
     def _ran(self, n: int) -> str:
         check = next((c for c in reversed(self.checks) if c.size == n), None)
-        if check is None:  # a sampled size, run without a capacity
-            peak = self.peaks[self.sizes.index(n)]
-            return f"ran within {self._cap}" if peak <= self.capacity else f"peaked at {self.size(peak)}"
+        if check is None:
+            return "was not run"
         if check.out_of_memory:
-            return f"ran out of memory after {self.size(check.peak)}"
+            step = _ORDINALS.get(check.steps, f"{check.steps}th")
+            return f"ran out of memory in its {step} step after {self.size(check.peak)}"
+        steps = f"{check.steps} steps"
         if check.fits(self.capacity):
-            return f"ran within {self._cap}" if check.enforced else f"ran, peak {self.size(check.peak)}"
-        return f"peaked at {self.size(check.peak)}"
+            return f"ran {steps} within {self._cap}" if check.enforced else f"ran {steps}, peak {self.size(check.peak)}"
+        return f"ran {steps}, peaked at {self.size(check.peak)}"
 
 
 def integers(values: Sequence[int]) -> str:

@@ -1,24 +1,38 @@
 """How a fit finds its answer: sample the step, fit a line per timeline event where the ops are the same
-at every size, else search with runs held to the capacity; confirm where a run is cheap.
+at every size, then show the answer with training loops held to the capacity.
 
 Order of work, each step one line here: sample the sizes (the first again if it left state behind, as a
 warm-up); fit the lines through the timelines of the sizes that make the largest's ops; where no event
-grows, sample twice the largest until one does; answer from the lines and run the answer and the next size
-held to the capacity; where the lines cannot answer, or their answer did not hold, search: double from
-the largest size that fits until one does not, then bisect. An answer is always a size shown to fit,
-except where runs cannot be made (`runs_refused`): the lines' answer is then given as not confirmed.
+grows, sample twice the largest until one does; guess the answer (the lines', else where the sampled
+peaks extrapolated reach the capacity); run a loop of `LOOP_STEPS` steps at the guess held to the capacity,
+from the state the fit began with (optimizer state the fit's runs made is forgotten first, so that the
+loop's first step makes it among its own activations, as a fresh process's does); gallop up or down from
+the guess until a size's loop runs and the next size's runs out, then bisect. Where the backend serves
+with a model of the caching allocator without expandable segments, the answer with them is found too:
+where the two differ, fragmentation decided the answer. The answer is always shown by a loop that ran
+and one at the next size that ran out, except where runs cannot be made (`runs_refused`): the lines'
+answer is then given as not confirmed. On the CPU, a run that the sampled sizes extrapolated put past
+what the host can give is refused before it runs.
 """
 
 from __future__ import annotations
 
+import math
 import operator
-from collections.abc import Callable, Iterable, Sequence
+import weakref
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
+from typing import Any
 
+from pytest_gpumem.backends.base import Backend
 from pytest_gpumem.backends.timeline import Timeline
 from pytest_gpumem.cards import parse_capacity
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.measure.fit import MAX_BATCH, BatchFit, Check, Found, Measure, Sample, integers
+from pytest_gpumem.measure.fit import LOOP_STEPS, MAX_BATCH, BatchFit, Check, Found, Measure, Sample, integers
+from pytest_gpumem.measure.host import HOST_SHARE, host_available
 from pytest_gpumem.measure.lines import Lines, fit_lines
 from pytest_gpumem.sizes import format_size, shorten
 
@@ -26,7 +40,7 @@ FIT_CAPACITY = "gpumem.fit(capacity=...)"  # how its errors name the argument
 
 DEFAULT_TOLERANCE = 0.01
 """Largest distance of a size's bytes from its event's line accepted, as a fraction of the largest peak
-(plus `DEFAULT_SLACK`); beyond it the answer is searched. It also bounds what a size may leave allocated."""
+(plus `DEFAULT_SLACK`); beyond it the lines do not answer. It also bounds what a size may leave allocated."""
 
 DEFAULT_SLACK = 4096
 """Bytes always accepted (small allocations whose sizes do not follow n exactly)."""
@@ -34,6 +48,85 @@ DEFAULT_SLACK = 4096
 FLAT_REACH = 1024
 """How many times the largest size given a step whose peak does not grow is sampled up to, before it is
 refused: tensors the meter does not count (on another device) must not be made at billions of rows."""
+
+
+class _Optimizers:
+    """The torch optimizers the fit's runs step that had no state when the fit first stepped them: that
+    state is the fit's, and a loop forgets it first, to make it again among its own activations."""
+
+    def __init__(self) -> None:
+        self.seen: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.made: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def stepped(self, optimizer: Any, args: object, kwargs: object) -> None:
+        if optimizer not in self.seen:
+            self.seen.add(optimizer)
+            if not optimizer.state:
+                self.made.add(optimizer)
+
+    def forget_state(self) -> None:
+        for optimizer in list(self.made):
+            optimizer.state = defaultdict(dict)
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        handle = register_optimizer_step_pre_hook(self.stepped)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+
+@dataclass(frozen=True)
+class _Growth:
+    """What the sampled sizes say of larger ones, to guess the answer and bound what a run asks of the
+    host: each of a run's peak and its largest single allocation extrapolated to n as the higher of the
+    line through the two largest sampled sizes and the polynomial through the three largest (a step that
+    makes n x n tensors grows as n squared: a line through its peaks would put a run at terabytes)."""
+
+    sizes: tuple[int, ...]  # the sampled sizes, ascending and distinct
+    peaks: tuple[int, ...]  # the peak at each
+    allocations: tuple[int, ...]  # the largest single allocation at each (its peak's rise where not recorded)
+
+    def peak(self, n: int, curve: bool = True) -> int:
+        return _extrapolate(self.sizes, self.peaks, n, curve)
+
+    def asks(self, n: int, capacity: int) -> int:
+        """Bytes a run of size n held to `capacity` may take: its peak, or the capacity and the
+        allocation that passes it (the tracker raises once the allocation is made)."""
+        return min(self.peak(n), capacity + _extrapolate(self.sizes, self.allocations, n))
+
+    def reach(self, capacity: int, curve: bool = True) -> int:
+        """The largest size whose extrapolated peak is within the capacity (1 to MAX_BATCH); `curve=False`:
+        by the line alone (reserved bytes, whose segments make any three sizes a curve)."""
+        good, bad = 0, 1
+        while bad < MAX_BATCH and self.peak(bad, curve) <= capacity:
+            good, bad = bad, min(2 * bad, MAX_BATCH)
+        if self.peak(bad, curve) <= capacity:
+            return MAX_BATCH
+        while bad - good > 1:
+            middle = (good + bad) // 2
+            good, bad = (middle, bad) if self.peak(middle, curve) <= capacity else (good, middle)
+        return max(good, 1)
+
+
+def _extrapolate(sizes: Sequence[int], values: Sequence[int], n: int, curve: bool = True) -> int:
+    """The higher of the line through the last two (size, value) points and (with `curve`) the polynomial
+    through the last three, at n, in whole bytes (a single point: its value)."""
+    if len(sizes) < 2:
+        return values[-1]
+    (a, b), (ya, yb) = sizes[-2:], values[-2:]
+    line = Fraction(yb) + Fraction(yb - ya, b - a) * (n - b)
+    if not curve:
+        return max(math.ceil(line), 0)
+    points = list(zip(sizes[-3:], values[-3:], strict=True))
+    polynomial = sum(
+        (Fraction(y) * math.prod(Fraction(n - x, xi - x) for x, _ in points if x != xi) for xi, y in points),
+        Fraction(0),
+    )
+    return max(math.ceil(max(line, polynomial)), 0)
 
 
 @dataclass
@@ -44,32 +137,63 @@ class _Fit:
     measure: Measure
     capacity: int
     runs_refused: str | None  # why runs at the sizes the capacity allows cannot be made here; None: they can
+    backend: Backend | None = None
+    host: int | None = None  # bytes of the host's a run may take beyond what was live (the CPU); None: no limit
+    optimizers: _Optimizers = field(default_factory=_Optimizers)
+    growth: _Growth | None = None
+    warm_up: int = 0  # bytes the first run left allocated
+    over: int = MAX_BATCH + 1  # a size whose step alone, held to the capacity, did not fit
     allowed: int = 0  # bytes a size may leave allocated, and a line may miss by
     given: int = 0  # the largest size the caller gave
     sizes: list[int] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
+    known: dict[int, Check] = field(default_factory=dict)  # the loop run at each size, by size
 
-    def sample(self, n: int, limit: int | None = None) -> Sample:
+    def sample(self, n: int, limit: int | None = None, steps: int = 1, done: list[int] | None = None) -> Sample:
         __tracebackhide__ = True
-        sample = _check_sample(self.measure(_bound(self.step, n), limit), n)
+        sample = _check_sample(self.measure(_bound(self.step, n, steps, done), limit), n)
         if sample.out_of_memory and limit is None:
             raise GpuMemError(f"fit: the step ran out of memory at size {n:,}, after {format_size(sample.peak)}")
         return sample
 
     def fits(self, n: int) -> bool:
-        """Run size `n` held to the capacity: whether it fits. Where the peaks are of reserved bytes, the
-        size runs twice and the second run is judged: a training loop's steps start where the step before
-        left the cache, and where its state (the gradients) sits in the segments changes what is reserved."""
+        """Whether `LOOP_STEPS` steps of size n in a row run held to the capacity, from the state the fit
+        began with: a loop's later steps start on the cache its earlier ones left, and the optimizer state
+        its first step makes lies among that step's activations."""
         __tracebackhide__ = True
-        first = self.sample(n, self.capacity) if self.samples[0].reserved else None
-        if first is not None and first.out_of_memory:
-            self.checks.append(Check(n, first.peak, True, first.held, first.place()))
-            return False
-        sample = self.sample(n, self.capacity)
-        check = Check(n, sample.peak, sample.out_of_memory, sample.held, sample.place())
+        known = self.known.get(n)
+        if known is not None:
+            return known.fits(self.capacity)
+        self._host_allows(n)
+        self.forget()
+        done = [0]
+        sample = self.sample(n, self.capacity, LOOP_STEPS, done)
+        steps = done[0] + sample.out_of_memory
+        check = Check(n, sample.peak, sample.out_of_memory, sample.held, sample.place(), steps)
         self.checks.append(check)
+        self.known[n] = check
         return check.fits(self.capacity)
+
+    def forget(self) -> None:
+        """Free what the fit's first run made and kept (optimizer state, cuBLAS workspaces), for a loop's
+        first step to make again among its activations, as in a fresh process."""
+        self.optimizers.forget_state()
+        if self.warm_up and self.backend is not None:
+            self.backend.clear_workspaces()
+
+    def _host_allows(self, n: int) -> None:
+        __tracebackhide__ = True
+        growth = self.growth
+        if self.host is None or growth is None:
+            return
+        asks = growth.asks(n, self.capacity) - self.samples[0].start
+        if asks > self.host:
+            raise GpuMemError(
+                f"fit: a run of size {n:,} would take about {format_size(asks)} of the host's memory (the sampled "
+                f"sizes extrapolated), more than the {format_size(self.host)} its runs may take ({HOST_SHARE:.0%} of "
+                "what it has available): fit on the meta device, whose runs allocate nothing"
+            )
 
     def result(self, base: BatchFit, answer: int | None, peak: int, **found: object) -> BatchFit:
         return replace(
@@ -94,44 +218,89 @@ def fit_peaks(
     slack: int = DEFAULT_SLACK,
     confirm: bool = True,
     runs_refused: str | None = None,
+    backend: Backend | None = None,
 ) -> BatchFit:
-    """Measure `step(n)` for each n in `sizes` with `measure` and find the largest n whose absolute peak is
-    within `capacity` (see the module's order of work).
+    """Measure `step(n)` for each n in `sizes` with `measure` and find the largest n whose loop of
+    `LOOP_STEPS` steps runs within `capacity` (see the module's order of work).
 
-    `confirm` runs the answer and the next size held to the capacity; `runs_refused` says why no run at
-    the sizes the capacity allows can be made here (the lines' answer is then not confirmed). Raises
-    GpuMemError (one line) on bad arguments, when the step keeps memory from one size to the next, and
-    where the answer needs runs that cannot be made.
+    `confirm` runs loops at the lines' answer and the next size held to the capacity; `runs_refused` says
+    why no run at the sizes the capacity allows can be made here (the lines' answer is then not
+    confirmed); `backend`, the one `measure` runs on, bounds the runs by the host's memory on the CPU and
+    finds the answer with expandable segments too. Raises GpuMemError (one line) on bad arguments, when
+    the step keeps memory from one size to the next, and where the answer needs runs that cannot be made.
     """
     __tracebackhide__ = True
     checked = _check_sizes(sizes)
     judged = parse_capacity(capacity, FIT_CAPACITY)
-    limit = judged.bytes
     _check_tolerance(tolerance, slack)
     if not isinstance(confirm, bool):
         raise GpuMemError(f"fit confirm= must be True or False, got {shorten(confirm)}")
-    fit = _Fit(step, measure, limit, runs_refused, given=max(checked))
-    for n in checked:
-        fit.sizes.append(n)
-        fit.samples.append(fit.sample(n))
-    fit.allowed = round(tolerance * max(s.peak for s in fit.samples)) + slack
-    warm_up = _warm_up(fit)
-    text = capacity.strip() if isinstance(capacity, str) else None
-    base = BatchFit((), (), limit, None, 0, Found.TIMELINE, False, fit.samples[0].start, (), text, warm_up=warm_up)
-    base = replace(base, reserved=fit.samples[0].reserved, card=judged if judged.on_a_card else None)
+    fit = _Fit(step, measure, judged.bytes, runs_refused, backend, given=max(checked))
+    with fit.optimizers.watching():
+        for n in checked:
+            fit.sizes.append(n)
+            fit.samples.append(fit.sample(n))
+        fit.host = _host(backend)
+        fit.allowed = round(tolerance * max(s.peak for s in fit.samples)) + slack
+        began = fit.samples[0].start
+        warm_up = fit.warm_up = _warm_up(fit)
+        text = capacity.strip() if isinstance(capacity, str) else None
+        base = BatchFit((), (), judged.bytes, None, 0, Found.TIMELINE, False, began, (), text)
+        base = replace(
+            base, warm_up=warm_up, reserved=fit.samples[0].reserved, card=judged if judged.on_a_card else None
+        )
+        return _answered(fit, base, confirm)
+
+
+def _answered(fit: _Fit, base: BatchFit, confirm: bool) -> BatchFit:
+    __tracebackhide__ = True
     lines, note = _lines(fit)
     while lines is not None and not lines.grows:
         lines, note = _sample_larger(fit)
+    fit.growth = _growth(fit)
     if lines is None:
-        return _searched(fit, base, note)
+        guess = fit.growth.reach(fit.capacity, curve=not base.reserved)
+        return _searched(fit, base, note, min(guess, fit.over - 1))
     return _from_lines(fit, replace(base, lines=lines, note=note), lines, confirm)
+
+
+def _host(backend: Backend | None) -> int | None:
+    """Bytes a run may take of the host's memory beyond what is live: `HOST_SHARE` of what it has available
+    (the CPU tracker; None where runs take no host memory or it cannot be read)."""
+    if backend is None or backend.device.type != "cpu":
+        return None
+    available = host_available()
+    return None if available is None else int(available * HOST_SHARE)
+
+
+def _growth(fit: _Fit) -> _Growth:
+    """The sampled sizes' peaks and largest allocations, the largest run of each size kept."""
+    by_size: dict[int, Sample] = {}
+    for n, sample in zip(fit.sizes, fit.samples, strict=True):
+        if n not in by_size or sample.peak > by_size[n].peak:
+            by_size[n] = sample
+    sizes = sorted(by_size)
+    peaks = tuple(by_size[n].peak for n in sizes)
+    allocations = tuple(_largest_allocation(by_size[n]) for n in sizes)
+    rises = tuple(by_size[n].peak - by_size[n].start for n in sizes)
+    single = rises if None in allocations else allocations
+    return _Growth(tuple(sizes), peaks, tuple(int(a or 0) for a in single))
+
+
+def _largest_allocation(sample: Sample) -> int | None:
+    """The largest rise of the sample's timeline from one event to the next (None without one)."""
+    timeline = sample.timeline
+    if timeline is None or not len(timeline):
+        return None
+    before = (sample.start, *timeline.allocated[:-1])
+    return max(after - earlier for earlier, after in zip(before, timeline.allocated, strict=True))
 
 
 def _warm_up(fit: _Fit) -> int:
     """Run the first size again when it left state behind (optimizer state, caches, the cuBLAS workspaces
-    of its first matmuls), and always where the peaks are of reserved bytes (a training loop's steps run
-    on the cache and the workspaces the first step left); refuse a step that keeps memory from one size to
-    the next. Returns the bytes the first run left where they made it run again."""
+    of its first matmuls), and always where the peaks are of reserved bytes (its next run starts on the
+    cache and the workspaces the first left); refuse a step that keeps memory from one size to the next.
+    Returns the bytes the first run left where they made it run again."""
     __tracebackhide__ = True
     first = fit.samples[0].left
     again = first > fit.allowed or (fit.samples[0].reserved and first > 0)
@@ -194,7 +363,7 @@ def _sample_larger(fit: _Fit) -> tuple[Lines | None, str]:
     n = min(2 * largest, MAX_BATCH)
     sample = fit.sample(n, fit.capacity)
     if sample.out_of_memory or sample.peak > fit.capacity:
-        fit.checks.append(Check(n, sample.peak, sample.out_of_memory, sample.held, sample.place()))
+        fit.over = n
         return None, f"the peak did not grow up to size {largest:,}"
     fit.sizes.append(n)
     fit.samples.append(sample)
@@ -202,6 +371,7 @@ def _sample_larger(fit: _Fit) -> tuple[Lines | None, str]:
 
 
 def _from_lines(fit: _Fit, base: BatchFit, lines: Lines, confirm: bool) -> BatchFit:
+    """The lines' answer, shown by loops at it and the next size; searched from it where they disagree."""
     __tracebackhide__ = True
     answer = lines.largest_within(fit.capacity)
     shown = 1 if answer is None else answer
@@ -209,61 +379,108 @@ def _from_lines(fit: _Fit, base: BatchFit, lines: Lines, confirm: bool) -> Batch
     found = fit.result(base, answer, lines.peak(shown), at=at)
     if not confirm or fit.runs_refused is not None:
         return replace(found, unconfirmed="confirm=False" if not confirm else str(fit.runs_refused))
-    if _confirmed(fit, answer):
-        check = next(c for c in fit.checks if c.size == shown)
-        if check.out_of_memory:  # batch 1, which the lines say needs more than the capacity
-            return fit.result(found, answer, found.peak_bytes, confirmed=True)
-        return fit.result(found, answer, check.peak, at=check.at or at, confirmed=True)
-    held = "none fits" if answer is None else f"{answer:,} fits"
-    return _searched(fit, base, f"the timelines' answer, {held}, did not hold when run")
+    curve = shown if fit.growth is None or found.reserved else fit.growth.reach(fit.capacity)  # host safety
+    if lines.residual and answer is not None and curve < answer:  # a line under a curve: n x n tensors
+        missed = format_size(lines.residual)
+        why = f"the sizes' bytes curve away from the lines by up to {missed}: {answer:,} was not run, {curve:,} was"
+        return _searched(fit, base, why, curve)
+    ran = _search(fit, shown)
+    if ran != answer:
+        held = "none fits" if answer is None else f"{answer:,} fits"
+        why = f"the timelines' answer, {held}, did not hold in a loop of {LOOP_STEPS} steps"
+        if answer is not None and ran is not None and ran > answer:
+            why = f"the timelines' answer, {answer:,}, was not the largest: {answer + 1:,} ran {LOOP_STEPS} steps too"
+        return _with_expandable(fit, _shown(fit, base, ran, why))
+    check = fit.known[shown]
+    peak, at = (found.peak_bytes, at) if check.out_of_memory else (check.peak, check.at or at)
+    return _with_expandable(fit, fit.result(found, answer, peak, at=at, confirmed=True))
 
 
-def _confirmed(fit: _Fit, answer: int | None) -> bool:
-    __tracebackhide__ = True
-    if answer is None:
-        return not fit.fits(1)
-    return fit.fits(answer) and (answer == MAX_BATCH or not fit.fits(answer + 1))
-
-
-def _searched(fit: _Fit, base: BatchFit, why: str) -> BatchFit:
-    """The answer from runs held to the capacity: double from the largest size known to fit until one
-    does not, then bisect."""
+def _searched(fit: _Fit, base: BatchFit, why: str, guess: int) -> BatchFit:
     __tracebackhide__ = True
     if fit.runs_refused is not None:
         raise GpuMemError(f"fit: {why}, so the answer must be searched with real runs, but {fit.runs_refused}")
-    known = [(n, s.peak <= fit.capacity) for n, s in zip(fit.sizes, fit.samples, strict=True)]
-    known += [(c.size, c.fits(fit.capacity)) for c in fit.checks]
-    good = max((n for n, ok in known if ok), default=0)
-    bad = min((n for n, ok in known if not ok and n > good), default=None)
-    while bad is None and good < MAX_BATCH:
-        n = min(2 * max(good, 1), MAX_BATCH)
-        good, bad = (n, None) if fit.fits(n) else (good, n)
+    return _with_expandable(fit, _shown(fit, base, _search(fit, guess), why))
+
+
+def _search(fit: _Fit, guess: int) -> int | None:
+    """The largest size whose loop ran with the next size's running out, bracketed from `guess` (see
+    `_bracket`), then bisected; None when batch 1 runs out."""
+    __tracebackhide__ = True
+    good, bad = _bracket(fit, min(max(guess, 1), MAX_BATCH))
     while bad is not None and bad - good > 1:
         middle = (good + bad) // 2
         good, bad = (middle, bad) if fit.fits(middle) else (good, middle)
-    return _shown(fit, base, good or None, why)
+    return good or None
+
+
+def _bracket(fit: _Fit, guess: int) -> tuple[int, int | None]:
+    """A size that fits (0: none does) and a larger one that does not (None: MAX_BATCH fits): from a guess
+    that fits, up by 1, 2, 4... sizes; from one that does not, its size less 1, then the largest sampled
+    size whose step fitted alone and the next (a guess off by more than one), then down by 1, 2, 4...
+    sizes."""
+    __tracebackhide__ = True
+    if fit.fits(guess):
+        good, jump = guess, 1
+        while good < MAX_BATCH:
+            n = min(good + jump, MAX_BATCH)
+            if not fit.fits(n):
+                return good, n
+            good, jump = n, 2 * jump
+        return good, None
+    bad, jump = guess, 1
+    sampled = [n for n, s in zip(fit.sizes, fit.samples, strict=True) if s.peak <= fit.capacity and n < guess - 1]
+    hint = max(sampled, default=None)
+    while bad > 1:
+        n = max(bad - jump, 1)
+        if jump == 2 and hint is not None:
+            n, hint = hint, None
+            if fit.fits(n):  # the boundary is often right above what the samples showed
+                return (n, n + 1) if not fit.fits(n + 1) else (n + 1, bad)
+        elif fit.fits(n):
+            return n, bad
+        bad, jump = n, 2 * jump
+    return 0, 1
 
 
 def _shown(fit: _Fit, base: BatchFit, answer: int | None, why: str) -> BatchFit:
-    """The searched answer with the peak of its run (a sampled size's, or a run held to the capacity)."""
+    """The searched answer with the peak of its loop (batch 1's, where it ran out)."""
+    check = fit.known[1 if answer is None else answer]
+    return fit.result(base, answer, check.peak, at=check.at, found=Found.SEARCH, confirmed=True, note=why)
+
+
+def _with_expandable(fit: _Fit, found: BatchFit) -> BatchFit:
+    """The answer with expandable segments too, where the backend serves reserved bytes without them."""
     __tracebackhide__ = True
-    shown = 1 if answer is None else answer
-    run = next((c for c in reversed(fit.checks) if c.size == shown), None)
-    if run is None and shown in fit.sizes:
-        sample = fit.samples[fit.sizes.index(shown)]
-        peak, at = sample.peak, sample.place()
-    else:
-        if run is None:
-            fit.fits(shown)
-            run = fit.checks[-1]
-        peak, at = run.peak, run.at
-    return fit.result(base, answer, peak, at=at, found=Found.SEARCH, confirmed=True, note=why)
+    backend = fit.backend
+    serving = None if backend is None or not found.reserved else backend.expandable_segments()
+    if backend is None or serving is None:
+        return found
+    checks, known = fit.checks, fit.known
+    fit.checks, fit.known = [], {}
+    fit.optimizers.forget_state()  # before the live storages are placed anew, as a fresh process has them:
+    backend.clear_workspaces()  # made by the loop's first step, the workspaces at its first matmuls
+    try:
+        with serving:
+            answer = _search(fit, 1 if found.largest is None else found.largest)
+        return replace(found, expandable=answer, expandable_checks=tuple(fit.checks))
+    finally:
+        fit.checks, fit.known = checks, known
 
 
-def _bound(step: Callable[[int], object], n: int) -> Callable[[], object]:
+def _bound(step: Callable[[int], object], n: int, steps: int, done: list[int] | None) -> Callable[[], object]:
+    """`step(n)`, `steps` times in a row (each step's value dropped before the next, as in a loop; the
+    last one's returned), counting those that returned in `done`."""
+
     def run() -> object:
         __tracebackhide__ = True
-        return step(n)
+        value: object = None
+        for _ in range(steps):
+            value = None
+            value = step(n)
+            if done is not None:
+                done[0] += 1
+        return value
 
     return run
 

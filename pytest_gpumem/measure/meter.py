@@ -158,6 +158,7 @@ class GpuMem:
                 slack=DEFAULT_SLACK if slack is None else slack,
                 confirm=confirm,
                 runs_refused=runs_refused(self.backend, judged.bytes),
+                backend=self.backend,
             )
         self._measured.fits.append(found.describe())
         return found
