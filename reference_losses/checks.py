@@ -85,11 +85,14 @@ def measured(gpumem: GpuMem, expectation: Expectation) -> int:
 
 
 def check_bytes(case: Case, gpumem: GpuMem) -> None:
+    """The bounds count the strategy's tensors; where the tracker predicts a GPU, one op's kernel
+    temporaries (a reduction's staging buffer) may sit on top of a peak: the largest is allowed above."""
     rel, extra = EXACT_SLACK if gpumem.backend.name == "tracker" else DEVICE_SLACK
+    scratch = getattr(gpumem.backend, "largest_kernel_temporaries", 0)
     failures: list[str] = []
     for exp in case.strategy.expect(case.workload):
         got = measured(gpumem, exp)
-        low, high = exp.low * (1 - rel) - extra, exp.high * (1 + rel) + extra
+        low, high = exp.low * (1 - rel) - extra, exp.high * (1 + rel) + extra + scratch
         if not low <= got <= high:
             what = "kept after" if exp.net else "peak of"
             failures.append(f"{what} {exp.phase}: {got} bytes, expected {exp.low}..{exp.high} ({exp.why})")

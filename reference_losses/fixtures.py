@@ -236,6 +236,7 @@ def _rows(config: pytest.Config) -> tuple[list[dict[str, Any]], bool]:
         if isinstance(info, dict):
             phases = {name: phase.requested_peak_bytes for name, phase in result.phases.items()}
             row = {**info, "phases": phases, "backend": result.backend, "device": result.device}
+            row["autocast"] = result.info.get("autocast")  # amp_step: which device's autocast rules applied
             total = result.phases.get("total")
             row["reserved"] = None if total is None else total.reserved_peak_bytes  # with the allocator's model
             if result.explanation is not None:  # --gpumem-explain: what each phase's peak was made of

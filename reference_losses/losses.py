@@ -164,15 +164,16 @@ def full_ce_total(w: LMHeadWorkload) -> int:
 
 def chunked_checkpoint_total(w: LMHeadWorkload) -> int:
     """chunked_ce_checkpoint's peak over the whole step, the larger of two moments of its backward:
-    summing the chunks' weight gradients out of place (running sum + new chunk gradient + their sum)
-    with all hidden gradients made: grads + 2 * V*D*4; or recomputing one chunk, whose backward holds its
-    log-softmax, dlogprobs and dlogits (L/k each) while the other k-1 chunks' hidden gradients (kept
-    for the chunk op's backward) and the running weight gradient exist: 3L/k + (k-1)/k * B*D*4 + V*D*4.
-    The weight gradient dominates at scales up to 2, the chunk's logits from scale 4 on (at 256 the
-    second is 3.1 GiB, the first 176 MiB)."""
+    autograd's first sum of two chunks' weight gradients, out of place (the first + the second + their
+    sum), while two chunks' hidden gradients exist: 3 * V*D*4 + 2/k * B*D*4 (the later sums add in place
+    into it, as torch does without a dispatch mode); or recomputing one chunk, whose backward holds its
+    log-softmax, dlogprobs and dlogits (L/k each) while the other k-1 chunks' hidden gradients (kept for
+    the chunk op's backward) and the running weight gradient exist: 3L/k + (k-1)/k * B*D*4 + V*D*4. The
+    weight gradients dominate at scales up to 2, the chunk's logits from scale 4 on (at 256 the second
+    is 3.1 GiB, the first 80 MiB)."""
     weight = FP32 * w.weight.numel()
     hidden = FP32 * w.hidden.numel()
-    return max(w.grad_bytes() + 2 * weight, 3 * w.chunk_logits_bytes + hidden - hidden // w.chunks + weight)
+    return max(3 * weight + 2 * hidden // w.chunks, 3 * w.chunk_logits_bytes + hidden - hidden // w.chunks + weight)
 
 
 def _lm_expect(name: str) -> Callable[[LMHeadWorkload], list[Expectation]]:
@@ -181,10 +182,10 @@ def _lm_expect(name: str) -> Callable[[LMHeadWorkload], list[Expectation]]:
         peaking with the last chunk's logits; its backward then sums weight gradients as below, so its total
     is below full_ce's only while L dominates V*D*4 (true at scale 1, false at 0.5). chunked_ce_checkpoint
     keeps nothing;
-        its backward recomputes one chunk at a time, and autograd sums the chunks' weight gradients out of
-        place (running sum + new chunk gradient + their sum: 3 weight-sized buffers), so the total is
-        grad(hidden) + 3 * V*D*4 = grads + 2 * V*D*4 at scale 1: the weight gradient, not the logits,
-        becomes the peak; from scale 4 on one recomputed chunk's 3L/k is (see chunked_checkpoint_total)."""
+        its backward recomputes one chunk at a time, and autograd's first sum of two chunks' weight
+        gradients is out of place (3 weight-sized buffers; the later sums add in place), so the total is
+        3 * V*D*4 + 2/k of grad(hidden) at scale 1: the weight gradient, not the logits, becomes the
+        peak; from scale 4 on one recomputed chunk's 3L/k is (see chunked_checkpoint_total)."""
 
     def expect(w: LMHeadWorkload) -> list[Expectation]:
         big, part, grads = w.logits_bytes, w.chunk_logits_bytes, w.grad_bytes()
@@ -209,7 +210,7 @@ def _lm_expect(name: str) -> Callable[[LMHeadWorkload], list[Expectation]]:
                     "total",
                     chunked_checkpoint_total(w),
                     chunked_checkpoint_total(w) + SMALL,
-                    "max(grads + 2 weight-gradient buffers, one chunk's 3L/k): see chunked_checkpoint_total",
+                    "max(3 weight-gradient buffers, one chunk's 3L/k): see chunked_checkpoint_total",
                 ),
             ],
         }

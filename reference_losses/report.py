@@ -87,4 +87,5 @@ def report_lines(rows: list[dict[str, Any]]) -> list[str]:
         where = first["backend"] if first.get("device", "cpu") == "cpu" else f"{first['backend']}, {first['device']}"
         lines += ["", f"workload {workload} ({where}; naive = {first['reference']}):"]
         lines += workload_table(picked).splitlines()
+        lines += [f"{row['strategy']}: {row['autocast']}" for row in picked if row.get("autocast")]
     return lines

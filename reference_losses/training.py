@@ -70,12 +70,20 @@ def checkpoint_layer(w: ModelWorkload) -> torch.Tensor:
 
 def amp_step(meter: PhaseMeter, w: ModelWorkload) -> Outcome:
     """Q&A claim (4): autocast (bf16 on CPU, fp16 + GradScaler on CUDA). Parameters, their gradients
-    and the optimizer stay fp32; autocast adds half-precision copies of the weights for the step."""
+    and the optimizer stay fp32; autocast adds half-precision copies of the weights for the step. Where
+    the measurement predicts a GPU (the tracker on meta, or --gpumem-round=cuda), CUDA's autocast rules
+    apply (`autocast_rules`), and the report says so."""
     device = w.inputs.device
     dtype = amp_dtype(device)
-    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+    rules = autocast_rules(device)
+    if rules == "meta":
+        pytest.skip(f"amp cannot run on the meta device with the CPU's code paths: {AMP_NO_META}")
+    info = getattr(meter, "info", None)
+    if isinstance(info, dict):
+        info[AUTOCAST_KEY] = _rules_text(rules, device)
+    scaler = torch.amp.GradScaler(rules) if dtype == torch.float16 else None
     optimizer = _sgd(w)
-    with meter.phase("forward"), torch.autocast(device.type, dtype=dtype):
+    with meter.phase("forward"), torch.autocast(rules, dtype=dtype):
         loss = plain(w)
     with meter.phase("backward"):
         torch.autograd.backward(loss if scaler is None else scaler.scale(loss))
@@ -90,8 +98,24 @@ def amp_step(meter: PhaseMeter, w: ModelWorkload) -> Outcome:
 
 AMP_NO_META = (
     "torch.autocast has no meta device type (RuntimeError: unsupported autocast device_type 'meta'), and "
-    "CPU autocast leaves meta tensors in fp32"
+    "CPU autocast leaves meta tensors in fp32 (with a GPU's code paths, the default, CUDA's rules apply)"
 )
+AUTOCAST_KEY = "autocast"
+"""Where amp_step says in `gpumem.info` which device's autocast rules it ran under (the report shows it)."""
+
+
+def autocast_rules(device: torch.device) -> str:
+    """The device type whose autocast rules amp runs under: CUDA's where the measurement predicts a GPU
+    (the tracker with a GPU's code paths: on meta, or with CUDA rounding), else the device's own."""
+    from pytest_gpumem.backends.tracker.autocast import emulating
+
+    return "cuda" if emulating() else device.type
+
+
+def _rules_text(rules: str, device: torch.device) -> str:
+    if rules == device.type:
+        return f"autocast under {rules.upper()}'s rules"
+    return f"autocast under CUDA's rules (torch {torch.__version__}'s CUDA op lists, on {device.type} tensors)"
 
 
 def optimizer_in_backward_step(meter: PhaseMeter, w: ModelWorkload) -> Outcome:
@@ -244,7 +268,7 @@ TRAINING_STRATEGIES: dict[str, Strategy] = {
     for s in (
         _training("plain", "net", _standard_step(plain)),
         _training("checkpoint_layer", "net", _standard_step(checkpoint_layer)),
-        _training("amp", "net", amp_step, precision=amp_dtype, no_meta=AMP_NO_META),
+        _training("amp", "net", amp_step, precision=amp_dtype),
         _training("clip_grad", "net", _standard_step(plain, clip=True)),
         _training("optimizer_in_backward", "net", optimizer_in_backward_step),
         _training("residual_plain", "residual", _standard_step(residual_plain)),
