@@ -227,7 +227,9 @@ def test_optimizers_take_foreach_when_predicting_cuda() -> None:
     # foreach, as on CUDA: sqrt of every exp_avg_sq at once (4000 + 400 B), each rounded up to 512 B
     assert _adam_step_peak("cuda") == (4096 + 512, 4000 + 400)
     described = TrackerBackend("cuda").describe()
-    assert described.endswith("; a GPU's code paths: foreach optimizers (--gpumem-paths=cpu for the CPU's)")
+    assert described.endswith(
+        "; a GPU's code paths: foreach optimizers, CUDA's autocast (--gpumem-paths=cpu for the CPU's)"
+    )
 
 
 COMPILED = """

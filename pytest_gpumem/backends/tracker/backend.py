@@ -185,7 +185,9 @@ class TrackerBackend(Backend):
             attention = ", math attention (S x S weights)" if meta else ""
             return f"; the CPU's code paths: single-tensor optimizers{attention} (--gpumem-paths=gpu for a GPU's)"
         attention = ", fused attention (flash, efficient)" if meta else ""
-        return f"; a GPU's code paths: foreach optimizers{attention} (--gpumem-paths=cpu for the CPU's)"
+        return (
+            f"; a GPU's code paths: foreach optimizers{attention}, CUDA's autocast (--gpumem-paths=cpu for the CPU's)"
+        )
 
     def start(self) -> None:
         tracking_mode = mode_class()
