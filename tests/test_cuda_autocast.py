@@ -375,3 +375,15 @@ def test_a_bf16_test_on_meta_gets_bf16_figures(tracker: pytest.Pytester, reporte
     forward = reported()["test_bf16"]["phases"]["forward"]
     # the bf16 casts of the weight, the bias and x, and the bf16 output (without autocast: the fp32 output, 1 MiB)
     assert forward["requested_peak_bytes"] == 1024 * 1024 * BF16 + 1024 * BF16 + 2 * 256 * 1024 * BF16 == 3_147_776
+
+
+def test_a_cuda_autocast_region_left_open_is_closed_when_the_measurement_ends() -> None:
+    backend = TrackerBackend(device="meta")
+    backend.start()
+    try:
+        torch.autocast("cuda", dtype=torch.bfloat16).__enter__()  # type: ignore[no-untyped-call]
+        assert torch.is_autocast_enabled("cuda")
+    finally:
+        backend.stop()
+    assert not torch.is_autocast_enabled("cuda")
+    assert backend.notes() == ["a CUDA autocast region the test entered was still open when it ended: closed"]

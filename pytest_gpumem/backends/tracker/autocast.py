@@ -173,6 +173,8 @@ class CudaAutocast:
         self._orphans: list[torch.Tensor] = []  # casts whose weight died while cached: kept to the clear
         self._library: Any = None
         self._included_before = False
+        self._enabled_before = False
+        self._nesting_before = 0
 
     # -- installing --
 
@@ -196,15 +198,25 @@ class CudaAutocast:
             checkpoint, device = _checkpoint_device_type()
             replace(checkpoint, device, _cpu_as_cuda(getattr(checkpoint, device)))
         self._included_before = _key_included()
+        self._enabled_before = torch.is_autocast_enabled("cuda")
+        self._nesting_before = _nesting()
         _include_key(True)
         _ACTIVE.append(self)
         if torch.is_autocast_enabled("cuda"):  # a region entered before the measurement (a fixture's)
             self.register_kernels()
 
     def undo(self) -> None:
+        import torch
+
         if self in _ACTIVE:
             _ACTIVE.remove(self)
         _include_key(self._included_before)
+        if torch.is_autocast_enabled("cuda") and not self._enabled_before:
+            # on a CPU-only build torch would have disabled the region: later tests must not see it open
+            torch.set_autocast_enabled("cuda", False)
+            for _ in range(_nesting() - self._nesting_before):
+                torch.autocast_decrement_nesting()
+            self.notes.append("a CUDA autocast region the test entered was still open when it ended: closed")
         if self._library is not None:
             _unregister(self._library)
             self._library = None
@@ -401,6 +413,15 @@ def lower_precision(values: dict[str, Any]) -> dict[str, Any]:
     """`values` as CUDA autocast's lower-precision policy hands them to an op (unchanged where none runs)."""
     emulation = active()
     return values if emulation is None else emulation.cast_all(_lower(), values)
+
+
+def _nesting() -> int:
+    """How deep autocast regions are nested now (torch has no getter: one step in and back out)."""
+    import torch
+
+    depth: int = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    return depth
 
 
 def _lower() -> torch.dtype:
