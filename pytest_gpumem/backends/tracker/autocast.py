@@ -48,6 +48,7 @@ from pytest_gpumem.backends.tracker.autocast_lists import (
     LOWER_PRECISION_FP,
     PROMOTE,
 )
+from pytest_gpumem.backends.tracker.graph import tensors_in
 
 if TYPE_CHECKING:
     import torch
@@ -313,7 +314,7 @@ class CudaAutocast:
 
     def _promote(self, op: Any, *args: Any, **kwargs: Any) -> Any:
         with _no_cuda_autocast():
-            to = functools.reduce(self._prioritize, _tensors([*args, *kwargs.values()]), _lower())
+            to = functools.reduce(self._prioritize, tensors_in([*args, *kwargs.values()]), _lower())
             return op(*self.cast_all(to, args), **self.cast_all(to, kwargs))
 
     def _unknown(self, op: Any, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -434,16 +435,6 @@ def _float32() -> torch.dtype:
     import torch
 
     return torch.float32
-
-
-def _tensors(values: list[Any]) -> Iterator[torch.Tensor]:
-    import torch
-
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            yield from _tensors(list(value))
 
 
 def _with_dtype(

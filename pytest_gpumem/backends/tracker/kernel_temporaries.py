@@ -537,16 +537,21 @@ def temporaries(name: str, args: Sequence[Any], kwargs: dict[str, Any] | None, c
     return [] if red is None else reduction_temporaries(red, gpu)
 
 
-_KNOWN: dict[object, str | None] = {}  # each op overload's label, decided on its first call
+_KNOWN: dict[object, tuple[str, str | None]] = {}  # each op overload's name and label, on its first call
+
+
+def _known(func: object) -> tuple[str, str | None]:
+    try:
+        return _KNOWN[func]
+    except KeyError:
+        name = str(func)
+        found = _KNOWN[func] = (name, label(name))
+        return found
 
 
 def modelled(func: object) -> bool:
     """Whether op overload `func` has temporaries modelled (cached per overload: the dispatch's hot path)."""
-    try:
-        return _KNOWN[func] is not None
-    except KeyError:
-        found = _KNOWN[func] = label(str(func))
-        return found is not None
+    return _known(func)[1] is not None
 
 
 def record(
@@ -558,8 +563,7 @@ def record(
 ) -> None:
     """Op `func` ran on these arguments: its kernel temporaries go through `ledger` (allocated, `during` run,
     freed), attributed to '<label> (<op>)'; only those of tensors on the device the ledger counts."""
-    name = str(func)
-    kind = label(name)
+    name, kind = _known(func)
     sizes: list[int] = []
     if kind is not None and _on_counted_device(ledger, args) and _holds_memory(args[0]):
         sizes = _sizes(func, name, args, kwargs, ledger.card)
@@ -579,7 +583,7 @@ def _sizes(func: object, name: str, args: Sequence[Any], kwargs: dict[str, Any] 
         return _SIZES[key]
     except KeyError:
         pass
-    except TypeError:  # an argument that cannot be a key (a list of tensors)
+    except TypeError:  # an argument that cannot be a key
         return temporaries(name, args, kwargs, card)
     if len(_SIZES) >= _SIZES_KEPT:
         _SIZES.clear()
