@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.results import OldToDict
 from pytest_gpumem.sizes import MAX_TEXT, format_size, is_binary, parse_size, shorten
 
 if TYPE_CHECKING:
@@ -69,7 +68,7 @@ class Limit:
 
 
 @dataclass(frozen=True)
-class Budget(OldToDict):
+class Budget:
     """Limits on the whole call (`total`) and on named phases; `tolerance` in percent, for baselines."""
 
     total: Limit | None = None

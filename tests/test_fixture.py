@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from builders import Reported, phase_result
+from builders import Reported
 
 
 def test_the_fixture_reads_the_call_its_phases_device_and_backend(tracker: pytest.Pytester) -> None:
@@ -352,32 +352,3 @@ def test_what_the_plugin_measured_on_request_is_kept_out_of_the_tests_info(track
         [],
     )
     assert [sentence.split(":")[0] for sentence in test["fits"]] == ["largest batch that fits 1 MiB"]
-
-
-def test_an_earlier_reports_summaries_in_info_are_read_into_their_own_fields() -> None:
-    from pytest_gpumem.results import TestResult
-
-    info = {"mine": 1, "fits": ["largest batch that fits 1 MiB: 1,023"], "simulated": [{"world_size": 8, "rank": 0}]}
-    written = {"nodeid": "t.py::t", "backend": "tracker", "device": "cpu", "call": None, "info": info}
-    result = TestResult.from_json(written)
-    assert (result.info, result.fits, result.simulated, result.distributed, result.advice) == (
-        {"mine": 1},
-        ["largest batch that fits 1 MiB: 1,023"],
-        [{"world_size": 8, "rank": 0}],
-        [],
-        None,
-    )
-    assert TestResult.from_json(result.to_json()) == result
-
-
-def test_a_hook_that_calls_the_old_to_dict_is_warned_and_gets_the_same_json() -> None:
-    from pytest_gpumem.budget import Budget
-    from pytest_gpumem.results import TestResult
-
-    call = phase_result("call", 4000)
-    result = TestResult(nodeid="t.py::t", backend="tracker", device="cpu", call=call)
-    for value in (result, call, Budget(tolerance=5)):
-        with pytest.warns(DeprecationWarning, match=rf"{type(value).__name__}.to_dict\(\) is deprecated: call to_json"):
-            assert value.to_dict() == value.to_json()
-    with pytest.warns(DeprecationWarning, match=r"TestResult.from_dict\(\) is deprecated: call from_json\(\)"):
-        assert TestResult.from_dict(result.to_json()) == result

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import warnings
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -71,21 +70,8 @@ class Status(str, Enum):
         return self in (Status.OUT_OF_MEMORY, Status.LEAKED, Status.OVER_BUDGET, Status.REGRESSED)
 
 
-class OldToDict:
-    """`to_dict()`, the name `to_json()` had before 0.2: still answers, with a DeprecationWarning, until 0.3."""
-
-    def to_json(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def to_dict(self) -> dict[str, Any]:
-        """Deprecated: `to_json()`, the name every result type of pytest-gpumem uses."""
-        name = type(self).__name__
-        warnings.warn(f"{name}.to_dict() is deprecated: call to_json()", DeprecationWarning, stacklevel=2)
-        return self.to_json()
-
-
 @dataclass(frozen=True)
-class PhaseResult(OldToDict):
+class PhaseResult:
     """Bytes of one phase, as the backend counts them, above what was allocated when it began.
 
     `peak_bytes`: peak allocated (the allocator's rounded sizes on CUDA, or the tracker's counting);
@@ -124,12 +110,8 @@ class PhaseResult(OldToDict):
         return data
 
 
-_SUMMARIES = ("fits", "advice", "distributed", "simulated")
-"""What earlier reports kept in the test's `info`: read back from there into the result's own fields."""
-
-
 @dataclass
-class TestResult(OldToDict):
+class TestResult:
     """Everything measured for one test call, plus its budget and verdict.
 
     `info` is the test's own `gpumem.info`; what pytest-gpumem measured on request has fields of its
@@ -200,15 +182,12 @@ class TestResult(OldToDict):
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TestResult:
-        """The result a report's entry holds (entries of earlier versions too)."""
+        """The result a report's entry holds."""
         from pytest_gpumem.results.advice import Advice
         from pytest_gpumem.results.baseline import Entry, Verdict
         from pytest_gpumem.results.explanation import Explanation
 
-        call, info, data = data.get("call"), dict(data.get("info", {})), dict(data)
-        for key in _SUMMARIES:  # an earlier report: the summaries were in the test's info
-            if key not in data and key in info:
-                data[key] = info.pop(key)
+        call, info = data.get("call"), dict(data.get("info", {}))
         advice = data.get("advice")
         return cls(
             nodeid=data["nodeid"],
@@ -233,12 +212,6 @@ class TestResult(OldToDict):
             distributed=list(data.get("distributed") or []),
             simulated=list(data.get("simulated") or []),
         )
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TestResult:
-        """Deprecated: `from_json()`, the name every result type of pytest-gpumem uses."""
-        warnings.warn("TestResult.from_dict() is deprecated: call from_json()", DeprecationWarning, stacklevel=2)
-        return cls.from_json(data)
 
 
 def settle(result: TestResult, report: Any) -> None:
