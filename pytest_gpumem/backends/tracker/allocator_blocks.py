@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from dataclasses import dataclass
 from typing import Final
 
 from pytest_gpumem.backends.tracker.allocator_config import UNLIMITED, AllocatorSettings
@@ -89,6 +90,30 @@ class Pool:
         del self.unmapped_blocks[block.addr]
 
 
+@dataclass(frozen=True, slots=True)
+class RestoredPiece:
+    """A block of a restored segment: live (`key` set), cached free, or unmapped address space."""
+
+    address: int
+    size: int
+    key: int | None = None
+    requested: int = 0
+    mapped: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class RestoredSegment:
+    """A segment as a card held it: `pieces` tile [base, base + vsize) in address order."""
+
+    base: int
+    vsize: int
+    small: bool
+    stream: int
+    expandable: bool
+    page: int
+    pieces: tuple[RestoredPiece, ...]
+
+
 class AllocatorState:
     """What the caching allocator holds for one device: its settings, pools, segments and live blocks,
     and torch's counters (plain attributes, to be read, not written)."""
@@ -160,6 +185,73 @@ class AllocatorState:
         self._segments[base] = seg
         pool.stream_list(stream)  # the stream's free list exists from its first segment on
         return block
+
+    # ---------------------------------------------------------- replaying a card's trace (snapshots/)
+
+    @property
+    def next_segment_address(self) -> int:
+        """The address the next new segment takes."""
+        return self._next_address
+
+    def place_next_segment(self, address: int) -> None:
+        """Put the next new segment at `address` (a card's, when its trace is replayed)."""
+        self._next_address = address
+
+    def block_address(self, key: int) -> int | None:
+        """The address of the block live request `key` holds; None when it is not live."""
+        block = self._live.get(key)
+        return None if block is None else block.addr
+
+    def restore_segment(self, segment: RestoredSegment) -> None:
+        """Add a segment as a card held it (a trace's start): its pieces tile it, in address order."""
+        seg = Segment(segment.base, segment.vsize, segment.small, segment.stream, segment.expandable, segment.page)
+        pool = self._small if segment.small else self._large
+        pool.stream_list(segment.stream)
+        previous: Block | None = None
+        for piece in segment.pieces:
+            block = Block(piece.address, piece.size, seg)
+            block.prev = previous
+            if previous is None:
+                seg.head = block
+            else:
+                previous.next = block
+            previous = block
+            self._restore_piece(pool, block, piece, len(segment.pieces) > 1)
+        self._segments[segment.base] = seg
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.peak_requested = max(self.peak_requested, self.requested)
+        self.peak_inactive_split = max(self.peak_inactive_split, self.inactive_split)
+
+    def _restore_piece(self, pool: Pool, block: Block, piece: RestoredPiece, split: bool) -> None:
+        if piece.key is not None:
+            block.allocated = True
+            block.requested = piece.requested
+            self._live[piece.key] = block
+            self.allocated += block.size
+            self.requested += piece.requested
+        elif not piece.mapped:
+            block.mapped = False
+            pool.add_unmapped(block)
+            return
+        else:
+            pool.add(block)
+            if split and not block.seg.expandable:
+                self.inactive_split += block.size
+        self.reserved += block.size
+
+    def release_segment_at(self, address: int) -> bool:
+        """cudaFree of the cached segment at `address`, as a card's `segment_free` says; False when the
+        model holds no wholly free segment there."""
+        seg = self._segments.get(address)
+        block = None if seg is None else seg.head
+        if seg is None or block is None or seg.expandable or block.allocated or block.next is not None:
+            return False
+        pool = self._small if seg.small else self._large
+        pool.remove(block)
+        del self._segments[address]
+        self.reserved -= block.size
+        return True
 
     def _split(self, pool: Pool, block: Block, size: int, rest: int) -> None:
         """Cut free block `block` (in no list) to `size`, its last `rest` bytes a free block after it

@@ -1,0 +1,149 @@
+"""A card's requests under other allocator settings or another capacity: peak reserved, what is reserved but
+unallocated at that peak, and whether and where the job runs out of memory.
+
+Each what-if runs the model free (its own addresses, its own retries and releases), so that its rows
+compare with each other: the requests live when recording began are served first, in address order, on
+an empty cache; then the trace's requests and frees in order. `torch.cuda.empty_cache()` calls the trace
+shows (`segment_free` events with an `emptyCache` frame) are made again; releases the card made because
+its driver ran short are the model's own business under a capacity. An `oom` event of the card is
+asked again and given back when it is served.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+from pytest_gpumem.backends.tracker.allocator import AllocatorOutOfMemory, CachingAllocatorModel
+from pytest_gpumem.backends.tracker.allocator_config import AllocatorSettings
+from pytest_gpumem.snapshots.agreement import Agreement
+from pytest_gpumem.snapshots.read import Event, Snapshot
+from pytest_gpumem.snapshots.start import StartState, start_state
+
+__all__ = ["DeviceReplay", "OutOfMemoryAt", "Outcome", "user_frame", "what_if"]
+
+_NOT_USER = ("/torch/", "\\torch\\", "site-packages", "dist-packages", "/lib/python", "<frozen")
+
+
+@dataclass(frozen=True)
+class OutOfMemoryAt:
+    """Where a what-if runs out: the request's index in the trace (-1: a request live at the start), its
+    requested bytes, and its first user frame."""
+
+    request: int
+    size: int
+    frame: str
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One what-if on one device."""
+
+    setting: str  # the allocator configuration, as given
+    capacity: str  # as given; "unlimited" for none
+    peak_reserved: int
+    unallocated_at_peak: int  # reserved but unallocated when reserved peaked
+    peak_allocated: int
+    out_of_memory: OutOfMemoryAt | None
+    ignored: tuple[str, ...]  # keys the model does not act on (garbage_collection_threshold)
+    reserved: array[int]  # after each request served
+    allocated: array[int]
+
+
+@dataclass(frozen=True)
+class DeviceReplay:
+    """One device's agreement with the card and its what-ifs."""
+
+    device: int
+    agreement: Agreement
+    outcomes: tuple[Outcome, ...]
+
+
+def user_frame(event: Event) -> str:
+    """The first Python frame of the user's code (not torch's, not a library's): 'train.py:12 step'."""
+    for frame in event.frames:
+        path = frame.filename
+        if path.endswith(".py") and not any(part in path for part in _NOT_USER):
+            return f"{path.replace(chr(92), '/').rsplit('/', 1)[-1]}:{frame.line} {frame.name}"
+    op = next((f.name for f in reversed(event.frames) if f.name.startswith("at::_ops::")), None)
+    if op is not None:  # autograd's thread: no Python frame, the op it ran
+        return f"autograd {op.removeprefix('at::_ops::').split('::')[0]}"
+    return "(no Python frame)" if event.frames else "(no frames recorded)"
+
+
+def what_if(
+    snapshot: Snapshot,
+    settings: AllocatorSettings,
+    capacity: int | None,
+    setting: str,
+    capacity_text: str,
+    device: int = 0,
+    start: StartState | None = None,
+) -> Outcome:
+    """Replay `device`'s requests under `settings` and `capacity` (bytes; None: unlimited)."""
+    model = CachingAllocatorModel(settings, capacity)
+    run = _Run(model)
+    start = start if start is not None else start_state(snapshot, device)
+    oom = run.prelude(start)
+    if oom is None:
+        oom = run.trace(snapshot.trace(device))
+    return Outcome(
+        setting, capacity_text, run.peak, run.unallocated, model.peak_allocated, oom, settings.ignored,
+        run.reserved, run.allocated,
+    )  # fmt: skip
+
+
+class _Run:
+    def __init__(self, model: CachingAllocatorModel) -> None:
+        self.model = model
+        self.peak = self.unallocated = 0
+        self.reserved: array[int] = array("q")
+        self.allocated: array[int] = array("q")
+
+    def note(self) -> None:
+        model = self.model
+        self.reserved.append(model.reserved)
+        self.allocated.append(model.allocated)
+        if model.reserved > self.peak:
+            self.peak = model.reserved
+            self.unallocated = model.reserved - model.allocated
+
+    def prelude(self, start: StartState) -> OutOfMemoryAt | None:
+        for block in start.live:
+            try:
+                self.model.malloc(block.address, block.requested, block.stream)
+            except AllocatorOutOfMemory:
+                self.note()
+                return OutOfMemoryAt(-1, block.requested, "(live at the start)")
+        self.note()
+        return None
+
+    def trace(self, trace: tuple[Event, ...]) -> OutOfMemoryAt | None:
+        model = self.model
+        index = 0
+        emptied = False  # within a run of segment_free events that an empty_cache() made
+        for e in trace:
+            action = e.action
+            if action == "alloc":
+                try:
+                    model.malloc(e.addr, e.size, e.stream)
+                except AllocatorOutOfMemory:
+                    self.note()
+                    return OutOfMemoryAt(index, e.size, user_frame(e))
+                index += 1
+                self.note()
+            elif action == "free_completed":
+                model.free(e.addr)
+            elif action == "segment_free" or action == "segment_unmap":
+                if not emptied and any("emptyCache" in f.name for f in e.frames):
+                    model.empty_cache()
+                    emptied = True
+                continue
+            elif action == "oom":
+                try:
+                    model.malloc(-1, e.size, e.stream)
+                except AllocatorOutOfMemory:
+                    return OutOfMemoryAt(index, e.size, user_frame(e))
+                model.free(-1)
+            emptied = False
+        return None
