@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend as Backend
     from pytest_gpumem.backends.base import Counters as Counters
+    from pytest_gpumem.backends.base import Settings as Settings
+    from pytest_gpumem.backends.tracker.autocast import autocast_device_type as autocast_device_type
     from pytest_gpumem.budget import Budget as Budget
     from pytest_gpumem.budget import budget_from_marker as budget_from_marker
     from pytest_gpumem.errors import GpuMemError as GpuMemError
@@ -18,8 +20,13 @@ if TYPE_CHECKING:
     from pytest_gpumem.measure.fit import BatchFit as BatchFit
     from pytest_gpumem.measure.meter import GpuMem as GpuMem
     from pytest_gpumem.results import PhaseResult as PhaseResult
+    from pytest_gpumem.results import Status as Status
     from pytest_gpumem.results import TestResult as TestResult
     from pytest_gpumem.results.advice import Advice as Advice
+    from pytest_gpumem.results.baseline import DeviceIdentity as DeviceIdentity
+    from pytest_gpumem.results.baseline import Entry as Entry
+    from pytest_gpumem.results.baseline import Verdict as Verdict
+    from pytest_gpumem.results.explanation import Explanation as Explanation
     from pytest_gpumem.results.ranks import RankResult as RankResult
     from pytest_gpumem.sizes import format_size as format_size
     from pytest_gpumem.sizes import parse_size as parse_size
@@ -27,6 +34,8 @@ if TYPE_CHECKING:
 _HOMES = {
     "Backend": "pytest_gpumem.backends.base",
     "Counters": "pytest_gpumem.backends.base",
+    "Settings": "pytest_gpumem.backends.base",
+    "autocast_device_type": "pytest_gpumem.backends.tracker.autocast",
     "GpuMemError": "pytest_gpumem.errors",
     "GpuMemWarning": "pytest_gpumem.errors",
     "Budget": "pytest_gpumem.budget",
@@ -37,6 +46,11 @@ _HOMES = {
     "GpuMem": "pytest_gpumem.measure.meter",
     "PhaseResult": "pytest_gpumem.results",
     "TestResult": "pytest_gpumem.results",
+    "Status": "pytest_gpumem.results",
+    "DeviceIdentity": "pytest_gpumem.results.baseline",
+    "Entry": "pytest_gpumem.results.baseline",
+    "Verdict": "pytest_gpumem.results.baseline",
+    "Explanation": "pytest_gpumem.results.explanation",
     "format_size": "pytest_gpumem.sizes",
     "parse_size": "pytest_gpumem.sizes",
 }

@@ -8,6 +8,9 @@ Example conftest.py::
 
     def pytest_gpumem_result(item, result):
         dashboard.send(result.nodeid, result.peak_bytes, {n: p.peak_bytes for n, p in result.phases.items()})
+
+    def pytest_gpumem_session_results(config, results):
+        dashboard.send_run({result.nodeid: result.peak_bytes for result in results})
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import pytest
 
     from pytest_gpumem.backends.base import Backend
@@ -50,4 +55,18 @@ def pytest_gpumem_result(item: pytest.Item, result: TestResult) -> None:
     error does not change it. What the hook sets in `result` reaches the report, the JSON and the xdist
     controller; a hook that raises, sets a word that is no status, or leaves a value JSON cannot hold
     in `result` fails that one test in one line and its result stays as it was before the hook.
+    """
+
+
+@hookspec
+def pytest_gpumem_session_results(config: pytest.Config, results: Sequence[TestResult]) -> None:
+    """Called once per run with the final result of every measured test, in the order they finished.
+
+    It fires in the process that writes the report: the xdist controller, whose `results` hold every
+    worker's tests (never on a worker), or the run's one process. It comes at the end of the session (an
+    interrupted one too, with the tests that finished): after every result has been settled with pytest
+    (each is what `pytest_gpumem_result` saw and what the report shows) and `--gpumem-json`,
+    `--gpumem-markdown` and the baselines have been written, and before pytest's terminal summary (so a
+    `pytest_terminal_summary` can show what this hook kept). `results` is empty when no test was
+    measured. They are the report's results: treat them as read-only.
     """

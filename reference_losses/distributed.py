@@ -43,7 +43,7 @@ bucket back as it is; the memory is the same, as the real all-reduce works in pl
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -56,8 +56,7 @@ from reference_losses.models import FP32, ModelWorkload, Net, _scaled, build_net
 from reference_losses.strategy import Expectation
 
 if TYPE_CHECKING:
-    from pytest_gpumem import GpuMem
-    from pytest_gpumem.results import TestResult
+    from pytest_gpumem import GpuMem, TestResult
 
 STRATEGIES = ("ddp", "fsdp2")
 PHASES = ("setup", "forward", "backward", "step")
@@ -241,12 +240,12 @@ def describe(world_size: int, scale: float, results: dict[str, int]) -> list[dic
     return rows
 
 
-def report_lines(results: list[TestResult]) -> list[str]:
+def report_lines(results: Sequence[TestResult]) -> list[str]:
     """One table: per strategy and world size, per-rank peaks (worst rank) and the state kept per rank,
     with what sharding saves against DDP at the same world size."""
     from tabulate import tabulate
 
-    from pytest_gpumem.sizes import format_size
+    from pytest_gpumem import format_size
 
     rows = [row for result in results for row in result.info.get(INFO_KEY, [])]
     if not rows:

@@ -16,9 +16,11 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch
 
-    from pytest_gpumem import GpuMem
+    from pytest_gpumem import GpuMem, TestResult
     from reference_losses.strategy import Outcome, Strategy
 
 LOSS_NAMES = (
@@ -222,16 +224,25 @@ VALUES_NOT_CHECKED = (
 )
 
 
-def _rows(config: pytest.Config) -> tuple[list[dict[str, Any]], bool]:
-    """The measured reference strategies, from the plugin's results (which hold those of xdist workers
-    too), and whether a report is asked for."""
-    from pytest_gpumem.plugin import SESSION_KEY
+RESULTS_KEY = pytest.StashKey[tuple["TestResult", ...]]()
 
-    session = config.stash.get(SESSION_KEY, None)
-    if session is None:
-        return [], False
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_gpumem_session_results(config: pytest.Config, results: Sequence[TestResult]) -> None:
+    """Keep the run's results (on the xdist controller, the workers' too) for the report section."""
+    config.stash[RESULTS_KEY] = tuple(results)
+
+
+def _report_asked(config: pytest.Config) -> bool:
+    """`--gpumem-report`, else its ini twin (whose bad value pytest-gpumem refuses at start-up)."""
+    given = config.getoption("gpumem_report")
+    return bool(config.getini("gpumem_report") if given is None else given)
+
+
+def _rows(results: Sequence[TestResult]) -> list[dict[str, Any]]:
+    """The measured reference strategies."""
     rows = []
-    for result in session.results:
+    for result in results:
         info = result.info.get(INFO_KEY)
         if isinstance(info, dict):
             phases = {name: phase.requested_peak_bytes for name, phase in result.phases.items()}
@@ -242,27 +253,30 @@ def _rows(config: pytest.Config) -> tuple[list[dict[str, Any]], bool]:
             if result.explanation is not None:  # --gpumem-explain: what each phase's peak was made of
                 explained = result.explanation.phases
                 row["composition"] = {name: explained[name].categories for name in phases if name in explained}
+                row["labels"] = result.explanation.labels
             rows.append(row)
-    return rows, bool(session.options.report)
+    return rows
 
 
-def _distributed_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-    """The distributed strategies' table (reference_losses/distributed.py), when a report is asked for."""
-    from pytest_gpumem.plugin import SESSION_KEY
-
-    session = config.stash.get(SESSION_KEY, None)
-    if session is None or not session.options.report or not any(DIST_INFO_KEY in r.info for r in session.results):
+def _distributed_summary(terminalreporter: pytest.TerminalReporter, results: Sequence[TestResult]) -> None:
+    """The distributed strategies' table (reference_losses/distributed.py)."""
+    if not any(DIST_INFO_KEY in result.info for result in results):
         return
     from reference_losses.distributed import report_lines
 
     terminalreporter.write_sep("=", "reference_losses: per-rank peaks of distributed strategies")
-    for line in report_lines(session.results):
+    for line in report_lines(results):
         terminalreporter.write_line(line)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-    _distributed_summary(terminalreporter, config)
-    rows, report = _rows(config)
+    results = config.stash.get(RESULTS_KEY, ())
+    if not results:
+        return
+    report = _report_asked(config)
+    if report:
+        _distributed_summary(terminalreporter, results)
+    rows = _rows(results)
     unchecked = sum(1 for row in rows if row.get("values_checked") is False)
     if unchecked:
         count = f"{unchecked} strateg{'y' if unchecked == 1 else 'ies'} measured"

@@ -6,9 +6,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from pytest_gpumem.explain.replay import changes as growth
-from pytest_gpumem.results.categories import LABELS
-from pytest_gpumem.sizes import format_size
+from pytest_gpumem import format_size
 
 COLUMNS = ("forward", "backward", "step", "total")
 
@@ -56,17 +54,24 @@ def difference(naive: Composition | None, own: Composition | None, row: dict[str
     -100%" (relative to the naive strategy's bytes in that category)."""
     if naive is None or own is None or row["strategy"] == row["reference"]:
         return "-"
-    changes = {p: growth(naive[p], own[p]) for p in COLUMNS if p in naive and p in own}
+    changes = {p: _growth(naive[p], own[p]) for p in COLUMNS if p in naive and p in own}
     moved = {p: sum(c.values()) / max(sum(v for v in naive[p].values() if v > 0), 1) for p, c in changes.items()}
     if not any(moved.values()):
         return "no change"
     phase = min(moved, key=lambda p: moved[p]) if min(moved.values()) < 0 else max(moved, key=lambda p: moved[p])
     change = changes[phase]
     category = (min if moved[phase] < 0 else max)(change, key=lambda c: change[c])
-    return f"{phase}: {LABELS.get(category, category)} {_relative(change[category], naive[phase].get(category, 0))}"
+    label = row.get("labels", {}).get(category, category)
+    return f"{phase}: {label} {_relative(change[category], naive[phase].get(category, 0))}"
 
 
 Composition = dict[str, dict[str, int]]
+
+
+def _growth(naive: dict[str, int], own: dict[str, int]) -> dict[str, int]:
+    """`own - naive` for each category of either side, the categories that did not change left out."""
+    grown = {category: own.get(category, 0) - naive.get(category, 0) for category in dict.fromkeys([*own, *naive])}
+    return {category: value for category, value in grown.items() if value}
 
 
 def _relative(change: int, before: int) -> str:

@@ -17,6 +17,7 @@ import torch
 from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from pytest_gpumem import autocast_device_type
 from reference_losses.bounds import net_expect, net_minimum, oib_minimum, residual_expect, residual_minimum
 from reference_losses.models import ModelWorkload, build_net, build_residual, model_loss
 from reference_losses.strategy import Outcome, PhaseMeter, Strategy, amp_dtype
@@ -72,10 +73,10 @@ def amp_step(meter: PhaseMeter, w: ModelWorkload) -> Outcome:
     """Q&A claim (4): autocast (bf16 on CPU, fp16 + GradScaler on CUDA). Parameters, their gradients
     and the optimizer stay fp32; autocast adds half-precision copies of the weights for the step. Where
     the measurement predicts a GPU (the tracker on meta, or --gpumem-round=cuda), CUDA's autocast rules
-    apply (`autocast_rules`), and the report says so."""
+    apply (`pytest_gpumem.autocast_device_type`), and the report says so."""
     device = w.inputs.device
     dtype = amp_dtype(device)
-    rules = autocast_rules(device)
+    rules = autocast_device_type(device)
     if rules == "meta":
         pytest.skip(f"amp cannot run on the meta device with the CPU's code paths: {AMP_NO_META}")
     info = getattr(meter, "info", None)
@@ -102,14 +103,6 @@ AMP_NO_META = (
 )
 AUTOCAST_KEY = "autocast"
 """Where amp_step says in `gpumem.info` which device's autocast rules it ran under (the report shows it)."""
-
-
-def autocast_rules(device: torch.device) -> str:
-    """The device type whose autocast rules amp runs under: CUDA's where the measurement predicts a GPU
-    (the tracker with a GPU's code paths: on meta, or with CUDA rounding), else the device's own."""
-    from pytest_gpumem.backends.tracker.autocast import emulating
-
-    return "cuda" if emulating() else device.type
 
 
 def _rules_text(rules: str, device: torch.device) -> str:
@@ -199,9 +192,9 @@ def grad_accumulation_step(meter: PhaseMeter, w: ModelWorkload, micro_batches: i
 
 
 def _storage_id(t: torch.Tensor) -> int:
-    """Identity of a tensor's storage, shared by its views. Not `data_ptr()`: on the meta device every
-    storage's data pointer is 0."""
-    return int(t.untyped_storage()._cdata)
+    """Identity of a tensor's storage, shared by its views: torch keeps one Python object per live storage.
+    Not `data_ptr()`: on the meta device every storage's data pointer is 0."""
+    return id(t.untyped_storage())
 
 
 def _protected(w: ModelWorkload) -> set[int]:

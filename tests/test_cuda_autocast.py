@@ -14,9 +14,10 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from pytest_gpumem.backends.tracker import autocast_lists
-from pytest_gpumem.backends.tracker.autocast import CudaAutocast, op_overload, ops_with_cuda_autocast, registered_at
+from pytest_gpumem.backends.tracker.autocast import CudaAutocast, op_overload
 from pytest_gpumem.backends.tracker.autocast_lists import CUDA_AUTOCAST_POLICIES, REGISTERED_AT
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
+from pytest_gpumem.private_torch import ops_with_cuda_autocast, registered_at
 
 BF16, FP32 = 2, 4
 N, D = 8, 64  # a batch of 8 through Linear(64, 64)

@@ -392,10 +392,11 @@ def test_reference_report_says_where_each_saving_comes_from(tracker: pytest.Pyte
 
 
 STAND_IN = """
+from pytest_gpumem import Backend
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 
 
-class StandIn:
+class StandIn(Backend):
     '''A stand-in for an accelerator backend that cannot explain its own peaks (a fake, labelled as such:
     its figures are the exact tracker's, without the tracker's attribution).'''
 

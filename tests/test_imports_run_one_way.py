@@ -4,16 +4,20 @@ back, and no layer imports a layer above it (backends know no pytest, measuring 
 from __future__ import annotations
 
 import ast
+import re
 from functools import cache
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pytest_gpumem"
+PRIVATE_TORCH = re.compile(r"torch\._[A-Za-z]|\b_cdata\b|\b_schema\b|\b_should_skip_dynamo\b")
+"""A private torch name, in code, a comment or a docstring alike."""
+REFERENCE = PACKAGE.parent / "reference_losses"  # a user of the plugin, shipped beside it
 
 # lowest first; a module may import its own layer and the layers below it
 LAYERS = (
-    ("errors", "constants", "sizes", "cards", "files"),
+    ("errors", "constants", "sizes", "cards", "files", "private_torch"),
     ("results",),
     ("budget",),
     ("backends",),
@@ -30,6 +34,7 @@ LAYERS = (
 )
 WITHOUT_PYTEST = (
     "errors",
+    "private_torch",
     "constants",
     "sizes",
     "cards",
@@ -57,12 +62,14 @@ def modules() -> dict[str, Path]:
     return {module_name(path): path for path in PACKAGE.rglob("*.py")}
 
 
-def imported(name: str) -> set[str]:
-    """Every module of the package or outside it that `name` imports anywhere in its text: relative imports
-    resolved, `importlib.import_module("...")` of a literal name too, and a name of the package's own
-    `__init__` (its lazy public names) as an import of `pytest_gpumem` itself."""
-    tree = ast.parse(modules()[name].read_text())
-    package = name if modules()[name].name == "__init__.py" else name.rpartition(".")[0]
+def imported(name: str, path: Path | None = None) -> set[str]:
+    """Every module of the package or outside it that `name` (at `path`, a module outside the package)
+    imports anywhere in its text: relative imports resolved, `importlib.import_module("...")` of a literal
+    name too, and a name of the package's own `__init__` (its lazy public names) as an import of
+    `pytest_gpumem` itself."""
+    path = path or modules()[name]
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -165,3 +172,32 @@ def test_the_lower_layers_work_without_pytest(top: str) -> None:
         if name.split(".")[1:2] == [top] and {"pytest", "_pytest"} & {other.split(".")[0] for other in imported(name)}
     )
     assert users == []
+
+
+def test_the_reference_package_imports_only_the_public_names() -> None:
+    private = sorted(
+        f"{module_name(path)} -> {other}"
+        for path in REFERENCE.rglob("*.py")
+        for other in imported(module_name(path), path)
+        if other.startswith(f"{PACKAGE.name}.")
+    )
+    assert private == []
+
+
+@pytest.mark.xfail(strict=True, reason="pytest_gpumem/advise/kinds.py imports reference_losses.losses, .models")
+def test_the_plugin_never_imports_the_reference_package() -> None:
+    users = sorted(name for name in modules() if any(other.split(".")[0] == REFERENCE.name for other in imported(name)))
+    assert users == []
+
+
+def test_only_private_torch_names_private_torch() -> None:
+    roots = (PACKAGE, PACKAGE.parent / "reference_losses")
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{number}"
+        for root in roots
+        for path in sorted(root.rglob("*.py"))
+        if path != PACKAGE / "private_torch.py"
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if PRIVATE_TORCH.search(line)
+    ]
+    assert found == []

@@ -39,6 +39,25 @@ def test_reference_report_compares_reserved_memory_under_the_allocators_model(tr
     )
 
 
+@pytest.mark.slow  # amp's naive references run in three precisions, then the measured step
+@pytest.mark.parametrize(
+    ("rounding", "rules"),
+    [
+        ("none", "amp: autocast under CPU's rules"),
+        ("cuda", "amp: autocast under CUDA's rules (torch *'s CUDA op lists, on cpu tensors)"),
+    ],
+)
+def test_amp_runs_under_the_autocast_rules_of_what_is_measured(
+    tracker: pytest.Pytester, rounding: str, rules: str
+) -> None:
+    result = tracker.runpytest(
+        "--pyargs", "reference_losses", "-k", "amp", "--gpumem-report", f"--gpumem-round={rounding}",
+        "-p", "no:cacheprovider",
+    )  # fmt: skip
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([rules])
+
+
 def test_reference_report_only_when_asked(tracker: pytest.Pytester) -> None:
     result = tracker.runpytest("--pyargs", "reference_losses", "-k", "naive_sum", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)

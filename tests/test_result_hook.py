@@ -1,23 +1,36 @@
-"""The result hook (`pytest_gpumem_result`) sees each measured test's final result, the one the report and
-the JSON show; a hook that breaks the result fails that one test in one line and the run goes on."""
+"""The plugin's hooks and the names they hand over: the result hook (`pytest_gpumem_result`) sees each
+measured test's final result, the one the report and the JSON show, and the session hook
+(`pytest_gpumem_session_results`) all of them once, on the controller; a hook that breaks the result fails
+that one test in one line and the run goes on; every type the hooks page names is a public name."""
 
 from __future__ import annotations
 
 import json
+import keyword
 import math
+import re
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+import pytest_gpumem
 from pytest_gpumem.distributed.worker import _sendable, json_problem
 
 RECORDING_HOOK = """
-import json
+import json, os
 
 def pytest_gpumem_result(item, result):
     with open(item.config.rootpath / "hooked.jsonl", "a") as f:
         f.write(json.dumps([item.nodeid.split("::", 1)[1], result.status.value, result.message]) + "\\n")
+
+def pytest_gpumem_session_results(config, results):
+    seen = {r.nodeid.split("::", 1)[1]: [r.status.value, r.message] for r in results}
+    written = (config.rootpath / "out.json").is_file()
+    with open(config.rootpath / "session.jsonl", "a") as f:
+        f.write(json.dumps([getattr(config, "workerinput", {}).get("workerid"), written, seen]) + "\\n")
+    config.pluginmanager.get_plugin("terminalreporter").write_line(f"session hook: {len(results)} results")
 """
 
 VERDICTS = """
@@ -72,14 +85,17 @@ def _hooked(pytester: pytest.Pytester) -> dict[str, list[Any]]:
 
 
 @pytest.mark.parametrize("mode", [["-p", "no:xdist"], pytest.param(["-n", "2"], marks=pytest.mark.slow)])
-def test_the_hook_sees_the_status_the_report_shows(tracker: pytest.Pytester, mode: list[str]) -> None:
+def test_the_hooks_see_the_status_the_report_shows(tracker: pytest.Pytester, mode: list[str]) -> None:
     tracker.makeconftest(RECORDING_HOOK)
     tracker.makepyfile(test_verdicts=VERDICTS)
-    result = tracker.runpytest(*mode, "-p", "no:randomly", "--gpumem-json=out.json")
+    result = tracker.runpytest(*mode, "-p", "no:randomly", "--gpumem-json=out.json", "--gpumem-report")
     result.assert_outcomes(passed=2, failed=3, xfailed=1, xpassed=1)
     reported = json.loads((tracker.path / "out.json").read_text(encoding="utf-8"))["tests"]
     shown = {test["nodeid"].split("::", 1)[1]: [test["status"], test["message"]] for test in reported}
     assert _hooked(tracker) == shown
+    sessions = (tracker.path / "session.jsonl").read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line) for line in sessions] == [[None, True, shown]]  # once, on the controller, JSON written
+    result.stdout.fnmatch_lines(["session hook: 7 results", "*= gpumem report =*"])
     assert {name: status for name, (status, _) in shown.items()} == {
         "Case::test_unittest_fails": "error",
         "Case::test_unittest_passes": "ok",
@@ -108,6 +124,9 @@ def pytest_gpumem_result(item, result):
         result.info["lock"] = threading.Lock()
     elif item.name == "test_no_dict":
         result.info = ["x"]
+
+def pytest_gpumem_session_results(config, results):
+    raise KeyError("leaderboard")
 """
 
 BROKEN_BY_THE_HOOK = """
@@ -154,6 +173,7 @@ def test_a_hook_that_breaks_the_result_fails_one_test_in_one_line(tracker: pytes
             "E       assert 1 == 2",  # a test that failed on its own keeps its failure ...
             "test_broken.py::test_fails_and_nan_in_info: pytest_gpumem_result: result.info['loss'][1] is nan, "
             "which JSON cannot hold",  # ... with the hook's line beside it
+            "gpumem: pytest_gpumem_session_results raised KeyError: 'leaderboard'",  # and the report goes on
         ]
     )
     result.stdout.no_fnmatch_line("*INTERNALERROR*")
@@ -216,3 +236,15 @@ def test_a_rank_names_what_of_its_info_cannot_reach_the_parent() -> None:
         _sendable([1])
     sent = _sendable({"loss": math.nan})  # NaN travels to the parent as before (json.dumps writes NaN)
     assert math.isnan(sent["loss"])
+
+
+HOOKS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "reference" / "hooks.md"
+
+
+def test_every_type_the_hooks_page_names_is_a_public_name() -> None:
+    """A capitalised name in backquotes, bare or as `pytest_gpumem.Name` (`unittest.TestCase` is not ours)."""
+    found = re.findall(r"`(?:pytest_gpumem\.)?([A-Z][a-z]\w*)`", HOOKS_PAGE.read_text(encoding="utf-8"))
+    named = set(found) - set(keyword.kwlist)  # `None`, `True`, `False`
+    assert {"Status", "Verdict", "Entry", "Explanation", "Settings", "DeviceIdentity", "TestResult"} <= named
+    assert sorted(named - set(pytest_gpumem.__all__)) == []
+    assert [name for name in sorted(named) if not isinstance(getattr(pytest_gpumem, name), type)] == []

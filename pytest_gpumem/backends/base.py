@@ -178,3 +178,15 @@ def collect_garbage(full: bool) -> None:
         gc.collect()
     else:
         gc.collect(1)
+
+
+def made_backend(made: object, option: str) -> Backend:
+    """What `pytest_gpumem_make_backend` gave, if it is a `Backend`; else a `GpuMemError` naming `option`."""
+    if isinstance(made, Backend):
+        return made
+    from pytest_gpumem.errors import GpuMemError
+
+    raise GpuMemError(
+        f"{option}: pytest_gpumem_make_backend gave an instance of {type(made).__name__[:40]}, "
+        "not a backend: subclass pytest_gpumem.Backend"
+    )

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_gpumem.backends.base import Backend, Counters, Settings
 from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.private_torch import clear_cublas_workspaces, memory_snapshot, record_memory_history
 from pytest_gpumem.results.baseline import DeviceIdentity
 
 if TYPE_CHECKING:
@@ -88,7 +89,7 @@ class CudaBackend(Backend):
             torch.cuda.set_per_process_memory_fraction(min(self.capacity / total, 1.0), self._device)
         if self._history and not self._recording:
             # on from the first measured test: a test's snapshot is taken only if it fails
-            torch.cuda.memory._record_memory_history(max_entries=self.HISTORY_ENTRIES, stacks="python", context="alloc")
+            record_memory_history(self.HISTORY_ENTRIES)
             self._recording = True
 
     def stop(self) -> None:
@@ -100,18 +101,12 @@ class CudaBackend(Backend):
     def snapshot(self) -> Any:
         """The allocator's memory history (its last HISTORY_ENTRIES events, the failing test's last), which
         PyTorch's memory visualizer opens."""
-        import torch
-
-        return torch.cuda.memory._snapshot() if self._recording else None
+        return memory_snapshot() if self._recording else None
 
     def clear_workspaces(self) -> None:
         """Free the cuBLAS workspaces torch keeps per handle and stream (their blocks stay cached), where this
-        torch has `torch._C._cuda_clearCublasWorkspaces`."""
-        import torch
-
-        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-        if callable(clear):
-            clear()
+        torch can."""
+        clear_cublas_workspaces()
 
     def empty_cache(self) -> None:
         """Give back the caching allocator's free segments."""

@@ -44,6 +44,14 @@ from pytest_gpumem.backends.tracker.graph import (
 )
 from pytest_gpumem.backends.tracker.recording import Followed, Origin, Recorder, op_name, user_line
 from pytest_gpumem.errors import one_line
+from pytest_gpumem.private_torch import (
+    current_autograd_node,
+    graph_task_reader,
+    in_backward,
+    next_sequence_nr,
+    node_sequence_nr,
+    op_schema,
+)
 from pytest_gpumem.results.categories import CATEGORIES
 
 if TYPE_CHECKING:
@@ -168,14 +176,12 @@ class Attributor(Recorder):
 
     @_contained
     def entered(self) -> None:
-        import torch
-
-        task = torch._C._current_graph_task_id()
+        task = graph_task_reader()()
         if task == -1:
             return
         if task != self._task:
             self._task, self._walked = task, set()
-        node = torch._C._current_autograd_node()
+        node = current_autograd_node()
         if node is not None and node_key(node) not in self._walked:
             self._backward_reaches(node)
 
@@ -254,7 +260,6 @@ class Attributor(Recorder):
 
     @_contained
     def _module_entered(self, module: torch.nn.Module, args: object) -> None:
-        import torch
 
         if threading.get_ident() != self._thread:  # another thread's: its tensors are not followed
             return
@@ -263,7 +268,7 @@ class Attributor(Recorder):
         if name is None:
             name = self._name_tree(module)
         self._stack.append(name)
-        self._open_calls.append((torch._C._autograd._get_sequence_nr(), name))
+        self._open_calls.append((next_sequence_nr(), name))
 
     @_contained
     def _module_left(self, module: torch.nn.Module, args: object, output: object) -> None:
@@ -275,8 +280,8 @@ class Attributor(Recorder):
         if self._stack:
             self._stack.pop()
         roots = [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
-        for node in autograd_nodes(roots, lambda n: not start <= n._sequence_nr() < ACCUMULATE_GRAD_SEQUENCE):
-            if self._by_sequence.setdefault(node._sequence_nr(), name) == name:
+        for node in autograd_nodes(roots, lambda n: not start <= node_sequence_nr(n) < ACCUMULATE_GRAD_SEQUENCE):
+            if self._by_sequence.setdefault(node_sequence_nr(node), name) == name:
                 for tensor in saved_tensors(node):  # held for backward from now on
                     self._mark(tensor, "saved")
 
@@ -344,11 +349,10 @@ class Attributor(Recorder):
     # --- where an allocation belongs
 
     def _context(self, op: object) -> tuple[str, str]:
-        import torch
 
         if self._stack:
             return self._stack[-1], "temporaries"
-        if torch._C._current_graph_task_id() != -1:
+        if in_backward():
             return self._backward_module(), "temporaries"
         if self._in_step:
             return STEP_MODULE, "temporaries"
@@ -357,12 +361,11 @@ class Attributor(Recorder):
         return NO_MODULE, "gradients" if _making_gradient_buckets() else "inputs"
 
     def _backward_module(self) -> str:
-        import torch
 
-        node = torch._C._current_autograd_node()
+        node = current_autograd_node()
         if node is None:
             return NO_MODULE
-        sequence = node._sequence_nr()
+        sequence = node_sequence_nr(node)
         if sequence == ACCUMULATE_GRAD_SEQUENCE:
             variable = getattr(node, "variable", None)
             return str(self._owners.get(variable, NO_MODULE)) if variable is not None else NO_MODULE
@@ -371,7 +374,7 @@ class Attributor(Recorder):
     def _is_factory(self, op: object) -> bool:
         found = self._factory.get(op)
         if found is None:
-            schema = getattr(op, "_schema", None)
+            schema = op_schema(op)
             name = getattr(schema, "name", "")
             takes_tensors = schema is not None and any("Tensor" in str(arg.type) for arg in schema.arguments)
             found = self._factory[op] = (

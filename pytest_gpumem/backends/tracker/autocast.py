@@ -49,6 +49,19 @@ from pytest_gpumem.backends.tracker.autocast_lists import (
     PROMOTE,
 )
 from pytest_gpumem.backends.tracker.graph import tensors_in
+from pytest_gpumem.private_torch import (
+    amp_availability,
+    checkpoint_autocast_state,
+    checkpoint_device_type,
+    cuda_autocast_key_included,
+    destroy_library,
+    include_cuda_autocast_key,
+    is_view,
+    op_schema,
+    ops_with_cuda_autocast,
+    scaler_step,
+    without_cuda_autocast,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -56,100 +69,6 @@ if TYPE_CHECKING:
 Replace = Callable[[Any, str, Any], None]
 
 _ACTIVE: list[CudaAutocast] = []  # the emulation of the measurement under way
-
-
-# --- private torch names, each in one place ----------------------------------------------------------
-
-
-def _autocast_cuda_key() -> Any:
-    """The dispatch key CUDA's autocast kernels are registered on (no public name)."""
-    import torch
-
-    return torch._C.DispatchKey.AutocastCUDA
-
-
-def _no_cuda_autocast() -> Any:
-    """A guard excluding the AutocastCUDA key, as CUDA's kernels exclude it before running the op."""
-    import torch
-
-    return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(_autocast_cuda_key()))
-
-
-def _key_included() -> bool:
-    """Whether this thread's included key set holds AutocastCUDA (TLS: no public API)."""
-    import torch
-
-    return bool(torch._C._dispatch_tls_is_dispatch_key_included(_autocast_cuda_key()))
-
-
-def _include_key(included: bool) -> None:
-    """Put AutocastCUDA into (or out of) this thread's included key set: meta/CPU tensors lack the key."""
-    import torch
-
-    torch._C._dispatch_tls_set_dispatch_key_included(_autocast_cuda_key(), included)
-
-
-@functools.cache
-def ops_with_cuda_autocast() -> frozenset[str]:
-    """The ops the installed torch registers a CUDA autocast kernel for (the dispatcher's debug API: no
-    public one says)."""
-    import torch
-
-    names = torch._C._dispatch_get_all_op_names()
-    return frozenset(name for name in names if torch._C._dispatch_has_kernel_for_dispatch_key(name, "AutocastCUDA"))
-
-
-def registered_at(name: str) -> str | None:
-    """The file:line that registered the AutocastCUDA kernel of `name` (the dispatcher's debug dump)."""
-    import torch
-
-    for line in torch._C._dispatch_dump(name).splitlines():
-        if line.startswith("AutocastCUDA: registered at "):
-            return line.removeprefix("AutocastCUDA: registered at ").split(" ")[0]
-    return None
-
-
-def _unregister(library: Any) -> None:
-    """Remove a Library's kernels now (torch's C++ kernels are active again); public only as `__del__`."""
-    library._destroy()
-
-
-def _is_view(tensor: torch.Tensor) -> bool:
-    """`Tensor.is_view()` of C++, which `cached_cast` checks (private in Python)."""
-    return bool(tensor._is_view())
-
-
-def _checkpoint_autocast_state() -> tuple[Any, str]:
-    """torch.utils.checkpoint's reader of the autocast state it saves for a recompute (private)."""
-    import torch.utils.checkpoint as checkpoint
-
-    return checkpoint, "_get_autocast_kwargs"
-
-
-def _checkpoint_device_type() -> tuple[Any, str]:
-    """torch.utils.checkpoint's choice of the device whose RNG and autocast state it saves (private)."""
-    import torch.utils.checkpoint as checkpoint
-
-    return checkpoint, "_infer_device_type"
-
-
-def _scaler_step() -> tuple[Any, str]:
-    """GradScaler's method that reads each found_inf with `.item()` before stepping (private)."""
-    import torch.amp.grad_scaler as grad_scaler
-
-    return grad_scaler.GradScaler, "_maybe_opt_step"
-
-
-def _schema_arguments(op: Any) -> list[Any]:
-    """An OpOverload's schema arguments (`_schema` is torch's only way to them)."""
-    return list(op._schema.arguments)
-
-
-def _amp_unavailable_owner() -> Any:
-    """The module whose `amp_definitely_not_available` autocast and GradScaler ask (torch's private helper)."""
-    import torch.cuda.amp.common as common
-
-    return common
 
 
 # --- casts ------------------------------------------------------------------------------------------
@@ -188,20 +107,20 @@ class CudaAutocast:
         replace(grad_scaler.GradScaler, "__init__", self._scaler_init(grad_scaler.GradScaler.__init__))
         replace(torch, "clear_autocast_cache", self._clearing(torch.clear_autocast_cache))
         if self.device_type == "meta":
-            scaler, step = _scaler_step()
+            scaler, step = scaler_step()
             replace(scaler, step, _stepping_on_meta(getattr(scaler, step)))
             available = _meta_available(autocast_mode.is_autocast_available)
             replace(autocast_mode, "is_autocast_available", available)
             replace(torch.amp, "is_autocast_available", available)
-        checkpoint, state = _checkpoint_autocast_state()
+        checkpoint, state = checkpoint_autocast_state()
         replace(checkpoint, state, _meta_as_cuda(getattr(checkpoint, state)))
         if self.device_type == "cpu":
-            checkpoint, device = _checkpoint_device_type()
+            checkpoint, device = checkpoint_device_type()
             replace(checkpoint, device, _cpu_as_cuda(getattr(checkpoint, device)))
-        self._included_before = _key_included()
+        self._included_before = cuda_autocast_key_included()
         self._enabled_before = torch.is_autocast_enabled("cuda")
         self._nesting_before = _nesting()
-        _include_key(True)
+        include_cuda_autocast_key(True)
         _ACTIVE.append(self)
         if torch.is_autocast_enabled("cuda"):  # a region entered before the measurement (a fixture's)
             self.register_kernels()
@@ -211,7 +130,7 @@ class CudaAutocast:
 
         if self in _ACTIVE:
             _ACTIVE.remove(self)
-        _include_key(self._included_before)
+        include_cuda_autocast_key(self._included_before)
         if torch.is_autocast_enabled("cuda") and not self._enabled_before:
             # on a CPU-only build torch would have disabled the region: later tests must not see it open
             torch.set_autocast_enabled("cuda", False)
@@ -219,7 +138,7 @@ class CudaAutocast:
                 torch.autocast_decrement_nesting()
             self.notes.append("a CUDA autocast region the test entered was still open when it ended: closed")
         if self._library is not None:
-            _unregister(self._library)
+            destroy_library(self._library)
             self._library = None
         self.clear()
 
@@ -295,31 +214,31 @@ class CudaAutocast:
         return functools.partial(self._unknown, op, name)
 
     def _cast_to(self, op: Any, dtype: torch.dtype | None, *args: Any, **kwargs: Any) -> Any:
-        with _no_cuda_autocast():
+        with without_cuda_autocast():
             to = _lower() if dtype is None else dtype
             return op(*self.cast_all(to, args), **self.cast_all(to, kwargs))
 
     def _set_opt_dtype(self, op: Any, *args: Any, **kwargs: Any) -> Any:
-        with _no_cuda_autocast():
+        with without_cuda_autocast():
             if not self._eligible(args[0]):
                 return op(*args, **kwargs)
             args, kwargs = _with_dtype(op, args, kwargs, _float32())
             return op(*args, **kwargs)
 
     def _append_dtype(self, op: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
-        with _no_cuda_autocast():
+        with without_cuda_autocast():
             first = args[0]
             dtype = _float32() if self._eligible(first) else first.dtype
             return target(*_with_defaults(op, args), **kwargs, dtype=dtype)
 
     def _promote(self, op: Any, *args: Any, **kwargs: Any) -> Any:
-        with _no_cuda_autocast():
+        with without_cuda_autocast():
             to = functools.reduce(self._prioritize, tensors_in([*args, *kwargs.values()]), _lower())
             return op(*self.cast_all(to, args), **self.cast_all(to, kwargs))
 
     def _unknown(self, op: Any, name: str, *args: Any, **kwargs: Any) -> Any:
         self.note(f"{name} has a CUDA autocast kernel this tracker has no cast policy for: it ran uncast")
-        with _no_cuda_autocast():
+        with without_cuda_autocast():
             return op(*args, **kwargs)
 
     def _prioritize(self, current: torch.dtype, tensor: torch.Tensor) -> torch.dtype:
@@ -383,7 +302,7 @@ class CudaAutocast:
             and tensor.dtype == torch.float32
             and tensor.requires_grad
             and tensor.is_leaf
-            and not _is_view(tensor)
+            and not is_view(tensor)
             and torch.is_autocast_cache_enabled()
             and not torch.is_inference_mode_enabled()
         )
@@ -399,6 +318,13 @@ class CudaAutocast:
 def emulating() -> bool:
     """Whether a measurement on this process runs CUDA's autocast rules for its tensors now."""
     return bool(_ACTIVE)
+
+
+def autocast_device_type(device: torch.device) -> str:
+    """The device type to give `torch.autocast` for tensors on `device`: "cuda" while a measurement that
+    predicts a GPU runs on this process (its meta or CPU tensors then follow CUDA's autocast rules, as on
+    a card), else `device.type`."""
+    return "cuda" if emulating() else device.type
 
 
 def active() -> CudaAutocast | None:
@@ -441,7 +367,7 @@ def _with_dtype(
     op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """(args, kwargs) with the op's optional `dtype` argument set to `dtype` where it is None."""
-    names = [arg.name for arg in _schema_arguments(op)]
+    names = [arg.name for arg in op_schema(op).arguments]
     position = names.index("dtype")
     if position < len(args):
         return (*args[:position], args[position] or dtype, *args[position + 1 :]), kwargs
@@ -450,7 +376,7 @@ def _with_dtype(
 
 def _with_defaults(op: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """`args` with the defaults of the positional arguments not given (the kernel gets only those given)."""
-    rest = [arg.default_value for arg in _schema_arguments(op)[len(args) :] if not arg.kwarg_only]
+    rest = [arg.default_value for arg in op_schema(op).arguments[len(args) :] if not arg.kwarg_only]
     return (*args, *rest)
 
 
@@ -464,14 +390,15 @@ def _cuda_amp_available() -> Iterator[None]:
     Ampere or later card)."""
     import torch
 
-    common = _amp_unavailable_owner()
-    saved = common.amp_definitely_not_available, torch.cuda.is_bf16_supported
-    common.amp_definitely_not_available = lambda: False
+    common, name = amp_availability()
+    saved = getattr(common, name), torch.cuda.is_bf16_supported
+    setattr(common, name, lambda: False)
     torch.cuda.is_bf16_supported = lambda *args, **kwargs: True
     try:
         yield
     finally:
-        common.amp_definitely_not_available, torch.cuda.is_bf16_supported = saved
+        setattr(common, name, saved[0])
+        torch.cuda.is_bf16_supported = saved[1]
 
 
 def _meta_available(original: Callable[[str], bool]) -> Callable[[str], bool]:

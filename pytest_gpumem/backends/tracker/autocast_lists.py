@@ -3,8 +3,8 @@
 Where they come from (torch's C++ sources are not installed):
 
 - Which ops have an AutocastCUDA kernel: the installed dispatcher
-  (`torch._C._dispatch_has_kernel_for_dispatch_key(name, "AutocastCUDA")`): 119 ops in torch 2.13.0+cpu
-  (git cf30153c4c131c8164ee7798e5022d810682e2cb), every one registered (`torch._C._dispatch_dump`) at
+  (`private_torch.ops_with_cuda_autocast()`): 119 ops in torch 2.13.0+cpu
+  (git cf30153c4c131c8164ee7798e5022d810682e2cb), every one registered (`private_torch.registered_at`) at
   `aten/src/ATen/autocast_mode.cpp:181`; the file's other blocks at :225 (MPS), :335 (CPU), :476
   (MTIA), :514 (MAIA), :552 (XPU).
 - The policy of each op: CUDA's block of `aten/src/ATen/autocast_mode.cpp` and the lists of

@@ -90,7 +90,7 @@ class TrackerBackend(Backend):
         self._device_type = device
         self._default_paths = default_paths(rounding, device)
         self.paths = paths or self._default_paths
-        mode_class()  # its imports (torch._dynamo) happen now, not inside the first test's call
+        mode_class()  # its imports (Dynamo's) happen now, not inside the first test's call
         self.ledger = StorageLedger(rounding, out_of_memory=_out_of_memory(), settings=self.allocator)
         self.ledger.device_type = "meta" if device == "meta" else None  # a CPU tensor is the GPU's host memory
         self.predict_card(None)
@@ -165,7 +165,7 @@ class TrackerBackend(Backend):
             self.ledger.card = card_before
 
     def clear_workspaces(self) -> None:
-        """`torch._C._cuda_clearCublasWorkspaces()`: the model's cuBLAS workspaces are freed (a kept
+        """`private_torch.clear_cublas_workspaces()`: the model's cuBLAS workspaces are freed (a kept
         workspace is the allocator's, not the test's: the call's end does this before its last reading)."""
         self.ledger.clear_workspaces()
 

@@ -36,6 +36,8 @@ import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from pytest_gpumem.private_torch import sdpa_function
+
 if TYPE_CHECKING:
     import torch
 
@@ -203,7 +205,7 @@ def _fused_attention_class() -> type[Any]:
 
     from pytest_gpumem.backends.tracker.autocast import lower_precision
 
-    sdpa = torch._C._nn.scaled_dot_product_attention
+    sdpa = sdpa_function()
     multi_head = F.multi_head_attention_forward
 
     class FusedAttention(TorchFunctionMode):

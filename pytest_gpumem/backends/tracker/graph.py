@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from pytest_gpumem.private_torch import SAVED_VARIABLE_PREFIX, node_sequence_nr, pytree_leaves, storage_key
+
 if TYPE_CHECKING:
     import torch
 
@@ -15,9 +17,9 @@ ACCUMULATE_GRAD_SEQUENCE = 2**64 - 1
 
 
 def storage_keys(tensor: object) -> Iterator[int]:
-    """The key of the storage holding `tensor` (`_cdata`, what the ledger follows it by), if it has one."""
+    """The key of the storage holding `tensor` (`storage_key`, what the ledger follows it by), if it has one."""
     try:
-        yield tensor.untyped_storage()._cdata  # type: ignore[attr-defined]
+        yield storage_key(tensor.untyped_storage())  # type: ignore[attr-defined]
     except (AttributeError, RuntimeError, NotImplementedError, ValueError):  # sparse, a Lazy module's parameter
         return
 
@@ -38,13 +40,13 @@ def autograd_nodes(roots: list[Any], outside: Callable[[Any], bool]) -> Iterator
 def node_key(node: Any) -> tuple[int, Any]:
     """What tells autograd nodes apart (the Python objects for one node come and go, and their ids with
     them): the sequence number, or for an AccumulateGrad node (which has none) its leaf."""
-    sequence = node._sequence_nr()
+    sequence = node_sequence_nr(node)
     return (sequence, id(getattr(node, "variable", None))) if sequence == ACCUMULATE_GRAD_SEQUENCE else (sequence, 0)
 
 
 def tensors_in(output: object) -> list[torch.Tensor]:
     """The tensors in `output` (an op's result or arguments, a module's output): itself, or inside what
-    `torch.utils._pytree` walks (tuples, lists, dicts, namedtuples and registered types such as a
+    torch's pytree (`pytree_leaves`) walks (tuples, lists, dicts, namedtuples and registered types such as a
     registered dataclass or a transformers `ModelOutput`) and inside unregistered tuple, list and dict
     subclasses; other objects hold none."""
     import torch
@@ -76,9 +78,7 @@ def _plain(items: tuple[object, ...] | list[object], found: list[torch.Tensor], 
 
 
 def _leaves(output: object, tensor: type[torch.Tensor]) -> Iterator[torch.Tensor]:
-    from torch.utils._pytree import tree_leaves
-
-    for leaf in tree_leaves(output):
+    for leaf in pytree_leaves(output):
         if isinstance(leaf, tensor):
             yield leaf
         elif isinstance(leaf, (list, tuple)):  # a subclass pytree does not know
@@ -97,7 +97,7 @@ def saved_tensors(node: Any) -> Iterator[object]:
     hook (checkpointing, offloading) is never unpacked, and its packed form counts only if a tensor."""
     names = _SAVED_ATTRIBUTES.get(type(node))
     if names is None:
-        names = _SAVED_ATTRIBUTES[type(node)] = tuple(a for a in dir(node) if a.startswith("_raw_saved_"))
+        names = _SAVED_ATTRIBUTES[type(node)] = tuple(a for a in dir(node) if a.startswith(SAVED_VARIABLE_PREFIX))
     for name in names:
         try:
             raw = getattr(node, name)

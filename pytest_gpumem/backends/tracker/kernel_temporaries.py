@@ -47,8 +47,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from pytest_gpumem import private_torch
 
 if TYPE_CHECKING:
     from pytest_gpumem.backends.tracker.ledger import StorageLedger
@@ -72,6 +72,8 @@ _HALF = frozenset(("float16", "bfloat16"))
 _INTEGRAL = frozenset(("bool", "uint8", "int8", "int16", "int32", "int64"))
 _INT32_MAX = 2**31 - 1
 _WARP = 32
+_FAKE_TENSOR = private_torch.fake_tensor_class()
+_is_wrapper_subclass = private_torch.wrapper_subclass_test()
 _SEMAPHORE = 4  # sizeof(int)
 _CUB_SINGLE_TILE_SCRATCH = 1  # what cub asks for a sort that fits one tile (and for an empty request)
 
@@ -603,7 +605,7 @@ def _signature(value: Any) -> Any:
 def _holds_memory(tensor: Any) -> bool:
     """A plain tensor: not a fake one (FakeTensorMode: no memory) nor a wrapper subclass (its inner tensors'
     ops come through the mode themselves)."""
-    return not isinstance(tensor, FakeTensor) and not is_traceable_wrapper_subclass(tensor)
+    return not isinstance(tensor, _FAKE_TENSOR) and not _is_wrapper_subclass(tensor)
 
 
 def _on_counted_device(ledger: StorageLedger, args: Sequence[Any]) -> bool:

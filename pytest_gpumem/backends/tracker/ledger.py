@@ -6,7 +6,7 @@ A storage's bytes are added when an op makes it and subtracted when a weak refer
 ledger knows storages only as objects with a key and a size: it imports no torch, so that the
 arithmetic can be used (and tested) without it. With the allocator's model it also holds the cuBLAS
 workspaces (`Workspace`): one per handle, allocated at the handle's first matmul and kept until
-`clear_workspaces()` (`torch._C._cuda_clearCublasWorkspaces()`) or the measurement's end; and, when it
+`clear_workspaces()` (`private_torch.clear_cublas_workspaces()`) or the measurement's end; and, when it
 predicts a GPU, the temporaries a kernel allocates and frees inside one op (`transient`, sized by
 `kernel_temporaries` for the predicted `card`).
 """
@@ -22,6 +22,7 @@ from pytest_gpumem.backends.timeline import FREED, RESIZED
 from pytest_gpumem.backends.tracker.allocator import AllocatorOutOfMemory, CachingAllocatorModel
 from pytest_gpumem.backends.tracker.allocator_config import AllocatorSettings
 from pytest_gpumem.cards import CUBLAS_WORKSPACE_DEFAULT, Card
+from pytest_gpumem.private_torch import storage_key
 from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
@@ -61,10 +62,8 @@ ROUNDERS: dict[str, Callable[[int], int]] = {"none": _exact, "cuda": cuda_block_
 
 
 class Storage(Protocol):
-    """What the ledger reads of a storage (`torch.UntypedStorage`): its identity, size and device."""
-
-    @property
-    def _cdata(self) -> int: ...
+    """What the ledger reads of a storage (`torch.UntypedStorage`): its identity (`storage_key`), size and
+    device."""
 
     def nbytes(self) -> int: ...
 
@@ -79,10 +78,10 @@ class Workspace:
     """Memory the allocator hands out that no tensor holds, a storage of `size` bytes: a cuBLAS workspace,
     or a kernel's temporary."""
 
-    __slots__ = ("__weakref__", "_cdata", "size")
+    __slots__ = ("__weakref__", "key", "size")
 
     def __init__(self, size: int) -> None:
-        self._cdata = next(_WORKSPACE_KEYS)
+        self.key = next(_WORKSPACE_KEYS)
         self.size = size
 
     def nbytes(self) -> int:
@@ -179,7 +178,7 @@ class StorageLedger:
         if held is not None and held.size >= self.workspace_bytes:
             return
         made = Workspace(self.workspace_bytes)
-        self._follow(made, made._cdata, made.size)  # the device's own memory, wherever the ledger counts
+        self._follow(made, made.key, made.size)  # the device's own memory, wherever the ledger counts
         self.workspaces[handle] = made
         del held  # the smaller one, if any: freed now
 
@@ -207,16 +206,16 @@ class StorageLedger:
 
     def _hold(self, size: int) -> Workspace:
         made = Workspace(size)
-        self._follow(made, made._cdata, size)
+        self._follow(made, made.key, size)
         return made
 
     def clear_workspaces(self) -> None:
-        """`torch._C._cuda_clearCublasWorkspaces()`: every workspace is freed (its blocks cached)."""
+        """`private_torch.clear_cublas_workspaces()`: every workspace is freed (its blocks cached)."""
         self.workspaces.clear()
 
     def add(self, storage: Storage) -> None:
         """An op made `storage` (or resized one it made earlier)."""
-        key = storage._cdata
+        key = storage_key(storage)
         if key in self.live:
             self.resize(storage)
             return
@@ -226,14 +225,14 @@ class StorageLedger:
 
     def resized(self, storage: Storage, before: int) -> None:
         """`storage` was resized outside any op (`UntypedStorage.resize_`): follow it like an op's resize."""
-        if storage._cdata in self.live:
+        if storage_key(storage) in self.live:
             self.resize(storage)
         elif storage.nbytes() > before:
             self.grow_existing(storage, before)
 
     def grow_existing(self, storage: Storage, before: int) -> None:
         """A storage made before tracking was resized by an op: count the growth as an allocation."""
-        key = storage._cdata
+        key = storage_key(storage)
         if key in self.live:
             self.resize(storage)
             return
@@ -243,7 +242,7 @@ class StorageLedger:
 
     def resize(self, storage: Storage) -> None:
         """A followed storage changed size: count its bytes anew."""
-        ref = self.live[storage._cdata]
+        ref = self.live[storage_key(storage)]
         requested = max(storage.nbytes() - ref.base, 0)
         if requested == ref.requested:
             return

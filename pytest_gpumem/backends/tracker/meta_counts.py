@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpumem.backends.tracker.graph import tensors_in
+from pytest_gpumem.private_torch import storage_key
 
 if TYPE_CHECKING:
     import torch
@@ -57,7 +58,7 @@ def factory_mode_class() -> type[Any]:
             ledger = self.ledger()
             if ledger is not None and out.device.type == "meta":
                 storage = out.untyped_storage()
-                if storage._cdata not in given:
+                if storage_key(storage) not in given:
                     ledger.op, ledger.out = f"torch.{func.__name__}", out
                     ledger.add(storage)  # a storage an op made is already followed: counted once
             return out
@@ -69,7 +70,7 @@ def _storage_keys(values: list[Any]) -> set[int]:
     keys = set()
     for tensor in tensors_in(values):
         try:
-            keys.add(tensor.untyped_storage()._cdata)
+            keys.add(storage_key(tensor.untyped_storage()))
         except (RuntimeError, NotImplementedError):  # sparse and other layouts without one storage
             continue
     return keys
@@ -101,9 +102,8 @@ def _tied_parameters(module: torch.nn.Module) -> list[list[tuple[torch.nn.Module
     """The holders (module, name) of each parameter that more than one place holds."""
     holders: dict[int, list[tuple[torch.nn.Module, str]]] = {}
     for owner in module.modules():
-        for name, param in owner._parameters.items():
-            if param is not None:
-                holders.setdefault(id(param), []).append((owner, name))
+        for name, param in owner.named_parameters(recurse=False, remove_duplicate=False):
+            holders.setdefault(id(param), []).append((owner, name))
     return [places for places in holders.values() if len(places) > 1]
 
 
@@ -121,7 +121,7 @@ def _once_per_tensor(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _tie_again(tied: list[list[tuple[torch.nn.Module, str]]]) -> None:
     for (first, first_name), *others in tied:
-        param = first._parameters[first_name]
+        param = getattr(first, first_name)
         for owner, name in others:
-            if owner._parameters[name] is not param:
-                owner._parameters[name] = param
+            if getattr(owner, name) is not param:
+                setattr(owner, name, param)

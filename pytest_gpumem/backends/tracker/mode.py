@@ -16,9 +16,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
+from pytest_gpumem import private_torch
 from pytest_gpumem.backends.tracker.graph import tensors_in
 from pytest_gpumem.backends.tracker.kernel_temporaries import modelled
 from pytest_gpumem.backends.tracker.kernel_temporaries import record as record_temporaries
@@ -26,6 +25,7 @@ from pytest_gpumem.backends.tracker.ledger import StorageLedger
 from pytest_gpumem.backends.tracker.patches import count_compiled_allocations
 from pytest_gpumem.backends.tracker.recording import op_name
 from pytest_gpumem.backends.tracker.unmoded import CANDIDATES, in_place_twin
+from pytest_gpumem.private_torch import DynamoWrapperOff, TorchDispatchMode, op_schema, storage_key
 
 
 def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
@@ -102,13 +102,13 @@ def _op_plan(func: Any) -> tuple[int, Any]:
     plan = _output_plan(func)
     if func in CANDIDATES:
         return _TWIN, plan
-    if func._schema.name.removesuffix("_") in BLAS_OPS:  # in place: addmm_
+    if op_schema(func).name.removesuffix("_") in BLAS_OPS:  # in place: addmm_
         return _BLAS, plan
     return (_TEMPS, plan) if modelled(func) else plan
 
 
 def _output_plan(func: Any) -> tuple[int, tuple[int, ...] | None]:
-    schema = func._schema
+    schema = op_schema(func)
     returns = schema.returns
     if schema.name in _RESIZING_OPS or any(arg.is_out for arg in schema.arguments):
         return _RESIZE, ()
@@ -132,7 +132,7 @@ def _rewrapped_numbers(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | No
     """
     numbers = [
         i
-        for i, (arg, value) in enumerate(zip(func._schema.arguments, args, strict=False))
+        for i, (arg, value) in enumerate(zip(op_schema(func).arguments, args, strict=False))
         if isinstance(value, (bool, int, float, complex)) and str(arg.type) == "Tensor"
     ]
     if not numbers:
@@ -145,7 +145,7 @@ def _sparse_parts() -> dict[Any, tuple[str, ...]]:
     compressed_rows = ("crow_indices", "col_indices", "values")
     compressed_cols = ("ccol_indices", "row_indices", "values")
     return {
-        torch.sparse_coo: ("_indices", "_values"),
+        torch.sparse_coo: private_torch.SPARSE_COO_PARTS,
         torch.sparse_csr: compressed_rows,
         torch.sparse_bsr: compressed_rows,
         torch.sparse_csc: compressed_cols,
@@ -153,45 +153,18 @@ def _sparse_parts() -> dict[Any, tuple[str, ...]]:
     }
 
 
-def _dynamo_guard() -> Callable[[Any], Any] | None:
-    """`set_eval_frame`, to keep TorchDynamo out of the mode's frames more cheaply than the wrapper that
-    `TorchDispatchMode` otherwise adds (two extra Python frames per op); None where torch lacks it."""
-    try:
-        from torch._C._dynamo.eval_frame import set_eval_frame
-        from torch._dynamo.eval_frame import skip_code
-    except ImportError:
-        return None
-    if not callable(set_eval_frame) or not callable(skip_code):
-        return None
-    return set_eval_frame
-
-
-def _hide_from_dynamo(dispatch: Any) -> None:
-    """What `torch._disable_dynamo` gives a function, without its wrapper: Dynamo neither compiles the
-    frame (`skip_code`) nor inlines it when tracing a compiled function under the mode (the flag)."""
-    from torch._dynamo.eval_frame import skip_code
-
-    skip_code(dispatch.__code__)
-    dispatch._torchdynamo_disable = True
-
-
 _TENSOR = torch.Tensor
 _SPARSE_PARTS = _sparse_parts()
-_SET_EVAL_FRAME = _dynamo_guard()
+_SET_EVAL_FRAME = private_torch.eval_frame_setter()
+_FAKE_TENSOR = private_torch.fake_tensor_class()
+_is_wrapper_subclass = private_torch.wrapper_subclass_test()
 _PLANS: dict[Any, tuple[int, Any]] = {}  # each op overload's plan, decided on its first call
 # ops that make nothing (_PASS) or one fresh tensor (_SINGLE): (counts its output, the op's kernel)
 _FAST: dict[Any, tuple[bool, Callable[..., Any]]] = {}
 _STRIDED = torch.strided
 
 
-def _kernel(func: Any) -> Callable[..., Any]:
-    """The C++ callable behind an `OpOverload` (its private `_op`, which `OpOverload.__call__` calls):
-    one Python frame less on each op of the hot path."""
-    op: Callable[..., Any] | None = getattr(func, "_op", None)
-    return op if callable(op) else func
-
-
-_graph_task = torch._C._current_graph_task_id
+_graph_task = private_torch.graph_task_reader()
 _thread = threading.get_ident
 
 
@@ -200,12 +173,12 @@ def _storages(out: object) -> Iterator[Any]:
     `_NOT_DENSE`; for a fake tensor, `_FAKE`."""
     for tensor in tensors_in(out):
         parts = _SPARSE_PARTS.get(tensor.layout)
-        if isinstance(tensor, FakeTensor):
+        if isinstance(tensor, _FAKE_TENSOR):
             yield _FAKE
         elif parts is not None:
             yield _NOT_DENSE
             yield from _storages([getattr(tensor, part)() for part in parts])
-        elif type(tensor) is not _TENSOR and is_traceable_wrapper_subclass(tensor):
+        elif type(tensor) is not _TENSOR and _is_wrapper_subclass(tensor):
             # a wrapper's own storage is nominal; its inner tensors hold the memory
             attrs, _ = tensor.__tensor_flatten__()
             yield from _storages([getattr(tensor, attr) for attr in attrs])
@@ -217,10 +190,10 @@ def _storages(out: object) -> Iterator[Any]:
 
 def _input_keys(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> set[int]:
     found = _storages([*args, *(kwargs or {}).values()])
-    return {s._cdata for s in found if s is not _NOT_DENSE and s is not _FAKE}
+    return {storage_key(s) for s in found if s is not _NOT_DENSE and s is not _FAKE}
 
 
-class StorageTrackingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class StorageTrackingMode(DynamoWrapperOff, TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self, ledger: StorageLedger) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.ledger = ledger
@@ -230,12 +203,6 @@ class StorageTrackingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         # Dynamo compiles under the mode (instead of falling back to eager), with the mode off
         # while compiling and on while the compiled program runs (its allocators are wrapped).
         return True
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # True makes TorchDispatchMode wrap __torch_dispatch__ in torch._disable_dynamo; the
-        # guard below does the same (no eval-frame callback inside the mode) for less.
-        return _SET_EVAL_FRAME is None
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -275,7 +242,7 @@ class StorageTrackingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if plan is None:
             plan = _PLANS[func] = _op_plan(func)
             if plan[0] in (_PASS, _SINGLE):
-                _FAST[func] = (plan[0] == _SINGLE, _kernel(func))
+                _FAST[func] = (plan[0] == _SINGLE, private_torch.op_kernel(func))
         if plan[0] < _BLAS:
             return self._run(func, plan, args, kwargs)
         if plan[0] == _TWIN:
@@ -341,7 +308,7 @@ class StorageTrackingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     inputs = _input_keys(args, kwargs)
             elif storage is _FAKE:
                 self.ledger.fake_outputs += 1
-            elif inputs is None or storage._cdata not in inputs:
+            elif inputs is None or storage_key(storage) not in inputs:
                 self.ledger.add(storage)
 
     def _dispatch_lifting(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -360,13 +327,13 @@ class StorageTrackingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         for tensor in tensors_in([*args, *kwargs.values()]):
             storage = _storage(tensor)
             if storage is not None:
-                before[storage._cdata] = storage.nbytes()
+                before[storage_key(storage)] = storage.nbytes()
         out = self.ledger.out = func(*args, **kwargs)
         for tensor in tensors_in(out):
             storage = _storage(tensor)
             if storage is None:
                 continue
-            previous = before.get(storage._cdata)
+            previous = before.get(storage_key(storage))
             if previous is None:
                 self.ledger.add(storage)
             else:
@@ -378,7 +345,7 @@ class StorageTrackingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
 def mode_class() -> type[StorageTrackingMode]:
     """The tracker's mode, made ready once: hidden from Dynamo, and told of compiled programs' allocations."""
     if _SET_EVAL_FRAME is not None:
-        _hide_from_dynamo(StorageTrackingMode.__torch_dispatch__)
+        private_torch.hide_from_dynamo(StorageTrackingMode.__torch_dispatch__)
     count_compiled_allocations(StorageTrackingMode)
     return StorageTrackingMode
 
@@ -386,11 +353,8 @@ def mode_class() -> type[StorageTrackingMode]:
 def leave(mode: Any) -> None:
     """Take the tracker's mode off this thread's dispatch stack, also when the test left modes of its
     own above it (they are taken off too: they were entered inside the measured call)."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
-
-    stack = _get_current_dispatch_mode_stack()
-    if mode not in stack:
+    if mode not in private_torch.dispatch_mode_stack():
         return
-    while _get_current_dispatch_mode_stack()[-1] is not mode:
-        _pop_mode()
-    mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+    while private_torch.dispatch_mode_stack()[-1] is not mode:
+        private_torch.pop_dispatch_mode()
+    mode.__exit__(None, None, None)

@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from pytest_gpumem import private_torch
 from pytest_gpumem.backends.tracker.ledger import StorageLedger
 
 if TYPE_CHECKING:
@@ -35,9 +36,7 @@ _FOREACH_DEVICES_ADDED = ["cpu", "meta"]
 
 def active_ledger(mode_class: type[Any]) -> StorageLedger | None:
     """The ledger of the tracker's mode if it is on this thread's dispatch mode stack."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    for mode in _get_current_dispatch_mode_stack():
+    for mode in private_torch.dispatch_mode_stack():
         if isinstance(mode, mode_class):
             ledger: StorageLedger = mode.ledger
             return ledger
@@ -47,22 +46,18 @@ def active_ledger(mode_class: type[Any]) -> StorageLedger | None:
 def count_compiled_allocations(mode_class: type[Any]) -> None:
     """Wrap Inductor's direct allocators so that buffers of compiled programs are counted (once per
     process; generated modules loaded earlier are rebound)."""
-    import torch
-
-    guards = torch._C._dynamo.guards
+    guards, prefix = private_torch.inductor_allocator_owner()
     wrapped: dict[Any, Any] = {}
     for name in _INDUCTOR_ALLOCATORS:
-        original = getattr(guards, f"_{name}", None)
+        original = getattr(guards, prefix + name, None)
         if original is None or hasattr(original, "__wrapped__"):
             continue
         counting = _counting_allocator(original, mode_class)
-        setattr(guards, f"_{name}", counting)
+        setattr(guards, prefix + name, counting)
         wrapped[original] = counting
-    codecache = sys.modules.get("torch._inductor.codecache")
-    if codecache is None or not wrapped:
+    if not wrapped:
         return
-    cache = codecache.PyCodeCache
-    for module in [*getattr(cache, "modules", []), *getattr(cache, "modules_no_attr", {}).values()]:
+    for module in private_torch.loaded_inductor_modules():
         for name in _INDUCTOR_ALLOCATORS:
             current = getattr(module, name, None)
             if current in wrapped:
@@ -199,40 +194,37 @@ class Patches:
 
     def _jit_trace(self) -> None:
         import torch.jit
-        import torch.jit._trace as trace_module
 
+        owners = (private_torch.jit_trace_module(), torch.jit)  # each wrapped: one may be the other's copy
         for name in _JIT_TRACERS:
-            for owner in (trace_module, torch.jit):  # each wrapped as it is (one may be another module's copy)
+            for owner in owners:
                 original = getattr(owner, name, None)
                 if callable(original):
                     self._replace(owner, name, self._stepping_aside(original))
 
     def _stepping_aside(self, trace: Callable[..., Any]) -> Callable[..., Any]:
-        from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
-
         mode_class, notes = self.mode_class, self.notes
 
         @functools.wraps(trace)
         def traced(*args: Any, **kwargs: Any) -> Any:
-            if not isinstance(_get_current_dispatch_mode(), mode_class):
+            if not isinstance(private_torch.current_dispatch_mode(), mode_class):
                 return trace(*args, **kwargs)
             note = f"torch.jit.{trace.__name__} ran unmeasured: the tracer cannot run under a dispatch mode"
             if note not in notes:
                 notes.append(note)
-            with _pop_mode_temporarily():
+            with private_torch.dispatch_mode_stepped_aside():
                 return trace(*args, **kwargs)
 
         return traced
 
     def _foreach(self) -> None:
-        import torch.optim.optimizer as optimizer
-
-        original = optimizer._get_foreach_kernels_supported_devices  # type: ignore[attr-defined]
+        optimizer, name = private_torch.foreach_devices()
+        original = getattr(optimizer, name)
 
         def devices() -> list[str]:
             return [*original(), *_FOREACH_DEVICES_ADDED]
 
-        self._replace(optimizer, "_get_foreach_kernels_supported_devices", devices)
+        self._replace(optimizer, name, devices)
 
     def _fused_attention(self) -> None:
         from pytest_gpumem.backends.tracker.gpu_paths import fused_attention_mode, leave_function_mode
@@ -244,12 +236,12 @@ class Patches:
 
     def _meta_counts(self) -> None:
         """What meta does not count by itself (`meta_counts`): tensors made from data, tied parameters."""
-        import torch
 
         from pytest_gpumem.backends.tracker.gpu_paths import leave_function_mode
         from pytest_gpumem.backends.tracker.meta_counts import factory_mode_class, keeping_ties
 
-        self._replace(torch.nn.Module, "_apply", keeping_ties(torch.nn.Module._apply))
+        module, apply = private_torch.module_apply()
+        self._replace(module, apply, keeping_ties(getattr(module, apply)))
         mode_class = self.mode_class
         mode = factory_mode_class()(lambda: active_ledger(mode_class))
         mode.__enter__()
@@ -275,12 +267,12 @@ class Patches:
         where `mode` is a function of the engine's roots (tensors or gradient edges), inside the context
         it returns (`unmoded.hooked`)."""
         import torch.autograd
-        import torch.autograd.graph as graph
         from torch.overrides import TorchFunctionMode
 
         from pytest_gpumem.backends.tracker.gpu_paths import on_stack
 
-        original = getattr(graph, "_engine_run_backward", None)
+        graph, entry = private_torch.engine_entry()
+        original = getattr(graph, entry, None)
         if original is None:  # torch before 2.4's engine entry: backward runs without the mode
             return
         context = (lambda roots: on_stack(mode)) if isinstance(mode, TorchFunctionMode) else mode
@@ -290,9 +282,9 @@ class Patches:
             with context(args[0] if args else kwargs.get("t_outputs", ())):
                 return original(*args, **kwargs)
 
-        self._replace(graph, "_engine_run_backward", run_backward)
-        if getattr(torch.autograd, "_engine_run_backward", None) is original:
-            self._replace(torch.autograd, "_engine_run_backward", run_backward)
+        self._replace(graph, entry, run_backward)
+        if getattr(torch.autograd, entry, None) is original:
+            self._replace(torch.autograd, entry, run_backward)
 
     def _threads(self) -> None:
         previous = threading.getprofile()

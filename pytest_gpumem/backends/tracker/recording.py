@@ -8,11 +8,13 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import sysconfig
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pytest_gpumem.private_torch import storage_key
 from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
@@ -30,7 +32,7 @@ _NOT_USER_CODE = tuple(
 @dataclass(eq=False, slots=True)
 class Origin:
     op: str
-    where: str | None  # "path/to/test_x.py:12", the innermost frame of the test's own code
+    where: str | None  # "path/to/test_x.py:12 [via lib/x.py:80]": the test's own line (`user_line`)
 
 
 class Followed(Protocol):
@@ -42,18 +44,24 @@ class Followed(Protocol):
     origin: Origin | None
 
 
-_SHOWN: dict[str, str | None] = {}  # a code file -> how a line of it is shown (None: not the test's code)
+_SHOWN: dict[str, tuple[bool, str] | None] = {}  # a code file -> (the user's own?, how a line of it is shown)
 _SHOWN_FROM: list[str] = [""]  # the working directory those were made relative to
 _OP_NAMES: dict[object, str] = {}
+_INSTALLED = tuple(os.sep + part + os.sep for part in ("site-packages", "dist-packages"))
+_STDLIB = os.path.join(sysconfig.get_paths()["stdlib"], "")
 
 
 def user_line() -> str | None:
-    """The innermost frame that belongs to neither torch, nor this plugin, nor pytest."""
+    """Where an allocation was made: the innermost frame of the user's own code (neither torch, this plugin,
+    pytest, an installed package nor the standard library), followed by the innermost frame of an installed
+    package below it where there is one (`test_x.py:12 via transformers/models/bert.py:80`); the package's
+    line alone when no frame is the user's."""
     cwd = os.getcwd()
     if cwd != _SHOWN_FROM[0]:
         _SHOWN.clear()
         _SHOWN_FROM[0] = cwd
     frame = sys._getframe(1)
+    library = None
     while frame is not None:
         path = frame.f_code.co_filename
         try:
@@ -61,15 +69,25 @@ def user_line() -> str | None:
         except KeyError:
             shown = _SHOWN[path] = _shown(path)
         if shown is not None:
-            return sys.intern(f"{shown}:{frame.f_lineno}")
+            own, name = shown
+            if own:
+                line = f"{name}:{frame.f_lineno}"
+                return sys.intern(line if library is None else f"{line} via {library}")
+            library = library or f"{name}:{frame.f_lineno}"
         frame = frame.f_back  # type: ignore[assignment]
-    return None
+    return None if library is None else sys.intern(library)
 
 
-def _shown(path: str) -> str | None:
+def _shown(path: str) -> tuple[bool, str] | None:
+    """Whether a code file is the user's own, and how it is shown; None for torch, this plugin, pytest."""
     if any(part in path or path.endswith(part.rstrip(os.sep)) for part in _NOT_USER_CODE):
         return None
-    return path if path.startswith("<") else os.path.relpath(path)
+    installed = max(path.rfind(part) for part in _INSTALLED)
+    if installed >= 0:  # an installed package: from its top-level folder on
+        return False, path[installed:].split(os.sep, 2)[-1]
+    if path.startswith(_STDLIB) or path.startswith("<frozen "):
+        return False, path.removeprefix(_STDLIB)
+    return True, path if path.startswith("<") else os.path.relpath(path)
 
 
 def op_name(op: object) -> str:
@@ -147,7 +165,7 @@ def tensors_by_storage(keys: set[int]) -> dict[int, torch.Tensor]:
             if type(obj) is not torch.Tensor and not isinstance(obj, torch.Tensor):
                 continue
             try:
-                key = obj.untyped_storage()._cdata
+                key = storage_key(obj.untyped_storage())
             except (RuntimeError, NotImplementedError, ValueError):  # ValueError: a Lazy module's parameter
                 continue
             if key in keys and key not in found:

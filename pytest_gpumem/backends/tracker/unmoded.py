@@ -37,6 +37,9 @@ from typing import Any
 
 import torch
 
+from pytest_gpumem import private_torch
+from pytest_gpumem.private_torch import tensor_key
+
 _VALUE_SELECTING = ("scatter.src",)  # value_selecting_reduction_backward: zeros, then scatter_
 _TWIN_OPS: dict[str, tuple[str, ...]] = {
     "MaxBackward0": _VALUE_SELECTING,
@@ -110,7 +113,7 @@ class _Run:
     def returned(self, grad_inputs: Sequence[torch.Tensor | None], grad_outputs: object) -> None:
         if self._ours():
             self.node = None
-            self.produced = frozenset(t._cdata for t in grad_inputs if t is not None)
+            self.produced = frozenset(tensor_key(t) for t in grad_inputs if t is not None)
 
     def _ours(self) -> bool:
         task = _graph_task()
@@ -121,7 +124,7 @@ class _Run:
 
 def _graph_task() -> int:
     """The autograd engine's current graph task on this thread (-1 outside backward)."""
-    return int(torch._C._current_graph_task_id())
+    return private_torch.graph_task_reader()()
 
 
 _LOCAL = threading.local()
@@ -219,10 +222,7 @@ def _root_node(root: Any) -> Any:
 def _engine_replaced() -> bool:
     """Whether backward may run other than node by node on this engine: compiled autograd traces the
     graph, functorch's transforms wrap the tensors (subclass-like to ATen with or without a mode)."""
-    compiled = sys.modules.get("torch._dynamo.compiled_autograd")
-    if compiled is not None and getattr(compiled, "compiled_autograd_enabled", False):
-        return True
-    return bool(torch._C._are_functorch_transforms_active())
+    return private_torch.compiled_autograd_enabled() or private_torch.functorch_transforms_active()
 
 
 def in_place_twin(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
@@ -251,7 +251,7 @@ def _accumulating(run: _Run, args: tuple[Any, ...], kwargs: dict[str, Any] | Non
         not kwargs
         and len(args) == 2
         and isinstance(args[1], torch.Tensor)
-        and args[1]._cdata in run.produced
+        and tensor_key(args[1]) in run.produced
         and _plain(args[1])
     )
 
@@ -291,7 +291,7 @@ def _plain(tensor: torch.Tensor) -> bool:
         type(tensor) is torch.Tensor
         and tensor.layout == torch.strided
         and not tensor.is_nested
-        and not tensor._is_zerotensor()
+        and not private_torch.is_zero_tensor(tensor)
     )
 
 
@@ -303,25 +303,15 @@ def _sole_holder(tensor: torch.Tensor, passed_by_value: int) -> bool:
         return False
     storage = tensor.untyped_storage()
     readings = (
-        _use_count(tensor) - passed_by_value,
+        private_torch.tensor_use_count(tensor) - passed_by_value,
         sys.getrefcount(tensor),
-        _storage_use_count(storage),
+        private_torch.storage_use_count(storage),
         sys.getrefcount(storage),
     )
     if _PROBE.reading is not None:
         _PROBE.reading.append(readings)
         return False
     return readings == _PROBE.calibrated
-
-
-def _use_count(tensor: torch.Tensor) -> int:
-    """C++ references to the TensorImpl (torch's own test, `is_tensor_stealable`, reads it)."""
-    return int(tensor._use_count())  # type: ignore[attr-defined]
-
-
-def _storage_use_count(storage: torch.UntypedStorage) -> int:
-    """References to the StorageImpl (`can_accumulate_inplace` wants one); no public API reads it."""
-    return int(torch._C._storage_Use_Count(storage._cdata))
 
 
 def _non_overlapping_and_dense(tensor: torch.Tensor) -> bool:
@@ -359,13 +349,11 @@ def calibrate(make_mode: Callable[[], Any]) -> None:
     """Read, once, the counts of the one accumulation of `y * 2 + y * 3`'s backward on the CPU, which
     torch without a mode runs in place (`y`'s gradient, made by the first product's node, held only by
     the buffer), under a mode from `make_mode` (the tracker's, on a throwaway ledger)."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
     if _PROBE.calibrated is not None or _PROBE.tries >= _PROBE_TRIES:
         return
     _PROBE.tries += 1
     readings: list[tuple[int, ...]] = []
-    with _disable_current_modes():
+    with private_torch.no_dispatch_modes():
         x = torch.ones(2, requires_grad=True)
         y = x.exp()
         loss = (y * 2 + y * 3).sum()
