@@ -1,4 +1,5 @@
-"""gpumem.advise on real-sized models: a GPT-2-style model on the tracker (cpu), a 7B decoder on meta.
+"""gpumem.advise on real-sized models: a GPT-2-style model on the tracker (cpu), an 8-block MLP and a 7B
+decoder on meta.
 
 transformers is not a dependency: a GPT-2-style model (learned positions, pre-LayerNorm blocks with
 fused qkv, GELU MLP, tied head) is defined here, whether it is installed or not. The 7B case is
@@ -8,7 +9,12 @@ make it fit. Reported: rows, time, host max RSS.
 Each row also says how long its run took, against the as-is run's (the step's own time under the
 tracker, with advise's copies and gradient check).
 
-Run: python benchmarks/advise.py [--json PATH] [--skip-gpt2] [--skip-7b]
+The 8-block MLP (width 256, vocabulary 8192, 2048 tokens, AdamW, meta with the allocator's model) is
+issue 39's: each row's allocated and reserved peak (every run starts from the cache that only what is
+live holds), the stacks advise measured under strategies=None and with checkpointing, chunked
+cross-entropy and the fused step, and best() at several capacities.
+
+Run: python benchmarks/advise.py [--json PATH] [--skip-gpt2] [--skip-mlp] [--skip-7b]
 """
 
 from __future__ import annotations
@@ -78,6 +84,7 @@ def rss_mib() -> float:
 
 
 HEADERS = ["strategy", "peak", "above start", "in", "compute", "gradients", "fits", "time"]
+MLP_HEADERS = ["strategy", "allocated", "reserved", "in", "compute"]
 
 
 def _time(advice: Advice, seconds: float | None) -> str:
@@ -138,6 +145,78 @@ def gpt2(batch: int, seq: int) -> tuple[Advice, float, float]:
     return found, time.perf_counter() - started, rss_mib()
 
 
+class MlpBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)))  # type: ignore[no-any-return]
+
+
+class LossHead(nn.Module):
+    def __init__(self, width: int, vocab: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, width))
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(hidden @ self.weight.T, targets)
+
+
+class Mlp(nn.Module):
+    def __init__(self, blocks: int, width: int, vocab: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.blocks = nn.Sequential(*(MlpBlock(width) for _ in range(blocks)))
+        self.head = LossHead(width, vocab)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.emb(ids)), targets)  # type: ignore[no-any-return]
+
+
+MLP_STACK = ["checkpoint-blocks", "chunked-ce", "fused-step"]
+MLP_CAPACITIES = ("400 MiB", "300 MiB", "250 MiB", "200 MiB", "150 MiB")
+
+
+def mlp(strategies: list[str] | None, tokens: int = 2048) -> tuple[Advice, float]:
+    model = Mlp(blocks=8, width=256, vocab=8192).to("meta")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.zeros(tokens, dtype=torch.long, device="meta")
+
+    def step(batch: slice = slice(None)) -> None:
+        model(ids[batch], ids[batch]).backward()
+        opt.step()
+        opt.zero_grad()
+
+    backend = TrackerBackend(device="meta")
+    backend.start()
+    started = time.perf_counter()
+    try:
+        found = advise(
+            step, model=model, optimizer=opt, backend=backend, loss=model.head, batch_size=tokens, strategies=strategies
+        )
+    finally:
+        backend.stop()
+    return found, time.perf_counter() - started
+
+
+def mlp_rows(advice: Advice) -> list[list[str]]:
+    """Each measured row's absolute allocated peak, reserved peak, phase of the peak and compute."""
+    found = []
+    for row in advice.rows:
+        if row.measured:
+            reserved = "" if row.reserved_bytes is None else format_size(row.reserved_bytes)
+            found.append(
+                [row.name, format_size(advice.absolute(row)), reserved, row.peak_phase or "", advice.compute(row)]
+            )
+    return found
+
+
+def mlp_best(advice: Advice) -> list[str]:
+    chosen = {capacity: advice.best(capacity) for capacity in MLP_CAPACITIES}
+    return [f"best({capacity}): {row.name if row else 'none fits'}" for capacity, row in chosen.items()]
+
+
 def llama_7b(seq: int, capacity: str) -> tuple[Advice, float, float]:
     shape = dataclasses.replace(Shape(), seq=seq)
     model, ids, targets = build(shape)
@@ -161,6 +240,7 @@ def llama_7b(seq: int, capacity: str) -> tuple[Advice, float, float]:
 def main() -> None:
     cli = parser(__doc__ or "")
     cli.add_argument("--skip-gpt2", action="store_true")
+    cli.add_argument("--skip-mlp", action="store_true")
     cli.add_argument("--skip-7b", action="store_true")
     args = cli.parse_args()
     results: dict[str, Any] = {}
@@ -169,6 +249,12 @@ def main() -> None:
         title = f"GPT-2-style, 4 x 256, seq 128, batch 8, tracker: {seconds:.1f} s, max RSS {rss:.0f} MiB"
         show(title, HEADERS, rows_of(advice), advice.conflicts)
         results["gpt2"] = {"seconds": seconds, "max_rss_mib": rss, "advice": advice.to_json()}
+    if not args.skip_mlp:
+        for label, strategies in (("every strategy", None), ("the stack", MLP_STACK)):
+            advice, seconds = mlp(strategies)
+            title = f"8-block MLP, 256 wide, 2048 tokens, meta, {label}: {seconds:.1f} s"
+            show(title, MLP_HEADERS, mlp_rows(advice), mlp_best(advice))
+            results[f"mlp {label}"] = {"seconds": seconds, "advice": advice.to_json()}
     if not args.skip_7b:
         advice, seconds, rss = llama_7b(seq=4096, capacity="80 GiB")
         best = advice.best()

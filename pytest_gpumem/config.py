@@ -30,11 +30,13 @@ class Options:
     json_path: Path | None
     markdown_path: Path | None
     measure_all: bool = False
+    disabled: bool = False  # --gpumem-disable: nothing is measured or judged
     default_budget: Budget | None = None
     devices: str | tuple[int, ...] | None = None
     capacity: Limit | None = None
     leak: Limit | None = None
     snapshot_dir: Path | None = None
+    torch_snapshots: Path | None = None
     explain: bool = False
     html_dir: Path | None = None
     device: str = "cpu"
@@ -221,11 +223,13 @@ def read_options(config: pytest.Config) -> tuple[Options, BaselineOptions]:
         json_path=_read(config, "gpumem_json"),
         markdown_path=_read(config, "gpumem_markdown"),
         measure_all=_read(config, "gpumem_all"),
+        disabled=_read(config, "gpumem_disable"),
         default_budget=_read(config, "gpumem_max_memory"),
         devices=_read(config, "gpumem_devices"),
         capacity=_read(config, "gpumem_capacity"),
         leak=_read(config, "gpumem_leak"),
         snapshot_dir=_read(config, "gpumem_snapshot_dir"),
+        torch_snapshots=_read(config, "gpumem_torch_snapshots"),
         explain=_read(config, "gpumem_explain"),
         html_dir=_read(config, "gpumem_html"),
         device=_read(config, "gpumem_device"),

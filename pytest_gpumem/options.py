@@ -123,10 +123,22 @@ OPTIONS: tuple[Option, ...] = (
         format_size(DEFAULT_SLACK_BYTES),
         f"{DEFAULT_SLACK_BYTES}",
     ),
-    switch("--gpumem-strict", "fail a measured test that has no baseline."),
+    switch(
+        "--gpumem-strict",
+        "fail a measured test that has no baseline (one that allocates nothing needs none, nor one measured only "
+        "for --gpumem-all whose peaks stay within --gpumem-slack).",
+    ),
     switch(
         "--gpumem-all",
-        "measure the call of every test, with or without the gpumem fixture or a max_memory marker.",
+        "measure the call of every test, with or without the gpumem fixture or a max_memory marker; a test "
+        "measured only for this option whose peaks all stay within --gpumem-slack needs no baseline (also under "
+        "--gpumem-strict) and records none.",
+    ),
+    switch(
+        "--gpumem-disable",
+        "run the tests without measuring them: the gpumem fixture and the max_memory marker stay, phases measure "
+        "nothing, no budget, leak or baseline is judged, and a test that reads a measurement (gpumem.peak(), "
+        "result(), fit(), advise(), distributed(), simulate_rank()) is skipped there.",
     ),
     Option(
         "--gpumem-max-memory",
@@ -184,6 +196,15 @@ OPTIONS: tuple[Option, ...] = (
         "--gpumem-snapshot-dir",
         "a test that runs out of memory, exceeds a budget, leaks or regresses leaves its memory trace there "
         "(tracker: JSON; CUDA: a memory-history snapshot).",
+        None,
+        "DIR",
+        "none",
+    ),
+    Option(
+        "--gpumem-torch-snapshots",
+        "write every measured test's prediction there as a torch memory snapshot (a pickle that memory_viz "
+        "and pytest-gpumem replay open): the tracker under the CUDA allocator's model (--gpumem-round=cuda or "
+        "--gpumem-device=meta).",
         None,
         "DIR",
         "none",

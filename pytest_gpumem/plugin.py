@@ -9,7 +9,7 @@ import pytest
 
 from pytest_gpumem import hookspecs
 from pytest_gpumem.budget import MARKER, MARKER_SIGNATURE
-from pytest_gpumem.config import add_options, read_options
+from pytest_gpumem.config import BaselineOptions, add_options, read_options
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.run.regression import BaselineRun
 from pytest_gpumem.run.session import METER_KEY, GpuMemSession
@@ -18,6 +18,7 @@ from pytest_gpumem.run.xdist import worker_id
 if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
     from pytest_gpumem.measure.meter import GpuMem
+    from pytest_gpumem.run.unmeasured import Unmeasured
 
 SESSION_KEY = pytest.StashKey[GpuMemSession]()
 
@@ -65,8 +66,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER_SIGNATURE)
     options, baseline_options = read_options(config)
+    if options.disabled:
+        _refuse_recording_unmeasured(baseline_options)
     store = None
-    if baseline_options.wanted:
+    if baseline_options.wanted and not options.disabled:
         from pytest_gpumem.baselines.file import load
 
         try:
@@ -86,6 +89,12 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(XdistResults(session.add), "gpumem-xdist")
 
 
+def _refuse_recording_unmeasured(options: BaselineOptions) -> None:
+    for flag, given in (("--gpumem-update", options.update), ("--gpumem-prune", options.prune)):
+        if given:
+            raise pytest.UsageError(f"{flag}: nothing is measured under --gpumem-disable; drop one of the two")
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_gpumem_make_backend(config: pytest.Config, name: str) -> Backend | None:
     from pytest_gpumem.backends import make_builtin
@@ -97,6 +106,8 @@ def pytest_gpumem_make_backend(config: pytest.Config, name: str) -> Backend | No
 def pytest_report_header(config: pytest.Config) -> str | None:
     session = config.stash[SESSION_KEY]
     options = session.options
+    if options.disabled:
+        return "gpumem: off (--gpumem-disable): tests run unmeasured; no budget, leak or baseline is judged"
     if options.backend_given or options.report or options.json_path or session.baselines.active:
         return _header(session)
     return None
@@ -105,6 +116,8 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     session = config.stash[SESSION_KEY]
+    if session.options.disabled:
+        return
     if session.options.measure_all or any(_measures(item) for item in items):
         _measure_calls(session)
 
@@ -134,9 +147,13 @@ def _measures(item: pytest.Item) -> bool:
 
 
 @pytest.fixture
-def gpumem(request: pytest.FixtureRequest) -> GpuMem:
+def gpumem(request: pytest.FixtureRequest) -> GpuMem | Unmeasured:
     """Measure peak memory of the test call and of named phases: `with gpumem.phase("forward"): ...`."""
     session = request.config.stash[SESSION_KEY]
+    if session.options.disabled:
+        from pytest_gpumem.run.unmeasured import Unmeasured
+
+        return Unmeasured(request.node.nodeid, session.backend)
     if os.environ.get("PYTEST_CURRENT_TEST", "").endswith("(call)"):
         pytest.fail(
             f"{request.node.nodeid}: request the gpumem fixture as a test argument or from a fixture; "

@@ -314,7 +314,7 @@ def test_advise_runs_on_meta_without_data_and_checks_no_gradients() -> None:
     workspace = 8 * 2**20 + 128 * 2**10  # backward's cuBLAS handle makes its workspace there (every run anew)
     assert advice.row("fused-step").region_peak("backward") == b.out + b.w2 + F4 * 1024 + b.acts + workspace
     assert advice.as_is.gradients == "not checked (meta: no data)" and advice.as_is.gradients_equal is None
-    assert advice.row("bf16-autocast").skipped is not None and "meta" in advice.row("bf16-autocast").skipped
+    assert advice.row("bf16-autocast").precision == "bfloat16"  # CUDA's autocast, emulated on meta
     assert advice.resident_bytes == b.params
     best = advice.best()
     assert best is not None and best.name == AS_IS  # 16 MiB of parameters + its peak fit 64 MiB
@@ -700,3 +700,167 @@ def test_what_advise_cached_past_a_lifted_capacity_does_not_serve_the_test() -> 
             torch.ones(2**20)
     finally:
         measured.end_if_running()
+
+
+# --- advise measured as separate processes would (issue 39) ----------------------------------------------
+
+MIB = 2**20
+ROWS, WIDE = 16384, 256  # a 16 MiB activation (ROWS x WIDE float32) and a 256 KiB weight (WIDE x WIDE)
+
+
+def _meta_tracked(fn: Callable[[TrackerBackend], Any]) -> Any:
+    """On meta with the allocator's model, no cuBLAS workspace: every figure comes from the step's tensors."""
+    backend = TrackerBackend(device="meta")
+    backend.workspace_bytes = 0
+    backend.start()
+    try:
+        return fn(backend)
+    finally:
+        backend.stop()
+
+
+def _linear_pairs(blocks: int) -> nn.Module:
+    pairs = [nn.Sequential(nn.Linear(WIDE, WIDE, bias=False), nn.Linear(WIDE, WIDE, bias=False)) for _ in range(blocks)]
+    return nn.Sequential(*pairs).to("meta")
+
+
+def test_each_row_reserves_from_the_cache_that_only_what_is_live_holds() -> None:
+    """8 blocks of two WIDE x WIDE linears on ROWS rows: every activation is one 16 MiB block, which takes a
+    16 MiB segment of its own and is reused exactly, so the large segments a run reserves are the most
+    activations it holds at once; the 16 weight gradients (256 KiB) fill two 2 MiB small segments."""
+    act, small = ROWS * WIDE * F4, 2 * 2 * MIB
+    model = _linear_pairs(8)
+    x, seed = torch.empty(ROWS, WIDE, device="meta"), torch.empty(ROWS, WIDE, device="meta")
+
+    def step() -> None:
+        model(x).backward(seed)
+
+    advice: Advice = _meta_tracked(lambda be: advise(step, model=model, backend=be, strategies=["checkpoint-blocks"]))
+    # as-is: 16 activations at the end of forward (each linear's output), then backward's first input gradient
+    assert advice.as_is.reserved_bytes == 17 * act + small
+    # checkpointed: at most the 8 block outputs (7 saved as block inputs, the last the step's output), the
+    # last block's first linear's output recomputed, and the input gradient of its second linear; before
+    # the fix the row reported the 17 activations' segments that as-is left cached
+    row = advice.row("checkpoint-blocks")
+    assert row.reserved_bytes == 10 * act + small
+    assert advice.live_bytes == 16 * WIDE * WIDE * F4  # the weights, made before the tracker observed
+    # it holds 164 MiB reserved; its absolute peak (4 MiB of weights, 10 activations and a few weight
+    # gradients of 256 KiB) is under 165 MiB; as-is holds 276 MiB
+    assert advice.best(165 * MIB) is row
+
+
+class MlpBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)))  # type: ignore[no-any-return]
+
+
+class Mlp(nn.Module):
+    """Embedding, residual MLP blocks and a cross-entropy head: activations, logits and AdamW's step all
+    weigh, so stacking moves the peak from phase to phase."""
+
+    def __init__(self, blocks: int, width: int = 128, vocab: int = 4096) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.blocks = nn.Sequential(*(MlpBlock(width) for _ in range(blocks)))
+        self.head = Head(width, vocab)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.emb(ids)), targets)  # type: ignore[no-any-return]
+
+
+def _advise_mlp(blocks: int, names: list[str] | None, tokens: int = 1024) -> Advice:
+    model = Mlp(blocks).to("meta")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.zeros(tokens, dtype=torch.long, device="meta")
+
+    def step(batch: slice = slice(None)) -> None:
+        model(ids[batch], ids[batch]).backward()
+        opt.step()
+        opt.zero_grad()
+
+    found: Advice = _meta_tracked(
+        lambda be: advise(
+            step, model=model, optimizer=opt, backend=be, loss=model.head, batch_size=tokens, strategies=names
+        )
+    )
+    return found
+
+
+def _stacked(advice: Advice) -> list[Row]:
+    return [r for r in advice.rows if len(r.strategies) > 1]
+
+
+def test_every_strategy_tried_stacks_those_that_save_and_retries_the_rest_where_the_stack_peaks() -> None:
+    advice = _advise_mlp(4, None)
+    stacked = _stacked(advice)
+    assert [r.name for r in stacked] == [
+        "selective-checkpoint + micro-batch-2",
+        "selective-checkpoint + micro-batch-2 + chunked-ce",
+        "selective-checkpoint + micro-batch-2 + chunked-ce + foreach-off",
+    ]
+    # each kept on the stack lowered its peak; the stack became step-bound, where foreach-off (which alone
+    # saved nothing: as-is peaks in backward) lowers it
+    peaks = [row.peak_bytes or 0 for row in (advice.row("selective-checkpoint"), *stacked)]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks)
+    assert stacked[1].peak_phase == "step" and advice.row("foreach-off").saving_bytes == 0
+
+
+def test_a_stack_that_became_step_bound_tries_the_fused_step_which_alone_saved_nothing() -> None:
+    advice = _advise_mlp(4, ["checkpoint-blocks", "chunked-ce", "fused-step"])
+    assert advice.row("fused-step").saving_bytes == 0  # as-is peaks in backward, at the logits
+    two, three = _stacked(advice)
+    assert (two.name, two.peak_phase) == ("chunked-ce + checkpoint-blocks", "step")
+    assert three.name == "chunked-ce + checkpoint-blocks + fused-step" and three.peak_phase == "backward"
+    assert (three.peak_bytes or 0) < (two.peak_bytes or 0)
+    assert advice.best(advice.held(three)) is three
+
+
+def test_micro_batches_and_selective_recompute_cost_op_calls_where_they_cost_no_flops() -> None:
+    """Selective recompute runs each block's GELU and residual add again (no FLOPs in torch's formulas);
+    micro-batches run every op once per slice."""
+    advice = _advise_mlp(2, ["selective-checkpoint", "micro-batch-2", "checkpoint-blocks"])
+    for name in ("selective-checkpoint", "micro-batch-2"):
+        row = advice.row(name)
+        assert row.extra_flops == 0 and (row.extra_calls or 0) > 0
+        assert re.fullmatch(r"no extra FLOPs, \+\d+% op calls", advice.compute(row)), advice.compute(row)
+    assert re.fullmatch(r"\+\d+% FLOPs, \+\d+% op calls", advice.compute(advice.row("checkpoint-blocks")))
+    assert advice.compute(advice.as_is) == "no extra compute"
+
+
+def test_compute_names_op_calls_beside_flops_and_best_breaks_a_flops_tie_on_them() -> None:
+    base = Row(AS_IS, "", (), peak_bytes=100, flops=1000, extra_flops=0, calls=200, extra_calls=0)
+    micro = dataclasses.replace(_row("micro", 60, 0), calls=400, extra_calls=200)
+    fused = dataclasses.replace(_row("fused", 70, 0), calls=230, extra_calls=30)
+    ckpt = dataclasses.replace(_row("ckpt", 50, 100), calls=250, extra_calls=50)
+    old = _row("old", 80, 0)  # advice written before calls were counted
+    advice = Advice((base, micro, fused, ckpt, old), None, 0, "tracker", "cpu")
+    assert advice.compute(micro) == "no extra FLOPs, +100% op calls"
+    assert advice.compute(ckpt) == "+10% FLOPs, +25% op calls"
+    assert advice.compute(old) == "no extra compute"
+    # the same FLOPs: fewest extra op calls first (unknown counts as none); then FLOPs before op calls
+    assert advice.best(85) is old and advice.best(75) is fused and advice.best(65) is micro
+    assert advice.best(55) is ckpt
+    assert Advice.from_json(advice.to_json()) == advice
+
+
+def test_bf16_autocast_on_meta_runs_under_cudas_autocast_rules() -> None:
+    """Linear(WIDE, WIDE) on ROWS rows under CUDA's autocast: mm casts its input and the weight (cached)
+    to bf16 and makes a bf16 output; fp32 makes only its fp32 output."""
+    model = nn.Linear(WIDE, WIDE, bias=False).to("meta")
+    x = torch.empty(ROWS, WIDE, device="meta")
+    seeds = {dtype: torch.empty(ROWS, WIDE, device="meta", dtype=dtype) for dtype in (torch.float32, torch.bfloat16)}
+
+    def step() -> None:
+        out = model(x)
+        out.backward(seeds[out.dtype])
+
+    advice: Advice = _meta_tracked(lambda be: advise(step, model=model, backend=be, strategies=["bf16-autocast"]))
+    row, bf16 = advice.row("bf16-autocast"), 2
+    assert row.description == "bf16 autocast of the model's forward (CUDA's autocast rules)"
+    assert advice.as_is.region_peak("forward") == ROWS * WIDE * F4
+    assert row.region_peak("forward") == row.peak_bytes == 2 * ROWS * WIDE * bf16 + WIDE * WIDE * bf16
+    assert row.precision == "bfloat16" and row.gradients == "not checked (meta: no data)"

@@ -44,8 +44,8 @@ def test_a_test_that_allocates_nothing_needs_no_baseline(pytester: pytest.Pytest
         def test_parsing():
             assert int("3") == 3
 
-        def test_tensor():
-            assert torch.ones(256).sum() == 256
+        def test_tensor():  # 1,200,000 B: past the slack, so it needs a baseline
+            assert torch.ones(300_000).sum() == 300_000
         """
     )
     recorded = pytester.runpytest(*RECORD)

@@ -493,7 +493,7 @@ def test_zero_baseline() -> None:
     assert C.compare("t", entry(peak=0, phases={}), base, NO_SLACK).status == BaselineStatus.OK
     verdict = C.compare("t", entry(peak=512, phases={}), base, NO_SLACK)
     assert verdict.status == BaselineStatus.REGRESSED
-    assert verdict.problems == ("call peak 512 B is above baseline 0 B (tolerance 5%)",)
+    assert verdict.problems == ("call peak 512 B is 512 B above baseline 0 B (tolerance 5%)",)
     assert verdict.comparisons[0].change_percent is None
     assert C.compare("t", entry(peak=512, phases={}), base, C.Tolerance(5, 512)).status == BaselineStatus.OK
 

@@ -179,7 +179,7 @@ def test_annotated(gpumem):
     torch.zeros(256, 256)  # 256 * 256 * 4 = 262,144 B
 
 def test_plain():
-    torch.zeros({n}, 256)  # {n} * 256 * 4 B; measured only under --gpumem-all
+    torch.zeros({n}, 256)  # {n} * 256 * 4 B; measured only under --gpumem-all (a baseline above the slack)
 """
 
 
@@ -194,21 +194,21 @@ def test_the_example_workflow_records_what_it_enforces(pytester: pytest.Pytester
     assert shlex.split(env["CPU_TESTS"]) == [a for a in record_cpu if a != "--gpumem-update=new"]
     assert "--gpumem-strict" in enforce_cpu
 
-    pytester.makepyfile(test_app=APP.format(n=256))
+    pytester.makepyfile(test_app=APP.format(n=2048))
     recorded = pytester.runpytest(*record_cpu)  # on the developer's machine
     recorded.assert_outcomes(passed=2)
     recorded.stdout.fnmatch_lines(["wrote *gpumem-baselines.json: 2 added, 0 updated, 0 unchanged, 0 removed"])
     pytester.runpytest(*enforce_cpu).assert_outcomes(passed=2)  # the pull request's CPU job
     summary = Path(env["GITHUB_STEP_SUMMARY"]).read_text(encoding="utf-8")
-    assert re.search(r"\| test_app.py::test_plain +\| 256.0 KiB +\| 256.0 KiB +\|", summary), summary
+    assert re.search(r"\| test_app.py::test_plain +\| 2.0 MiB +\| 2.0 MiB +\|", summary), summary
 
-    pytester.makepyfile(test_app=APP.format(n=4096))  # test_plain now makes 4,194,304 B: 16x
+    pytester.makepyfile(test_app=APP.format(n=32768))  # test_plain now makes 33,554,432 B: 16x
     regressed = pytester.runpytest(*enforce_cpu)
     regressed.assert_outcomes(passed=1, failed=1)
-    regressed.stdout.fnmatch_lines(["call peak 4.0 MiB is 1500.0% above baseline 256.0 KiB (tolerance 5% + 1.0 MiB)*"])
+    regressed.stdout.fnmatch_lines(["call peak 32.0 MiB is * above baseline 2.0 MiB (tolerance 5% + 1.0 MiB)*"])
 
     pytester.makepyfile(
-        test_app=APP.format(n=256), test_later="import torch\n\ndef test_later():\n    torch.ones(10)\n"
+        test_app=APP.format(n=2048), test_later="import torch\n\ndef test_later():\n    torch.ones(300_000)\n"
     )
     before = (pytester.path / BASELINES).read_bytes()
     missing = pytester.runpytest(*enforce_cpu)  # a new test without a baseline fails under --gpumem-strict
@@ -230,3 +230,86 @@ def test_the_example_workflow_records_what_it_enforces(pytester: pytest.Pytester
         "test_later.py::test_later",
     ]
     pytester.runpytest(*enforce_cpu).assert_outcomes(passed=3)
+
+
+def test_the_example_workflow_keeps_forks_off_the_gpu_runner_pins_torch_and_names_the_lock() -> None:
+    yaml = pytest.importorskip("yaml")
+    text = WORKFLOW.read_text(encoding="utf-8")
+    workflow = yaml.safe_load(text)
+    jobs, version = workflow["jobs"], workflow["env"]["TORCH_VERSION"]
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version), version
+    installs = [line for job in jobs.values() for step in job["steps"] for line in step.get("run", "").splitlines()]
+    torch_installs = [line for line in installs if "install" in line and "torch" in line]
+    assert len(torch_installs) == 3 and all('"torch==$TORCH_VERSION"' in line for line in torch_installs)
+    self_hosted = {name: " ".join(job["if"].split()) for name, job in jobs.items() if "self-hosted" in job["runs-on"]}
+    assert self_hosted == {
+        "gpu": "github.event_name == 'push' || (github.event_name == 'pull_request' && "
+        "github.event.pull_request.head.repo.full_name == github.repository)",
+        "gpu-record": "github.event_name == 'workflow_dispatch'",
+    }
+    assert ".gpumem-baselines.json.lock" in text
+
+
+# ------------------------------------------------------- what a pull request's reviewer reads
+
+GROWING = """
+import os, torch
+
+def test_grows(gpumem):
+    torch.ones(int(os.environ.get("N", "1000")))  # 1000 float32: 4,000 B; then 2000: 8,000 B
+
+def test_steady(gpumem):
+    torch.ones(10)
+"""
+
+
+def test_the_markdown_summary_leads_with_the_counts_the_failures_and_how_to_record(
+    tracker: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tracker.makepyfile(test_suite=GROWING)
+    tracker.runpytest("--gpumem-update").assert_outcomes(passed=2)
+    tracker.makepyfile(test_later="import torch\n\ndef test_later(gpumem):\n    torch.ones(10)\n")
+    monkeypatch.setenv("N", "2000")
+    args = ("--gpumem-strict", "--gpumem-slack=0", "--gpumem-markdown=summary.md", "-p", "no:randomly")
+    tracker.runpytest(*args).assert_outcomes(passed=1, failed=2)
+    summary = (tracker.path / "summary.md").read_text(encoding="utf-8").splitlines()
+    record = "pytest --gpumem-backend=tracker --gpumem-update=new"
+    assert summary[:12] == [
+        "**gpumem: 2 failed, 1 passed** (3 measured: 1 regressed, 1 missing baseline, 1 ok)",
+        "",
+        "**Failed**",
+        "",
+        "- `test_suite.py::test_grows` REGRESSED: call peak 7.8 KiB is 100.0% above baseline 3.9 KiB (tolerance 5%): "
+        "(outside modules) +3.9 KiB, inputs and other",
+        "- `test_later.py::test_later` MISSING BASELINE: no baseline for this test on tracker \\| cpu "
+        f"(record one with {record})",
+        "",
+        "Record the baselines of the 1 test without one, measuring what this run measures:",
+        "",
+        "```",
+        record,
+        "```",
+    ]
+    rows = [line.split("|")[1].strip() for line in summary if line.startswith("| test_")]
+    assert rows == ["test_suite.py::test_grows", "test_later.py::test_later", "test_suite.py::test_steady"]
+
+
+def test_an_update_says_which_regressions_it_accepted(
+    tracker: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tracker.makepyfile(test_suite=GROWING)
+    tracker.runpytest("--gpumem-update").assert_outcomes(passed=2)
+    monkeypatch.setenv("N", "2000")
+    accepted = tracker.runpytest("--gpumem-update", "--gpumem-slack=0")
+    accepted.assert_outcomes(passed=2)
+    accepted.stdout.fnmatch_lines(
+        [
+            "wrote *gpumem-baselines.json: 0 added, 1 updated (1 of them a regression, accepted), 1 unchanged, "
+            "0 removed",
+            "accepted the regression of test_suite.py::test_grows: its larger peaks are its baseline now",
+        ]
+    )
+    monkeypatch.setenv("N", "1000")  # smaller again: an improvement is updated without a word
+    improved = tracker.runpytest("--gpumem-update", "--gpumem-slack=0")
+    improved.stdout.fnmatch_lines(["wrote *: 0 added, 1 updated, 1 unchanged, 0 removed"])
+    assert "accepted the regression" not in improved.stdout.str()

@@ -36,3 +36,11 @@ def test_another_backend_is_a_warning(tmp_path: Path, capsys: pytest.CaptureFixt
     code, out = compared(capsys, old, report(tmp_path / "other.json", "ok", 80, backend="cuda"))
     assert code == 0
     assert "warning: t.py::test_a was measured on another backend or device than before" in out
+
+
+def test_growth_from_a_tiny_peak_is_said_in_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    old = report(tmp_path / "old.json", "ok", 8)
+    code, out = compared(capsys, old, report(tmp_path / "new.json", "ok", 8 << 20))  # 8 B, then 8 MiB
+    assert code == 1
+    assert out.splitlines()[2].split("  ")[-2:] == ["+8.0 MiB", "REGRESSED"]  # not +104857500.0%
+    assert "regressed: t.py::test_a: call peak 8.0 MiB is 8.0 MiB above baseline 8 B (tolerance 5% + 1.0 MiB)" in out

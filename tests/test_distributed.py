@@ -792,3 +792,23 @@ def test_ddps_flat_buffers_are_its_gradient_buckets_and_a_broadcast_temporary(
         # kept after it: the Reducer's bucket, into which backward copies and all-reduces the gradients
         kept = [(t["op"], t["category"]) for t in phases[f"forward{rank}"]["tensors"] if t["bytes"] == flat]
         assert kept == [("aten.empty.memory_format", "gradients")]
+
+
+def test_a_simulated_rank_may_tear_its_own_process_group_down(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        """
+        import torch, torch.distributed as dist
+
+        def step(rank, world_size, meter):
+            with meter.phase("made"):
+                torch.ones(1000)
+            dist.destroy_process_group()  # as a training script's own teardown does
+
+        def test_teardown(gpumem):
+            gpumem.simulate_rank(step, 2)
+            gpumem.simulate_rank(step, 4)  # the next world starts from no group
+            assert not dist.is_initialized()
+            assert gpumem.peak("made") == 4000
+        """
+    )
+    tracker.runpytest().assert_outcomes(passed=1)

@@ -186,9 +186,9 @@ def test_a_plugin_backend_may_identify_with_a_dict_and_a_result_hook_set_a_statu
     pytester.makeconftest(
         """
         import torch
-        from pytest_gpumem import Counters
+        from pytest_gpumem import Backend, Counters
 
-        class Fixed:
+        class Fixed(Backend):
             '''A fake allocator whose every reading is 100 bytes above the start: tests the plumbing only.'''
             name = "fixed"
             device = torch.device("cpu")
@@ -352,3 +352,49 @@ def test_what_the_plugin_measured_on_request_is_kept_out_of_the_tests_info(track
         [],
     )
     assert [sentence.split(":")[0] for sentence in test["fits"]] == ["largest batch that fits 1 MiB"]
+
+
+MEMORY_SUITE = """
+import pytest, torch
+
+@pytest.mark.max_memory("1 B", leak="1 B")  # fails when measured
+def test_over_its_budget(gpumem):
+    with gpumem.phase("forward"):
+        kept = torch.ones(1000)
+    gpumem.check_gradients({"w": kept})
+    gpumem.info["batch"] = 2
+    assert gpumem.phases == {} and gpumem.device == torch.device("cpu")
+
+def test_reads_its_peak(gpumem):
+    with gpumem.phase("forward"):
+        torch.ones(1000)
+    assert gpumem.peak("forward") == 4000
+"""
+
+
+def test_a_memory_suite_runs_unmeasured_under_disable(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(MEMORY_SUITE)
+    flags = ["--strict-markers", "--gpumem-all", "--gpumem-strict", "--gpumem-json=out.json", "-rs"]
+    result = tracker.runpytest(*flags, "--gpumem-disable")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(
+        [
+            "gpumem: off (--gpumem-disable): tests run unmeasured; no budget, leak or baseline is judged",
+            "SKIPPED [[]1[]] test_a_memory_suite_runs_unmeasured_under_disable.py:14: gpumem.peak() needs a "
+            "measurement, and measurement is off (--gpumem-disable)",
+        ]
+    )
+    assert json.loads((tracker.path / "out.json").read_text())["tests"] == []
+    tracker.runpytest(*flags).assert_outcomes(failed=2)  # measured: a budget, a missing baseline
+
+
+def test_the_unmeasured_fixture_offers_what_the_measuring_one_does() -> None:
+    from pytest_gpumem.backends.tracker.backend import TrackerBackend
+    from pytest_gpumem.measure.measurement import Measurement
+    from pytest_gpumem.measure.meter import GpuMem
+    from pytest_gpumem.run.unmeasured import Unmeasured
+
+    def public(obj: object) -> list[str]:
+        return [name for name in dir(obj) if not name.startswith("_")]
+
+    assert public(Unmeasured("t.py::t", TrackerBackend)) == public(GpuMem(Measurement(TrackerBackend(), "t.py::t")))

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from pytest_gpumem.baselines.compare import Tolerance, change_text, compare_peak
 from pytest_gpumem.explain.blocks import fold, repeated_blocks
 from pytest_gpumem.explain.growth import compact
 from pytest_gpumem.explain.growth import what_grew as what_grew_typed
@@ -20,6 +21,7 @@ from pytest_gpumem.results.explanation import (
     Timeline,
     composition_to_json,
 )
+from pytest_gpumem.sizes import format_size
 
 KIB = 1024
 
@@ -246,3 +248,62 @@ def test_blocks_without_checkpointing_name_the_block_list_and_the_new_module(tra
             "extra +2.0 KiB (new), saved for backward"
         ]
     )
+
+
+# ------------------------------------------------------- how much it grew: in percent, or in bytes
+
+MIB = 1024 * KIB
+
+
+@pytest.mark.parametrize(
+    ("stored", "current", "shown"),
+    [
+        (1000, 1256, "+25.6%"),
+        (1000, 500, "-50.0%"),
+        (1000, 11_000, "+1000.0%"),  # ten times the baseline: still a percent
+        (1000, 11_001, "+9.8 KiB"),  # past it: 10,001 B
+        (8, 8 * MIB, "+8.0 MiB"),  # 8,388,600 B: not 104857500.0%
+        (0, 512, "+512 B"),  # from nothing: no ratio at all
+    ],
+)
+def test_a_change_is_in_percent_up_to_ten_times_its_baseline_and_in_bytes_beyond(
+    stored: int, current: int, shown: str
+) -> None:
+    assert change_text(stored, current) == shown
+
+
+def test_a_regression_from_a_tiny_baseline_says_how_many_bytes_it_grew() -> None:
+    tolerance = Tolerance(5, MIB)
+    tiny = compare_peak(None, 8, 8 * MIB, tolerance, format_size)
+    assert tiny.message == "call peak 8.0 MiB is 8.0 MiB above baseline 8 B (tolerance 5% + 1.0 MiB)"
+    assert compare_peak("forward", 0, 2 * MIB, tolerance, format_size).message == (
+        "forward peak 2.0 MiB is 2.0 MiB above baseline 0 B (tolerance 5% + 1.0 MiB)"
+    )
+    grew = compare_peak(None, 4 * MIB, 16 * MIB, tolerance, format_size)  # 12 MiB: three times 4 MiB
+    assert grew.message == "call peak 16.0 MiB is 300.0% above baseline 4.0 MiB (tolerance 5% + 1.0 MiB)"
+
+
+TINY = """
+import os, torch
+
+def test_tiny(gpumem):
+    torch.ones(int(os.environ.get("N", "2")))  # 2 float32: 8 B; then 2 Mi of them: 8 MiB
+"""
+
+
+def test_the_failure_line_and_the_report_say_a_tiny_baselines_growth_in_bytes(
+    tracker: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tracker.makepyfile(test_tiny=TINY)
+    tracker.runpytest("--gpumem-update").assert_outcomes(passed=1)
+    monkeypatch.setenv("N", str(2 * MIB))
+    result = tracker.runpytest("--gpumem-report", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "call peak 8.0 MiB is 8.0 MiB above baseline 8 B (tolerance 5% + 1.0 MiB): (outside modules) +8.0 MiB*",
+            "*gpumem report*",
+            "test_tiny.py::test_tiny  *8.0 MiB  *8 B  +8.0 MiB  REGRESSED  *",
+        ]
+    )
+    assert "%" not in result.stdout.str().split("gpumem report")[1]

@@ -8,7 +8,7 @@ import unicodedata
 
 import pytest
 
-from pytest_gpumem.report.markdown import cell, markdown_table
+from pytest_gpumem.report.markdown import cell, code_span, markdown_table, prose
 
 HOSTILE = {
     "a\\|b": "a\\|b",  # a backslash before a pipe
@@ -73,5 +73,29 @@ def test_the_markdown_report_of_hostile_phase_names_keeps_its_columns(tracker: p
     rows = [read_row(line) for line in text.splitlines() if line.startswith("|")]
     assert {len(row) for row in rows} == {len(rows[0])}
     phases = [row[rows[0].index("phases")] for row in rows[2:]]
-    assert phases == [f"{shown} 40 B" for shown in HOSTILE.values()]  # 10 float32
+    assert sorted(phases) == sorted(f"{shown} 40 B" for shown in HOSTILE.values())  # 10 float32
     assert all(unicodedata.category(c)[0] != "C" or c in "\n\u200d" for c in text)
+
+
+def test_a_failure_line_in_the_summary_is_text_not_markup() -> None:
+    line = "blocks.* +24.0 KiB (4 blocks): saved_for *backward*, <b>[x](y)</b> `code` ~~s~~ a|b"
+    assert prose(line) == (
+        "blocks.\\* +24.0 KiB (4 blocks): saved\\_for \\*backward\\*, \\<b\\>\\[x\\](y)\\</b\\> \\`code\\` "
+        "\\~\\~s\\~\\~ a\\|b"
+    )
+    markdown_it = pytest.importorskip("markdown_it")
+    rendered = markdown_it.MarkdownIt("commonmark").enable("strikethrough").render(prose(line))
+    assert not any(tag in rendered for tag in ("<em>", "<a ", "<code>", "<b>", "<s>")), rendered
+
+
+@pytest.mark.parametrize(
+    ("nodeid", "span"),
+    [
+        ("t.py::test_a", "`t.py::test_a`"),
+        ("t.py::test[`x``]", "```t.py::test[`x``]```"),
+        ("t.py::t[a`]", "``t.py::t[a`]``"),
+        ("a`", "`` a` ``"),
+    ],
+)
+def test_a_test_id_is_a_code_span_whatever_backticks_it_holds(nodeid: str, span: str) -> None:
+    assert code_span(nodeid) == span

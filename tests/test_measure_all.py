@@ -85,3 +85,48 @@ def test_counts_line_orders_the_worst_first() -> None:
     results = [TestResult(f"t{i}", "tracker", "cpu", None, status=s) for i, s in enumerate(statuses)]
     assert counts_line(results) == "6 measured: 1 regressed, 1 unmeasurable or failed, 1 new, 2 ok, 1 xfailed"
     assert counts_line([]) == "no test measured"
+
+
+SMALL_AND_LARGE = """
+import pytest, torch
+
+def test_within_slack():
+    torch.ones(1000)  # 4,000 B: the slack alone allows that much over any baseline
+
+def test_over_slack():
+    torch.ones(1001)  # 4,004 B
+
+@pytest.mark.max_memory(tolerance=10)
+def test_marked_within_slack():
+    torch.ones(1000)
+"""
+
+
+def test_an_unmarked_test_within_the_slack_needs_no_baseline_and_records_none(tracker: pytest.Pytester) -> None:
+    import json
+
+    tracker.makepyfile(SMALL_AND_LARGE)
+    flags = ["--gpumem-all", "--gpumem-slack=4000", "-p", "no:randomly"]
+    strict = tracker.runpytest(*flags, "--gpumem-strict")
+    strict.assert_outcomes(passed=1, failed=2)
+    strict.stdout.fnmatch_lines(
+        [
+            "FAILED *::test_over_slack",
+            "FAILED *::test_marked_within_slack",  # marked: compared whatever its size
+        ]
+    )
+    tracker.runpytest(*flags, "--gpumem-update").assert_outcomes(passed=3)
+    stored = json.loads((tracker.path / "gpumem-baselines.json").read_text())
+    assert sorted(name.split("::")[1] for name in stored["entries"]) == ["test_marked_within_slack", "test_over_slack"]
+
+
+def test_within_slack_holds_every_peak_to_the_slack() -> None:
+    from builders import phase_result
+
+    from pytest_gpumem.run.judge import within_slack
+
+    call = phase_result("call", 4000)
+    assert within_slack(call, {}, 4000)
+    assert not within_slack(call, {}, 3999)
+    assert not within_slack(phase_result("call", 10), {"made": phase_result("made", 4001)}, 4000)
+    assert not within_slack(phase_result("call", 0), {}, 4000)  # counted among the tests that allocate nothing

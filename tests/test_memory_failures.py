@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
+import sysconfig
 import types
 from collections.abc import Callable, Iterator
 
@@ -316,3 +318,39 @@ def test_bad_capacity_or_leak_fails_that_test_in_one_line(tracker: pytest.Pytest
             "*::test_leak: max_memory leak=: cannot read size 'lots'*",
         ]
     )
+
+
+def test_a_leak_made_inside_an_installed_package_names_the_tests_own_line(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\ngpumem_backend = tracker\npythonpath = site-packages\n")
+    package = pytester.mkdir("site-packages") / "leaky.py"
+    package.write_text("import torch\n\nCACHE = []\n\ndef remember(n):\n    CACHE.append(torch.ones(n))\n")
+    pytester.makepyfile(test_uses_it="import leaky\n\n\ndef test_uses(gpumem):\n    leaky.remember(1000)\n")
+    result = pytester.runpytest("--gpumem-leak=0")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "left 4.0 kB allocated after the call (leak limit 0 (--gpumem-leak)), kept by global CACHE of leaky "
+            "(a list)*",
+            "left allocated: 3.9 KiB float32[[]1000[]] on cpu, made by aten.ones.default at test_uses_it.py:5 via "
+            "leaky.py:6",
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "shown"),
+    [
+        ("/p/.venv/lib/python3.11/site-packages/transformers/models/bert.py", (False, "transformers/models/bert.py")),
+        ("/usr/lib/python3/dist-packages/numpy/core.py", (False, "numpy/core.py")),
+        ("/p/.venv/lib/python3.11/site-packages/torch/nn/modules/module.py", None),
+        ("<frozen importlib._bootstrap>", (False, "<frozen importlib._bootstrap>")),
+        ("<string>", (True, "<string>")),
+        (os.path.join(sysconfig.get_paths()["stdlib"], "copy.py"), (False, "copy.py")),
+    ],
+)
+def test_a_code_file_is_the_users_own_an_installed_packages_or_neither(
+    path: str, shown: tuple[bool, str] | None
+) -> None:
+    from pytest_gpumem.backends.tracker.recording import _shown
+
+    assert _shown(path) == shown

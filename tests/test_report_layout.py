@@ -10,7 +10,15 @@ from builders import phase_result
 
 from pytest_gpumem.report.ids import TestId, common_prefix, elide, shorten_id, shorten_ids
 from pytest_gpumem.report.markdown import markdown
-from pytest_gpumem.report.terminal import cell_rank, fold_ranks, join_fitting, one_line, shared_phases, table_lines
+from pytest_gpumem.report.terminal import (
+    cell_rank,
+    fold_ranks,
+    join_fitting,
+    largest_change,
+    one_line,
+    shared_phases,
+    table_lines,
+)
 from pytest_gpumem.report.width import ELLIPSIS, cut, display_width, pad, truncate
 from pytest_gpumem.results import PhaseResult, Status, TestResult
 from pytest_gpumem.results.baseline import BaselineStatus, PhaseComparison, Verdict
@@ -220,9 +228,9 @@ test ids without their common prefix reference_losses/
 test                                                   forward  backward    total  call peak  status  other phases
 -----------------------------------------------------  -------  --------  -------  ---------  ------  ------------
 test_distributed.py::test_data_parallel[2]                                         128.0 MiB  ok      +4 more
-test_strategies.py::test_training_strategy[naive_sum]  4.0 MiB   8.0 MiB  8.0 MiB   40.0 MiB  ok
-test_strategies.py::test_training_strategy[dot]        4.0 MiB   8.0 MiB  8.0 MiB   40.0 MiB  ok
 …::test_training_strategy[chunked_ce_checkpoint]       4.0 MiB   8.0 MiB  8.0 MiB   40.0 MiB  ok
+test_strategies.py::test_training_strategy[dot]        4.0 MiB   8.0 MiB  8.0 MiB   40.0 MiB  ok
+test_strategies.py::test_training_strategy[naive_sum]  4.0 MiB   8.0 MiB  8.0 MiB   40.0 MiB  ok
 …::test_training_strategy[optimizer_in_backward]       4.0 MiB   8.0 MiB  8.0 MiB   40.0 MiB  ok
 …::test_training_strategy[selective_checkpoint]        4.0 MiB   8.0 MiB  8.0 MiB   40.0 MiB  ok"""
 
@@ -242,9 +250,9 @@ def test_parameters_are_cut_before_phases_leave_their_columns() -> None:
         "test                               forward  backward  call peak  status  others",
         "---------------------------------  -------  --------  ---------  ------  -------",
         "…::test_data_parallel[2]                              128.0 MiB  ok      +4 more",
-        "test_training_strategy[naive_sum]  4.0 MiB   8.0 MiB   40.0 MiB  ok      +1 more",
-        "…::test_training_strategy[dot]     4.0 MiB   8.0 MiB   40.0 MiB  ok      +1 more",
         "test_training_strategy[chun…oint]  4.0 MiB   8.0 MiB   40.0 MiB  ok      +1 more",
+        "…::test_training_strategy[dot]     4.0 MiB   8.0 MiB   40.0 MiB  ok      +1 more",
+        "test_training_strategy[naive_sum]  4.0 MiB   8.0 MiB   40.0 MiB  ok      +1 more",
         "test_training_strategy[opti…ward]  4.0 MiB   8.0 MiB   40.0 MiB  ok      +1 more",
         "test_training_strategy[sele…oint]  4.0 MiB   8.0 MiB   40.0 MiB  ok      +1 more",
     ]
@@ -276,8 +284,8 @@ MIXED_LAYOUTS = {
         "-----------------------------------  ------  -------  --------  ---------  ---------------------  ------",
         "test_forward_backward[bf16-seq2048]  cpu     4.0 MiB   8.0 MiB   12.0 MiB                         ok",
         "test_forward_backward[fp32-seq512]   cpu     8.0 MiB  16.0 MiB   24.0 MiB                         ok",
-        "test_日本語の名前                    cpu     4.0 MiB   2.0 MiB    6.0 MiB                         ok",
         "test_predicted_on_meta               meta    1.0 GiB   2.5 GiB    3.5 GiB  1 GiB, capacity 3 GiB  ok",
+        "test_日本語の名前                    cpu     4.0 MiB   2.0 MiB    6.0 MiB                         ok",
     ],
     97: [  # the budget is cut first
         MIXED_HEAD,
@@ -285,8 +293,8 @@ MIXED_LAYOUTS = {
         "-----------------------------------  ------  -------  --------  ---------  --------------  ------",
         "test_forward_backward[bf16-seq2048]  cpu     4.0 MiB   8.0 MiB   12.0 MiB                  ok",
         "test_forward_backward[fp32-seq512]   cpu     8.0 MiB  16.0 MiB   24.0 MiB                  ok",
-        "test_日本語の名前                    cpu     4.0 MiB   2.0 MiB    6.0 MiB                  ok",
         "test_predicted_on_meta               meta    1.0 GiB   2.5 GiB    3.5 GiB  1 GiB, capaci…  ok",
+        "test_日本語の名前                    cpu     4.0 MiB   2.0 MiB    6.0 MiB                  ok",
     ],
     80: [  # the budget left out, then the parameters cut; the phases keep their columns
         MIXED_HEAD,
@@ -294,8 +302,8 @@ MIXED_LAYOUTS = {
         "----------------------------------  ------  -------  --------  ---------  ------",
         "test_forward_backward[bf16-…q2048]  cpu     4.0 MiB   8.0 MiB   12.0 MiB  ok",
         "test_forward_backward[fp32-seq512]  cpu     8.0 MiB  16.0 MiB   24.0 MiB  ok",
-        "test_日本語の名前                   cpu     4.0 MiB   2.0 MiB    6.0 MiB  ok",
         "test_predicted_on_meta              meta    1.0 GiB   2.5 GiB    3.5 GiB  ok",
+        "test_日本語の名前                   cpu     4.0 MiB   2.0 MiB    6.0 MiB  ok",
         "left out to fit 80 columns: budget",
     ],
     61: [  # the caption's prefix cut in the middle; the phases left out, and said so
@@ -304,8 +312,8 @@ MIXED_LAYOUTS = {
         "----------------------------------  ------  ---------  ------",
         "test_forward_backward[bf16-…q2048]  cpu      12.0 MiB  ok",
         "test_forward_backward[fp32-seq512]  cpu      24.0 MiB  ok",
-        "test_日本語の名前                   cpu       6.0 MiB  ok",
         "test_predicted_on_meta              meta      3.5 GiB  ok",
+        "test_日本語の名前                   cpu       6.0 MiB  ok",
         "left out to fit 61 columns: budget, phases",
     ],
 }
@@ -343,7 +351,7 @@ def test_hostile_ids_fit_every_width_and_keep_their_names_whole_where_they_fit(w
         lines = table_lines(results, width, long)
         assert max(map(display_width, lines)) <= width, "\n".join(lines)
     cells = [line.split("  ")[0] for line in table_lines(results, width)[3:]]
-    for nodeid, cell in zip((r.nodeid for r in results), cells, strict=False):
+    for nodeid, cell in zip(sorted(r.nodeid for r in results), cells, strict=False):  # all "ok": by id
         name = TestId.of(nodeid).name
         # whole where its column has room for it (all but the last at 61 columns and more), else cut at its end
         assert name in cell or (cell.endswith(ELLIPSIS) and name.startswith(cell[:-1])), cells
@@ -371,7 +379,10 @@ def test_long_form_has_a_row_per_test_and_phase() -> None:
 
 def compared(*comparisons: tuple[str | None, int, float, BaselineStatus]) -> Verdict:
     """A verdict with these (phase, baseline, change %, status) comparisons."""
-    rows = tuple(PhaseComparison(p, base, None, None, change, status) for p, base, change, status in comparisons)
+    rows = tuple(
+        PhaseComparison(p, base, base + int(base * change / 100), None, change, status)
+        for p, base, change, status in comparisons
+    )
     regressed = any(c.status == BaselineStatus.REGRESSED for c in rows)
     return Verdict("t", BaselineStatus.REGRESSED if regressed else BaselineStatus.OK, rows, (), ())
 
@@ -387,15 +398,20 @@ def test_long_form_shows_each_phase_against_its_baseline() -> None:
     assert backward.split()[-3:] == ["MiB", "+100.0%", "REGRESSED"]
 
 
+def table_of(text: str) -> list[str]:
+    """The lines of the Markdown summary's table."""
+    return [line for line in text.splitlines() if line.startswith("|")]
+
+
 def test_short_markdown_keeps_whole_ids_and_every_phase() -> None:
-    lines = markdown(main_job()).splitlines()
+    lines = table_of(markdown(main_job()))
     assert lines[0].replace(" ", "") == "|test|forward|backward|total|callpeak|status|otherphases|"
     assert "reference_losses/test_strategies.py::test_training_strategy[selective_checkpoint]" in lines[-1]
     assert "ddp.backward 28.0 MiB @rank1 · ddp.step 28.0 MiB @rank1" in lines[2]
 
 
 def test_long_markdown_has_a_row_per_phase() -> None:
-    lines = markdown([strategy("dot")], long=True).splitlines()
+    lines = table_of(markdown([strategy("dot")], long=True))
     assert [line.split("|")[2].strip() for line in lines[2:]] == ["call", "forward", "backward", "total"]
 
 
@@ -467,7 +483,7 @@ def world(peaks: dict[str, list[float]]) -> TestResult:
 
 def test_a_distributed_run_is_its_call_peak_and_agreeing_ranks_are_not_named() -> None:
     def rows(peaks: dict[str, list[float]]) -> list[str]:
-        head, _, run, _ = table_lines([world(peaks), strategy("a")], 120)  # ids apart from "t.py::": no caption
+        head, _, _, run = table_lines([world(peaks), strategy("a")], 120)  # ids apart from "t.py::": no caption
         assert head.split() == ["test", "call", "peak", "status", "phases"]  # the run is the call peak, no phase
         return [cell.strip() for cell in run.split("  ")]
 
@@ -612,19 +628,19 @@ def test_a_run_mixing_cpu_and_meta_fits_80_columns_with_whole_names_and_its_phas
     # the phases keep their columns beside the device's: the budget is left out for them, and said so
     assert head.split() == ["test", "device", "forward", "backward", "call", "peak", "status"]
     assert said == "left out to fit 80 columns: budget"
-    names = ["test_small", "test_forward_backward[bf16-", "test_forward_backward[fp32-seq512]", "test_日本語の名前",
-             "test_predicted_on_meta"]  # fmt: skip
+    names = ["test_small", "test_forward_backward[bf16-", "test_forward_backward[fp32-seq512]",
+             "test_predicted_on_meta", "test_日本語の名前"]  # fmt: skip
     assert [row.split()[0] for row in rows] == [
         "test_small.py::test_small",  # short enough to keep its module
         "test_forward_backward[bf16-…q2048]",  # the longest: its parameters cut in the middle, its name whole
         "test_forward_backward[fp32-seq512]",
-        "…::test_日本語の名前",
         "…::test_predicted_on_meta",
-    ]
+        "…::test_日本語の名前",
+    ]  # all "ok": by test id
     assert all(name in row for name, row in zip(names, rows, strict=True))
-    assert [row.split()[1] for row in rows] == ["cpu", "cpu", "cpu", "cpu", "meta"]
+    assert [row.split()[1] for row in rows] == ["cpu", "cpu", "cpu", "meta", "cpu"]
     # 1024 float32 = 4.0 KiB forward and on meta; 4096 float32 = 16.0 KiB backward
-    assert rows[-1].split()[2:] == ["4.0", "KiB", "16.0", "KiB", "16.0", "KiB", "ok"]
+    assert rows[-2].split()[2:] == ["4.0", "KiB", "16.0", "KiB", "16.0", "KiB", "ok"]
 
 
 def test_verbose_report_and_markdown_have_a_row_per_phase(tracker: pytest.Pytester) -> None:
@@ -636,7 +652,7 @@ def test_verbose_report_and_markdown_have_a_row_per_phase(tracker: pytest.Pytest
     ranks = next(i for i, line in enumerate(report) if line.startswith("test_ranks "))
     rows = [line.split()[0] for line in report[ranks + 1 : ranks + 5]]
     assert rows == ["ddp.forward@rank0", "ddp.backward@rank0", "ddp.forward@rank1", "ddp.backward@rank1"]
-    markdown_lines = (tracker.path / "reports" / "m.md").read_text().splitlines()
+    markdown_lines = table_of((tracker.path / "reports" / "m.md").read_text())
     phases = [line.split("|")[2].strip() for line in markdown_lines[2:]]
     assert phases.count("call") == 5 and len(phases) == 5 + 3 * 2 + 4 + 2  # each test's call and phases
 
@@ -696,6 +712,58 @@ def test_a_japanese_name_with_unicode_parameter_ids_fits_80_columns(
     assert max(map(display_width, report)) <= 80, "\n".join(report)  # the name: 5 + 2 * 20 columns, 25 characters
     rows = [line.split("  ")[0] for line in report[3:]]
     assert rows == [
+        "test_日本語で書かれたとても長いテストの名前[大…-😀]",  # by id: 大 (U+5927) before 小 (U+5C0F)
         "test_日本語で書かれたとても長いテストの名前[小…ル]",
-        "test_日本語で書かれたとても長いテストの名前[大…-😀]",
     ]
+
+
+def test_rows_go_by_status_the_failures_first_then_by_test_id() -> None:
+    statuses = {"c": Status.OK, "a": Status.NEW, "b": Status.OK, "d": Status.REGRESSED, "e": Status.OVER_BUDGET}
+    results = [TestResult(f"t.py::test_{n}", "tracker", "cpu", phase("call", 1), status=s) for n, s in statuses.items()]
+    rows = [line.split()[0] for line in table_lines(results, 120)[3:]]  # a caption, the header, the rule
+    assert rows == ["test_e", "test_d", "test_a", "test_b", "test_c"]  # in xdist's order: c, a, b, d, e
+
+
+def test_the_change_shown_is_the_largest_regression_with_its_phase() -> None:
+    result = strategy("dot")
+    ok, regressed, improved = BaselineStatus.OK, BaselineStatus.REGRESSED, BaselineStatus.IMPROVED
+    # the call +2% (within the tolerance); forward +3 MiB (+300%), backward +4 MiB (+100%): the most bytes
+    result.verdict = compared(
+        (None, 40 * MIB, 2.0, ok), ("forward", MIB, 300.0, regressed), ("backward", 4 * MIB, 100.0, regressed)
+    )
+    assert largest_change(result) == "+100.0% backward"
+    result.status = Status.REGRESSED
+    row = next(line for line in table_lines([result], None) if "dot" in line)
+    assert row.split()[-3:] == ["+100.0%", "backward", "REGRESSED"]
+    result.verdict = compared((None, 40 * MIB, -1.0, ok), ("forward", 4 * MIB, -50.0, improved))
+    assert largest_change(result) == "-50.0% forward"
+    result.verdict = compared((None, 40 * MIB, 2.0, ok), ("forward", 4 * MIB, 4.0, ok))
+    assert largest_change(result) == "+2.0%"  # nothing regressed or improved: the call's
+
+
+BUDGETED = """
+import pytest, torch
+
+@pytest.mark.parametrize("size", [1024, 4096])
+@pytest.mark.max_memory("1 MiB", forward="512 KiB")
+def test_a_forward_and_backward_step(gpumem, size):
+    with gpumem.phase("forward"):
+        torch.ones(size)
+    with gpumem.phase("backward"):
+        torch.ones(2 * size)
+"""
+
+
+def test_what_the_peak_is_made_of_is_left_out_before_the_budget(
+    tracker: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the composition (at least 24 columns) the table would take 127 columns: it goes, whole; the
+    budget stays whole."""
+    monkeypatch.setenv("COLUMNS", "120")
+    tracker.makepyfile(test_budgeted=BUDGETED)
+    result = tracker.runpytest("--gpumem-report", "--gpumem-explain", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    _, head, _, *rows, said = _report(result)  # a caption: the ids without "test_budgeted.py::"
+    assert head.split() == ["test", "forward", "backward", "call", "peak", "budget", "status"]
+    assert all(row.endswith("  1 MiB, forward=512 KiB  ok") for row in rows), rows
+    assert said == "left out to fit 120 columns: call peak made of"

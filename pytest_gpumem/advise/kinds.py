@@ -135,30 +135,41 @@ def _wrapped(call: Callable[[], object], context: Callable[[], AbstractContextMa
     return run
 
 
+def _autocast_device(target: Target) -> str:
+    """The device type whose autocast the step runs under: CUDA's where the tracker predicts a GPU and
+    emulates CUDA's autocast on its meta or CPU tensors (`backends/tracker/autocast.py`), else the
+    parameters' own."""
+    from pytest_gpumem.backends.tracker.autocast import emulating
+
+    return "cuda" if emulating() else target.device.type
+
+
 class Autocast(Strategy):
     """The step under torch.autocast in bfloat16 but for its backward (torch.autograd.backward and grad
-    are wrapped to leave autocast while they run); parameters, gradients and optimizer keep their dtype."""
+    are wrapped to leave autocast while they run); parameters, gradients and optimizer keep their dtype.
+    Where the tracker predicts a GPU (meta, or CUDA's rounding), CUDA's autocast rules."""
 
     name = "bf16-autocast"
     family = "precision"
 
     def describe(self, target: Target) -> str:
-        return "bf16 autocast of the model's forward"
+        rules = " (CUDA's autocast rules)" if _autocast_device(target) != target.device.type else ""
+        return f"bf16 autocast of the model's forward{rules}"
 
     def skip_reason(self, target: Target) -> str | None:
-        kind = target.device.type
+        kind = _autocast_device(target)
         if kind == "meta":
-            return "torch.autocast has no meta device type (and cpu autocast leaves meta tensors in fp32)"
+            return "torch.autocast has no meta device type (CUDA's autocast is emulated where a GPU is predicted)"
         if target.param_dtype() in (torch.bfloat16, torch.float16):
             return f"the parameters are already {target.param_dtype()}"
-        if kind == "cuda" and not torch.cuda.is_bf16_supported():
+        if kind == "cuda" and kind == target.device.type and not torch.cuda.is_bf16_supported():
             return "this CUDA device does not support bfloat16"
-        if not torch.amp.is_autocast_available(kind):
+        if kind == target.device.type and not torch.amp.is_autocast_available(kind):
             return f"torch.autocast does not support device type {kind!r}"
         return None
 
     def apply(self, run: Run) -> None:
-        kind = run.target.device.type
+        kind = _autocast_device(run.target)
         run.call = _wrapped(run.call, partial(torch.autocast, kind, dtype=torch.bfloat16))
         for name in ("backward", "grad"):  # backward outside autocast, as torch.amp's docs advise
             run.patch.set_attr(torch.autograd, name, _without_autocast(getattr(torch.autograd, name), kind))

@@ -1,11 +1,14 @@
 """`gpumem.advise`: the user's training step measured as it is and with each memory-saving strategy.
 
-Every run starts from the same state (parameters, buffers, gradients, optimizer state and RNG as they
-were when advise was called) and is split into phases from outside: "step" while the optimizer's step
-runs, "backward" while autograd's engine runs an op (`torch._C._current_graph_task_id() != -1`),
-"forward" otherwise; each phase's peak is taken above its own start (what a test's gpumem.phase()
-measures) and above the step's start. One dispatch mode above the backend's opens those regions and counts
-FLOPs with torch's flop counter formulas (`torch.utils.flop_counter.flop_registry`, which work on meta).
+Every run starts from the same state, as a process of its own would: parameters, buffers, gradients,
+optimizer state and RNG as they were when advise was called; no cuBLAS workspace, and the allocator's
+cache emptied, so that only what is live holds segments. A run is split into phases from outside: "step"
+while the optimizer's step runs, "backward" while autograd's engine runs an op
+(`private_torch.in_backward()`), "forward" otherwise; each phase's peak is taken above its
+own start (what a test's gpumem.phase() measures) and above the step's start. One dispatch mode above the
+backend's opens those regions and counts FLOPs with torch's flop counter formulas
+(`torch.utils.flop_counter.flop_registry`, which work on meta) and the ops that launch kernels
+(micro-batches and selective recompute cost calls, not FLOPs).
 The copies that make runs repeatable and the gradients' check are in `check.py`; everything is put back
 when advise returns: the same parameter, gradient and state objects. Each run is timed: a run costs about
 the step's own time, so an advice costs it once per strategy tried and per combination.
@@ -13,6 +16,7 @@ the step's own time, so an advice costs it once per strategy tried and per combi
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,8 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from pytest_gpumem.advise.check import Saved, compare, randomness, scales
@@ -31,6 +33,7 @@ from pytest_gpumem.backends.tracker.ledger import cuda_block_size
 from pytest_gpumem.errors import GpuMemError, exception_text
 from pytest_gpumem.measure.failures import release_memory
 from pytest_gpumem.measure.regions import RegionStack
+from pytest_gpumem.private_torch import TorchDispatchMode, in_backward, pytree_leaves, storage_key
 from pytest_gpumem.results.advice import AS_IS, NOT_CHECKED, Advice, PhasePeak, Row, capacity_bytes, held_bytes
 from pytest_gpumem.sizes import shorten
 
@@ -40,6 +43,13 @@ if TYPE_CHECKING:
 
 PHASE_ORDER = ("forward", "backward", "step")
 MAX_COMBINATIONS = 4
+
+
+@functools.cache
+def _launches(func: Any) -> bool:
+    """Whether an op launches a kernel: not a view (metadata only), nor the profiler's record_function
+    markers (a per-parameter optimizer's step adds two per call)."""
+    return not getattr(func, "is_view", False) and getattr(func, "namespace", "") != "profiler"
 
 
 class _Splitter(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -54,19 +64,21 @@ class _Splitter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.offset = 0  # bytes allocated above the step's start when the current phase began
         self.allocating: set[str] = set()  # phases with an entry that allocated
         self.flops = 0
+        self.calls = 0  # ops that launch kernels: a time cost that FLOPs do not show
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        phase = "backward" if in_backward() else "forward"
         if self.shim is not None and self.shim.in_step:
             phase = "step"
-        else:
-            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
         if phase != self.current:
             self.close()
             self.stack.push(phase)
             self.offset = self.stack.open[-1].start.allocated - self.stack.open[0].start.allocated
             self.current = phase
         out = func(*args, **kwargs)
+        if _launches(func):
+            self.calls += 1
         count = flop_registry.get(func._overloadpacket)
         if count is not None:
             self.flops += _flops(count, args, kwargs, out)
@@ -95,6 +107,7 @@ class _Measured:
     phases: dict[str, PhaseResult]
     above_start: dict[str, int]
     flops: int
+    calls: int
     outcome: dict[str, torch.Tensor] | None
     dtype: torch.dtype
     steps: int | None  # optimizer steps the run took (None: no optimizer given)
@@ -131,6 +144,7 @@ def _measure(backend: Backend, target: Target, saved: Saved, chosen: Sequence[St
     run = Run(target, patch, target.step, shim, target.param_dtype(), check=check)
     saved.prepare()
     backend.clear_workspaces()  # every run makes its cuBLAS workspaces, as the test's own step does
+    backend.empty_cache()  # nor the segments an earlier run left cached
     try:
         if shim is not None:
             shim.install(patch)
@@ -160,7 +174,16 @@ def _measure(backend: Backend, target: Target, saved: Saved, chosen: Sequence[St
     steps = None if shim is None else shim.steps
     seconds = time.perf_counter() - started
     return _Measured(
-        total, splitter.phases, splitter.above_start, splitter.flops, outcome, run.dtype, steps, drew, seconds
+        total,
+        splitter.phases,
+        splitter.above_start,
+        splitter.flops,
+        splitter.calls,
+        outcome,
+        run.dtype,
+        steps,
+        drew,
+        seconds,
     )
 
 
@@ -170,11 +193,11 @@ def _resident(target: Target) -> dict[int, int]:
     tensors: list[torch.Tensor] = [*target.parameters(), *target.model.buffers()]
     tensors += [p.grad for p in target.parameters() if p.grad is not None]
     if target.optimizer is not None:
-        tensors += [v for v in tree_leaves(dict(target.optimizer.state)) if isinstance(v, torch.Tensor)]
+        tensors += [v for v in pytree_leaves(dict(target.optimizer.state)) if isinstance(v, torch.Tensor)]
     sizes = {}
     for tensor in tensors:
         storage = tensor.untyped_storage()
-        sizes[storage._cdata] = storage.nbytes()
+        sizes[storage_key(storage)] = storage.nbytes()
     return sizes
 
 
@@ -287,6 +310,8 @@ class _Advisor:
             saving_bytes=self.base.total.peak_bytes - peak,
             flops=measured.flops,
             extra_flops=measured.flops - self.base.flops,
+            calls=measured.calls,
+            extra_calls=measured.calls - self.base.calls,
             gradients=gradients,
             gradients_equal=equal,
             fits=None if self.capacity is None else held_bytes(self.live + peak, reserved) <= self.capacity,
@@ -296,30 +321,53 @@ class _Advisor:
         )
 
     def _combinations(self, applicable: list[Strategy], rows: list[Row]) -> list[Row]:
-        """Stack the strategies that saved memory greedily, best saving per extra FLOP first; try one on
-        the stack only when alone it lowered the phase where the stack peaks, and keep it there only when
-        it lowers the combination's peak."""
+        """Stack greedily, in `_order` (the step's precision first, best saving per extra FLOP, then per
+        extra op call), the strategies that alone lowered a phase with gradients not found to differ. One
+        is tried on the stack only when alone it lowered the phase where the stack now peaks, and kept
+        there only when it lowers the stack's peak; each time the stack grows, the ones not tried yet are
+        looked at again against its new peak phase (a stack that became step-bound tries the fused step,
+        which alone saved nothing where as-is peaked)."""
         by_name = {s.name: s for s in applicable}
-        singles = [r for r in rows if r.name in by_name and r.measured and (r.saving_bytes or 0) > 0]
-        singles = [r for r in singles if r.gradients_equal is not False]
-        singles.sort(key=lambda r: (-_per_flop(r), -(r.saving_bytes or 0)))
-        if len(singles) < 2:
-            return []
-        stack, best = [by_name[singles[0].name]], singles[0]
+        base = rows[0]
+        pending = [r for r in rows if r.name in by_name and r.measured and r.gradients_equal is not False]
+        pending = sorted((r for r in pending if _lowers_any(r, base)), key=_order)
+        stack: list[Strategy] = []
         found: list[Row] = []
-        for row in singles[1:]:
-            candidate = by_name[row.name]
-            if len(found) >= MAX_COMBINATIONS:
+        best = base
+        while len(found) < MAX_COMBINATIONS:
+            row = next((r for r in pending if _lowers(r, base, best.peak_phase)), None)
+            if row is None:
                 break
-            if any(conflict(candidate, s) is not None for s in stack) or not _lowers(row, rows[0], best.peak_phase):
+            pending.remove(row)
+            candidate = by_name[row.name]
+            if any(conflict(candidate, s) is not None for s in stack):
                 continue
-            combined = self._try([*stack, candidate])
-            found.append(combined)
+            combined = self._try([*stack, candidate]) if stack else row
+            if stack:
+                found.append(combined)
             lower = combined.measured and (combined.peak_bytes or 0) < (best.peak_bytes or 0)
             if lower and combined.gradients_equal is not False:
                 stack.append(candidate)
                 best = combined
         return found
+
+
+def _lowers_any(row: Row, base: Row) -> bool:
+    """Whether `row` alone lowered the step's peak or the peak of one of the phases against as-is."""
+    if (row.peak_bytes or 0) < (base.peak_bytes or 0):
+        return True
+    return any(_lowers(row, base, phase.name) for phase in base.phases)
+
+
+def _order(row: Row) -> tuple[bool, float, float, int]:
+    """The step's own precision first (as `cheapest` ranks), then the best saving per extra FLOP, per extra
+    op call, then the largest saving."""
+    saving = row.saving_bytes or 0
+    return (row.precision is not None, -_per(saving, row.extra_flops), -_per(saving, row.extra_calls), -saving)
+
+
+def _per(saving: int, extra: int | None) -> float:
+    return float("inf") if not extra or extra <= 0 else saving / extra
 
 
 def _lowers(row: Row, base: Row, phase: str | None) -> bool:
@@ -330,11 +378,6 @@ def _lowers(row: Row, base: Row, phase: str | None) -> bool:
     was = next((p.step_peak for p in base.phases if p.name == phase), None)
     now = next((p.step_peak for p in row.phases if p.name == phase), None)
     return was is None or now is None or now < was
-
-
-def _per_flop(row: Row) -> float:
-    extra = row.extra_flops or 0
-    return float("inf") if extra <= 0 else (row.saving_bytes or 0) / extra
 
 
 def _strategies(names: Iterable[str] | None) -> list[Strategy]:

@@ -2,7 +2,8 @@
 
 Comparison (``compare``) is one-sided. With tolerance ``t`` percent and slack ``s`` bytes, a stored peak
 ``b`` allows ``b + floor(b * t / 100) + s`` bytes: one byte more is ``REGRESSED`` (fails). Below
-``b * (1 - t / 100) - s`` is ``IMPROVED`` (passes, "baseline can be lowered"). A test without a baseline
+``b * (1 - t / 100) - s`` is ``IMPROVED`` (passes, "baseline can be lowered"). A change is worded in
+percent up to ten times its baseline, beyond that (and from 0 B) in bytes (``change_text``). A test without a baseline
 for this device is ``NEW`` (passes unless strict), but one that allocates nothing (0 B in every phase, no
 gradients) needs none: it is ``OK`` against the 0 B it would store, strict or not, and is not recorded
 (``allocates_nothing``). Integer arithmetic only, so the boundary is exact.
@@ -35,12 +36,14 @@ __all__ = [
     "NOTHING_ALLOCATED",
     "Tolerance",
     "allocates_nothing",
+    "change_text",
     "compare",
     "compare_peak",
     "environment_warnings",
 ]
 
 SizeFormatter = Callable[[int], str]
+PERCENT_UP_TO = 10  # times its baseline: a larger change is said in bytes (104857500.0% of 8 B says nothing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,17 +250,37 @@ def compare_peak(
     allowed = tol.upper(stored)
     change = (current - stored) * 100 / stored if stored else None
     if current > allowed:
-        by = f"is {_pct(change, tol.percent)}% above" if change is not None else "is above"
-        message = f"{label} peak {fmt(current)} {by} baseline {fmt(stored)} (tolerance {tol.describe(fmt)})"
+        by = _amount(stored, current, tol.percent, fmt)
+        message = f"{label} peak {fmt(current)} is {by} above baseline {fmt(stored)} (tolerance {tol.describe(fmt)})"
         return PhaseComparison(phase, stored, current, allowed, change, BaselineStatus.REGRESSED, message)
     if current < stored and current < tol.lower(stored):  # lower(b) <= b: skip the arithmetic
-        drop = -change if change is not None else 0.0
         message = (
-            f"{label} peak {fmt(current)} is {_pct(drop, tol.percent)}% below baseline {fmt(stored)} "
-            f"(tolerance {tol.describe(fmt)}): improved, baseline can be lowered (--gpumem-update)"
+            f"{label} peak {fmt(current)} is {_amount(stored, current, tol.percent, fmt)} below baseline "
+            f"{fmt(stored)} (tolerance {tol.describe(fmt)}): improved, baseline can be lowered (--gpumem-update)"
         )
         return PhaseComparison(phase, stored, current, allowed, change, BaselineStatus.IMPROVED, message)
     return PhaseComparison(phase, stored, current, allowed, change, BaselineStatus.OK)
+
+
+def in_percent(stored: int, current: int) -> bool:
+    """Whether the change from `stored` to `current` bytes is worded in percent: where the baseline is not
+    0 B and the change at most `PERCENT_UP_TO` times it; else in bytes."""
+    return stored > 0 and abs(current - stored) <= PERCENT_UP_TO * stored
+
+
+def change_text(stored: int, current: int, fmt: SizeFormatter = format_size) -> str:
+    """A change as the report's and `pytest-gpumem compare`'s change column show it: '+25.6%', '-3.0%', or
+    in bytes where a percent would say nothing ('+8.0 MiB' over a baseline of 8 B, `in_percent`)."""
+    if in_percent(stored, current):
+        return f"{(current - stored) * 100 / stored:+.1f}%"
+    return ("+" if current >= stored else "") + fmt(current - stored)
+
+
+def _amount(stored: int, current: int, tolerance: float, fmt: SizeFormatter) -> str:
+    """How far `current` is from `stored`, unsigned, for a message: '25.6%' or '8.0 MiB' (`in_percent`)."""
+    if in_percent(stored, current):
+        return f"{_pct(abs(current - stored) * 100 / stored, tolerance)}%"
+    return fmt(abs(current - stored))
 
 
 def _pct(change: float, tolerance: float) -> str:

@@ -24,6 +24,8 @@ class UpdateSummary:
     removed: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)
     """Measured, not re-recorded: the stored entry stays as it is (``--gpumem-update=new``)."""
+    accepted: list[str] = field(default_factory=list)
+    """Of ``updated``, those that had regressed: their new, larger peaks are the baseline now."""
 
     @property
     def changed(self) -> bool:
@@ -31,12 +33,24 @@ class UpdateSummary:
         return bool(self.added or self.updated or self.removed)
 
     def describe(self) -> str:
-        """``"2 added, 1 updated, 10 unchanged, 0 removed"`` (and ``", 3 kept"`` when some were kept)."""
+        """``"2 added, 1 updated, 10 unchanged, 0 removed"`` (and ``", 3 kept"`` when some were kept, ``" (1
+        of them a regression, accepted)"`` when an updated one had regressed)."""
         kept = f", {len(self.kept)} kept" if self.kept else ""
+        accepted = ""
+        if self.accepted:
+            regression = "a regression" if len(self.accepted) == 1 else "regressions"
+            accepted = f" ({len(self.accepted)} of them {regression}, accepted)"
         return (
-            f"{len(self.added)} added, {len(self.updated)} updated, "
+            f"{len(self.added)} added, {len(self.updated)} updated{accepted}, "
             f"{len(self.unchanged)} unchanged, {len(self.removed)} removed{kept}"
         )
+
+    def accepted_lines(self) -> list[str]:
+        """The regressions the update accepted, one line each, for a reviewer to see: their new, larger
+        peaks are the baseline now, and no later run will fail on them."""
+        return [
+            f"accepted the regression of {nodeid}: its larger peaks are its baseline now" for nodeid in self.accepted
+        ]
 
 
 def update(

@@ -113,7 +113,8 @@ class Worlds:
         try:
             return fn(rank, world_size, meter, *args)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # the function may have torn its group down itself
+                dist.destroy_process_group()
 
 
 def check_call(fn: object, world_size: object, timeout: object, name: object) -> None:

@@ -14,6 +14,7 @@ from types import TracebackType
 from typing import Any
 
 from pytest_gpumem.errors import exception_text
+from pytest_gpumem.private_torch import storage_key
 
 _UNINITIALIZED = "Attempted to use an uninitialized parameter in "  # torch.nn.parameter.UninitializedParameter
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -189,7 +190,7 @@ def _storage_key(tensor: Any) -> int:
     """The key the ledger follows a tensor's storage by (-1, never followed, for one without a storage: a
     sparse tensor, or the uninitialized parameter of a Lazy module, which raises ValueError)."""
     try:
-        return int(tensor.untyped_storage()._cdata)
+        return storage_key(tensor.untyped_storage())
     except (RuntimeError, NotImplementedError, AttributeError, ValueError):
         return -1
 

@@ -20,10 +20,12 @@ import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from pytest_gpumem.baselines.compare import change_text
 from pytest_gpumem.explain.text import summary
 from pytest_gpumem.report.ids import TestFloors, common_prefix, elide, elide_apart, shorten_ids
 from pytest_gpumem.report.width import display_width, pad, truncate
 from pytest_gpumem.results import PhaseResult, Status, TestResult, rank_phase, split_rank
+from pytest_gpumem.results.baseline import BaselineStatus, PhaseComparison
 from pytest_gpumem.sizes import format_size
 
 DEFAULT_WIDTH = 120  # when pytest writes to no terminal
@@ -31,9 +33,12 @@ GAP = "  "
 JOIN = " · "
 # how narrow a column may get, narrowed in this order (after the test ids' leading parts, `_fit`), and at
 # the last resort ("phase": the long form's phase names, which are cut only then)
-_FLOORS = (("budget", 16), ("other phases", 24), ("made of", 24), ("budget", 8), ("made of", 12), ("other phases", 8))
-_LAST_FLOORS = (("made of", 8), ("backend", 6), ("phase", 16), ("test", 8), ("phase", 10), ("status", 10))
-_LEFT_OUT = ("budget", "made of", "other phases", "reserved")  # left out in this order where cutting them is not enough
+_FLOORS = (("made of", 24), ("change", 16), ("other phases", 24), ("budget", 16))
+# only once what the peak is made of is left out: a composition cut to a dozen characters says nothing, and
+# neither does "+3 more" beside it
+_LOW_FLOORS = (("budget", 8), ("other phases", 8))
+_LAST_FLOORS = (("backend", 6), ("change", 8), ("phase", 16), ("test", 8), ("phase", 10), ("status", 10))
+_LEFT_OUT = ("made of", "budget", "other phases", "reserved")  # left out in this order where cutting them is not enough
 
 
 def one_line(text: str) -> str:
@@ -216,8 +221,25 @@ def _baseline(result: TestResult, phase: str | None) -> tuple[str, str, str]:
     found = next((c for c in comparisons if c.phase == phase), None)
     if found is None:
         return "", "", ""
-    base, change = found.baseline, found.change_percent
-    return ("" if base is None else format_size(base), "" if change is None else f"{change:+.1f}%", found.status)
+    return ("" if found.baseline is None else format_size(found.baseline), _change(found), found.status)
+
+
+def _change(found: PhaseComparison) -> str:
+    if found.baseline is None or found.current is None:
+        return ""
+    return change_text(found.baseline, found.current)
+
+
+def largest_change(result: TestResult) -> str:
+    """The short form's change cell: the largest change in bytes of the regions that regressed (else
+    improved), with its phase unless it is the call's ("+281.5% forward"); else the call's change."""
+    comparisons = [c for c in (() if result.verdict is None else result.verdict.comparisons) if _change(c)]
+    for status in (BaselineStatus.REGRESSED, BaselineStatus.IMPROVED):
+        found = [c for c in comparisons if c.status == status]
+        if found:
+            largest = max(found, key=lambda c: (abs((c.current or 0) - (c.baseline or 0)), c.phase is None))
+            return _change(largest) + ("" if largest.phase is None else f" {largest.phase}")
+    return next((_change(c) for c in comparisons if c.phase is None), "")
 
 
 def _devices(results: Sequence[TestResult]) -> Column | None:
@@ -265,9 +287,8 @@ def short_columns(
     columns.append(Column("call peak", [[peak_cell(call)] for call in calls], right=True))
     if all(call is not None and call.reserved_peak_bytes is not None for call in calls):  # else -v shows it
         columns.append(Column("reserved", [[_reserved(call)] for call in calls], right=True))
-    compared = [_baseline(r, None) for r in results]
-    columns.append(Column("baseline", [[base] for base, _, _ in compared], right=True))
-    columns.append(Column("change", [[change] for _, change, _ in compared], right=True))
+    columns.append(Column("baseline", [[_baseline(r, None)[0]] for r in results], right=True))
+    columns.append(Column("change", [[largest_change(r)] for r in results], right=True))
     columns.append(Column("budget", [[r.budget_text or ""] for r in results]))
     columns = [col for col in columns if col.header not in _OPTIONAL or any(any(cell) for cell in col.cells)]
     columns.append(Column("status", [[r.status] for r in results]))
@@ -335,7 +356,8 @@ def table(results: Sequence[TestResult], width: int | None = DEFAULT_WIDTH, long
 
 
 def table_lines(results: Sequence[TestResult], width: int | None = DEFAULT_WIDTH, long: bool = False) -> list[str]:
-    """The table's lines, each at most `width` screen columns (no limit for None)."""
+    """The table's lines, each at most `width` screen columns (no limit for None), the worst status first."""
+    results = ordered(results)
     prefix, ids = _ids(results, shorten=True)
     caption = [_caption(prefix, width)] if prefix else []
     if long:
@@ -364,12 +386,13 @@ def _fit(
     """The columns `build(shared)` makes (`shared` phases in their own columns, of `every`) fitted to
     `width`, and the headers of those left out. Tried in this order until the table fits:
 
-    1. the test ids without their leading parts, their names and parameters whole; the budget and the
-       cells of detail cut to their floors (`_FLOORS`);
-    2. the budget left out;
+    1. the test ids without their leading parts, their names and parameters whole; the cells of detail,
+       the change's phase name and the budget cut to their floors (`_FLOORS`);
+    2. what the peak is made of left out, the budget and the other phases cut further (`_LOW_FLOORS`);
+       then the budget left out;
     3. for each count of phases in their own columns, from all of them down to none: the ids' parameters
        whole, then cut in the middle to `ids.PARAMS_KEPT` columns (`TestFloors.kept`);
-    4. the parameters cut to `ids.PARAMS_LAST` columns; then the cells of detail left out;
+    4. the parameters cut to `ids.PARAMS_LAST` columns; then the cell of other phases left out;
     5. the last resort (`_LAST_FLOORS`): the function names cut at their end.
 
     The room left goes back to the ids' names and parameters first, then to what was cut, then to the
@@ -379,14 +402,16 @@ def _fit(
     essential = [col for col in build(0) if col.key not in (*_LEFT_OUT, "test")]
     test = TestFloors.of(ids, width - total_width(essential) - len(GAP))
     counts = range(every, -1, -1)
-    tries = [(every, test.whole, 0), *((n, floor, 1) for n in counts for floor in (test.whole, test.kept))]
-    tries += [*((n, test.named, 1) for n in counts), (0, test.named, 2), (0, test.named, 3)]
+    tries = [(every, test.whole, 0), (every, test.whole, 1)]
+    tries += [*((n, floor, 2) for n in counts for floor in (test.whole, test.kept))]
+    tries += [*((n, test.named, 2) for n in counts), (0, test.named, 3)]
     columns, left_out = build(0), []
     for shared, floor, dropped in tries:
         columns = build(shared)
         left_out = [col.header for col in columns if col.key in _LEFT_OUT[:dropped]]
         columns = [col for col in columns if col.header not in left_out]
-        if shrink(columns, width, [("test", test.whole), *_FLOORS, ("test", floor)]):
+        floors = [*_FLOORS, *(_LOW_FLOORS if dropped else ())]
+        if shrink(columns, width, [("test", test.whole), *floors, ("test", floor)]):
             return _settled(columns, width, test.whole), left_out
     shrink(columns, width, _LAST_FLOORS)
     return _settled(columns, width, test.whole), left_out
@@ -398,7 +423,7 @@ def _settled(columns: list[Column], width: int, whole: int) -> list[Column]:
     show whole), then to the ids' leading parts."""
     for col in columns:
         col.width = col.shown_width() if col.parts or col.ids else col.width
-    for n, key in enumerate(("test", "phase", "budget", "made of", "other phases", "test")):
+    for n, key in enumerate(("test", "phase", "budget", "change", "other phases", "made of", "test")):
         for col in columns:
             if col.key == key and total_width(columns) < width:
                 cap = min(col.natural, whole) if n == 0 else col.natural
@@ -420,6 +445,22 @@ _COUNTED = (
     (Status.NEW, "new"),
     (Status.OK, "ok"),
 )
+
+
+# the order of the table's rows: what failed, the worst first, then what passed
+_ORDER = {
+    status: n
+    for n, status in enumerate(
+        (Status.OUT_OF_MEMORY, Status.OVER_BUDGET, Status.LEAKED, Status.REGRESSED, Status.GRADIENTS_CHANGED,
+         Status.MISSING_BASELINE, Status.ERROR, Status.XPASS, Status.XFAILED, Status.IMPROVED, Status.NEW, Status.OK)
+    )
+}  # fmt: skip
+
+
+def ordered(results: Sequence[TestResult]) -> list[TestResult]:
+    """The results by status (those that failed first, the worst first) and, within one, by test id: the
+    same order however xdist's workers finished."""
+    return sorted(results, key=lambda r: (_ORDER.get(r.status, len(_ORDER)), r.nodeid))
 
 
 def counts_line(results: Sequence[TestResult]) -> str:

@@ -56,6 +56,8 @@ class Row:
     reserved_bytes: int | None = None  # the allocator's reserved peak (absolute), where the backend has one
     precision: str | None = None  # the lower precision the run computes in ("bfloat16"); None: the step's own
     seconds: float | None = None  # the run's time: preparing it, the step and the gradients' check
+    calls: int | None = None  # ops the step dispatched (kernels launched), counted over the whole step
+    extra_calls: int | None = None  # against as-is: micro-batches and recomputed cheap ops cost calls, not FLOPs
 
     @property
     def measured(self) -> bool:
@@ -92,6 +94,8 @@ class Row:
             saving_bytes=self.saving_bytes,
             flops=self.flops,
             extra_flops=self.extra_flops,
+            calls=self.calls,
+            extra_calls=self.extra_calls,
             gradients=self.gradients,
             gradients_equal=self.gradients_equal,
             fits=self.fits,
@@ -124,6 +128,8 @@ class Row:
             saving_bytes=_int_or_none(data.get("saving_bytes")),
             flops=_int_or_none(data.get("flops")),
             extra_flops=_int_or_none(data.get("extra_flops")),
+            calls=_int_or_none(data.get("calls")),
+            extra_calls=_int_or_none(data.get("extra_calls")),
             gradients=str(data.get("gradients", NOT_CHECKED)),
             gradients_equal=_bool_or_none(data.get("gradients_equal")),
             fits=_bool_or_none(data.get("fits")),
@@ -219,15 +225,23 @@ class Advice:
         return [r for r in self.rows if r.measured and r.gradients_equal is not False]
 
     def compute(self, row: Row) -> str:
-        """'+31% compute' (extra FLOPs against as-is), 'no extra compute', or '+N FLOPs'."""
+        """'+31% compute' (extra FLOPs against as-is), 'no extra compute', or '+N FLOPs'; where the row
+        dispatched more ops than as-is, the FLOPs and those calls: 'no extra FLOPs, +300% op calls'
+        (micro-batches run every op once per slice; selective recompute runs cheap ops again)."""
         extra, base = row.extra_flops, self.as_is.flops
         if extra is None:
             return "compute unknown"
-        if extra == 0:
-            return "no extra compute"
-        if base:
-            return f"{extra / base:+.0%} compute"
-        return f"{extra:+,} FLOPs"
+        calls = self._calls(row)
+        if calls is None:
+            return "no extra compute" if extra == 0 else _flops(extra, base, "compute")
+        return f"{'no extra FLOPs' if extra == 0 else _flops(extra, base, 'FLOPs')}, {calls}"
+
+    def _calls(self, row: Row) -> str | None:
+        """'+300% op calls' where the row dispatched more ops than as-is, else None."""
+        extra, base = row.extra_calls, self.as_is.calls
+        if extra is None or extra <= 0:
+            return None
+        return f"{extra / base:+.0%} op calls" if base else f"{extra:+,} op calls"
 
     def lines(self) -> list[str]:
         """The report section: two lines per measured row (absolute peaks), then the skipped ones and
@@ -310,6 +324,10 @@ class Advice:
         )
 
 
+def _flops(extra: int, base: int | None, unit: str) -> str:
+    return f"{extra / base:+.0%} {unit}" if base else f"{extra:+,} FLOPs"
+
+
 def _int_or_none(value: Any) -> int | None:
     return None if value is None else int(value)
 
@@ -327,13 +345,14 @@ def _moved(observed: int, base: Row, row: Row, region: str) -> int:
 
 def cheapest(rows: list[Row]) -> Row | None:
     """The row that costs least: one that keeps the step's precision before one that lowers it (a change
-    of the numbers computed, however small the gradients' error), then the least extra compute (as-is
-    first on a tie), then the lowest peak."""
+    of the numbers computed, however small the gradients' error), then the least extra compute: FLOPs,
+    then op calls (as-is first on a tie), then the lowest peak."""
     if not rows:
         return None
     return min(rows, key=_cost)
 
 
-def _cost(row: Row) -> tuple[bool, float, bool, int]:
+def _cost(row: Row) -> tuple[bool, float, int, bool, int]:
     extra = math.inf if row.extra_flops is None else row.extra_flops
-    return (row.precision is not None, extra, row.name != AS_IS, row.peak_bytes or 0)
+    calls = max(0, row.extra_calls or 0)
+    return (row.precision is not None, extra, calls, row.name != AS_IS, row.peak_bytes or 0)

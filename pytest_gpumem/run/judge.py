@@ -24,7 +24,7 @@ from pytest_gpumem.report.advice import advice_clause, advice_section
 from pytest_gpumem.report.failures import FailureLine, budget_line, leak_message, out_of_memory_message
 from pytest_gpumem.results import REPORT_ATTRIBUTE, PhaseResult, Status, TestResult, junit_properties, settle
 from pytest_gpumem.results.advice import Advice
-from pytest_gpumem.run import outputs
+from pytest_gpumem.run import outputs, torch_snapshots
 from pytest_gpumem.run.regression import verdict_status
 from pytest_gpumem.run.session import JUDGE, METER_KEY, GpuMemSession
 from pytest_gpumem.sizes import format_size
@@ -63,6 +63,13 @@ def watch_of(options: Options, budget: Budget | None, explain: bool) -> Watch:
     """What the test is held to beyond its peaks, from its budget and the run's options."""
     evidence = options.snapshot_dir is not None
     return Watch.of(budget, options.capacity, options.leak, evidence=evidence, explain=explain or options.explain)
+
+
+def within_slack(call: PhaseResult, phases: dict[str, PhaseResult], slack: int) -> bool:
+    """Whether the test allocated something and every peak (the call's and each phase's) is at most `slack`
+    bytes: a baseline could never fail it, as the slack alone allows that much over any baseline. (A test
+    that allocates nothing is left to the comparison, which counts it in the run's summary.)"""
+    return 0 < max(phase.peak_bytes for phase in [call, *phases.values()]) <= slack
 
 
 def not_json(info: object) -> str | None:
@@ -182,7 +189,8 @@ class Judge:
         __tracebackhide__ = True  # the test's own failure shows the test's frames, not this wrapper's
         session = self.session
         marks = list(item.iter_markers_with_node(MARKER))
-        if not marks and METER_KEY not in item.stash and not session.options.measure_all:
+        asked = bool(marks) or METER_KEY in item.stash  # else measured only for --gpumem-all
+        if not asked and not session.options.measure_all:
             return (yield)
         try:
             budget = with_default(budget_of(marks), session.options.default_budget)
@@ -192,16 +200,17 @@ class Judge:
         except GpuMemError as exc:
             error = f"{item.nodeid}: {exc}"
         else:
-            return (yield from self._measured(item, measured, budget, watch))
+            return (yield from self._measured(item, measured, budget, watch, asked))
         result = TestResult(item.nodeid, session.backend_name, "", None, status=Status.ERROR, message=error)
         self._keep(item, result)
         _fail(error)
 
     def _measured(
-        self, item: pytest.Item, measured: Measurement, budget: Budget | None, watch: Watch
+        self, item: pytest.Item, measured: Measurement, budget: Budget | None, watch: Watch, asked: bool
     ) -> Generator[None, object, object]:
         __tracebackhide__ = True
         measured.begin()
+        torch_snapshots.begin(item, self.session, measured)
         try:
             outcome = yield
         except GpuMemError as exc:
@@ -223,7 +232,7 @@ class Judge:
                 raise
             exc.__traceback__ = None  # its frames hold the test's tensors
         else:
-            self._judge(item, measured, budget, watch)
+            self._judge(item, measured, budget, watch, asked)
             return outcome
         if status == Status.OUT_OF_MEMORY:
             release_memory()
@@ -235,7 +244,9 @@ class Judge:
             item.add_report_section("call", "gpumem", detail.removeprefix("\n"))
         _fail(failure.line)
 
-    def _judge(self, item: pytest.Item, measured: Measurement, budget: Budget | None, watch: Watch) -> None:
+    def _judge(
+        self, item: pytest.Item, measured: Measurement, budget: Budget | None, watch: Watch, asked: bool
+    ) -> None:
         call = measured.end()
         bad_info = not_json(measured.info)
         if bad_info:
@@ -246,14 +257,26 @@ class Judge:
             opened = ", ".join(measured.phases) or "none"
             message = f"max_memory names phase {unopened[0]!r} that the test never opened (opened: {opened})"
             self._error(item, measured, budget, f"{item.nodeid}: {message}")
-        baselines = self.session.baselines
-        judgement = baselines.judge(item.nodeid, measured, budget) if baselines.active else None
+        judgement = self._baseline(item, measured, budget, call, asked)
         status, failure = _outcome(measured, budget, watch, call, judgement)
         if budget is not None or judgement is not None or status == Status.LEAKED or _has_detail(measured):
             item.add_report_section("call", "gpumem", _section(measured, call, judgement, failure))
         self._finish(item, measured, budget, status, failure, judgement)
         if failure is not None and failure.line:
             _fail(failure.line)
+
+    def _baseline(
+        self, item: pytest.Item, measured: Measurement, budget: Budget | None, call: PhaseResult, asked: bool
+    ) -> Judgement | None:
+        """The test's comparison with its baseline, None without baselines. A test measured only for
+        --gpumem-all whose peaks all stay within the slack needs none (also under --gpumem-strict), and
+        records none; a test that asked to be measured (marker, fixture) is compared whatever its size."""
+        baselines = self.session.baselines
+        if not baselines.active:
+            return None
+        if not asked and within_slack(call, measured.phases, baselines.options.slack):
+            return None
+        return baselines.judge(item.nodeid, measured, budget)
 
     def _error(self, item: pytest.Item, measured: Measurement, budget: Budget | None, message: str) -> NoReturn:
         """Record the test as an error and fail it with one line."""
@@ -272,6 +295,7 @@ class Judge:
         result = self._result(item, measured, budget, status, failure, judgement)
         self._picture(item, result, measured.advice)
         self._keep_evidence(item, measured, result)
+        torch_snapshots.write(item, self.session)
         self._keep(item, result)
         _warn_notes(item, measured.notes)  # after: under `filterwarnings = error` a note fails the test here
 

@@ -41,11 +41,13 @@ def json_text(results: Sequence[TestResult], backend: Backend | None, folder: Pa
     return json.dumps(doc, indent=2, sort_keys=True, allow_nan=False) + "\n"
 
 
-def markdown_text(results: Sequence[TestResult], long: bool, rootpath: Path, path: Path) -> str:
-    """The Markdown table, its links relative to the folder of `path`."""
+def markdown_text(
+    results: Sequence[TestResult], long: bool, rootpath: Path, path: Path, record: str | None = None
+) -> str:
+    """The Markdown summary, its links relative to the folder of `path`; `record` records missing baselines."""
     from pytest_gpumem.report.markdown import markdown
 
-    return markdown(results, long, rootpath, path.parent)
+    return markdown(results, long, rootpath, path.parent, record)
 
 
 def write_report(path: Path, flag: str, text: Callable[[], str]) -> str | None:

@@ -204,10 +204,12 @@ class BaselineRun:
         records: Iterable[tuple[str, Entry]],
         backend: Callable[[], Backend],
         missing: Sequence[str] = (),
+        regressed: Sequence[str] = (),
     ) -> list[str]:
         """After the run: warnings, unused baselines, the tests that failed for want of a baseline
-        (`missing`), and under --gpumem-update/--gpumem-prune the new file. Returns the lines for the
-        terminal summary."""
+        (`missing`), and under --gpumem-update/--gpumem-prune the new file, saying which of the tests
+        that grew past their baselines (`regressed`) it accepted. Returns the lines for the terminal
+        summary."""
         from pytest_gpumem.baselines.compare import allocates_nothing, environment_warnings
         from pytest_gpumem.baselines.file import write
         from pytest_gpumem.baselines.update import UpdateSummary, unused, update
@@ -232,6 +234,7 @@ class BaselineRun:
                     summary.removed.append(nodeid)
             passed = {n: self._keeping_composition(n, e) for n, e in passed.items()}
             update(self.store, passed, summary=summary)
+            summary.accepted = [n for n in regressed if n in summary.updated]
         empty = [n for n, e in entries.items() if n not in self.failed and allocates_nothing(e)]
         empty = [n for n in empty if self.store.get(n, entries[n].identity) is None]
         if empty:
@@ -247,6 +250,7 @@ class BaselineRun:
         if summary.changed:
             path = write(self.store, self.options.path)
             lines.append(f"wrote {path}: {summary.describe()}")
+            lines += summary.accepted_lines()
         elif self.options.update:
             lines.append(f"{self.options.path} unchanged: {summary.describe()}")
         return lines

@@ -66,9 +66,9 @@ class GpuMemSession:
                 raise GpuMemError(
                     f"--gpumem-backend={name}: no such backend (built in: auto, cuda, accelerator, tracker)"
                 )
-            from pytest_gpumem.backends.adopted import adopt
+            from pytest_gpumem.backends.base import made_backend
 
-            self._backend = adopt(backend, f"--gpumem-backend={name}")
+            self._backend = made_backend(backend, f"--gpumem-backend={name}")
         return self._backend
 
     @property
@@ -161,6 +161,12 @@ class GpuMemSession:
             return  # each result went to the controller with its test's report
         if self.options.json_path or self.options.markdown_path or self.baselines.active:
             self._write_files(session, exitstatus)
+        try:
+            self.config.hook.pytest_gpumem_session_results(config=self.config, results=tuple(self.results))
+        except Exception as exc:  # another plugin's: one line, and the summary and the report still come
+            from pytest_gpumem.errors import one_line
+
+            self.problems.append(f"pytest_gpumem_session_results raised {one_line(exc)}")
         if self.problems and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -175,7 +181,8 @@ class GpuMemSession:
             report = partial(outputs.json_text, results, backend, self.config.rootpath)
             self._problem(outputs.write_report(json_path, "--gpumem-json", report))
         if markdown_path is not None:
-            table = partial(outputs.markdown_text, results, long, self.config.rootpath, markdown_path)
+            record = self.baselines.record_command if self.baselines.active else None
+            table = partial(outputs.markdown_text, results, long, self.config.rootpath, markdown_path, record)
             self._problem(outputs.write_report(markdown_path, "--gpumem-markdown", table))
         if self.baselines.active:
             self._finish_baselines(session, exitstatus)
@@ -214,6 +221,7 @@ class GpuMemSession:
         try:
             records = [(r.nodeid, r.baseline_entry) for r in self.results if r.baseline_entry is not None]
             missing = [r.nodeid for r in self.results if r.status == Status.MISSING_BASELINE]
-            self.baseline_lines += self.baselines.finish(records, self.backend, missing)
+            regressed = [r.nodeid for r in self.results if r.status == Status.REGRESSED]
+            self.baseline_lines += self.baselines.finish(records, self.backend, missing, regressed)
         except GpuMemError as exc:
             self.problems.append(str(exc))
