@@ -41,8 +41,13 @@ def unescaped_pipes(line: str) -> int:
     return len(re.findall(r"(?<!\\)\|", line))
 
 
+def table_lines(markdown_text: str) -> list[str]:
+    """The Markdown summary's table, below its headline."""
+    return [line for line in markdown_text.splitlines() if line.startswith("|")]
+
+
 def check_markdown(text: str) -> None:
-    lines = text.splitlines()
+    lines = table_lines(text)
     assert len(lines) == 3
     assert len({unescaped_pipes(line) for line in lines}) == 1
     assert "fwd\\|bwd" in lines[0] and "two lines" in lines[0]
@@ -75,8 +80,7 @@ def test_markdown_and_report_of_hostile_phase_names(tracker: pytest.Pytester) ->
     )
     result = run(tracker, "--gpumem-markdown=m.md", "--gpumem-report")
     result.assert_outcomes(passed=1)
-    text = (tracker.path / "m.md").read_text()
-    lines = text.splitlines()
+    lines = table_lines((tracker.path / "m.md").read_text())
     assert len(lines) == 3 and len({unescaped_pipes(line) for line in lines}) == 1
     assert "fwd\\|bwd" in lines[0] and "two lines" in lines[0]
     assert "test_it[a\\|b]" in lines[2]
