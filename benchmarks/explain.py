@@ -20,25 +20,27 @@ from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.measure.meter import GpuMem
+from pytest_gpumem.measure.record import CallRecord
 
 
-def measured(run: benchlib.Run, explain: bool) -> Measurement:
+def measured(run: benchlib.Run, explain: bool) -> CallRecord:
     backend = TrackerBackend()
     backend.configure(Settings(None, origins=False, events=False, explain=explain))
     measurement = Measurement(backend, "bench")
-    measurement.explain = explain
+    measurement.hold_to(leak_check=False, explain=explain)
     measurement.begin()
     try:
         run(GpuMem(measurement))
     finally:
-        measurement.end()
-    return measurement
+        record = measurement.end_if_running()
+    assert record is not None
+    return record
 
 
-def exact(measurement: Measurement) -> bool:
-    assert measurement.explanation is not None
-    phases = measurement.explanation.phases
-    figures = {"call": measurement.result(), **measurement.phases}
+def exact(record: CallRecord) -> bool:
+    assert record.explanation is not None
+    phases = record.explanation.phases
+    figures = {"call": record.call, **record.phases}
     return all(sum(phases[n].categories.values()) == r.peak_bytes for n, r in figures.items())
 
 

@@ -193,7 +193,7 @@ def measure_step(s: Shape, paths: str = "gpu", rounding: str = "none") -> tuple[
         with meter.phase("step"):
             optimizer.step()
     finally:
-        whole = measured.end()
+        whole = measured.end().call
     return meter.phases, whole
 
 

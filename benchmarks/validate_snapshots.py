@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import re
 import sys
 import time
 from collections.abc import Sequence
@@ -33,12 +32,11 @@ from workloads import WORKLOADS, Workload  # noqa: E402
 
 from pytest_gpumem.backends.base import Settings  # noqa: E402
 from pytest_gpumem.backends.tracker.backend import TrackerBackend  # noqa: E402
+from pytest_gpumem.snapshots.against import line_of, op_of  # noqa: E402
 from pytest_gpumem.snapshots.read import Event, read_snapshot  # noqa: E402
 from pytest_gpumem.snapshots.replay import CardFigures, replay  # noqa: E402
 
 SNAPSHOTS = ROOT.parent / "shared" / "snapshots"
-_OP = re.compile(r"^at::_ops::(\w+)::")
-_NOT_USER = ("/torch/", "\\torch\\", "site-packages", "dist-packages", "/lib/python")
 
 
 @dataclass
@@ -90,25 +88,6 @@ def predict(workload: Workload) -> Prediction:
     return Prediction(requests, peak.allocated, peak.requested, reserved, time.perf_counter() - started)
 
 
-def user_frame(event: Event) -> str:
-    """The first Python frame of the user's code (not torch's, not a library's), or the autograd thread."""
-    for frame in event.frames:
-        path = frame.filename
-        if path.endswith(".py") and not any(part in path for part in _NOT_USER):
-            return f"{path.replace(chr(92), '/').rsplit('/', 1)[-1]}:{frame.line} {frame.name}"
-    return "(no Python frame: autograd's thread)" if event.frames else "(no frames recorded)"
-
-
-def op_frame(event: Event) -> str:
-    """The op the user's code called (the outermost `at::_ops::<op>` frame) and, where another, the innermost
-    op that asked for the memory (not an `empty*` allocation): `einsum>_to_copy` is autocast's cast."""
-    ops = [m.group(1) for m in map(_OP.match, (f.name for f in event.frames)) if m]
-    if not ops:
-        return "?"
-    inner = next((op for op in ops if not op.startswith("empty")), ops[-1])
-    return ops[-1] if inner == ops[-1] else f"{ops[-1]}>{inner}"
-
-
 Opcode = tuple[str, int, int, int, int]
 
 
@@ -130,7 +109,7 @@ def differences(
         if tag == "equal":
             continue
         card = [
-            {"index": j, "bytes": theirs[j].size, "user_frame": user_frame(theirs[j]), "op": op_frame(theirs[j])}
+            {"index": j, "bytes": theirs[j].size, "user_frame": line_of(theirs[j]), "op": op_of(theirs[j])}
             for j in range(j1, min(j2, j1 + 3))
         ]
         mine = [

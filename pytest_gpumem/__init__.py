@@ -9,6 +9,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pytest_gpumem.advise.chunked import chunked_cross_entropy as chunked_cross_entropy
     from pytest_gpumem.backends.base import Backend as Backend
     from pytest_gpumem.backends.base import Counters as Counters
     from pytest_gpumem.backends.base import Settings as Settings
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.sizes import parse_size as parse_size
 
 _HOMES = {
+    "chunked_cross_entropy": "pytest_gpumem.advise.chunked",
     "Backend": "pytest_gpumem.backends.base",
     "Counters": "pytest_gpumem.backends.base",
     "Settings": "pytest_gpumem.backends.base",

@@ -22,18 +22,17 @@ from pytest_gpumem.constants import DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCE
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.explain.growth import compact
 from pytest_gpumem.history import command as history
-from pytest_gpumem.history.git import Head
-from pytest_gpumem.report.json import JSON_VERSION, Report, ReportedTest, ReportError, read_report
 from pytest_gpumem.report.markdown import markdown_table
-from pytest_gpumem.results import Status
+from pytest_gpumem.results import Status, TestResult
 from pytest_gpumem.results.baseline import BaselineStatus, PhaseComparison, sound_composition
-from pytest_gpumem.results.explanation import Composition, Explanation
+from pytest_gpumem.results.explanation import Composition
+from pytest_gpumem.results.report_file import REPORT_VERSION, MadeAt, ReportFile, read_report
 from pytest_gpumem.run.outputs import why, write_file
 from pytest_gpumem.sizes import format_size
 from pytest_gpumem.snapshots import command as replay
 from pytest_gpumem.values import slack, tolerance
 
-Tests = dict[str, ReportedTest]
+Tests = dict[str, TestResult]
 
 
 class CommandError(Exception):
@@ -42,7 +41,7 @@ class CommandError(Exception):
 
 def load_report(path: Path) -> Tests:
     """The tests of a `--gpumem-json` report, by node id."""
-    return read_report(path).tests
+    return {test.nodeid: test for test in read_report(path).tests}
 
 
 PASSING = frozenset({*(status for status in Status if status.passing), Status.XFAILED})
@@ -65,30 +64,31 @@ class Comparison:
 def compare_reports(old: Tests, new: Tests, tol: Tolerance) -> Comparison:
     rows: list[tuple[str, PhaseComparison]] = []
     for nodeid in (n for n in new if n in old):
-        before, after = old[nodeid].peaks, new[nodeid].peaks
+        before, after = _peaks(old[nodeid]), _peaks(new[nodeid])
         for phase in dict.fromkeys([*before, *after]):
             stored, current = before.get(phase), after.get(phase)
             if stored is None and current is None:
                 continue
             compared = compare_peak(phase, stored, current, tol, format_size)
             rows.append((nodeid, with_growth(compared, _composition(old[nodeid]), _composition(new[nodeid]))))
-    failed = [(n, t.status) for n, t in new.items() if t.status not in PASSING]
+    failed = [(n, t.status.value) for n, t in new.items() if t.status not in PASSING]
     mixed = [n for n in new if n in old and _where(old[n]) != _where(new[n])]
     return Comparison(rows, [n for n in new if n not in old], [n for n in old if n not in new], failed, mixed)
 
 
-def _composition(test: ReportedTest) -> Composition | None:
-    explanation = test.entry.get("explanation")
-    try:
-        if not isinstance(explanation, dict):
-            return None
-        composition = compact(Explanation.from_json(explanation))
-        return composition if sound_composition(composition) else None
-    except (KeyError, TypeError, AttributeError, ValueError):  # a hand-edited report: no diff, no crash
+def _peaks(test: TestResult) -> dict[str | None, int | None]:
+    """The whole call's peak (None) and each phase's."""
+    return {None: test.peak_bytes, **{name: phase.peak_bytes for name, phase in test.phases.items()}}
+
+
+def _composition(test: TestResult) -> Composition | None:
+    if test.explanation is None:
         return None
+    composition = compact(test.explanation)
+    return composition if sound_composition(composition) else None
 
 
-def _where(test: ReportedTest) -> tuple[object, object]:
+def _where(test: TestResult) -> tuple[object, object]:
     return test.backend, test.device
 
 
@@ -163,23 +163,24 @@ def run_compare(args: argparse.Namespace) -> int:
     return 1 if comparison.regressed or comparison.failed else 0
 
 
-def merge_reports(reports: Sequence[Report]) -> dict[str, Any]:
+def merge_reports(reports: Sequence[ReportFile]) -> dict[str, Any]:
     """One report of a suite split across machines; a test in two reports must have the same figures."""
     merged: Tests = {}
     source: dict[str, Path] = {}
     for report in reports:
-        for nodeid, test in report.tests.items():
-            if nodeid in merged and merged[nodeid].entry != test.entry:
+        for test in report.tests:
+            nodeid = test.nodeid
+            if nodeid in merged and merged[nodeid] != test:
                 raise CommandError(f"{nodeid} is in {source[nodeid]} and in {report.path} with different figures")
             merged.setdefault(nodeid, test)
             source.setdefault(nodeid, report.path)
     backends = {t.backend for t in merged.values()}
     devices = {t.device for t in merged.values()}
     return {
-        "version": JSON_VERSION,
+        "version": REPORT_VERSION,
         "backend": backends.pop() if len(backends) == 1 else None,
         "device": devices.pop() if len(devices) == 1 else None,
-        "tests": [t.entry for t in merged.values()],
+        "tests": [t.to_json() for t in merged.values()],
     }
 
 
@@ -194,7 +195,7 @@ def run_merge(args: argparse.Namespace) -> int:
     return 0
 
 
-def _shared_commit(reports: Sequence[Report], output: Path) -> Head | None:
+def _shared_commit(reports: Sequence[ReportFile], output: Path) -> MadeAt | None:
     """The commit every report was made at; None, said in one line, where two differ."""
     first = reports[0]
     other = next((report for report in reports[1:] if report.commit != first.commit), None)
@@ -208,7 +209,7 @@ def _shared_commit(reports: Sequence[Report], output: Path) -> Head | None:
     return None
 
 
-def _made_at(commit: Head | None) -> str:
+def _made_at(commit: MadeAt | None) -> str:
     if commit is None:
         return "with no commit recorded"
     return f"at {commit.sha[:7]}" + (" with uncommitted changes" if commit.dirty else "")
@@ -282,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         result: int = args.run(args)
-    except (CommandError, ReportError) as exc:
+    except (CommandError, GpuMemError) as exc:
         print(f"pytest-gpumem {args.command}: error: {exc}", file=sys.stderr)
         return 2
     return result

@@ -1,13 +1,15 @@
-"""Command-line options and their ini twins (an ini value is read only when the option is not given)."""
+"""The options' values: `add_options` registers the option table (options.py) and `read_options` reads it,
+in one loop, into `Options` and `BaselineOptions`, then refuses the combinations that cannot work."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -16,13 +18,13 @@ from pytest_gpumem.constants import (
     DEFAULT_DIST_TIMEOUT,
     DEFAULT_FILENAME,
 )
-from pytest_gpumem.options import OPTIONS
-
-T = TypeVar("T")
+from pytest_gpumem.options import OPTIONS, Option
 
 
 @dataclass(frozen=True)
 class Options:
+    """The run's options but the baselines'; each field but `backend_given` is an option's (its `field`)."""
+
     backend: str
     backend_given: bool
     rounding: str
@@ -46,13 +48,22 @@ class Options:
 
 @dataclass(frozen=True)
 class BaselineOptions:
+    """The options of the baselines; each field is an option's (its `field`)."""
+
     path: Path
-    update: bool
+    update_mode: str | None  # --gpumem-update: None (not given), new or all
     prune: bool
     tolerance: float
     slack: int
     strict: bool
-    update_new_only: bool = False
+
+    @property
+    def update(self) -> bool:
+        return self.update_mode is not None
+
+    @property
+    def update_new_only(self) -> bool:
+        return self.update_mode == "new"
 
     @property
     def wanted(self) -> bool:
@@ -136,132 +147,91 @@ def add_options(parser: pytest.Parser) -> None:
             parser.addini(option.ini, f"default for {option.flag}", default=option.ini_default)
 
 
-def _ini(config: pytest.Config, name: str, check: Callable[[str], T]) -> T:
-    value = str(config.getini(name)).strip()
-    try:
-        return check(value)
-    except argparse.ArgumentTypeError as exc:
-        raise pytest.UsageError(f"ini option {name}: {exc}") from None
+def _read(config: pytest.Config, option: Option) -> Any:
+    """The option's value if given, else its ini twin's, else its default."""
+    if option.switch:
+        return _switch(config, option)
+    if option.place is not None:
+        return _place(config, option, option.place)
+    return _value(config, option)
 
 
-def _given(config: pytest.Config, name: str, check: Callable[[str], T]) -> T:
-    value: Any = config.getoption(name)
-    return value if value is not None else _ini(config, name, check)
-
-
-def _optional(config: pytest.Config, name: str, check: Callable[[str], T]) -> T | None:
-    """An option whose ini twin may be left empty (no value)."""
-    value: Any = config.getoption(name)
-    if value is not None:
-        return value  # type: ignore[no-any-return]
-    return _ini(config, name, check) if str(config.getini(name)).strip() else None
-
-
-def _folder(config: pytest.Config, name: str) -> Path | None:
-    """A folder to write into, made if missing: relative to the invocation folder (option) or rootdir (ini)."""
-    given = config.getoption(name)
-    text = given if given else str(config.getini(name)).strip()
-    if not text:
-        return None
-    path = Path(config.invocation_params.dir if given else config.rootpath, text)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        flag = f"--{name.replace('_', '-')}" if given else f"ini option {name}"
-        raise pytest.UsageError(f"{flag}={text}: cannot make folder {path}: {exc.strerror or exc}") from None
-    return path
-
-
-def _path(config: pytest.Config, name: str, base: Path) -> Path | None:
-    """A file to write: relative to the invocation folder (option) or the rootdir (ini)."""
-    given = config.getoption(name)
-    text, base = (given, config.invocation_params.dir) if given else (str(config.getini(name)).strip(), base)
-    if not text:
-        return None
-    path = Path(base, text)
-    if not path.parent.is_dir() or path.is_dir():
-        flag = f"--{name.replace('_', '-')}" if given else f"ini option {name}"
-        problem = f"{path} is a folder, not a file" if path.is_dir() else f"folder {path.parent} does not exist"
-        raise pytest.UsageError(f"{flag}={text}: {problem}")
-    return path
-
-
-def _flag(config: pytest.Config, name: str) -> bool:
-    given = config.getoption(name)
-    if given is not None:
+def _switch(config: pytest.Config, option: Option) -> bool:
+    given = config.getoption(option.dest)
+    if given is not None or option.ini is None:
         return bool(given)
     try:
-        return bool(config.getini(name))
+        return bool(config.getini(option.ini))
     except (ValueError, pytest.UsageError) as exc:
-        raise pytest.UsageError(f"ini option {name}: {exc}") from None
+        raise pytest.UsageError(f"ini option {option.ini}: {exc}") from None
 
 
-def _read(config: pytest.Config, name: str) -> Any:
-    """The value of the option whose dest is `name`, else of its ini twin, read as OPTIONS declares it: a
-    switch, a file to write (PATH), a folder to make (DIR), or a value its parser checks (None when its
-    ini twin has no default and is left empty)."""
-    option = _BY_DEST[name]
-    if option.switch:
-        return _flag(config, name) if option.ini is not None else bool(config.getoption(name))
-    if option.metavar == "PATH":
-        return _path(config, name, config.rootpath)
-    if option.metavar == "DIR":
-        return _folder(config, name)
-    assert option.parse is not None and option.ini is not None, name
-    return _given(config, name, option.parse) if option.ini_default else _optional(config, name, option.parse)
+def _value(config: pytest.Config, option: Option) -> Any:
+    """Parsed by argparse when given; an ini twin left empty is no value unless the option has a default."""
+    given = config.getoption(option.dest)
+    if given is not None or option.ini is None:
+        return given
+    text = str(config.getini(option.ini)).strip()
+    if not text and not option.ini_default:
+        return None
+    assert option.parse is not None, option.flag
+    try:
+        return option.parse(text)
+    except argparse.ArgumentTypeError as exc:
+        raise pytest.UsageError(f"ini option {option.ini}: {exc}") from None
 
 
-_BY_DEST = {option.dest: option for option in OPTIONS}
+def _place(config: pytest.Config, option: Option, place: Callable[[Path], Path]) -> Path | None:
+    """A file or folder: given relative to the invocation folder, in the ini relative to the rootdir."""
+    given = config.getoption(option.dest)
+    text = given if given else str(config.getini(option.ini or "")).strip()
+    if not text:
+        return None
+    try:
+        return place(Path(config.invocation_params.dir if given else config.rootpath, text))
+    except argparse.ArgumentTypeError as exc:
+        name = option.flag if given else f"ini option {option.ini}"
+        raise pytest.UsageError(f"{name}={text}: {exc}") from None
 
 
 def read_options(config: pytest.Config) -> tuple[Options, BaselineOptions]:
-    options = Options(
-        backend=_read(config, "gpumem_backend"),
-        backend_given=config.getoption("gpumem_backend") is not None or config.getini("gpumem_backend") != "auto",
-        rounding=_read(config, "gpumem_round"),
-        report=_read(config, "gpumem_report"),
-        json_path=_read(config, "gpumem_json"),
-        markdown_path=_read(config, "gpumem_markdown"),
-        measure_all=_read(config, "gpumem_all"),
-        disabled=_read(config, "gpumem_disable"),
-        default_budget=_read(config, "gpumem_max_memory"),
-        devices=_read(config, "gpumem_devices"),
-        capacity=_read(config, "gpumem_capacity"),
-        leak=_read(config, "gpumem_leak"),
-        snapshot_dir=_read(config, "gpumem_snapshot_dir"),
-        torch_snapshots=_read(config, "gpumem_torch_snapshots"),
-        explain=_read(config, "gpumem_explain"),
-        html_dir=_read(config, "gpumem_html"),
-        device=_read(config, "gpumem_device"),
-        dist_timeout=_read(config, "gpumem_dist_timeout"),
-        paths=_read(config, "gpumem_paths"),
-    )
+    read = {option.field: _read(config, option) for option in OPTIONS}
     _give_back_test_paths(config)  # `pytest --gpumem-update test_x.py`: test_x.py is a test path
-    update = config.getoption("gpumem_update")  # no ini twin: "all" when given bare (its const)
-    baseline = BaselineOptions(
-        path=_read(config, "gpumem_baseline_file") or config.rootpath / DEFAULT_FILENAME,
-        update=update is not None,
-        update_new_only=update == "new",
-        prune=_read(config, "gpumem_prune"),
-        tolerance=_read(config, "gpumem_tolerance"),
-        slack=_read(config, "gpumem_slack"),
-        strict=_read(config, "gpumem_strict"),
-    )
-    _refuse_overwriting_baselines(options, baseline.path)
+    read["path"] = read["path"] or config.rootpath / DEFAULT_FILENAME
+    backend_given = config.getoption("gpumem_backend") is not None or config.getini("gpumem_backend") != "auto"
+    options = Options(backend_given=backend_given, **_fields_of(Options, read))
+    baseline = BaselineOptions(**_fields_of(BaselineOptions, read))
+    _refuse_what_cannot_work(options, baseline)
     return options, baseline
 
 
+def _fields_of(cls: type[Options | BaselineOptions], read: dict[str, Any]) -> dict[str, Any]:
+    return {field.name: read[field.name] for field in dataclasses.fields(cls) if field.name in read}
+
+
+def _refuse_what_cannot_work(options: Options, baseline: BaselineOptions) -> None:
+    """The combinations of options refused before anything runs."""
+    _refuse_overwriting_baselines(options, baseline.path)
+    if options.disabled:
+        for flag, given in (("--gpumem-update", baseline.update), ("--gpumem-prune", baseline.prune)):
+            if given:
+                raise pytest.UsageError(f"{flag}: nothing is measured under --gpumem-disable; drop one of the two")
+
+
 def _refuse_overwriting_baselines(options: Options, baseline_path: Path) -> None:
-    """A report written over the baseline file, or one report over the other, would destroy it: refuse
-    before anything runs."""
-    for flag, path in (("--gpumem-json", options.json_path), ("--gpumem-markdown", options.markdown_path)):
-        if path is not None and _same_file(path, baseline_path):
-            raise pytest.UsageError(f"{flag}={path}: that is the baseline file; write the report elsewhere")
-    json_path, markdown_path = options.json_path, options.markdown_path
-    if json_path is not None and markdown_path is not None and _same_file(json_path, markdown_path):
-        raise pytest.UsageError(
-            f"--gpumem-json={json_path} and --gpumem-markdown={markdown_path} are one file; give each report its own"
-        )
+    """A report written over the baseline file, or one report over another, would destroy it."""
+    from itertools import combinations
+
+    from pytest_gpumem.report.writers import chosen
+
+    for writer in chosen(options):
+        if _same_file(writer.path, baseline_path):
+            said = f"{writer.flag}={writer.path}"
+            raise pytest.UsageError(f"{said}: that is the baseline file; write the report elsewhere")
+    for one, other in combinations(chosen(options), 2):
+        if _same_file(one.path, other.path):
+            said = f"{one.flag}={one.path} and {other.flag}={other.path}"
+            raise pytest.UsageError(f"{said} are one file; give each report its own")
 
 
 def _same_file(a: Path, b: Path) -> bool:

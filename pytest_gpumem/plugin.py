@@ -9,10 +9,10 @@ import pytest
 
 from pytest_gpumem import hookspecs
 from pytest_gpumem.budget import MARKER, MARKER_SIGNATURE
-from pytest_gpumem.config import BaselineOptions, add_options, read_options
+from pytest_gpumem.config import add_options, read_options
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.run.regression import BaselineRun
-from pytest_gpumem.run.session import METER_KEY, GpuMemSession
+from pytest_gpumem.run.session import MEASUREMENT_KEY, GpuMemSession
 from pytest_gpumem.run.xdist import worker_id
 
 if TYPE_CHECKING:
@@ -66,8 +66,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER_SIGNATURE)
     options, baseline_options = read_options(config)
-    if options.disabled:
-        _refuse_recording_unmeasured(baseline_options)
     store = None
     if baseline_options.wanted and not options.disabled:
         from pytest_gpumem.baselines.file import load
@@ -87,12 +85,6 @@ def pytest_configure(config: pytest.Config) -> None:
         from pytest_gpumem.run.xdist import XdistResults
 
         config.pluginmanager.register(XdistResults(session.add), "gpumem-xdist")
-
-
-def _refuse_recording_unmeasured(options: BaselineOptions) -> None:
-    for flag, given in (("--gpumem-update", options.update), ("--gpumem-prune", options.prune)):
-        if given:
-            raise pytest.UsageError(f"{flag}: nothing is measured under --gpumem-disable; drop one of the two")
 
 
 @pytest.hookimpl(trylast=True)
@@ -165,14 +157,15 @@ def gpumem(request: pytest.FixtureRequest) -> GpuMem | Unmeasured:
         measured = session.measurement(request.node, fresh=True)
     except GpuMemError as exc:
         pytest.fail(f"{request.node.nodeid}: {exc}", pytrace=False)
+    from pytest_gpumem.advise.run import advise
     from pytest_gpumem.distributed.world import Worlds
     from pytest_gpumem.measure.meter import GpuMem
 
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     verbose = request.config.get_verbosity() >= 1  # -v: a line per test, none broken into
     say = reporter.write_line if reporter is not None and verbose else None
-    measured.worlds = Worlds(session.options.dist_timeout, say)
-    return GpuMem(measured)
+    measured.run_worlds_with(Worlds(session.options.dist_timeout, say))
+    return GpuMem(measured, advise)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -206,4 +199,4 @@ def _report_width(terminalreporter: pytest.TerminalReporter) -> int:
     return DEFAULT_WIDTH
 
 
-__all__ = ["METER_KEY", "SESSION_KEY", "gpumem"]
+__all__ = ["MEASUREMENT_KEY", "SESSION_KEY", "gpumem"]

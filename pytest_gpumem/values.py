@@ -1,5 +1,5 @@
-"""The checkers of option and ini values: each turns the text given into its value, or raises
-argparse.ArgumentTypeError with one line naming the value and what was expected."""
+"""The checkers of option and ini values: each turns the text given (or the path it names) into its value,
+or raises argparse.ArgumentTypeError with one line naming the value and what was expected."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import re
 from collections.abc import Callable
+from pathlib import Path
 
 from pytest_gpumem.budget import Budget, Limit, budget_from_marker, capacity_limit
 from pytest_gpumem.constants import (
@@ -128,3 +129,19 @@ def capacity(value: str) -> Limit:
 
 
 leak = _keyword_limit("leak", "--gpumem-leak")
+
+
+def file_to_write(path: Path) -> Path:
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a folder, not a file")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"folder {path.parent} does not exist")
+    return path
+
+
+def folder_to_make(path: Path) -> Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot make folder {path}: {exc.strerror or exc}") from None
+    return path

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import json
 import os
@@ -23,6 +24,7 @@ from builders import Reported
 from filelock import FileLock
 
 import pytest_gpumem
+from pytest_gpumem.snapshots.read import Snapshot, read_snapshot
 
 # pytester's in-process runs drop the modules first imported inside them, so what inner runs import
 # lazily is imported here, once. torch registers operator libraries on import (torch._dynamo ->
@@ -107,10 +109,22 @@ def runpytest_bound_by_file_modes(pytester: pytest.Pytester) -> Callable[..., py
     return run
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slow tests first (the order is otherwise kept): on two workers the run then ends on short tests
-    that either worker can take, instead of on one worker's long one."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The slow tests first (the order is otherwise kept): the run then ends on short tests that any worker
+    can take, instead of on one worker's long one. xdist's worksteal hands each of its N workers an equal
+    slice of this order at the start (and a worker that runs dry takes the end of another's): so each slice
+    begins with every N-th slow test, and the workers start on the slow tests together."""
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    fast = [item for item in items if item.get_closest_marker("slow") is None]
+    ordered: list[pytest.Item] = []
+    for worker in range(workers):
+        size = (len(items) - len(ordered)) // (workers - worker)  # as worksteal slices its queue
+        dealt = slow[worker::workers]
+        taken = max(0, size - len(dealt))
+        ordered += dealt + fast[:taken]
+        del fast[:taken]
+    items[:] = ordered + fast
 
 
 Shared = Callable[[str, Callable[[Path], Any]], tuple[Path, Any]]
@@ -135,3 +149,40 @@ def shared_run(tmp_path_factory: pytest.TempPathFactory) -> Shared:
         return folder, json.loads(kept.read_text(encoding="utf-8"))
 
     return shared
+
+
+RunReference = Callable[..., dict[str, Any]]
+
+
+@pytest.fixture(scope="session")
+def run_reference(shared_run: Shared) -> RunReference:
+    """`run_reference(pytester, *args)`: `pytest --pyargs reference_losses *args` in `pytester` (whose ini
+    sets the tracker), run once per suite run by whichever test asks first. The docs' examples and the tests
+    of the suite's options read the same runs: its printed lines (`lines`), outcome counts (`outcomes`)
+    and the names after the file's of the tests that passed (`passed`)."""
+
+    def run(pytester: pytest.Pytester, *args: str) -> dict[str, Any]:
+        def make(folder: Path) -> dict[str, Any]:
+            result = pytester.runpytest("-p", "no:cacheprovider", "--pyargs", "reference_losses", *args)
+            reports = result.reprec.getreports("pytest_runtest_logreport")  # type: ignore[attr-defined]
+            passed = [r.nodeid.split("::", 1)[1] for r in reports if r.when == "call" and r.passed]
+            lines = [*result.outlines, *result.errlines]
+            return {"lines": lines, "outcomes": result.parseoutcomes(), "passed": passed}
+
+        key = hashlib.sha256("\0".join(args).encode()).hexdigest()[:16]
+        kept: dict[str, Any] = shared_run(f"reference-{key}", make)[1]
+        return kept
+
+    return run
+
+
+SNAPSHOTS = Path(__file__).resolve().parents[2] / "shared" / "snapshots"
+
+
+@pytest.fixture(scope="session")
+def snapshot_cards() -> dict[str, Snapshot]:
+    """The real cards' snapshots of ../shared/snapshots by file name, read once per worker (several test
+    files replay them); skips where the folder is absent."""
+    if not SNAPSHOTS.is_dir():
+        pytest.skip(f"no snapshots folder at {SNAPSHOTS}")
+    return {path.name: read_snapshot(path) for path in sorted(SNAPSHOTS.glob("*.pickle"))}

@@ -21,7 +21,7 @@ from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.measure.meter import GpuMem
-from pytest_gpumem.report.advice import advice_clause
+from pytest_gpumem.report.advice_text import advice_clause
 from pytest_gpumem.results.advice import AS_IS, Advice, PhasePeak, Row
 from reference_losses.bounds import NetBytes
 from reference_losses.models import ModelWorkload, build_net, build_residual
@@ -127,7 +127,7 @@ def _reference(name: str, w: ModelWorkload) -> tuple[int, dict[str, int]]:
     meter = GpuMem(measured)
     measured.begin()
     TRAINING_STRATEGIES[name].step(meter, w)
-    call = measured.end()
+    call = measured.end().call
     return call.peak_bytes, {k: v.peak_bytes for k, v in measured.phases.items()}
 
 
@@ -630,7 +630,7 @@ def test_strategies_given_as_any_iterable_are_all_tried() -> None:
 
 def test_a_step_holding_the_bound_phase_measures_no_phase_while_advise_runs() -> None:
     measured = Measurement(TrackerBackend(), "t.py::t")
-    meter = GpuMem(measured)
+    meter = GpuMem(measured, advise)
     measured.begin()
     model, opt, _ = _stack_step()
     x = torch.randn(B, D)
@@ -645,6 +645,14 @@ def test_a_step_holding_the_bound_phase_measures_no_phase_while_advise_runs() ->
     meter.advise(step, model=model, optimizer=opt, strategies=["checkpoint-blocks", "fused-step"])
     measured.end()
     assert "forward" not in measured.phases
+
+
+def test_a_meter_made_without_advise_refuses_it_in_one_line() -> None:
+    """Advise sits above measuring: the meter runs it only when given it (the fixture gives it)."""
+    model, opt, step = _stack_step()
+    meter = GpuMem(Measurement(TrackerBackend(), "t.py::t"))
+    with pytest.raises(GpuMemError, match=r"^gpumem.advise\(\) runs strategies only for a meter given its advisor "):
+        meter.advise(step, model=model, optimizer=opt)
 
 
 @pytest.mark.parametrize(
@@ -686,7 +694,7 @@ def test_what_advise_cached_past_a_lifted_capacity_does_not_serve_the_test() -> 
     backend = TrackerBackend("cuda")
     backend.configure(Settings(8 * 2**20, origins=False, events=False))
     measured = Measurement(backend, "t.py::t")
-    meter = GpuMem(measured)
+    meter = GpuMem(measured, advise)
     measured.begin()
     model, opt, step = _stack_step()
 

@@ -205,29 +205,36 @@ def test_a_hostile_option_value_is_one_short_line(parse: str, value: str, proble
 
 # ------------------------------------------------------- pytest-gpumem compare | merge (in process, fast)
 
-TEST = {"nodeid": "t::a", "peak_bytes": 100, "phases": {"f": {"peak_bytes": 50}}, "status": "ok"}
+
+def entry(nodeid: str = "t::a", peak: int = 100) -> dict[str, Any]:
+    """A test's entry as --gpumem-json writes it: a call that peaked at `peak` bytes, a phase "f" at 50."""
+    return TestResult(nodeid, "tracker", "cpu", phase_result("call", peak), {"f": phase_result("f", 50)}).to_json()
+
+
+TEST = entry()
 
 
 def report_text(*tests: dict[str, Any], **top: object) -> str:
-    return json.dumps({"version": 1, "backend": "tracker", "device": "cpu", "tests": list(tests), **top})
+    doc = {"version": 1, "backend": "tracker", "device": "cpu", "commit": None, "tests": list(tests), **top}
+    return json.dumps(doc)
 
 
 BAD_REPORTS = [
-    ("newer", report_text(TEST, version=2), "report version 2 is not one this pytest-gpumem reads (1 to 1)"),
-    ("version text", report_text(TEST, version="1"), "report version '1' is not one"),
-    ("status list", report_text({**TEST, "status": ["x"]}), "t::a: status must be a string, got ['x']"),
-    ("phase number", report_text({**TEST, "phases": {"f": 5}}), 'phase "f" must be an object with a peak_bytes'),
-    ("phase text", report_text({**TEST, "phases": {"f": {"peak_bytes": "x"}}}), 'phase "f" must be an object'),
-    ("surrogate", report_text({**TEST, "nodeid": "t::\ud800"}), "t::\\ud800: a node id must be printable text"),
-    ("newline", report_text({**TEST, "nodeid": "t::a\nb"}), "t::a\\nb: a node id must be printable text"),
+    ("newer", report_text(TEST, version=2), "version must be 1 (the report version this pytest-gpumem reads), got 2"),
+    ("version text", report_text(TEST, version="1"), "version must be 1 (the report version this pytest-gpumem"),
+    ("status list", report_text({**TEST, "status": ["x"]}), "tests[0].status must be a status word as the report"),
+    ("phase number", report_text({**TEST, "phases": {"f": 5}}), "tests[0].phases.f must be an object, got 5"),
+    ("phase text", report_text({**TEST, "phases": {"f": {**TEST["call"], "peak_bytes": "x"}}}), ".f.peak_bytes must"),
+    ("surrogate", report_text({**TEST, "nodeid": "t::\ud800"}), "tests[0].nodeid must be printable text"),
+    ("newline", report_text({**TEST, "nodeid": "t::a\nb"}), "tests[0].nodeid must be printable text"),
     ("duplicate key", report_text(TEST).replace('"version": 1', '"version": 1, "version": 1'), 'duplicate key "ver'),
     ("NaN", report_text(TEST).replace('"peak_bytes": 50', '"peak_bytes": NaN'), "NaN is not a valid JSON number"),
     ("nesting", '{"tests": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
     ("5000 digits", report_text(TEST).replace("100", "9" * 5000), "cannot read a gpumem report: Exceeds the limit"),
-    ("twice", report_text(TEST, {**TEST, "peak_bytes": 1}), "t::a appears twice with different figures"),
-    ("backend list", report_text({**TEST, "backend": ["x"]}), "t::a: backend must be a name or null, got ['x']"),
+    ("twice", report_text(TEST, entry(peak=1)), 'tests[1]: "t::a" appears twice with different figures'),
+    ("backend list", report_text({**TEST, "backend": ["x"]}), "tests[0].backend must be a backend's name, got ['x']"),
     ("device object", report_text(TEST, device={"a": 1}), "device must be a name or null, got {'a': 1}"),
-    ("phases null", report_text({**TEST, "phases": None}), "t::a: phases must be an object of phase name -> figures"),
+    ("phases null", report_text({**TEST, "phases": None}), "tests[0].phases must be an object, got None"),
 ]
 
 
@@ -248,8 +255,8 @@ def test_a_hostile_report_exits_2_in_one_line_naming_it(
 
 def test_a_report_with_a_bom_and_unicode_ids_is_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     old, new = tmp_path / "old.json", tmp_path / "new.json"
-    old.write_text("\ufeff" + report_text({**TEST, "nodeid": "t::ü\U0001f600"}), encoding="utf-8")
-    new.write_text(report_text({**TEST, "nodeid": "t::ü\U0001f600", "peak_bytes": 2 << 20}), encoding="utf-8")
+    old.write_text("\ufeff" + report_text(entry("t::ü\U0001f600")), encoding="utf-8")
+    new.write_text(report_text(entry("t::ü\U0001f600", 2 << 20)), encoding="utf-8")
     assert main(["compare", str(old), str(new)]) == 1  # 2 MiB against 100 B: beyond 5% + 1 MiB
     assert "regressed: t::ü\U0001f600: call peak 2.0 MiB" in capsys.readouterr().out
 

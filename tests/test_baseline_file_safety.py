@@ -265,6 +265,7 @@ def test_{name}(gpumem):
 """
 
 
+@pytest.mark.slow  # two inner pytest processes, each importing torch
 def test_two_concurrent_update_runs_keep_both_runs_entries(tracker: pytest.Pytester) -> None:
     tracker.makepyfile(test_a=SLOW_TEST.format(name="a", other="b"), test_b=SLOW_TEST.format(name="b", other="a"))
     tracker.makepyfile(test_old="import torch\n\ndef test_old(gpumem):\n    torch.ones(10)\n")

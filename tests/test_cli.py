@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from pytest_gpumem.cli import main
+from pytest_gpumem.results import PhaseResult, TestResult
+from pytest_gpumem.results.report_file import read_report
 
 SUITE = """
 import os
@@ -93,13 +95,13 @@ def test_added_removed_and_markdown(tracker: pytest.Pytester) -> None:
     [
         (None, "not a file"),
         ("{", "cannot read a gpumem report"),
-        ('{"tests": 3}', "not a gpumem report"),
-        ('{"tests": [{"nodeid": "t", "peak_bytes": "big"}]}', "t: peak_bytes must be a byte count or null, got 'big'"),
+        ("[]", "not a gpumem report"),
+        ('{"tests": 3}', 'report has no "version"'),
     ],
 )
 def test_unreadable_input_exits_2_naming_the_file(tmp_path: Path, content: str | None, problem: str) -> None:
     bad, good = tmp_path / "bad.json", tmp_path / "good.json"
-    good.write_text('{"tests": []}', encoding="utf-8")
+    good.write_text('{"version": 1, "backend": null, "device": null, "commit": null, "tests": []}', encoding="utf-8")
     if content is not None:
         bad.write_text(content, encoding="utf-8")
     run = _cli("compare", good, bad)
@@ -123,13 +125,53 @@ def test_merge_shards_and_refuse_disagreeing_duplicates(tracker: pytest.Pytester
     assert not (tracker.path / "bad.json").exists()
 
 
+RICH = """
+import pytest, torch
+
+@pytest.mark.max_memory("1 MiB", forward="64 KiB")
+def test_phases(gpumem):
+    gpumem.info["rows"] = [1, 2.5, None, "x"]
+    with gpumem.phase("forward"):
+        a = torch.ones(1000)
+    with gpumem.phase("backward"):
+        b = torch.ones(250)
+
+@pytest.mark.max_memory("1 KiB")
+def test_over_budget(gpumem):
+    torch.ones(1000)
+
+def test_unmeasured():
+    pass
+"""
+
+
+class Kept:
+    """The session's results as the plugin hands them over (`pytest_gpumem_session_results`)."""
+
+    results: tuple[TestResult, ...] = ()
+
+    def pytest_gpumem_session_results(self, config: pytest.Config, results: tuple[TestResult, ...]) -> None:
+        self.results = tuple(results)
+
+
+def test_a_report_reads_back_as_the_results_the_run_wrote(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(test_rich=RICH)
+    tracker.runpytest("--gpumem-update", "-p", "no:randomly")
+    kept = Kept()
+    tracker.runpytest("--gpumem-json=run.json", "--gpumem-explain", "-p", "no:randomly", plugins=[kept])
+    read = read_report(tracker.path / "run.json").tests
+    assert [t.status.value for t in read] == ["ok", "OVER BUDGET"]
+    assert read[0].verdict is not None and read[0].baseline_entry is not None and read[0].explanation is not None
+    assert read == kept.results
+
+
 SHA = "0adb9b476b4034e0bb7f5986d859d26be9607eb1"
 OTHER = "1f3e2d10c9b8a7f6e5d4c3b2a1f0e9d8c7b6a5f4"
 
 
 def _shard(path: Path, nodeid: str, commit: object) -> Path:
     """A one-test report as --gpumem-json writes it, made at ``commit``."""
-    test = {"nodeid": nodeid, "backend": "tracker", "device": "cpu", "peak_bytes": 4000, "phases": {}, "status": "ok"}
+    test = TestResult(nodeid, "tracker", "cpu", PhaseResult("call", 4000, 4000, None, 0)).to_json()
     doc = {"version": 1, "backend": "tracker", "device": "cpu", "commit": commit, "tests": [test]}
     path.write_text(json.dumps(doc), encoding="utf-8")
     return path
@@ -169,7 +211,7 @@ def test_merge_refuses_a_commit_that_is_no_commit(tmp_path: Path) -> None:
     run = _cli("merge", a, b, "-o", tmp_path / "all.json")
     assert run.returncode == 2
     assert run.stderr == (
-        f'pytest-gpumem merge: error: {b}: "commit" must be {{"sha": a full commit hash, "dirty": true or false}} '
+        f'pytest-gpumem merge: error: {b}: commit must be {{"sha": a full commit hash, "dirty": true or false}} '
         "or null, got 'HEAD'\n"
     )
     assert not (tmp_path / "all.json").exists()

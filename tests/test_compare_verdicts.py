@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 
 from pytest_gpumem.cli import main
+from pytest_gpumem.results import PhaseResult, Status, TestResult
 
 
 def report(path: Path, status: str, peak: int, backend: str = "tracker") -> Path:
-    test = {"nodeid": "t.py::test_a", "peak_bytes": peak, "phases": {}, "status": status, "backend": backend}
-    path.write_text(json.dumps({"version": 1, "tests": [test]}), encoding="utf-8")
+    test = TestResult("t.py::test_a", backend, "cpu", PhaseResult("call", peak, peak, None, 0), status=Status(status))
+    doc = {"version": 1, "backend": backend, "device": "cpu", "commit": None, "tests": [test.to_json()]}
+    path.write_text(json.dumps(doc), encoding="utf-8")
     return path
 
 

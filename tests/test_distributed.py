@@ -16,7 +16,7 @@ import pytest
 from builders import Reported, phase_result
 
 from pytest_gpumem.budget import budget_from_marker
-from pytest_gpumem.distributed.gloo import collectives_settled
+from pytest_gpumem.distributed.gloo import wait_for_gloo_idle
 from pytest_gpumem.distributed.messages import DistributedError, Kind, Message, describe, done
 from pytest_gpumem.distributed.spawn import Deadlines, Progress
 from pytest_gpumem.distributed.worker import InRank
@@ -28,7 +28,7 @@ from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.measure.meter import GpuMem
 from pytest_gpumem.measure.regions import mark_phase
 from pytest_gpumem.results import TestResult
-from pytest_gpumem.results.explanation import Cell, Explanation, PhaseExplanation, RanksExplanation, Timeline
+from pytest_gpumem.results.explanation import Cell, Explanation, PhaseExplanation, RanksExplanation, SampledTimeline
 from pytest_gpumem.results.ranks import RankResult, World, worst_call
 
 FAULTS = """
@@ -382,9 +382,9 @@ def test_inside_phase(gpumem):
         gpumem.distributed(fn)
 
 def test_timeout_option(gpumem, request):
-    from pytest_gpumem.plugin import METER_KEY
+    from pytest_gpumem.plugin import MEASUREMENT_KEY
 
-    assert request.node.stash[METER_KEY].worlds.timeout == float(__import__("os").environ["EXPECTED_TIMEOUT"])
+    assert request.node.stash[MEASUREMENT_KEY].worlds.timeout == float(__import__("os").environ["EXPECTED_TIMEOUT"])
 """
 
 
@@ -490,7 +490,9 @@ def _entry(peak: int, module: str, index: int) -> PhaseExplanation:
 
 
 def _explanation(phases: dict[str, PhaseExplanation], folded: dict[str, int] | None = None) -> Explanation:
-    return Explanation("t", "tracker", ["saved"], {"saved": "saved for backward"}, phases, Timeline(0, []), folded)
+    return Explanation(
+        "t", "tracker", ["saved"], {"saved": "saved for backward"}, phases, SampledTimeline(0, []), folded
+    )
 
 
 def _explained_world() -> World:
@@ -735,7 +737,7 @@ def test_an_error_line_names_the_phase_it_left() -> None:
 
 
 def test_idle_when_this_process_has_no_gloo_threads() -> None:
-    assert collectives_settled(limit=0.0)
+    assert wait_for_gloo_idle(limit=0.0)
 
 
 def test_every_rank_takes_the_cublas_workspace_of_the_card_the_parent_predicts(

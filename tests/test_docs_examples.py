@@ -12,10 +12,14 @@ import fnmatch
 import re
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+RunReference = Callable[..., dict[str, Any]]  # the conftest fixture run_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
@@ -70,8 +74,13 @@ def glob(shown: str) -> str:
 
 
 # pages whose examples take seconds: spawned ranks, each importing torch; a real step under every strategy;
-# the whole reference suite
-SLOW_PAGES = ("docs/guides/distributed.md", "docs/guides/advise.md", "docs/guides/reference-strategies.md")
+# the whole reference suite; a search of batch sizes
+SLOW_PAGES = (
+    "docs/guides/distributed.md",
+    "docs/guides/advise.md",
+    "docs/guides/reference-strategies.md",
+    "docs/guides/fit.md",
+)
 
 
 def examples() -> list[object]:
@@ -111,7 +120,7 @@ def test_no_example_file_shares_a_name_with_a_test_module_of_this_suite() -> Non
 
 
 @pytest.mark.parametrize("page", examples())
-def test_page_examples_print_what_they_show(pytester: pytest.Pytester, page: Path) -> None:
+def test_page_examples_print_what_they_show(pytester: pytest.Pytester, run_reference: RunReference, page: Path) -> None:
     pytester.makeini("[pytest]\ngpumem_backend = tracker\n")
     ran: set[str] = set()
     written: list[str] = []
@@ -124,7 +133,7 @@ def test_page_examples_print_what_they_show(pytester: pytest.Pytester, page: Pat
         elif block.lang == "console":
             for command in commands(block):
                 where = f"{page.relative_to(ROOT)}:{command.line}"
-                output = run(pytester, command.argv, where)
+                output = printed(pytester, run_reference, command.argv, where, shared=not written)
                 ran.update(arg for arg in command.argv if arg in written)
                 if command.argv[0] == "pytest" and not any(arg in written for arg in command.argv[1:]):
                     ran.update(written)
@@ -134,6 +143,19 @@ def test_page_examples_print_what_they_show(pytester: pytest.Pytester, page: Pat
         if Path(name).name.startswith("test_") and name not in ran:
             result = pytester.runpytest("-p", "no:cacheprovider", name)
             assert result.ret == 0, f"{page.relative_to(ROOT)}: {name} fails:\n{result.stdout.str()}"
+
+
+REFERENCE_SUITE = ["pytest", "--pyargs", "reference_losses"]
+
+
+def printed(
+    pytester: pytest.Pytester, run_reference: RunReference, argv: list[str], where: str, *, shared: bool
+) -> str:
+    """What a command prints. A run of the reference suite is shared with the tests that read the same run
+    (conftest's run_reference) where no file of the page is there to change it."""
+    if shared and argv[:3] == REFERENCE_SUITE:
+        return "\n".join(run_reference(pytester, *argv[3:])["lines"])
+    return run(pytester, argv, where)
 
 
 def run(pytester: pytest.Pytester, argv: list[str], where: str) -> str:

@@ -7,8 +7,15 @@ from __future__ import annotations
 import pytest
 from builders import Reported
 
+from pytest_gpumem.baselines.compare import Tolerance, compare
+from pytest_gpumem.budget import budget_from_marker
 from pytest_gpumem.measure.failures import Holding
+from pytest_gpumem.measure.record import CallRecord
+from pytest_gpumem.outcome import judge
 from pytest_gpumem.report.failures import LINE_WIDTH, budget_line, fit_line, verdict_line
+from pytest_gpumem.results import PhaseResult, Status
+from pytest_gpumem.results.baseline import DeviceIdentity, Entry, Environment
+from pytest_gpumem.run.regression import Judgement
 
 
 def test_the_head_stays_whole_and_each_clause_follows_while_it_fits() -> None:
@@ -234,3 +241,49 @@ def test_what_grew_against_the_baseline_follows_the_regression_as_it_fits() -> N
     found = verdict_line([regressed + grew.replace("h.0", "h" * 100)], "")
     assert found.line == regressed + ": " + "h" * 100 + " +1.5 MiB, ..."
     assert verdict_line(["gradients changed: fc.weight differs"], "").line == "gradients changed: fc.weight differs"
+
+
+def _record(peak: int, net: int = 0, **phases: int) -> CallRecord:
+    """The record of a call that peaked at `peak` bytes, left `net` allocated and had `phases` (peaks)."""
+    measured = {name: PhaseResult(name, bytes_, bytes_, None, 0) for name, bytes_ in phases.items()}
+    return CallRecord("t.py::test_a", "tracker", "cpu", PhaseResult("call", peak, peak, None, net), measured)
+
+
+def _against(stored: int, current: int) -> Judgement:
+    """The comparison of a call that peaked at `current` bytes with its baseline of `stored` (tolerance 5%)."""
+    identity, env = DeviceIdentity("tracker", "cpu"), Environment("2.13.0", None)
+    entry = Entry.measured(identity, env, current, {})
+    verdict = compare("t.py::test_a", entry, Entry.measured(identity, env, stored, {}), Tolerance(5, 0))
+    return Judgement(verdict, entry, verdict.failed)
+
+
+HELD = budget_from_marker((1000,), {"leak": 100, "forward": 600})  # max_memory(1000, leak=100, forward=600)
+
+
+def test_a_call_within_its_budget_its_leak_limit_and_its_baseline_passes() -> None:
+    outcome = judge(_record(1000, 100, forward=600), HELD, HELD.leak, _against(1000, 1050))
+    assert (outcome.status, outcome.message, outcome.detail) == (Status.OK, None, ())
+    assert judge(_record(5000, 5000), None, None, None).status == Status.OK  # held to nothing
+
+
+def test_the_budget_is_judged_before_a_leak_and_a_regression() -> None:
+    outcome = judge(_record(1001, 101, forward=601), HELD, HELD.leak, _against(1000, 1001 + 50))
+    assert outcome.status == Status.OVER_BUDGET
+    hint = " (see what made it with --gpumem-explain or max_memory(explain=True))"
+    line = "call peak 1001 B exceeds max_memory 1000 B" + hint + "; forward peak 601 B exceeds max_memory forward=600 B"
+    assert (outcome.message, outcome.detail) == (line, ())
+
+
+def test_a_leak_is_judged_before_a_regression() -> None:
+    outcome = judge(_record(900, 101), HELD, HELD.leak, _against(800, 900))
+    assert (outcome.status, outcome.message) == (
+        Status.LEAKED,
+        "left 101 B allocated after the call (leak limit 100 B)",
+    )
+
+
+def test_a_call_past_its_baseline_and_tolerance_regresses() -> None:
+    outcome = judge(_record(1051), None, None, _against(1000, 1051))  # 5% of 1000 B is 50 B
+    how = "to see what grew, record the baseline with its composition: pytest t.py::test_a --gpumem-update"
+    line = f"call peak 1.0 KiB is 5.1% above baseline 1000 B (tolerance 5%) ({how})"
+    assert (outcome.status, outcome.message) == (Status.REGRESSED, line)

@@ -18,7 +18,7 @@ from pytest_gpumem.results.explanation import (
     Composition,
     Explanation,
     PhaseExplanation,
-    Timeline,
+    SampledTimeline,
     composition_to_json,
 )
 from pytest_gpumem.sizes import format_size
@@ -155,7 +155,9 @@ def test_growth_outside_every_listed_part_names_the_category() -> None:
 def test_compact_keeps_every_folded_part_and_the_store_reads_it_back() -> None:
     groups = [Cell("saved", "h.*", 4096), Cell("inputs", "x", 8)]
     call = PhaseExplanation(4104, {"saved": 4096, "inputs": 8}, {}, [], [], groups=groups)
-    explanation = Explanation("t.py::t", "tracker", [], {}, {"call": call}, Timeline(0, []), {"h.*": 4, "unused.*": 2})
+    explanation = Explanation(
+        "t.py::t", "tracker", [], {}, {"call": call}, SampledTimeline(0, []), {"h.*": 4, "unused.*": 2}
+    )
     stored = composition_to_json(compact(explanation))
     assert stored == {
         "call": {

@@ -16,6 +16,8 @@ from pytest_gpumem.history.git import Commit, Head, Version, head
 from pytest_gpumem.history.series import read
 from pytest_gpumem.history.table import sparkline
 from pytest_gpumem.report.width import display_width
+from pytest_gpumem.results import PhaseResult, TestResult
+from pytest_gpumem.results.baseline import DeviceIdentity, Entry
 
 FILE = "gpumem-baselines.json"
 IDENTITY = {"backend": "tracker", "device": "cpu", "capability": None, "total_memory": None}
@@ -276,16 +278,20 @@ def test_long_names_and_sparklines_fit_120_columns(repo: Path, capsys: pytest.Ca
 
 # ------------------------------------------------------------------- CI reports join in (--reports)
 
-GPU = {"backend": "cuda", "device": "NVIDIA H200", "capability": "9.0", "total_memory": 150754820096}
+GPU = DeviceIdentity("cuda", "NVIDIA H200", "9.0", 150754820096)
 
 
 def report(sha: str | None, peak: int, dirty: bool = False) -> str:
     """A --gpumem-json report of a GPU runner, made at `sha`, with one test."""
-    record = {"identity": GPU, "peak_bytes": peak, "phases": {"forward": peak // 2}, "torch": "2.13.0", "cuda": "12.8"}
-    test = {"nodeid": "t.py::test_grows", "backend": "cuda", "device": "cuda:0", "peak_bytes": peak,
-            "phases": {"forward": {"peak_bytes": peak // 2}}, "status": "ok", "record": record}  # fmt: skip
+    record = Entry(
+        DeviceIdentity("cuda", "NVIDIA H200", "9.0", 150754820096), peak, {"forward": peak // 2}, "2.13.0", "12.8"
+    )
+    phases = {"forward": PhaseResult("forward", peak // 2, peak // 2, None, 0)}
+    test = TestResult("t.py::test_grows", "cuda", "cuda:0", PhaseResult("call", peak, peak, None, 0), phases)
+    test.baseline_entry = record
     commit = None if sha is None else {"sha": sha, "dirty": dirty}
-    return json.dumps({"version": 1, "backend": "cuda", "device": "cuda:0", "commit": commit, "tests": [test]})
+    doc = {"version": 1, "backend": "cuda", "device": "cuda:0", "commit": commit, "tests": [test.to_json()]}
+    return json.dumps(doc)
 
 
 def test_reports_join_at_their_commits_and_the_others_are_named(repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -340,23 +346,26 @@ def test_a_report_before_the_range_read_is_not_in_the_history(repo: Path, capsys
     )
 
 
+ENTRY = TestResult("t.py::x", "cuda", "cuda:0", PhaseResult("call", 1, 1, None, 0)).to_json()
+AT = {"sha": "SHA", "dirty": False}
+
+
+def doc(version: object = 1, commit: object = AT, tests: object = ()) -> str:
+    """A report of the GPU runner with these in place (SHA: the head commit's hash)."""
+    return json.dumps({"version": version, "backend": "cuda", "device": "cuda:0", "commit": commit, "tests": tests})
+
+
 @pytest.mark.parametrize(
     ("text", "why"),
     [
         ("{ truncated", "cannot read a gpumem report: Expecting property name enclosed in double quotes"),
-        ('{"version": 99, "tests": []}', "report version 99 is not one this pytest-gpumem reads (1 to 1)"),
-        ('{"version": 1, "commit": "HEAD", "tests": []}', '"commit" must be {"sha": a full commit hash, '),
-        ('{"version": 1, "commit": {"sha": "SHA", "dirty": false}, "tests": [{"peak_bytes": 1}]}', "test 0 has no"),
-        (
-            '{"version": 1, "commit": {"sha": "SHA", "dirty": false}, '
-            '"tests": [{"nodeid": "t.py::x", "backend": "cuda", "device": "cuda:0", "peak_bytes": -1}]}',
-            "t.py::x: peak_bytes must be a byte count or null, got -1",
-        ),
-        (
-            '{"version": 1, "commit": {"sha": "SHA", "dirty": false}, '
-            '"tests": [{"nodeid": "t.py::x", "backend": ["cuda"], "device": "cuda:0", "peak_bytes": 1}]}',
-            "t.py::x: backend must be a name or null, got ['cuda']",
-        ),
+        ('{"version": 99, "tests": []}', 'report has no "backend"'),
+        (doc(version=99), "version must be 1 (the report version this pytest-gpumem reads), got 99"),
+        (doc(commit="HEAD"), 'commit must be {"sha": a full commit hash, '),
+        (doc(commit={"sha": "SHA", "dirty": 0}), "commit.dirty must be true or false, got 0"),
+        (doc(tests=[{"peak_bytes": 1}]), 'tests[0] has no "nodeid"'),
+        (doc(tests=[{**ENTRY, "peak_bytes": -1}]), "tests[0].peak_bytes is not as pytest-gpumem writes it, got -1"),
+        (doc(tests=[{**ENTRY, "backend": ["cuda"]}]), "tests[0].backend must be a backend's name, got ['cuda']"),
     ],
 )
 def test_a_broken_report_is_named_and_skipped(

@@ -23,7 +23,15 @@ from pytest_gpumem.report.html_axis import event_axis, event_ticks
 from pytest_gpumem.results.advice import AS_IS, Advice, PhasePeak, Row
 from pytest_gpumem.results.categories import CATEGORIES as ATTRIBUTED
 from pytest_gpumem.results.categories import LABELS as ATTRIBUTED_LABELS
-from pytest_gpumem.results.explanation import Cell, Explanation, PhaseExplanation, Point, Tensor, Timeline, Unmeasured
+from pytest_gpumem.results.explanation import (
+    Cell,
+    Explanation,
+    PhaseExplanation,
+    Point,
+    SampledTimeline,
+    Tensor,
+    UnmeasuredSpan,
+)
 from pytest_gpumem.run.outputs import write_evidence, write_picture
 from pytest_gpumem.sizes import format_size
 
@@ -53,7 +61,7 @@ def explanation(
             "forward": phase(total, peak_index, [(0, half)], growth),
             "backward": phase(0, half, [(half, events)], {}),
         },
-        timeline=Timeline(events, [Point(index, list(values)) for index, values in points]),
+        timeline=SampledTimeline(events, [Point(index, list(values)) for index, values in points]),
     )
 
 
@@ -455,7 +463,7 @@ def test_an_explained_test_that_advised_shows_the_advice_and_one_not_explained_g
 
 # --- what advise and check_gradients ran: folded on the event axis --------------------------------------------
 
-UNMEASURED = [Unmeasured("gpumem.advise", 100, 800), Unmeasured("gpumem.check_gradients", 900, 960)]
+UNMEASURED = [UnmeasuredSpan("gpumem.advise", 100, 800), UnmeasuredSpan("gpumem.check_gradients", 900, 960)]
 
 
 def unmeasured_case(peak_index: int | None = 60) -> Explanation:
@@ -475,7 +483,7 @@ def unmeasured_case(peak_index: int | None = 60) -> Explanation:
             "backward": phase(MIB, 850, [(800, 900)], {"temporaries": MIB}),
             "step": phase(0, 960, [(960, 1000)], {}),
         },
-        timeline=Timeline(1000, points, list(UNMEASURED)),
+        timeline=SampledTimeline(1000, points, list(UNMEASURED)),
     )
 
 
@@ -496,11 +504,11 @@ def test_advise_and_check_gradients_take_a_narrow_labeled_part_of_the_event_axis
 
 
 def test_many_folds_share_at_most_a_quarter_of_the_width_and_an_unmeasured_call_is_not_folded() -> None:
-    many = [Unmeasured("gpumem.check_gradients", 100 * i + 10, 100 * i + 90) for i in range(10)]
+    many = [UnmeasuredSpan("gpumem.check_gradients", 100 * i + 10, 100 * i + 90) for i in range(10)]
     axis = event_axis(1000, many)
     assert sum(part.right - part.left for part in axis.folds) == pytest.approx(0.24)
     assert len(axis.folds) == 10 and axis.position(1000) == 1.0
-    whole = event_axis(100, [Unmeasured("gpumem.advise", 0, 100)])
+    whole = event_axis(100, [UnmeasuredSpan("gpumem.advise", 0, 100)])
     assert [(part.left, part.right) for part in whole.segments] == [(0.0, 1.0)]
 
 
@@ -531,14 +539,16 @@ def test_the_page_lists_what_ran_unmeasured_and_the_script_gets_the_folds() -> N
         ("gpumem.advise", 100, 800),
         ("gpumem.check_gradients", 900, 960),
     ]
-    assert 'id="gpumem-folded"' not in render(replace(unmeasured_case(), timeline=Timeline(1000, [], [])))
+    assert 'id="gpumem-folded"' not in render(replace(unmeasured_case(), timeline=SampledTimeline(1000, [], [])))
 
 
 def test_unmeasured_spans_round_trip_and_an_old_timeline_reads_without_them() -> None:
     data = unmeasured_case()
     assert Explanation.from_json(data.to_json()) == data
-    old = Timeline(5, [Point(5, [0] * 6)])
-    assert "unmeasured" not in old.to_json() and Timeline.from_json({"events": 5, "points": [[5, [0] * 6]]}) == old
+    old = SampledTimeline(5, [Point(5, [0] * 6)])
+    assert (
+        "unmeasured" not in old.to_json() and SampledTimeline.from_json({"events": 5, "points": [[5, [0] * 6]]}) == old
+    )
 
 
 VOID = {"meta", "col", "wbr", "br", "img", "input", "link", "hr"}

@@ -4,8 +4,10 @@ and what an idle plugin costs (no torch, no measuring modules)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from builders import Reported
 
 from pytest_gpumem import options as options_table
 from pytest_gpumem import values
+from pytest_gpumem.config import BaselineOptions, Options
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -56,6 +59,13 @@ def test_help_lists_every_option_with_its_ini_twin(pytester: pytest.Pytester) ->
     shown = result.stdout.str()
     assert [o.flag for o in options_table.OPTIONS if o.flag not in shown] == []
     assert [o.ini for o in options_table.OPTIONS if o.ini is not None and f"{o.ini} (" not in shown] == []
+
+
+def test_each_option_fills_one_field_and_each_field_but_backend_given_is_filled_by_one() -> None:
+    filled = [option.field for option in options_table.OPTIONS]
+    fields = [field.name for cls in (Options, BaselineOptions) for field in dataclasses.fields(cls)]
+    assert sorted(filled) == sorted(set(fields) - {"backend_given"})
+    assert len(fields) == len(set(fields))
 
 
 def test_the_report_table_the_json_file_and_the_markdown_table(tracker: pytest.Pytester, reported: Reported) -> None:
@@ -132,6 +142,14 @@ def test_a_bad_option_value_is_named(parse: Callable[[str], object], value: str,
     assert str(refused.value) == message
 
 
+def test_a_folder_that_cannot_be_made_is_named(tmp_path: Path) -> None:
+    (tmp_path / "a file").touch()
+    inside_a_file = tmp_path / "a file" / "snapshots"
+    with pytest.raises(argparse.ArgumentTypeError) as refused:
+        values.folder_to_make(inside_a_file)
+    assert str(refused.value).startswith(f"cannot make folder {inside_a_file}: ")
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -158,6 +176,7 @@ def test_bad_option_values_are_usage_errors(pytester: pytest.Pytester, args: lis
     [
         ("gpumem_round = square", "ERROR: ini option gpumem_round: invalid rounding 'square'*"),
         ("gpumem_report = maybe", "ERROR: ini option gpumem_report: *maybe*"),
+        ("gpumem_json = nowhere/out.json", "ERROR: ini option gpumem_json=nowhere/out.json: folder *nowhere does not*"),
     ],
 )
 def test_a_bad_ini_value_is_a_usage_error_naming_the_option(pytester: pytest.Pytester, ini: str, message: str) -> None:
@@ -203,7 +222,8 @@ IDLE = {
     "sizes",
     "values",
 }
-IDLE |= {"run.regression", "run.session", "run.xdist"}
+IDLE |= {"run.regression", "run.session", "run.xdist", "results.checks"}
+IDLE |= {"report", "report.writers"}  # the writers' table: a report must not overwrite the baselines
 
 
 def test_an_idle_plugin_imports_neither_torch_nor_the_measuring_modules(pytester: pytest.Pytester) -> None:

@@ -13,6 +13,7 @@ import sys
 import xml.etree.ElementTree as ElementTree
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote
 
 import pytest
@@ -21,6 +22,7 @@ from builders import phase_result
 from pytest_gpumem.cli import main
 from pytest_gpumem.report.markdown import link_target, markdown
 from pytest_gpumem.results import TestResult, junit_properties
+from pytest_gpumem.results.baseline import BaselineStatus, PhaseComparison, Verdict
 from pytest_gpumem.run import outputs
 
 NO_SPACE = os.strerror(28)  # ENOSPC: "No space left on device", what /dev/full answers every write
@@ -110,8 +112,8 @@ def test_junit_xml_of_hostile_phase_names_parses_and_keeps_every_other_character
 
 # --------------------------------------------------------------------- writes that fail, in the CLI
 
-TEST = {"nodeid": "t::a", "peak_bytes": 100, "phases": {"f": {"peak_bytes": 50}}, "status": "ok"}
-REPORT = json.dumps({"version": 1, "backend": "tracker", "device": "cpu", "tests": [TEST]})
+TEST = TestResult("t::a", "tracker", "cpu", phase_result("call", 100), {"f": phase_result("f", 50)}).to_json()
+REPORT = json.dumps({"version": 1, "backend": "tracker", "device": "cpu", "commit": None, "tests": [TEST]})
 
 
 @pytest.fixture
@@ -299,3 +301,77 @@ def test_a_markdown_picture_link_reaches_the_picture_whatever_the_folder_name(tr
     assert f"[picture](<../pictures%20a%3Eb%20%281%29/{stem}.html>)" in text
     (href,) = markdown_links(text)
     assert (tracker.path / "reports" / unquote(href)).resolve().is_file()
+
+
+# ---------------------------------------------------------------- off-shape reports, read by the CLI
+
+VERDICT = Verdict("t::a", BaselineStatus.OK, (PhaseComparison(None, 100, 100, 110, 0.0, BaselineStatus.OK),), (), ())
+
+
+def off_shape(change: Callable[[dict[str, Any]], object]) -> str:
+    """The report above with a baseline verdict, after `change(its one test)`."""
+    test = json.loads(json.dumps({**TEST, "baseline": VERDICT.to_json()}))
+    change(test)
+    return json.dumps({"version": 1, "backend": "tracker", "device": "cpu", "commit": None, "tests": [test]})
+
+
+OFF_SHAPE = [
+    (lambda t: t["call"].update(peak_bytes="100"), "tests[0].call.peak_bytes must be an integer of bytes, got '100'"),
+    (lambda t: t["call"].update(peak_bytes=True), "tests[0].call.peak_bytes must be an integer of bytes, got True"),
+    (lambda t: t["call"].update(count=0), "tests[0].call.count must be a count of entries (1 or more), got 0"),
+    (lambda t: t["phases"]["f"].update(net_bytes=1.5), "tests[0].phases.f.net_bytes must be an integer of bytes "
+     "(negative where freed), got 1.5"),
+    (lambda t: t.update(peak_bytes=99), "tests[0].peak_bytes is not as pytest-gpumem writes it, got 99"),
+    (lambda t: t.pop("status"), 'tests[0] has no "status"'),
+    (lambda t: t.update(extra=1), 'tests[0] has an unknown key "extra"'),
+    (lambda t: t.update(status="fine"), "tests[0].status must be a status word as the report writes it ('ok', "),
+    (lambda t: t.update(nodeid="t::\x1b[2J"), "tests[0].nodeid must be printable text (no control characters, "),
+    (lambda t: t.update(detail=["a", 2]), "tests[0].detail[1] must be a string, got 2"),
+    (lambda t: t["baseline"].update(failed="no"), "tests[0].baseline.failed must be true or false, got 'no'"),
+    (lambda t: t["baseline"]["comparisons"][0].update(status="BAD"), "tests[0].baseline.comparisons[0].status "
+     "must be one of ok, REGRESSED, IMPROVED, NEW, MISSING, CHANGED, got 'BAD'"),
+    (lambda t: t.update(record={"identity": {}}), "tests[0].record: missing key 'peak_bytes'"),
+    (lambda t: t.update(explanation={"phases": {"call": {"peak_bytes": "1"}}}),
+     "tests[0].explanation.phases.call.peak_bytes must be an integer, got '1'"),
+    (lambda t: t.update(advice={"rows": 3}), "tests[0].advice.rows must be a list, got 3"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("change", "said"), OFF_SHAPE, ids=[said[:48] for _, said in OFF_SHAPE])
+def test_an_off_shape_report_exits_2_naming_the_file_and_the_json_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], change: Callable[[dict[str, Any]], object], said: str
+) -> None:
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text(off_shape(lambda _: None), encoding="utf-8")
+    bad.write_text(off_shape(change), encoding="utf-8")
+    assert main(["compare", str(good), str(good)]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(good), str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pytest-gpumem compare: error: {bad}: {said}") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("doc", "said"),
+    [
+        ('{"tests": []}', 'report has no "version"'),
+        ('{"version": 2, "backend": null, "device": null, "commit": null, "tests": []}', "version must be 1 "),
+        ('{"version": 1, "backend": 1, "device": null, "commit": null, "tests": []}', "backend must be a name or"),
+        ('{"version": 1, "backend": null, "device": null, "commit": "HEAD", "tests": []}', 'commit must be {"sha": a '),
+        (
+            '{"version": 1, "backend": null, "device": null, "commit": null, "tests": {}}',
+            "tests must be a list, got {}",
+        ),
+        ('{"version": 1, "version": 1, "tests": []}', 'cannot read a gpumem report: duplicate key "version"'),
+        ('{"version": NaN, "tests": []}', "cannot read a gpumem report: NaN is not a valid JSON number"),
+    ],
+)
+def test_an_off_shape_report_header_exits_2_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], doc: str, said: str
+) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(doc, encoding="utf-8")
+    assert main(["merge", str(bad), "-o", str(tmp_path / "all.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pytest-gpumem merge: error: {bad}: {said}") and err.count("\n") == 1
+    assert not (tmp_path / "all.json").exists()

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
+
+RunReference = Callable[..., dict[str, Any]]  # the conftest fixture run_reference
+# the runs at these scales that docs/guides/reference-strategies.md shows: its examples read the same runs
+GUIDE_SELECTIONS = {
+    "2": "[plain] or amp or optimizer_in_backward",
+    "0.25": "[plain] or amp or optimizer_in_backward or _ce",
+}
 
 
 def test_reference_report_subset(tracker: pytest.Pytester) -> None:
@@ -43,19 +53,25 @@ def test_reference_report_compares_reserved_memory_under_the_allocators_model(tr
 @pytest.mark.parametrize(
     ("rounding", "rules"),
     [
-        ("none", "amp: autocast under CPU's rules"),
+        ("auto", "amp: autocast under CPU's rules"),  # none on cpu tensors
         ("cuda", "amp: autocast under CUDA's rules (torch *'s CUDA op lists, on cpu tensors)"),
     ],
 )
 def test_amp_runs_under_the_autocast_rules_of_what_is_measured(
-    tracker: pytest.Pytester, rounding: str, rules: str
+    tracker: pytest.Pytester, run_reference: RunReference, rounding: str, rules: str
 ) -> None:
-    result = tracker.runpytest(
-        "--pyargs", "reference_losses", "-k", "amp", "--gpumem-report", f"--gpumem-round={rounding}",
-        "-p", "no:cacheprovider",
-    )  # fmt: skip
-    result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines([rules])
+    if rounding == "auto":  # the guide's run at scale 0.25 (test_bounds_follow_the_scale reads it too)
+        ran = run_reference(tracker, "--gpumem-scale=0.25", "--gpumem-report", "-k", GUIDE_SELECTIONS["0.25"])
+        assert "test_training_strategy[amp]" in ran["passed"]
+        lines = ran["lines"]
+    else:
+        result = tracker.runpytest(
+            "--pyargs", "reference_losses", "-k", "amp", "--gpumem-report", f"--gpumem-round={rounding}",
+            "-p", "no:cacheprovider",
+        )  # fmt: skip
+        result.assert_outcomes(passed=1)
+        lines = result.outlines
+    pytest.LineMatcher(lines).fnmatch_lines([rules])
 
 
 def test_reference_report_only_when_asked(tracker: pytest.Pytester) -> None:
@@ -90,16 +106,26 @@ def test_scale_changes_the_workload(tracker: pytest.Pytester) -> None:
 # parameter gradients (do not) dominate: at scale 1 the gradients do, at 2 (Net) and 0.25 (full_ce)
 # the other term does.
 SCALE_CASES = {
-    "2": ("test_training_strategy and (plain or checkpoint_layer or amp or clip_grad) and not residual", 4),
-    "0.25": ("full_ce or amp or optimizer_in_backward", 3),
-}
+    "2": ["training_strategy[plain]", "training_strategy[checkpoint_layer]", "training_strategy[amp]",
+          "training_strategy[clip_grad]"],
+    "0.25": ["loss_strategy[full_ce]", "training_strategy[amp]", "training_strategy[optimizer_in_backward]"],
+}  # fmt: skip
+
+
+def _only_passed(outcomes: dict[str, int]) -> dict[str, int]:
+    """The counts that `assert_outcomes(passed=N)` compares."""
+    return {name: outcomes.get(name, 0) for name in ("passed", "skipped", "failed", "errors", "xpassed", "xfailed")}
 
 
 @pytest.mark.slow  # seven training strategies run for real
 @pytest.mark.parametrize("scale", sorted(SCALE_CASES))
-def test_bounds_follow_the_scale(tracker: pytest.Pytester, scale: str) -> None:
-    selection, count = SCALE_CASES[scale]
-    result = tracker.runpytest(
-        "--pyargs", "reference_losses", f"--gpumem-scale={scale}", "-k", selection, "-p", "no:cacheprovider"
-    )
-    result.assert_outcomes(passed=count)
+def test_bounds_follow_the_scale(tracker: pytest.Pytester, run_reference: RunReference, scale: str) -> None:
+    guide = run_reference(tracker, f"--gpumem-scale={scale}", "--gpumem-report", "-k", GUIDE_SELECTIONS[scale])
+    assert _only_passed(guide["outcomes"]) == _only_passed({"passed": len(guide["passed"])})
+    others = [f"test_{name}" for name in SCALE_CASES[scale] if f"test_{name}" not in guide["passed"]]
+    if others:
+        selection = " or ".join(others)
+        result = tracker.runpytest(
+            "--pyargs", "reference_losses", f"--gpumem-scale={scale}", "-k", selection, "-p", "no:cacheprovider"
+        )
+        result.assert_outcomes(passed=len(others))

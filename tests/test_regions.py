@@ -69,7 +69,7 @@ def test_phase_reset_does_not_hide_an_earlier_call_peak() -> None:
         fake.free(200)
         fake.alloc(300)
         fake.free(300)
-    call = measured.end()
+    call = measured.end().call
     assert call.peak_bytes == 500
     assert call.net_bytes == 0
     assert measured.peak("forward") == 200
@@ -90,7 +90,7 @@ def test_peak_inside_phase_reaches_the_call() -> None:
         fake.alloc(5000)
         fake.free(5000)
     fake.alloc(10)
-    assert measured.end().peak_bytes == 5000
+    assert measured.end().call.peak_bytes == 5000
 
 
 def test_repeated_phase_keeps_max_and_last_net() -> None:
@@ -114,7 +114,7 @@ def test_a_phase_left_open_is_closed_when_the_call_ends() -> None:
     context = meter.phase("left-open")
     context.__enter__()
     fake.alloc(64)
-    assert measured.end().peak_bytes == 64
+    assert measured.end().call.peak_bytes == 64
     with pytest.raises(GpuMemError, match="the call of t is measured only while its test function runs"):
         GpuMem(Measurement(fake, "t")).peak()
 
@@ -132,7 +132,7 @@ def test_call_so_far() -> None:
     assert measured.result().net_bytes == 0
     fake.alloc(500)
     fake.free(500)
-    assert measured.end().peak_bytes == 500
+    assert measured.end().call.peak_bytes == 500
 
 
 @pytest.mark.parametrize("name", ["x@rank1", "forward@rank0", "a@rank@rank12"])
@@ -145,7 +145,7 @@ def test_a_phase_named_like_a_ranks_phase_is_refused(name: str) -> None:
         meter.phase(name).__enter__()  # refused before it opens
     with meter.phase("after"):  # nothing was left open
         fake.alloc(20)
-    assert list(measured.phases) == ["after"] and measured.end().peak_bytes == 20
+    assert list(measured.phases) == ["after"] and measured.end().call.peak_bytes == 20
 
 
 @pytest.mark.parametrize("name", ["x@rank", "x@rankA", "x@rank01", "@rank1", "x@rank1b"])

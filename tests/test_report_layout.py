@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 from builders import phase_result
 
+from pytest_gpumem.config import Options
+from pytest_gpumem.options import OPTIONS
 from pytest_gpumem.report.ids import TestId, common_prefix, elide, shorten_id, shorten_ids
 from pytest_gpumem.report.markdown import markdown
 from pytest_gpumem.report.terminal import (
@@ -15,11 +18,11 @@ from pytest_gpumem.report.terminal import (
     fold_ranks,
     join_fitting,
     largest_change,
-    one_line,
     shared_phases,
     table_lines,
 )
-from pytest_gpumem.report.width import ELLIPSIS, cut, display_width, pad, truncate
+from pytest_gpumem.report.width import ELLIPSIS, cut, display_width, flatten, pad, truncate
+from pytest_gpumem.report.writers import WRITERS, JsonReport, RunInfo
 from pytest_gpumem.results import PhaseResult, Status, TestResult
 from pytest_gpumem.results.baseline import BaselineStatus, PhaseComparison, Verdict
 
@@ -210,10 +213,10 @@ def test_cuts_fit_every_width_and_never_split_a_wide_character_or_lose_a_mark(te
 
 
 def test_a_cell_is_one_line_without_control_characters() -> None:
-    assert one_line("two\nlines\tand a tab") == "two lines and a tab"
-    assert one_line("esc\x1b[31mred\x1b[0m") == "esc\\x1b[31mred\\x1b[0m"  # a terminal would obey it
-    assert one_line("nul\x00 lone \ud800") == "nul\\x00 lone \\ud800"
-    assert one_line("日本 [red] <b>") == "日本 [red] <b>"  # markup is text: nothing reads it
+    assert flatten("two\nlines\tand a tab") == "two lines and a tab"
+    assert flatten("esc\x1b[31mred\x1b[0m") == "esc\\x1b[31mred\\x1b[0m"  # a terminal would obey it
+    assert flatten("nul\x00 lone \ud800") == "nul\\x00 lone \\ud800"
+    assert flatten("日本 [red] <b>") == "日本 [red] <b>"  # markup is text: nothing reads it
 
 
 @pytest.mark.parametrize("width", [61, 80, 97, 100, 120, 200])
@@ -683,6 +686,21 @@ def test_the_end_of_the_run_says_what_it_writes_unless_quiet(tracker: pytest.Pyt
     quiet = tracker.runpytest(*args, "-q")
     quiet.assert_outcomes(passed=2)
     assert not [line for line in quiet.outlines if line.startswith(("gpumem: writing", "gpumem: updating"))]
+
+
+def test_each_end_of_run_file_is_chosen_by_the_path_option_that_names_it() -> None:
+    files = {option.field: option.flag for option in OPTIONS if option.metavar == "PATH"}
+    assert {field: files.get(field) for field in WRITERS} == {field: w.flag for field, w in WRITERS.items()}
+    assert set(WRITERS) <= {field.name for field in fields(Options)}
+    assert [writer.flag for writer in WRITERS.values()] == ["--gpumem-json", "--gpumem-markdown"]  # written in order
+
+
+def test_the_json_report_names_the_first_result_s_backend_when_the_run_made_none(tmp_path: Path) -> None:
+    result = TestResult("test_a.py::test_a", "tracker", "meta", phase("call", 1), {})
+    made_none, made_cuda = RunInfo(None, None, tmp_path, False, None), RunInfo("cuda", "cuda:0", tmp_path, False, None)
+    for run, named in ((made_none, ["tracker", "meta"]), (made_cuda, ["cuda", "cuda:0"])):
+        doc = json.loads(JsonReport(tmp_path / "r.json").text([result], run))
+        assert [doc["backend"], doc["device"], doc["commit"], len(doc["tests"])] == [*named, None, 1]  # no git here
 
 
 UNICODE_IDS = """

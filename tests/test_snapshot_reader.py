@@ -14,7 +14,6 @@ from pytest_gpumem.snapshots.read import Snapshot, read_snapshot, snapshot_from_
 from pytest_gpumem.snapshots.replay import replay, starts_empty
 
 MiB = 1 << 20
-SNAPSHOTS = Path(__file__).resolve().parents[1].parent / "shared" / "snapshots"
 FROM_EMPTY = {  # the catalog's from-empty traces
     "NiuHuangxiaozi__assignment2-systems__fwd_ctx100_fp32.pickle",
     "NiuHuangxiaozi__assignment2-systems__fwd_ctx200_bf16autocast.pickle",
@@ -175,11 +174,9 @@ def test_a_trace_that_frees_what_it_never_allocated_starts_warm() -> None:
 # ------------------------------------------------------------------------------------- real cards' files
 
 
-@pytest.fixture(scope="module")
-def cards() -> dict[str, Snapshot]:
-    if not SNAPSHOTS.is_dir():
-        pytest.skip(f"no snapshots folder at {SNAPSHOTS}")
-    return {path.name: read_snapshot(path) for path in sorted(SNAPSHOTS.glob("*.pickle"))}
+@pytest.fixture
+def cards(snapshot_cards: dict[str, Snapshot]) -> dict[str, Snapshot]:
+    return snapshot_cards
 
 
 def test_every_real_snapshot_reads(cards: dict[str, Snapshot]) -> None:

@@ -18,14 +18,13 @@ from pytest_gpumem.backends.tracker.allocator_config import AllocatorSettings
 from pytest_gpumem.cli import main
 from pytest_gpumem.snapshots.agreement import agree
 from pytest_gpumem.snapshots.command import settings_for
-from pytest_gpumem.snapshots.read import Snapshot, read_snapshot, snapshot_from_bytes
+from pytest_gpumem.snapshots.read import Snapshot, snapshot_from_bytes
 from pytest_gpumem.snapshots.start import may_have_wrapped, restore, start_state
 from pytest_gpumem.snapshots.whatif import what_if
 from pytest_gpumem.snapshots.write import RecordedModel, snapshot_of
 
 MiB = 1 << 20
 LARGE = 0x7F0000000000
-SNAPSHOTS = Path(__file__).resolve().parents[1].parent / "shared" / "snapshots"
 
 
 def event(action: str, addr: int, size: int, line: int = 7, **extra: Any) -> dict[str, Any]:
@@ -268,22 +267,14 @@ def test_a_bad_what_if_is_a_usage_error(
 # ---------------------------------------------------------------------------------- the shared corpus
 
 
-@pytest.fixture(scope="module")
-def corpus() -> list[Path]:
-    if not SNAPSHOTS.is_dir():
-        pytest.skip(f"no snapshots folder at {SNAPSHOTS}")
-    return sorted(SNAPSHOTS.glob("*.pickle"))
-
-
-def test_every_card_of_the_corpus_is_replayed_exactly(corpus: list[Path]) -> None:
-    for path in corpus:
-        snap = read_snapshot(path)
+def test_every_card_of_the_corpus_is_replayed_exactly(snapshot_cards: dict[str, Snapshot]) -> None:
+    for name, snap in snapshot_cards.items():
         for device, trace in enumerate(snap.traces):
             if trace:
                 a = agree(snap, device)
-                assert a.decisions_matched == a.reserved_matched == a.requests, path.name
-                assert a.placements_matched >= 0.999 * a.requests, path.name
-                assert a.peak_reserved_card == a.peak_reserved_model, path.name
+                assert a.decisions_matched == a.reserved_matched == a.requests, name
+                assert a.placements_matched >= 0.999 * a.requests, name
+                assert a.peak_reserved_card == a.peak_reserved_model, name
 
 
 # ------------------------------------------------------------------------- snapshots we write ourselves

@@ -4,6 +4,7 @@ replay gives the figures the measurement reported."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -165,23 +166,32 @@ def test_replaying_the_written_snapshot_gives_the_measured_peaks(measured: tuple
     assert (peaks.allocated, peaks.requested, peaks.reserved) == (4096 + 12 * MiB, 4000 + 12 * MiB, 14 * MiB)
 
 
-def memory_viz(*args: str) -> str:
+# torch's own viewer, `python -m torch.cuda._memory_viz ACTION ...`, once per ACTION in one interpreter (each
+# of its runs would import torch again): what each printed, after a NUL line
+MEMORY_VIZ = """
+import json, runpy, sys
+for args in json.loads(sys.argv[1]):
+    print("\\0", flush=True)
+    sys.argv = ["_memory_viz.py", *args]
+    runpy.run_module("torch.cuda._memory_viz", run_name="__main__")
+"""
+
+
+def memory_viz(*commands: list[str]) -> list[str]:
     done = subprocess.run(
-        [sys.executable, "-W", "ignore", "-m", "torch.cuda._memory_viz", *args],
+        [sys.executable, "-W", "ignore", "-c", MEMORY_VIZ, json.dumps(commands)],
         capture_output=True, text=True, check=True, timeout=120,
     )  # fmt: skip
-    return done.stdout
+    return done.stdout.split("\0\n")[1:]
 
 
 def test_memory_viz_opens_the_written_snapshot(measured: tuple[Path, Any, int], tmp_path: Path) -> None:
     path, _, _ = measured
-    stats = memory_viz("stats", str(path))
-    assert "segments: 2" in stats and "total_reserved: 14.0MiB" in stats
-    trace = memory_viz("trace", str(path)).splitlines()
-    assert trace[1:5] == ["11 entries", f"a = cudaMalloc({BASE}, 2.0MiB)", "b = a[0:3.9KiB]",
-                          f"c = cudaMalloc({BASE + 2 * MiB}, 12.0MiB)"]  # fmt: skip
     page = tmp_path / "trace.html"
-    memory_viz("trace_plot", str(path), "-o", str(page))
+    stats, trace, _ = memory_viz(["stats", str(path)], ["trace", str(path)], ["trace_plot", str(path), "-o", str(page)])
+    assert "segments: 2" in stats and "total_reserved: 14.0MiB" in stats
+    assert trace.splitlines()[1:5] == ["11 entries", f"a = cudaMalloc({BASE}, 2.0MiB)", "b = a[0:3.9KiB]",
+                                       f"c = cudaMalloc({BASE + 2 * MiB}, 12.0MiB)"]  # fmt: skip
     assert "snapshot.pickle" in page.read_text(encoding="utf-8")
 
 

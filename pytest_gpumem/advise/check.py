@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
-from pytest_gpumem.advise.strategies import Target
+from pytest_gpumem.advise.strategy import Target
 
 # Largest relative error (the norm of the difference over the norm of the as-is gradient) that counts
 # as equal, by the dtype the step computes in. fp32: reordered sums of up to ~1e4 terms move a result by

@@ -27,8 +27,8 @@ from torch import nn
 from torch.utils.flop_counter import flop_registry
 
 from pytest_gpumem.advise.check import Saved, compare, randomness, scales
-from pytest_gpumem.advise.kinds import all_strategies, conflict, ordered
-from pytest_gpumem.advise.strategies import OptimizerShim, Patch, Run, Strategy, Target, find_blocks
+from pytest_gpumem.advise.strategies import all_strategies, conflict, ordered
+from pytest_gpumem.advise.strategy import OptimizerShim, Patch, Run, Strategy, Target, find_blocks
 from pytest_gpumem.backends.tracker.ledger import cuda_block_size
 from pytest_gpumem.errors import GpuMemError, exception_text
 from pytest_gpumem.measure.failures import release_memory

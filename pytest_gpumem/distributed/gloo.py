@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
 
 GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives each of gloo's worker threads
-SETTLE_LIMIT = 5.0  # seconds a phase boundary waits for gloo's worker threads to go idle
+GLOO_IDLE_LIMIT = 5.0  # seconds a phase boundary waits for gloo's worker threads to go idle
 _QUIET = 0.001  # seconds a worker thread must not run, the GIL free, to count as idle
 
 
@@ -36,7 +36,7 @@ def _gloo_workers() -> dict[str, tuple[str, str]]:
     return found
 
 
-def collectives_settled(limit: float = SETTLE_LIMIT) -> bool:
+def wait_for_gloo_idle(limit: float = GLOO_IDLE_LIMIT) -> bool:
     """Wait until gloo's worker threads are idle: none is running, and none ran while this thread slept
     without the GIL. A worker lets go of a finished collective's tensors (the last reference to an
     all-gather or broadcast buffer, often) after the collective has completed, at a moment its thread's
@@ -56,28 +56,28 @@ def collectives_settled(limit: float = SETTLE_LIMIT) -> bool:
         before = now
 
 
-SETTLED_CALLS = ("_broadcast_coalesced", "_verify_params_across_processes")
+GLOO_WAITED_CALLS = ("_broadcast_coalesced", "_verify_params_across_processes")
 """torch.distributed's calls that drop their own buffers as they return (DDP's `init_sync` broadcast and
 its check of the parameters' shapes), while gloo's worker may still hold them."""
 
 
-def settle_after_calls(dist: Any) -> None:
-    """Each of `SETTLED_CALLS` waits for gloo's worker before returning: its buffers are then gone before the
-    caller's next allocation (in DDP, the reducer's gradient buckets), whatever the threads' scheduling."""
-    for name in SETTLED_CALLS:
+def wait_for_gloo_after_calls(dist: Any) -> None:
+    """Each of `GLOO_WAITED_CALLS` waits for gloo's worker before returning: its buffers are then gone before
+    the caller's next allocation (in DDP, the reducer's gradient buckets), whatever the threads' scheduling."""
+    for name in GLOO_WAITED_CALLS:
         call = getattr(dist, name, None)
         if callable(call):
-            setattr(dist, name, _settled(call))
+            setattr(dist, name, _waiting_for_gloo(call))
 
 
-def _settled(call: Callable[..., Any]) -> Callable[..., Any]:
-    def settled(*args: Any, **kwargs: Any) -> Any:
+def _waiting_for_gloo(call: Callable[..., Any]) -> Callable[..., Any]:
+    def waiting(*args: Any, **kwargs: Any) -> Any:
         try:
             return call(*args, **kwargs)
         finally:
-            collectives_settled()
+            wait_for_gloo_idle()
 
-    return settled
+    return waiting
 
 
 class SettledBoundaries:
@@ -89,13 +89,13 @@ class SettledBoundaries:
 
     def __call__(self) -> None:
         self.settle()
-        if not collectives_settled():
+        if not wait_for_gloo_idle():
             self.busy += 1
 
     def notes(self) -> list[str]:
         if not self.busy:
             return []
         return [
-            f"gloo's worker threads were still busy {SETTLE_LIMIT:g} s after {self.busy} phase boundaries: when "
+            f"gloo's worker threads were still busy {GLOO_IDLE_LIMIT:g} s after {self.busy} phase boundaries: when "
             "they let go of a collective's buffers varies, and so may this rank's figures"
         ]

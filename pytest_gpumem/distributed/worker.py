@@ -12,7 +12,8 @@ import pickle
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from pytest_gpumem.distributed.gloo import SettledBoundaries, settle_after_calls
+from pytest_gpumem.advise.run import advise
+from pytest_gpumem.distributed.gloo import SettledBoundaries, wait_for_gloo_after_calls
 from pytest_gpumem.distributed.messages import Kind, Message, describe, done
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.measure.measurement import Measurement
@@ -85,7 +86,7 @@ def _run(rank: int, spec: RankSpec, queue: Queue[Wire]) -> RankResult:
     )
     queue.put(Message(Kind.READY, rank).to_wire())
     if spec.process_group == "gloo":
-        settle_after_calls(dist)
+        wait_for_gloo_after_calls(dist)
     return _measured(rank, spec, backend, fn, args)
 
 
@@ -147,15 +148,16 @@ def _measured(rank: int, spec: RankSpec, backend: Backend, fn: Any, args: tuple[
     boundaries = SettledBoundaries(backend)
     setattr(backend, "settle", boundaries)  # noqa: B010  (this rank's own backend, for its lifetime)
     measured = Measurement(backend, f"{spec.nodeid} rank {rank}", InRank(spec.nodeid))
-    measured.explain = spec.explain
+    measured.hold_to(leak_check=False, explain=spec.explain)
     measured.begin()
     try:
-        value = fn(rank, spec.world_size, GpuMem(measured), *args)
-        call = measured.end()
+        value = fn(rank, spec.world_size, GpuMem(measured, advise), *args)
+        record = measured.end()
     finally:
         measured.end_if_running()
-    notes = [*measured.notes, *boundaries.notes()]
-    return RankResult(rank, call, measured.phases, value, _sendable(measured.info), notes, measured.explanation)
+    notes = [*record.notes, *boundaries.notes()]
+    phases = dict(record.phases)
+    return RankResult(rank, record.call, phases, value, _sendable(record.info), notes, record.explanation)
 
 
 def _sendable(info: object) -> dict[str, Any]:

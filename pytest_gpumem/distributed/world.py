@@ -80,7 +80,7 @@ class Worlds:
             )
             ranks = spawn(spec, limit, self.say)
         check_phase_names(ranks, name)
-        measured.notes.extend(f"rank {r.rank}: {note}" for r in ranks for note in r.notes)
+        measured.add_notes(f"rank {r.rank}: {note}" for r in ranks for note in r.notes)
         world = World(ranks, group, name)
         return World(ranks, group, name, explained(world))
 

@@ -15,7 +15,7 @@ from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, TypeVar
 
-from pytest_gpumem.backends.tracker.attribution import Allocation, Attributor, Region
+from pytest_gpumem.backends.tracker.attribution import Allocation, Attributor, RegionSpan
 from pytest_gpumem.explain.blocks import fold, repeated_blocks
 from pytest_gpumem.results import RANK_SEPARATOR, rank_phase
 from pytest_gpumem.results.categories import CATEGORIES, LABELS
@@ -26,9 +26,9 @@ from pytest_gpumem.results.explanation import (
     Point,
     RanksExplanation,
     ReservedAtPeak,
+    SampledTimeline,
     Tensor,
-    Timeline,
-    Unmeasured,
+    UnmeasuredSpan,
 )
 
 if TYPE_CHECKING:
@@ -91,14 +91,14 @@ def explain(attributor: Attributor, measured: Mapping[str, PhaseResult], nodeid:
         labels=dict(LABELS),
         folded=folded,
         phases=phases,
-        timeline=Timeline(len(totals) - 1, points, _unmeasured(attributor)),
+        timeline=SampledTimeline(len(totals) - 1, points, _unmeasured(attributor)),
     )
 
 
-def _unmeasured(attributor: Attributor) -> list[Unmeasured]:
+def _unmeasured(attributor: Attributor) -> list[UnmeasuredSpan]:
     """The spans of the call that gpumem.advise and gpumem.check_gradients ran, named by what ran."""
     spans = zip(attributor.paused_by, attributor.paused, strict=True)
-    return [Unmeasured(by, start, end) for by, (start, end) in spans]
+    return [UnmeasuredSpan(by, start, end) for by, (start, end) in spans]
 
 
 def _reserved_at(attributor: Attributor, moment: int, totals: array[int]) -> ReservedAtPeak | None:
@@ -124,11 +124,11 @@ def _running_totals(attributor: Attributor) -> array[int]:
 
 
 def _peaks(
-    regions: Sequence[Region], paused: Sequence[tuple[int, int]], totals: array[int]
-) -> dict[str, tuple[Region, int]]:
+    regions: Sequence[RegionSpan], paused: Sequence[tuple[int, int]], totals: array[int]
+) -> dict[str, tuple[RegionSpan, int]]:
     """For each region name, the entry with the highest peak above its start and that peak's moment
     (the first moment of the largest total, outside spans the meter does not measure)."""
-    chosen: dict[str, tuple[Region, int]] = {}
+    chosen: dict[str, tuple[RegionSpan, int]] = {}
     for region in regions:
         peak = _first_highest(totals, region.start, min(region.end, len(totals) - 1) + 1, paused)
         previous = chosen.get(region.name)
@@ -155,7 +155,7 @@ def _first_highest(totals: array[int], low: int, high: int, paused: Sequence[tup
     return low if best is None else best
 
 
-def _sampled(totals: array[int], chosen: Mapping[str, tuple[Region, int]]) -> set[int]:
+def _sampled(totals: array[int], chosen: Mapping[str, tuple[RegionSpan, int]]) -> set[int]:
     """The moments a timeline shows: the highest of each bucket, plus each phase's peak."""
     keep = {peak for _, peak in chosen.values()} | {0, len(totals) - 1}
     bucket = max(1, -(-len(totals) // MAX_POINTS))

@@ -2,8 +2,8 @@
 of that line holds it: one ``git log --first-parent`` of the file (a merge read against its first
 parent, so a clean merge, ``-s ours`` and a resolved conflict each give what the merge holds), one
 ``git diff-tree -M`` where the file appears (renames followed, copies not), one ``git cat-file --batch``
-for all the blobs; and the commit a work tree is at (one ``git status``), which a ``--gpumem-json``
-report records. Git's output is read NUL-separated, so no subject or file name can break a record."""
+for all the blobs (the commit a work tree is at, which a ``--gpumem-json`` report records, is
+`report/commit.py`'s). Git's output is read NUL-separated, so no subject or file name can break a record."""
 
 from __future__ import annotations
 
@@ -16,15 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.report.terminal import one_line
+from pytest_gpumem.report.commit import Head, head
+from pytest_gpumem.report.width import flatten
 
 __all__ = ["Commit", "GitError", "Head", "Repo", "Version", "head"]
 
 _FIELDS = 5
 _FORMAT = "%H%x00%h%x00%cs%x00%P%x00%s"  # hash, short hash, committer date, parents, subject
 _GIT = ["git", "-c", "core.quotePath=false", "--literal-pathspecs", "--no-pager"]
-HEAD_TIMEOUT_S = 10.0
-"""The longest a report waits for ``git status`` (a huge work tree on a slow disk): then no commit."""
 
 
 class GitError(GpuMemError):
@@ -88,7 +87,7 @@ class Repo:
             raise GitError(f"cannot run git: {exc.strerror or exc}") from None
         if done.returncode != 0:
             reason = done.stderr.decode("utf-8", "replace").strip().splitlines()
-            raise GitError(f"{problem}: {one_line(reason[-1])}" if reason and detail else problem)
+            raise GitError(f"{problem}: {flatten(reason[-1])}" if reason and detail else problem)
         return done.stdout
 
     def versions(self) -> list[Version]:
@@ -200,30 +199,3 @@ def _blobs(out: bytes) -> list[bytes | None]:
             found.append(None)
             at = end + 1
     return found
-
-
-@dataclass(frozen=True)
-class Head:
-    """The commit a work tree is at, and whether its tracked files differ from it."""
-
-    sha: str
-    dirty: bool
-
-    def to_json(self) -> dict[str, object]:
-        return {"sha": self.sha, "dirty": self.dirty}
-
-
-def head(folder: Path) -> Head | None:
-    """What ``git status`` says of the work tree holding ``folder`` (untracked files are not changes);
-    None outside one, without git, before its first commit, or when git does not answer in time."""
-    command = ["git", "--no-optional-locks", "-C", str(folder), "status", "--porcelain=v2", "--branch"]
-    command += ["--untracked-files=no", "--ignore-submodules=dirty"]
-    try:
-        done = subprocess.run(command, capture_output=True, check=False, timeout=HEAD_TIMEOUT_S)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    lines = done.stdout.decode("utf-8", "replace").splitlines()
-    sha = next((line.split()[-1] for line in lines if line.startswith("# branch.oid ")), "")
-    if done.returncode != 0 or len(sha) not in (40, 64) or not all(c in "0123456789abcdef" for c in sha):
-        return None
-    return Head(sha, any(not line.startswith("#") for line in lines))

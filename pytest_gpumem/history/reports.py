@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from pytest_gpumem.baselines.schema import paused_gc
-from pytest_gpumem.errors import first_line
-from pytest_gpumem.history.git import Commit, GitError, Head
-from pytest_gpumem.report.json import Report, ReportedTest, ReportError, read_report
+from pytest_gpumem.errors import GpuMemError, first_line
+from pytest_gpumem.history.git import Commit, GitError
+from pytest_gpumem.results import TestResult
 from pytest_gpumem.results.baseline import DeviceIdentity, Entry
+from pytest_gpumem.results.report_file import MadeAt, read_report
 
 __all__ = ["Reports", "read_reports"]
 
@@ -44,7 +44,7 @@ class Reports:
 @dataclass(frozen=True)
 class _Report:
     path: Path
-    commit: Head | None
+    commit: MadeAt | None
     entries: Entries
 
 
@@ -108,54 +108,33 @@ def _merged(reports: list[_Report], commit: Commit, skipped: list[str]) -> Entri
 def _load(path: Path) -> _Report:
     try:
         report = read_report(path)
-    except ReportError as exc:
-        raise _Refused(exc.reason) from None
-    return _Report(path, report.commit, {} if report.commit is None else _entries(report))
+    except GpuMemError as exc:
+        raise _Refused(str(exc).removeprefix(f"{path}: ")) from None
+    return _Report(path, report.commit, {} if report.commit is None else _entries(report.tests))
 
 
-def _entries(report: Report) -> Entries:
-    """The report's tests with figures, by node id and identity key."""
-    tests = list(report.tests.values())
-    recorded = _recorded(tests)
+def _entries(tests: Sequence[TestResult]) -> Entries:
+    """The report's tests with figures, by node id and identity key: each test's identity is the one its
+    record holds (a passing test's has one), else that of the first record of a test measured where it
+    was (a failing test has none), else its backend and device alone."""
+    recorded: dict[tuple[str, str], DeviceIdentity] = {}
+    for test in tests:
+        if test.baseline_entry is not None:
+            recorded.setdefault((test.backend, test.device), test.baseline_entry.identity)
     entries: Entries = {}
-    for i, test in enumerate(tests):
-        call = test.peaks[None]
-        if test.status in NO_FIGURES or call is None:
+    for test in tests:
+        if test.status.value in NO_FIGURES or test.call is None:
             continue
         where = (test.backend, test.device)
-        try:
-            identity = recorded[i] or recorded.get(where) or _measured_on(where)
-        except ValueError as exc:
-            raise _Refused(f"{test.nodeid}: {first_line(exc)}") from None
-        phases = {name: peak for name, peak in test.peaks.items() if name is not None and peak is not None}
-        entries.setdefault(test.nodeid, {})[identity.key] = Entry(identity, call, phases, None, None)
+        own = None if test.baseline_entry is None else test.baseline_entry.identity
+        identity = own or recorded.get(where) or _measured_on(test, where)
+        phases = {name: phase.peak_bytes for name, phase in test.phases.items()}
+        entries.setdefault(test.nodeid, {})[identity.key] = Entry(identity, test.call.peak_bytes, phases, None, None)
     return entries
 
 
-def _recorded(tests: Sequence[ReportedTest]) -> dict[Any, DeviceIdentity | None]:
-    """By test index, the identity its record holds (a passing test's has one), else None; and by
-    (backend, device), the first such identity: a test without a record (a failing one) takes that of
-    the tests measured where it was. Equal identities are read once."""
-    found: dict[Any, DeviceIdentity | None] = {}
-    read: dict[tuple[Any, ...], DeviceIdentity] = {}
-    for i, test in enumerate(tests):
-        found[i] = None
-        record = test.entry.get("record")
-        raw = record.get("identity") if isinstance(record, dict) else None
-        if not isinstance(raw, dict):
-            continue
-        try:
-            key = tuple(raw.items())
-            identity = read.get(key) or read.setdefault(key, DeviceIdentity.from_json(raw))
-        except (ValueError, TypeError):
-            continue
-        found[i] = identity
-        found.setdefault((test.backend, test.device), identity)
-    return found
-
-
-def _measured_on(where: tuple[object, object]) -> DeviceIdentity:
-    backend, device = where
-    if not isinstance(backend, str) or not isinstance(device, str):
-        raise ValueError("names no backend and device it was measured with")
-    return DeviceIdentity(backend, device)
+def _measured_on(test: TestResult, where: tuple[str, str]) -> DeviceIdentity:
+    try:
+        return DeviceIdentity(*where)
+    except ValueError as exc:
+        raise _Refused(f"{test.nodeid}: {first_line(exc)}") from None

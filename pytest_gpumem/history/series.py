@@ -18,8 +18,8 @@ from pytest_gpumem.sizes import format_size
 
 __all__ = [
     "Gate",
-    "Point",
     "Series",
+    "SeriesPoint",
     "Step",
     "build",
     "device_label",
@@ -42,7 +42,7 @@ Stores = Sequence[tuple[Commit, dict[str, dict[str, Entry]]]]
 """Per commit, oldest first: entries by test id, then by identity key."""
 
 
-class Point(NamedTuple):
+class SeriesPoint(NamedTuple):
     commit: Commit
     value: int
 
@@ -63,7 +63,7 @@ class Series:
     nodeid: str
     device: str
     phase: str
-    points: list[Point] = field(default_factory=list)
+    points: list[SeriesPoint] = field(default_factory=list)
     reported: bool = False  # figures of --gpumem-json reports, not of the committed file
 
     @property
@@ -139,7 +139,7 @@ def build(stores: Stores, reported: Stores = ()) -> list[Series]:
     found: dict[Key, Series] = {}
     with paused_gc():  # a million points: the collector would walk them again and again
         for flag, each in ((False, stores), (True, reported)):
-            rows: dict[tuple[str, str], tuple[Entry, list[tuple[list[Point], int]]]] = {}
+            rows: dict[tuple[str, str], tuple[Entry, list[tuple[list[SeriesPoint], int]]]] = {}
             for commit, entries in each:
                 for nodeid, per_device in entries.items():
                     for key, entry in per_device.items():
@@ -147,13 +147,13 @@ def build(stores: Stores, reported: Stores = ()) -> list[Series]:
                         if row is None or row[0] is not entry:  # an entry read again is the same object
                             row = rows[nodeid, key] = (entry, _figures(found, nodeid, key, entry, flag))
                         for points, value in row[1]:
-                            points.append(Point(commit, value))
+                            points.append(SeriesPoint(commit, value))
     return sorted(found.values(), key=lambda s: (-round(s.growth(), 1), s.nodeid, s.device, s.phase != CALL, s.phase))
 
 
 def _figures(
     found: dict[Key, Series], nodeid: str, key: str, entry: Entry, reported: bool
-) -> list[tuple[list[Point], int]]:
+) -> list[tuple[list[SeriesPoint], int]]:
     """Each of the entry's figures (the call's, then its phases') with the points of its series."""
     figures = []
     for phase, value in ((CALL, entry.peak_bytes), *entry.phases.items()):

@@ -5,12 +5,14 @@ ranks. The test author's side is `pytest_gpumem.measure.meter.GpuMem`, made on i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pytest_gpumem.backends.base import Backend, collect_garbage
 from pytest_gpumem.errors import GpuMemError, one_line
 from pytest_gpumem.measure.failures import Holding, leak_holding
+from pytest_gpumem.measure.record import CallRecord, SimulatedRank
 from pytest_gpumem.measure.regions import RegionStack
 from pytest_gpumem.results import PhaseResult
 from pytest_gpumem.results.ranks import World, worst_call
@@ -21,12 +23,15 @@ if TYPE_CHECKING:
     from pytest_gpumem.backends.tracker.attribution import Attributor
     from pytest_gpumem.backends.tracker.recording import Survivor
     from pytest_gpumem.backends.tracker.shadow import Shadow
+    from pytest_gpumem.measure.fit import BatchFit
     from pytest_gpumem.results.advice import Advice
     from pytest_gpumem.results.explanation import Explanation, RanksExplanation
     from pytest_gpumem.results.gradients import Fingerprint
 
 CALL = "call"
 SURVIVORS_SHOWN = 10
+Trace = Mapping[str, Any] | None
+Evidence = tuple[tuple["Survivor", ...], Holding | None, Trace]  # survivors, who holds them, the trace
 
 
 class WorldRunner(Protocol):
@@ -64,35 +69,77 @@ class Measurement:
         self.stack: RegionStack | None = None  # open while the call is measured
         self.open_phase: str | None = None
         self.advising = False  # the step's own gpumem.phase() blocks measure nothing while advise runs
-        self.results: dict[str, PhaseResult] = {}
-        self.call: PhaseResult | None = None
-        self.fit_count = 0  # each fit's phases are its own: the second's are "fit#2[i]"
-        self.ranks_call: PhaseResult | None = None  # the worst rank's whole run, of gpumem.distributed()
-        self.ranks_explained: RanksExplanation | None = None  # their explanations (World.explained)
-        self.shadow: Shadow | None = None
-        self.notes: list[str] = []
-        self.survivors: list[Survivor] = []
-        self.leak_holding: Holding | None = None  # who keeps the survivors allocated, when it can be seen
-        self.trace: dict[str, Any] | None = None
-        self.gradients: Fingerprint | None = None
-        self.gradient_tolerance: tuple[float | None, float | None] = (None, None)
-        self.explanation: Explanation | None = None
-        self.advice: Advice | None = None  # the last gpumem.advise() of the call
-        self.fits: list[str] = []  # each gpumem.fit()'s sentence
-        self.distributed: list[dict[str, Any]] = []  # each gpumem.distributed() world's summary
-        self.simulated: list[dict[str, int]] = []  # each gpumem.simulate_rank()'s world size and rank
+        self._begun()
+
+    def _begun(self) -> None:
+        """What a call measures, from nothing."""
+        self._results: dict[str, PhaseResult] = {}
+        self._call: PhaseResult | None = None
+        self._fits: list[BatchFit] = []  # each fit's phases are its own: the second's are "fit#2[i]"
+        self._ranks_call: PhaseResult | None = None  # the worst rank's whole run, of gpumem.distributed()
+        self._ranks_explained: RanksExplanation | None = None  # their explanations (World.explained)
+        self._shadow: Shadow | None = None
+        self._notes: list[str] = []
+        self._gradients: Fingerprint | None = None
+        self._gradient_tolerance: tuple[float | None, float | None] = (None, None)
+        self._advice: Advice | None = None  # the last gpumem.advise() of the call
+        self._worlds: list[World] = []  # each gpumem.distributed() world
+        self._simulated: list[SimulatedRank] = []
+        self._explanation: Explanation | None = None
+
+    def hold_to(self, *, leak_check: bool, explain: bool) -> None:
+        """What the next call is held to: a leak check (garbage collected before it ends, survivors kept)
+        and an explanation of its peaks."""
+        self.leak_check, self.explain = leak_check, explain
+
+    def run_worlds_with(self, worlds: WorldRunner) -> None:
+        """What runs gpumem.distributed() and gpumem.simulate_rank(), given where the fixture is made."""
+        self.worlds = worlds
+
+    def add_notes(self, notes: Iterable[str]) -> None:
+        self._notes.extend(notes)
+
+    def next_fit_label(self, name: str) -> str:
+        """The phase prefix of the call's next fit: `name`, then `name#2`, ... (each fit's phases its own)."""
+        count = len(self._fits) + 1
+        return name if count == 1 else f"{name}#{count}"
+
+    def add_fit(self, fit: BatchFit) -> None:
+        self._fits.append(fit)
+
+    def add_advice(self, advice: Advice) -> None:
+        self._advice = advice
+
+    def add_simulated(self, world_size: int, rank: int) -> None:
+        self._simulated.append(SimulatedRank(world_size, rank))
+
+    def keep_gradients(self, gradients: Fingerprint, tolerance: tuple[float | None, float | None]) -> None:
+        self._gradients, self._gradient_tolerance = gradients, tolerance
+
+    @property
+    def advice(self) -> Advice | None:
+        return self._advice
+
+    @property
+    def gradients(self) -> Fingerprint | None:
+        return self._gradients
+
+    @property
+    def gradient_tolerance(self) -> tuple[float | None, float | None]:
+        return self._gradient_tolerance
 
     @property
     def device(self) -> torch.device:
         return self.backend.device
 
     @property
-    def phases(self) -> dict[str, PhaseResult]:
-        return dict(self.results)
+    def explanation(self) -> Explanation | None:
+        """What made the peaks of the last call that ended, when it was explained."""
+        return self._explanation
 
     @property
-    def has_call_result(self) -> bool:
-        return self.call is not None
+    def phases(self) -> dict[str, PhaseResult]:
+        return dict(self._results)
 
     def peak(self, name: str | None = None) -> int:
         __tracebackhide__ = True
@@ -101,19 +148,19 @@ class Measurement:
     def result(self, name: str | None = None) -> PhaseResult:
         __tracebackhide__ = True
         if name is None or name == CALL:
-            if self.call is not None:
-                return self.call
+            if self._call is not None:
+                return self._call
             if self.stack is None or not self.stack.open:
                 raise GpuMemError(f"the call of {self.nodeid} is measured only while its test function runs")
             return self.stack.peek(0)  # the call so far
-        if name not in self.results:
-            opened = ", ".join(self.results) or "none"
+        if name not in self._results:
+            opened = ", ".join(self._results) or "none"
             raise GpuMemError(f"gpumem has no phase {name!r} in {self.nodeid} (phases measured: {opened})")
-        return self.results[name]
+        return self._results[name]
 
     def record(self, result: PhaseResult) -> None:
-        previous = self.results.get(result.name)
-        self.results[result.name] = result if previous is None else previous.merged(result)
+        previous = self._results.get(result.name)
+        self._results[result.name] = result if previous is None else previous.merged(result)
 
     def add_world(self, world: World, name: str) -> None:
         """The phases of a world's ranks, its worst rank's whole run (the call's peak when it is the worst)
@@ -121,23 +168,18 @@ class Measurement:
         for result in world.phases():
             self.record(result)
         worst = world.worst(name)
-        self.ranks_call = worst if self.ranks_call is None else self.ranks_call.merged(worst)
+        self._ranks_call = worst if self._ranks_call is None else self._ranks_call.merged(worst)
+        self._worlds.append(world)
         explained = world.explanation
         if explained is not None:
             from pytest_gpumem.explain.replay import of_worlds
 
-            earlier = self.ranks_explained
-            self.ranks_explained = explained if earlier is None else of_worlds(earlier, explained)
+            earlier = self._ranks_explained
+            self._ranks_explained = explained if earlier is None else of_worlds(earlier, explained)
 
     def begin(self) -> None:
         """Start measuring the call; a rerun of the test starts from nothing (info set by fixtures stays)."""
-        self.results, self.call, self.notes = {}, None, []
-        self.gradients, self.gradient_tolerance = None, (None, None)
-        self.survivors, self.trace, self.fit_count, self.explanation = [], None, 0, None
-        self.fits, self.distributed, self.simulated = [], [], []
-        self.leak_holding = None
-        self.advice = None
-        self.ranks_call, self.ranks_explained = None, None
+        self._begun()
         self.backend.start()
         try:
             attribution = self._attribution()
@@ -156,69 +198,93 @@ class Measurement:
         if found is None:
             from pytest_gpumem.backends.tracker.shadow import Shadow
 
-            self.shadow = Shadow(self.backend.device)
-            found = self.shadow.start()
+            self._shadow = Shadow(self.backend.device)
+            found = self._shadow.start()
         return found
 
-    def end(self) -> PhaseResult:
-        """End the call: close what is open, read the evidence, stop the backend's observation."""
+    def end(self) -> CallRecord:
+        """End the call: close what is open, read the evidence, stop the backend's observation; the call's
+        record."""
         stack = self.stack
         if stack is None:
             raise GpuMemError(f"gpumem: the call of {self.nodeid} was never begun")
+        evidence: Evidence = ((), None, None)
         try:
             if self.leak_check:
                 collect_garbage(True)  # what survives the call is what it leaves behind
             while len(stack.open) > 1:
                 self.record(stack.pop())
             self.backend.clear_workspaces()  # the allocator's, kept for the next matmul: not the call's leak
-            self.call = stack.pop()
-            if self.ranks_call is not None:
-                self.call = worst_call(self.call, self.ranks_call)
-            self._keep_evidence()
+            call = worst_call(stack.pop(), self._ranks_call)
+            self._call = call
+            evidence = self._evidence(stack, call)
         finally:
             self.stack = None
             self.open_phase = None
-            shadow, self.shadow = self.shadow, None
+            shadow, self._shadow = self._shadow, None
             try:
                 if shadow is not None:
                     shadow.stop()
             finally:
                 self.backend.stop()
-            own = self.backend.notes()
-            self.notes = [*own, *self.notes]  # the backend's, then ours
-        return self.call
+            self._notes = [*self.backend.notes(), *self._notes]  # the backend's, then ours
+        return self._record(call, *evidence)
 
-    def end_if_running(self) -> None:
+    def _record(
+        self, call: PhaseResult, survivors: tuple[Survivor, ...], holding: Holding | None, trace: Trace
+    ) -> CallRecord:
+        return CallRecord(
+            nodeid=self.nodeid,
+            backend=self.backend.name,
+            device=str(self.device),
+            call=call,
+            phases=MappingProxyType(dict(self._results)),
+            notes=tuple(self._notes),
+            survivors=survivors,
+            holding=holding,
+            trace=trace,
+            explanation=self._explanation,
+            gradients=self._gradients,
+            gradient_tolerance=self._gradient_tolerance,
+            fits=tuple(self._fits),
+            advice=self._advice,
+            worlds=tuple(self._worlds),
+            simulated=tuple(self._simulated),
+            info=self.info,
+        )
+
+    def end_if_running(self) -> CallRecord | None:
         """End the call if it is still measured (after an error on the way out): the backend's
         observation must never outlive the test."""
-        if self.stack is not None:
-            self.end()
+        return None if self.stack is None else self.end()
 
-    def _keep_evidence(self) -> None:
-        """Read what the backend can tell about the call before it stops observing it."""
+    def _evidence(self, stack: RegionStack, call: PhaseResult) -> Evidence:
+        """Read what the backend can tell about the call before it stops observing it: survivors and who
+        holds them (under a leak check, when the call left bytes), its trace, and the explanation."""
         backend = self.backend
-        leaked = self.leak_check and self.call is not None and self.call.net_bytes > 0
-        if leaked:
-            self.survivors = backend.survivors(SURVIVORS_SHOWN)
-            self.leak_holding = leak_holding(backend.live_storages())
-        self.trace = backend.trace()
-        stack = self.stack
-        if stack is not None and stack.attribution is not None and self.call is not None:
-            self.explanation = self._explained(stack.attribution, self.call)
+        survivors: tuple[Survivor, ...] = ()
+        holding = None
+        if self.leak_check and call.net_bytes > 0:
+            survivors = tuple(backend.survivors(SURVIVORS_SHOWN))
+            holding = leak_holding(backend.live_storages())
+        trace = backend.trace()
+        if stack.attribution is not None:
+            self._explanation = self._explained(stack.attribution, call)
+        return survivors, holding, trace
 
     def _explained(self, attribution: Attributor, call: PhaseResult) -> Explanation | None:
         from pytest_gpumem.explain.replay import explain
 
-        name = self.backend.name if self.shadow is None else f"{self.backend.name} (composition from a shadow tracker)"
-        self.notes += [f"the explanation may be incomplete: {problem}" for problem in attribution.problems]
+        name = self.backend.name if self._shadow is None else f"{self.backend.name} (composition from a shadow tracker)"
+        self._notes += [f"the explanation may be incomplete: {problem}" for problem in attribution.problems]
         try:
-            explained = explain(attribution, {CALL: call, **self.results}, self.nodeid, name)
-            ranks = self.ranks_explained
+            explained = explain(attribution, {CALL: call, **self._results}, self.nodeid, name)
+            ranks = self._ranks_explained
             if ranks is None:
                 return explained
             from pytest_gpumem.explain.replay import with_ranks
 
             return with_ranks(explained, ranks, ranks_peak=call.rank is not None)
         except Exception as exc:  # an explanation never changes the test's outcome
-            self.notes.append(f"the peak could not be explained: {one_line(exc)}")
+            self._notes.append(f"the peak could not be explained: {one_line(exc)}")
             return None

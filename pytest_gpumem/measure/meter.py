@@ -39,9 +39,11 @@ class GpuMem:
     """The `gpumem` fixture: measures the test's call and the phases opened with `phase(name)`; read them
     with `peak()`, `result()` and `phases`. Made by the plugin for each test, not by tests."""
 
-    def __init__(self, measured: Measurement) -> None:
-        """Made by the plugin for each test on its `Measurement`, not by tests."""
+    def __init__(self, measured: Measurement, advisor: Callable[..., Advice] | None = None) -> None:
+        """Made by the plugin for each test on its `Measurement`, not by tests; `advisor` runs `advise()`
+        (`pytest_gpumem.advise.run.advise`, given where the fixture is made: advise sits above measuring)."""
         self._measured = measured
+        self._advisor = advisor
 
     @property
     def info(self) -> dict[str, Any]:
@@ -142,9 +144,7 @@ class GpuMem:
         from pytest_gpumem.measure.fit_search import DEFAULT_SLACK, DEFAULT_TOLERANCE, FIT_CAPACITY, fit_peaks
         from pytest_gpumem.measure.host import runs_refused
 
-        self._measured.fit_count += 1
-        count = self._measured.fit_count
-        label = name if count == 1 else f"{name}#{count}"  # each fit's phases are its own
+        label = self._measured.next_fit_label(name)
         judged = parse_capacity(capacity, FIT_CAPACITY)  # a named card's runs are the card's (its cuBLAS workspaces)
         card = judged.card
         predicting = self.backend.predicting(card.name) if card else None
@@ -160,7 +160,7 @@ class GpuMem:
                 runs_refused=runs_refused(self.backend, judged.bytes),
                 backend=self.backend,
             )
-        self._measured.fits.append(found.describe())
+        self._measured.add_fit(found)
         return found
 
     def _fit_measure(self, label: str) -> Measure:
@@ -191,7 +191,7 @@ class GpuMem:
                 del exc
             if out_of_memory:
                 release_memory()  # outside the handler, where the exception is no longer the one handled
-            result = self._measured.results[phase]
+            result = self._measured.result(phase)
             end, reserved = start + result.net_bytes, result.reserved_peak_bytes
             peak = start + result.peak_bytes if reserved is None else reserved  # a card runs out on reserved
             return Sample(start, peak, end, out_of_memory, holding is not None, timeline, reserved is not None)
@@ -228,10 +228,10 @@ class GpuMem:
             The `Advice`: one row per strategy, `best()`, and the strategies skipped with their reasons.
         """
         __tracebackhide__ = True
-        from pytest_gpumem.advise.run import advise
-
+        if self._advisor is None:
+            raise GpuMemError("gpumem.advise() runs strategies only for a meter given its advisor (the gpumem fixture)")
         with self._advising():
-            found = advise(
+            found = self._advisor(
                 step,
                 model=model,
                 backend=self.backend,
@@ -241,7 +241,7 @@ class GpuMem:
                 loss=loss,
                 batch_size=batch_size,
             )
-        self._measured.advice = found  # for the failure line, report and JSON
+        self._measured.add_advice(found)  # for the failure line, report and JSON
         return found
 
     @contextmanager
@@ -249,21 +249,18 @@ class GpuMem:
         """While advise runs inside a test: its runs are not the test's call (the call's peak is folded
         before and reset after), the step's own gpumem.phase() blocks measure nothing, and a capacity set on
         the tracker is lifted (advise judges the capacity itself)."""
-        from pytest_gpumem.advise.strategies import Patch
-
         stack = self._running("advise()")
         if (phase := self._measured.open_phase) is not None:
             raise GpuMemError(f"gpumem.advise() called inside phase {phase!r}: call it outside phases")
-        patch = Patch()
         backend = self.backend
         lifted = backend.held_to(None) if backend.holds_capacity else contextlib.nullcontext()
         try:
             with stack.unmeasured("gpumem.advise"), lifted:
+                advising, self._measured.advising = self._measured.advising, True
                 try:
-                    patch.set_attr(self._measured, "advising", True)
                     yield
                 finally:
-                    patch.undo()
+                    self._measured.advising = advising
         finally:  # what advise's runs cached past a lifted capacity must not serve the test's own step
             if backend.holds_capacity:
                 backend.empty_cache()
@@ -306,7 +303,6 @@ class GpuMem:
             measured, fn, world_size, args=args, backend=backend, timeout=timeout, name=name
         )
         measured.add_world(world, name)
-        measured.distributed.append(world.summary())
         return world.ranks
 
     def simulate_rank(
@@ -329,7 +325,7 @@ class GpuMem:
         __tracebackhide__ = True
         self._running("simulate_rank()")
         value = self._runner("simulate_rank").simulate(self, fn, world_size, rank=rank, args=args)
-        self._measured.simulated.append({"world_size": world_size, "rank": rank})
+        self._measured.add_simulated(world_size, rank)
         return value
 
     def _runner(self, method: str) -> WorldRunner:
@@ -364,10 +360,10 @@ class GpuMem:
                 raise GpuMemError(f"gpumem.check_gradients({name}=...) must be a finite number >= 0, got {value!r}")
         with stack.unmeasured("gpumem.check_gradients"):
             try:
-                self._measured.gradients = fingerprint(model_or_named_tensors)
+                found = fingerprint(model_or_named_tensors)
             except (TypeError, ValueError) as exc:
                 raise GpuMemError(f"gpumem.check_gradients(): {exc}") from None
-        self._measured.gradient_tolerance = (rtol, atol)
+        self._measured.keep_gradients(found, (rtol, atol))
 
     def peak(self, name: str | None = None) -> int:
         """Peak bytes above the start of a phase, or of the whole call (so far, while the test runs).

@@ -38,8 +38,7 @@ class Watch:
 
     def apply(self, backend: Backend, measured: Measurement) -> None:
         """Set up the backend for the next call (every measured test: nothing carries over)."""
-        measured.leak_check = self.leak is not None
-        measured.explain = self.explain
+        measured.hold_to(leak_check=self.leak is not None, explain=self.explain)
         capacity = None if self.capacity is None else self.capacity.bytes
         origins = self.leak is not None or self.evidence
         backend.predict_card(None if self.capacity is None else self.capacity.card)  # a card's cuBLAS workspaces

@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING
 
 from pytest_gpumem.errors import exception_text
 from pytest_gpumem.measure.regions import phase_left_by
-from pytest_gpumem.report.advice import advice_clause
+from pytest_gpumem.report.advice_text import advice_clause
 from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
     from pytest_gpumem.budget import Budget, Limit
     from pytest_gpumem.measure.measurement import Measurement
+    from pytest_gpumem.measure.record import CallRecord
 
 LINE_WIDTH = 200  # characters of a failure line: what reads at a glance, wrapped once at 120 columns
 _JOINERS = ("; ", ", ", ": ")
@@ -167,11 +168,11 @@ def _budget_over(budget: Budget | None, measured: Measurement, phase: str | None
     return "" if peak <= limit.bytes else f"; over its budget {name}{limit.written} too, at {limit.fmt(peak)}"
 
 
-def leak_message(measured: Measurement, leak: Limit, net_bytes: int) -> FailureLine:
+def leak_message(measured: CallRecord, leak: Limit, net_bytes: int) -> FailureLine:
     """How much the call left allocated, the limit, and who holds it; then what it is (parameters, saved
     for backward, ...) and the largest survivor. Every survivor is a line of the section, and so is what
     each module's tensors left."""
-    holding = measured.leak_holding
+    holding = measured.holding
     held = "" if holding is None or not holding.held() else f", {holding.held()}"
     parts: Clause = ""
     if holding is not None and holding.kinds:
@@ -185,5 +186,5 @@ def leak_message(measured: Measurement, leak: Limit, net_bytes: int) -> FailureL
     return FailureLine(found.line, (*found.detail, *by_module))
 
 
-def survivors_section(measured: Measurement) -> str:
+def survivors_section(measured: CallRecord) -> str:
     return "".join(f"\nleft allocated: {survivor.describe()}" for survivor in measured.survivors)

@@ -20,9 +20,9 @@ from typing import Any
 import jinja2
 
 from pytest_gpumem.report import assets
-from pytest_gpumem.report.html_axis import Axis, Segment, event_axis, event_ticks, nice_step
+from pytest_gpumem.report.html_axis import Axis, AxisSpan, event_axis, event_ticks, nice_step
 from pytest_gpumem.results.advice import AS_IS, Advice, Row
-from pytest_gpumem.results.explanation import Explanation, PhaseExplanation, Point, Tensor, Unmeasured
+from pytest_gpumem.results.explanation import Explanation, PhaseExplanation, Point, Tensor, UnmeasuredSpan
 from pytest_gpumem.sizes import format_size
 
 COLOURS = ("#4e79a7", "#f28e2b", "#e15759", "#59a14f", "#edc948", "#b07aa1", "#76b7b2", "#ff9da7", "#9c755f")
@@ -154,10 +154,10 @@ def peak_point(explanation: Explanation, axis: Axis) -> int | None:
     return max(measured, key=lambda i: (points[i].total, -i), default=None)
 
 
-def folded_view(unmeasured: list[Unmeasured]) -> list[dict[str, Any]]:
+def folded_view(unmeasured: list[UnmeasuredSpan]) -> list[dict[str, Any]]:
     """What ran that no phase measures, one line per caller (gpumem.advise, ...): how often, how many
     events, where on the event axis."""
-    by: dict[str, list[Unmeasured]] = {}
+    by: dict[str, list[UnmeasuredSpan]] = {}
     for span in unmeasured:
         by.setdefault(span.by or "unmeasured", []).append(span)
     view = []
@@ -168,7 +168,7 @@ def folded_view(unmeasured: list[Unmeasured]) -> list[dict[str, Any]]:
     return view
 
 
-def _fold_texts(part: Segment) -> dict[str, Any]:
+def _fold_texts(part: AxisSpan) -> dict[str, Any]:
     """A folded span's label on the chart, and its tooltip."""
     events = f"events {part.start:,} to {part.end:,} ({part.end - part.start:,} events)"
     title = f"{part.by}: {events}, folded on this axis; no phase measures them"

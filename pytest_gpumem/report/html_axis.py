@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_gpumem.results.explanation import Unmeasured
+from pytest_gpumem.results.explanation import UnmeasuredSpan
 
 FOLD_SHARE = 0.08  # the most of the chart's width one folded span takes
 FOLDED_SHARE = 0.24  # the most all folded spans take together
@@ -22,7 +22,7 @@ TICK_GAP = 0.05  # the least distance between two ticks, as a share of the width
 
 
 @dataclass(frozen=True)
-class Segment:
+class AxisSpan:
     """Events `start` to `end` drawn from `left` to `right` (shares of the chart's width)."""
 
     start: int
@@ -40,10 +40,10 @@ class Axis:
     """The event axis up to event `top`: its segments, in order, from event 0 to `top`."""
 
     top: int
-    segments: tuple[Segment, ...]
+    segments: tuple[AxisSpan, ...]
 
     @property
-    def folds(self) -> list[Segment]:
+    def folds(self) -> list[AxisSpan]:
         return [segment for segment in self.segments if segment.by is not None]
 
     def position(self, event: float) -> float:
@@ -57,12 +57,12 @@ class Axis:
                 )
         return 1.0
 
-    def fold_at(self, event: int) -> Segment | None:
+    def fold_at(self, event: int) -> AxisSpan | None:
         """The folded span that moment `event` lies inside (its edges are the measured moments around it)."""
         return next((part for part in self.folds if part.start < event < part.end), None)
 
 
-def event_axis(top: int, unmeasured: Sequence[Unmeasured] = ()) -> Axis:
+def event_axis(top: int, unmeasured: Sequence[UnmeasuredSpan] = ()) -> Axis:
     """The axis of a call of `top` events whose `unmeasured` spans are folded."""
     spans = _spans(top, unmeasured)
     measured = top - sum(end - start for _, start, end in spans)
@@ -71,21 +71,21 @@ def event_axis(top: int, unmeasured: Sequence[Unmeasured] = ()) -> Axis:
     if sum(widths) > FOLDED_SHARE and measured > 0:
         widths = [width * FOLDED_SHARE / sum(widths) for width in widths]
     room = 1.0 - sum(widths)
-    segments: list[Segment] = []
+    segments: list[AxisSpan] = []
     cursor, x = 0, 0.0
     for (by, start, end), width in zip(spans, widths, strict=True):
         if start > cursor:
             step = room * (start - cursor) / measured
-            segments.append(Segment(cursor, start, x, x + step))
+            segments.append(AxisSpan(cursor, start, x, x + step))
             x += step
-        segments.append(Segment(start, end, x, x + width, by))
+        segments.append(AxisSpan(start, end, x, x + width, by))
         cursor, x = end, x + width
     if cursor < top or not segments:
-        segments.append(Segment(cursor, top, x, 1.0))
+        segments.append(AxisSpan(cursor, top, x, 1.0))
     return Axis(top, tuple(segments))
 
 
-def _spans(top: int, unmeasured: Sequence[Unmeasured]) -> list[tuple[str, int, int]]:
+def _spans(top: int, unmeasured: Sequence[UnmeasuredSpan]) -> list[tuple[str, int, int]]:
     """The unmeasured spans inside [0, top], in order, overlapping ones joined."""
     spans: list[tuple[str, int, int]] = []
     for span in sorted(unmeasured, key=lambda span: span.start):

@@ -13,7 +13,8 @@ from urllib.parse import quote
 
 from tabulate import tabulate
 
-from pytest_gpumem.report.terminal import counts_line, long_columns, one_line, ordered, short_columns
+from pytest_gpumem.report.terminal import counts_line, long_columns, ordered, short_columns
+from pytest_gpumem.report.width import flatten
 from pytest_gpumem.results import Status, TestResult
 
 _JOINERS = "\u200c\u200d"  # zero-width (non-)joiners: parts of emoji and of words in some scripts, kept
@@ -93,7 +94,7 @@ def _fence(text: str, least: int) -> str:
 
 def _shown(text: str) -> str:
     """`text` on one line, its control and format characters written as escapes (code shows the rest)."""
-    return "".join(map(_escaped, one_line(text)))
+    return "".join(map(_escaped, flatten(text)))
 
 
 def _table(results: Sequence[TestResult], long: bool, root: Path | None, folder: Path | None) -> str:
@@ -132,7 +133,7 @@ def cell(text: str) -> str:
     """`text` as a table cell that shows it as it is: on one line, a backslash and a pipe escaped (a
     backslash before a pipe would escape the pipe's own escape and end the cell), and every control or
     format character (an escape sequence, NUL, a right-to-left override) written as its Python escape."""
-    return "".join(map(_cell_character, one_line(text)))
+    return "".join(map(_cell_character, flatten(text)))
 
 
 def _cell_character(char: str) -> str:

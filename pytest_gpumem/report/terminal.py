@@ -16,14 +16,13 @@ never cut in the middle, only at its end where it alone does not fit (`_fit` has
 
 from __future__ import annotations
 
-import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from pytest_gpumem.baselines.compare import change_text
 from pytest_gpumem.explain.text import summary
 from pytest_gpumem.report.ids import TestFloors, common_prefix, elide, elide_apart, shorten_ids
-from pytest_gpumem.report.width import display_width, pad, truncate
+from pytest_gpumem.report.width import display_width, flatten, pad, truncate
 from pytest_gpumem.results import PhaseResult, Status, TestResult, rank_phase, split_rank
 from pytest_gpumem.results.baseline import BaselineStatus, PhaseComparison
 from pytest_gpumem.sizes import format_size
@@ -39,20 +38,6 @@ _FLOORS = (("made of", 24), ("change", 16), ("other phases", 24), ("budget", 16)
 _LOW_FLOORS = (("budget", 8), ("other phases", 8))
 _LAST_FLOORS = (("backend", 6), ("change", 8), ("phase", 16), ("test", 8), ("phase", 10), ("status", 10))
 _LEFT_OUT = ("made of", "budget", "other phases", "reserved")  # left out in this order where cutting them is not enough
-
-
-def one_line(text: str) -> str:
-    """A table cell on one line that takes the columns it is measured at: line breaks (a phase named
-    "a\\nb") and tabs become spaces, other control characters (an escape sequence, which a terminal would
-    obey) and lone surrogates are written as Python escapes ("\\x1b")."""
-    text = " ".join(text.splitlines()).replace("\t", " ") if text else text
-    return text if text.isprintable() else "".join(map(_visible, text))
-
-
-def _visible(char: str) -> str:
-    if unicodedata.category(char) not in ("Cc", "Cs"):
-        return char
-    return char.encode("unicode_escape", "backslashreplace").decode("ascii")
 
 
 def join_fitting(parts: Sequence[str], width: int, rank: Sequence[int] | None = None) -> str:
@@ -137,8 +122,8 @@ class Column:
 
     def __post_init__(self) -> None:
         self.key = self.key or self.header
-        self.header = one_line(self.header)
-        self.cells = [[one_line(part) for part in cell] for cell in self.cells]
+        self.header = flatten(self.header)
+        self.cells = [[flatten(part) for part in cell] for cell in self.cells]
         self.width = self.natural
 
     @property
@@ -412,12 +397,12 @@ def _fit(
         columns = [col for col in columns if col.header not in left_out]
         floors = [*_FLOORS, *(_LOW_FLOORS if dropped else ())]
         if shrink(columns, width, [("test", test.whole), *floors, ("test", floor)]):
-            return _settled(columns, width, test.whole), left_out
+            return _room_given_back(columns, width, test.whole), left_out
     shrink(columns, width, _LAST_FLOORS)
-    return _settled(columns, width, test.whole), left_out
+    return _room_given_back(columns, width, test.whole), left_out
 
 
-def _settled(columns: list[Column], width: int, whole: int) -> list[Column]:
+def _room_given_back(columns: list[Column], width: int, whole: int) -> list[Column]:
     """The test ids and the cell of other phases as wide as what they show; the room left back to the
     ids up to `whole` (their names and parameters), then to what else was cut (each up to what it would
     show whole), then to the ids' leading parts."""

@@ -81,3 +81,17 @@ def cut(text: str, width: int, start: int) -> str:
         return ""
     start = min(max(start, 0), width - 1)
     return head(text, start) + ELLIPSIS + tail(text, width - 1 - start)
+
+
+def flatten(text: str) -> str:
+    """A table cell on one line that takes the columns it is measured at: line breaks (a phase named
+    "a\\nb") and tabs become spaces, other control characters (an escape sequence, which a terminal would
+    obey) and lone surrogates are written as Python escapes ("\\x1b")."""
+    text = " ".join(text.splitlines()).replace("\t", " ") if text else text
+    return text if text.isprintable() else "".join(map(_visible, text))
+
+
+def _visible(char: str) -> str:
+    if unicodedata.category(char) not in ("Cc", "Cs"):
+        return char
+    return char.encode("unicode_escape", "backslashreplace").decode("ascii")

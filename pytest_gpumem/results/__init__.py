@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.errors import GpuMemError, first_line
+from pytest_gpumem.results.checks import (
+    OffShape,
+    count,
+    fields,
+    first_difference,
+    listed,
+    member,
+    refuse,
+    short,
+    signed,
+    text,
+    texts,
+)
 
 if TYPE_CHECKING:  # imported where a result is read back (start-up needs neither)
     from pytest_gpumem.results.advice import Advice
     from pytest_gpumem.results.baseline import Entry, Verdict
     from pytest_gpumem.results.explanation import Explanation
+
+T = TypeVar("T")
 
 REPORT_ATTRIBUTE = "gpumem_result"  # the test report's attribute that carries its result (JSON text) to xdist
 RANK_SEPARATOR = "@rank"  # a distributed test's per-rank phases are named `phase@rankN`
@@ -101,6 +118,22 @@ class PhaseResult:
             rank=later.rank if later.peak_bytes > self.peak_bytes else self.rank,
         )
 
+    @classmethod
+    def from_json(cls, name: str, data: object, where: str) -> PhaseResult:
+        """The figures `to_json` wrote for phase `name`; `OffShape` names the first that is not a count."""
+        d = fields(data, where, _PHASE_KEYS, ("rank",))
+        reserved = d["reserved_peak_bytes"]
+        rank = d.get("rank")
+        return cls(
+            name=name,
+            peak_bytes=count(d["peak_bytes"], f"{where}.peak_bytes"),
+            requested_peak_bytes=count(d["requested_peak_bytes"], f"{where}.requested_peak_bytes"),
+            reserved_peak_bytes=None if reserved is None else count(reserved, f"{where}.reserved_peak_bytes"),
+            net_bytes=signed(d["net_bytes"], f"{where}.net_bytes"),
+            count=count(d["count"], f"{where}.count", 1, "a count of entries (1 or more)"),
+            rank=None if rank is None else count(rank, f"{where}.rank", what="a rank (0 or more)"),
+        )
+
     def to_json(self) -> dict[str, Any]:
         """The phase's figures as the report writes them (its name is the key they sit under)."""
         data = asdict(self)
@@ -108,6 +141,9 @@ class PhaseResult:
         if self.rank is None:
             del data["rank"]
         return data
+
+
+_PHASE_KEYS = ("peak_bytes", "requested_peak_bytes", "reserved_peak_bytes", "net_bytes", "count")
 
 
 @dataclass
@@ -181,40 +217,124 @@ class TestResult:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> TestResult:
-        """The result a report's entry holds."""
+    def from_json(cls, data: object, where: str = "result") -> TestResult:
+        """The result a report's entry holds, as `to_json` writes it and nothing else: `OffShape` names the
+        JSON path of the first value that is not (under `where`, the entry's own path)."""
         from pytest_gpumem.results.advice import Advice
         from pytest_gpumem.results.baseline import Entry, Verdict
         from pytest_gpumem.results.explanation import Explanation
 
-        call, info = data.get("call"), dict(data.get("info", {}))
-        advice = data.get("advice")
-        return cls(
-            nodeid=data["nodeid"],
-            backend=data["backend"],
-            device=data["device"],
-            call=None if call is None else PhaseResult(name="call", **call),
-            phases={name: PhaseResult(name=name, **p) for name, p in data.get("phases", {}).items()},
-            budget_limits=data.get("budget"),
-            budget_text=data.get("budget_text"),
-            status=Status.of(data.get("status", Status.OK)),
-            message=data.get("message"),
-            detail=list(data.get("detail") or []),
-            info=info,
-            verdict=None if data.get("baseline") is None else Verdict.from_json(data["baseline"]),
-            baseline_entry=None if data.get("record") is None else Entry.from_json(data["record"]),
-            notes=list(data.get("notes", [])),
-            worker_device=data.get("worker_device"),
-            explanation=None if data.get("explanation") is None else Explanation.from_json(data["explanation"]),
-            html_path=data.get("html"),
-            fits=list(data.get("fits") or []),
-            advice=None if advice is None else Advice.from_json(advice),
-            distributed=list(data.get("distributed") or []),
-            simulated=list(data.get("simulated") or []),
+        d = fields(data, where, _RESULT_KEYS)
+
+        def maybe(key: str, read: Callable[[Any, str], T]) -> T | None:
+            return None if d[key] is None else _nested(read, d[key], f"{where}.{key}")
+
+        call = None if d["call"] is None else PhaseResult.from_json("call", d["call"], f"{where}.call")
+        result = cls(
+            nodeid=text(d["nodeid"], f"{where}.nodeid", "a node id") or _empty(f"{where}.nodeid"),
+            backend=text(d["backend"], f"{where}.backend", "a backend's name"),
+            device=text(d["device"], f"{where}.device", "a device's name"),
+            call=call,
+            phases=_phases(d["phases"], f"{where}.phases"),
+            budget_limits=None if d["budget"] is None else _object(d["budget"], f"{where}.budget"),
+            budget_text=_text_or_none(d["budget_text"], f"{where}.budget_text"),
+            status=_status(d["status"], f"{where}.status"),
+            message=_text_or_none(d["message"], f"{where}.message"),
+            detail=texts(d["detail"], f"{where}.detail"),
+            info=_object(d["info"], f"{where}.info"),
+            verdict=maybe("baseline", lambda v, w: Verdict.from_json(v, w)),
+            baseline_entry=maybe("record", lambda v, _: Entry.from_json(v)),
+            notes=texts(d["notes"], f"{where}.notes"),
+            worker_device=_text_or_none(d["worker_device"], f"{where}.worker_device"),
+            explanation=maybe("explanation", lambda v, w: Explanation.from_json(v, w)),
+            html_path=_text_or_none(d["html"], f"{where}.html"),
+            fits=texts(d["fits"], f"{where}.fits"),
+            advice=maybe("advice", lambda v, w: Advice.from_json(_advice(v, w))),
+            distributed=[
+                _object(w, f"{where}.distributed[{i}]")
+                for i, w in enumerate(listed(d["distributed"], f"{where}.distributed"))
+            ],
+            simulated=[
+                _simulated(s, f"{where}.simulated[{i}]")
+                for i, s in enumerate(listed(d["simulated"], f"{where}.simulated"))
+            ],
         )
+        _same_as_written(d, result, where)
+        return result
 
 
-def settle(result: TestResult, report: Any) -> None:
+_RESULT_KEYS = tuple(TestResult("", "", "", None).to_json())
+"""The keys of a report's entry: all of them, always."""
+
+
+def _nested(read: Callable[[Any, str], T], value: object, where: str) -> T:
+    """`read(value, where)`; whatever it raises for a value not shaped as written becomes `OffShape` at
+    `where` (a reader that names the path itself raises `OffShape` already)."""
+    try:
+        return read(value, where)
+    except OffShape:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise OffShape(f"{where}: {first_line(exc)}") from None
+
+
+def _same_as_written(read: dict[str, Any], result: TestResult, where: str) -> None:
+    """Refuse an entry that its result would write otherwise: a value cast on the way in ("12" for 12),
+    a `peak_bytes` that is not the call's, a default filled in."""
+    written = json.loads(json.dumps(result.to_json(), allow_nan=False))
+    found = first_difference(read, written, where)
+    if found is not None:
+        raise OffShape(f"{found[0]} is not as pytest-gpumem writes it, got {short(found[1])}")
+
+
+def _advice(value: object, where: str) -> dict[str, Any]:
+    """An advice's outline checked: an object with a list of rows, each an object (`Advice.from_json`
+    reads the rest, and what it reads is compared with what it writes)."""
+    d = _object(value, where)
+    for i, row in enumerate(listed(d.get("rows"), f"{where}.rows")):
+        _object(row, f"{where}.rows[{i}]")
+    return d
+
+
+def _empty(where: str) -> str:
+    raise OffShape(f"{where} must be a node id, got ''")
+
+
+def _text_or_none(value: object, where: str) -> str | None:
+    return None if value is None else text(value, where, "a string or null")
+
+
+def _object(value: object, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise refuse(where, "an object", value)
+    return value
+
+
+def _status(value: object, where: str) -> Status:
+    if not isinstance(value, str) or value not in _STATUS_WORDS:
+        raise refuse(where, "a status word as the report writes it ('ok', 'REGRESSED', ...)", value)
+    return Status(value)
+
+
+_STATUS_WORDS = frozenset(status.value for status in Status)
+
+
+def _phases(value: object, where: str) -> dict[str, PhaseResult]:
+    phases = _object(value, where)
+    out: dict[str, PhaseResult] = {}
+    for name, phase in phases.items():
+        at = member(where, name)
+        if not name:
+            raise OffShape(f"{where} has a phase with no name")
+        out[name] = PhaseResult.from_json(name, phase, at)
+    return out
+
+
+def _simulated(value: object, where: str) -> dict[str, int]:
+    return {key: count(n, f"{where}.{key}", what="an integer") for key, n in _object(value, where).items()}
+
+
+def agree_with_pytest(result: TestResult, report: Any) -> None:
     """Make `result` agree with pytest's verdict on the call (`report`): a test that failed for a reason
     the measurement did not see (a unittest body, an xfail) is not `ok`, and only a test that passed
     records its figures as a baseline."""

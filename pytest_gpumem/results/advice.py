@@ -1,6 +1,7 @@
 """What `gpumem.advise` found, as plain data: one row per strategy (or combination) tried on the step.
 
-No torch here: the failure line and the report section (`report/advice.py`) read an Advice without importing it.
+No torch here: the failure line and the report section (`report/advice_text.py`) read an Advice without
+importing it.
 """
 
 from __future__ import annotations

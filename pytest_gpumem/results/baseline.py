@@ -15,7 +15,21 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from pytest_gpumem.results.checks import check_bytes, exact_keys, json_key, short, signed_bytes
+from pytest_gpumem.results.checks import (
+    check_bytes,
+    count,
+    exact_keys,
+    fields,
+    flag,
+    json_key,
+    listed,
+    number,
+    refuse,
+    short,
+    signed_bytes,
+    text,
+    texts,
+)
 from pytest_gpumem.results.explanation import Cell, Composition, PhaseComposition, composition_to_json
 from pytest_gpumem.results.gradients import Fingerprint
 
@@ -290,8 +304,19 @@ class PhaseComparison:
         }
 
     @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> PhaseComparison:
-        return cls(**{**obj, "status": BaselineStatus(obj["status"])})
+    def from_json(cls, obj: object, where: str = "comparison") -> PhaseComparison:
+        """What `to_json` wrote; `OffShape` names the JSON path of the first value it would not write."""
+        d = fields(obj, where, _COMPARISON_KEYS)
+        change = d["change_percent"]
+        return cls(
+            phase=None if d["phase"] is None else text(d["phase"], f"{where}.phase", "a phase's name or null"),
+            baseline=_bytes_or_none(d["baseline"], f"{where}.baseline"),
+            current=_bytes_or_none(d["current"], f"{where}.current"),
+            allowed=_bytes_or_none(d["allowed"], f"{where}.allowed"),
+            change_percent=None if change is None else number(change, f"{where}.change_percent"),
+            status=_word(d["status"], f"{where}.status"),
+            message=None if d["message"] is None else text(d["message"], f"{where}.message"),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,13 +365,34 @@ class Verdict:
         }
 
     @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> Verdict:
+    def from_json(cls, obj: object, where: str = "baseline") -> Verdict:
+        """What `to_json` wrote; `OffShape` names the JSON path of the first value it would not write."""
+        d = fields(obj, where, _VERDICT_KEYS)
+        comparisons = listed(d["comparisons"], f"{where}.comparisons")
+        gradients = d["gradient_status"]
         return cls(
-            nodeid=obj["nodeid"],
-            status=BaselineStatus(obj["status"]),
-            comparisons=tuple(PhaseComparison.from_json(c) for c in obj["comparisons"]),
-            problems=tuple(obj["problems"]),
-            notes=tuple(obj["notes"]),
-            gradient_status=None if obj["gradient_status"] is None else BaselineStatus(obj["gradient_status"]),
-            failed=obj["failed"],
+            nodeid=text(d["nodeid"], f"{where}.nodeid", "a node id"),
+            status=_word(d["status"], f"{where}.status"),
+            comparisons=tuple(
+                PhaseComparison.from_json(c, f"{where}.comparisons[{i}]") for i, c in enumerate(comparisons)
+            ),
+            problems=tuple(texts(d["problems"], f"{where}.problems")),
+            notes=tuple(texts(d["notes"], f"{where}.notes")),
+            gradient_status=None if gradients is None else _word(gradients, f"{where}.gradient_status"),
+            failed=flag(d["failed"], f"{where}.failed"),
         )
+
+
+_COMPARISON_KEYS = ("phase", "baseline", "current", "allowed", "change_percent", "status", "message")
+_VERDICT_KEYS = ("nodeid", "status", "comparisons", "problems", "notes", "gradient_status", "failed")
+_WORDS = {status.value: status for status in BaselineStatus}
+
+
+def _word(value: object, where: str) -> BaselineStatus:
+    if not isinstance(value, str) or value not in _WORDS:
+        raise refuse(where, f"one of {', '.join(_WORDS)}", value)
+    return _WORDS[value]
+
+
+def _bytes_or_none(value: object, where: str) -> int | None:
+    return None if value is None else count(value, where, what="an integer of bytes or null")

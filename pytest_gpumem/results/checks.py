@@ -5,6 +5,7 @@ from __future__ import annotations
 from json.encoder import encode_basestring
 from typing import Any
 
+from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.sizes import integer_words
 
 MAX_BYTES = 2**63
@@ -49,3 +50,99 @@ def short(value: object, limit: int = 60) -> str:
     except Exception:
         text = f"<a {type(value).__name__} whose repr raised>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class OffShape(GpuMemError, ValueError):
+    """A value read back that is not what pytest-gpumem writes there; the message names its JSON path."""
+
+
+def refuse(where: str, expected: str, value: object) -> OffShape:
+    """`tests[3].call.peak_bytes must be an integer of bytes, got '12'`."""
+    return OffShape(f"{where} must be {expected}, got {short(value)}")
+
+
+def fields(obj: object, where: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``obj`` as an object with every ``required`` key, perhaps ``optional`` ones, and no other."""
+    if not isinstance(obj, dict):
+        raise refuse(where, "an object", obj)
+    missing = next((key for key in required if key not in obj), None)
+    if missing is not None:
+        raise OffShape(f"{where} has no {json_key(missing)}")
+    unknown = next((key for key in obj if key not in required and key not in optional), None)
+    if unknown is not None:
+        raise OffShape(f"{where} has an unknown key {json_key(str(unknown))}")
+    return obj
+
+
+def count(value: object, where: str, low: int = 0, what: str = "an integer of bytes") -> int:
+    """An integer ``low <= value < MAX_BYTES`` (``what`` says what it counts); no bool, float or string."""
+    if type(value) is not int or not low <= value < MAX_BYTES:
+        raise refuse(where, what, value)
+    return value
+
+
+def signed(value: object, where: str) -> int:
+    if not signed_bytes(value):
+        raise refuse(where, "an integer of bytes (negative where freed)", value)
+    assert isinstance(value, int)
+    return value
+
+
+def text(value: object, where: str, what: str = "a string") -> str:
+    if not isinstance(value, str):
+        raise refuse(where, what, value)
+    return value
+
+
+def flag(value: object, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise refuse(where, "true or false", value)
+    return value
+
+
+def number(value: object, where: str) -> float:
+    """A JSON number (an integer too), never a bool or a string."""
+    if type(value) not in (int, float):
+        raise refuse(where, "a number", value)
+    assert isinstance(value, int | float)
+    return value  # an integer stays one: it is written back as it was read
+
+
+def listed(value: object, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise refuse(where, "a list", value)
+    return value
+
+
+def texts(value: object, where: str) -> list[str]:
+    """A list of strings, each checked (the bad one named by its index)."""
+    return [text(item, f"{where}[{i}]") for i, item in enumerate(listed(value, where))]
+
+
+def first_difference(read: object, written: object, where: str) -> tuple[str, object] | None:
+    """Where ``read`` (a report's value) and ``written`` (what the value read from it writes) first
+    differ, in type or value: the JSON path and the value read there; None where they are the same JSON.
+    Walked with a stack of its own: a value as deep as JSON is read is compared too."""
+    stack = [(read, written, where)]
+    while stack:
+        a, b, at = stack.pop()
+        if type(a) is not type(b):
+            return at, a
+        if isinstance(a, dict):
+            assert isinstance(b, dict)
+            if a.keys() != b.keys():
+                return at, a
+            stack += reversed([(a[k], b[k], member(at, k)) for k in a])
+        elif isinstance(a, list):
+            assert isinstance(b, list)
+            if len(a) != len(b):
+                return at, a
+            stack += reversed([(x, y, f"{at}[{i}]") for i, (x, y) in enumerate(zip(a, b, strict=True))])
+        elif a != b:
+            return at, a
+    return None
+
+
+def member(where: str, key: str) -> str:
+    """The JSON path of `key` under `where`: `.key` where `key` is a name, else `["key"]`."""
+    return f"{where}.{key}" if key.isascii() and key.isidentifier() else f"{where}[{json_key(key)}]"

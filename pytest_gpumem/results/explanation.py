@@ -15,32 +15,55 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pytest_gpumem.results.checks import OffShape, fields, json_key, listed, member, refuse, text
+
 FORMAT = "pytest-gpumem explanation 1"
 
 
-def _int(value: Any) -> int:
+def _span(data: Any, where: str) -> tuple[int, int]:
+    if not isinstance(data, list) or len(data) != 2:
+        raise refuse(where, "[first event, last event]", data)
+    return _int(data[0], f"{where}[0]"), _int(data[1], f"{where}[1]")
+
+
+def _int(value: Any, where: str) -> int:
     """An integer as JSON has it (a report edited by hand may hold "12" or true: refused, not converted)."""
     if type(value) is not int:
-        raise TypeError(f"expected an integer, got {value!r:.40}")
+        raise refuse(where, "an integer", value)
     return value
 
 
-def _str(value: Any) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"expected a string, got {value!r:.40}")
-    return value
+def _str(value: Any, where: str) -> str:
+    return text(value, where)
 
 
-def _int_or_none(value: Any) -> int | None:
-    return None if value is None else _int(value)
+def _int_or_none(value: Any, where: str) -> int | None:
+    return None if value is None else _int(value, where)
 
 
-def _str_or_none(value: Any) -> str | None:
-    return None if value is None else _str(value)
+def _str_or_none(value: Any, where: str) -> str | None:
+    return None if value is None else _str(value, where)
 
 
-def _sizes(data: Mapping[str, Any]) -> dict[str, int]:
-    return {_str(key): _int(value) for key, value in data.items()}
+def _object(data: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(data, Mapping):
+        raise refuse(where, "an object", data)
+    return data
+
+
+def _needed(data: Mapping[str, Any], key: str, where: str) -> Any:
+    if key not in data:
+        raise OffShape(f"{where} has no {json_key(key)}")
+    return data[key]
+
+
+def _sizes(data: Any, where: str) -> dict[str, int]:
+    return {key: _int(value, member(where, key)) for key, value in _object(data, where).items()}
+
+
+def _each(data: Any, where: str) -> list[tuple[Any, str]]:
+    """The items of a JSON list with their paths."""
+    return [(item, f"{where}[{i}]") for i, item in enumerate(listed(data, where))]
 
 
 @dataclass(frozen=True)
@@ -55,8 +78,13 @@ class Cell:
         return {"category": self.category, "module": self.module, "bytes": self.size}
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Cell:
-        return cls(_str(data["category"]), _str(data["module"]), _int(data["bytes"]))
+    def from_json(cls, data: Any, where: str = "cell") -> Cell:
+        d = fields(data, where, ("category", "module", "bytes"))
+        return cls(
+            _str(d["category"], f"{where}.category"),
+            _str(d["module"], f"{where}.module"),
+            _int(d["bytes"], f"{where}.bytes"),
+        )
 
 
 @dataclass(frozen=True)
@@ -83,16 +111,17 @@ class Tensor:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Tensor:
-        shape = data.get("shape")
+    def from_json(cls, data: Any, where: str = "tensor") -> Tensor:
+        d = _object(data, where)
+        shape = d.get("shape")
         return cls(
-            size=_int(data["bytes"]),
-            dtype=_str_or_none(data.get("dtype")),
-            shape=None if shape is None else tuple(_int(size) for size in shape),
-            op=_str(data.get("op", "")),
-            where=_str_or_none(data.get("where")),
-            module=_str(data.get("module", "")),
-            category=_str(data.get("category", "")),
+            size=_int(_needed(d, "bytes", where), f"{where}.bytes"),
+            dtype=_str_or_none(d.get("dtype"), f"{where}.dtype"),
+            shape=None if shape is None else tuple(_int(size, at) for size, at in _each(shape, f"{where}.shape")),
+            op=_str(d.get("op", ""), f"{where}.op"),
+            where=_str_or_none(d.get("where"), f"{where}.where"),
+            module=_str(d.get("module", ""), f"{where}.module"),
+            category=_str(d.get("category", ""), f"{where}.category"),
         )
 
 
@@ -114,8 +143,10 @@ class ReservedAtPeak:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> ReservedAtPeak:
-        return cls(_int(data["reserved_bytes"]), _int(data["unallocated_bytes"]), _int(data["inactive_split_bytes"]))
+    def from_json(cls, data: Any, where: str = "reserved_at_peak") -> ReservedAtPeak:
+        keys = ("reserved_bytes", "unallocated_bytes", "inactive_split_bytes")
+        d = fields(data, where, keys)
+        return cls(*(_int(d[key], f"{where}.{key}") for key in keys))
 
 
 @dataclass(frozen=True)
@@ -172,25 +203,28 @@ class PhaseExplanation:
         return data
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> PhaseExplanation:
-        groups, live, entries = data.get("groups"), data.get("live"), data.get("entries")
-        reserved = data.get("reserved_at_peak")
+    def from_json(cls, data: Any, where: str = "phase") -> PhaseExplanation:
+        d = _object(data, where)
+        groups, live, entries = d.get("groups"), d.get("live"), d.get("entries")
+        reserved = d.get("reserved_at_peak")
         return cls(
-            peak_bytes=_int(data["peak_bytes"]),
-            categories=_sizes(data["categories"]),
-            modules=_sizes(data["modules"]),
-            cells=[Cell.from_json(cell) for cell in data["cells"]],
-            tensors=[Tensor.from_json(tensor) for tensor in data["tensors"]],
-            start_bytes=_int(data.get("start_bytes") or 0),
-            live=None if live is None else _sizes(live),
-            groups=None if not isinstance(groups, list) else [Cell.from_json(cell) for cell in groups],
-            peak_index=_int_or_none(data.get("peak_index")),
-            spans=[(_int(start), _int(end)) for start, end in data.get("spans", [])],
-            entries=None if entries is None else _int(entries),
-            unattributed_bytes=_int(data.get("unattributed_bytes") or 0),
-            rank=_int_or_none(data.get("rank")),
-            rank_peak_index=_int_or_none(data.get("rank_peak_index")),
-            reserved_at_peak=None if reserved is None else ReservedAtPeak.from_json(reserved),
+            peak_bytes=_int(_needed(d, "peak_bytes", where), f"{where}.peak_bytes"),
+            categories=_sizes(_needed(d, "categories", where), f"{where}.categories"),
+            modules=_sizes(_needed(d, "modules", where), f"{where}.modules"),
+            cells=[Cell.from_json(cell, at) for cell, at in _each(_needed(d, "cells", where), f"{where}.cells")],
+            tensors=[Tensor.from_json(t, at) for t, at in _each(_needed(d, "tensors", where), f"{where}.tensors")],
+            start_bytes=_int(d.get("start_bytes", 0), f"{where}.start_bytes"),
+            live=None if live is None else _sizes(live, f"{where}.live"),
+            groups=None if groups is None else [Cell.from_json(c, at) for c, at in _each(groups, f"{where}.groups")],
+            peak_index=_int_or_none(d.get("peak_index"), f"{where}.peak_index"),
+            spans=[_span(span, at) for span, at in _each(d.get("spans", []), f"{where}.spans")],
+            entries=None if entries is None else _int(entries, f"{where}.entries"),
+            unattributed_bytes=_int(d.get("unattributed_bytes", 0), f"{where}.unattributed_bytes"),
+            rank=_int_or_none(d.get("rank"), f"{where}.rank"),
+            rank_peak_index=_int_or_none(d.get("rank_peak_index"), f"{where}.rank_peak_index"),
+            reserved_at_peak=None
+            if reserved is None
+            else ReservedAtPeak.from_json(reserved, f"{where}.reserved_at_peak"),
         )
 
 
@@ -205,9 +239,11 @@ class Point:
         return [self.index, list(self.sizes)]
 
     @classmethod
-    def from_json(cls, data: Any) -> Point:
+    def from_json(cls, data: Any, where: str = "point") -> Point:
+        if not isinstance(data, list) or len(data) != 2:
+            raise refuse(where, "[event index, [bytes per category]]", data)
         index, sizes = data
-        return cls(_int(index), [_int(size) for size in sizes])
+        return cls(_int(index, f"{where}[0]"), [_int(size, at) for size, at in _each(sizes, f"{where}[1]")])
 
     @property
     def total(self) -> int:
@@ -215,7 +251,7 @@ class Point:
 
 
 @dataclass(frozen=True)
-class Unmeasured:
+class UnmeasuredSpan:
     """Events [start, end] of the call that no phase measures: what gpumem.advise or
     gpumem.check_gradients (`by`) ran inside the test."""
 
@@ -227,17 +263,18 @@ class Unmeasured:
         return {"by": self.by, "start": self.start, "end": self.end}
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Unmeasured:
-        return cls(_str(data["by"]), _int(data["start"]), _int(data["end"]))
+    def from_json(cls, data: Any, where: str = "unmeasured") -> UnmeasuredSpan:
+        d = fields(data, where, ("by", "start", "end"))
+        return cls(_str(d["by"], f"{where}.by"), _int(d["start"], f"{where}.start"), _int(d["end"], f"{where}.end"))
 
 
 @dataclass(frozen=True)
-class Timeline:
+class SampledTimeline:
     """How many events the call had, the sampled moments a chart draws, and the spans not measured."""
 
     events: int
     points: list[Point]
-    unmeasured: list[Unmeasured] = field(default_factory=list)
+    unmeasured: list[UnmeasuredSpan] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"events": self.events, "points": [point.to_json() for point in self.points]}
@@ -246,11 +283,12 @@ class Timeline:
         return data
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Timeline:
+    def from_json(cls, data: Any, where: str = "timeline") -> SampledTimeline:
+        d = _object(data, where)
         return cls(
-            _int(data.get("events", 0)),
-            [Point.from_json(point) for point in data.get("points", [])],
-            [Unmeasured.from_json(span) for span in data.get("unmeasured", [])],
+            _int(d.get("events", 0), f"{where}.events"),
+            [Point.from_json(point, at) for point, at in _each(d.get("points", []), f"{where}.points")],
+            [UnmeasuredSpan.from_json(span, at) for span, at in _each(d.get("unmeasured", []), f"{where}.unmeasured")],
         )
 
 
@@ -265,7 +303,7 @@ class Explanation:
     categories: list[str]
     labels: dict[str, str]
     phases: dict[str, PhaseExplanation]
-    timeline: Timeline
+    timeline: SampledTimeline
     folded: dict[str, int] | None = None
     format: str = FORMAT
 
@@ -291,17 +329,23 @@ class Explanation:
         return data
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Explanation:
-        folded = data.get("folded")
+    def from_json(cls, data: Any, where: str = "explanation") -> Explanation:
+        d = _object(data, where)
+        folded = d.get("folded")
+        labels = _object(d.get("labels", {}), f"{where}.labels")
+        phases = _object(_needed(d, "phases", where), f"{where}.phases")
         return cls(
-            nodeid=_str(data.get("nodeid", "")),
-            backend=_str(data.get("backend", "?")),
-            categories=[_str(category) for category in data.get("categories", [])],
-            labels={_str(key): _str(value) for key, value in (data.get("labels") or {}).items()},
-            phases={_str(name): PhaseExplanation.from_json(phase) for name, phase in data["phases"].items()},
-            timeline=Timeline.from_json(data.get("timeline") or {}),
-            folded=_sizes(folded) if isinstance(folded, Mapping) else None,
-            format=_str(data.get("format", FORMAT)),
+            nodeid=_str(d.get("nodeid", ""), f"{where}.nodeid"),
+            backend=_str(d.get("backend", "?"), f"{where}.backend"),
+            categories=[_str(c, at) for c, at in _each(d.get("categories", []), f"{where}.categories")],
+            labels={key: _str(value, member(f"{where}.labels", key)) for key, value in labels.items()},
+            phases={
+                name: PhaseExplanation.from_json(phase, member(f"{where}.phases", name))
+                for name, phase in phases.items()
+            },
+            timeline=SampledTimeline.from_json(d.get("timeline", {}), f"{where}.timeline"),
+            folded=None if folded is None else _sizes(folded, f"{where}.folded"),
+            format=_str(d.get("format", FORMAT), f"{where}.format"),
         )
 
 

@@ -15,18 +15,18 @@ import pytest
 from pytest_gpumem.budget import MARKER, Budget, Limit, all_of, budget_from_marker, closest_first
 from pytest_gpumem.distributed.worker import json_problem  # pure, and pytest-free for the ranks
 from pytest_gpumem.errors import GpuMemError, GpuMemWarning, one_line
-from pytest_gpumem.explain.text import made_of, over_limit
 from pytest_gpumem.explain.text import section as explained
 from pytest_gpumem.measure.failures import is_out_of_memory, needs_real_values, release_memory, uninitialized_in_ours
+from pytest_gpumem.measure.record import CallRecord
 from pytest_gpumem.measure.watch import Watch
+from pytest_gpumem.outcome import Outcome, judge, result_of
 from pytest_gpumem.report import failures
-from pytest_gpumem.report.advice import advice_clause, advice_section
-from pytest_gpumem.report.failures import FailureLine, budget_line, leak_message, out_of_memory_message
-from pytest_gpumem.results import REPORT_ATTRIBUTE, PhaseResult, Status, TestResult, junit_properties, settle
+from pytest_gpumem.report.advice_text import advice_section
+from pytest_gpumem.report.failures import FailureLine, out_of_memory_message
+from pytest_gpumem.results import REPORT_ATTRIBUTE, PhaseResult, Status, TestResult, agree_with_pytest, junit_properties
 from pytest_gpumem.results.advice import Advice
 from pytest_gpumem.run import outputs, torch_snapshots
-from pytest_gpumem.run.regression import verdict_status
-from pytest_gpumem.run.session import JUDGE, METER_KEY, GpuMemSession
+from pytest_gpumem.run.session import JUDGE, MEASUREMENT_KEY, GpuMemSession
 from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
@@ -140,40 +140,15 @@ def _warn_notes(item: pytest.Item, notes: list[str]) -> None:
         warnings.warn_explicit(GpuMemWarning(f"{item.nodeid}: {note}"), GpuMemWarning, path, line)
 
 
-def _section(measured: Measurement, call: PhaseResult, judgement: Judgement | None, failure: FailureLine | None) -> str:
+def _section(record: CallRecord, judgement: Judgement | None, failure: FailureLine | None) -> str:
     """The report section of a test that ran to the end: what its failure line left out, phases,
     survivors, explanation, advice, verdict."""
     section = failure.section().removeprefix("\n") + "\n" if failure is not None and failure.detail else ""
-    section += breakdown(call, measured.phases) + failures.survivors_section(measured) + explained(measured.explanation)
-    section += advice_section(measured.advice)
+    section += breakdown(record.call, dict(record.phases)) + failures.survivors_section(record)
+    section += explained(record.explanation) + advice_section(record.advice)
     if judgement is not None and judgement.verdict.messages:
         section += "\n" + "\n".join(judgement.verdict.messages)
-    return section + "".join(f"\nnote: {note}" for note in measured.notes)
-
-
-def _outcome(
-    measured: Measurement, budget: Budget | None, watch: Watch, call: PhaseResult, judgement: Judgement | None
-) -> tuple[Status, FailureLine | None]:
-    """The status of a test that ran to the end, and its failure line (None when it passes): a budget
-    first, then a leak, then its baseline."""
-    over = [] if budget is None else budget.violations(call, measured.phases)
-    if over:
-        advised = advice_clause(measured.advice, budget, call, measured.phases)
-        made = made_of(measured.explanation, over_limit(budget, call, measured.phases)) if not advised else ""
-        return Status.OVER_BUDGET, budget_line(over, made, advised)
-    if watch.leak is not None and call.net_bytes > watch.leak.bytes:
-        return Status.LEAKED, leak_message(measured, watch.leak, call.net_bytes)
-    if judgement is not None:
-        return verdict_status(judgement.verdict), _verdict_line(judgement) if judgement.fails else None
-    return Status.OK, None
-
-
-def _verdict_line(judgement: Judgement) -> FailureLine:
-    """The baseline's line: its first problem and how to learn what grew, the others as they fit."""
-    problems, message = judgement.verdict.problems, judgement.failure_message()
-    if not problems:
-        return FailureLine(message)
-    return failures.verdict_line(problems, message.removeprefix(judgement.verdict.failure_message()))
+    return section + "".join(f"\nnote: {note}" for note in record.notes)
 
 
 class Judge:
@@ -189,7 +164,7 @@ class Judge:
         __tracebackhide__ = True  # the test's own failure shows the test's frames, not this wrapper's
         session = self.session
         marks = list(item.iter_markers_with_node(MARKER))
-        asked = bool(marks) or METER_KEY in item.stash  # else measured only for --gpumem-all
+        asked = bool(marks) or MEASUREMENT_KEY in item.stash  # else measured only for --gpumem-all
         if not asked and not session.options.measure_all:
             return (yield)
         try:
@@ -236,10 +211,8 @@ class Judge:
             return outcome
         if status == Status.OUT_OF_MEMORY:
             release_memory()
-        self._finish(item, measured, budget, status, failure)
-        detail = failure.section()
-        if measured.has_call_result:
-            detail += "\n" + breakdown(measured.result(), measured.phases)
+        record = self._finish(item, measured, budget, status, failure)
+        detail = failure.section() + "\n" + breakdown(record.call, dict(record.phases))
         if detail:
             item.add_report_section("call", "gpumem", detail.removeprefix("\n"))
         _fail(failure.line)
@@ -247,21 +220,22 @@ class Judge:
     def _judge(
         self, item: pytest.Item, measured: Measurement, budget: Budget | None, watch: Watch, asked: bool
     ) -> None:
-        call = measured.end()
-        bad_info = not_json(measured.info)
+        record = measured.end()
+        bad_info = not_json(record.info)
         if bad_info:
             message = f"gpumem.info must be a dict of JSON values (str, numbers, lists, dicts): {bad_info}"
-            self._error(item, measured, budget, f"{item.nodeid}: {message}")
-        unopened = [] if budget is None else budget.unopened(measured.phases)
+            self._error(item, record, budget, f"{item.nodeid}: {message}")
+        unopened = [] if budget is None else budget.unopened(record.phases)
         if unopened:
-            opened = ", ".join(measured.phases) or "none"
+            opened = ", ".join(record.phases) or "none"
             message = f"max_memory names phase {unopened[0]!r} that the test never opened (opened: {opened})"
-            self._error(item, measured, budget, f"{item.nodeid}: {message}")
-        judgement = self._baseline(item, measured, budget, call, asked)
-        status, failure = _outcome(measured, budget, watch, call, judgement)
-        if budget is not None or judgement is not None or status == Status.LEAKED or _has_detail(measured):
-            item.add_report_section("call", "gpumem", _section(measured, call, judgement, failure))
-        self._finish(item, measured, budget, status, failure, judgement)
+            self._error(item, record, budget, f"{item.nodeid}: {message}")
+        judgement = self._baseline(item, measured, budget, record.call, asked)
+        outcome = judge(record, budget, watch.leak, judgement)
+        status, failure = outcome.status, outcome.failure
+        if budget is not None or judgement is not None or status == Status.LEAKED or _has_detail(record):
+            item.add_report_section("call", "gpumem", _section(record, judgement, failure))
+        self._finish(item, record, budget, status, failure, judgement)
         if failure is not None and failure.line:
             _fail(failure.line)
 
@@ -278,59 +252,32 @@ class Judge:
             return None
         return baselines.judge(item.nodeid, measured, budget)
 
-    def _error(self, item: pytest.Item, measured: Measurement, budget: Budget | None, message: str) -> NoReturn:
+    def _error(self, item: pytest.Item, record: CallRecord, budget: Budget | None, message: str) -> NoReturn:
         """Record the test as an error and fail it with one line."""
-        self._finish(item, measured, budget, Status.ERROR, FailureLine(message))
+        self._finish(item, record, budget, Status.ERROR, FailureLine(message))
         _fail(message)
 
     def _finish(
         self,
         item: pytest.Item,
-        measured: Measurement,
+        ended: CallRecord | Measurement,
         budget: Budget | None,
         status: Status,
         failure: FailureLine | None,
         judgement: Judgement | None = None,
-    ) -> None:
-        result = self._result(item, measured, budget, status, failure, judgement)
-        self._picture(item, result, measured.advice)
-        self._keep_evidence(item, measured, result)
+    ) -> CallRecord:
+        """Keep the test's result and its files (ending its measurement first, when it still runs)."""
+        record = ended if isinstance(ended, CallRecord) else ended.end()
+        assignment = self.session.assignment
+        worker_device = None if assignment is None else assignment.describe()
+        outcome = Outcome(status, failure)
+        result = result_of(record, outcome, budget, judgement, plain_info(record.info), worker_device)
+        self._picture(item, result, record.advice)
+        self._keep_evidence(item, result, record.trace)
         torch_snapshots.write(item, self.session)
         self._keep(item, result)
-        _warn_notes(item, measured.notes)  # after: under `filterwarnings = error` a note fails the test here
-
-    def _result(
-        self,
-        item: pytest.Item,
-        measured: Measurement,
-        budget: Budget | None,
-        status: Status,
-        failure: FailureLine | None,
-        judgement: Judgement | None,
-    ) -> TestResult:
-        assignment = self.session.assignment
-        return TestResult(
-            nodeid=item.nodeid,
-            backend=measured.backend.name,
-            device=str(measured.device),
-            call=measured.result() if measured.has_call_result else measured.end(),
-            phases=measured.phases,
-            budget_limits=None if budget is None else budget.to_json(),
-            budget_text=None if budget is None else budget.describe(),
-            status=status,
-            message=None if failure is None else failure.line,
-            detail=[] if failure is None else list(failure.detail),
-            info=plain_info(measured.info),
-            verdict=None if judgement is None else judgement.verdict,
-            baseline_entry=None if judgement is None else judgement.entry,
-            notes=measured.notes,
-            worker_device=None if assignment is None else assignment.describe(),
-            explanation=measured.explanation,
-            fits=list(measured.fits),
-            advice=measured.advice,
-            distributed=list(measured.distributed),
-            simulated=list(measured.simulated),
-        )
+        _warn_notes(item, list(record.notes))  # after: under `filterwarnings = error` a note fails the test here
+        return record
 
     def _keep(self, item: pytest.Item, result: TestResult) -> None:
         """The result joins the run's and waits for its report, where pytest's verdict settles it and the
@@ -351,13 +298,12 @@ class Judge:
         result.html_path = outputs.shown_from(path, self.session.config.rootpath)
         item.add_report_section("call", "gpumem picture", f"memory over time: {path}")
 
-    def _keep_evidence(self, item: pytest.Item, measured: Measurement, result: TestResult) -> None:
-        folder, trace = self.session.options.snapshot_dir, measured.trace
-        measured.trace = None  # a passing test's trace is not kept for the rest of the run
+    def _keep_evidence(self, item: pytest.Item, result: TestResult, trace: object) -> None:
+        folder = self.session.options.snapshot_dir
         if folder is None or not result.status.leaves_evidence:
             return
         try:
-            path = outputs.write_trace(folder, measured, result, trace)
+            path = outputs.write_trace(folder, self.session.measurement(item), result, trace)
         except outputs.WRITE_ERRORS as exc:
             self.session.problems.append(f"--gpumem-snapshot-dir: cannot write the trace of {item.nodeid}: {exc}")
             return
@@ -373,7 +319,7 @@ class Judge:
         result = item.stash.get(RESULT_KEY, None)
         if result is not None and report.when == "call":
             del item.stash[RESULT_KEY]
-            settle(result, report)
+            agree_with_pytest(result, report)
             text = json.dumps(result.to_json(), allow_nan=False)
             if item.config.hook.pytest_gpumem_result.get_hookimpls():
                 text = _after_hook(item, result, report, text)
@@ -452,6 +398,6 @@ def _fail_report(report: pytest.TestReport, line: str, trace: str | None) -> Non
         report.sections.append(("Captured gpumem hook traceback call", trace))
 
 
-def _has_detail(measured: Measurement) -> bool:
+def _has_detail(record: CallRecord) -> bool:
     """Whether the measurement has something to say beyond a budget or a verdict."""
-    return bool(measured.notes or measured.explanation or measured.advice)
+    return bool(record.notes or record.explanation or record.advice)

@@ -1,5 +1,6 @@
-"""The files a run writes: the JSON report and the Markdown table at its end, and, test by test, the
-picture of an explained test (--gpumem-html) and the memory trace of a failing one (--gpumem-snapshot-dir)."""
+"""The files a run writes: at its end, those the options chose of `report.writers.WRITERS` (the JSON
+report, the Markdown table), and, test by test, the picture of an explained test (--gpumem-html) and the
+memory trace of a failing one (--gpumem-snapshot-dir)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 import pickle
 import re
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,36 +19,12 @@ from pytest_gpumem.errors import first_line
 from pytest_gpumem.files import replace_atomically
 
 if TYPE_CHECKING:
-    from pytest_gpumem.backends.base import Backend
     from pytest_gpumem.measure.measurement import Measurement
     from pytest_gpumem.results import TestResult
     from pytest_gpumem.results.advice import Advice
     from pytest_gpumem.results.explanation import Explanation
 
 WRITE_ERRORS = (OSError, TypeError, ValueError, pickle.PicklingError)
-
-
-def json_text(results: Sequence[TestResult], backend: Backend | None, folder: Path | None = None) -> str:
-    """The JSON report: the run's backend and device (those of its first result when it made none), and
-    the commit of the git work tree holding `folder` (the current one by default; none outside git)."""
-    from pytest_gpumem.history.git import head
-    from pytest_gpumem.report.json import document
-
-    first = results[0] if results else None
-    name = backend.name if backend else (first.backend if first else None)
-    device = str(backend.device) if backend else (first.device if first else None)
-    commit = head(Path.cwd() if folder is None else folder)
-    doc = document(results, name, device, commit)
-    return json.dumps(doc, indent=2, sort_keys=True, allow_nan=False) + "\n"
-
-
-def markdown_text(
-    results: Sequence[TestResult], long: bool, rootpath: Path, path: Path, record: str | None = None
-) -> str:
-    """The Markdown summary, its links relative to the folder of `path`; `record` records missing baselines."""
-    from pytest_gpumem.report.markdown import markdown
-
-    return markdown(results, long, rootpath, path.parent, record)
 
 
 def write_report(path: Path, flag: str, text: Callable[[], str]) -> str | None:

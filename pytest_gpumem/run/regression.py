@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 import pytest
 
 from pytest_gpumem.config import BaselineOptions, Options
-from pytest_gpumem.results import Status
 
 if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
@@ -64,22 +63,6 @@ def partial_run(config: pytest.Config, session: pytest.Session) -> bool:
     narrowing = ("keyword", "markexpr", "ignore", "ignore_glob", "deselect", "lf", "stepwise", "collectonly")
     narrowed = any(getattr(config.option, name, None) for name in narrowing)
     return not whole or narrowed or bool(session.shouldstop) or bool(session.shouldfail)
-
-
-def verdict_status(verdict: Verdict) -> Status:
-    """The report's word for a baseline verdict: a test without a baseline is ``NEW`` when that passes,
-    ``MISSING BASELINE`` when it fails (``--gpumem-strict``, also for a phase or gradients without one)."""
-    from pytest_gpumem.results.baseline import BaselineStatus
-
-    if verdict.status == BaselineStatus.REGRESSED:
-        return Status.REGRESSED
-    if verdict.gradient_status == BaselineStatus.CHANGED:
-        return Status.GRADIENTS_CHANGED
-    if verdict.failed:  # what else fails a verdict: something without a baseline, under strict
-        return Status.MISSING_BASELINE
-    if verdict.status == BaselineStatus.IMPROVED:
-        return Status.IMPROVED
-    return Status.NEW if verdict.status == BaselineStatus.NEW else Status.OK
 
 
 @dataclass

@@ -4,6 +4,7 @@ results, and what the end of the run reports and writes."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -19,10 +20,11 @@ if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
     from pytest_gpumem.config import Options
     from pytest_gpumem.measure.measurement import Measurement
+    from pytest_gpumem.report.writers import RunInfo, Writer
     from pytest_gpumem.results import TestResult
     from pytest_gpumem.run.devices import Assignment
 
-METER_KEY = pytest.StashKey["Measurement"]()
+MEASUREMENT_KEY = pytest.StashKey["Measurement"]()
 JUDGE = "gpumem-session"  # the name of the plugin that measures test calls, registered in runs that measure
 
 
@@ -89,12 +91,12 @@ class GpuMemSession:
     def measurement(self, item: pytest.Item, fresh: bool = False) -> Measurement:
         """The item's measurement (the gpumem fixture is a `GpuMem` on it); `fresh` (the fixture's setup, again on
         a rerun) starts a new one, so nothing of an earlier attempt (its info) carries over."""
-        measured = None if fresh else item.stash.get(METER_KEY, None)
+        measured = None if fresh else item.stash.get(MEASUREMENT_KEY, None)
         if measured is None:
             from pytest_gpumem.measure.measurement import Measurement
 
             backend = self.meta_backend() if _marked_meta(item) else self.backend()
-            measured = item.stash[METER_KEY] = Measurement(backend, item.nodeid)
+            measured = item.stash[MEASUREMENT_KEY] = Measurement(backend, item.nodeid)
         return measured
 
     @property
@@ -159,8 +161,11 @@ class GpuMemSession:
         """At the end of the run: workers hand their results over; the controller writes the files."""
         if worker_id(self.config) is not None:
             return  # each result went to the controller with its test's report
-        if self.options.json_path or self.options.markdown_path or self.baselines.active:
-            self._write_files(session, exitstatus)
+        from pytest_gpumem.report.writers import chosen
+
+        writers = chosen(self.options)
+        if writers or self.baselines.active:
+            self._write_files(session, exitstatus, writers)
         try:
             self.config.hook.pytest_gpumem_session_results(config=self.config, results=tuple(self.results))
         except Exception as exc:  # another plugin's: one line, and the summary and the report still come
@@ -170,28 +175,29 @@ class GpuMemSession:
         if self.problems and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
-    def _write_files(self, session: pytest.Session, exitstatus: int) -> None:
-        from pytest_gpumem.run import outputs
+    def _write_files(self, session: pytest.Session, exitstatus: int, writers: Sequence[Writer]) -> None:
+        from pytest_gpumem.run.outputs import write_report
 
-        self._progress(exitstatus)
-        results, backend = self.results, self._backend
-        json_path, markdown_path = self.options.json_path, self.options.markdown_path
-        long = self.config.get_verbosity() > 0
-        if json_path is not None:
-            report = partial(outputs.json_text, results, backend, self.config.rootpath)
-            self._problem(outputs.write_report(json_path, "--gpumem-json", report))
-        if markdown_path is not None:
-            record = self.baselines.record_command if self.baselines.active else None
-            table = partial(outputs.markdown_text, results, long, self.config.rootpath, markdown_path, record)
-            self._problem(outputs.write_report(markdown_path, "--gpumem-markdown", table))
+        self._progress(exitstatus, writers)
+        results, run = self.results, self._run_info()
+        for writer in writers:
+            self._problem(write_report(writer.path, writer.flag, partial(writer.text, results, run)))
         if self.baselines.active:
             self._finish_baselines(session, exitstatus)
+
+    def _run_info(self) -> RunInfo:
+        from pytest_gpumem.report.writers import RunInfo
+
+        backend, long = self._backend, self.config.get_verbosity() > 0
+        name, device = (None, None) if backend is None else (backend.name, str(backend.device))
+        record = self.baselines.record_command if self.baselines.active else None
+        return RunInfo(name, device, self.config.rootpath, long, record)
 
     def _problem(self, problem: str | None) -> None:
         if problem is not None:
             self.problems.append(problem)
 
-    def _progress(self, exitstatus: int) -> None:
+    def _progress(self, exitstatus: int, writers: Sequence[Writer]) -> None:
         """What the end of a run is about to do that takes time on a large suite, in one line each
         (nothing under -q): writing the report files, recording the baselines."""
         from pytest_gpumem.run.outputs import plural, shown
@@ -200,7 +206,7 @@ class GpuMemSession:
         if reporter is None or self.config.get_verbosity() < 0:
             return
         start = self.config.invocation_params.dir
-        files = [shown(p, start) for p in (self.options.json_path, self.options.markdown_path) if p is not None]
+        files = [shown(writer.path, start) for writer in writers]
         if files:
             reporter.write_line(f"gpumem: writing {plural(len(self.results), 'result')} to {' and '.join(files)}")
         options = self.baselines.options

@@ -24,11 +24,11 @@ from pytest_gpumem.errors import GpuMemError
 __all__ = [
     "ACTIONS",
     "Annotation",
-    "Block",
     "Event",
     "Frame",
-    "Segment",
     "Snapshot",
+    "SnapshotBlock",
+    "SnapshotSegment",
     "format_tier",
     "read_snapshot",
     "snapshot_from_bytes",
@@ -61,7 +61,7 @@ class Frame:
 
 
 @dataclass(frozen=True, slots=True)
-class Block:
+class SnapshotBlock:
     """A block of a segment at the snapshot's end: `size` as the allocator counts it, `requested_size` as asked."""
 
     address: int
@@ -71,7 +71,7 @@ class Block:
 
 
 @dataclass(frozen=True, slots=True)
-class Segment:
+class SnapshotSegment:
     """A segment (one cudaMalloc, or the mapped part of an expandable segment) at the snapshot's end."""
 
     device: int
@@ -80,7 +80,7 @@ class Segment:
     stream: int
     segment_type: str  # small or large
     is_expandable: bool
-    blocks: tuple[Block, ...]
+    blocks: tuple[SnapshotBlock, ...]
 
 
 class Event(NamedTuple):
@@ -114,7 +114,7 @@ class Snapshot:
     """A whole snapshot: final segments, one trace per device, and what newer torch adds."""
 
     path: str
-    segments: tuple[Segment, ...]
+    segments: tuple[SnapshotSegment, ...]
     traces: tuple[tuple[Event, ...], ...]  # by device index
     allocator_settings: AllocatorSettings | None  # None: torch < 2.3 wrote none
     alloc_conf: str | None  # PYTORCH_CUDA_ALLOC_CONF as the process had it
@@ -231,9 +231,9 @@ def _snapshot(raw: object, name: str) -> Snapshot:
     return Snapshot(name, segments, traces, settings, conf, annotations, tier)
 
 
-def _segment(raw: Mapping[Any, Any], where: str) -> Segment:
+def _segment(raw: Mapping[Any, Any], where: str) -> SnapshotSegment:
     blocks = tuple(
-        Block(
+        SnapshotBlock(
             _field(b, "address", int, f"{where}.blocks[{j}]"),
             _field(b, "size", int, f"{where}.blocks[{j}]"),
             _field(b, "requested_size", int, f"{where}.blocks[{j}]", 0),
@@ -241,7 +241,7 @@ def _segment(raw: Mapping[Any, Any], where: str) -> Segment:
         )
         for j, b in enumerate(_records(raw.get("blocks", []), f"{where}.blocks"))
     )
-    return Segment(
+    return SnapshotSegment(
         _field(raw, "device", int, where, 0),
         _field(raw, "address", int, where),
         _field(raw, "total_size", int, where),

@@ -105,7 +105,7 @@ class Allocation(Origin):
 
 
 @dataclass(frozen=True)
-class Region:
+class RegionSpan:
     """One entry into a measured region (the call or a phase): the event indices it spans."""
 
     name: str
@@ -134,7 +134,7 @@ class Attributor(Recorder):
         self.sizes = array("q")
         # with the allocator's model (`allocator`: the ledger), its reserved and inactive-split bytes per event
         self.allocator_trace = None if allocator is None or allocator.model is None else AllocatorTrace(allocator)
-        self.regions: list[Region] = []
+        self.regions: list[RegionSpan] = []
         self.paused: list[tuple[int, int]] = []  # event spans the meter does not measure
         self.paused_by: list[str] = []  # what ran in each paused span (gpumem.advise, ...)
         self._open: list[tuple[str, int]] = []
@@ -161,7 +161,7 @@ class Attributor(Recorder):
 
     def close_region(self) -> None:
         name, start = self._open.pop()
-        self.regions.append(Region(name, start, len(self.ids)))
+        self.regions.append(RegionSpan(name, start, len(self.ids)))
 
     def pause(self, by: str = "") -> None:
         self._pause_start, self._paused_by = len(self.ids), by

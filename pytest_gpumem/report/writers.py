@@ -1,0 +1,73 @@
+"""The files the end of a run writes, one small class each, and `WRITERS`, the table that names the option
+field choosing each. A new report format is a `Writer` here and a line in the table; the session writes
+whichever the options chose, in the table's order."""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from pytest_gpumem.results import TestResult
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a writer knows of the run besides its results."""
+
+    backend: str | None  # the backend's name, None when the run made none
+    device: str | None
+    root: Path  # the rootdir: pictures' paths are relative to it; the commit is its work tree's
+    long: bool  # -v: the long form of the table
+    record: str | None  # the command that records missing baselines, when baselines are in use
+
+
+@dataclass(frozen=True)
+class Writer(ABC):
+    """One file written at the end of a run, to `path`, given by the option `flag`."""
+
+    path: Path
+    flag: ClassVar[str]
+
+    @abstractmethod
+    def text(self, results: Sequence[TestResult], run: RunInfo) -> str:
+        """The file's text."""
+
+
+class JsonReport(Writer):
+    flag = "--gpumem-json"
+
+    def text(self, results: Sequence[TestResult], run: RunInfo) -> str:
+        """The JSON report: the run's backend and device (those of its first result when it made none),
+        and the commit of the git work tree holding the rootdir (none outside git)."""
+        from pytest_gpumem.report.commit import head
+        from pytest_gpumem.report.json import document
+
+        first = results[0] if results and run.backend is None else None
+        backend, device = (first.backend, first.device) if first else (run.backend, run.device)
+        doc = document(results, backend, device, head(run.root))
+        return json.dumps(doc, indent=2, sort_keys=True, allow_nan=False) + "\n"
+
+
+class MarkdownReport(Writer):
+    flag = "--gpumem-markdown"
+
+    def text(self, results: Sequence[TestResult], run: RunInfo) -> str:
+        """The Markdown summary, its links relative to the file's folder."""
+        from pytest_gpumem.report.markdown import markdown
+
+        return markdown(results, run.long, run.root, self.path.parent, run.record)
+
+
+WRITERS: Mapping[str, type[Writer]] = {"json_path": JsonReport, "markdown_path": MarkdownReport}
+"""Each end-of-run file by the option field (of `config.Options`) that holds its path, in the order written."""
+
+
+def chosen(options: object) -> list[Writer]:
+    """The files `options` (a `config.Options`) ask for: each writer whose field holds a path, in table order."""
+    paths = ((writer, getattr(options, field)) for field, writer in WRITERS.items())
+    return [writer(path) for writer, path in paths if path is not None]

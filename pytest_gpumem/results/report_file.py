@@ -1,0 +1,126 @@
+"""The one reader of a `--gpumem-json` report, for `pytest-gpumem compare`, `merge` and `history --reports`:
+the document exactly as the plugin writes it (its version, backend, device, commit, and each test's
+`TestResult`), or a `GpuMemError` of one line naming the file and the JSON path of the first value that
+is not (`old.json: tests[3].call.peak_bytes must be an integer of bytes, got '12'`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pytest_gpumem.errors import GpuMemError, first_line
+from pytest_gpumem.results import TestResult
+from pytest_gpumem.results.checks import OffShape, fields, flag, json_key, listed, refuse, text
+
+__all__ = ["MAX_REPORT_BYTES", "REPORT_VERSION", "MadeAt", "ReportFile", "read_report"]
+
+REPORT_VERSION = 1
+MAX_REPORT_BYTES = 256 * 1024 * 1024
+_KEYS = ("version", "backend", "device", "commit", "tests")
+
+
+@dataclass(frozen=True)
+class MadeAt:
+    """The commit a report was made at, and whether the work tree had uncommitted changes."""
+
+    sha: str
+    dirty: bool
+
+    def to_json(self) -> dict[str, object]:
+        return {"sha": self.sha, "dirty": self.dirty}
+
+
+@dataclass(frozen=True)
+class ReportFile:
+    """A `--gpumem-json` report read back: its header and its tests in the order written (a test written
+    twice with the same figures, once)."""
+
+    path: Path
+    version: int
+    backend: str | None
+    device: str | None
+    commit: MadeAt | None
+    tests: tuple[TestResult, ...]
+
+
+def read_report(path: Path) -> ReportFile:
+    """The report in `path`; `GpuMemError` (`path: what is wrong`) for anything the plugin would not write."""
+    try:
+        return _report(path, _document(path))
+    except OffShape as exc:
+        raise GpuMemError(f"{path}: {exc}") from None
+    except RecursionError:  # JSON read, but too deep to walk
+        raise GpuMemError(f"{path}: cannot read a gpumem report: nested too deeply") from None
+
+
+def _document(path: Path) -> object:
+    try:
+        if not path.is_file():
+            raise GpuMemError(f"{path}: not a file")
+        if path.stat().st_size > MAX_REPORT_BYTES:
+            raise GpuMemError(f"{path}: too large for a gpumem report (limit {MAX_REPORT_BYTES >> 20} MiB)")
+        return json.loads(path.read_bytes().decode("utf-8-sig"), object_pairs_hook=_unique, parse_constant=_constant)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise GpuMemError(f"{path}: cannot read a gpumem report: {first_line(exc)}") from None
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        keys = [key for key, _ in pairs]
+        raise ValueError(f"duplicate key {json_key(next(k for k in keys if keys.count(k) > 1))}")
+    return out
+
+
+def _constant(name: str) -> object:
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+def _report(path: Path, doc: object) -> ReportFile:
+    if not isinstance(doc, dict) or "tests" not in doc:
+        raise GpuMemError(f"{path}: not a gpumem report (no list of tests; written by --gpumem-json?)")
+    d = fields(doc, "report", _KEYS)
+    if d["version"] != REPORT_VERSION or type(d["version"]) is not int:
+        raise refuse("version", f"{REPORT_VERSION} (the report version this pytest-gpumem reads)", d["version"])
+    return ReportFile(
+        path=path,
+        version=REPORT_VERSION,
+        backend=_name(d["backend"], "backend"),
+        device=_name(d["device"], "device"),
+        commit=None if d["commit"] is None else _made_at(d["commit"]),
+        tests=_tests(listed(d["tests"], "tests")),
+    )
+
+
+def _name(value: object, where: str) -> str | None:
+    return None if value is None else text(value, where, "a name or null")
+
+
+def _made_at(value: object) -> MadeAt:
+    if not isinstance(value, dict):
+        raise refuse("commit", '{"sha": a full commit hash, "dirty": true or false} or null', value)
+    d = fields(value, "commit", ("sha", "dirty"))
+    sha = d["sha"]
+    if not isinstance(sha, str) or len(sha) not in (40, 64) or any(c not in "0123456789abcdef" for c in sha):
+        raise refuse("commit.sha", "a full commit hash in lower-case hex", sha)
+    return MadeAt(sha, flag(d["dirty"], "commit.dirty"))
+
+
+def _tests(raw: list[Any]) -> tuple[TestResult, ...]:
+    tests: dict[str, TestResult] = {}
+    for i, entry in enumerate(raw):
+        test = TestResult.from_json(entry, f"tests[{i}]")
+        if not _printable(test.nodeid):
+            raise refuse(
+                f"tests[{i}].nodeid", "printable text (no control characters, no lone surrogates)", test.nodeid
+            )
+        kept = tests.setdefault(test.nodeid, test)
+        if kept != test:
+            raise OffShape(f"tests[{i}]: {json_key(test.nodeid)} appears twice with different figures")
+    return tuple(tests.values())
+
+
+def _printable(name: str) -> bool:
+    return not any(ord(c) < 32 or ord(c) == 127 or 0xD800 <= ord(c) < 0xE000 for c in name)
