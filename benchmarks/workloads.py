@@ -256,6 +256,8 @@ def basics_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 class BasicsAttention(Attention):
+    # forward repeats Attention's lines on purpose: each local's lifetime is the traced code's, and a shared
+    # helper that took the attention output would keep it alive through output_proj (a different peak)
     def __init__(self, d_model: int, heads: int, max_len: int, device: str) -> None:
         super().__init__(d_model, heads, max_len, device)
         self.rope = BasicsRope(d_model // heads, max_len, device)  # type: ignore[assignment]
