@@ -8,7 +8,7 @@ card's capacity is its total less what lies outside the allocator (`Capacity.byt
 
 Totals are what `total_memory` reports (cudaGetDeviceProperties' totalGlobalMem, the figure
 `set_per_process_memory_fraction` multiplies), the smallest value found in public printouts: it moves by
-a few hundred MiB with the driver and ECC. The memory outside the allocator defaults to `DEFAULT_OUTSIDE`
+a few hundred MiB with the driver and ECC. The memory outside the allocator defaults to `_DEFAULT_OUTSIDE`
 for every card: published measurements of the context with lazy module loading (torch's default since
 CUDA 11.7) are 254-426 MiB, and the kernels a training step loads on first use add to it; it is larger
 with `CUDA_MODULE_LOADING=EAGER` (636 MiB and more) and with NCCL. `docs/reference/cards.md` lists the
@@ -34,7 +34,7 @@ from pytest_gpumem.sizes import MAX_TEXT, format_size, parse_size, shorten
 
 _MIB = 2**20
 
-DEFAULT_OUTSIDE = 512 * _MIB
+_DEFAULT_OUTSIDE = 512 * _MIB
 """Memory outside the allocator on a named card unless given: above every published lazy-loading figure of
 the CUDA context (254-426 MiB), with room for the kernels a training step loads on first use."""
 
@@ -42,7 +42,7 @@ CUBLAS_WORKSPACE_DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8
 """torch's cuBLAS workspace before Hopper (`:4096:2:16:8`, 8 MiB + 128 KiB): also the size a prediction
 uses when no card is named, torch's default on every other architecture."""
 
-CUBLAS_WORKSPACE_LARGE = 4096 * 8 * 1024
+_CUBLAS_WORKSPACE_LARGE = 4096 * 8 * 1024
 """torch's cuBLAS workspace on compute capability 9.x, 10.x and 12.x (Hopper, Blackwell): 32 MiB."""
 
 _LARGE_WORKSPACE_MAJORS = frozenset((9, 10, 12))
@@ -61,7 +61,7 @@ class Card:
     capability: tuple[int, int]
     source: str
     aliases: tuple[str, ...] = ()
-    outside: int = DEFAULT_OUTSIDE
+    outside: int = _DEFAULT_OUTSIDE
     sm_count: int = 108  # an A100's, where a card does not say
 
     @property
@@ -165,7 +165,7 @@ def cublas_workspace_bytes(capability: tuple[int, int] | None, environ: Mapping[
     and 12.x, else 8 MiB + 128 KiB (also when no card is named: `capability` None)."""
     default = CUBLAS_WORKSPACE_DEFAULT
     if capability is not None and capability[0] in _LARGE_WORKSPACE_MAJORS:
-        default = CUBLAS_WORKSPACE_LARGE
+        default = _CUBLAS_WORKSPACE_LARGE
     config = (environ or {}).get("CUBLAS_WORKSPACE_CONFIG")
     pairs = _WORKSPACE_PAIR.findall(config or "")
     if not pairs:  # torch warns and takes its default where the variable is set but unreadable
@@ -202,7 +202,7 @@ class Capacity:
 
 def parse_capacity(value: object, where: str = "") -> Capacity:
     """A capacity from an int or a size ('16 GiB': the allocator's own limit), a card's name ('H100-80GB':
-    its total less `DEFAULT_OUTSIDE`), a name or a total with what lies outside the allocator after a colon
+    its total less `_DEFAULT_OUTSIDE`), a name or a total with what lies outside the allocator after a colon
     ('H100-80GB:1 GiB', '24 GiB:600 MiB'). Raises GpuMemError in one line, starting with `where` (the
     option or argument) when given, listing the cards for a name it does not know."""
     try:

@@ -32,19 +32,19 @@ from pytest_gpumem.sizes import format_size
 from pytest_gpumem.snapshots import command as replay
 from pytest_gpumem.values import slack, tolerance
 
-Tests = dict[str, TestResult]
+_Tests = dict[str, TestResult]
 
 
-class CommandError(Exception):
+class _CommandError(Exception):
     """A command that cannot go on; the message names the file or the flag."""
 
 
-def load_report(path: Path) -> Tests:
+def _load_report(path: Path) -> _Tests:
     """The tests of a `--gpumem-json` report, by node id."""
     return {test.nodeid: test for test in read_report(path).tests}
 
 
-PASSING = frozenset({*(status for status in Status if status.passing), Status.XFAILED})
+_PASSING = frozenset({*(status for status in Status if status.passing), Status.XFAILED})
 """The statuses of a test that did not fail (an expected failure did not either)."""
 
 
@@ -61,7 +61,7 @@ class Comparison:
         return [(nodeid, c) for nodeid, c in self.rows if c.status == BaselineStatus.REGRESSED]
 
 
-def compare_reports(old: Tests, new: Tests, tol: Tolerance) -> Comparison:
+def _compare_reports(old: _Tests, new: _Tests, tol: Tolerance) -> Comparison:
     rows: list[tuple[str, PhaseComparison]] = []
     for nodeid in (n for n in new if n in old):
         before, after = _peaks(old[nodeid]), _peaks(new[nodeid])
@@ -71,7 +71,7 @@ def compare_reports(old: Tests, new: Tests, tol: Tolerance) -> Comparison:
                 continue
             compared = compare_peak(phase, stored, current, tol, format_size)
             rows.append((nodeid, with_growth(compared, _composition(old[nodeid]), _composition(new[nodeid]))))
-    failed = [(n, t.status.value) for n, t in new.items() if t.status not in PASSING]
+    failed = [(n, t.status.value) for n, t in new.items() if t.status not in _PASSING]
     mixed = [n for n in new if n in old and _where(old[n]) != _where(new[n])]
     return Comparison(rows, [n for n in new if n not in old], [n for n in old if n not in new], failed, mixed)
 
@@ -152,26 +152,26 @@ def _markdown(comparison: Comparison) -> str:
     return "\n".join([*blocks, f"{summary(comparison)}\n"])
 
 
-def run_compare(args: argparse.Namespace) -> int:
+def _run_compare(args: argparse.Namespace) -> int:
     if args.markdown is not None:
         _not_an_input(args.markdown, "--markdown", [args.old, args.new])
-    old, new = load_report(args.old), load_report(args.new)
-    comparison = compare_reports(old, new, Tolerance(args.tolerance, args.slack))
+    old, new = _load_report(args.old), _load_report(args.new)
+    comparison = _compare_reports(old, new, Tolerance(args.tolerance, args.slack))
     _say(_text(comparison))
     if args.markdown is not None:
         _write(args.markdown, _markdown(comparison))
     return 1 if comparison.regressed or comparison.failed else 0
 
 
-def merge_reports(reports: Sequence[ReportFile]) -> dict[str, Any]:
+def _merge_reports(reports: Sequence[ReportFile]) -> dict[str, Any]:
     """One report of a suite split across machines; a test in two reports must have the same figures."""
-    merged: Tests = {}
+    merged: _Tests = {}
     source: dict[str, Path] = {}
     for report in reports:
         for test in report.tests:
             nodeid = test.nodeid
             if nodeid in merged and merged[nodeid] != test:
-                raise CommandError(f"{nodeid} is in {source[nodeid]} and in {report.path} with different figures")
+                raise _CommandError(f"{nodeid} is in {source[nodeid]} and in {report.path} with different figures")
             merged.setdefault(nodeid, test)
             source.setdefault(nodeid, report.path)
     backends = {t.backend for t in merged.values()}
@@ -184,10 +184,10 @@ def merge_reports(reports: Sequence[ReportFile]) -> dict[str, Any]:
     }
 
 
-def run_merge(args: argparse.Namespace) -> int:
+def _run_merge(args: argparse.Namespace) -> int:
     _not_an_input(args.output, "-o", args.reports)
     reports = [read_report(path) for path in args.reports]
-    doc = merge_reports(reports)
+    doc = _merge_reports(reports)
     made_at = _shared_commit(reports, args.output)
     doc["commit"] = None if made_at is None else made_at.to_json()
     _write(args.output, json.dumps(doc, indent=2, sort_keys=True, allow_nan=False) + "\n")
@@ -215,18 +215,18 @@ def _made_at(commit: MadeAt | None) -> str:
     return f"at {commit.sha[:7]}" + (" with uncommitted changes" if commit.dirty else "")
 
 
-def run_history(args: argparse.Namespace) -> int:
+def _run_history(args: argparse.Namespace) -> int:
     try:
         return history.run(args, _write, _say)
     except history.GitError as exc:
-        raise CommandError(str(exc)) from None
+        raise _CommandError(str(exc)) from None
 
 
-def run_replay(args: argparse.Namespace) -> int:
+def _run_replay(args: argparse.Namespace) -> int:
     try:
         return replay.run(args, _write, _say)
     except GpuMemError as exc:
-        raise CommandError(str(exc)) from None
+        raise _CommandError(str(exc)) from None
 
 
 def _not_an_input(output: Path, flag: str, inputs: Sequence[Path]) -> None:
@@ -237,7 +237,7 @@ def _not_an_input(output: Path, flag: str, inputs: Sequence[Path]) -> None:
         except (OSError, RuntimeError):  # a link loop, a path that cannot be resolved: not an input
             same = False
         if same:
-            raise CommandError(f"{flag} {output} is one of the input reports; write the output elsewhere")
+            raise _CommandError(f"{flag} {output} is one of the input reports; write the output elsewhere")
 
 
 def _write(path: Path, text: str) -> None:
@@ -246,7 +246,7 @@ def _write(path: Path, text: str) -> None:
     try:
         write_file(path, text)
     except (OSError, ValueError) as exc:
-        raise CommandError(f"{path}: cannot write: {why(exc)}") from None
+        raise _CommandError(f"{path}: cannot write: {why(exc)}") from None
 
 
 def _say(text: str) -> None:
@@ -257,7 +257,7 @@ def _say(text: str) -> None:
         # what is left in the buffer would fail again at exit, with a traceback: it goes nowhere instead
         with contextlib.suppress(OSError, ValueError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        raise CommandError(f"standard output: cannot write: {why(exc)}") from None
+        raise _CommandError(f"standard output: cannot write: {why(exc)}") from None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -269,13 +269,13 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--tolerance", type=tolerance, default=DEFAULT_TOLERANCE_PERCENT, metavar="PCT")
     c.add_argument("--slack", type=slack, default=DEFAULT_SLACK_BYTES, metavar="SIZE")
     c.add_argument("--markdown", type=Path, default=None, metavar="PATH", help="also write the table as Markdown")
-    c.set_defaults(run=run_compare)
+    c.set_defaults(run=_run_compare)
     m = commands.add_parser("merge", help="join the reports of a suite split across machines")
     m.add_argument("reports", type=Path, nargs="+", metavar="REPORT.json")
     m.add_argument("-o", "--output", type=Path, required=True, metavar="ALL.json")
-    m.set_defaults(run=run_merge)
-    history.add_parser(commands).set_defaults(run=run_history)
-    replay.add_parser(commands).set_defaults(run=run_replay)
+    m.set_defaults(run=_run_merge)
+    history.add_parser(commands).set_defaults(run=_run_history)
+    replay.add_parser(commands).set_defaults(run=_run_replay)
     return p
 
 
@@ -283,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         result: int = args.run(args)
-    except (CommandError, GpuMemError) as exc:
+    except (_CommandError, GpuMemError) as exc:
         print(f"pytest-gpumem {args.command}: error: {exc}", file=sys.stderr)
         return 2
     return result

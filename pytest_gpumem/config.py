@@ -71,15 +71,15 @@ class BaselineOptions:
         return self.update or self.strict or self.prune or os.path.lexists(self.path)
 
 
-TEST_PATHS_TAKEN = "gpumem_test_paths_taken"
-"""Where `ValueOrTestPath` keeps the test paths that argparse handed to an option as its value."""
+_TEST_PATHS_TAKEN = "gpumem_test_paths_taken"
+"""Where `_ValueOrTestPath` keeps the test paths that argparse handed to an option as its value."""
 
 
-class ValueOrTestPath(argparse.Action):
+class _ValueOrTestPath(argparse.Action):
     """An option whose value is optional (`const` when none is given). argparse takes whatever follows the
     flag for its value, so in `pytest --gpumem-update test_x.py` it hands over the test path: a value that
     `parse` refuses but that names a file or folder (or anything, under --pyargs) is taken for what it is,
-    a test path, kept under `TEST_PATHS_TAKEN` for `read_options` to give back to the run, and the option
+    a test path, kept under `_TEST_PATHS_TAKEN` for `read_options` to give back to the run, and the option
     gets `const`. Any other refused value stays a usage error."""
 
     def __init__(self, *args: Any, parse: Callable[[str], object], **kwargs: Any) -> None:
@@ -103,16 +103,16 @@ class ValueOrTestPath(argparse.Action):
             if not (getattr(namespace, "pyargs", False) or os.path.lexists(values.split("::", 1)[0])):
                 raise argparse.ArgumentError(self, str(exc)) from None
             setattr(namespace, self.dest, self.const)
-            setattr(namespace, TEST_PATHS_TAKEN, [*getattr(namespace, TEST_PATHS_TAKEN, ()), values])
+            setattr(namespace, _TEST_PATHS_TAKEN, [*getattr(namespace, _TEST_PATHS_TAKEN, ()), values])
 
 
 def _give_back_test_paths(config: pytest.Config) -> None:
-    """The test paths an option took for its value (`ValueOrTestPath`) join the run's own, which pytest
+    """The test paths an option took for its value (`_ValueOrTestPath`) join the run's own, which pytest
     chose without them (the configured testpaths or the current folder when they were all it was given)."""
-    taken: list[str] = getattr(config.option, TEST_PATHS_TAKEN, [])
+    taken: list[str] = getattr(config.option, _TEST_PATHS_TAKEN, [])
     if not taken:
         return
-    setattr(config.option, TEST_PATHS_TAKEN, [])
+    setattr(config.option, _TEST_PATHS_TAKEN, [])
     given = config.args if config.args_source == pytest.Config.ArgsSource.ARGS else []
     config.args = [*taken, *given]
     config.args_source = pytest.Config.ArgsSource.ARGS
@@ -129,7 +129,7 @@ def add_options(parser: pytest.Parser) -> None:
             assert option.parse is not None, option.flag
             group.addoption(
                 option.flag,
-                action=ValueOrTestPath,
+                action=_ValueOrTestPath,
                 parse=option.parse,
                 nargs="?",
                 const=option.const,

@@ -27,10 +27,10 @@ if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
     from pytest_gpumem.results import TestResult
 
-hookspec = pluggy.HookspecMarker("pytest")
+_hookspec = pluggy.HookspecMarker("pytest")
 
 
-@hookspec(firstresult=True)
+@_hookspec(firstresult=True)
 def pytest_gpumem_make_backend(config: pytest.Config, name: str) -> Backend | None:
     """Return the backend for `--gpumem-backend=name`, or None to leave the choice to others.
 
@@ -44,7 +44,7 @@ def pytest_gpumem_make_backend(config: pytest.Config, name: str) -> Backend | No
     """
 
 
-@hookspec
+@_hookspec
 def pytest_gpumem_result(item: pytest.Item, result: TestResult) -> None:
     """Called with the final result of every measured test, once pytest has judged its call.
 
@@ -58,7 +58,7 @@ def pytest_gpumem_result(item: pytest.Item, result: TestResult) -> None:
     """
 
 
-@hookspec
+@_hookspec
 def pytest_gpumem_session_results(config: pytest.Config, results: Sequence[TestResult]) -> None:
     """Called once per run with the final result of every measured test, in the order they finished.
 

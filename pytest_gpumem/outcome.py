@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.results.baseline import Entry, Verdict
 
 
-class Compared(Protocol):
+class _Compared(Protocol):
     """A test's comparison with its baseline (`pytest_gpumem.run.regression.Judgement`)."""
 
     @property
@@ -47,7 +47,7 @@ class Outcome:
         return () if self.failure is None else self.failure.detail
 
 
-def judge(record: CallRecord, budget: Budget | None, leak: Limit | None, compared: Compared | None) -> Outcome:
+def judge(record: CallRecord, budget: Budget | None, leak: Limit | None, compared: _Compared | None) -> Outcome:
     """The outcome of a call that ran to the end: over its budget first, then a leak past `leak`, then
     its baseline's verdict; OK when none of them fails it."""
     call, phases = record.call, record.phases
@@ -79,7 +79,7 @@ def verdict_status(verdict: Verdict) -> Status:
     return Status.NEW if verdict.status == BaselineStatus.NEW else Status.OK
 
 
-def _verdict_line(compared: Compared) -> FailureLine:
+def _verdict_line(compared: _Compared) -> FailureLine:
     """The baseline's line: its first problem and how to learn what grew, the others as they fit."""
     problems, message = compared.verdict.problems, compared.failure_message()
     if not problems:
@@ -91,7 +91,7 @@ def result_of(
     record: CallRecord,
     outcome: Outcome,
     budget: Budget | None,
-    compared: Compared | None,
+    compared: _Compared | None,
     info: dict[str, object],
     worker_device: str | None,
 ) -> TestResult:

@@ -24,24 +24,24 @@ SESSION_KEY = pytest.StashKey[GpuMemSession]()
 
 # The reference strategies' fixtures, --gpumem-scale option and report section: loaded only for
 # `pytest --pyargs reference_losses` (here, before the command line is parsed) or on request.
-REFERENCE_PACKAGE = "reference_losses"
-REFERENCE_PLUGIN = "reference_losses.fixtures"
+_REFERENCE_PACKAGE = "reference_losses"
+_REFERENCE_PLUGIN = "reference_losses.fixtures"
 
 
 def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     # not tryfirst: the `pythonpath` ini option's paths (tryfirst) must be in sys.path, so that a
     # project's own reference_losses is found (and left alone) instead of ours
     if _runs_reference_suite(early_config):
-        early_config.pluginmanager.import_plugin(REFERENCE_PLUGIN)
+        early_config.pluginmanager.import_plugin(_REFERENCE_PLUGIN)
 
 
 def _runs_reference_suite(config: pytest.Config) -> bool:
     """`--pyargs` naming our reference_losses (not a project's own package of that name)."""
     known = config.known_args_namespace
-    if not known.pyargs or config.pluginmanager.has_plugin(REFERENCE_PLUGIN):
+    if not known.pyargs or config.pluginmanager.has_plugin(_REFERENCE_PLUGIN):
         return False
     named = {str(arg).split("::")[0].split(".")[0] for arg in known.file_or_dir or ()}
-    return REFERENCE_PACKAGE in named and _is_ours(REFERENCE_PACKAGE)
+    return _REFERENCE_PACKAGE in named and _is_ours(_REFERENCE_PACKAGE)
 
 
 def _is_ours(package: str) -> bool:

@@ -23,7 +23,7 @@ from pytest_gpumem.advise.strategy import Target
 # as equal, by the dtype the step computes in. fp32: reordered sums of up to ~1e4 terms move a result by
 # ~1e-5 (reference_losses' FP32_RTOL); bf16 keeps 8 bits, so one rounding of every activation moves a
 # gradient by up to ~2**-8 per layer.
-GRADIENT_RTOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 2.0**-4, torch.float16: 2.0**-7}
+_GRADIENT_RTOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 2.0**-4, torch.float16: 2.0**-7}
 
 
 def _copy(value: object) -> object:
@@ -124,7 +124,7 @@ def compare(
     keys = [key for key in got if key in ref]
     if not keys:
         return "not checked: no gradients to compare", None, ""
-    rtol = GRADIENT_RTOL.get(dtype, GRADIENT_RTOL[torch.float32])
+    rtol = _GRADIENT_RTOL.get(dtype, _GRADIENT_RTOL[torch.float32])
     worst_key, worst = keys[0], 0.0
     with _disable_current_modes(), torch.no_grad():
         for key in keys:

@@ -41,8 +41,8 @@ if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
     from pytest_gpumem.results import PhaseResult
 
-PHASE_ORDER = ("forward", "backward", "step")
-MAX_COMBINATIONS = 4
+_PHASE_ORDER = ("forward", "backward", "step")
+_MAX_COMBINATIONS = 4
 
 
 @functools.cache
@@ -297,7 +297,7 @@ class _Advisor:
         self, name: str, description: str, names: tuple[str, ...], measured: _Measured, parts: Sequence[Strategy]
     ) -> Row:
         assert self.base is not None
-        phases = sorted(measured.phases.values(), key=lambda r: PHASE_ORDER.index(r.name))
+        phases = sorted(measured.phases.values(), key=lambda r: _PHASE_ORDER.index(r.name))
         peak, reserved = measured.total.peak_bytes, measured.total.reserved_peak_bytes
         gradients, equal = self._gradients(measured, parts)
         lower = measured.dtype if measured.dtype != self.base.dtype else None
@@ -334,7 +334,7 @@ class _Advisor:
         stack: list[Strategy] = []
         found: list[Row] = []
         best = base
-        while len(found) < MAX_COMBINATIONS:
+        while len(found) < _MAX_COMBINATIONS:
             row = next((r for r in pending if _lowers(r, base, best.peak_phase)), None)
             if row is None:
                 break

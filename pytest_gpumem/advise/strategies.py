@@ -17,14 +17,14 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from pytest_gpumem.advise.chunked import chunked_cross_entropy
 from pytest_gpumem.advise.strategy import Patch, Run, Strategy, Target
 
-BATCH_ARGUMENT = "batch"  # the optional parameter of a step that can run on a slice of its batch
-MICRO_BATCHES = (2, 4)
-EVERY = 2  # checkpoint every EVERY-th block
-CE_CHUNKS = 8
+_BATCH_ARGUMENT = "batch"  # the optional parameter of a step that can run on a slice of its batch
+_MICRO_BATCHES = (2, 4)
+_EVERY = 2  # checkpoint every _EVERY-th block
+_CE_CHUNKS = 8
 
 # Optimizers whose step updates each parameter from its own gradient and state only, so that one
 # optimizer per parameter, stepped as its gradient is ready, computes the same update.
-PER_PARAMETER_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+_PER_PARAMETER_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
     torch.optim.Adam,
     torch.optim.AdamW,
@@ -65,7 +65,7 @@ def _never_steps(target: Target) -> bool:
     return target.optimizer is not None and target.optimizer_steps == 0
 
 
-NO_STEP = "the step as it is never calls optimizer.step() (it accumulates gradients)"
+_NO_STEP = "the step as it is never calls optimizer.step() (it accumulates gradients)"
 
 
 def _kept_caches(target: Target) -> list[Any]:
@@ -90,7 +90,7 @@ def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-class CheckpointBlocks(Strategy):
+class _CheckpointBlocks(Strategy):
     """torch.utils.checkpoint (non-reentrant) around every `every`-th repeated block's forward; with
     `selective`, matmul and attention outputs are kept and only the cheap ops recomputed."""
 
@@ -186,7 +186,7 @@ def _without_autocast(function: Callable[..., Any], kind: str) -> Callable[..., 
     return run
 
 
-class FusedStep(Strategy):
+class _FusedStep(Strategy):
     """One optimizer per parameter, stepped from its post-accumulate-grad hook, the gradient freed at
     once (PyTorch tutorial "How to save memory by fusing the optimizer step into the backward pass")."""
 
@@ -200,11 +200,11 @@ class FusedStep(Strategy):
         optimizer = target.optimizer
         if optimizer is None:
             return "no optimizer given (optimizer=)"
-        if type(optimizer) not in PER_PARAMETER_OPTIMIZERS:
+        if type(optimizer) not in _PER_PARAMETER_OPTIMIZERS:
             kind = type(optimizer).__name__
             return f"{kind} is not one of torch's per-parameter optimizers: its step may couple parameters"
         if _never_steps(target):
-            return f"{NO_STEP}: fused, the optimizer would step in every backward and free the gradients"
+            return f"{_NO_STEP}: fused, the optimizer would step in every backward and free the gradients"
         return None
 
     def apply(self, run: Run) -> None:
@@ -257,7 +257,7 @@ def _foreach_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return found
 
 
-class ForeachOff(Strategy):
+class _ForeachOff(Strategy):
     """`foreach=False`: the optimizer's per-tensor loop, whose temporaries are one parameter's size
     instead of all parameters' (see FACTS: optimizers pick their implementation by device)."""
 
@@ -276,7 +276,7 @@ class ForeachOff(Strategy):
         if not _foreach_groups(optimizer):
             return f"{type(optimizer).__name__} already takes the per-tensor loop on {target.device.type}"
         if _never_steps(target):
-            return f"{NO_STEP}: there is no optimizer step to change"
+            return f"{_NO_STEP}: there is no optimizer step to change"
         return None
 
     def apply(self, run: Run) -> None:
@@ -285,7 +285,7 @@ class ForeachOff(Strategy):
             group["foreach"] = False  # the run's copy of the group
 
 
-class SaveOnCpu(Strategy):
+class _SaveOnCpu(Strategy):
     """torch.autograd.graph.save_on_cpu: saved activations in pinned host memory until backward."""
 
     name = "save-on-cpu"
@@ -307,15 +307,15 @@ class SaveOnCpu(Strategy):
         run.call = _wrapped(run.call, partial(torch.autograd.graph.save_on_cpu, pin_memory=pin))
 
 
-def takes_batch(step: Callable[..., object]) -> bool:
+def _takes_batch(step: Callable[..., object]) -> bool:
     try:
-        parameter = inspect.signature(step).parameters.get(BATCH_ARGUMENT)
+        parameter = inspect.signature(step).parameters.get(_BATCH_ARGUMENT)
     except (TypeError, ValueError):
         return False
     return parameter is not None and parameter.default is not inspect.Parameter.empty
 
 
-class MicroBatches(Strategy):
+class _MicroBatches(Strategy):
     """`k` calls of the step, each on a slice of the batch (`step(batch=slice(...))`), gradients
     accumulated and divided by k before the one real optimizer step: equal to the full batch's for a
     loss that is the mean over the rows it gets."""
@@ -332,8 +332,8 @@ class MicroBatches(Strategy):
         return f"{self.count} micro-batches with gradient accumulation"
 
     def skip_reason(self, target: Target) -> str | None:
-        if not takes_batch(target.step):
-            return f"the step has no optional `{BATCH_ARGUMENT}` parameter (a slice of the batch rows)"
+        if not _takes_batch(target.step):
+            return f"the step has no optional `{_BATCH_ARGUMENT}` parameter (a slice of the batch rows)"
         if target.batch_size is None:
             return "no batch_size= given (the rows the step's batch has)"
         if target.batch_size % self.count:
@@ -341,7 +341,7 @@ class MicroBatches(Strategy):
         if target.optimizer is None:
             return "no optimizer given (optimizer=): the accumulated gradients need one step"
         if _never_steps(target):
-            return f"{NO_STEP}: micro-batching averages the accumulated gradients in that step"
+            return f"{_NO_STEP}: micro-batching averages the accumulated gradients in that step"
         return None
 
     def apply(self, run: Run) -> None:
@@ -370,13 +370,13 @@ class MicroBatches(Strategy):
             for index in range(count):
                 current[0] = index
                 shim.calls = 0
-                result = step(**{BATCH_ARGUMENT: slice(index * rows, (index + 1) * rows)})
+                result = step(**{_BATCH_ARGUMENT: slice(index * rows, (index + 1) * rows)})
             return result
 
         run.call = micro
 
 
-class ChunkedCrossEntropy(Strategy):
+class _ChunkedCrossEntropy(Strategy):
     """The `loss=` module's forward(hidden, targets) replaced by a chunked, checkpointed cross-entropy over
     `hidden @ loss.weight.T` (`advise/chunked.py`): full logits never exist at once."""
 
@@ -384,7 +384,7 @@ class ChunkedCrossEntropy(Strategy):
     family = "loss"
 
     def describe(self, target: Target) -> str:
-        return f"a chunked cross-entropy ({CE_CHUNKS} chunks)"
+        return f"a chunked cross-entropy ({_CE_CHUNKS} chunks)"
 
     def skip_reason(self, target: Target) -> str | None:
         loss = target.loss
@@ -405,22 +405,22 @@ class ChunkedCrossEntropy(Strategy):
             rows = hidden.reshape(-1, hidden.shape[-1])
             weight = loss.weight
             assert isinstance(weight, torch.Tensor)
-            return chunked_cross_entropy(rows, weight, targets.reshape(-1), CE_CHUNKS)
+            return chunked_cross_entropy(rows, weight, targets.reshape(-1), _CE_CHUNKS)
 
         run.patch.set_attr(loss, "forward", chunked)
 
 
 def all_strategies() -> list[Strategy]:
     return [
-        CheckpointBlocks(),
-        CheckpointBlocks(every=EVERY),
-        CheckpointBlocks(selective=True),
+        _CheckpointBlocks(),
+        _CheckpointBlocks(every=_EVERY),
+        _CheckpointBlocks(selective=True),
         Autocast(),
-        FusedStep(),
-        ForeachOff(),
-        SaveOnCpu(),
-        *(MicroBatches(k) for k in MICRO_BATCHES),
-        ChunkedCrossEntropy(),
+        _FusedStep(),
+        _ForeachOff(),
+        _SaveOnCpu(),
+        *(_MicroBatches(k) for k in _MICRO_BATCHES),
+        _ChunkedCrossEntropy(),
     ]
 
 
@@ -435,7 +435,7 @@ def conflict(a: Strategy, b: Strategy) -> str | None:
     """Why `a` and `b` cannot be combined, or None."""
     if a.family == b.family:
         return _FAMILY_CONFLICTS.get(a.family, "both change the same thing")
-    if FusedStep.name in (a.name, b.name) and {a.family, b.family} == {"step", "batch"}:
+    if _FusedStep.name in (a.name, b.name) and {a.family, b.family} == {"step", "batch"}:
         return "accumulating micro-batch gradients needs the gradients a fused step frees"
     return None
 

@@ -42,8 +42,8 @@ __all__ = [
     "environment_warnings",
 ]
 
-SizeFormatter = Callable[[int], str]
-PERCENT_UP_TO = 10  # times its baseline: a larger change is said in bytes (104857500.0% of 8 B says nothing)
+_SizeFormatter = Callable[[int], str]
+_PERCENT_UP_TO = 10  # times its baseline: a larger change is said in bytes (104857500.0% of 8 B says nothing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +76,7 @@ class Tolerance:
         # ceil(stored * (1 - p) - slack)
         return -((-(stored * (self._den - self._num) - self.slack_bytes * self._den)) // self._den)
 
-    def describe(self, fmt: SizeFormatter = format_size) -> str:
+    def describe(self, fmt: _SizeFormatter = format_size) -> str:
         pct = f"{self.percent:g}%"
         return f"{pct} + {fmt(self.slack_bytes)}" if self.slack_bytes else pct
 
@@ -93,7 +93,7 @@ def compare(
     tolerance: Tolerance | None = None,
     *,
     strict: bool = False,
-    fmt: SizeFormatter = format_size,
+    fmt: _SizeFormatter = format_size,
     grad_rtol: float | Mapping[str, float] | None = None,
     grad_atol: float | None = None,
     record: str = "--gpumem-update",
@@ -167,7 +167,7 @@ def _without_baseline(nodeid: str, current: Entry, strict: bool, record: str) ->
 
 
 def _phase_comparisons(
-    current: Entry, baseline: Entry, tol: Tolerance, fmt: SizeFormatter, record: str
+    current: Entry, baseline: Entry, tol: Tolerance, fmt: _SizeFormatter, record: str
 ) -> tuple[PhaseComparison, ...]:
     """The whole call, then each measured phase, then each stored phase this run did not measure."""
     compared = [compare_peak(None, baseline.peak_bytes, current.peak_bytes, tol, fmt)]
@@ -234,7 +234,7 @@ def compare_peak(
     stored: int | None,
     current: int | None,
     tol: Tolerance,
-    fmt: SizeFormatter,
+    fmt: _SizeFormatter,
     record: str = "--gpumem-update",
 ) -> PhaseComparison:
     """One peak (``phase``; ``None``: the whole call) against its stored value; either may be missing.
@@ -262,23 +262,23 @@ def compare_peak(
     return PhaseComparison(phase, stored, current, allowed, change, BaselineStatus.OK)
 
 
-def in_percent(stored: int, current: int) -> bool:
+def _in_percent(stored: int, current: int) -> bool:
     """Whether the change from `stored` to `current` bytes is worded in percent: where the baseline is not
-    0 B and the change at most `PERCENT_UP_TO` times it; else in bytes."""
-    return stored > 0 and abs(current - stored) <= PERCENT_UP_TO * stored
+    0 B and the change at most `_PERCENT_UP_TO` times it; else in bytes."""
+    return stored > 0 and abs(current - stored) <= _PERCENT_UP_TO * stored
 
 
-def change_text(stored: int, current: int, fmt: SizeFormatter = format_size) -> str:
+def change_text(stored: int, current: int, fmt: _SizeFormatter = format_size) -> str:
     """A change as the report's and `pytest-gpumem compare`'s change column show it: '+25.6%', '-3.0%', or
-    in bytes where a percent would say nothing ('+8.0 MiB' over a baseline of 8 B, `in_percent`)."""
-    if in_percent(stored, current):
+    in bytes where a percent would say nothing ('+8.0 MiB' over a baseline of 8 B, `_in_percent`)."""
+    if _in_percent(stored, current):
         return f"{(current - stored) * 100 / stored:+.1f}%"
     return ("+" if current >= stored else "") + fmt(current - stored)
 
 
-def _amount(stored: int, current: int, tolerance: float, fmt: SizeFormatter) -> str:
-    """How far `current` is from `stored`, unsigned, for a message: '25.6%' or '8.0 MiB' (`in_percent`)."""
-    if in_percent(stored, current):
+def _amount(stored: int, current: int, tolerance: float, fmt: _SizeFormatter) -> str:
+    """How far `current` is from `stored`, unsigned, for a message: '25.6%' or '8.0 MiB' (`_in_percent`)."""
+    if _in_percent(stored, current):
         return f"{_pct(abs(current - stored) * 100 / stored, tolerance)}%"
     return fmt(abs(current - stored))
 

@@ -80,7 +80,7 @@ class BaselineError(GpuMemError):
     """A baseline file that cannot be read or written; the one-line message names the file."""
 
 
-Slot = tuple[str, str]
+_Slot = tuple[str, str]
 """``(node id, identity key)``: where an entry lives in the file."""
 
 
@@ -98,7 +98,7 @@ class BaselineStore:
     entries: dict[str, dict[str, Entry]] = field(default_factory=dict)
     existed: bool = False
     digest: bytes | None = field(default=None, repr=False)
-    changes: dict[Slot, Entry | None] = field(default_factory=dict, repr=False)
+    changes: dict[_Slot, Entry | None] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.digest is None:

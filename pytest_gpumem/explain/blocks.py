@@ -17,7 +17,7 @@ def repeated_blocks(kinds: Mapping[str, str]) -> dict[str, int]:
             classes.setdefault(parent, set()).add(kind)
             numbers.setdefault(parent, set()).add(last)
     return {
-        group_of(parent): len(numbers[parent])
+        _group_of(parent): len(numbers[parent])
         for parent, found in classes.items()
         if len(found) == 1 and len(numbers[parent]) > 1
     }
@@ -30,11 +30,11 @@ def fold(module: str, folds: Collection[str]) -> str:
         return module
     parts = module.split(".")
     for index, part in enumerate(parts):
-        if part.isdigit() and group_of(".".join(parts[:index])) in folds:
-            return group_of(".".join(parts[:index]))
+        if part.isdigit() and _group_of(".".join(parts[:index])) in folds:
+            return _group_of(".".join(parts[:index]))
     return module
 
 
-def group_of(parent: str) -> str:
+def _group_of(parent: str) -> str:
     """The name of the group of `parent`'s numbered children."""
     return f"{parent}.*" if parent else "*"

@@ -12,8 +12,8 @@ from pytest_gpumem.results.categories import LABELS
 from pytest_gpumem.results.explanation import Cell, Composition, Explanation, PhaseComposition
 from pytest_gpumem.sizes import format_size
 
-STORED_CELLS = 8  # of an explanation made before folding
-TOP_GROWN = 3  # module groups a regression names
+_STORED_CELLS = 8  # of an explanation made before folding
+_TOP_GROWN = 3  # module groups a regression names
 
 
 def compact(explanation: Explanation) -> Composition:
@@ -30,7 +30,7 @@ def compact(explanation: Explanation) -> Composition:
             blocks = {g: n for g, n in explanation.folded.items() if any(cell.module == g for cell in cells)}
             out[name] = PhaseComposition(categories, cells, blocks)
         else:
-            out[name] = PhaseComposition(categories, phase.cells[:STORED_CELLS])
+            out[name] = PhaseComposition(categories, phase.cells[:_STORED_CELLS])
     return out
 
 
@@ -42,7 +42,7 @@ def what_grew(stored: Composition | None, current: Composition | None, phase: st
     if not stored or not current or phase not in stored or phase not in current:
         return None
     old, new = stored[phase], current[phase]
-    return describe_growth(Growth.of(old, new)) or _category_growth(old, new)
+    return _describe_growth(Growth.of(old, new)) or _category_growth(old, new)
 
 
 @dataclass
@@ -79,7 +79,7 @@ class Growth:
         return sorted(((g, t) for g, t in totals if t > 0), key=lambda gt: (-gt[1], gt[0]))
 
 
-def describe_growth(grew: Growth, count: int = TOP_GROWN, fmt: Callable[[int], str] = format_size) -> str:
+def _describe_growth(grew: Growth, count: int = _TOP_GROWN, fmt: Callable[[int], str] = format_size) -> str:
     """The `count` groups that grew most, then the others new in the peak and those no longer in it by name."""
     ranked = grew.ranked()[:count]
     parts = [f"{g} +{fmt(total)}{_blocks_note(grew, g)}{_by_category(grew.groups[g], fmt)}" for g, total in ranked]

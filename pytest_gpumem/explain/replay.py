@@ -35,12 +35,12 @@ if TYPE_CHECKING:
     from pytest_gpumem.results import PhaseResult
 
 TOP_MODULES = 10
-TOP_CELLS = 10
-TOP_TENSORS = 10
-MAX_POINTS = 2000
-MAX_SPANS = 200  # of a phase entered more often, the first ones (`entries` says how many there were)
+_TOP_CELLS = 10
+_TOP_TENSORS = 10
+_MAX_POINTS = 2000
+_MAX_SPANS = 200  # of a phase entered more often, the first ones (`entries` says how many there were)
 OTHER_MODULES = "(other modules)"
-FOLDED_CELLS = 24  # category x module-group parts a phase keeps (baselines store them all)
+_FOLDED_CELLS = 24  # category x module-group parts a phase keeps (baselines store them all)
 
 K = TypeVar("K", bound=Hashable)
 
@@ -79,7 +79,7 @@ def explain(attributor: Attributor, measured: Mapping[str, PhaseResult], nodeid:
             peak_bytes=computed if result is None else result.peak_bytes,
             start_bytes=totals[region.start],
             peak_index=peak,
-            spans=spans[name][:MAX_SPANS],
+            spans=spans[name][:_MAX_SPANS],
             entries=len(spans[name]),
             unattributed_bytes=0 if result is None else result.peak_bytes - computed,
             reserved_at_peak=_reserved_at(attributor, peak, totals),
@@ -158,7 +158,7 @@ def _first_highest(totals: array[int], low: int, high: int, paused: Sequence[tup
 def _sampled(totals: array[int], chosen: Mapping[str, tuple[RegionSpan, int]]) -> set[int]:
     """The moments a timeline shows: the highest of each bucket, plus each phase's peak."""
     keep = {peak for _, peak in chosen.values()} | {0, len(totals) - 1}
-    bucket = max(1, -(-len(totals) // MAX_POINTS))
+    bucket = max(1, -(-len(totals) // _MAX_POINTS))
     for low in range(0, len(totals), bucket):
         keep.add(_first_highest(totals, low, min(low + bucket, len(totals))))
     return keep
@@ -197,7 +197,7 @@ def _snapshot(live: Mapping[int, int], allocations: Sequence[Allocation]) -> _Sn
         snap.modules[allocation.module] = snap.modules.get(allocation.module, 0) + size
         cell = (allocation.category, allocation.module)
         snap.cells[cell] = snap.cells.get(cell, 0) + size
-    largest = sorted(live.items(), key=lambda kv: (-kv[1], kv[0]))[:TOP_TENSORS]
+    largest = sorted(live.items(), key=lambda kv: (-kv[1], kv[0]))[:_TOP_TENSORS]
     snap.tensors = [(size, allocations[i]) for i, size in largest]
     return snap
 
@@ -215,7 +215,7 @@ def _phase(
     reserved_at_peak: ReservedAtPeak | None,
 ) -> PhaseExplanation:  # fmt: skip
     grown = changes(start.cells, top.cells)
-    cells = sorted(grown.items(), key=lambda kv: (-abs(kv[1]), kv[0]))[:TOP_CELLS]
+    cells = sorted(grown.items(), key=lambda kv: (-abs(kv[1]), kv[0]))[:_TOP_CELLS]
     return PhaseExplanation(
         peak_bytes=peak_bytes,
         categories={c: top.categories[c] - start.categories[c] for c in CATEGORIES},
@@ -256,15 +256,15 @@ def _tensor(size: int, allocation: Allocation) -> Tensor:
 
 
 def folded_cells(cells: Mapping[tuple[str, str], int], folds: Collection[str]) -> list[Cell]:
-    """Category x module-group parts, largest change first; past `FOLDED_CELLS`, the rest of each
+    """Category x module-group parts, largest change first; past `_FOLDED_CELLS`, the rest of each
     category in one "(other modules)" part (the sum stays exact)."""
     grouped: dict[tuple[str, str], int] = {}
     for (category, module), size in cells.items():
         key = (category, fold(module, folds))
         grouped[key] = grouped.get(key, 0) + size
     ordered = sorted(((k, v) for k, v in grouped.items() if v), key=lambda kv: (-abs(kv[1]), kv[0]))
-    kept = dict(ordered[:FOLDED_CELLS])
-    for (category, _), size in ordered[FOLDED_CELLS:]:
+    kept = dict(ordered[:_FOLDED_CELLS])
+    for (category, _), size in ordered[_FOLDED_CELLS:]:
         key = (category, OTHER_MODULES)
         kept[key] = kept.get(key, 0) + size
     return [Cell(c, m, b) for (c, m), b in kept.items() if b]

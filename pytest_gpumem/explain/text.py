@@ -14,28 +14,28 @@ if TYPE_CHECKING:
     from pytest_gpumem.budget import Budget, Limit
     from pytest_gpumem.results import PhaseResult
 
-Format = Callable[[int], str]
+_Format = Callable[[int], str]
 
-HOW_TO_EXPLAIN = "see what made it with --gpumem-explain or max_memory(explain=True)"
+_HOW_TO_EXPLAIN = "see what made it with --gpumem-explain or max_memory(explain=True)"
 
 
-def describe(explanation: Explanation, fmt: Format = format_size) -> list[str]:
+def describe(explanation: Explanation, fmt: _Format = format_size) -> list[str]:
     """Lines for the test's report section."""
     lines = [f"peak explained ({explanation.backend}):"]
     for name, phase in explanation.phases.items():
         lines.append(f"  {name}: peak {fmt(phase.peak_bytes)} = {_parts(explanation, phase, fmt)}")
         if phase.reserved_at_peak is not None:
-            lines.append(f"    at the peak: {reserved_clause(phase.reserved_at_peak, fmt)}")
+            lines.append(f"    at the peak: {_reserved_clause(phase.reserved_at_peak, fmt)}")
         grown = _by_group(phase).items()
         modules = ", ".join(f"{m} {_signed(b, fmt)}{_blocks(explanation, m)}" for m, b in grown)
         if modules:
             lines.append(f"    by module: {modules}")
         for tensor in phase.tensors[:3]:
-            lines.append(f"    alive at the peak: {describe_tensor(explanation, tensor, fmt)}")
+            lines.append(f"    alive at the peak: {_describe_tensor(explanation, tensor, fmt)}")
     return lines
 
 
-def reserved_clause(reserved: ReservedAtPeak, fmt: Format = format_size) -> str:
+def _reserved_clause(reserved: ReservedAtPeak, fmt: _Format = format_size) -> str:
     """How much of the allocator's reserved memory held no block, e.g. "reserved 22.0 MiB, 20.0 MiB of it
     unallocated (18.0 MiB inactive split)"."""
     return (
@@ -60,18 +60,18 @@ def _blocks(explanation: Explanation, group: str) -> str:
     return "" if count is None else f" ({count} blocks)"
 
 
-def _parts(explanation: Explanation, phase: PhaseExplanation, fmt: Format) -> str:
+def _parts(explanation: Explanation, phase: PhaseExplanation, fmt: _Format) -> str:
     parts = [f"{explanation.label(c)} {_signed(b, fmt)}" for c, b in phase.categories.items() if b]
     if phase.unattributed_bytes:
         parts.append(f"unattributed {_signed(phase.unattributed_bytes, fmt)}")
     return ", ".join(parts) or "nothing"
 
 
-def _signed(value: int, fmt: Format) -> str:
+def _signed(value: int, fmt: _Format) -> str:
     return f"-{fmt(-value)}" if value < 0 else fmt(value)
 
 
-def describe_tensor(explanation: Explanation, tensor: Tensor, fmt: Format = format_size) -> str:
+def _describe_tensor(explanation: Explanation, tensor: Tensor, fmt: _Format = format_size) -> str:
     shape = None if tensor.shape is None else list(tensor.shape)
     what, op = ("a storage" if tensor.dtype is None else f"{tensor.dtype}{shape}"), tensor.op
     if tensor.dtype is None and op.startswith(_WORKSPACE) and op.endswith(")"):  # "cuBLAS workspace (aten.mm)"
@@ -114,7 +114,7 @@ def made_of(explanation: Explanation | None, over: Sequence[tuple[str, Limit]]) 
     if not over:
         return ""
     if explanation is None:
-        return f" ({HOW_TO_EXPLAIN})"
+        return f" ({_HOW_TO_EXPLAIN})"
     region, limit = over[0]
     phase = explanation.phases.get(region)
     if phase is None:

@@ -32,13 +32,13 @@ __all__ = ["byte_ticks", "render"]
 WIDTH, HEIGHT = 400, 180  # a panel's viewBox: three side by side at 1280 px, about 1:1
 LEFT, RIGHT, TOP, BOTTOM = 66, 14, 10, 36
 LABEL_WIDTH, LABEL_SPACE = 60, 6  # a commit label (its date, 10 px, is the wider line) and the room between two
-MIN_SPAN = 0.05
+_MIN_SPAN = 0.05
 """The least a byte axis spans, as a share of its top figure: a change of a few bytes stays flat."""
-PHASE_CLASSES = 8  # the stylesheet's line colours, c0 (the whole call) to c7, repeating past the last
+_PHASE_CLASSES = 8  # the stylesheet's line colours, c0 (the whole call) to c7, repeating past the last
 _UNITS = ((1024**4, "TiB"), (1024**3, "GiB"), (1024**2, "MiB"), (1024, "KiB"), (1, "B"))
 
-Group = tuple[str, str, list[Series]]
-Label = tuple[float, str, str, str, str]
+_Group = tuple[str, str, list[Series]]
+_Label = tuple[float, str, str, str, str]
 """Where a commit label is (x), how it is anchored there, the short hash, the date and the hover text."""
 
 
@@ -84,7 +84,7 @@ def render(
     )
 
 
-def _summary(found: Sequence[Group], commits: Sequence[Commit], charted: int) -> str:
+def _summary(found: Sequence[_Group], commits: Sequence[Commit], charted: int) -> str:
     if not commits:
         return "No baselines in the file's committed versions."
     span = f"{len(commits)} commits, {commits[0].short} ({commits[0].date}) to {commits[-1].short} ({commits[-1].date})"
@@ -115,7 +115,7 @@ def _row(members: list[Series]) -> dict[str, Any]:
     }
 
 
-def _chart(index: int, group: Group, axis: dict[str, int], gate: Gate | None) -> dict[str, Any]:
+def _chart(index: int, group: _Group, axis: dict[str, int], gate: Gate | None) -> dict[str, Any]:
     """One test's chart: a panel per phase that changed (on one commit axis), the others in a line, and
     the commits that changed a figure as a table."""
     nodeid, device, members = group
@@ -152,7 +152,7 @@ def _panel(k: int, s: Series, x: Callable[[Commit], float]) -> dict[str, Any]:
     titles = [f"{st.commit.describe()}\n{_change(s, st)}" for st in s.steps]
     steps = f"{len(s.steps)} step{'' if len(s.steps) == 1 else 's'}"
     return {
-        "colour": f"c{k % PHASE_CLASSES}",
+        "colour": f"c{k % _PHASE_CLASSES}",
         "phase": s.phase,
         "figures": f"{format_size(s.first)} -> {format_size(s.latest)} ({growth_text(s)}, {steps})",
         "width": WIDTH,
@@ -175,11 +175,11 @@ def _steps_by_commit(members: list[Series], axis: dict[str, int]) -> list[tuple[
     return sorted(found.values(), key=lambda item: axis[item[0].sha])
 
 
-def _labels(s: Series, x: Callable[[Commit], float]) -> list[Label]:
+def _labels(s: Series, x: Callable[[Commit], float]) -> list[_Label]:
     """Commit labels under the axis, none over another: the last commit's, the largest step's and the
     first's always (one that would cover another moved aside, to the nearest free place), then the
     other steps' where there is room, left to right."""
-    placed: list[Label] = []
+    placed: list[_Label] = []
     largest = s.largest
     kept = [s.points[-1].commit, *([largest.commit] if largest else []), s.points[0].commit]
     for commit in dict.fromkeys(kept):
@@ -202,11 +202,11 @@ def _left(at: float, anchor: str | None = None) -> float:
     return at - {"start": 0, "middle": LABEL_WIDTH / 2, "end": LABEL_WIDTH}[anchor or _anchor(at)]
 
 
-def _label(commit: Commit, at: float, anchor: str | None = None) -> Label:
+def _label(commit: Commit, at: float, anchor: str | None = None) -> _Label:
     return (round(at, 1), anchor or _anchor(at), commit.short, commit.date, commit.describe())
 
 
-def _nearest_free(left: float, placed: Sequence[Label]) -> float:
+def _nearest_free(left: float, placed: Sequence[_Label]) -> float:
     """The left edge nearest to ``left`` where a label covers none of ``placed`` and stays in the panel."""
     boxes = [_left(at, anchor) for at, anchor, *_ in placed]
 
@@ -227,11 +227,11 @@ def _changes(changes: list[tuple[Series, Step]]) -> str:
 
 
 def byte_ticks(low: int, high: int) -> tuple[float, float, list[tuple[float, str]]]:
-    """The byte axis around ``low``..``high``, widened to span ``MIN_SPAN`` of the top figure at least:
+    """The byte axis around ``low``..``high``, widened to span ``_MIN_SPAN`` of the top figure at least:
     its ends, round values a step outside the figures (never below 0), and the marks between them (about
     five), each labelled in the unit of the top."""
     unit, name = next((size, text) for size, text in _UNITS if high >= size or size == 1)
-    widen = max(0.0, high * MIN_SPAN - (high - low)) / 2
+    widen = max(0.0, high * _MIN_SPAN - (high - low)) / 2
     span = (high - low + 2 * widen) / unit or max(high / unit / 10, 1.0)
     step = max(_nice(span / 4), 1.0 if unit == 1 else 0.0)
     bottom = max(0.0, (math.ceil((low - widen) / unit / step) - 1) * step)

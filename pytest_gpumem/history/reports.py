@@ -21,7 +21,7 @@ from pytest_gpumem.results.report_file import MadeAt, read_report
 
 __all__ = ["Reports", "read_reports"]
 
-NO_FIGURES = frozenset({"OUT OF MEMORY", "error", "xfailed"})
+_NO_FIGURES = frozenset({"OUT OF MEMORY", "error", "xfailed"})
 """The statuses of a test whose figures are not those of a whole call."""
 
 Entries = dict[str, dict[str, Entry]]
@@ -123,7 +123,7 @@ def _entries(tests: Sequence[TestResult]) -> Entries:
             recorded.setdefault((test.backend, test.device), test.baseline_entry.identity)
     entries: Entries = {}
     for test in tests:
-        if test.status.value in NO_FIGURES or test.call is None:
+        if test.status.value in _NO_FIGURES or test.call is None:
             continue
         where = (test.backend, test.device)
         own = None if test.baseline_entry is None else test.baseline_entry.identity

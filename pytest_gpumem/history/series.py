@@ -32,13 +32,13 @@ __all__ = [
 CALL = "call"
 """The phase name shown for the whole call's peak."""
 
-REPORTED = " (reports)"
+_REPORTED = " (reports)"
 """What a reported series' device label ends with."""
 
-Key = tuple[str, str, str, bool]
+_Key = tuple[str, str, str, bool]
 """``(node id, identity key, phase, reported)``."""
 
-Stores = Sequence[tuple[Commit, dict[str, dict[str, Entry]]]]
+_Stores = Sequence[tuple[Commit, dict[str, dict[str, Entry]]]]
 """Per commit, oldest first: entries by test id, then by identity key."""
 
 
@@ -133,10 +133,10 @@ def _read_one(version: Version, reader: Versions, result: Read) -> None:
     result.stores.append((commit, entries))
 
 
-def build(stores: Stores, reported: Stores = ()) -> list[Series]:
+def build(stores: _Stores, reported: _Stores = ()) -> list[Series]:
     """One series per test, identity and phase, over the versions that hold it (and one per test, identity
     and phase of the reports), sorted by growth."""
-    found: dict[Key, Series] = {}
+    found: dict[_Key, Series] = {}
     with paused_gc():  # a million points: the collector would walk them again and again
         for flag, each in ((False, stores), (True, reported)):
             rows: dict[tuple[str, str], tuple[Entry, list[tuple[list[SeriesPoint], int]]]] = {}
@@ -152,14 +152,14 @@ def build(stores: Stores, reported: Stores = ()) -> list[Series]:
 
 
 def _figures(
-    found: dict[Key, Series], nodeid: str, key: str, entry: Entry, reported: bool
+    found: dict[_Key, Series], nodeid: str, key: str, entry: Entry, reported: bool
 ) -> list[tuple[list[SeriesPoint], int]]:
     """Each of the entry's figures (the call's, then its phases') with the points of its series."""
     figures = []
     for phase, value in ((CALL, entry.peak_bytes), *entry.phases.items()):
         series = found.get((nodeid, key, phase, reported))
         if series is None:
-            label = device_label(entry.identity) + (REPORTED if reported else "")
+            label = device_label(entry.identity) + (_REPORTED if reported else "")
             series = found[nodeid, key, phase, reported] = Series(nodeid, label, phase, reported=reported)
         figures.append((series.points, value))
     return figures

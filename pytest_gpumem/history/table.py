@@ -21,20 +21,20 @@ __all__ = ["JSON_VERSION", "WIDTH", "groups", "json_text", "markdown_text", "spa
 WIDTH = 120
 JSON_VERSION = 1
 """The ``version`` of the ``--json`` document (docs/reference/json.md)."""
-BARS = "▁▂▃▄▅▆▇█"
-SPARK = 12
+_BARS = "▁▂▃▄▅▆▇█"
+_SPARK = 12
 HEADERS = ("phase", "first", "latest", "change", "%", "steps", "largest step", "commit")
 _RIGHT = (False, True, True, True, True, True, True, False)
 
 
-def sparkline(values: Sequence[int], width: int = SPARK) -> str:
+def sparkline(values: Sequence[int], width: int = _SPARK) -> str:
     """One bar per value (at most ``width``, evenly picked), from the lowest figure to the highest."""
     if len(values) > width:
         values = [values[round(i * (len(values) - 1) / (width - 1))] for i in range(width)]
     low, high = min(values), max(values)
     if high == low:
-        return BARS[0] * len(values)
-    return "".join(BARS[(v - low) * (len(BARS) - 1) // (high - low)] for v in values)
+        return _BARS[0] * len(values)
+    return "".join(_BARS[(v - low) * (len(_BARS) - 1) // (high - low)] for v in values)
 
 
 def _step(step: Step | None) -> tuple[str, str]:
@@ -62,7 +62,7 @@ def table(series: Sequence[Series], sparklines: bool, width: int = WIDTH) -> str
     its phases follow indented; the commit column is cut to what is left."""
     rows = [_cells(s) for s in series]
     widths = [max([display_width(h), *(display_width(r[i]) for r in rows)]) for i, h in enumerate(HEADERS)]
-    spark = min(SPARK, max((len(s.points) for s in series), default=1)) if sparklines else 0
+    spark = min(_SPARK, max((len(s.points) for s in series), default=1)) if sparklines else 0
     fixed = 2 + sum(widths[:-1]) + 2 * (len(HEADERS) - 1) + (spark + 2 if spark else 0)
     widths[-1] = max(min(widths[-1], width - fixed), 8)
 

@@ -45,7 +45,7 @@ DEFAULT_TOLERANCE = 0.01
 DEFAULT_SLACK = 4096
 """Bytes always accepted (small allocations whose sizes do not follow n exactly)."""
 
-FLAT_REACH = 1024
+_FLAT_REACH = 1024
 """How many times the largest size given a step whose peak does not grow is sampled up to, before it is
 refused: tensors the meter does not count (on another device) must not be made at billions of rows."""
 
@@ -350,7 +350,7 @@ def _sample_larger(fit: _Fit) -> tuple[Lines | None, str]:
     """No event grew with n over the sizes sampled: sample twice the largest, held to the capacity."""
     __tracebackhide__ = True
     largest = max(fit.sizes)
-    if largest >= min(MAX_BATCH, FLAT_REACH * fit.given):
+    if largest >= min(MAX_BATCH, _FLAT_REACH * fit.given):
         raise GpuMemError(
             f"fit: the step's peak does not grow with the batch size ({format_size(fit.samples[0].peak)} from size "
             f"{min(fit.sizes):,} to {largest:,}): does step(n) use n, and make its tensors on the measured device?"

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.results.gradients import Fingerprint
 
 CALL = "call"
-SURVIVORS_SHOWN = 10
+_SURVIVORS_SHOWN = 10
 Trace = Mapping[str, Any] | None
 Evidence = tuple[tuple["Survivor", ...], Holding | None, Trace]  # survivors, who holds them, the trace
 
@@ -265,7 +265,7 @@ class Measurement:
         survivors: tuple[Survivor, ...] = ()
         holding = None
         if self.leak_check and call.net_bytes > 0:
-            survivors = tuple(backend.survivors(SURVIVORS_SHOWN))
+            survivors = tuple(backend.survivors(_SURVIVORS_SHOWN))
             holding = leak_holding(backend.live_storages())
         trace = backend.trace()
         if stack.attribution is not None:

@@ -41,7 +41,7 @@ class RegionStack:
         self.open: list[Region] = []
 
     def push(self, name: str, full_collect: bool = False) -> None:
-        refuse_rank_name(name)
+        _refuse_rank_name(name)
         collect_garbage(full_collect)
         self.backend.settle()
         self._fold()
@@ -95,7 +95,7 @@ class RegionStack:
             region.high = region.high.max(peak)
 
 
-def refuse_rank_name(name: str) -> None:
+def _refuse_rank_name(name: str) -> None:
     """A region named `NAME@rankN` would be read as rank N's phase NAME in every report, file and
     baseline (`split_rank`): the name is refused where it is chosen, not escaped everywhere it is read."""
     base, rank = split_rank(name)

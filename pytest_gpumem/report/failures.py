@@ -39,10 +39,12 @@ class FailureLine:
         return "".join(f"\n{line}" for line in self.detail)
 
 
-Clause = str | tuple[str, ...]  # a clause, or its forms from the whole one to the shortest
+_Clause = str | tuple[str, ...]  # a clause, or its forms from the whole one to the shortest
 
 
-def fit_line(head: str, clauses: Sequence[Clause], shown: Collection[str] = (), width: int = LINE_WIDTH) -> FailureLine:
+def fit_line(
+    head: str, clauses: Sequence[_Clause], shown: Collection[str] = (), width: int = LINE_WIDTH
+) -> FailureLine:
     """`head`, then each clause in turn in the first of its forms that still fits in `width` characters (a
     clause carries its own joiner: '; ...', ', ...', ': ...' or ' (...)'); a clause not there whole is an
     `also:` line of the section, unless it is in `shown` (the section says it already)."""
@@ -174,7 +176,7 @@ def leak_message(measured: CallRecord, leak: Limit, net_bytes: int) -> FailureLi
     each module's tensors left."""
     holding = measured.holding
     held = "" if holding is None or not holding.held() else f", {holding.held()}"
-    parts: Clause = ""
+    parts: _Clause = ""
     if holding is not None and holding.kinds:
         what, size = holding.kinds[0]
         whole = f": {holding.parts(leak.fmt)}"

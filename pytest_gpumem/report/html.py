@@ -28,15 +28,15 @@ from pytest_gpumem.sizes import format_size
 COLOURS = ("#4e79a7", "#f28e2b", "#e15759", "#59a14f", "#edc948", "#b07aa1", "#76b7b2", "#ff9da7", "#9c755f")
 """One colour per category, in the explanation's stacking order (repeating past the ninth)."""
 
-MAX_ROWS = 10
+_MAX_ROWS = 10
 """The most rows of a module or category x module table (the tensors table shows all it is given)."""
 
-UNLISTED = "#bbb"  # the colour of a category the explanation does not list, and of unattributed bytes
-TIP_TENSORS = 5  # tensors the chart's tooltip lists at a phase's peak
-PEAK_CONTRIBUTORS = 3  # cells the peak's label names
-Y_HEADROOM = 1.08  # the chart's top, over its peak
-X_LABEL = "event in the test call (allocation, resize or free)"
-X_FOLDED = "; grey: folded, measured by no phase"
+_UNLISTED = "#bbb"  # the colour of a category the explanation does not list, and of unattributed bytes
+_TIP_TENSORS = 5  # tensors the chart's tooltip lists at a phase's peak
+_PEAK_CONTRIBUTORS = 3  # cells the peak's label names
+_Y_HEADROOM = 1.08  # the chart's top, over its peak
+_X_LABEL = "event in the test call (allocation, resize or free)"
+_X_FOLDED = "; grey: folded, measured by no phase"
 WHERE_CHARS, WHERE_PARTS = 40, 2  # a source path longer than this keeps its last parts in the tensors table
 _TICK_UNITS = ((1024, "KiB"), (1024**2, "MiB"), (1024**3, "GiB"), (1024**4, "TiB"))
 
@@ -55,16 +55,16 @@ def _assets() -> _Assets:
     script run."""
     script = assets.static("page.js")
     csp = f"default-src 'none'; style-src 'unsafe-inline'; script-src {assets.sha256(script)}"
-    return _Assets(assets.environment(break_parts=break_parts), assets.static("page.css"), script, csp)
+    return _Assets(assets.environment(break_parts=_break_parts), assets.static("page.css"), script, csp)
 
 
-def break_parts(text: str) -> list[str]:
+def _break_parts(text: str) -> list[str]:
     """`text` in the parts the page may break a line between (the template's `wrap`): after each `.`, `/`
     and `_`, so module paths, op names and file paths wrap there rather than mid-word."""
     return re.split(r"(?<=[./_])", text)
 
 
-def short_where(where: str) -> str:
+def _short_where(where: str) -> str:
     """A source line as the tensors table shows it: a long path cut to its last directories."""
     parts = where.split("/")
     if len(where) <= WHERE_CHARS or len(parts) <= WHERE_PARTS:
@@ -86,7 +86,7 @@ def render(explanation: Explanation, advice: Advice | None = None) -> str:
             {"colour": _colour(explanation, c), "label": explanation.label(c)} for c in reversed(explanation.categories)
         ],
         advice=None if advice is None else _advice_view(advice),
-        folded=folded_view(explanation.timeline.unmeasured),
+        folded=_folded_view(explanation.timeline.unmeasured),
         phases=[_phase_view(name, phase, explanation) for name, phase in _phases(explanation)],
         data=_script_json(explanation.to_json()),
         view=_script_json(chart_texts(explanation)),
@@ -101,7 +101,7 @@ def _script_json(value: object) -> str:
 
 def _colour(explanation: Explanation, category: str) -> str:
     categories = explanation.categories
-    return COLOURS[categories.index(category) % len(COLOURS)] if category in categories else UNLISTED
+    return COLOURS[categories.index(category) % len(COLOURS)] if category in categories else _UNLISTED
 
 
 # --- what the script shows, formatted here
@@ -116,23 +116,23 @@ def chart_texts(explanation: Explanation) -> dict[str, Any]:
     start = 0 if call is None else call.start_bytes
     points = explanation.timeline.points
     x_max = max(1, explanation.timeline.events, points[-1].index if points else 0)
-    y_max = max(1.0, max((point.total for point in points), default=0) * Y_HEADROOM)
+    y_max = max(1.0, max((point.total for point in points), default=0) * _Y_HEADROOM)
     axis = event_axis(x_max, explanation.timeline.unmeasured)
     return {
         "colours": list(COLOURS),
         "points": [_point_texts(point, start) for point in points],
         "empty": _point_texts(Point(0, []), start),
-        "peak": peak_point(explanation, axis),
+        "peak": _peak_point(explanation, axis),
         "start": format_size(start) if start else "",
         "unattributed": format_size(call.unattributed_bytes) if call is not None and call.unattributed_bytes else "",
         "contributors": [] if call is None else _contributors(explanation, call),
         "tensors": {
-            name: [_tensor_text(explanation, tensor) for tensor in phase.tensors[:TIP_TENSORS]]
+            name: [_tensor_text(explanation, tensor) for tensor in phase.tensors[:_TIP_TENSORS]]
             for name, phase in explanation.phases.items()
         },
         "x_max": x_max,
         "x_ticks": event_ticks(axis),
-        "x_label": X_LABEL + (X_FOLDED if axis.folds else ""),
+        "x_label": _X_LABEL + (_X_FOLDED if axis.folds else ""),
         "segments": [part.to_json() for part in axis.segments],
         "folds": [_fold_texts(part) for part in axis.folds],
         "y_max": y_max,
@@ -140,7 +140,7 @@ def chart_texts(explanation: Explanation) -> dict[str, Any]:
     }
 
 
-def peak_point(explanation: Explanation, axis: Axis) -> int | None:
+def _peak_point(explanation: Explanation, axis: Axis) -> int | None:
     """The timeline point the chart marks as the peak: the call's peak (the moment its table names),
     else (an explanation without it) the first largest point outside the folded spans; None without
     points."""
@@ -154,7 +154,7 @@ def peak_point(explanation: Explanation, axis: Axis) -> int | None:
     return max(measured, key=lambda i: (points[i].total, -i), default=None)
 
 
-def folded_view(unmeasured: list[UnmeasuredSpan]) -> list[dict[str, Any]]:
+def _folded_view(unmeasured: list[UnmeasuredSpan]) -> list[dict[str, Any]]:
     """What ran that no phase measures, one line per caller (gpumem.advise, ...): how often, how many
     events, where on the event axis."""
     by: dict[str, list[UnmeasuredSpan]] = {}
@@ -181,7 +181,7 @@ def _point_texts(point: Point, start: int) -> list[Any]:
 
 
 def _contributors(explanation: Explanation, call: PhaseExplanation) -> list[str]:
-    cells = sorted((c for c in call.cells if c.size > 0), key=lambda c: -c.size)[:PEAK_CONTRIBUTORS]
+    cells = sorted((c for c in call.cells if c.size > 0), key=lambda c: -c.size)[:_PEAK_CONTRIBUTORS]
     return [f"{explanation.label(c.category)} of {c.module}: {format_size(c.size)}" for c in cells]
 
 
@@ -255,7 +255,7 @@ def _category_rows(phase: PhaseExplanation, explanation: Explanation) -> list[tu
     names = [*explanation.categories, *(name for name in phase.categories if name not in explanation.categories)]
     rows = [(_colour(explanation, n), explanation.label(n), phase.categories.get(n, 0)) for n in names]
     if phase.unattributed_bytes:
-        rows.append((UNLISTED, "unattributed", phase.unattributed_bytes))
+        rows.append((_UNLISTED, "unattributed", phase.unattributed_bytes))
     return rows
 
 
@@ -264,7 +264,7 @@ def _share(size: int, total: int) -> str:
 
 
 def _ranked(sizes: Mapping[str, int]) -> list[tuple[str, str]]:
-    ranked = sorted(sizes.items(), key=lambda item: -item[1])[:MAX_ROWS]
+    ranked = sorted(sizes.items(), key=lambda item: -item[1])[:_MAX_ROWS]
     return [(name, format_size(size)) for name, size in ranked]
 
 
@@ -278,7 +278,7 @@ def _tensor_view(tensor: Tensor, explanation: Explanation) -> dict[str, Any]:
         "colour": _colour(explanation, tensor.category),
         "label": explanation.label(tensor.category),
         "op": tensor.op,
-        "where": short_where(tensor.where or ""),
+        "where": _short_where(tensor.where or ""),
         "where_full": tensor.where or "",
         "module": tensor.module,
     }

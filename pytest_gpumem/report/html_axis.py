@@ -15,10 +15,10 @@ from typing import Any
 
 from pytest_gpumem.results.explanation import UnmeasuredSpan
 
-FOLD_SHARE = 0.08  # the most of the chart's width one folded span takes
-FOLDED_SHARE = 0.24  # the most all folded spans take together
-TICKS = 8  # about how many ticks the event axis has
-TICK_GAP = 0.05  # the least distance between two ticks, as a share of the width
+_FOLD_SHARE = 0.08  # the most of the chart's width one folded span takes
+_FOLDED_SHARE = 0.24  # the most all folded spans take together
+_TICKS = 8  # about how many ticks the event axis has
+_TICK_GAP = 0.05  # the least distance between two ticks, as a share of the width
 
 
 @dataclass(frozen=True)
@@ -67,9 +67,9 @@ def event_axis(top: int, unmeasured: Sequence[UnmeasuredSpan] = ()) -> Axis:
     spans = _spans(top, unmeasured)
     measured = top - sum(end - start for _, start, end in spans)
     shares = [(end - start) / top for _, start, end in spans]
-    widths = [min(share, FOLD_SHARE) for share in shares] if measured > 0 else shares
-    if sum(widths) > FOLDED_SHARE and measured > 0:
-        widths = [width * FOLDED_SHARE / sum(widths) for width in widths]
+    widths = [min(share, _FOLD_SHARE) for share in shares] if measured > 0 else shares
+    if sum(widths) > _FOLDED_SHARE and measured > 0:
+        widths = [width * _FOLDED_SHARE / sum(widths) for width in widths]
     room = 1.0 - sum(widths)
     segments: list[AxisSpan] = []
     cursor, x = 0, 0.0
@@ -101,17 +101,17 @@ def _spans(top: int, unmeasured: Sequence[UnmeasuredSpan]) -> list[tuple[str, in
 
 
 def event_ticks(axis: Axis) -> list[list[Any]]:
-    """About `TICKS` round steps of whole events over the measured segments, none inside a folded span
+    """About `_TICKS` round steps of whole events over the measured segments, none inside a folded span
     and none crowding the one before."""
     measured = [part for part in axis.segments if part.by is None]
     count = sum(part.end - part.start for part in measured) or axis.top
-    step = max(1, int(nice_step(max(count, 1) / TICKS)))
+    step = max(1, int(nice_step(max(count, 1) / _TICKS)))
     candidates = sorted(
         {0, *(e for part in measured for e in range(-(-part.start // step) * step, part.end + 1, step))}
     )
     kept: list[int] = []
     for event in candidates:
-        if axis.fold_at(event) is None and (not kept or axis.position(event) - axis.position(kept[-1]) >= TICK_GAP):
+        if axis.fold_at(event) is None and (not kept or axis.position(event) - axis.position(kept[-1]) >= _TICK_GAP):
             kept.append(event)
     return [[event, f"{event:,}"] for event in kept]
 

@@ -28,8 +28,8 @@ from pytest_gpumem.results.baseline import BaselineStatus, PhaseComparison
 from pytest_gpumem.sizes import format_size
 
 DEFAULT_WIDTH = 120  # when pytest writes to no terminal
-GAP = "  "
-JOIN = " · "
+_GAP = "  "
+_JOIN = " · "
 # how narrow a column may get, narrowed in this order (after the test ids' leading parts, `_fit`), and at
 # the last resort ("phase": the long form's phase names, which are cut only then)
 _FLOORS = (("made of", 24), ("change", 16), ("other phases", 24), ("budget", 16))
@@ -44,8 +44,8 @@ def join_fitting(parts: Sequence[str], width: int, rank: Sequence[int] | None = 
     """`parts` joined by " · ", as many as fit in `width` columns, then how many more there are ("+3
     more"): each part taken in turn (their own order, or `rank`'s, lowest first) where it still fits, all
     shown in their own order."""
-    if display_width(JOIN.join(parts)) <= width:
-        return JOIN.join(parts)
+    if display_width(_JOIN.join(parts)) <= width:
+        return _JOIN.join(parts)
     chosen: list[int] = []
     for i in sorted(range(len(parts)), key=lambda i: i if rank is None else rank[i]):
         if display_width(_shown(parts, [*chosen, i])) <= width:
@@ -55,7 +55,7 @@ def join_fitting(parts: Sequence[str], width: int, rank: Sequence[int] | None = 
 
 
 def _shown(parts: Sequence[str], chosen: Sequence[int]) -> str:
-    return JOIN.join([*(parts[i] for i in sorted(chosen)), f"+{len(parts) - len(chosen)} more"])
+    return _JOIN.join([*(parts[i] for i in sorted(chosen)), f"+{len(parts) - len(chosen)} more"])
 
 
 def cell_rank(names: Sequence[str], sizes: Sequence[int]) -> list[int]:
@@ -87,7 +87,7 @@ def fold_ranks(phases: Mapping[str, PhaseResult]) -> dict[str, PhaseResult]:
     return folded
 
 
-def peak_cell(phase: PhaseResult | None) -> str:
+def _peak_cell(phase: PhaseResult | None) -> str:
     """A peak, with the rank it is from: "28.0 MiB @rank1"."""
     if phase is None:
         return ""
@@ -105,7 +105,7 @@ def shared_phases(folded: Sequence[Mapping[str, PhaseResult]]) -> list[str]:
 
 
 @dataclass
-class Column:
+class _Column:
     """One column: a header and, for each row, its parts (one, or several joined by " · ")."""
 
     header: str
@@ -128,7 +128,7 @@ class Column:
 
     @property
     def natural(self) -> int:
-        return max([display_width(self.header), *(display_width(JOIN.join(cell)) for cell in self.cells)])
+        return max([display_width(self.header), *(display_width(_JOIN.join(cell)) for cell in self.cells)])
 
     def text(self, row: int) -> str:
         parts = self.cells[row]
@@ -153,31 +153,31 @@ class Column:
         return self.brief if fits else truncate(self.header, self.width)
 
 
-def render(columns: Sequence[Column], rows: int) -> list[str]:
+def render(columns: Sequence[_Column], rows: int) -> list[str]:
     """The columns as pytest-benchmark-style text: headers, a rule, rows; cells two spaces apart."""
 
     def line(cells: Sequence[str]) -> str:
-        return GAP.join(pad(c, col.width, col.right) for c, col in zip(cells, columns, strict=True)).rstrip()
+        return _GAP.join(pad(c, col.width, col.right) for c, col in zip(cells, columns, strict=True)).rstrip()
 
-    lines = [line([col.head() for col in columns]), GAP.join("-" * col.width for col in columns)]
+    lines = [line([col.head() for col in columns]), _GAP.join("-" * col.width for col in columns)]
     return lines + [line([col.text(row) for col in columns]) for row in range(rows)]
 
 
-def total_width(columns: Sequence[Column]) -> int:
-    return sum(col.width for col in columns) + len(GAP) * (len(columns) - 1)
+def _total_width(columns: Sequence[_Column]) -> int:
+    return sum(col.width for col in columns) + len(_GAP) * (len(columns) - 1)
 
 
-def shrink(columns: Sequence[Column], width: int, floors: Sequence[tuple[str, int]]) -> bool:
+def shrink(columns: Sequence[_Column], width: int, floors: Sequence[tuple[str, int]]) -> bool:
     """Narrow the columns named in `floors` (in that order, each at most to its floor; a column may come
     back with a lower floor) until the table fits in `width`; whether it does."""
     for name, floor in floors:
-        excess = total_width(columns) - width
+        excess = _total_width(columns) - width
         if excess <= 0:
             break
         for col in columns:
             if col.key == name and col.width > floor:
                 col.width -= min(excess, col.width - floor)
-    return total_width(columns) <= width
+    return _total_width(columns) <= width
 
 
 _OPTIONAL = frozenset(("reserved", "baseline", "change", "budget"))  # fixed columns left out when empty in every row
@@ -227,7 +227,7 @@ def largest_change(result: TestResult) -> str:
     return next((_change(c) for c in comparisons if c.phase is None), "")
 
 
-def _devices(results: Sequence[TestResult]) -> Column | None:
+def _devices(results: Sequence[TestResult]) -> _Column | None:
     """Where each test was measured, when that is not the same for all (the header names it then): the
     device alone where every test has the same backend ("meta" beside "cpu"), the backend alone where
     every test has the same device, else both ("tracker meta")."""
@@ -235,10 +235,10 @@ def _devices(results: Sequence[TestResult]) -> Column | None:
     if len(set(where)) < 2:
         return None
     if len({r.backend for r in results}) == 1:
-        return Column("device", [[r.device] for r in results], key="backend")
+        return _Column("device", [[r.device] for r in results], key="backend")
     if len({r.device for r in results}) == 1:
-        return Column("backend", [[r.backend] for r in results])
-    return Column("backend", [[w] for w in where])
+        return _Column("backend", [[r.backend] for r in results])
+    return _Column("backend", [[w] for w in where])
 
 
 def _ids(results: Sequence[TestResult], shorten: bool) -> tuple[str, list[str]]:
@@ -250,7 +250,7 @@ def _ids(results: Sequence[TestResult], shorten: bool) -> tuple[str, list[str]]:
 def short_columns(
     results: Sequence[TestResult], shared: int | None = None, ids: Sequence[str] | None = None,
     links: Callable[[str], str] | None = None,
-) -> list[Column]:  # fmt: skip
+) -> list[_Column]:  # fmt: skip
     """The short form's columns, with the first `shared` of the shared phases (all by default) in their
     own columns and the others in one cell; `links` makes Markdown links of the pictures."""
     folded = [fold_ranks(r.phases) for r in results]
@@ -261,45 +261,45 @@ def short_columns(
         [(name, p) for name, p in phases.items() if name not in own and name != run]
         for phases, run in zip(folded, runs, strict=True)
     ]
-    others = [[f"{name} {peak_cell(p)}" for name, p in phases] for phases in rest]
-    columns = [Column("test", [[i] for i in (ids or [r.nodeid for r in results])], ids=True)]
+    others = [[f"{name} {_peak_cell(p)}" for name, p in phases] for phases in rest]
+    columns = [_Column("test", [[i] for i in (ids or [r.nodeid for r in results])], ids=True)]
     where = _devices(results)
     columns += [] if where is None else [where]
     columns += [
-        Column(name, [[peak_cell(phases.get(name))] for phases in folded], right=True, key=f"phase:{name}")
+        _Column(name, [[_peak_cell(phases.get(name))] for phases in folded], right=True, key=f"phase:{name}")
         for name in own
     ]
-    columns.append(Column("call peak", [[peak_cell(call)] for call in calls], right=True))
+    columns.append(_Column("call peak", [[_peak_cell(call)] for call in calls], right=True))
     if all(call is not None and call.reserved_peak_bytes is not None for call in calls):  # else -v shows it
-        columns.append(Column("reserved", [[_reserved(call)] for call in calls], right=True))
-    columns.append(Column("baseline", [[_baseline(r, None)[0]] for r in results], right=True))
-    columns.append(Column("change", [[largest_change(r)] for r in results], right=True))
-    columns.append(Column("budget", [[r.budget_text or ""] for r in results]))
+        columns.append(_Column("reserved", [[_reserved(call)] for call in calls], right=True))
+    columns.append(_Column("baseline", [[_baseline(r, None)[0]] for r in results], right=True))
+    columns.append(_Column("change", [[largest_change(r)] for r in results], right=True))
+    columns.append(_Column("budget", [[r.budget_text or ""] for r in results]))
     columns = [col for col in columns if col.header not in _OPTIONAL or any(any(cell) for cell in col.cells)]
-    columns.append(Column("status", [[r.status] for r in results]))
+    columns.append(_Column("status", [[r.status] for r in results]))
     if any(others):
         rank = [cell_rank([name for name, _ in phases], [p.peak_bytes for _, p in phases]) for phases in rest]
         header = "other phases" if own else "phases"
-        columns.append(Column(header, others, parts=True, key="other phases", rank=rank, brief="others"))
+        columns.append(_Column(header, others, parts=True, key="other phases", rank=rank, brief="others"))
     if any(r.explanation is not None for r in results):
         made = [[summary(r.explanation) if r.explanation else ""] for r in results]
-        columns.append(Column("call peak made of", made, key="made of", brief="made of"))
+        columns.append(_Column("call peak made of", made, key="made of", brief="made of"))
     if links is not None and any(r.html_path for r in results):
         pictures = [[f"[picture](<{links(r.html_path)}>)" if r.html_path else ""] for r in results]
-        columns.append(Column("picture", pictures))
+        columns.append(_Column("picture", pictures))
     return columns
 
 
 def long_columns(
     results: Sequence[TestResult], ids: Sequence[str] | None = None, links: Callable[[str], str] | None = None
-) -> tuple[list[Column], int]:
+) -> tuple[list[_Column], int]:
     """The long form: for each test a row for the whole call, then one for each phase (ranks apart)."""
     names = ids or [r.nodeid for r in results]
     rows: list[dict[str, str]] = []
     for nodeid, r in zip(names, results, strict=True):
         base, change, _ = _baseline(r, None)
         rows.append(
-            {"test": nodeid, "phase": "call", "peak": peak_cell(r.call), "reserved": _reserved(r.call),
+            {"test": nodeid, "phase": "call", "peak": _peak_cell(r.call), "reserved": _reserved(r.call),
              "net": _net(r.call), "baseline": base,
              "change": change, "budget": r.budget_text or "", "status": r.status,
              "made of": summary(r.explanation) if r.explanation else "",
@@ -308,7 +308,7 @@ def long_columns(
         for name, phase in r.phases.items():
             base, change, verdict = _baseline(r, name)
             made = summary(r.explanation, name) if r.explanation else ""
-            peak = format_size(phase.peak_bytes) if split_rank(name)[1] is not None else peak_cell(phase)
+            peak = format_size(phase.peak_bytes) if split_rank(name)[1] is not None else _peak_cell(phase)
             rows.append(
                 {"test": "", "phase": name, "peak": peak, "reserved": _reserved(phase), "net": _net(phase),
                  "baseline": base,
@@ -319,7 +319,7 @@ def long_columns(
     optional = {"reserved", "baseline", "change", "budget", "made of", "picture"}
     figures = {"peak", "reserved", "net", "baseline", "change"}
     columns = [
-        Column(h, [[row.get(h, "")] for row in rows], right=h in figures, ids=h == "test", middle=h == "phase", key=h)
+        _Column(h, [[row.get(h, "")] for row in rows], right=h in figures, ids=h == "test", middle=h == "phase", key=h)
         for h in headers
         if h not in optional or any(row.get(h) for row in rows)
     ]
@@ -366,8 +366,8 @@ def _caption(prefix: str, width: int | None) -> str:
 
 
 def _fit(
-    build: Callable[[int], list[Column]], every: int, ids: Sequence[str], width: int | None
-) -> tuple[list[Column], list[str]]:
+    build: Callable[[int], list[_Column]], every: int, ids: Sequence[str], width: int | None
+) -> tuple[list[_Column], list[str]]:
     """The columns `build(shared)` makes (`shared` phases in their own columns, of `every`) fitted to
     `width`, and the headers of those left out. Tried in this order until the table fits:
 
@@ -385,7 +385,7 @@ def _fit(
     if width is None:
         return build(every), []
     essential = [col for col in build(0) if col.key not in (*_LEFT_OUT, "test")]
-    test = TestFloors.of(ids, width - total_width(essential) - len(GAP))
+    test = TestFloors.of(ids, width - _total_width(essential) - len(_GAP))
     counts = range(every, -1, -1)
     tries = [(every, test.whole, 0), (every, test.whole, 1)]
     tries += [*((n, floor, 2) for n in counts for floor in (test.whole, test.kept))]
@@ -402,7 +402,7 @@ def _fit(
     return _room_given_back(columns, width, test.whole), left_out
 
 
-def _room_given_back(columns: list[Column], width: int, whole: int) -> list[Column]:
+def _room_given_back(columns: list[_Column], width: int, whole: int) -> list[_Column]:
     """The test ids and the cell of other phases as wide as what they show; the room left back to the
     ids up to `whole` (their names and parameters), then to what else was cut (each up to what it would
     show whole), then to the ids' leading parts."""
@@ -410,9 +410,9 @@ def _room_given_back(columns: list[Column], width: int, whole: int) -> list[Colu
         col.width = col.shown_width() if col.parts or col.ids else col.width
     for n, key in enumerate(("test", "phase", "budget", "change", "other phases", "made of", "test")):
         for col in columns:
-            if col.key == key and total_width(columns) < width:
+            if col.key == key and _total_width(columns) < width:
                 cap = min(col.natural, whole) if n == 0 else col.natural
-                col.width = max(col.width, min(cap, col.width + width - total_width(columns)))
+                col.width = max(col.width, min(cap, col.width + width - _total_width(columns)))
                 col.width = col.shown_width() if col.parts or col.ids else col.width
     return columns
 

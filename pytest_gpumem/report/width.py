@@ -14,7 +14,7 @@ ELLIPSIS = "…"  # one column (East Asian width A, narrow outside East Asian lo
 
 
 @lru_cache(maxsize=4096)
-def char_width(char: str) -> int:
+def _char_width(char: str) -> int:
     """The columns `char` takes: 2 for wide and fullwidth, 0 for combining marks and zero-width format
     characters (the soft hyphen excepted: terminals show it), else 1."""
     if unicodedata.combining(char) or unicodedata.category(char) in ("Mn", "Me") or _zero_format(char):
@@ -28,7 +28,7 @@ def _zero_format(char: str) -> bool:
 
 def display_width(text: str) -> int:
     """The columns `text` takes on a terminal."""
-    return len(text) if text.isascii() else sum(map(char_width, text))
+    return len(text) if text.isascii() else sum(map(_char_width, text))
 
 
 def pad(text: str, width: int, right: bool = False) -> str:
@@ -44,7 +44,7 @@ def head(text: str, width: int) -> str:
         return text[: max(width, 0)]
     used = 0
     for i, char in enumerate(text):
-        used += char_width(char)
+        used += _char_width(char)
         if used > width:
             return text[:i]
     return text
@@ -57,10 +57,10 @@ def tail(text: str, width: int) -> str:
         return text[len(text) - max(width, 0) :]
     used, start = 0, len(text)
     for i in range(len(text) - 1, -1, -1):
-        used += char_width(text[i])
+        used += _char_width(text[i])
         if used > width:
             break
-        if char_width(text[i]):
+        if _char_width(text[i]):
             start = i
     return text[start:]
 

@@ -17,7 +17,7 @@ from pytest_gpumem.sizes import format_size, shorten
 
 AS_IS = "as-is"
 NOT_CHECKED = "not checked"
-AUTOCAST = "bf16-autocast"  # the strategy that changes the precision, named in advice written before `precision`
+_AUTOCAST = "bf16-autocast"  # the strategy that changes the precision, named in advice written before `precision`
 WIDTH = 120  # a row's phases and gradients share a line up to this many characters
 
 
@@ -114,7 +114,7 @@ class Row:
         seconds = None if data.get("seconds") is None else float(data["seconds"])
         if data.get("skipped") is not None:
             return cls(name, description, strategies, skipped=str(data["skipped"]), seconds=seconds)
-        precision = data.get("precision", "bfloat16" if AUTOCAST in strategies else None)
+        precision = data.get("precision", "bfloat16" if _AUTOCAST in strategies else None)
         absolute: Mapping[str, Any] = data.get("absolute_phases", {})
         phases = tuple(
             PhasePeak(str(phase), int(peak), int(absolute[phase]) - live if phase in absolute else None)

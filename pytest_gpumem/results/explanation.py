@@ -17,7 +17,7 @@ from typing import Any
 
 from pytest_gpumem.results.checks import OffShape, fields, json_key, listed, member, refuse, text
 
-FORMAT = "pytest-gpumem explanation 1"
+_FORMAT = "pytest-gpumem explanation 1"
 
 
 def _span(data: Any, where: str) -> tuple[int, int]:
@@ -305,7 +305,7 @@ class Explanation:
     phases: dict[str, PhaseExplanation]
     timeline: SampledTimeline
     folded: dict[str, int] | None = None
-    format: str = FORMAT
+    format: str = _FORMAT
 
     def label(self, category: str) -> str:
         return self.labels.get(category, category)
@@ -345,7 +345,7 @@ class Explanation:
             },
             timeline=SampledTimeline.from_json(d.get("timeline", {}), f"{where}.timeline"),
             folded=None if folded is None else _sizes(folded, f"{where}.folded"),
-            format=_str(d.get("format", FORMAT), f"{where}.format"),
+            format=_str(d.get("format", _FORMAT), f"{where}.format"),
         )
 
 

@@ -37,7 +37,7 @@ def visible_devices(env: Mapping[str, str], count: Callable[[], int]) -> list[st
     return [str(i) for i in range(count())]
 
 
-def worker_index(worker: str) -> int:
+def _worker_index(worker: str) -> int:
     match = re.fullmatch(r"gw(\d+)", worker)
     if match is None:
         raise ValueError(f"not an xdist worker id: {worker!r}")
@@ -53,5 +53,5 @@ def assign(worker: str, spec: str | tuple[int, ...], visible: list[str]) -> Assi
         raise ValueError(f"--gpumem-devices names cuda:{unknown[0]}, but the caller sees {len(visible)} ({seen})")
     if isinstance(spec, str) and len(ordinals) < 2:
         return None
-    ordinal = ordinals[worker_index(worker) % len(ordinals)]
+    ordinal = ordinals[_worker_index(worker) % len(ordinals)]
     return Assignment(worker, ordinal, visible[ordinal])

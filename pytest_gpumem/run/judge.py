@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.measure.measurement import Measurement
     from pytest_gpumem.run.regression import Judgement
 
-RESULT_KEY = pytest.StashKey[TestResult]()  # the call's result, until its report is made
+_RESULT_KEY = pytest.StashKey[TestResult]()  # the call's result, until its report is made
 
 
 def measure_calls(session: GpuMemSession) -> None:
@@ -43,7 +43,7 @@ def measure_calls(session: GpuMemSession) -> None:
         session.config.pluginmanager.register(Judge(session), JUDGE)
 
 
-def budget_of(marks: Sequence[tuple[object, pytest.Mark]]) -> Budget | None:
+def _budget_of(marks: Sequence[tuple[object, pytest.Mark]]) -> Budget | None:
     """The test's budget from its max_memory markers (closest level first)."""
     levels: dict[int, list[Budget]] = {}
     for node, mark in marks:
@@ -51,7 +51,7 @@ def budget_of(marks: Sequence[tuple[object, pytest.Mark]]) -> Budget | None:
     return closest_first([all_of(budgets) for budgets in levels.values()]) if levels else None
 
 
-def with_default(budget: Budget | None, default: Budget | None) -> Budget | None:
+def _with_default(budget: Budget | None, default: Budget | None) -> Budget | None:
     """The suite-wide default limit applies to a test whose markers set no limit (a tolerance alone
     is not a limit)."""
     if default is None or (budget is not None and (budget.total is not None or budget.phases)):
@@ -59,7 +59,7 @@ def with_default(budget: Budget | None, default: Budget | None) -> Budget | None
     return default if budget is None else dataclasses.replace(budget, total=default.total)
 
 
-def watch_of(options: Options, budget: Budget | None, explain: bool) -> Watch:
+def _watch_of(options: Options, budget: Budget | None, explain: bool) -> Watch:
     """What the test is held to beyond its peaks, from its budget and the run's options."""
     evidence = options.snapshot_dir is not None
     return Watch.of(budget, options.capacity, options.leak, evidence=evidence, explain=explain or options.explain)
@@ -72,7 +72,7 @@ def within_slack(call: PhaseResult, phases: dict[str, PhaseResult], slack: int) 
     return 0 < max(phase.peak_bytes for phase in [call, *phases.values()]) <= slack
 
 
-def not_json(info: object) -> str | None:
+def _not_json(info: object) -> str | None:
     """Why `info` cannot travel as JSON (to the report, the file, the xdist controller), or None."""
     if not isinstance(info, dict):
         return f"it was set to a {type(info).__name__}, not a dict"
@@ -83,9 +83,9 @@ def not_json(info: object) -> str | None:
     return None
 
 
-def plain_info(info: object) -> dict[str, Any]:
+def _plain_info(info: object) -> dict[str, Any]:
     """`info` in plain JSON types (a torch.Size becomes a list, a numpy float a float), or a description."""
-    if not_json(info) is None:
+    if _not_json(info) is None:
         plain: dict[str, Any] = json.loads(json.dumps(info, allow_nan=False))
         return plain
     try:
@@ -168,9 +168,9 @@ class Judge:
         if not asked and not session.options.measure_all:
             return (yield)
         try:
-            budget = with_default(budget_of(marks), session.options.default_budget)
+            budget = _with_default(_budget_of(marks), session.options.default_budget)
             measured = session.measurement(item)
-            watch = watch_of(session.options, budget, session.baselines.explains(item.nodeid, measured.backend))
+            watch = _watch_of(session.options, budget, session.baselines.explains(item.nodeid, measured.backend))
             watch.apply(measured.backend, measured)
         except GpuMemError as exc:
             error = f"{item.nodeid}: {exc}"
@@ -221,7 +221,7 @@ class Judge:
         self, item: pytest.Item, measured: Measurement, budget: Budget | None, watch: Watch, asked: bool
     ) -> None:
         record = measured.end()
-        bad_info = not_json(record.info)
+        bad_info = _not_json(record.info)
         if bad_info:
             message = f"gpumem.info must be a dict of JSON values (str, numbers, lists, dicts): {bad_info}"
             self._error(item, record, budget, f"{item.nodeid}: {message}")
@@ -271,7 +271,7 @@ class Judge:
         assignment = self.session.assignment
         worker_device = None if assignment is None else assignment.describe()
         outcome = Outcome(status, failure)
-        result = result_of(record, outcome, budget, judgement, plain_info(record.info), worker_device)
+        result = result_of(record, outcome, budget, judgement, _plain_info(record.info), worker_device)
         self._picture(item, result, record.advice)
         self._keep_evidence(item, result, record.trace)
         torch_snapshots.write(item, self.session)
@@ -283,7 +283,7 @@ class Judge:
         """The result joins the run's and waits for its report, where pytest's verdict settles it and the
         hook sees it (`pytest_runtest_makereport`)."""
         self.session.add(result)
-        item.stash[RESULT_KEY] = result
+        item.stash[_RESULT_KEY] = result
 
     def _picture(self, item: pytest.Item, result: TestResult, advice: Advice | None) -> None:
         """--gpumem-html: the explained test's memory over time, one self-contained file."""
@@ -316,9 +316,9 @@ class Judge:
         send it along with the report (JSON text in an attribute that xdist hands to the controller test
         by test and --junitxml does not print; the JUnit properties are the short ones)."""
         report = yield
-        result = item.stash.get(RESULT_KEY, None)
+        result = item.stash.get(_RESULT_KEY, None)
         if result is not None and report.when == "call":
-            del item.stash[RESULT_KEY]
+            del item.stash[_RESULT_KEY]
             agree_with_pytest(result, report)
             text = json.dumps(result.to_json(), allow_nan=False)
             if item.config.hook.pytest_gpumem_result.get_hookimpls():

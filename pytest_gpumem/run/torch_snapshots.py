@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from pytest_gpumem.run.session import GpuMemSession
     from pytest_gpumem.snapshots.write import RecordedModel
 
-FLAG = "--gpumem-torch-snapshots"
-RECORDED_KEY: pytest.StashKey[RecordedModel] = pytest.StashKey()
+_FLAG = "--gpumem-torch-snapshots"
+_RECORDED_KEY: pytest.StashKey[RecordedModel] = pytest.StashKey()
 
 
 def begin(item: pytest.Item, session: GpuMemSession, measured: Measurement) -> None:
@@ -31,20 +31,20 @@ def begin(item: pytest.Item, session: GpuMemSession, measured: Measurement) -> N
     ledger = getattr(measured.backend, "ledger", None)
     recorded = record(ledger) if isinstance(ledger, StorageLedger) else None
     if recorded is None:
-        problem = f"{FLAG}: none written: no CUDA allocator model (--gpumem-round=cuda)"
+        problem = f"{_FLAG}: none written: no CUDA allocator model (--gpumem-round=cuda)"
         if problem not in session.problems:
             session.problems.append(problem)
         return
-    item.stash[RECORDED_KEY] = recorded
+    item.stash[_RECORDED_KEY] = recorded
 
 
 def write(item: pytest.Item, session: GpuMemSession) -> None:
     """Write the snapshot of the call just ended (once: a later call of the hook finds nothing)."""
-    recorded = item.stash.get(RECORDED_KEY, None)
+    recorded = item.stash.get(_RECORDED_KEY, None)
     folder = session.options.torch_snapshots
     if recorded is None or folder is None:
         return
-    del item.stash[RECORDED_KEY]
+    del item.stash[_RECORDED_KEY]
     from pytest_gpumem.snapshots.write import snapshot_bytes, snapshot_of
 
     path = folder / f"{file_stem(item.nodeid)}.pickle"
@@ -53,6 +53,6 @@ def write(item: pytest.Item, session: GpuMemSession) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         replace_atomically(path, data)
     except OSError as exc:
-        session.problems.append(f"{FLAG}: cannot write the snapshot of {item.nodeid} to {path}: {why(exc)}")
+        session.problems.append(f"{_FLAG}: cannot write the snapshot of {item.nodeid} to {path}: {why(exc)}")
         return
     item.add_report_section("call", "gpumem torch snapshot", f"memory snapshot: {path}")

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
     from pytest_gpumem.results import PhaseResult
 
-DISABLED = "--gpumem-disable"
+_DISABLED = "--gpumem-disable"
 
 
 class Unmeasured:
@@ -81,4 +81,4 @@ class Unmeasured:
 
     def _skip(self, call: str) -> NoReturn:
         __tracebackhide__ = True
-        pytest.skip(f"gpumem.{call} needs a measurement, and measurement is off ({DISABLED})")
+        pytest.skip(f"gpumem.{call} needs a measurement, and measurement is off ({_DISABLED})")

@@ -24,12 +24,12 @@ from pytest_gpumem.sizes import format_size
 from pytest_gpumem.snapshots.read import Event, Snapshot, read_snapshot
 from pytest_gpumem.snapshots.replay import CardFigures, replay
 
-__all__ = ["Comparison", "Difference", "Peaks", "Request", "compare", "render", "run_against", "to_json"]
+__all__ = ["Alignment", "Difference", "Peaks", "Request", "compare", "render", "run_against", "to_json"]
 
 _CARD_OP = re.compile(r"^at::_ops::(\w+)::")  # torch's C++ frame of an op
 _OUR_OP = re.compile(r"^\w+\.\w+(\.\w+)?$")  # our op frame: "aten.mm.default", file "??"
 _NOT_USER: Final = ("/torch/", "\\torch\\", "site-packages", "dist-packages", "/lib/python")
-SHOWN: Final = 5  # differences shown by default
+_SHOWN: Final = 5  # differences shown by default
 WIDTH: Final = 100
 
 
@@ -74,7 +74,7 @@ class Difference:
 
 
 @dataclass(frozen=True)
-class Comparison:
+class Alignment:
     """The card's snapshot against the prediction's."""
 
     card_path: str
@@ -95,7 +95,7 @@ class Comparison:
         )
 
 
-def compare(card: Snapshot, ours: Snapshot, device: int = 0, shown: int = SHOWN) -> Comparison:
+def compare(card: Snapshot, ours: Snapshot, device: int = 0, shown: int = _SHOWN) -> Alignment:
     """`card` (a GPU's snapshot) against `ours` (the prediction's) on `device`."""
     real, predicted = replay(card, device), replay(ours, device)
     matcher = difflib.SequenceMatcher(
@@ -113,7 +113,7 @@ def compare(card: Snapshot, ours: Snapshot, device: int = 0, shown: int = SHOWN)
         )
         for kind, i1, i2, j1, j2 in parted[:shown]
     )
-    return Comparison(card.path, ours.path, Peaks.of(real), Peaks.of(predicted), aligned, differences, len(parted))
+    return Alignment(card.path, ours.path, Peaks.of(real), Peaks.of(predicted), aligned, differences, len(parted))
 
 
 def op_of(event: Event) -> str:
@@ -139,7 +139,7 @@ def line_of(event: Event) -> str:
 # ------------------------------------------------------------------------------------------ rendering
 
 
-def render(comparison: Comparison, width: int = WIDTH) -> str:
+def render(comparison: Alignment, width: int = WIDTH) -> str:
     """The comparison for a terminal, every line within `width` columns."""
     c = comparison
     lines = [
@@ -196,7 +196,7 @@ def _fit(line: str, width: int) -> str:
     return line if len(line) <= width else line[: width - 3] + "..."
 
 
-def to_json(comparison: Comparison) -> dict[str, Any]:
+def to_json(comparison: Alignment) -> dict[str, Any]:
     """The comparison as plain JSON values (`--json`)."""
     c = comparison
 

@@ -25,13 +25,13 @@ from pytest_gpumem.sizes import format_size
 from pytest_gpumem.snapshots.agreement import Agreement, agree
 from pytest_gpumem.snapshots.read import Snapshot, read_snapshot
 from pytest_gpumem.snapshots.start import StartState
-from pytest_gpumem.snapshots.whatif import DeviceReplay, Outcome, what_if
+from pytest_gpumem.snapshots.whatif import DeviceReplay, WhatIf, what_if
 
 __all__ = ["add_parser", "run"]
 
 Write = Callable[[Path, str], None]
 Say = Callable[[str], None]
-RECORDED = "as recorded"
+_RECORDED = "as recorded"
 UNLIMITED = "unlimited"
 
 
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace, write: Write, say: Say) -> int:
         from pytest_gpumem.snapshots.against import run_against
 
         return run_against(args, snapshot, write, say)
-    replays = replay_all(snapshot, args.alloc_conf, args.capacity)
+    replays = _replay_all(snapshot, args.alloc_conf, args.capacity)
     say(text(snapshot, replays))
     if args.json is not None:
         write(args.json, json_text(snapshot, replays))
@@ -101,7 +101,7 @@ def settings_for(snapshot: Snapshot, conf: str | None) -> AllocatorSettings:
     return AllocatorSettings.parse(joined, "--alloc-conf")
 
 
-def replay_all(snapshot: Snapshot, confs: Sequence[str], capacities: Sequence[str]) -> list[DeviceReplay]:
+def _replay_all(snapshot: Snapshot, confs: Sequence[str], capacities: Sequence[str]) -> list[DeviceReplay]:
     """Agreement and what-ifs for every device that recorded a trace."""
     out = []
     for device, trace in enumerate(snapshot.traces):
@@ -116,10 +116,10 @@ def replay_all(snapshot: Snapshot, confs: Sequence[str], capacities: Sequence[st
     return out
 
 
-def _what_if(snapshot: Snapshot, device: int, start: StartState, conf: str | None, cap: str | None) -> Outcome:
+def _what_if(snapshot: Snapshot, device: int, start: StartState, conf: str | None, cap: str | None) -> WhatIf:
     settings = settings_for(snapshot, conf)
     limit = None if cap is None else parse_capacity(cap, "--capacity").bytes
-    return what_if(snapshot, settings, limit, conf or RECORDED, cap or UNLIMITED, device, start)
+    return what_if(snapshot, settings, limit, conf or _RECORDED, cap or UNLIMITED, device, start)
 
 
 # ------------------------------------------------------------------------------------------- text
@@ -133,7 +133,7 @@ def _size(n: int) -> str:
     return format_size(n)
 
 
-def agreement_lines(a: Agreement) -> list[str]:
+def _agreement_lines(a: Agreement) -> list[str]:
     start = a.start
     began = (
         "from empty"
@@ -161,7 +161,7 @@ def agreement_lines(a: Agreement) -> list[str]:
 _HEAD = f"{'setting':<24} {'capacity':<13} {'peak reserved':>13} {'unalloc@peak':>12}  runs out at: request size where"
 
 
-def _runs_out(o: Outcome) -> str:
+def _runs_out(o: WhatIf) -> str:
     oom = o.out_of_memory
     if oom is None:
         return "no"
@@ -171,14 +171,14 @@ def _runs_out(o: Outcome) -> str:
     return f"#{oom.request} {_size(oom.size)} {where}"
 
 
-def card_row(a: Agreement) -> str:
+def _card_row(a: Agreement) -> str:
     """The card itself, from its own cache at the start (the exact replay's figures)."""
     oom = "no" if a.card_oom_at is None else f"#{a.card_oom_at}"
     peak, unallocated = _size(a.peak_reserved_card), _size(a.unallocated_at_peak)
     return f"{'the card, as traced':<24} {'-':<13} {peak:>13} {unallocated:>12}  {oom}"
 
 
-def outcome_row(o: Outcome) -> str:
+def _what_if_row(o: WhatIf) -> str:
     setting = o.setting if len(o.setting) <= 24 else o.setting[:23] + "~"
     row = f"{setting:<24} {o.capacity[:13]:<13} {_size(o.peak_reserved):>13} {_size(o.unallocated_at_peak):>12}  "
     row += _runs_out(o)
@@ -191,11 +191,11 @@ def text(snapshot: Snapshot, replays: Sequence[DeviceReplay]) -> str:
     name = snapshot.path if len(snapshot.path) <= 100 else "..." + snapshot.path[-97:]
     lines = [name, f"format {snapshot.tier}, {len(replays)} device(s) traced, allocator settings {conf}"]
     for r in replays:
-        lines += agreement_lines(r.agreement)
+        lines += _agreement_lines(r.agreement)
         lines.append(f"what if (the {len(r.agreement.start.live)} requests live at the start on an empty cache):")
         lines.append(_HEAD)
-        lines.append(card_row(r.agreement))
-        lines += [outcome_row(o) for o in r.outcomes]
+        lines.append(_card_row(r.agreement))
+        lines += [_what_if_row(o) for o in r.outcomes]
         ignored = sorted({key for o in r.outcomes for key in o.ignored})
         if ignored:
             lines.append(f"  not modelled, without effect here: {', '.join(ignored)}")
@@ -234,7 +234,7 @@ def _agreement_json(a: Agreement) -> dict[str, Any]:
     }
 
 
-def _outcome_json(o: Outcome) -> dict[str, Any]:
+def _outcome_json(o: WhatIf) -> dict[str, Any]:
     oom = o.out_of_memory
     return {
         "setting": o.setting,

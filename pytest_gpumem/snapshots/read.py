@@ -47,7 +47,7 @@ ACTIONS: Final = frozenset(
         "snapshot",
     }
 )
-LFS_POINTER: Final = b"version https://git-lfs.github.com/spec/"
+_LFS_POINTER: Final = b"version https://git-lfs.github.com/spec/"
 _T = TypeVar("_T")
 
 
@@ -159,7 +159,7 @@ def snapshot_from_bytes(data: bytes, name: str = "<bytes>") -> Snapshot:
 
 
 def _unpickle(data: bytes) -> Any:
-    if data.startswith(LFS_POINTER):
+    if data.startswith(_LFS_POINTER):
         raise _Refuse("a Git LFS pointer, not the snapshot it stands for (fetch it with `git lfs pull`)")
     if not data:
         raise _Refuse("an empty file, not a snapshot")

@@ -20,7 +20,7 @@ from pytest_gpumem.snapshots.agreement import Agreement
 from pytest_gpumem.snapshots.read import Event, Snapshot
 from pytest_gpumem.snapshots.start import StartState, start_state
 
-__all__ = ["DeviceReplay", "OutOfMemoryAt", "Outcome", "user_frame", "what_if"]
+__all__ = ["DeviceReplay", "OutOfMemoryAt", "WhatIf", "user_frame", "what_if"]
 
 _NOT_USER = ("/torch/", "\\torch\\", "site-packages", "dist-packages", "/lib/python", "<frozen")
 
@@ -36,7 +36,7 @@ class OutOfMemoryAt:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class WhatIf:
     """One what-if on one device."""
 
     setting: str  # the allocator configuration, as given
@@ -56,7 +56,7 @@ class DeviceReplay:
 
     device: int
     agreement: Agreement
-    outcomes: tuple[Outcome, ...]
+    outcomes: tuple[WhatIf, ...]
 
 
 def user_frame(event: Event) -> str:
@@ -79,7 +79,7 @@ def what_if(
     capacity_text: str,
     device: int = 0,
     start: StartState | None = None,
-) -> Outcome:
+) -> WhatIf:
     """Replay `device`'s requests under `settings` and `capacity` (bytes; None: unlimited)."""
     model = CachingAllocatorModel(settings, capacity)
     run = _Run(model)
@@ -87,7 +87,7 @@ def what_if(
     oom = run.prelude(start)
     if oom is None:
         oom = run.trace(snapshot.trace(device))
-    return Outcome(
+    return WhatIf(
         setting, capacity_text, run.peak, run.unallocated, model.peak_allocated, oom, settings.ignored,
         run.reserved, run.allocated,
     )  # fmt: skip

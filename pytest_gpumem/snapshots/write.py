@@ -102,7 +102,7 @@ class RecordedModel(CachingAllocatorModel):
         if seen == self._seen:
             return
         self._seen = seen
-        runs = mapped_runs(self._segments)
+        runs = _mapped_runs(self._segments)
         for start, end, expandable, stream in _without(self._runs, runs):
             action = "segment_unmap" if expandable else "segment_free"
             self.events.append(_event(action, start, end - start, stream, _NO_FRAMES))
@@ -142,7 +142,7 @@ def _user_frame(where: str | None) -> list[Frame]:
     return [{"name": name, "filename": path, "line": line}]
 
 
-def mapped_runs(segments: dict[int, Segment]) -> list[Run]:
+def _mapped_runs(segments: dict[int, Segment]) -> list[Run]:
     """Each segment's mapped ranges (a whole segment unless it is expandable), by address."""
     runs: list[Run] = []
     for base in sorted(segments):
@@ -199,13 +199,13 @@ def snapshot_of(model: RecordedModel, alloc_conf: str = "") -> dict[str, Any]:
     return {
         "segments": [_segment(model, seg, run, live) for seg, run in _segment_runs(model)],
         "device_traces": [list(model.events)],
-        "allocator_settings": settings_of(model.settings, alloc_conf),
+        "allocator_settings": _settings_of(model.settings, alloc_conf),
     }
 
 
 def _segment_runs(model: RecordedModel) -> Iterator[tuple[Segment, Run]]:
     segments = model._segments
-    for run in mapped_runs(segments):
+    for run in _mapped_runs(segments):
         base = max(b for b in segments if b <= run[0])
         yield segments[base], run
 
@@ -245,7 +245,7 @@ def _segment(model: RecordedModel, seg: Segment, run: Run, live: dict[int, int])
     }
 
 
-def settings_of(settings: AllocatorSettings, alloc_conf: str = "") -> dict[str, Any]:
+def _settings_of(settings: AllocatorSettings, alloc_conf: str = "") -> dict[str, Any]:
     """`allocator_settings` as torch writes it: the keys that change what a replay serves."""
     divisions = settings.roundup_power2_divisions
     every = list(divisions) * INTERVALS if len(divisions) == 1 else list(divisions) or [0] * INTERVALS

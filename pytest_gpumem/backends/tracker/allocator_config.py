@@ -28,16 +28,16 @@ SMALL_SIZE: Final = MiB  # kSmallSize: the largest small-pool request
 SMALL_BUFFER: Final = 2 * MiB  # kSmallBuffer: a small-pool segment, and an expandable small page
 MIN_LARGE_ALLOC: Final = 10 * MiB  # kMinLargeAlloc: below it a large request gets a whole large segment
 ROUND_LARGE: Final = 2 * MiB  # kRoundLarge
-LARGE_SEGMENT: Final = 20 * MiB  # kLargeBuffer: the default large_segment_size
+_LARGE_SEGMENT: Final = 20 * MiB  # kLargeBuffer: the default large_segment_size
 INTERVALS: Final = 16  # kRoundUpPowerOfTwoIntervals: [1 MiB, 2 MiB) ... [32 GiB, ...)
 ONE_EXABYTE: Final = 1 << 60
 UNLIMITED: Final = (1 << 64) - 1  # SIZE_MAX: max_split_size when unset
-MAX_MB: Final = UNLIMITED // MiB  # a size in MiB is clamped to it (max_allowed_split_size_mb)
+_MAX_MB: Final = UNLIMITED // MiB  # a size in MiB is clamped to it (max_allowed_split_size_mb)
 ENV: Final = "PYTORCH_CUDA_ALLOC_CONF"
 # AcceleratorAllocatorConfig::instance reads the first of these that is set (the generic keys) ...
-GENERIC_VARIABLES: Final = (ENV, "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+_GENERIC_VARIABLES: Final = (ENV, "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 # ... and a CUDA build's CUDAAllocatorConfig::instance the first of these (backend, per_process_memory_fraction)
-CUDA_VARIABLES: Final = (ENV, "PYTORCH_ALLOC_CONF")
+_CUDA_VARIABLES: Final = (ENV, "PYTORCH_ALLOC_CONF")
 
 # Keys torch 2.13 accepts (AcceleratorAllocatorConfig::getKeys and CUDAAllocatorConfig::getKeys) that do
 # not change the device allocator's figures here: accepted, validated as torch validates them, reported
@@ -114,7 +114,7 @@ class AllocatorSettings:
     roundup_power2_divisions: tuple[int, ...] = ()
     expandable_segments: bool = False
     ignored: tuple[str, ...] = ()  # keys torch accepts that the model does not use, in the order given
-    large_segment_size: int = LARGE_SEGMENT  # bytes (large_segment_size_mb)
+    large_segment_size: int = _LARGE_SEGMENT  # bytes (large_segment_size_mb)
     max_non_split_rounding_size: int | None = None  # bytes; None: the large segment size (max_non_split_rounding_mb)
     per_process_memory_fraction: float = 1.0  # of the card's total memory; 1.0: no limit
     card_total: int | None = None  # the predicted card's total memory (totalGlobalMem); None: no card named
@@ -167,11 +167,11 @@ class AllocatorSettings:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> AllocatorSettings:
-        """The settings a process with `environ` gets: the generic keys from the first of `GENERIC_VARIABLES`
-        set, the CUDA keys from the first of `CUDA_VARIABLES` (torch 2.13 reads them so); errors name the
+        """The settings a process with `environ` gets: the generic keys from the first of `_GENERIC_VARIABLES`
+        set, the CUDA keys from the first of `_CUDA_VARIABLES` (torch 2.13 reads them so); errors name the
         variable read."""
-        generic = next((v for v in GENERIC_VARIABLES if v in environ), ENV)
-        cuda = next((v for v in CUDA_VARIABLES if v in environ), ENV)
+        generic = next((v for v in _GENERIC_VARIABLES if v in environ), ENV)
+        cuda = next((v for v in _CUDA_VARIABLES if v in environ), ENV)
         if generic == cuda:
             return cls.parse(environ.get(generic), generic)
         read = _Parser(environ.get(generic, ""), generic).read(generic=True, cuda=False)
@@ -181,7 +181,7 @@ class AllocatorSettings:
         """The settings that change figures, e.g. "max_split_size_mb:128, expandable_segments"; "" for the
         defaults; with `limits`, also those that only limit memory (per_process_memory_fraction)."""
         parts: list[str] = []
-        if self.large_segment_size != LARGE_SEGMENT:
+        if self.large_segment_size != _LARGE_SEGMENT:
             parts.append(f"large_segment_size_mb:{_mb(self.large_segment_size)}")
         if self.max_split_size is not None:
             parts.append(f"max_split_size_mb:{_mb(self.max_split_size)}")
@@ -262,7 +262,7 @@ class _Parser:
                 buffer += ch
         if buffer:
             self.tokens.append(buffer)
-        self.large = LARGE_SEGMENT
+        self.large = _LARGE_SEGMENT
         self.max_split: int | None = None
         self.non_split_rounding: int | None = None
         self.divisions = [0] * INTERVALS
@@ -361,7 +361,7 @@ class _Parser:
                 mb = self._whole(key, value)
                 if mb <= MIN_LARGE_ALLOC // MiB:
                     raise self._bad(key, value, f"must be more than {MIN_LARGE_ALLOC // MiB} MiB")
-                self.large = min(mb, MAX_MB) * MiB
+                self.large = min(mb, _MAX_MB) * MiB
                 i += 2
             i += 1
 
@@ -371,9 +371,9 @@ class _Parser:
             if mb < self.large // MiB:
                 raise self._bad(key, value, f"must be at least {self.large // MiB} MiB, the large segment size")
             if key == "max_split_size_mb":
-                self.max_split = min(mb, MAX_MB) * MiB
+                self.max_split = min(mb, _MAX_MB) * MiB
             else:
-                self.non_split_rounding = min(mb, MAX_MB) * MiB
+                self.non_split_rounding = min(mb, _MAX_MB) * MiB
             return
         if key == "expandable_segments":
             self.expandable = self._boolean(key, value)

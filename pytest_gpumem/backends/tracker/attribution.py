@@ -61,12 +61,12 @@ if TYPE_CHECKING:
 _RANK = {category: rank for rank, category in enumerate((*CATEGORIES[:3], "inputs", "saved", "temporaries"))}
 _COMPILE_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
 NO_MODULE = "(outside modules)"
-STEP_MODULE = "(optimizer step)"
+_STEP_MODULE = "(optimizer step)"
 MAX_EVENTS = 4_000_000
 """The most allocations, resizes and frees an explanation follows (16 B each, 24 B with the allocator's
 model, and 8 B per allocation); a call that makes more is measured but not explained."""
 _PLUGIN = os.path.dirname(os.path.dirname(os.path.dirname(__file__))) + os.sep  # pytest_gpumem's own frames
-MAX_SHARED = 65_536  # freed allocations alike in every field share one record, of this many kinds at most
+_MAX_SHARED = 65_536  # freed allocations alike in every field share one record, of this many kinds at most
 
 
 _Hook = TypeVar("_Hook", bound=Callable[..., None])
@@ -225,7 +225,7 @@ class Attributor(Recorder):
         key = (allocation.op, allocation.where, allocation.module, allocation.category, allocation.shape,
                allocation.dtype)  # fmt: skip
         found = self._shared.get(key)
-        if found is None and len(self._shared) < MAX_SHARED:
+        if found is None and len(self._shared) < _MAX_SHARED:
             found = self._shared[key] = allocation
         return found or allocation
 
@@ -319,7 +319,7 @@ class Attributor(Recorder):
 
         self._in_step = max(self._in_step - 1, 0)
         for param, state in opt.state.items():
-            owner = self._owners.get(param, STEP_MODULE)
+            owner = self._owners.get(param, _STEP_MODULE)
             for value in state.values() if isinstance(state, dict) else ():
                 if isinstance(value, torch.Tensor):
                     self._mark(value, "optimizer_state", owner)
@@ -355,7 +355,7 @@ class Attributor(Recorder):
         if in_backward():
             return self._backward_module(), "temporaries"
         if self._in_step:
-            return STEP_MODULE, "temporaries"
+            return _STEP_MODULE, "temporaries"
         if not self._is_factory(op):
             return NO_MODULE, "temporaries"
         return NO_MODULE, "gradients" if _making_gradient_buckets() else "inputs"

@@ -66,7 +66,7 @@ from pytest_gpumem.private_torch import (
 if TYPE_CHECKING:
     import torch
 
-Replace = Callable[[Any, str, Any], None]
+_Replace = Callable[[Any, str, Any], None]
 
 _ACTIVE: list[CudaAutocast] = []  # the emulation of the measurement under way
 
@@ -98,7 +98,7 @@ class CudaAutocast:
 
     # -- installing --
 
-    def install(self, replace: Replace) -> None:
+    def install(self, replace: _Replace) -> None:
         import torch
         import torch.amp.autocast_mode as autocast_mode
         import torch.amp.grad_scaler as grad_scaler

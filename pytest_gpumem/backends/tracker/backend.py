@@ -46,7 +46,7 @@ def _fake_outputs_note(count: int) -> list[str]:
     ]
 
 
-def default_paths(rounding: str, device: str) -> str:
+def _default_paths(rounding: str, device: str) -> str:
     """A GPU's code paths where the run predicts a GPU (the meta device, CUDA rounding), else the CPU's."""
     return "gpu" if device == "meta" or rounding == "cuda" else "cpu"
 
@@ -88,7 +88,7 @@ class TrackerBackend(Backend):
         # PYTORCH_CUDA_ALLOC_CONF is the allocator model's: a run without it ignores a GPU job's settings
         self.allocator = AllocatorSettings.from_environ(os.environ) if rounding == "cuda" else AllocatorSettings()
         self._device_type = device
-        self._default_paths = default_paths(rounding, device)
+        self._default_paths = _default_paths(rounding, device)
         self.paths = paths or self._default_paths
         mode_class()  # its imports (Dynamo's) happen now, not inside the first test's call
         self.ledger = StorageLedger(rounding, out_of_memory=_out_of_memory(), settings=self.allocator)

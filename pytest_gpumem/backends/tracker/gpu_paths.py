@@ -41,8 +41,8 @@ from pytest_gpumem.private_torch import sdpa_function
 if TYPE_CHECKING:
     import torch
 
-FLASH = "flash"
-EFFICIENT = "efficient"
+_FLASH = "flash"
+_EFFICIENT = "efficient"
 MATH = "math"
 
 _FLASH_DTYPES = ("torch.float16", "torch.bfloat16")
@@ -54,7 +54,7 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 _SDPA_DEFAULTS: dict[str, Any] = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None}
 
 
-def attention_kernel(
+def _attention_kernel(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -85,7 +85,7 @@ def attention_kernel(
         and same_head_dim
         and query.size(-1) <= _FLASH_MAX_HEAD_DIM
     ):
-        return FLASH
+        return _FLASH
     alignment = 4 if dtype == "torch.float32" else 8  # 16 bytes of the head dimension
     if (
         efficient_enabled
@@ -95,7 +95,7 @@ def attention_kernel(
         and query.size(-1) % alignment == 0
         and value.size(-1) % alignment == 0
     ):
-        return EFFICIENT
+        return _EFFICIENT
     return MATH
 
 
@@ -111,10 +111,10 @@ def attention(
 ) -> torch.Tensor | None:
     """`scaled_dot_product_attention` as CUDA runs it with a fused kernel; None where CUDA would take
     the math path (the caller runs the op as it is)."""
-    kernel = attention_kernel(query, key, value, attn_mask, enable_gqa)
-    if kernel == FLASH:
+    kernel = _attention_kernel(query, key, value, attn_mask, enable_gqa)
+    if kernel == _FLASH:
         return _flash(query, key, value, dropout_p, is_causal, scale)
-    if kernel == EFFICIENT:
+    if kernel == _EFFICIENT:
         return _efficient(query, key, value, attn_mask, dropout_p, is_causal, scale)
     return None
 
@@ -174,7 +174,7 @@ def _prepared_mask(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -
     return mask.expand(query.size(0), query.size(1), query.size(2), key.size(2))
 
 
-def sdpa_arguments(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+def _sdpa_arguments(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
     """The arguments of a `scaled_dot_product_attention` call by name; None for a call that does not
     bind (the op itself then says what is wrong)."""
     if len(args) > len(_SDPA_ARGS):
@@ -214,7 +214,7 @@ def _fused_attention_class() -> type[Any]:
         ) -> Any:
             __tracebackhide__ = True
             if func is sdpa and not torch.compiler.is_compiling():
-                bound = sdpa_arguments(args, kwargs)
+                bound = _sdpa_arguments(args, kwargs)
                 query = None if bound is None else bound["query"]
                 if isinstance(query, torch.Tensor) and query.device.type == "meta":
                     out = attention(**lower_precision(bound))  # type: ignore[arg-type]

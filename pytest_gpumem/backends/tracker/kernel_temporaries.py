@@ -143,7 +143,7 @@ DEFAULT_GPU = Gpu(108, 2048)
 """An A100's SMs: the card a prediction assumes when none is named (as for the cuBLAS workspace)."""
 
 
-def gpu_of(card: Card | None) -> Gpu:
+def _gpu_of(card: Card | None) -> Gpu:
     """The launch-config figures of `card` (`DEFAULT_GPU` for None)."""
     return DEFAULT_GPU if card is None else Gpu(card.sm_count, card.threads_per_sm)
 
@@ -152,7 +152,7 @@ def gpu_of(card: Card | None) -> Gpu:
 
 
 @dataclass(frozen=True)
-class Reduction:
+class _Reduction:
     """A reduction kernel's launch: the input, the dims it reduces, the accumulator's bytes (`arg_t`), the
     input vector width (`input_vec_size`; `vt0` is 4 for every reduction modelled here) and the most
     threads a block takes (256 for complex128, else 512)."""
@@ -164,7 +164,7 @@ class Reduction:
     max_threads: int = 512
 
 
-def _iteration(red: Reduction) -> tuple[list[int], list[int], int]:
+def _iteration(red: _Reduction) -> tuple[list[int], list[int], int]:
     """TensorIterator's shape and input strides (bytes) for the reduction, fastest dim first, reduced dims
     in front, with adjacent dims merged; and how many dims are reduced."""
     layout = red.layout
@@ -228,7 +228,7 @@ def _last_pow2(n: int) -> int:
     return max(1, 1 << (n.bit_length() - 1)) if n > 0 else 1
 
 
-def _output_vec(red: Reduction, sizes: list[int], strides: list[int], reduced: int) -> int:
+def _output_vec(red: _Reduction, sizes: list[int], strides: list[int], reduced: int) -> int:
     """`get_output_vec_size`: 4, halved until it divides the input's address (in elements), the fastest
     output dim and every other input stride."""
     vec = 4
@@ -239,7 +239,7 @@ def _output_vec(red: Reduction, sizes: list[int], strides: list[int], reduced: i
     return vec
 
 
-def reduction_temporaries(red: Reduction, gpu: Gpu) -> list[int]:
+def _reduction_temporaries(red: _Reduction, gpu: Gpu) -> list[int]:
     """The staging buffer and semaphores `gpu_reduce_kernel` allocates for `red` on `gpu` (none when the
     launch needs no global reduction)."""
     outputs = math.prod(n for d, n in enumerate(red.layout.shape) if d not in red.dims)
@@ -257,7 +257,7 @@ def _fits_32bit(layout: Layout) -> bool:
 
 
 def _config(
-    red: Reduction, sizes: list[int], strides: list[int], reduced: int, outputs: int, per_output: int, gpu: Gpu
+    red: _Reduction, sizes: list[int], strides: list[int], reduced: int, outputs: int, per_output: int, gpu: Gpu
 ) -> tuple[int, int] | None:
     """`setReduceConfig` as far as it decides the global reduction: (staging bytes, semaphore bytes) or None."""
     itemsize = red.layout.itemsize
@@ -319,7 +319,7 @@ def _reduced_dims(dim: Any, ndim: int) -> frozenset[int]:
     return frozenset(d % max(ndim, 1) for d in named) if named else frozenset(range(ndim))
 
 
-def _sum_like(layout: Layout, out_dtype: str | None, dims: frozenset[int]) -> Reduction | None:
+def _sum_like(layout: Layout, out_dtype: str | None, dims: frozenset[int]) -> _Reduction | None:
     """sum and mean: the accumulator is float for 16-bit inputs (read 8 at a time), else the input's type;
     an output type other than the input's (or float for 16-bit inputs) casts the input first: not modelled."""
     out = out_dtype or ("int64" if layout.dtype in _INTEGRAL else layout.dtype)  # integers sum to int64
@@ -329,10 +329,10 @@ def _sum_like(layout: Layout, out_dtype: str | None, dims: frozenset[int]) -> Re
     if layout.dtype == "bool" or layout.itemsize == 0:
         return None
     arg = 4 if half else layout.itemsize
-    return Reduction(layout, dims, arg, 8 if half else 4, 256 if layout.dtype == "complex128" else 512)
+    return _Reduction(layout, dims, arg, 8 if half else 4, 256 if layout.dtype == "complex128" else 512)
 
 
-def reduction_of(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Reduction | None:
+def _reduction_of(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> _Reduction | None:
     """The reduction kernel op `name` launches on these arguments (None: none modelled)."""
     layout = Layout.of(args[0])
     ndim = len(layout.shape)
@@ -343,10 +343,10 @@ def reduction_of(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Redu
         dtype = kwargs.get("dtype")
         return _sum_like(layout, None if dtype is None else _dtype_name(dtype), _reduced_dims(dim, ndim))
     if name in _VALUES:
-        return Reduction(layout, _reduced_dims(_arg(args, kwargs, 1, "dim", ()), ndim), layout.itemsize)
+        return _Reduction(layout, _reduced_dims(_arg(args, kwargs, 1, "dim", ()), ndim), layout.itemsize)
     if name in _INDEXED:
         dim = _arg(args, kwargs, 1, "dim")
-        return None if dim is None or ndim == 0 else Reduction(layout, _reduced_dims(dim, ndim), _PAIR)
+        return None if dim is None or ndim == 0 else _Reduction(layout, _reduced_dims(dim, ndim), _PAIR)
     return None
 
 
@@ -498,7 +498,7 @@ def _mse_loss(args: Sequence[Any], kwargs: dict[str, Any], gpu: Gpu) -> list[int
         return []
     flat = Layout((loss.numel,), (1,), loss.dtype)
     red = _sum_like(flat, None, frozenset((0,)))
-    return [loss.nbytes, *([] if red is None else reduction_temporaries(red, gpu))]
+    return [loss.nbytes, *([] if red is None else _reduction_temporaries(red, gpu))]
 
 
 # --- the ops ---
@@ -526,7 +526,7 @@ def temporaries(name: str, args: Sequence[Any], kwargs: dict[str, Any] | None, c
     kwargs = kwargs or {}
     if name not in _LABELS:
         return []
-    gpu = gpu_of(card)
+    gpu = _gpu_of(card)
     if name.startswith(("aten.bmm", "aten.baddbmm")):
         return _bmm(name, args, kwargs)
     if "index_put" in name:
@@ -535,8 +535,8 @@ def temporaries(name: str, args: Sequence[Any], kwargs: dict[str, Any] | None, c
         return _embedding_backward(args, kwargs, gpu)
     if name == "aten.mse_loss.default":
         return _mse_loss(args, kwargs, gpu)
-    red = reduction_of(name, args, kwargs)
-    return [] if red is None else reduction_temporaries(red, gpu)
+    red = _reduction_of(name, args, kwargs)
+    return [] if red is None else _reduction_temporaries(red, gpu)
 
 
 _KNOWN: dict[object, tuple[str, str | None]] = {}  # each op overload's name and label, on its first call

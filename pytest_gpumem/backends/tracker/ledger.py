@@ -57,7 +57,7 @@ def _exact(nbytes: int) -> int:
     return nbytes
 
 
-ROUNDERS: dict[str, Callable[[int], int]] = {"none": _exact, "cuda": cuda_block_size}
+_ROUNDERS: dict[str, Callable[[int], int]] = {"none": _exact, "cuda": cuda_block_size}
 """Counted bytes for requested bytes, by the name of the rounding (`--gpumem-round`)."""
 
 
@@ -88,7 +88,7 @@ class Workspace:
         return self.size
 
 
-class StorageRef(weakref.ref):  # type: ignore[type-arg]
+class _StorageRef(weakref.ref):  # type: ignore[type-arg]
     """A weak reference to a live storage, carrying the bytes it was counted with."""
 
     __slots__ = ("base", "counted", "key", "origin", "requested")
@@ -111,12 +111,12 @@ class StorageLedger:
     def __init__(
         self, rounding: str, out_of_memory: type[Exception] = MemoryError, settings: AllocatorSettings | None = None
     ) -> None:
-        self.round = ROUNDERS[rounding]
+        self.round = _ROUNDERS[rounding]
         self.exact = rounding == "none"
         self.settings = settings or AllocatorSettings()
         self.model = CachingAllocatorModel(self.settings) if rounding == "cuda" else None
         self.out_of_memory = out_of_memory
-        self.live: dict[int, StorageRef] = {}
+        self.live: dict[int, _StorageRef] = {}
         self.requested = 0
         self.allocated = 0
         self.peak_requested = 0
@@ -283,7 +283,7 @@ class StorageLedger:
         else:
             counted = requested if self.exact else self.round(requested)
             self._check_capacity(counted)
-        ref = StorageRef(storage, self._on_free)
+        ref = _StorageRef(storage, self._on_free)
         ref.key, ref.requested, ref.counted, ref.base, ref.origin = key, requested, counted, base, None
         self.live[key] = ref
         self.requested += requested
@@ -304,7 +304,7 @@ class StorageLedger:
             self.peak_requested = self.requested
 
     def _freed(self, ref: weakref.ref[Any]) -> None:
-        assert isinstance(ref, StorageRef)
+        assert isinstance(ref, _StorageRef)
         # A storage key is reused once freed: only the reference that is still recorded counts.
         if self.live.get(ref.key) is ref:
             del self.live[ref.key]
@@ -327,7 +327,7 @@ class StorageLedger:
             error.allocator_error = exc  # type: ignore[attr-defined]  # the figures, for the one-line failure
             raise error from None
 
-    def _reallocate(self, ref: StorageRef, requested: int) -> int:
+    def _reallocate(self, ref: _StorageRef, requested: int) -> int:
         """A resized storage in the model: its old block freed, a new one taken (the old one back if it
         cannot be)."""
         assert self.model is not None

@@ -3,7 +3,7 @@
 A `TorchDispatchMode` sees every op below autograd, those run by backward, checkpoint recomputation and
 autocast casts included. Each output whose schema says it is fresh (not an alias of an input) brings a
 new storage, which the ledger follows until a weak reference to it dies. An op that runs on cuBLAS on a
-GPU (`BLAS_OPS`) also tells the ledger which cuBLAS handle it used, for its workspace: the test's thread
+GPU (`_BLAS_OPS`) also tells the ledger which cuBLAS handle it used, for its workspace: the test's thread
 has one, and backward, which CUDA runs on the autograd engine's device thread, another. The tracker
 backend and the shadow both count through `mode_class()`, and take the mode off with `leave`.
 """
@@ -68,7 +68,7 @@ _UNANNOTATED_ALIASES = frozenset(
 )
 
 
-BLAS_OPS = frozenset(
+_BLAS_OPS = frozenset(
     (
         "aten::mm",
         "aten::addmm",
@@ -91,7 +91,7 @@ BLAS_OPS = frozenset(
 `BatchLinearAlgebraLib.cpp`): `matmul`, `linear`, `einsum` and eager attention reach them. Not here: the
 fused attention kernels, convolutions (cuDNN), cuSOLVER's factorizations (their own handles)."""
 
-AUTOGRAD_HANDLE = "autograd"
+_AUTOGRAD_HANDLE = "autograd"
 """The cuBLAS handle of backward: CUDA runs backward on the autograd engine's device thread, which reserves
 a handle of its own (every other thread's is its thread's)."""
 
@@ -102,7 +102,7 @@ def _op_plan(func: Any) -> tuple[int, Any]:
     plan = _output_plan(func)
     if func in CANDIDATES:
         return _TWIN, plan
-    if op_schema(func).name.removesuffix("_") in BLAS_OPS:  # in place: addmm_
+    if op_schema(func).name.removesuffix("_") in _BLAS_OPS:  # in place: addmm_
         return _BLAS, plan
     return (_TEMPS, plan) if modelled(func) else plan
 
@@ -193,7 +193,7 @@ def _input_keys(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> set[int
     return {storage_key(s) for s in found if s is not _NOT_DENSE and s is not _FAKE}
 
 
-class StorageTrackingMode(DynamoWrapperOff, TorchDispatchMode):  # type: ignore[no-untyped-call]
+class _StorageTrackingMode(DynamoWrapperOff, TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self, ledger: StorageLedger) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.ledger = ledger
@@ -264,7 +264,7 @@ class StorageTrackingMode(DynamoWrapperOff, TorchDispatchMode):  # type: ignore[
         """`func` ran on cuBLAS: its handle's workspace, made on the handle's first use (an empty operand
         returns before cuBLAS is reached)."""
         ledger = self.ledger
-        handle = AUTOGRAD_HANDLE if _graph_task() != -1 else _thread()
+        handle = _AUTOGRAD_HANDLE if _graph_task() != -1 else _thread()
         held = ledger.workspaces.get(handle)
         if held is not None and held.size >= ledger.workspace_bytes:
             return
@@ -342,12 +342,12 @@ class StorageTrackingMode(DynamoWrapperOff, TorchDispatchMode):  # type: ignore[
 
 
 @functools.cache
-def mode_class() -> type[StorageTrackingMode]:
+def mode_class() -> type[_StorageTrackingMode]:
     """The tracker's mode, made ready once: hidden from Dynamo, and told of compiled programs' allocations."""
     if _SET_EVAL_FRAME is not None:
-        private_torch.hide_from_dynamo(StorageTrackingMode.__torch_dispatch__)
-    count_compiled_allocations(StorageTrackingMode)
-    return StorageTrackingMode
+        private_torch.hide_from_dynamo(_StorageTrackingMode.__torch_dispatch__)
+    count_compiled_allocations(_StorageTrackingMode)
+    return _StorageTrackingMode
 
 
 def leave(mode: Any) -> None:

@@ -34,7 +34,7 @@ _JIT_TRACERS = ("trace", "trace_module")
 _FOREACH_DEVICES_ADDED = ["cpu", "meta"]
 
 
-def active_ledger(mode_class: type[Any]) -> StorageLedger | None:
+def _active_ledger(mode_class: type[Any]) -> StorageLedger | None:
     """The ledger of the tracker's mode if it is on this thread's dispatch mode stack."""
     for mode in private_torch.dispatch_mode_stack():
         if isinstance(mode, mode_class):
@@ -68,7 +68,7 @@ def _counting_allocator(original: Callable[..., torch.Tensor], mode_class: type[
     @functools.wraps(original)
     def allocate(*args: Any) -> torch.Tensor:
         out = original(*args)
-        ledger = active_ledger(mode_class)
+        ledger = _active_ledger(mode_class)
         if ledger is not None:
             ledger.op, ledger.out = "a compiled program's buffer", out
             try:
@@ -162,7 +162,7 @@ class Patches:
         def resize_(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
             before = storage.nbytes()
             result: torch.UntypedStorage = original(storage, size)
-            ledger = active_ledger(mode_class)
+            ledger = _active_ledger(mode_class)
             if ledger is not None:
                 ledger.op, ledger.out = "UntypedStorage.resize_", None
                 ledger.resized(storage, before)
@@ -181,7 +181,7 @@ class Patches:
         def emptying(original: Callable[[], None]) -> Callable[[], None]:
             @functools.wraps(original)
             def empty_cache() -> None:
-                ledger = active_ledger(mode_class)
+                ledger = _active_ledger(mode_class)
                 if ledger is not None:
                     ledger.empty_cache()
                 if torch.cuda.is_available():
@@ -243,7 +243,7 @@ class Patches:
         module, apply = private_torch.module_apply()
         self._replace(module, apply, keeping_ties(getattr(module, apply)))
         mode_class = self.mode_class
-        mode = factory_mode_class()(lambda: active_ledger(mode_class))
+        mode = factory_mode_class()(lambda: _active_ledger(mode_class))
         mode.__enter__()
         self._undo.append(lambda: leave_function_mode(mode))
 

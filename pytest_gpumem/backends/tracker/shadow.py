@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import torch
 
 
-class DeviceLedger(StorageLedger):
+class _DeviceLedger(StorageLedger):
     """A ledger of the storages on `device` only, rounded as the CUDA allocator rounds them: what the
     measured backend counts (host tensors, a data table on the CPU, are not its memory)."""
 
@@ -49,7 +49,7 @@ class Shadow:
     """The tracker's dispatch mode and an attributor on a ledger of `device`'s storages, for one call."""
 
     def __init__(self, device: torch.device) -> None:
-        self.ledger = DeviceLedger(device)
+        self.ledger = _DeviceLedger(device)
         self._mode: Any = None
 
     def start(self) -> Attributor:

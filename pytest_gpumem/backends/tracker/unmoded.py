@@ -6,7 +6,7 @@ tensor it always is), and backward then allocates more than it does without one:
 - autograd's `InputBuffer` adds a gradient's second contribution out of place (`old + new`), where torch
   otherwise adds it into `old` when it holds the last reference to it (`can_accumulate_inplace`);
 - some backward formulas fill a fresh tensor out of place (`new_zeros(...).scatter(...)` instead of
-  `scatter_`): the nodes and ops of `TWINS`, found by comparing torch.profiler's record of each op's
+  `scatter_`): the nodes and ops of `_TWINS`, found by comparing torch.profiler's record of each op's
   backward with and without a mode.
 
 The tracker's mode hands each candidate op (`CANDIDATES`) met in backward to `in_place_twin`, which runs
@@ -18,7 +18,7 @@ Where backward is comes from hooks on the graph's nodes (`hooked`, around each e
 formula runs between its pre- and post-hook; the engine adds what it returned into its consumers' buffers
 after its post-hook and before the next hooked node's pre-hook, so an `add` there of a tensor it returned
 is the buffer's accumulation. Only the nodes that need them are hooked (those whose outputs meet another
-gradient in a buffer, their consumers, the nodes of `TWINS`): a hook, removed, leaves an empty dictionary
+gradient in a buffer, their consumers, the nodes of `_TWINS`): a hook, removed, leaves an empty dictionary
 on its node, which a retained graph keeps. `AccumulateGrad` nodes, which outlive a backward, get none.
 
 Not emulated: formulas whose subclass branch is another algorithm (`prod`, `cumprod`, the full `max`,
@@ -83,11 +83,11 @@ def _in_place(name: str) -> Any:
 
 _ADD = torch.ops.aten.add.Tensor
 _ADD_ = torch.ops.aten.add_.Tensor
-TWINS: dict[str, dict[Any, Any]] = {
+_TWINS: dict[str, dict[Any, Any]] = {
     node: {_overload(op): _in_place(op) for op in ops} for node, ops in _TWIN_OPS.items()
 }
 """Per node name, its out-of-place ops and their in-place twins."""
-CANDIDATES = frozenset({_ADD, *(op for twins in TWINS.values() for op in twins)})
+CANDIDATES = frozenset({_ADD, *(op for twins in _TWINS.values() for op in twins)})
 """The ops the tracker's mode hands to `in_place_twin` in backward."""
 
 _NOTHING: frozenset[int] = frozenset()
@@ -159,7 +159,7 @@ def hooked(roots: Sequence[Any]) -> Iterator[None]:
 def _hook_graph(roots: Sequence[Any], run: _Run) -> list[Any] | None:
     """The handles of the hooks put on the graph, or None where a node refuses one (none is left).
 
-    Post-hooks on the nodes whose outputs meet another gradient in a buffer and on those of `TWINS`;
+    Post-hooks on the nodes whose outputs meet another gradient in a buffer and on those of `_TWINS`;
     pre-hooks on those and on every consumer of the first (the window of an accumulation closes when one
     of them starts). `AccumulateGrad` nodes, which outlive a backward, get none."""
     handles: list[Any] = []
@@ -177,7 +177,7 @@ def _add_hooks(graph: _Graph, run: _Run, handles: list[Any]) -> None:
     starting: dict[int, Any] = {}
     for node, consumers in nodes.values():
         joins = any(feeds[id(consumer), slot] > 1 for consumer, slot in consumers)
-        if joins or node.name() in TWINS:
+        if joins or node.name() in _TWINS:
             handles.append(node.register_hook(run.returned))
             starting[id(node)] = node
         if joins:
@@ -235,7 +235,7 @@ def in_place_twin(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | Non
     if run.node is None:
         twin = _ADD_ if func is _ADD and _accumulating(run, args, kwargs) else None
     else:
-        twin = TWINS.get(run.node, {}).get(func)
+        twin = _TWINS.get(run.node, {}).get(func)
     if twin is None or torch.is_grad_enabled() or not _keeps_self(func, args, kwargs):
         return None
     target = args[0]
