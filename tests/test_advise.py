@@ -15,7 +15,7 @@ from builders import Reported
 from torch import nn
 from torch.nn import functional as F
 
-from pytest_gpumem.advise.run import _lowers, advise
+from pytest_gpumem.advise.run import advise
 from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.errors import GpuMemError
@@ -684,8 +684,8 @@ def test_a_strategy_is_stacked_only_on_a_peak_it_lowered_alone() -> None:
     base = Row(AS_IS, "", (), peak_bytes=90, phases=phases)
     ckpt = Row("ckpt", "", (), peak_bytes=90, phases=(PhasePeak("forward", 20, 20), *phases[1:]))
     fused = Row("fused", "", (), peak_bytes=80, phases=phases[:2])
-    assert not _lowers(ckpt, base, "step") and _lowers(ckpt, base, "forward")
-    assert _lowers(fused, base, "step") and _lowers(ckpt, base, None)
+    assert not ckpt.lowers(base, "step") and ckpt.lowers(base, "forward")
+    assert fused.lowers(base, "step") and ckpt.lowers(base, None)
 
 
 def test_what_advise_cached_past_a_lifted_capacity_does_not_serve_the_test() -> None:

@@ -1,11 +1,14 @@
 """Command-line and ini options, the header, the report, the JSON and Markdown files, start-up errors,
-and what an idle plugin costs (no torch, no measuring modules)."""
+what an idle plugin costs (no torch, no measuring modules), and the package as published (one version, its
+licence)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +16,7 @@ import pytest
 import torch
 from builders import Reported
 
+import pytest_gpumem
 from pytest_gpumem import options as options_table
 from pytest_gpumem import values
 from pytest_gpumem.config import BaselineOptions, Options
@@ -244,3 +248,25 @@ def test_an_idle_plugin_imports_neither_torch_nor_the_measuring_modules(pytester
     loaded = set(line.removeprefix("gpumem modules:").split()) | {""}
     assert "plugin" in loaded
     assert sorted(loaded - IDLE) == []
+
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    tomllib = pytest.importorskip("tomli")
+
+
+def test_the_version_has_one_source() -> None:
+    project = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "pytest_gpumem.__version__"}
+    assert importlib.metadata.version("pytest-gpumem") == pytest_gpumem.__version__
+
+
+def test_the_declared_licence_ships() -> None:
+    project = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert project["project"]["license"] == "MIT"
+    assert (PROJECT_ROOT / "LICENSE").read_text(encoding="utf-8").startswith("MIT License\n")
+    assert "setuptools>=77" in project["build-system"]["requires"][0]

@@ -5,6 +5,7 @@ xdist worker: tests/test_xdist.py)."""
 from __future__ import annotations
 
 import json
+import xml.etree.ElementTree as ET
 
 import pytest
 from builders import Reported
@@ -184,3 +185,32 @@ def test_user_errors_misuse_in_a_fixture_and_a_timeout_show_no_plugin_frames(tra
         ]
     )
     result.stdout.no_fnmatch_line("*pytest_gpumem/*.py:*")
+
+
+FLAKY_WITH_A_FIXTURE = """
+import pytest, torch
+
+attempts = []
+
+@pytest.fixture
+def noted(gpumem):
+    gpumem.info["set_up"] = True
+    return gpumem
+
+@pytest.mark.flaky(reruns=1)
+def test_flaky(noted):
+    attempts.append(1)
+    noted.info[f"attempt{len(attempts)}"] = True
+    torch.ones(10)
+    assert len(attempts) == 2
+"""
+
+
+def test_a_rerun_starts_from_nothing(tracker: pytest.Pytester, reported: Reported) -> None:
+    pytest.importorskip("pytest_rerunfailures")
+    tracker.makepyfile(FLAKY_WITH_A_FIXTURE)
+    tracker.runpytest("--junitxml=j.xml", "--gpumem-json=out.json", "-p", "no:randomly")
+    assert reported()["test_flaky"]["info"] == {"set_up": True, "attempt2": True}
+    *_, case = [c for c in ET.parse(tracker.path / "j.xml").iter("testcase") if c.get("name") == "test_flaky"]
+    statuses = [p.get("value") for p in case.iter("property") if p.get("name") == "gpumem_status"]
+    assert statuses == ["ok"]

@@ -1,3 +1,5 @@
+"""Sizes as users write them (a byte count, or a number with an SI or binary unit) and as we print them."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,7 +28,7 @@ from pytest_gpumem.sizes import shorten
         ("  3 gib ", 3 * 1024**3),
     ],
 )
-def test_parse_size(text: object, expected: int) -> None:
+def test_a_size_is_read_in_bytes_from_a_count_or_a_unit(text: object, expected: int) -> None:
     assert parse_size(text) == expected
 
 
@@ -49,13 +51,13 @@ def test_parse_size(text: object, expected: int) -> None:
         pytest.param([0] * 1000, "must be an int (bytes) or a string like '64 MiB', got [0, 0, 0", id="long-list"),
     ],
 )
-def test_parse_size_rejects(bad: object, message: str) -> None:
+def test_what_is_not_a_size_is_refused_naming_it(bad: object, message: str) -> None:
     with pytest.raises(GpuMemError) as info:
         parse_size(bad)
     assert message in str(info.value) and len(str(info.value)) < 150
 
 
-def test_largest_size() -> None:
+def test_sizes_reach_the_largest_signed_64_bit_count() -> None:
     assert parse_size(2**63 - 1) == 2**63 - 1
     assert parse_size("8388607 TiB") == 8388607 * 1024**4  # 2**63 bytes is 8388608 TiB
     with pytest.raises(GpuMemError, match="below 2"):
@@ -73,7 +75,7 @@ def test_largest_size() -> None:
         (5 * 1024**5, True, "5120.0 TiB"),
     ],
 )
-def test_format_size(n: int, binary: bool, text: str) -> None:
+def test_a_size_prints_with_one_decimal_in_its_unit(n: int, binary: bool, text: str) -> None:
     assert format_size(n, binary=binary) == text
 
 

@@ -335,7 +335,7 @@ class _Advisor:
         found: list[Row] = []
         best = base
         while len(found) < _MAX_COMBINATIONS:
-            row = next((r for r in pending if _lowers(r, base, best.peak_phase)), None)
+            row = next((r for r in pending if r.lowers(base, best.peak_phase)), None)
             if row is None:
                 break
             pending.remove(row)
@@ -356,7 +356,7 @@ def _lowers_any(row: Row, base: Row) -> bool:
     """Whether `row` alone lowered the step's peak or the peak of one of the phases against as-is."""
     if (row.peak_bytes or 0) < (base.peak_bytes or 0):
         return True
-    return any(_lowers(row, base, phase.name) for phase in base.phases)
+    return any(row.lowers(base, phase.name) for phase in base.phases)
 
 
 def _order(row: Row) -> tuple[bool, float, float, int]:
@@ -368,16 +368,6 @@ def _order(row: Row) -> tuple[bool, float, float, int]:
 
 def _per(saving: int, extra: int | None) -> float:
     return float("inf") if not extra or extra <= 0 else saving / extra
-
-
-def _lowers(row: Row, base: Row, phase: str | None) -> bool:
-    """Whether `row` alone lowered `phase` (what the step holds at that phase's peak) against as-is; a
-    phase it no longer has (a fused step has no step phase) is lowered, one as-is lacks cannot be judged."""
-    if phase is None:
-        return True
-    was = next((p.step_peak for p in base.phases if p.name == phase), None)
-    now = next((p.step_peak for p in row.phases if p.name == phase), None)
-    return was is None or now is None or now < was
 
 
 def _strategies(names: Iterable[str] | None) -> list[Strategy]:

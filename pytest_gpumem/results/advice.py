@@ -78,6 +78,16 @@ class Row:
             return None
         return max(self.phases, key=lambda p: p.step_peak).name
 
+    def lowers(self, base: Row, phase: str | None) -> bool:
+        """Whether this row alone lowered `phase` (what the step holds at that phase's peak) against `base`,
+        as-is; a phase it no longer has (a fused step has no step phase) is lowered, one `base` lacks cannot
+        be judged, and None (no phase to judge) is lowered."""
+        if phase is None:
+            return True
+        was = next((p.step_peak for p in base.phases if p.name == phase), None)
+        now = next((p.step_peak for p in self.phases if p.name == phase), None)
+        return was is None or now is None or now < was
+
     def to_json(self, live: int = 0) -> dict[str, Any]:
         data: dict[str, Any] = {"name": self.name, "description": self.description, "strategies": list(self.strategies)}
         if self.seconds is not None:
