@@ -25,6 +25,7 @@ from pytest_gpumem.report.width import ELLIPSIS, cut, display_width, flatten, pa
 from pytest_gpumem.report.writers import WRITERS, JsonReport, RunInfo
 from pytest_gpumem.results import PhaseResult, Status, TestResult
 from pytest_gpumem.results.baseline import BaselineStatus, PhaseComparison, Verdict
+from pytest_gpumem.run.test_files import TEST_FILES
 
 MIB = 1024 * 1024
 
@@ -693,6 +694,12 @@ def test_each_end_of_run_file_is_chosen_by_the_path_option_that_names_it() -> No
     assert {field: files.get(field) for field in WRITERS} == {field: w.flag for field, w in WRITERS.items()}
     assert set(WRITERS) <= {field.name for field in fields(Options)}
     assert [writer.flag for writer in WRITERS.values()] == ["--gpumem-json", "--gpumem-markdown"]  # written in order
+
+
+def test_each_file_a_test_leaves_is_chosen_by_the_folder_option_that_names_it() -> None:
+    folders = {option.field: option.flag for option in OPTIONS if option.metavar == "DIR"}
+    assert {field: folders.get(field) for field in TEST_FILES} == {field: f.flag for field, f in TEST_FILES.items()}
+    assert set(TEST_FILES) <= {field.name for field in fields(Options)}
 
 
 def test_the_json_report_names_the_first_result_s_backend_when_the_run_made_none(tmp_path: Path) -> None:

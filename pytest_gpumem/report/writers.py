@@ -53,7 +53,7 @@ class JsonReport(Writer):
         return json.dumps(doc, indent=2, sort_keys=True, allow_nan=False) + "\n"
 
 
-class _MarkdownReport(Writer):
+class MarkdownReport(Writer):
     flag = "--gpumem-markdown"
 
     def text(self, results: Sequence[TestResult], run: RunInfo) -> str:
@@ -63,7 +63,7 @@ class _MarkdownReport(Writer):
         return markdown(results, run.long, run.root, self.path.parent, run.record)
 
 
-WRITERS: Mapping[str, type[Writer]] = {"json_path": JsonReport, "markdown_path": _MarkdownReport}
+WRITERS: Mapping[str, type[Writer]] = {"json_path": JsonReport, "markdown_path": MarkdownReport}
 """Each end-of-run file by the option field (of `config.Options`) that holds its path, in the order written."""
 
 

@@ -24,8 +24,8 @@ from pytest_gpumem.report import failures
 from pytest_gpumem.report.advice_text import advice_section
 from pytest_gpumem.report.failures import FailureLine, out_of_memory_message
 from pytest_gpumem.results import REPORT_ATTRIBUTE, PhaseResult, Status, TestResult, agree_with_pytest, junit_properties
-from pytest_gpumem.results.advice import Advice
-from pytest_gpumem.run import outputs, torch_snapshots
+from pytest_gpumem.run import test_files
+from pytest_gpumem.run.outputs import WRITE_ERRORS
 from pytest_gpumem.run.session import JUDGE, MEASUREMENT_KEY, GpuMemSession
 from pytest_gpumem.sizes import format_size
 
@@ -156,6 +156,7 @@ class Judge:
 
     def __init__(self, session: GpuMemSession) -> None:
         self.session = session
+        self.files = test_files.chosen(session.options)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, object, object]:
@@ -185,7 +186,7 @@ class Judge:
     ) -> Generator[None, object, object]:
         __tracebackhide__ = True
         measured.begin()
-        torch_snapshots.begin(item, self.session, measured)
+        self._begin_files(item, measured)
         try:
             outcome = yield
         except GpuMemError as exc:
@@ -272,9 +273,7 @@ class Judge:
         worker_device = None if assignment is None else assignment.describe()
         outcome = Outcome(status, failure)
         result = result_of(record, outcome, budget, judgement, _plain_info(record.info), worker_device)
-        self._picture(item, result, record.advice)
-        self._keep_evidence(item, result, record.trace)
-        torch_snapshots.write(item, self.session)
+        self._write_files(item, result, record)
         self._keep(item, result)
         _warn_notes(item, list(record.notes))  # after: under `filterwarnings = error` a note fails the test here
         return record
@@ -285,30 +284,25 @@ class Judge:
         self.session.add(result)
         item.stash[_RESULT_KEY] = result
 
-    def _picture(self, item: pytest.Item, result: TestResult, advice: Advice | None) -> None:
-        """--gpumem-html: the explained test's memory over time, one self-contained file."""
-        folder = self.session.options.html_dir
-        if folder is None or result.explanation is None:
-            return
-        try:
-            path = outputs.write_picture(folder, result.explanation, advice)
-        except (OSError, TypeError, ValueError) as exc:
-            self.session.problems.append(f"--gpumem-html: cannot write the picture of {item.nodeid}: {exc}")
-            return
-        result.html_path = outputs.shown_from(path, self.session.config.rootpath)
-        item.add_report_section("call", "gpumem picture", f"memory over time: {path}")
+    def _begin_files(self, item: pytest.Item, measured: Measurement) -> None:
+        for file in self.files:
+            problem = file.begin(item, measured)
+            if problem is not None and problem not in self.session.problems:
+                self.session.problems.append(problem)
 
-    def _keep_evidence(self, item: pytest.Item, result: TestResult, trace: object) -> None:
-        folder = self.session.options.snapshot_dir
-        if folder is None or not result.status.leaves_evidence:
-            return
-        try:
-            path = outputs.write_trace(folder, self.session.measurement(item), result, trace)
-        except outputs.WRITE_ERRORS as exc:
-            self.session.problems.append(f"--gpumem-snapshot-dir: cannot write the trace of {item.nodeid}: {exc}")
-            return
-        if path is not None:
-            item.add_report_section("call", "gpumem evidence", f"memory trace: {path}")
+    def _write_files(self, item: pytest.Item, result: TestResult, record: CallRecord) -> None:
+        """The files the options chose that the test leaves, each named in its report section; a write that
+        fails is said once at the end of the run, in one line, and the test's outcome stands."""
+        measured = self.session.measurement(item)
+        for file in self.files:
+            try:
+                path = file.write(item, measured, result, record)
+            except WRITE_ERRORS as exc:
+                self.session.problems.append(f"{file.flag}: cannot write the {file.noun} of {item.nodeid}: {exc}")
+                continue
+            if path is not None:
+                file.keep(result, path, self.session.config.rootpath)
+                item.add_report_section("call", file.section, f"{file.label}: {path}")
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_makereport(self, item: pytest.Item) -> Generator[None, pytest.TestReport, pytest.TestReport]:

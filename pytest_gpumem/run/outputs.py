@@ -1,6 +1,6 @@
-"""The files a run writes: at its end, those the options chose of `report.writers.WRITERS` (the JSON
-report, the Markdown table), and, test by test, the picture of an explained test (--gpumem-html) and the
-memory trace of a failing one (--gpumem-snapshot-dir)."""
+"""Writing the files a run leaves: at its end, those the options chose of `report.writers.WRITERS` (the
+JSON report, the Markdown table), and, test by test, those of `run.test_files.TEST_FILES` (the picture of
+an explained test, the memory trace of a failing one), safely, and saying in one line why one could not be."""
 
 from __future__ import annotations
 

@@ -1,0 +1,117 @@
+"""The files a measured test may leave, one small class each, and `TEST_FILES`, the table that names the
+option field holding each one's folder. A new per-test file is a `PerTestFile` here and a line in the table;
+the judge asks each chosen one after every measured call, in the table's order, and names the file in the
+test's report section."""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+import pytest
+
+from pytest_gpumem.files import replace_atomically
+from pytest_gpumem.run.outputs import file_stem, shown_from, write_picture, write_trace
+
+if TYPE_CHECKING:
+    from pytest_gpumem.measure.measurement import Measurement
+    from pytest_gpumem.measure.record import CallRecord
+    from pytest_gpumem.results import TestResult
+    from pytest_gpumem.snapshots.write import RecordedModel
+
+
+@dataclass(frozen=True)
+class PerTestFile(ABC):
+    """One file a measured test may leave in `folder`, given by the option `flag`."""
+
+    folder: Path
+    flag: ClassVar[str]
+    noun: ClassVar[str]  # what the file is, in the line saying it could not be written
+    section: ClassVar[str]  # the title of the report section that names the file
+    label: ClassVar[str]  # the words before its path there
+
+    def begin(self, item: pytest.Item, measured: Measurement) -> str | None:
+        """Called as the test's call starts; returns why the file cannot be written this run, or None."""
+        return None
+
+    @abstractmethod
+    def write(self, item: pytest.Item, measured: Measurement, result: TestResult, record: CallRecord) -> Path | None:
+        """Write the test's file; returns it, or None when the test leaves none."""
+
+    def keep(self, result: TestResult, path: Path, root: Path) -> None:
+        """What the result keeps of the file written (nothing, but for the picture the report links)."""
+        return None
+
+
+class Picture(PerTestFile):
+    flag, noun, section, label = "--gpumem-html", "picture", "gpumem picture", "memory over time"
+
+    def write(self, item: pytest.Item, measured: Measurement, result: TestResult, record: CallRecord) -> Path | None:
+        """The explained test's memory over time, and its advice, one self-contained page."""
+        if result.explanation is None:
+            return None
+        return write_picture(self.folder, result.explanation, record.advice)
+
+    def keep(self, result: TestResult, path: Path, root: Path) -> None:
+        result.html_path = shown_from(path, root)
+
+
+class Trace(PerTestFile):
+    flag, noun, section, label = "--gpumem-snapshot-dir", "trace", "gpumem evidence", "memory trace"
+
+    def write(self, item: pytest.Item, measured: Measurement, result: TestResult, record: CallRecord) -> Path | None:
+        """The memory trace of a test that failed on memory."""
+        if not result.status.leaves_evidence:
+            return None
+        return write_trace(self.folder, measured, result, record.trace)
+
+
+_RECORDED_KEY: pytest.StashKey[RecordedModel] = pytest.StashKey()
+
+
+class TorchSnapshot(PerTestFile):
+    flag, noun, section, label = "--gpumem-torch-snapshots", "snapshot", "gpumem torch snapshot", "memory snapshot"
+
+    def begin(self, item: pytest.Item, measured: Measurement) -> str | None:
+        """Record the call's requests, frees and segments from here on, on the allocator's model."""
+        from pytest_gpumem.backends.tracker.ledger import StorageLedger
+        from pytest_gpumem.snapshots.write import record
+
+        ledger = getattr(measured.backend, "ledger", None)
+        recorded = record(ledger) if isinstance(ledger, StorageLedger) else None
+        if recorded is None:
+            return f"{self.flag}: none written: no CUDA allocator model (--gpumem-round=cuda)"
+        item.stash[_RECORDED_KEY] = recorded
+        return None
+
+    def write(self, item: pytest.Item, measured: Measurement, result: TestResult, record: CallRecord) -> Path | None:
+        """Every measured test's prediction as a torch memory snapshot, which memory_viz opens and
+        `pytest-gpumem replay` reads (once: a later call of the judge finds nothing)."""
+        recorded = item.stash.get(_RECORDED_KEY, None)
+        if recorded is None:
+            return None
+        del item.stash[_RECORDED_KEY]
+        from pytest_gpumem.snapshots.write import snapshot_bytes, snapshot_of
+
+        path = self.folder / f"{file_stem(item.nodeid)}.pickle"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        replace_atomically(path, snapshot_bytes(snapshot_of(recorded, os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))))
+        return path
+
+
+TEST_FILES: Mapping[str, type[PerTestFile]] = {
+    "html_dir": Picture,
+    "snapshot_dir": Trace,
+    "torch_snapshots": TorchSnapshot,
+}
+"""Each per-test file by the option field (of `config.Options`) that holds its folder, in the order written."""
+
+
+def chosen(options: object) -> list[PerTestFile]:
+    """The files `options` (a `config.Options`) ask for: each whose field holds a folder, in table order."""
+    folders = ((file, getattr(options, field)) for field, file in TEST_FILES.items())
+    return [file(folder) for file, folder in folders if folder is not None]
