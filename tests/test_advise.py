@@ -23,6 +23,7 @@ from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.measure.meter import GpuMem
 from pytest_gpumem.report.advice_text import advice_clause
 from pytest_gpumem.results.advice import AS_IS, Advice, PhasePeak, Row
+from pytest_gpumem.results.checks import OffShape
 from reference_losses.bounds import NetBytes
 from reference_losses.models import ModelWorkload, build_net, build_residual
 from reference_losses.training import TRAINING_STRATEGIES, plain, residual_plain
@@ -505,21 +506,29 @@ def test_best_counts_a_change_of_precision_as_a_cost_before_compute() -> None:
     )
 
 
-def test_advice_written_before_rows_had_precision_and_times_reads_as_it_meant() -> None:
-    old = {
+def test_advice_not_as_advise_writes_it_is_refused_naming_the_first_value() -> None:
+    row = {"name": "fused-step", "description": "", "strategies": ["fused-step"], "skipped": "no optimizer"}
+    written = {
+        "capacity": None,
         "live_bytes": 8,
-        "rows": [
-            {"name": AS_IS, "description": "", "strategies": [], "peak_bytes": 100},
-            {"name": "bf16-autocast", "description": "", "strategies": ["bf16-autocast"], "peak_bytes": 90},
-            {"name": "fused-step", "description": "", "strategies": ["fused-step"], "skipped": "no optimizer"},
-        ],
+        "resident_bytes": 0,
+        "backend": "tracker",
+        "device": "cpu",
+        "seconds": 0.5,
+        "rows": [row],
+        "conflicts": [],
     }
-    advice = Advice.from_json(old)
-    assert [r.precision for r in advice.rows] == [None, "bfloat16", None]
-    assert all(r.seconds is None for r in advice.rows) and advice.timing() is None
-    timed = dataclasses.replace(advice, rows=tuple(dataclasses.replace(r, seconds=0.5) for r in advice.rows))
-    assert Advice.from_json(timed.to_json()) == timed
-    assert timed.timing() == "as-is 0.50 s; the 2 other runs 1.0-1.0x it, the slowest bf16-autocast 0.50 s"
+    assert Advice.from_json(written).rows[0].skipped == "no optimizer"
+    with pytest.raises(OffShape, match=r"^advice\.live_bytes is not as pytest-gpumem writes it, got '8'$"):
+        Advice.from_json({**written, "live_bytes": "8"})
+    with pytest.raises(OffShape, match=r"^advice\.rows\[0\] has an unknown key \"extra\"$"):
+        Advice.from_json({**written, "rows": [{**row, "extra": 1}]})
+    with pytest.raises(OffShape, match=r"^advice\.rows\[0\] is not as pytest-gpumem writes it, got "):
+        Advice.from_json({**written, "rows": [{**row, "seconds": None}]})
+    with pytest.raises(OffShape, match=r"^advice\.rows must be a list, got None$"):
+        Advice.from_json({"live_bytes": 8})
+    with pytest.raises(OffShape, match=r"^advice has no \"capacity\"$"):
+        Advice.from_json({k: v for k, v in written.items() if k != "capacity"})
 
 
 def test_every_run_is_timed_and_the_report_says_where_the_time_went() -> None:

@@ -249,7 +249,7 @@ class TestResult:
             explanation=maybe("explanation", lambda v, w: Explanation.from_json(v, w)),
             html_path=_text_or_none(d["html"], f"{where}.html"),
             fits=texts(d["fits"], f"{where}.fits"),
-            advice=maybe("advice", lambda v, w: Advice.from_json(_advice(v, w))),
+            advice=maybe("advice", lambda v, w: Advice.from_json(_object(v, w), w)),
             distributed=[
                 _object(w, f"{where}.distributed[{i}]")
                 for i, w in enumerate(listed(d["distributed"], f"{where}.distributed"))
@@ -285,15 +285,6 @@ def _same_as_written(read: dict[str, Any], result: TestResult, where: str) -> No
     found = first_difference(read, written, where)
     if found is not None:
         raise OffShape(f"{found[0]} is not as pytest-gpumem writes it, got {short(found[1])}")
-
-
-def _advice(value: object, where: str) -> dict[str, Any]:
-    """An advice's outline checked: an object with a list of rows, each an object (`Advice.from_json`
-    reads the rest, and what it reads is compared with what it writes)."""
-    d = _object(value, where)
-    for i, row in enumerate(listed(d.get("rows"), f"{where}.rows")):
-        _object(row, f"{where}.rows[{i}]")
-    return d
 
 
 def _empty(where: str) -> str:

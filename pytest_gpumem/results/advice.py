@@ -6,18 +6,19 @@ importing it.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from pytest_gpumem.cards import capacity_bytes as card_bytes
-from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.errors import GpuMemError, first_line
+from pytest_gpumem.results.checks import OffShape, fields, first_difference, listed, short
 from pytest_gpumem.sizes import format_size, shorten
 
 AS_IS = "as-is"
 NOT_CHECKED = "not checked"
-_AUTOCAST = "bf16-autocast"  # the strategy that changes the precision, named in advice written before `precision`
 WIDTH = 120  # a row's phases and gradients share a line up to this many characters
 
 
@@ -117,14 +118,14 @@ class Row:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], live: int = 0) -> Row:
-        """The row `to_json(live)` wrote (each phase's step peak read back from its absolute peak); advice
-        written before a field existed reads as it meant (no `precision`: autocast's row computes in bfloat16)."""
+        """The row `to_json(live)` wrote (each phase's step peak read back from its absolute peak), as far as
+        its values have the types written (`Advice.from_json` refuses any other)."""
         name, description = str(data["name"]), str(data.get("description", ""))
         strategies = tuple(str(part) for part in data.get("strategies", []))
         seconds = None if data.get("seconds") is None else float(data["seconds"])
         if data.get("skipped") is not None:
             return cls(name, description, strategies, skipped=str(data["skipped"]), seconds=seconds)
-        precision = data.get("precision", "bfloat16" if _AUTOCAST in strategies else None)
+        precision = data.get("precision")
         absolute: Mapping[str, Any] = data.get("absolute_phases", {})
         phases = tuple(
             PhasePeak(str(phase), int(peak), int(absolute[phase]) - live if phase in absolute else None)
@@ -319,9 +320,24 @@ class Advice:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Advice:
-        """The advice `to_json` wrote (a test's `advice` in the report). Raises KeyError,
-        TypeError or ValueError for data not shaped like it."""
+    def from_json(cls, data: Mapping[str, Any], where: str = "advice") -> Advice:
+        """The advice `to_json` wrote (a test's `advice` in the report); raises `OffShape` naming the first
+        value at or below `where` that is not as written: a missing field, a value of another type ("12"
+        for 12)."""
+        for i, row in enumerate(listed(data.get("rows"), f"{where}.rows")):
+            fields(row, f"{where}.rows[{i}]", ("name", "description", "strategies"), _ROW_KEYS)
+        fields(data, where, _ADVICE_KEYS)
+        try:
+            advice = cls._read(data)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise OffShape(f"{where}: not advice as pytest-gpumem writes it: {first_line(exc)}") from None
+        found = first_difference(data, json.loads(json.dumps(advice.to_json(), allow_nan=False)), where)
+        if found is not None:
+            raise OffShape(f"{found[0]} is not as pytest-gpumem writes it, got {short(found[1])}")
+        return advice
+
+    @classmethod
+    def _read(cls, data: Mapping[str, Any]) -> Advice:
         live, capacity = int(data.get("live_bytes") or 0), data.get("capacity")
         return cls(
             rows=tuple(Row.from_json(row, live) for row in data["rows"]),
@@ -333,6 +349,10 @@ class Advice:
             conflicts=tuple(str(text) for text in data.get("conflicts", [])),
             seconds=float(data.get("seconds") or 0.0),
         )
+
+
+_ADVICE_KEYS = ("capacity", "live_bytes", "resident_bytes", "backend", "device", "seconds", "rows", "conflicts")
+_ROW_KEYS = (*Row("", "", (), peak_bytes=0, seconds=0.0).to_json(), "skipped")
 
 
 def _flops(extra: int, base: int | None, unit: str) -> str:
