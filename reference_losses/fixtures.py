@@ -149,16 +149,19 @@ def _naive(
     cache: dict[tuple[Any, ...], Outcome],
     strategy: Strategy,
     workload: Any,
+    device: torch.device,
     dtype: torch.dtype,
 ) -> Outcome:
-    from reference_losses.strategy import NullMeter, with_scales
+    from reference_losses.strategy import NullMeter, fast_reduced_matmuls, with_scales
 
     key = (*case_key, dtype)
     if key not in cache:
         clone = workload.clone(dtype)
         model = getattr(clone, "model", None)
         before = {} if model is None else {n: p.detach().clone() for n, p in model.named_parameters()}
-        cache[key] = with_scales(strategy.run(NullMeter(), clone), before)
+        with fast_reduced_matmuls(device, dtype):
+            outcome = strategy.run(NullMeter(), clone)
+        cache[key] = with_scales(outcome, before)
     return cache[key]
 
 
@@ -181,11 +184,11 @@ def make_case(strategy: Strategy, gpumem: GpuMem, scale: float, cache: dict[tupl
         # No values: the naive references cannot be computed (nor compared); only bytes are checked.
         return Case(strategy, workload, None)
     key = (naive.name, scale, str(device))
-    case = Case(strategy, workload, _naive(key, cache, naive, workload, torch.float32))
+    case = Case(strategy, workload, _naive(key, cache, naive, workload, device, torch.float32))
     case.dtype = strategy.precision(device)
     if case.dtype is not None:
-        case.truth = _naive(key, cache, naive, workload, torch.float64)
-        case.naive_reduced = _naive(key, cache, naive, workload, case.dtype)
+        case.truth = _naive(key, cache, naive, workload, device, torch.float64)
+        case.naive_reduced = _naive(key, cache, naive, workload, device, case.dtype)
     if device.type != "cpu":
         # First use of cuBLAS (per handle: the autograd thread has its own) allocates a workspace
         # that stays; run once here so that it is not part of the measured peaks.

@@ -265,25 +265,28 @@ def test_{name}(gpumem):
 """
 
 
-@pytest.mark.slow  # two inner pytest processes, each importing torch
+@pytest.mark.slow  # a second pytest process, importing torch
 def test_two_concurrent_update_runs_keep_both_runs_entries(tracker: pytest.Pytester) -> None:
+    """Run b in its own process, run a in this one: each test waits for the other's, so both runs update
+    the file at once."""
     tracker.makepyfile(test_a=SLOW_TEST.format(name="a", other="b"), test_b=SLOW_TEST.format(name="b", other="a"))
     tracker.makepyfile(test_old="import torch\n\ndef test_old(gpumem):\n    torch.ones(10)\n")
     tracker.runpytest("--gpumem-update=all", "test_old.py").assert_outcomes(passed=1)
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-    runs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpumem-update=all", f"test_{n}.py"],
-            cwd=tracker.path,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for n in "ab"
-    ]
-    outputs = [run.communicate(timeout=300)[0].decode() for run in runs]
-    assert [run.returncode for run in runs] == [0, 0], outputs
-    assert all("1 added" in out for out in outputs), outputs
+    unplugged = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest")  # each costs the process seconds
+    other = subprocess.Popen(
+        [sys.executable, "-m", "pytest", *unplugged, "--gpumem-update=all", "test_b.py"],
+        cwd=tracker.path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        here = tracker.runpytest("--gpumem-update=all", "test_a.py")
+    finally:
+        output = other.communicate(timeout=300)[0].decode()
+    assert [here.ret, other.returncode] == [0, 0], output
+    assert all("1 added" in out for out in (str(here.stdout), output)), output
     entries = json.loads((tracker.path / BASELINES).read_text())["entries"]
     assert sorted(entries) == ["test_a.py::test_a", "test_b.py::test_b", "test_old.py::test_old"]
 

@@ -119,6 +119,7 @@ class Late:
 
 def test_rank_never_starts(gpumem, monkeypatch):
     monkeypatch.setattr("pytest_gpumem.distributed.world.MIN_JOIN_TIMEOUT", 1.0)
+    monkeypatch.setattr("pytest_gpumem.distributed.spawn.SLOW_START", 0.5)  # named once, before the deadline
     gpumem.distributed(nothing, 2, args=(Late(),), timeout=1)
 
 
@@ -144,8 +145,7 @@ def grows_and_starts_no_ranks(rank, world_size, meter):
     return value, refused(lambda: meter.distributed(nothing, 1)), refused(lambda: meter.simulate_rank(nothing, 2))
 
 
-def test_runs_normally_after(gpumem, monkeypatch, request):
-    monkeypatch.setattr("pytest_gpumem.distributed.spawn.SLOW_START", 0.5)  # ranks importing torch are later than that
+def test_runs_normally_after(gpumem, request):
     ranks = gpumem.distributed(grows_and_starts_no_ranks)
     assert [r.value[0] for r in ranks] == [0, 10]
     assert ranks[0].value[1].endswith(f"inside a rank of {request.node.nodeid}: ranks cannot start ranks")

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# what each subprocess here needs not load: the cache, and hypothesis's plugin (it imports hypothesis, seconds)
+UNPLUGGED = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest")
 OUR_FIXTURES = ("gpumem_net_model", "gpumem_lm_head", "gpumem_loss_case", "gpumem_scale", "net_model", "loss_case")
 
 THEIR_TEST = """
@@ -41,31 +43,30 @@ def _their_project(pytester: pytest.Pytester, layout: str) -> None:
 
 @pytest.mark.parametrize("layout", ["root", "src"])
 def test_project_with_its_own_reference_losses_runs(pytester: pytest.Pytester, layout: str) -> None:
+    """Their test module and their package by name (--pyargs), in one run."""
     _their_project(pytester, layout)
-    result = pytester.runpytest_subprocess("test_project.py", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=1)
-    result = pytester.runpytest_subprocess("--pyargs", "reference_losses", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["*test_own.py*"])
+    result = pytester.runpytest_subprocess("-v", "--pyargs", "test_project.py", "reference_losses", *UNPLUGGED)
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines_random(["test_project.py::test_theirs PASSED*", "*test_own.py::test_theirs PASSED*"])
 
 
 def test_unrelated_project_sees_no_reference_fixtures(pytester: pytest.Pytester) -> None:
-    result = pytester.runpytest_subprocess("--fixtures", "-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess("--fixtures", *UNPLUGGED)
     result.stdout.fnmatch_lines(["gpumem -- *"])  # the plugin's own fixture is listed
     listed = result.stdout.str()
     assert not [name for name in OUR_FIXTURES if re.search(rf"^{name}\b", listed, re.MULTILINE)]
 
 
 def test_unrelated_project_has_no_scale_option(pytester: pytest.Pytester) -> None:
-    result = pytester.runpytest_subprocess("--help")
+    result = pytester.runpytest_subprocess("--help", *UNPLUGGED)
     assert "--gpumem-scale" not in result.stdout.str()
-    result = pytester.runpytest_subprocess("--gpumem-scale=2")
+    result = pytester.runpytest_subprocess("--gpumem-scale=2", *UNPLUGGED)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
 
 
 def test_unrelated_run_does_not_import_the_package(pytester: pytest.Pytester) -> None:
     pytester.makepyfile("import sys\n\ndef test_clean():\n    assert 'reference_losses' not in sys.modules\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess(*UNPLUGGED)
     result.assert_outcomes(passed=1)
 
 
@@ -86,7 +87,7 @@ def test_fixtures_on_request(tracker: pytest.Pytester, how: str) -> None:
 @pytest.mark.slow  # a fresh interpreter imports torch and runs the reference suite
 def test_main_job_from_the_repository_root() -> None:
     command = [sys.executable, "-m", "pytest", "--pyargs", "reference_losses", "-k", "naive_sum or dot"]
-    command += ["--gpumem-scale=0.5", "--gpumem-report", "-p", "no:cacheprovider", "-o", "gpumem_backend=tracker"]
+    command += ["--gpumem-scale=0.5", "--gpumem-report", *UNPLUGGED, "-o", "gpumem_backend=tracker"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "naive_sum" in done.stdout and "2 passed" in done.stdout

@@ -3,43 +3,49 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
+RunReference = Callable[..., dict[str, Any]]  # the conftest fixture run_reference
 NOTE = "reference_losses: * on the meta device: bytes checked against every bound*not compared with the naive*"
+META = ("--gpumem-device=meta", "--gpumem-report", "-rs")  # the whole suite on meta, at scale 1
+CPU = ("--gpumem-report",)  # the guide's main job (docs/guides/reference-strategies.md)
 
 
-def test_reference_suite_runs_on_meta(tracker: pytest.Pytester) -> None:
+def test_reference_suite_runs_on_meta(tracker: pytest.Pytester, run_reference: RunReference) -> None:
     """Every strategy but the CUDA-only one passes (amp under CUDA's autocast rules), with
     the naive references and value checks left out, said once."""
-    result = tracker.runpytest("--pyargs", "reference_losses", "--gpumem-device=meta", "-p", "no:cacheprovider", "-rs")
-    result.assert_outcomes(passed=18, skipped=3)
-    result.stdout.fnmatch_lines(
+    ran = run_reference(tracker, *META)
+    assert {name: ran["outcomes"].get(name, 0) for name in ("passed", "skipped", "failed", "errors")} == {
+        "passed": 18, "skipped": 3, "failed": 0, "errors": 0,
+    }  # fmt: skip
+    lines = pytest.LineMatcher(ran["lines"])
+    lines.fnmatch_lines(
         [
             "*2*test_distributed.py*fully_shard refuses parameters on the meta device for training",
             "*offload_activations needs a CUDA device (measuring on meta)*",
         ]
     )
-    result.stdout.fnmatch_lines([NOTE])
-    assert sum("bytes checked" in line for line in result.outlines) == 1
+    lines.fnmatch_lines([NOTE])
+    assert sum("bytes checked" in line for line in ran["lines"]) == 1
 
 
 @pytest.mark.slow
-def test_meta_bytes_equal_cpu_bytes(tracker: pytest.Pytester) -> None:
+def test_meta_bytes_equal_cpu_bytes(tracker: pytest.Pytester, run_reference: RunReference) -> None:
     """The report's rows on meta are the CPU rows of the same strategies, byte for byte, and say what the
     allocator's model reserves."""
-    selection = "naive_sum or dot or chunked_ce_checkpoint or clip_grad or compress_activations"
+    tests = ["test_loss_strategy[naive_sum]", "test_loss_strategy[dot]", "test_loss_strategy[chunked_ce_checkpoint]",
+             "test_training_strategy[clip_grad]", "test_training_strategy[compress_activations]"]  # fmt: skip
+    names = tuple(f"{test.split('[')[1][:-1]} " for test in tests)
     rows = {}
-    for device in ("cpu", "meta"):
-        result = tracker.runpytest(
-            "--pyargs", "reference_losses", f"--gpumem-device={device}", "-k", selection,
-            "--gpumem-report", "-p", "no:cacheprovider",
-        )  # fmt: skip
-        result.assert_outcomes(passed=5)
-        names = ("naive_sum ", "dot ", "chunked_ce_checkpoint ", "clip_grad ", "compress_activations ")
-        rows[device] = [line for line in result.outlines if line.startswith(names)]
+    for device, args in (("cpu", CPU), ("meta", META)):
+        ran = run_reference(tracker, *args)
+        assert set(tests) <= set(ran["passed"]), device
+        rows[device] = [" ".join(line.split()) for line in ran["lines"] if line.startswith(names)]
     assert len(rows["cpu"]) == 5
-    reserved = re.compile(r"\s+(\d+\.\d\dx|-)$")  # meta's column of reserved memory against naive's (the model)
+    reserved = re.compile(r" (\d+\.\d\dx|-)$")  # meta's column of reserved memory against naive's (the model)
     assert all(reserved.search(line) for line in rows["meta"])
     assert [reserved.sub("", line) for line in rows["meta"]] == rows["cpu"]
 

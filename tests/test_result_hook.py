@@ -10,6 +10,8 @@ import keyword
 import math
 import re
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +20,15 @@ import pytest
 import pytest_gpumem
 from pytest_gpumem.distributed.worker import _sendable, json_problem
 
+# One run serves both hook tests: the recording hook sees test_verdicts.py, the breaking one test_broken.py
 RECORDING_HOOK = """
 import json, os
 
-def pytest_gpumem_result(item, result):
+def record_result(item, result):
     with open(item.config.rootpath / "hooked.jsonl", "a") as f:
         f.write(json.dumps([item.nodeid.split("::", 1)[1], result.status.value, result.message]) + "\\n")
 
-def pytest_gpumem_session_results(config, results):
+def record_session(config, results):
     seen = {r.nodeid.split("::", 1)[1]: [r.status.value, r.message] for r in results}
     written = (config.rootpath / "out.json").is_file()
     with open(config.rootpath / "session.jsonl", "a") as f:
@@ -75,43 +78,10 @@ def test_passes(gpumem):
 """
 
 
-def _hooked(pytester: pytest.Pytester) -> dict[str, list[Any]]:
-    lines = (pytester.path / "hooked.jsonl").read_text(encoding="utf-8").splitlines()
-    seen: dict[str, list[Any]] = {}
-    for name, status, message in map(json.loads, lines):
-        assert name not in seen, f"the hook fired twice for {name}"
-        seen[name] = [status, message]
-    return seen
-
-
-@pytest.mark.parametrize("mode", [["-p", "no:xdist"], pytest.param(["-n", "2"], marks=pytest.mark.slow)])
-def test_the_hooks_see_the_status_the_report_shows(tracker: pytest.Pytester, mode: list[str]) -> None:
-    tracker.makeconftest(RECORDING_HOOK)
-    tracker.makepyfile(test_verdicts=VERDICTS)
-    result = tracker.runpytest(*mode, "-p", "no:randomly", "--gpumem-json=out.json", "--gpumem-report")
-    result.assert_outcomes(passed=2, failed=3, xfailed=1, xpassed=1)
-    reported = json.loads((tracker.path / "out.json").read_text(encoding="utf-8"))["tests"]
-    shown = {test["nodeid"].split("::", 1)[1]: [test["status"], test["message"]] for test in reported}
-    assert _hooked(tracker) == shown
-    sessions = (tracker.path / "session.jsonl").read_text(encoding="utf-8").splitlines()
-    assert [json.loads(line) for line in sessions] == [[None, True, shown]]  # once, on the controller, JSON written
-    result.stdout.fnmatch_lines(["session hook: 7 results", "*= gpumem report =*"])
-    assert {name: status for name, (status, _) in shown.items()} == {
-        "Case::test_unittest_fails": "error",
-        "Case::test_unittest_passes": "ok",
-        "test_xfail_fails": "xfailed",
-        "test_xpass": "XPASS",
-        "test_strict_xpass": "error",
-        "test_fails": "error",
-        "test_passes": "ok",
-    }
-    assert shown["Case::test_unittest_fails"][1] == "AssertionError: 1 != 2"
-
-
 BREAKING_HOOK = """
 import pytest
 
-def pytest_gpumem_result(item, result):
+def break_result(item, result):
     result.info["seen"] = True  # what a hook sets reaches the JSON
     if item.name == "test_set_in_info":
         result.info["tags"] = {"a"}
@@ -125,8 +95,19 @@ def pytest_gpumem_result(item, result):
     elif item.name == "test_no_dict":
         result.info = ["x"]
 
-def pytest_gpumem_session_results(config, results):
+def break_session(config, results):
     raise KeyError("leaderboard")
+"""
+
+HOOKS = f"""{RECORDING_HOOK}
+{BREAKING_HOOK}
+
+def pytest_gpumem_result(item, result):
+    (record_result if item.path.name == "test_verdicts.py" else break_result)(item, result)
+
+def pytest_gpumem_session_results(config, results):
+    record_session(config, results)
+    break_session(config, results)
 """
 
 BROKEN_BY_THE_HOOK = """
@@ -154,13 +135,81 @@ def test_later(gpumem):
 """
 
 
-@pytest.mark.parametrize("mode", [["-p", "no:xdist"], pytest.param(["-n", "2"], marks=pytest.mark.slow)])
-def test_a_hook_that_breaks_the_result_fails_one_test_in_one_line(tracker: pytest.Pytester, mode: list[str]) -> None:
-    tracker.makeconftest(BREAKING_HOOK)
-    tracker.makepyfile(test_broken=BROKEN_BY_THE_HOOK)
-    result = tracker.runpytest(*mode, "-p", "no:randomly", "--gpumem-json=out.json", "-rf")
+Shared = Callable[[str, Callable[[Path], Any]], tuple[Path, Any]]  # the conftest fixture shared_run
+MODES = {"serial": ("-p", "no:xdist"), "xdist": ("-n", "2", "-p", "no:hypothesispytest")}  # saves workers seconds
+
+
+@dataclass(frozen=True)
+class HookedRun:
+    """The run of test_verdicts.py and test_broken.py under HOOKS: its result, its JSON report's tests by
+    name, and the lines the recording hooks wrote."""
+
+    result: pytest.RunResult
+    tests: dict[str, dict[str, Any]]
+    hooked: list[str]
+    sessions: list[str]
+
+    def outcomes(self, module: str) -> dict[str, int]:
+        """The short summary's words (PASSED, FAILED, XFAIL, XPASS) counted for one module's tests."""
+        words = [line.split(" ", 1)[0] for line in self.result.outlines if f" {module}::" in line]
+        return {word: words.count(word) for word in sorted(set(words))}
+
+    def of(self, module: str) -> dict[str, dict[str, Any]]:
+        return {name: test for name, test in self.tests.items() if test["nodeid"].startswith(f"{module}::")}
+
+
+def _run_hooked(tracker: pytest.Pytester, mode: str) -> dict[str, Any]:
+    tracker.makeconftest(HOOKS)
+    tracker.makepyfile(test_verdicts=VERDICTS, test_broken=BROKEN_BY_THE_HOOK)
+    args = ("-p", "no:randomly", "--gpumem-json=out.json", "--gpumem-report", "-rA")
+    result = tracker.runpytest(*MODES[mode], *args)
+    read = {name: (tracker.path / name).read_text(encoding="utf-8") for name in ("hooked.jsonl", "session.jsonl")}
+    tests = json.loads((tracker.path / "out.json").read_text(encoding="utf-8"))["tests"]
+    return {"ret": int(result.ret), "out": result.outlines, "err": result.errlines, "tests": tests, **read}
+
+
+@pytest.fixture(params=[pytest.param("serial", id="mode0"), pytest.param("xdist", id="mode1", marks=pytest.mark.slow)])
+def hooked_run(request: pytest.FixtureRequest, tracker: pytest.Pytester, shared_run: Shared) -> HookedRun:
+    """One run per mode, which both hook tests read."""
+    mode: str = request.param
+    kept = shared_run(f"hooks-{mode}", lambda folder: _run_hooked(tracker, mode))[1]
+    result = pytest.RunResult(kept["ret"], kept["out"], kept["err"], 0.0)
+    tests = {test["nodeid"].split("::", 1)[1]: test for test in kept["tests"]}
+    return HookedRun(result, tests, kept["hooked.jsonl"].splitlines(), kept["session.jsonl"].splitlines())
+
+
+def _hooked(run: HookedRun) -> dict[str, list[Any]]:
+    seen: dict[str, list[Any]] = {}
+    for name, status, message in map(json.loads, run.hooked):
+        assert name not in seen, f"the hook fired twice for {name}"
+        seen[name] = [status, message]
+    return seen
+
+
+def test_the_hooks_see_the_status_the_report_shows(hooked_run: HookedRun) -> None:
+    assert hooked_run.outcomes("test_verdicts.py") == {"FAILED": 3, "PASSED": 2, "XFAIL": 1, "XPASS": 1}
+    reported = {name: [test["status"], test["message"]] for name, test in hooked_run.tests.items()}
+    shown = {name: reported[name] for name in hooked_run.of("test_verdicts.py")}
+    assert _hooked(hooked_run) == shown
+    once = [[None, True, reported]]  # once, on the controller, the JSON written, every result
+    assert [json.loads(line) for line in hooked_run.sessions] == once
+    hooked_run.result.stdout.fnmatch_lines([f"session hook: {len(reported)} results", "*= gpumem report =*"])
+    assert {name: status for name, (status, _) in shown.items()} == {
+        "Case::test_unittest_fails": "error",
+        "Case::test_unittest_passes": "ok",
+        "test_xfail_fails": "xfailed",
+        "test_xpass": "XPASS",
+        "test_strict_xpass": "error",
+        "test_fails": "error",
+        "test_passes": "ok",
+    }
+    assert shown["Case::test_unittest_fails"][1] == "AssertionError: 1 != 2"
+
+
+def test_a_hook_that_breaks_the_result_fails_one_test_in_one_line(hooked_run: HookedRun) -> None:
+    result = hooked_run.result
     assert result.ret == pytest.ExitCode.TESTS_FAILED  # not INTERNALERROR (3)
-    result.assert_outcomes(passed=1, failed=5)
+    assert hooked_run.outcomes("test_broken.py") == {"FAILED": 5, "PASSED": 1}
     result.stdout.fnmatch_lines_random(
         [
             "test_broken.py::test_set_in_info: pytest_gpumem_result: result.info['tags'] is a set, "
@@ -177,8 +226,7 @@ def test_a_hook_that_breaks_the_result_fails_one_test_in_one_line(tracker: pytes
         ]
     )
     result.stdout.no_fnmatch_line("*INTERNALERROR*")
-    reported = json.loads((tracker.path / "out.json").read_text(encoding="utf-8"))["tests"]
-    tests = {test["nodeid"].split("::", 1)[1]: test for test in reported}
+    tests = hooked_run.of("test_broken.py")
     assert {name: (test["status"], test["info"]) for name, test in tests.items()} == {
         "test_set_in_info": ("error", {}),  # as before the hook
         "test_fails_and_nan_in_info": ("error", {}),

@@ -6,9 +6,7 @@ worker sees one of the caller's devices. One run on two workers serves every tes
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+import shutil
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,28 +73,28 @@ def _junit_properties(folder: Path) -> dict[str, dict[str, str]]:
     return {str(c.get("name")): {str(p.get("name")): str(p.get("value")) for p in c.iter("property")} for c in cases}
 
 
-def _run(folder: Path, *args: str) -> pytest.RunResult:
-    (folder / "tox.ini").write_text("[pytest]\ngpumem_backend = tracker\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "CI", "BUILD_NUMBER", "PYTEST_ADDOPTS")}
-    env.pop("PYTEST_CURRENT_TEST", None)
-    env["CUDA_VISIBLE_DEVICES"] = "2,3"  # the caller's devices, simulated: the tracker measures on the CPU
-    command = [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider", *args]
-    done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=120)
-    return pytest.RunResult(done.returncode, done.stdout.splitlines(), done.stderr.splitlines(), 0.0)
+# the outputs the tests read, copied to the shared folder; -p no:hypothesispytest saves each worker seconds
+OUTPUTS = ("junit.xml", "out.json", BASELINES)
+UNPLUGGED = ("-p", "no:randomly", "-p", "no:cacheprovider", "-p", "no:hypothesispytest")
 
 
-def _run_in_parallel(folder: Path) -> dict[str, Any]:
-    (folder / "test_suite.py").write_text(SUITE)
-    (folder / BASELINES).write_text(json.dumps(_baselines({"test_alloc[5]": STALE})))
+def _run_in_parallel(tracker: pytest.Pytester, folder: Path) -> dict[str, Any]:
+    """The controller runs in this process (torch already imported); its workers are processes."""
+    tracker.makepyfile(test_suite=SUITE)
+    (tracker.path / BASELINES).write_text(json.dumps(_baselines({"test_alloc[5]": STALE})))
     outputs = ("--junitxml=junit.xml", "--gpumem-json=out.json", "--gpumem-report")
     baselines = ("--gpumem-update", f"--gpumem-baseline-file={BASELINES}")
-    result = _run(folder, "-n", "2", *outputs, *baselines, "--gpumem-devices=auto")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # the caller's devices, simulated: the tracker measures on the CPU
+        result = tracker.runpytest(*UNPLUGGED, "-n", "2", *outputs, *baselines, "--gpumem-devices=auto")
+    for name in OUTPUTS:
+        shutil.copy(tracker.path / name, folder / name)
     return {"ret": int(result.ret), "out": result.outlines, "err": result.errlines}
 
 
 @pytest.fixture
-def parallel(shared_run: Shared, read_report: ReadReport) -> Run:
-    folder, kept = shared_run("xdist", _run_in_parallel)
+def parallel(tracker: pytest.Pytester, shared_run: Shared, read_report: ReadReport) -> Run:
+    folder, kept = shared_run("xdist", lambda folder: _run_in_parallel(tracker, folder))
     result = pytest.RunResult(kept["ret"], kept["out"], kept["err"], 0.0)
     return Run(folder, result, read_report(folder / "out.json"))
 

@@ -1,9 +1,10 @@
 """Start the ranks of a world as processes, collect their messages, end them all.
 
-The parent spawns `world_size` processes (torch.multiprocessing, spawn context), which form a process
-group through a FileStore in a fresh temporary folder (`RankSpec.store_path`): no TCP port is chosen by
-us, so xdist workers starting worlds at the same time cannot collide and no port is left bound (gloo and
-NCCL connect their ranks over ports the OS assigns). A rank that raises, dies or outlives the timeout
+The parent starts `world_size` processes (forked from a server that imported torch once, prepared as
+spawned ones: `pytest_gpumem.distributed.server`), which form a process group through a FileStore in a
+fresh temporary folder (`RankSpec.store_path`): no TCP port is chosen by us, so xdist workers starting
+worlds at the same time cannot collide and no port is left bound (gloo and NCCL connect their ranks over
+ports the OS assigns). A rank that raises, dies or outlives the timeout
 ends every rank.
 """
 
@@ -42,19 +43,24 @@ _DEATH_NOTICE = 0.2  # seconds for the exit of a rank whose peers report a broke
 
 def spawn(spec: RankSpec, limit: float, say: Callable[[str], None] | None = None) -> list[RankResult]:
     """Start every rank, wait for each (`limit` seconds once all are in the group), end them all."""
-    import torch.multiprocessing as mp
+    import multiprocessing
 
-    context = mp.get_context("spawn")
-    messages: Queue[Wire] = context.Queue()
+    from pytest_gpumem.distributed.server import RankProcess, preloaded
+
+    messages: Queue[Wire] = multiprocessing.get_context("forkserver").Queue()
+    preload = preloaded(spec.meter_kind)
     processes = [
-        context.Process(target=run_rank, args=(rank, spec, messages), name=f"gpumem-rank{rank}", daemon=True)
+        RankProcess(
+            target=run_rank, args=(rank, spec, messages), name=f"gpumem-rank{rank}", daemon=True, preload=preload
+        )
         for rank in range(spec.world_size)
     ]
     grace = 0.0
+    waiter = _Waiter(processes, messages, limit, spec.join_timeout, say)  # starting is part of joining
     try:
         for process in processes:
             process.start()
-        results = _Waiter(processes, messages, limit, spec.join_timeout, say).results()
+        results = waiter.results()
         grace = _END_GRACE
         return results
     finally:

@@ -1,0 +1,149 @@
+"""Ranks forked from a server that has imported torch once, instead of each rank importing it anew.
+
+A spawned rank is a fresh interpreter that imports torch and the rank's code (about 4 s of CPU). The
+server is such a fresh interpreter, started like a spawned rank (same executable, flags, environment,
+`sys.path` and working directory) with the rank's code imported; each rank is forked from it and then
+prepared exactly as a spawned one (`multiprocessing.spawn.prepare`: `sys.path`, working directory, main
+module as the parent has them now). So a rank starts from the state a spawned rank reaches, without the
+parent's own state (its `conftest.py`, fixtures, patched globals, torch settings), in milliseconds.
+
+The parent's environment, standard output and standard error at the moment the ranks start reach them as
+they would reach spawned ones: the server is replaced when the environment (other than the test's name in
+`PYTEST_CURRENT_TEST`), `sys.path` or the working directory differ from those it was started with (they
+can change how torch is imported), and each rank takes the parent's current stdout and stderr (pytest's
+capture of the test being run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator, Mapping
+from multiprocessing import context, forkserver, popen_forkserver, process, reduction, spawn, util
+from typing import Any
+
+_RANK_CODE = ("pytest_gpumem.distributed.worker", "torch.multiprocessing", "torch.distributed")
+_BACKENDS = {"cuda": "pytest_gpumem.backends.cuda", "tracker": "pytest_gpumem.backends.tracker.backend"}
+
+
+def preloaded(meter_kind: str) -> tuple[str, ...]:
+    """What the server imports before forking ranks measured by `meter_kind`: what a spawned rank imports
+    before it loads the test's module (the tracker's backend alone is some 800 modules)."""
+    return (*_RANK_CODE, _BACKENDS[meter_kind])
+
+
+_PER_TEST = frozenset({"PYTEST_CURRENT_TEST"})  # set by pytest for every test; given to each rank instead
+_STREAMS = (1, 2)  # the parent's stdout and stderr, the first descriptors a rank inherits
+_SOCKET_FOLDER_MAX = 80  # characters of the folder of the server's socket: its path fits 107 (AF_UNIX)
+
+
+class _Servers:
+    """The server the ranks are forked from now, and what it was started with."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.server: forkserver.ForkServer | None = None
+        self.key: tuple[object, ...] = ()
+
+    def current(self, preload: tuple[str, ...]) -> forkserver.ForkServer:
+        """A server with `preload` imported, started like a rank spawned now would be (this one, or a new
+        one replacing it)."""
+        key = (preload, *_start_key())
+        with self.lock:
+            if self.server is None or key != self.key:
+                if self.server is not None:
+                    self.server._stop()  # type: ignore[attr-defined]  # ours; its ranks were all ended
+                self.server, self.key = forkserver.ForkServer(), key
+                self.server.set_forkserver_preload(list(preload))
+                with _short_socket_folder():
+                    self.server.ensure_running()
+            return self.server
+
+
+_SERVERS = _Servers()
+
+
+def _start_key() -> tuple[object, ...]:
+    environ = tuple(sorted((k, v) for k, v in os.environ.items() if k not in _PER_TEST))
+    return spawn.get_executable(), environ, tuple(sys.path), os.getcwd()
+
+
+@contextlib.contextmanager
+def _short_socket_folder() -> Iterator[None]:
+    """multiprocessing binds the server's socket in its temporary folder (under TMPDIR); where that path is
+    too long for a socket's address, in a private folder of the system's own temporary folder instead."""
+    if len(util.get_temp_dir()) <= _SOCKET_FOLDER_MAX:
+        yield
+        return
+    config = process.current_process()._config  # type: ignore[attr-defined]  # get_temp_dir's
+    folder, kept = tempfile.mkdtemp(prefix="gpumem-", dir="/tmp"), config["tempdir"]
+    util.Finalize(None, shutil.rmtree, args=(folder, True), exitpriority=-100)
+    config["tempdir"] = folder
+    try:
+        yield
+    finally:
+        config["tempdir"] = kept
+
+
+class _Popen(popen_forkserver.Popen):
+    """`popen_forkserver.Popen` forking from our server (not multiprocessing's shared one, which a user may
+    preload as they like), handing the rank the parent's current stdout and stderr."""
+
+    def _launch(self, process_obj: Any) -> None:
+        server = _SERVERS.current(process_obj.preload)
+        for fd in _STREAMS:
+            self.duplicate_for_child(fd)
+        prep_data = spawn.get_preparation_data(process_obj._name)
+        buf = io.BytesIO()
+        context.set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            context.set_spawning_popen(None)
+        self.sentinel, w = server.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
+        parent_w = os.dup(w)  # the rank's sentinel of this process, as in popen_forkserver
+        self.finalizer = util.Finalize(
+            self,
+            util.close_fds,  # type: ignore[attr-defined]
+            (parent_w, self.sentinel),
+        )
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class RankProcess(context.ForkServerProcess):
+    """A rank's process: forked from a server with `preload` imported, then given the environment the
+    parent has now."""
+
+    def __init__(self, *args: Any, preload: tuple[str, ...], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.preload, self.environ = preload, dict(os.environ)
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> _Popen:
+        return _Popen(process_obj)
+
+    def run(self) -> None:
+        _take_streams(forkserver.get_inherited_fds() or [])
+        _take_environ(self.environ)
+        super().run()
+
+
+def _take_streams(inherited: list[int]) -> None:
+    """The parent's stdout and stderr, sent first among the descriptors, replace the server's."""
+    for fd, parents in zip(_STREAMS, inherited, strict=False):
+        os.dup2(parents, fd)
+        os.close(parents)
+
+
+def _take_environ(environ: Mapping[str, str]) -> None:
+    for name in set(os.environ) - set(environ):
+        del os.environ[name]
+    os.environ.update(environ)
