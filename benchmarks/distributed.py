@@ -1,8 +1,9 @@
 """Measured worlds: what starting one costs, and per-rank peaks of the reference distributed strategies
 against their hand derivation (reference_losses/distributed.py; exact on the tracker).
 
-Start-up: `gpumem.distributed(noop, N)` end to end (spawn N processes, import torch, form the gloo group
-through a FileStore, run nothing, send the phases back, exit), median of `--repeat` runs.
+Start-up: `gpumem.distributed(noop, N)` end to end (start N processes, forked from a server that imported
+torch once, form the gloo group through a FileStore, run nothing, send the phases back, exit), median of
+`--repeat` runs; the first world of the process also starts the server.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from typing import Any
 import benchlib
 
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
+from pytest_gpumem.distributed.world import Worlds
 from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.measure.meter import GpuMem
 from reference_losses.distributed import PHASES, STRATEGIES, expected, run_strategies, sizes
 
 WORLD_SIZES = (2, 4)
+DIST_TIMEOUT = 120.0  # seconds, the option's default
 
 
 def noop(rank: int, world_size: int, meter: GpuMem) -> None:
@@ -27,7 +30,7 @@ def noop(rank: int, world_size: int, meter: GpuMem) -> None:
 
 def measured(fn: Any, world_size: int, args: tuple[Any, ...] = ()) -> tuple[float, GpuMem]:
     """Seconds for one measured world, and the meter holding its phases."""
-    measured = Measurement(TrackerBackend(), f"benchmark {world_size} ranks")
+    measured = Measurement(TrackerBackend(), f"benchmark {world_size} ranks", Worlds(DIST_TIMEOUT))
     meter = GpuMem(measured)
     measured.begin()
     try:
