@@ -745,7 +745,7 @@ def test_every_rank_takes_the_cublas_workspace_of_the_card_the_parent_predicts(
 ) -> None:
     from pytest_gpumem.backends.tracker.backend import TrackerBackend
     from pytest_gpumem.distributed import world
-    from pytest_gpumem.distributed.worker import _backend
+    from pytest_gpumem.distributed.worker import rank_backend
     from pytest_gpumem.results.ranks import RankSpec
 
     given: list[RankSpec] = []
@@ -759,8 +759,8 @@ def test_every_rank_takes_the_cublas_workspace_of_the_card_the_parent_predicts(
     parent.predict_card("H100-80GB")  # compute capability 9.0: 32 MiB workspaces
     world.Worlds().run(Measurement(parent, "t.py::test_a"), print, 2)  # picklable, never run
     assert given[0].cublas_workspace == parent.workspace_bytes == 4096 * 8 * 1024
-    assert _backend(0, given[0]).workspace_bytes == 4096 * 8 * 1024  # type: ignore[attr-defined]
-    assert _backend(0, replace(given[0], cublas_workspace=None)).workspace_bytes == 8 * 2**20 + 128 * 1024  # type: ignore[attr-defined]
+    assert rank_backend(0, given[0]).workspace_bytes == 4096 * 8 * 1024  # type: ignore[attr-defined]
+    assert rank_backend(0, replace(given[0], cublas_workspace=None)).workspace_bytes == 8 * 2**20 + 128 * 1024  # type: ignore[attr-defined]
 
 
 DDP_BUCKETS = """

@@ -351,6 +351,6 @@ def test_a_leak_made_inside_an_installed_package_names_the_tests_own_line(pytest
 def test_a_code_file_is_the_users_own_an_installed_packages_or_neither(
     path: str, shown: tuple[bool, str] | None
 ) -> None:
-    from pytest_gpumem.backends.tracker.recording import _shown
+    from pytest_gpumem.backends.tracker.recording import code_file_shown
 
-    assert _shown(path) == shown
+    assert code_file_shown(path) == shown

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import pytest_gpumem
-from pytest_gpumem.distributed.worker import _sendable, json_problem
+from pytest_gpumem.distributed.worker import json_problem, sendable_info
 
 # One run serves both hook tests: the recording hook sees test_verdicts.py, the breaking one test_broken.py
 RECORDING_HOOK = """
@@ -276,13 +276,13 @@ def test_a_value_that_holds_itself_or_nests_too_deep_is_named() -> None:
 
 def test_a_rank_names_what_of_its_info_cannot_reach_the_parent() -> None:
     with pytest.raises(TypeError) as caught:
-        _sendable({"loss": math.nan, "held": {"lock": [threading.Lock()]}})
+        sendable_info({"loss": math.nan, "held": {"lock": [threading.Lock()]}})
     assert str(caught.value) == (
         "gpumem.info['held']['lock'][0] is a lock, which JSON cannot hold, so the rank cannot send it to the parent"
     )
     with pytest.raises(TypeError, match=r"^gpumem.info was set to a list, not a dict, on a rank$"):
-        _sendable([1])
-    sent = _sendable({"loss": math.nan})  # NaN travels to the parent as before (json.dumps writes NaN)
+        sendable_info([1])
+    sent = sendable_info({"loss": math.nan})  # NaN travels to the parent as before (json.dumps writes NaN)
     assert math.isnan(sent["loss"])
 
 

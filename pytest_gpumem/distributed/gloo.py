@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
 
-GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives each of gloo's worker threads
-GLOO_IDLE_LIMIT = 5.0  # seconds a phase boundary waits for gloo's worker threads to go idle
+_GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives each of gloo's worker threads
+_GLOO_IDLE_LIMIT = 5.0  # seconds a phase boundary waits for gloo's worker threads to go idle
 _QUIET = 0.001  # seconds a worker thread must not run, the GIL free, to count as idle
 
 
@@ -26,7 +26,7 @@ def _gloo_workers() -> dict[str, tuple[str, str]]:
             task = f"/proc/self/task/{tid}"
             with contextlib.suppress(OSError, IndexError):
                 with open(f"{task}/comm") as comm:
-                    if comm.read().strip() != GLOO_WORKER:
+                    if comm.read().strip() != _GLOO_WORKER:
                         continue
                 with open(f"{task}/stat") as stat:
                     state = stat.read().rpartition(")")[2].split()[0]
@@ -36,7 +36,7 @@ def _gloo_workers() -> dict[str, tuple[str, str]]:
     return found
 
 
-def wait_for_gloo_idle(limit: float = GLOO_IDLE_LIMIT) -> bool:
+def wait_for_gloo_idle(limit: float = _GLOO_IDLE_LIMIT) -> bool:
     """Wait until gloo's worker threads are idle: none is running, and none ran while this thread slept
     without the GIL. A worker lets go of a finished collective's tensors (the last reference to an
     all-gather or broadcast buffer, often) after the collective has completed, at a moment its thread's
@@ -56,15 +56,15 @@ def wait_for_gloo_idle(limit: float = GLOO_IDLE_LIMIT) -> bool:
         before = now
 
 
-GLOO_WAITED_CALLS = ("_broadcast_coalesced", "_verify_params_across_processes")
+_GLOO_WAITED_CALLS = ("_broadcast_coalesced", "_verify_params_across_processes")
 """torch.distributed's calls that drop their own buffers as they return (DDP's `init_sync` broadcast and
 its check of the parameters' shapes), while gloo's worker may still hold them."""
 
 
 def wait_for_gloo_after_calls(dist: Any) -> None:
-    """Each of `GLOO_WAITED_CALLS` waits for gloo's worker before returning: its buffers are then gone before
+    """Each of `_GLOO_WAITED_CALLS` waits for gloo's worker before returning: its buffers are then gone before
     the caller's next allocation (in DDP, the reducer's gradient buckets), whatever the threads' scheduling."""
-    for name in GLOO_WAITED_CALLS:
+    for name in _GLOO_WAITED_CALLS:
         call = getattr(dist, name, None)
         if callable(call):
             setattr(dist, name, _waiting_for_gloo(call))
@@ -96,6 +96,6 @@ class SettledBoundaries:
         if not self.busy:
             return []
         return [
-            f"gloo's worker threads were still busy {GLOO_IDLE_LIMIT:g} s after {self.busy} phase boundaries: when "
+            f"gloo's worker threads were still busy {_GLOO_IDLE_LIMIT:g} s after {self.busy} phase boundaries: when "
             "they let go of a collective's buffers varies, and so may this rank's figures"
         ]

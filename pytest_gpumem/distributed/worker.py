@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
     from pytest_gpumem.distributed.messages import Wire
 
-IN_RANK = "GPUMEM_RANK_OF"  # set in a rank's environment (to the test's node id): ranks start no ranks
-NOT_SHARED = (
+_IN_RANK = "GPUMEM_RANK_OF"  # set in a rank's environment (to the test's node id): ranks start no ranks
+_NOT_SHARED = (
     "ranks import only the test module; conftest.py, fixtures, module globals and torch settings made in the "
     "parent do not reach them"
 )
@@ -40,7 +40,7 @@ def run_rank(rank: int, spec: RankSpec, queue: Queue[Wire]) -> None:
         queue.put(done(_run(rank, spec, queue)).to_wire())
         _leave_together()
     except BaseException as exc:
-        line = describe(exc) + (f" ({NOT_SHARED})" if isinstance(exc, _MISSING) else "")
+        line = describe(exc) + (f" ({_NOT_SHARED})" if isinstance(exc, _MISSING) else "")
         queue.put(Message(Kind.ERROR, rank, line).to_wire())
     finally:
         queue.close()
@@ -75,7 +75,7 @@ def _run(rank: int, spec: RankSpec, queue: Queue[Wire]) -> RankResult:
 
     _follow_torchrun(rank, spec.world_size, spec.nodeid)
     fn, args = _load(spec.payload)
-    backend = _backend(rank, spec)
+    backend = rank_backend(rank, spec)
     queue.put(Message(Kind.LOADED, rank).to_wire())
     dist.init_process_group(
         spec.process_group,
@@ -94,7 +94,7 @@ def _follow_torchrun(rank: int, world_size: int, nodeid: str) -> None:
     """The environment torchrun gives a rank, and its one thread per rank unless OMP_NUM_THREADS says."""
     import torch
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), **{IN_RANK: nodeid})
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), **{_IN_RANK: nodeid})
     os.environ.update(LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0")
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
@@ -104,12 +104,12 @@ def _load(payload: bytes) -> tuple[Any, tuple[Any, ...]]:
     try:
         fn, args = pickle.loads(payload)
     except Exception as exc:
-        hint = f" ({NOT_SHARED})" if isinstance(exc, _MISSING) else ""
+        hint = f" ({_NOT_SHARED})" if isinstance(exc, _MISSING) else ""
         raise RuntimeError(f"cannot load the function to run: {describe(exc)}{hint}") from None
     return fn, tuple(args)
 
 
-def _backend(rank: int, spec: RankSpec) -> Backend:
+def rank_backend(rank: int, spec: RankSpec) -> Backend:
     """This rank's backend, of the parent's kind: the tracker alike, or CUDA on device `rank`."""
     if spec.meter_kind == "cuda":
         import torch
@@ -157,10 +157,10 @@ def _measured(rank: int, spec: RankSpec, backend: Backend, fn: Any, args: tuple[
         measured.end_if_running()
     notes = [*record.notes, *boundaries.notes()]
     phases = dict(record.phases)
-    return RankResult(rank, record.call, phases, value, _sendable(record.info), notes, record.explanation)
+    return RankResult(rank, record.call, phases, value, sendable_info(record.info), notes, record.explanation)
 
 
-def _sendable(info: object) -> dict[str, Any]:
+def sendable_info(info: object) -> dict[str, Any]:
     """The rank's `gpumem.info`, which travels to the parent as JSON; a TypeError in one line naming what
     in it cannot (not the encoder's words, which name no key)."""
     if not isinstance(info, dict):

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.measure.measurement import Measurement
     from pytest_gpumem.results.explanation import RanksExplanation
 
-MAX_WORLD = 64
+_MAX_WORLD = 64
 """The most ranks started (each is a process that imports torch); `simulate` estimates larger worlds."""
 
 _GROUP_MARGIN = 60.0  # seconds the group's own timeout is past the parent's limits
@@ -131,9 +131,9 @@ def check_call(fn: object, world_size: object, timeout: object, name: object) ->
 
 def check_started(world_size: int) -> None:
     """Refusals that only concern started ranks (not simulated ones; a rank's own meter refuses any)."""
-    if world_size > MAX_WORLD:
+    if world_size > _MAX_WORLD:
         raise GpuMemError(
-            f"gpumem.distributed(world_size=...) starts at most {MAX_WORLD} ranks (each a process that imports "
+            f"gpumem.distributed(world_size=...) starts at most {_MAX_WORLD} ranks (each a process that imports "
             f"torch; gpumem.simulate_rank() estimates one rank of a larger world), got {world_size}"
         )
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+__all__ = ["WRITERS", "JsonReport", "MarkdownReport", "RunInfo", "Writer", "chosen"]
+
 if TYPE_CHECKING:
     from pytest_gpumem.results import TestResult
 

@@ -17,6 +17,8 @@ import pytest
 from pytest_gpumem.files import replace_atomically
 from pytest_gpumem.run.outputs import file_stem, shown_from, write_picture, write_trace
 
+__all__ = ["TEST_FILES", "PerTestFile", "Picture", "TorchSnapshot", "Trace", "chosen"]
+
 if TYPE_CHECKING:
     from pytest_gpumem.measure.measurement import Measurement
     from pytest_gpumem.measure.record import CallRecord

@@ -67,7 +67,7 @@ def user_line() -> str | None:
         try:
             shown = _SHOWN[path]
         except KeyError:
-            shown = _SHOWN[path] = _shown(path)
+            shown = _SHOWN[path] = code_file_shown(path)
         if shown is not None:
             own, name = shown
             if own:
@@ -78,7 +78,7 @@ def user_line() -> str | None:
     return None if library is None else sys.intern(library)
 
 
-def _shown(path: str) -> tuple[bool, str] | None:
+def code_file_shown(path: str) -> tuple[bool, str] | None:
     """Whether a code file is the user's own, and how it is shown; None for torch, this plugin, pytest."""
     if any(part in path or path.endswith(part.rstrip(os.sep)) for part in _NOT_USER_CODE):
         return None
