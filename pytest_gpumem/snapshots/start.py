@@ -24,13 +24,13 @@ from pytest_gpumem.backends.tracker.allocator_blocks import RestoredPiece, Resto
 from pytest_gpumem.backends.tracker.allocator_config import SMALL_BUFFER, MiB
 from pytest_gpumem.snapshots.read import Event, Snapshot
 
-__all__ = ["StartState", "may_have_wrapped", "restore", "start_state"]
+__all__ = ["LiveBlock", "StartSegment", "StartState", "may_have_wrapped", "restore", "start_state"]
 
 Run = tuple[int, int]  # (address, size) of mapped memory
 
 
 @dataclass(frozen=True)
-class _LiveBlock:
+class LiveBlock:
     """A request live when recording began: its address, requested bytes and stream."""
 
     address: int
@@ -39,7 +39,7 @@ class _LiveBlock:
 
 
 @dataclass(frozen=True)
-class _StartSegment:
+class StartSegment:
     """Memory the allocator held when recording began: one segment, or a mapped run of an expandable one."""
 
     address: int
@@ -53,8 +53,8 @@ class _StartSegment:
 class StartState:
     """The segments and live requests of one device when recording began."""
 
-    segments: tuple[_StartSegment, ...]
-    live: tuple[_LiveBlock, ...]
+    segments: tuple[StartSegment, ...]
+    live: tuple[LiveBlock, ...]
     caveats: tuple[str, ...] = field(default=())
 
     @property
@@ -83,9 +83,9 @@ def may_have_wrapped(count: int) -> bool:
 def start_state(snapshot: Snapshot, device: int = 0) -> StartState:
     """The state of `device` when its recording began."""
     trace = snapshot.trace(device)
-    plain: dict[int, _StartSegment] = {}
+    plain: dict[int, StartSegment] = {}
     runs: dict[tuple[bool, int], list[Run]] = {}
-    live: dict[int, _LiveBlock] = {}
+    live: dict[int, LiveBlock] = {}
     for s in snapshot.segments:
         if s.device != device:
             continue
@@ -93,10 +93,10 @@ def start_state(snapshot: Snapshot, device: int = 0) -> StartState:
         if s.is_expandable:
             runs.setdefault((small, s.stream), []).append((s.address, s.total_size))
         else:
-            plain[s.address] = _StartSegment(s.address, s.total_size, small, s.stream, False)
+            plain[s.address] = StartSegment(s.address, s.total_size, small, s.stream, False)
         for b in s.blocks:
             if b.state.startswith("active"):
-                live[b.address] = _LiveBlock(b.address, b.requested_size, s.stream)
+                live[b.address] = LiveBlock(b.address, b.requested_size, s.stream)
     conflicts = _walk_back(trace, plain, runs, live)
     caveats = []
     if may_have_wrapped(len(trace)):
@@ -108,16 +108,16 @@ def start_state(snapshot: Snapshot, device: int = 0) -> StartState:
     if oversize:
         caveats.append(f"{oversize} live blocks of max_split_size or more: an unsplit remainder over 1 MiB is missed")
     segments = [*plain.values()]
-    segments += [_StartSegment(a, n, small, stream, True) for (small, stream), rs in runs.items() for a, n in rs]
+    segments += [StartSegment(a, n, small, stream, True) for (small, stream), rs in runs.items() for a, n in rs]
     segments.sort(key=lambda s: s.address)
     return StartState(tuple(segments), tuple(sorted(live.values(), key=lambda b: b.address)), tuple(caveats))
 
 
 def _walk_back(
     trace: tuple[Event, ...],
-    plain: dict[int, _StartSegment],
+    plain: dict[int, StartSegment],
     runs: dict[tuple[bool, int], list[Run]],
-    live: dict[int, _LiveBlock],
+    live: dict[int, LiveBlock],
 ) -> int:
     """Undo every event of `trace`, last first; the number of events that did not fit the state."""
     conflicts = 0
@@ -127,11 +127,11 @@ def _walk_back(
             conflicts += live.pop(e.addr, None) is None
         elif action == "free_completed":
             conflicts += e.addr in live
-            live[e.addr] = _LiveBlock(e.addr, e.size, e.stream)
+            live[e.addr] = LiveBlock(e.addr, e.size, e.stream)
         elif action == "segment_alloc":
             conflicts += plain.pop(e.addr, None) is None
         elif action == "segment_free":
-            plain[e.addr] = _StartSegment(e.addr, e.size, e.size == SMALL_BUFFER, e.stream, False)
+            plain[e.addr] = StartSegment(e.addr, e.size, e.size == SMALL_BUFFER, e.stream, False)
         elif action in ("segment_map", "segment_unmap"):
             key = _run_key(runs, e)
             rest = [piece for run in runs.get(key, []) for piece in _without(run, (e.addr, e.size))]
@@ -176,7 +176,7 @@ def _merged(runs: list[Run]) -> list[Run]:
 def restore(model: CachingAllocatorModel, state: StartState) -> None:
     """Put `state` into a fresh `model`: its segments at their addresses, each live request under its address
     as key. Expandable runs of one pool and stream become one segment (unmapped between and after them)."""
-    expandable: dict[tuple[bool, int], list[_StartSegment]] = {}
+    expandable: dict[tuple[bool, int], list[StartSegment]] = {}
     for s in state.segments:
         if s.expandable:
             expandable.setdefault((s.small, s.stream), []).append(s)
@@ -186,14 +186,14 @@ def restore(model: CachingAllocatorModel, state: StartState) -> None:
         model.restore_segment(_expandable(model, small, stream, parts, state.live))
 
 
-def _inside(live: tuple[_LiveBlock, ...], address: int, size: int) -> list[_LiveBlock]:
+def _inside(live: tuple[LiveBlock, ...], address: int, size: int) -> list[LiveBlock]:
     """The live blocks (sorted by address) within [address, address + size)."""
     first = bisect_left(live, address, key=lambda b: b.address)
     last = bisect_left(live, address + size, key=lambda b: b.address)
     return list(live[first:last])
 
 
-def _plain(model: CachingAllocatorModel, s: _StartSegment, blocks: list[_LiveBlock]) -> RestoredSegment:
+def _plain(model: CachingAllocatorModel, s: StartSegment, blocks: list[LiveBlock]) -> RestoredSegment:
     pieces: list[RestoredPiece] = []
     end = s.address + s.size
     for i, b in enumerate(blocks):
@@ -215,7 +215,7 @@ def _gap(pieces: list[RestoredPiece], upto: int, base: int, mapped: bool = True)
 
 
 def _expandable(
-    model: CachingAllocatorModel, small: bool, stream: int, parts: list[_StartSegment], live: tuple[_LiveBlock, ...]
+    model: CachingAllocatorModel, small: bool, stream: int, parts: list[StartSegment], live: tuple[LiveBlock, ...]
 ) -> RestoredSegment:
     page = SMALL_BUFFER if small else model.settings.large_segment_size
     base = parts[0].address
