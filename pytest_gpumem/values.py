@@ -132,9 +132,13 @@ leak = _keyword_limit("leak", "--gpumem-leak")
 
 
 def file_to_write(path: Path) -> Path:
-    if path.is_dir():
+    try:
+        is_folder, folder_exists = path.is_dir(), path.parent.is_dir()
+    except OSError as exc:  # a name too long for the file system, say
+        raise argparse.ArgumentTypeError(f"cannot write a file there: {exc.strerror or exc}") from None
+    if is_folder:
         raise argparse.ArgumentTypeError(f"{path} is a folder, not a file")
-    if not path.parent.is_dir():
+    if not folder_exists:
         raise argparse.ArgumentTypeError(f"folder {path.parent} does not exist")
     return path
 

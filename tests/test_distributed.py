@@ -39,6 +39,7 @@ import pytest, torch
 import torch.distributed as dist
 
 PIDS = Path(__file__).with_name("pids")
+IMPORTED_IN = os.environ.get("PYTEST_CURRENT_TEST", "")  # in a rank: the parent's test, when it started it
 
 
 def _note(name, rank):
@@ -99,6 +100,17 @@ def test_not_picklable(gpumem):
     gpumem.distributed(lambda rank, world_size, meter: None)
 
 
+def kills_its_server(rank, world_size, meter):
+    _note("server", rank)
+    if rank == 1:
+        os.kill(os.getppid(), 9)  # ranks are forked from gpumem's server
+    time.sleep(600)
+
+
+def test_server_dies(gpumem):
+    gpumem.distributed(kills_its_server)
+
+
 def nothing(rank, world_size, meter):
     pass
 
@@ -142,12 +154,14 @@ def refused(call):
 
 def grows_and_starts_no_ranks(rank, world_size, meter):
     value = grow(rank, world_size, meter)
-    return value, refused(lambda: meter.distributed(nothing, 1)), refused(lambda: meter.simulate_rank(nothing, 2))
+    starts = refused(lambda: meter.distributed(nothing, 1)), refused(lambda: meter.simulate_rank(nothing, 2))
+    return value, *starts, IMPORTED_IN
 
 
 def test_runs_normally_after(gpumem, request):
     ranks = gpumem.distributed(grows_and_starts_no_ranks)
     assert [r.value[0] for r in ranks] == [0, 10]
+    assert all(r.value[3].endswith("::test_runs_normally_after (call)") for r in ranks)
     assert ranks[0].value[1].endswith(f"inside a rank of {request.node.nodeid}: ranks cannot start ranks")
     assert ranks[0].value[2].endswith("this process already has a process group; it cannot be simulated")
     assert [r.phases["forward"].peak_bytes for r in ranks] == [4000, 8000]
@@ -185,7 +199,7 @@ def test_faults_end_every_rank_and_fail_one_test_in_one_line(
     tracker.makepyfile(FAULTS)
     tracker.makeconftest(CONFTEST)
     result = tracker.runpytest("-v", "-p", "no:randomly", "--gpumem-json=out.json")
-    result.assert_outcomes(passed=2, failed=8)
+    result.assert_outcomes(passed=2, failed=9)
     result.stdout.fnmatch_lines(
         [
             "forward peak 8.0 kB on rank 1 exceeds max_memory forward=6 kB; forward peak made of inputs and other of "
@@ -199,6 +213,7 @@ def test_faults_end_every_rank_and_fail_one_test_in_one_line(
             "*::test_not_picklable: gpumem.distributed(): test_not_picklable.<locals>.<lambda> and its args must be "
             "picklable to reach the ranks (define the function at module level, not a lambda or a local function): "
             "AttributeError: Can't pickle local object *",
+            "*::test_server_dies: rank ? was killed before it finished: gpumem's fork server, which started it, died",
             "*::test_rank_never_starts: ranks 0, 1 did not start within 1 s (still loading the function and its "
             "module)",
             "*::test_rank_lacks_the_conftest_set_up: rank 0 failed: KeyError: 'lr' (ranks import only the test module; "
@@ -211,7 +226,7 @@ def test_faults_end_every_rank_and_fail_one_test_in_one_line(
     result.stdout.no_fnmatch_line("*INTERNALERROR*")
     result.stdout.no_fnmatch_line("*pytest_gpumem/distributed*.py:*")
     tests = reported()
-    assert [t["status"] for t in tests.values()] == ["OVER BUDGET", *["error"] * 5, "ok", "error", "error", "ok"]
+    assert [t["status"] for t in tests.values()] == ["OVER BUDGET", *["error"] * 6, "ok", "error", "error", "ok"]
     assert all("\n" not in str(t["message"]) for t in tests.values())
     over = tests["test_over_on_one_rank"]["phases"]
     assert over["forward"] == {**over["forward@rank1"], "rank": 1}
@@ -228,7 +243,8 @@ def test_faults_end_every_rank_and_fail_one_test_in_one_line(
     assert explained["call"]["rank"] == 1  # the worst rank's run is the call's peak
     assert tests["test_runs_normally_after"]["explanation"] is None
     pids = {p.name: int(p.read_text()) for p in (tracker.path / "pids").iterdir()}
-    assert {f"{name}-{rank}" for name in ("grow", "hangs", "exits") for rank in (0, 1)} <= set(pids)  # late: maybe
+    noted = ("grow", "hangs", "exits", "server")  # and "late", maybe
+    assert {f"{name}-{rank}" for name in noted for rank in (0, 1)} <= set(pids)
     assert not [pid for pid in pids.values() if _alive(pid)]
     assert not list(own_tmp.glob("gpumem-dist-*"))  # the rendezvous folders are gone
 

@@ -116,6 +116,7 @@ def test_a_report_asked_for_in_the_ini_with_nothing_measured(tracker: pytest.Pyt
     [
         (False, "nowhere/out.json", "ERROR: --gpumem-json=nowhere/out.json: folder */nowhere does not exist"),
         (True, "out", "ERROR: --gpumem-json=out: */out is a folder, not a file"),
+        (False, "a" * 300, "ERROR: --gpumem-json=aaa*: cannot write a file there: File name too long"),
     ],
 )
 def test_a_json_file_that_cannot_be_written_is_refused_before_the_run(

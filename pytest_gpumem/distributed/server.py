@@ -11,7 +11,10 @@ The parent's environment, standard output and standard error at the moment the r
 they would reach spawned ones: the server is replaced when the environment (other than the test's name in
 `PYTEST_CURRENT_TEST`), `sys.path` or the working directory differ from those it was started with (they
 can change how torch is imported), and each rank takes the parent's current stdout and stderr (pytest's
-capture of the test being run).
+capture of the test being run), both before anything of the test is imported in the rank.
+
+One thing differs from spawned ranks: forked from one server, the ranks share its seed of `str` hashes
+(spawned ones each draw their own unless `PYTHONHASHSEED` is set).
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ import contextlib
 import io
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from multiprocessing import context, forkserver, popen_forkserver, process, reduction, spawn, util
+from multiprocessing import connection, context, forkserver, popen_forkserver, process, reduction, spawn, util
 from typing import Any
 
 _RANK_CODE = ("pytest_gpumem.distributed.worker", "torch.multiprocessing", "torch.distributed")
@@ -43,26 +48,55 @@ _SOCKET_FOLDER_MAX = 80  # characters of the folder of the server's socket: its 
 
 
 class _Servers:
-    """The server the ranks are forked from now, and what it was started with."""
+    """The servers ranks are forked from, by what they were started with: the last few are kept running, so
+    that tests alternating between two environments do not restart one each time."""
+
+    KEPT = 2
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.server: forkserver.ForkServer | None = None
-        self.key: tuple[object, ...] = ()
+        self.servers: OrderedDict[tuple[object, ...], forkserver.ForkServer] = OrderedDict()
+        util.Finalize(self, self.stop_all, exitpriority=-50)
 
     def current(self, preload: tuple[str, ...]) -> forkserver.ForkServer:
-        """A server with `preload` imported, started like a rank spawned now would be (this one, or a new
-        one replacing it)."""
+        """A server with `preload` imported, started like a rank spawned now would be; one that died is
+        started again."""
         key = (preload, *_start_key())
         with self.lock:
-            if self.server is None or key != self.key:
-                if self.server is not None:
-                    self.server._stop()  # type: ignore[attr-defined]  # ours; its ranks were all ended
-                self.server, self.key = forkserver.ForkServer(), key
-                self.server.set_forkserver_preload(list(preload))
-                with _short_socket_folder():
-                    self.server.ensure_running()
-            return self.server
+            server = self.servers.pop(key, None) or _new_server(preload)
+            self.servers[key] = server
+            while len(self.servers) > self.KEPT:
+                _stop(self.servers.popitem(last=False)[1])
+            with _short_socket_folder():
+                server.ensure_running()
+            return server
+
+    def stop_all(self) -> None:
+        with self.lock:
+            while self.servers:
+                _stop(self.servers.popitem()[1])
+
+
+def _new_server(preload: tuple[str, ...]) -> forkserver.ForkServer:
+    server = forkserver.ForkServer()
+    server.set_forkserver_preload(list(preload))
+    return server
+
+
+def _stop(server: forkserver.ForkServer) -> None:
+    """Killed rather than asked to stop: a descendant of a rank may hold the pipe whose closing asks it."""
+    pid, address = server._forkserver_pid, server._forkserver_address  # type: ignore[attr-defined]
+    if pid is None:
+        return
+    os.close(server._forkserver_alive_fd)  # type: ignore[attr-defined]
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+    if not util.is_abstract_socket_namespace(address):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(address)
+    server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None  # type: ignore[attr-defined]
 
 
 _SERVERS = _Servers()
@@ -92,13 +126,15 @@ def _short_socket_folder() -> Iterator[None]:
 
 class _Popen(popen_forkserver.Popen):
     """`popen_forkserver.Popen` forking from our server (not multiprocessing's shared one, which a user may
-    preload as they like), handing the rank the parent's current stdout and stderr."""
+    preload as they like), handing the rank the parent's current stdout, stderr and environment."""
+
+    server_died = False
 
     def _launch(self, process_obj: Any) -> None:
         server = _SERVERS.current(process_obj.preload)
         for fd in _STREAMS:
             self.duplicate_for_child(fd)
-        prep_data = spawn.get_preparation_data(process_obj._name)
+        prep_data = {**spawn.get_preparation_data(process_obj._name), "gpumem": _Arrival(dict(os.environ))}
         buf = io.BytesIO()
         context.set_spawning_popen(self)
         try:
@@ -117,23 +153,54 @@ class _Popen(popen_forkserver.Popen):
             f.write(buf.getbuffer())
         self.pid = forkserver.read_signed(self.sentinel)
 
+    def poll(self, flag: int = os.WNOHANG) -> int | None:
+        """As `popen_forkserver`'s, except that a rank whose server died (which reports every exit) is
+        killed, not taken for one that exited with code 255 while it may still run."""
+        if self.returncode is not None or not connection.wait([self.sentinel], 0 if flag == os.WNOHANG else None):
+            return self.returncode
+        try:
+            self.returncode = forkserver.read_signed(self.sentinel)
+        except (OSError, EOFError):
+            self.server_died = True
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            self.returncode = -signal.SIGKILL
+        return self.returncode
+
+
+class _Arrival:
+    """Read by the rank with its preparation data, before the test's module and the rank's function: it
+    takes the parent's streams and environment then."""
+
+    def __init__(self, environ: dict[str, str]) -> None:
+        self.environ = environ
+
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, str]]]:
+        return _arrive, (self.environ,)
+
+
+def _arrive(environ: Mapping[str, str]) -> None:
+    _take_streams(forkserver.get_inherited_fds() or [])
+    _take_environ(environ)
+
 
 class RankProcess(context.ForkServerProcess):
-    """A rank's process: forked from a server with `preload` imported, then given the environment the
-    parent has now."""
+    """A rank's process: forked from a server with `preload` imported, then given the parent's streams and
+    environment."""
 
     def __init__(self, *args: Any, preload: tuple[str, ...], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.preload, self.environ = preload, dict(os.environ)
+        self.preload = preload
 
     @staticmethod
     def _Popen(process_obj: Any) -> _Popen:
         return _Popen(process_obj)
 
-    def run(self) -> None:
-        _take_streams(forkserver.get_inherited_fds() or [])
-        _take_environ(self.environ)
-        super().run()
+    @property
+    def lost_its_server(self) -> bool:
+        """Whether the server it was forked from died while it ran (it was killed then)."""
+        popen = self._popen  # type: ignore[attr-defined]
+        return isinstance(popen, _Popen) and popen.server_died
 
 
 def _take_streams(inherited: list[int]) -> None:

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
     from multiprocessing.queues import Queue
 
+    from pytest_gpumem.distributed.server import RankProcess
+
 DEFAULT_TIMEOUT = DEFAULT_DIST_TIMEOUT
 """Seconds the ranks may run the function, once all have joined the process group."""
 
@@ -150,7 +152,7 @@ class _Waiter:
 
     def __init__(
         self,
-        processes: Sequence[BaseProcess],
+        processes: Sequence[RankProcess],
         messages: Queue[Wire],
         limit: float,
         join: float,
@@ -198,7 +200,7 @@ class _Waiter:
         time.sleep(_DEATH_NOTICE)
         for rank, process in enumerate(self.processes):
             if rank not in self.progress.done and process.exitcode not in (None, 0):
-                raise DistributedError(f"rank {rank} {_exit_text(process.exitcode)} before it finished", rank)
+                raise DistributedError(_ended(rank, process), rank)
 
     def _check_alive(self) -> None:
         for rank, process in enumerate(self.processes):
@@ -208,18 +210,22 @@ class _Waiter:
             if message is not None:
                 self._take(message)
                 return
-            raise DistributedError(f"rank {rank} {_exit_text(process.exitcode)} before it finished", rank)
+            raise DistributedError(_ended(rank, process), rank)
 
 
 def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
-def _exit_text(code: int) -> str:
+def _ended(rank: int, process: RankProcess) -> str:
+    code = process.exitcode
+    assert code is not None
+    if process.lost_its_server:
+        return f"rank {rank} was killed before it finished: gpumem's fork server, which started it, died"
     if code >= 0:
-        return f"exited with code {code}"
+        return f"rank {rank} exited with code {code} before it finished"
     import signal
 
     with contextlib.suppress(ValueError):
-        return f"was killed by {signal.Signals(-code).name}"
-    return f"was killed by signal {-code}"
+        return f"rank {rank} was killed by {signal.Signals(-code).name} before it finished"
+    return f"rank {rank} was killed by signal {-code} before it finished"
