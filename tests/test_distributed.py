@@ -370,7 +370,8 @@ def test_{name}(gpumem):
 def test_two_xdist_workers_start_worlds_at_once(tracker: pytest.Pytester, reported: Reported) -> None:
     pytest.importorskip("xdist")
     tracker.makepyfile(test_a=XDIST.format(name="a", n=1000), test_b=XDIST.format(name="b", n=3000))
-    result = tracker.runpytest_subprocess("-n", "2", "--gpumem-json=out.json")
+    unplugged = ("-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:hypothesispytest")
+    result = tracker.runpytest_subprocess(*unplugged, "-n", "2", "--gpumem-json=out.json")
     result.assert_outcomes(passed=2)
     tests = reported()
     assert {k: t["phases"]["made"]["peak_bytes"] for k, t in tests.items()} == {"test_a": 8000, "test_b": 24000}
