@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import threading
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -247,6 +250,40 @@ def test_faults_end_every_rank_and_fail_one_test_in_one_line(
     assert {f"{name}-{rank}" for name in noted for rank in (0, 1)} <= set(pids)
     assert not [pid for pid in pids.values() if _alive(pid)]
     assert not list(own_tmp.glob("gpumem-dist-*"))  # the rendezvous folders are gone
+
+
+SLEEPING = """
+import os, time
+from pathlib import Path
+
+
+def sleeps(rank, world_size, meter):
+    Path(f"rank{rank}.pids").write_text(f"{os.getpid()} {os.getppid()}")  # the rank and its server
+    time.sleep(600)
+
+
+def test_sleeps(gpumem):
+    gpumem.distributed(sleeps, 2)
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_run_leaves_no_rank_and_no_server_behind(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(SLEEPING)
+    unplugged = ("-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:hypothesispytest")
+    run = tracker.popen([sys.executable, "-m", "pytest", *unplugged], stdout=subprocess.DEVNULL)
+    noted = [tracker.path / f"rank{rank}.pids" for rank in (0, 1)]
+    deadline = time.monotonic() + 120
+    while not all(path.exists() and path.read_text() for path in noted) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    run.terminate()
+    run.wait()
+    pids = {int(pid) for path in noted for pid in path.read_text().split()}
+    assert len(pids) == 3  # two ranks, one server
+    deadline = time.monotonic() + 10
+    while [pid for pid in pids if _alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in pids if _alive(pid)]
 
 
 PER_RANK = """

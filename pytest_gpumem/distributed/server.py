@@ -8,10 +8,14 @@ module as the parent has them now). So a rank starts from the state a spawned ra
 parent's own state (its `conftest.py`, fixtures, patched globals, torch settings), in milliseconds.
 
 The parent's environment, standard output and standard error at the moment the ranks start reach them as
-they would reach spawned ones: the server is replaced when the environment (other than the test's name in
-`PYTEST_CURRENT_TEST`), `sys.path` or the working directory differ from those it was started with (they
-can change how torch is imported), and each rank takes the parent's current stdout and stderr (pytest's
+they would reach spawned ones: ranks fork from a server started with the same environment (but the test's
+name in `PYTEST_CURRENT_TEST`), `sys.path` and working directory, which can change how torch is imported
+(the last two servers are kept running), and each rank takes the parent's current stdout and stderr (pytest's
 capture of the test being run), both before anything of the test is imported in the rank.
+
+Nothing outlives the parent: a rank lets go of the pipe by which the server sees the parent alive, so the
+server exits when the parent does, even when killed, and on Linux a rank is killed when its server dies.
+The parent kills a server it replaces or leaves at exit, and a rank whose server died.
 
 One thing differs from spawned ranks: forked from one server, the ranks share its seed of `str` hashes
 (spawned ones each draw their own unless `PYTHONHASHSEED` is set).
@@ -20,6 +24,7 @@ One thing differs from spawned ranks: forked from one server, the ranks share it
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import os
 import shutil
@@ -44,6 +49,7 @@ def preloaded(meter_kind: str) -> tuple[str, ...]:
 
 _PER_TEST = frozenset({"PYTEST_CURRENT_TEST"})  # set by pytest for every test; given to each rank instead
 _STREAMS = (1, 2)  # the parent's stdout and stderr, the first descriptors a rank inherits
+_PR_SET_PDEATHSIG = 1  # prctl's option (linux/prctl.h)
 _SOCKET_FOLDER_MAX = 80  # characters of the folder of the server's socket: its path fits 107 (AF_UNIX)
 
 
@@ -58,18 +64,18 @@ class _Servers:
         self.servers: OrderedDict[tuple[object, ...], forkserver.ForkServer] = OrderedDict()
         util.Finalize(self, self.stop_all, exitpriority=-50)
 
-    def current(self, preload: tuple[str, ...]) -> forkserver.ForkServer:
-        """A server with `preload` imported, started like a rank spawned now would be; one that died is
-        started again."""
+    def connect(self, preload: tuple[str, ...], fds: list[int]) -> tuple[int, int]:
+        """`ForkServer.connect_to_new_process` on a server with `preload` imported, started like a rank
+        spawned now would be (one that died is started again), under the lock: no other thread stops it
+        meanwhile."""
         key = (preload, *_start_key())
         with self.lock:
             server = self.servers.pop(key, None) or _new_server(preload)
             self.servers[key] = server
             while len(self.servers) > self.KEPT:
                 _stop(self.servers.popitem(last=False)[1])
-            with _short_socket_folder():
-                server.ensure_running()
-            return server
+            _ensure_running(server)
+            return server.connect_to_new_process(fds)
 
     def stop_all(self) -> None:
         with self.lock:
@@ -83,16 +89,33 @@ def _new_server(preload: tuple[str, ...]) -> forkserver.ForkServer:
     return server
 
 
+def _ensure_running(server: forkserver.ForkServer) -> None:
+    """Started, in a socket folder short enough, where it never ran or died."""
+    pid = server._forkserver_pid  # type: ignore[attr-defined]
+    if pid is not None and os.waitpid(pid, os.WNOHANG)[0] == 0:
+        return
+    if pid is not None:
+        _forget(server)
+    with _short_socket_folder():
+        server.ensure_running()
+
+
 def _stop(server: forkserver.ForkServer) -> None:
     """Killed rather than asked to stop: a descendant of a rank may hold the pipe whose closing asks it."""
-    pid, address = server._forkserver_pid, server._forkserver_address  # type: ignore[attr-defined]
+    pid = server._forkserver_pid  # type: ignore[attr-defined]
     if pid is None:
         return
-    os.close(server._forkserver_alive_fd)  # type: ignore[attr-defined]
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, 0)
+    _forget(server)
+
+
+def _forget(server: forkserver.ForkServer) -> None:
+    """Its pipe closed and its socket gone, once its process was reaped."""
+    os.close(server._forkserver_alive_fd)  # type: ignore[attr-defined]
+    address = server._forkserver_address  # type: ignore[attr-defined]
     if not util.is_abstract_socket_namespace(address):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(address)
@@ -131,7 +154,6 @@ class _Popen(popen_forkserver.Popen):
     server_died = False
 
     def _launch(self, process_obj: Any) -> None:
-        server = _SERVERS.current(process_obj.preload)
         for fd in _STREAMS:
             self.duplicate_for_child(fd)
         prep_data = {**spawn.get_preparation_data(process_obj._name), "gpumem": _Arrival(dict(os.environ))}
@@ -142,16 +164,14 @@ class _Popen(popen_forkserver.Popen):
             reduction.dump(process_obj, buf)
         finally:
             context.set_spawning_popen(None)
-        self.sentinel, w = server.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
+        self.sentinel, w = _SERVERS.connect(process_obj.preload, self._fds)  # type: ignore[attr-defined]
         parent_w = os.dup(w)  # the rank's sentinel of this process, as in popen_forkserver
-        self.finalizer = util.Finalize(
-            self,
-            util.close_fds,  # type: ignore[attr-defined]
-            (parent_w, self.sentinel),
-        )
         with open(w, "wb", closefd=True) as f:
             f.write(buf.getbuffer())
         self.pid = forkserver.read_signed(self.sentinel)
+        self.pidfd = _pidfd(self.pid)
+        kept = (parent_w, self.sentinel) if self.pidfd is None else (parent_w, self.sentinel, self.pidfd)
+        self.finalizer = util.Finalize(self, util.close_fds, kept)  # type: ignore[attr-defined]
 
     def poll(self, flag: int = os.WNOHANG) -> int | None:
         """As `popen_forkserver`'s, except that a rank whose server died (which reports every exit) is
@@ -163,7 +183,10 @@ class _Popen(popen_forkserver.Popen):
         except (OSError, EOFError):
             self.server_died = True
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
+                if self.pidfd is None:
+                    os.kill(self.pid, signal.SIGKILL)
+                else:  # never another process that took the pid of a rank that exited meanwhile
+                    signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
             self.returncode = -signal.SIGKILL
         return self.returncode
 
@@ -182,6 +205,29 @@ class _Arrival:
 def _arrive(environ: Mapping[str, str]) -> None:
     _take_streams(forkserver.get_inherited_fds() or [])
     _take_environ(environ)
+    _tie_to_server()
+
+
+def _pidfd(pid: int) -> int | None:
+    """A descriptor of the rank's process (Linux), by which it is killed even after its pid was reused."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _tie_to_server() -> None:
+    """The rank lets go of the pipe by which the server sees the parent alive (so that the server exits with
+    the parent, whatever the rank and its children hold) and, on Linux, is killed when the server dies."""
+    server: Any = forkserver._forkserver
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+    with contextlib.suppress(OSError, AttributeError):
+        ppid = os.getppid()
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != ppid:  # the server died before the rank asked
+            os._exit(1)
 
 
 class RankProcess(context.ForkServerProcess):
