@@ -227,24 +227,37 @@ def pytree_leaves(tree: object) -> list[Any]:
 def eval_frame_setter() -> Callable[[Any], Any] | None:
     """Dynamo's `set_eval_frame`, to keep Dynamo out of a dispatch mode's frames more cheaply than the
     wrapper `TorchDispatchMode` otherwise adds (two Python frames per op); None where torch lacks it or
-    `skip_code` (see `hide_from_dynamo`)."""
+    what `hide_from_dynamo` needs. Both are Dynamo's C parts: importing `torch._dynamo` costs a second."""
     try:
         from torch._C._dynamo.eval_frame import set_eval_frame
-        from torch._dynamo.eval_frame import skip_code
     except ImportError:
         return None
-    if not callable(set_eval_frame) or not callable(skip_code):
+    if not callable(set_eval_frame) or _code_skipper() is None:
         return None
     setter: Callable[[Any], Any] = set_eval_frame
     return setter
 
 
+@functools.cache
+def _code_skipper() -> Callable[[Any], None] | None:
+    """What `torch._dynamo.eval_frame.skip_code` does: Dynamo runs a code object's frames as they are."""
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    except ImportError:
+        return None
+
+    def skip(code: Any) -> None:
+        set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
+
+    return skip
+
+
 def hide_from_dynamo(function: Any) -> None:
     """What `torch._disable_dynamo` gives a function, without its wrapper: Dynamo neither compiles its frame
-    (`skip_code`) nor inlines it when tracing a compiled function (the flag)."""
-    from torch._dynamo.eval_frame import skip_code
-
-    skip_code(function.__code__)
+    (the code's strategy) nor inlines it when tracing a compiled function (the flag)."""
+    skip = _code_skipper()
+    assert skip is not None, "hide_from_dynamo is called only where eval_frame_setter() is not None"
+    skip(function.__code__)
     function._torchdynamo_disable = True
 
 

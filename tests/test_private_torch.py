@@ -142,10 +142,18 @@ def _dynamo_wrapper_off() -> None:
 
 
 def _hide_from_dynamo() -> None:
-    def function() -> None:
-        return None
+    def function(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
 
+    def backend(graph: Any, inputs: Any) -> Any:
+        graphs.append(graph)
+        return graph.forward
+
+    graphs: list[Any] = []
+    torch.compile(lambda x: x * 2, backend=backend)(torch.ones(2))  # what the backend sees of a function
     pt.hide_from_dynamo(function)
+    assert torch.compile(function, backend=backend)(torch.ones(2)).tolist() == [2.0, 2.0]
+    assert len(graphs) == 1  # the hidden function ran uncompiled
     assert function._torchdynamo_disable is True  # type: ignore[attr-defined]
 
 
