@@ -271,6 +271,12 @@ class DynamoWrapperOff:
         return eval_frame_setter() is None
 
 
+DYNAMO = "torch._dynamo"
+"""Dynamo's package: the first call of anything torch wraps in `torch._disable_dynamo` (an optimizer's
+`add_param_group`, which its constructor calls) imports it, a second or more; a process that forks ranks
+imports it once for them."""
+
+
 def inductor_allocator_owner() -> tuple[Any, str]:
     """(the module holding Inductor's direct allocators, their name prefix): compiled programs allocate
     through `_empty_strided_cpu` and its kin, below any dispatch mode."""

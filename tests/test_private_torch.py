@@ -4,6 +4,7 @@ behaves as the package assumes: after a torch upgrade, a failure here names the 
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import warnings
 from collections.abc import Callable
@@ -139,6 +140,12 @@ def _dynamo_wrapper_off() -> None:
     ours = type("Ours", (pt.DynamoWrapperOff, pt.TorchDispatchMode), {"__torch_dispatch__": dispatch})
     assert plain.__dict__["__torch_dispatch__"] is not dispatch  # torch wraps it unless told not to
     assert ours.__dict__["__torch_dispatch__"] is dispatch
+
+
+def _dynamo() -> None:
+    added = torch.optim.Optimizer.add_param_group  # what an optimizer's constructor calls
+    assert added.__code__.co_filename.endswith("_compile.py")  # torch._disable_dynamo's wrapper
+    assert importlib.import_module(pt.DYNAMO).__name__ == pt.DYNAMO
 
 
 def _hide_from_dynamo() -> None:
@@ -331,6 +338,7 @@ CHECKS: dict[str, Callable[[], bool | None]] = {
     "pop_dispatch_mode": _pop_dispatch_mode,
     "pytree_leaves": lambda: pt.pytree_leaves({"a": (1, [2])}) == [1, 2],
     "eval_frame_setter": lambda: callable(pt.eval_frame_setter()),
+    "DYNAMO": _dynamo,
     "hide_from_dynamo": _hide_from_dynamo,
     "DynamoWrapperOff": _dynamo_wrapper_off,
     "inductor_allocator_owner": _inductor_allocator_owner,

@@ -37,9 +37,9 @@ from collections.abc import Iterator, Mapping
 from multiprocessing import connection, context, forkserver, popen_forkserver, process, reduction, spawn, util
 from typing import Any
 
-# torch._dynamo: the first call of anything torch wraps in `torch._disable_dynamo` (an optimizer's
-# constructor, DDP's) imports it, 1-4 s in each rank otherwise
-_RANK_CODE = ("pytest_gpumem.distributed.worker", "torch.multiprocessing", "torch.distributed", "torch._dynamo")
+from pytest_gpumem.private_torch import DYNAMO
+
+_RANK_CODE = ("pytest_gpumem.distributed.worker", "torch.multiprocessing", "torch.distributed", DYNAMO)
 _BACKENDS = {"cuda": "pytest_gpumem.backends.cuda", "tracker": "pytest_gpumem.backends.tracker.backend"}
 
 
