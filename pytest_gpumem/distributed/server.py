@@ -9,9 +9,10 @@ parent's own state (its `conftest.py`, fixtures, patched globals, torch settings
 
 The parent's environment, standard output and standard error at the moment the ranks start reach them as
 they would reach spawned ones: ranks fork from a server started with the same environment (but the test's
-name in `PYTEST_CURRENT_TEST`), `sys.path` and working directory, which can change how torch is imported
-(the last two servers are kept running), and each rank takes the parent's current stdout and stderr (pytest's
-capture of the test being run), both before anything of the test is imported in the rank.
+name in `PYTEST_CURRENT_TEST` and the home folder) where torch and the other preloaded packages are found
+in the same files now (the last two servers are kept running), and each rank takes the parent's current
+stdout and stderr (pytest's capture of the test being run), both before anything of the test is imported
+in the rank.
 
 Nothing outlives the parent: a rank lets go of the pipe by which the server sees the parent alive, so the
 server exits when the parent does, even when killed, and on Linux a rank is killed when its server dies.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.machinery
 import io
 import os
 import shutil
@@ -49,7 +51,8 @@ def preloaded(meter_kind: str) -> tuple[str, ...]:
     return (*_RANK_CODE, _BACKENDS[meter_kind])
 
 
-_PER_TEST = frozenset({"PYTEST_CURRENT_TEST"})  # set by pytest for every test; given to each rank instead
+# set for each test by pytest, pytester and tests that isolate a home folder; given to each rank instead
+_PER_TEST = frozenset({"PYTEST_CURRENT_TEST", "HOME", "USERPROFILE", "PYTEST_DEBUG_TEMPROOT"})
 _STREAMS = (1, 2)  # the parent's stdout and stderr, the first descriptors a rank inherits
 _PR_SET_PDEATHSIG = 1  # prctl's option (linux/prctl.h)
 _SOCKET_FOLDER_MAX = 80  # characters of the folder of the server's socket: its path fits 107 (AF_UNIX)
@@ -70,7 +73,7 @@ class _Servers:
         """`ForkServer.connect_to_new_process` on a server with `preload` imported, started like a rank
         spawned now would be (one that died is started again), under the lock: no other thread stops it
         meanwhile."""
-        key = (preload, *_start_key())
+        key = (preload, *_start_key(preload))
         with self.lock:
             server = self.servers.pop(key, None) or _new_server(preload)
             self.servers[key] = server
@@ -127,9 +130,14 @@ def _forget(server: forkserver.ForkServer) -> None:
 _SERVERS = _Servers()
 
 
-def _start_key() -> tuple[object, ...]:
+def _start_key(preload: tuple[str, ...]) -> tuple[object, ...]:
+    """What a server's imports depend on: the interpreter, the environment, and the files the preloaded
+    packages are found in now (not `sys.path` or the working directory as such: a test's folder in them
+    changes no import of the server's)."""
     environ = tuple(sorted((k, v) for k, v in os.environ.items() if k not in _PER_TEST))
-    return spawn.get_executable(), environ, tuple(sys.path), os.getcwd()
+    tops = sorted({name.partition(".")[0] for name in preload})
+    found = [importlib.machinery.PathFinder.find_spec(top, sys.path) for top in tops]
+    return spawn.get_executable(), environ, tuple(spec.origin if spec else None for spec in found)
 
 
 @contextlib.contextmanager
