@@ -218,14 +218,17 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def _ended(rank: int, process: RankProcess) -> str:
-    code = process.exitcode
-    assert code is not None
     if process.lost_its_server:
         return f"rank {rank} was killed before it finished: gpumem's fork server, which started it, died"
+    assert process.exitcode is not None
+    return f"rank {rank} {_exit_text(process.exitcode)} before it finished"
+
+
+def _exit_text(code: int) -> str:
     if code >= 0:
-        return f"rank {rank} exited with code {code} before it finished"
+        return f"exited with code {code}"
     import signal
 
     with contextlib.suppress(ValueError):
-        return f"rank {rank} was killed by {signal.Signals(-code).name} before it finished"
-    return f"rank {rank} was killed by signal {-code} before it finished"
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"was killed by signal {-code}"
