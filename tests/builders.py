@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     import torch
 
 BASELINES = "gpumem-baselines.json"
+UNPLUGGED = ("-p", "no:randomly", "-p", "no:cacheprovider", "-p", "no:hypothesispytest")
+"""Plugins an inner pytest process does without: each costs it seconds (hypothesis's most)."""
 
 
 def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:

@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from builders import Reported, phase_result
+from builders import UNPLUGGED, Reported, phase_result
 
 from pytest_gpumem.budget import budget_from_marker
 from pytest_gpumem.distributed.gloo import wait_for_gloo_idle
@@ -270,8 +270,7 @@ def test_sleeps(gpumem):
 @pytest.mark.slow
 def test_a_killed_run_leaves_no_rank_and_no_server_behind(tracker: pytest.Pytester) -> None:
     tracker.makepyfile(SLEEPING)
-    unplugged = ("-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:hypothesispytest")
-    run = tracker.popen([sys.executable, "-m", "pytest", *unplugged], stdout=subprocess.DEVNULL)
+    run = tracker.popen([sys.executable, "-m", "pytest", *UNPLUGGED], stdout=subprocess.DEVNULL)
     noted = [tracker.path / f"rank{rank}.pids" for rank in (0, 1)]
     deadline = time.monotonic() + 120
     while not all(path.exists() and path.read_text() for path in noted) and time.monotonic() < deadline:
@@ -407,8 +406,7 @@ def test_{name}(gpumem):
 def test_two_xdist_workers_start_worlds_at_once(tracker: pytest.Pytester, reported: Reported) -> None:
     pytest.importorskip("xdist")
     tracker.makepyfile(test_a=XDIST.format(name="a", n=1000), test_b=XDIST.format(name="b", n=3000))
-    unplugged = ("-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:hypothesispytest")
-    result = tracker.runpytest_subprocess(*unplugged, "-n", "2", "--gpumem-json=out.json")
+    result = tracker.runpytest_subprocess(*UNPLUGGED, "-n", "2", "--gpumem-json=out.json")
     result.assert_outcomes(passed=2)
     tests = reported()
     assert {k: t["phases"]["made"]["peak_bytes"] for k, t in tests.items()} == {"test_a": 8000, "test_b": 24000}

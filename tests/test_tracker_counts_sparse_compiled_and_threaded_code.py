@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 import torch.optim.optimizer as optimizer
-from builders import Reported
+from builders import UNPLUGGED, Reported
 
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 
@@ -288,8 +288,7 @@ def test_compiled_programs_are_measured_as_compiled(
     # a cold compile starts the compiler's worker threads inside the call: they are not the test's
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tracker.path / "inductor-cache"))
     # a subprocess: Inductor registers operator libraries on first import, once per process
-    unplugged = ("-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:hypothesispytest")  # seconds saved
-    result = tracker.runpytest_subprocess(*unplugged, "--gpumem-json=out.json")
+    result = tracker.runpytest_subprocess(*UNPLUGGED, "--gpumem-json=out.json")
     result.assert_outcomes(passed=4)
     assert [test["notes"] for test in reported().values()] == [[], [], [], []]
 

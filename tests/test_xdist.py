@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from builders import UNPLUGGED
 
 pytest.importorskip("xdist")
 
@@ -73,9 +74,8 @@ def _junit_properties(folder: Path) -> dict[str, dict[str, str]]:
     return {str(c.get("name")): {str(p.get("name")): str(p.get("value")) for p in c.iter("property")} for c in cases}
 
 
-# the outputs the tests read, copied to the shared folder; -p no:hypothesispytest saves each worker seconds
+# the outputs the tests read, copied to the shared folder
 OUTPUTS = ("junit.xml", "out.json", BASELINES)
-UNPLUGGED = ("-p", "no:randomly", "-p", "no:cacheprovider", "-p", "no:hypothesispytest")
 
 
 def _run_in_parallel(tracker: pytest.Pytester, folder: Path) -> dict[str, Any]:
