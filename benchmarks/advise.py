@@ -30,10 +30,10 @@ from benchlib import parser, show, write_json
 from meta_7b import Shape, build
 from torch import nn
 
+from cuda_allocator_model.sizes import format_size
 from pytest_gpumem.advise.run import advise
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.results.advice import Advice
-from pytest_gpumem.sizes import format_size
 
 
 class GPT2Block(nn.Module):

@@ -27,9 +27,9 @@ from benchlib import parser, show, write_json
 from meta_7b import Shape
 from meta_7b import build as build_decoder
 
+from cuda_allocator_model.cards import parse_capacity
 from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
-from pytest_gpumem.cards import parse_capacity
 from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.measure.meter import GpuMem
 

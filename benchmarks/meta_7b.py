@@ -28,12 +28,12 @@ import torch.nn.functional as F
 from benchlib import BF16, FP32, parser, show, write_json
 from torch import nn
 
+from cuda_allocator_model.cards import cublas_workspace_bytes
+from cuda_allocator_model.sizes import format_size
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
-from pytest_gpumem.cards import cublas_workspace_bytes
 from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.measure.meter import GpuMem
 from pytest_gpumem.results import PhaseResult
-from pytest_gpumem.sizes import format_size
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """How exactly the allocator's model replays real cards' memory traces: every snapshot in a folder read,
 its start walked back from the final segments, and its trace replayed with new segments at the card's
-addresses (pytest_gpumem.snapshots.agreement), per file and device:
+addresses (cuda_allocator_model.snapshots.agreement), per file and device:
 
     python benchmarks/replay_snapshots.py [DIR] [--json PATH] [--speed]
 
@@ -28,9 +28,9 @@ if str(ROOT) not in sys.path:  # run from a checkout where the package is not in
 
 import benchlib  # noqa: E402
 
-from pytest_gpumem.snapshots.agreement import Agreement, agree  # noqa: E402
-from pytest_gpumem.snapshots.read import read_snapshot, snapshot_from_bytes  # noqa: E402
-from pytest_gpumem.snapshots.write import RecordedModel, snapshot_of  # noqa: E402
+from cuda_allocator_model.snapshots.agreement import Agreement, agree  # noqa: E402
+from cuda_allocator_model.snapshots.read import read_snapshot, snapshot_from_bytes  # noqa: E402
+from pytest_gpumem.backends.tracker.torch_snapshot import RecordedModel, snapshot_of  # noqa: E402
 
 SNAPSHOTS = ROOT.parent / "shared" / "snapshots"
 HEADER = (

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout where the package is not installed
     sys.path.insert(0, str(ROOT))
 
-from pytest_gpumem.backends.tracker.allocator import (  # noqa: E402
+from cuda_allocator_model.model import (  # noqa: E402
     AllocatorOutOfMemory,
     AllocatorSettings,
     CachingAllocatorModel,

@@ -14,7 +14,7 @@ Without CUDA it exits 0 with a message, unless --allow-cpu substitutes the track
 (every figure then labelled "tracker (no CUDA)").
 
 On CUDA it also checks the cuBLAS workspaces as the tracker's model serves them: after torch's are cleared,
-a matmul adds its output and one workspace of the size `pytest_gpumem.cards.cublas_workspace_bytes` gives
+a matmul adds its output and one workspace of the size `cuda_allocator_model.cards.cublas_workspace_bytes` gives
 the device's compute capability (or CUBLAS_WORKSPACE_CONFIG), and a forward + backward leaves two (the
 thread's and the autograd engine's device thread's), on the device and in the tracker alike.
 """
@@ -97,7 +97,7 @@ def workspace_check(device: torch.device) -> dict[str, Any] | None:
     """The cuBLAS workspaces on the card and as the tracker predicts them (None without CUDA)."""
     if device.type != "cuda":
         return None
-    from pytest_gpumem.cards import cublas_workspace_bytes
+    from cuda_allocator_model.cards import cublas_workspace_bytes
 
     props = torch.cuda.get_device_properties(device)
     expected = cublas_workspace_bytes((props.major, props.minor), os.environ)

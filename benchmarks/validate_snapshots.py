@@ -1,6 +1,6 @@
 """How close a meta prediction comes to real cards: the workloads of ../shared/snapshots, rebuilt as our own
 code (benchmarks/workloads.py), predicted on the meta device by the tracker and its model of the caching
-allocator, against the figures the cards' traces give (pytest_gpumem.snapshots.replay).
+allocator, against the figures the cards' traces give (cuda_allocator_model.snapshots.replay).
 
     python benchmarks/validate_snapshots.py [--json PATH] [--snapshots DIR] [--only NAME]
 
@@ -30,11 +30,11 @@ for entry in (ROOT, ROOT / "benchmarks"):
 import benchlib  # noqa: E402
 from workloads import WORKLOADS, Workload  # noqa: E402
 
+from cuda_allocator_model.snapshots.against import line_of, op_of  # noqa: E402
+from cuda_allocator_model.snapshots.read import Event, read_snapshot  # noqa: E402
+from cuda_allocator_model.snapshots.replay import CardFigures, replay  # noqa: E402
 from pytest_gpumem.backends.base import Settings  # noqa: E402
 from pytest_gpumem.backends.tracker.backend import TrackerBackend  # noqa: E402
-from pytest_gpumem.snapshots.against import line_of, op_of  # noqa: E402
-from pytest_gpumem.snapshots.read import Event, read_snapshot  # noqa: E402
-from pytest_gpumem.snapshots.replay import CardFigures, replay  # noqa: E402
 
 SNAPSHOTS = ROOT.parent / "shared" / "snapshots"
 

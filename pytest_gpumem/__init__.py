@@ -9,6 +9,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from cuda_allocator_model import format_size as format_size
+    from cuda_allocator_model import parse_size as parse_size
     from pytest_gpumem.advise.chunked import chunked_cross_entropy as chunked_cross_entropy
     from pytest_gpumem.backends.base import Backend as Backend
     from pytest_gpumem.backends.base import Counters as Counters
@@ -29,8 +31,6 @@ if TYPE_CHECKING:
     from pytest_gpumem.results.baseline import Verdict as Verdict
     from pytest_gpumem.results.explanation import Explanation as Explanation
     from pytest_gpumem.results.ranks import RankResult as RankResult
-    from pytest_gpumem.sizes import format_size as format_size
-    from pytest_gpumem.sizes import parse_size as parse_size
 
 _HOMES = {
     "chunked_cross_entropy": "pytest_gpumem.advise.chunked",
@@ -53,8 +53,8 @@ _HOMES = {
     "Entry": "pytest_gpumem.results.baseline",
     "Verdict": "pytest_gpumem.results.baseline",
     "Explanation": "pytest_gpumem.results.explanation",
-    "format_size": "pytest_gpumem.sizes",
-    "parse_size": "pytest_gpumem.sizes",
+    "format_size": "cuda_allocator_model",
+    "parse_size": "cuda_allocator_model",
 }
 
 __version__ = "0.1.0"

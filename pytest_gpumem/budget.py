@@ -8,8 +8,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.sizes import MAX_TEXT, format_size, is_binary, parse_size, shorten
+from cuda_allocator_model import MAX_TEXT, ModelError, format_size, is_binary, parse_size, shorten
+from pytest_gpumem.errors import GpuMemError, from_the_model
 
 if TYPE_CHECKING:
     from pytest_gpumem.results import PhaseResult
@@ -173,7 +173,7 @@ def closest_first(levels: Sequence[Budget]) -> Budget:
 def _limit(value: object, what: str, zero: bool = False) -> Limit:
     try:
         size = parse_size(value)
-    except GpuMemError as exc:
+    except ModelError as exc:
         raise GpuMemError(f"{what}: {exc}") from None
     if size == 0 and not zero:
         raise GpuMemError(f"{what}: a limit must be above zero, got {shorten(value)}")
@@ -182,12 +182,13 @@ def _limit(value: object, what: str, zero: bool = False) -> Limit:
 
 
 def capacity_limit(value: object, what: str = "") -> Limit:
-    """A capacity: a size (the allocator's limit) or a card (`pytest_gpumem.cards.parse_capacity`), named
+    """A capacity: a size (the allocator's limit) or a card (`cuda_allocator_model.cards.parse_capacity`), named
     `what` in its one-line error."""
-    from pytest_gpumem.cards import parse_capacity
+    from cuda_allocator_model import parse_capacity
 
     prefix = f"{what}: " if what else ""
-    capacity = parse_capacity(value, what)
+    with from_the_model():
+        capacity = parse_capacity(value, what)
     if capacity.bytes == 0:
         raise GpuMemError(f"{prefix}a limit must be above zero, got {shorten(value)}")
     written = value if isinstance(value, str) else f"{value} B"

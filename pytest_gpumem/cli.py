@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cuda_allocator_model import ModelError, format_size
+from cuda_allocator_model.snapshots import add_replay_parser, run_replay
 from pytest_gpumem.baselines.compare import Tolerance, change_text, compare_peak, with_growth
 from pytest_gpumem.constants import DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT
-from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.explain.growth import compact
 from pytest_gpumem.history import command as history
 from pytest_gpumem.report.markdown import markdown_table
@@ -28,8 +29,6 @@ from pytest_gpumem.results.baseline import BaselineStatus, PhaseComparison, soun
 from pytest_gpumem.results.explanation import Composition
 from pytest_gpumem.results.report_file import REPORT_VERSION, MadeAt, ReportFile, read_report
 from pytest_gpumem.run.outputs import why, write_file
-from pytest_gpumem.sizes import format_size
-from pytest_gpumem.snapshots import command as replay
 from pytest_gpumem.values import slack, tolerance
 
 _Tests = dict[str, TestResult]
@@ -224,8 +223,8 @@ def _run_history(args: argparse.Namespace) -> int:
 
 def _run_replay(args: argparse.Namespace) -> int:
     try:
-        return replay.run(args, _write, _say)
-    except GpuMemError as exc:
+        return run_replay(args, _write, _say)
+    except ModelError as exc:
         raise _CommandError(str(exc)) from None
 
 
@@ -275,7 +274,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("-o", "--output", type=Path, required=True, metavar="ALL.json")
     m.set_defaults(run=_run_merge)
     history.add_parser(commands).set_defaults(run=_run_history)
-    replay.add_parser(commands).set_defaults(run=_run_replay)
+    add_replay_parser(commands).set_defaults(run=_run_replay)
     return p
 
 
@@ -283,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         result: int = args.run(args)
-    except (_CommandError, GpuMemError) as exc:
+    except (_CommandError, ModelError) as exc:
         print(f"pytest-gpumem {args.command}: error: {exc}", file=sys.stderr)
         return 2
     return result

@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-class GpuMemError(Exception):
+from cuda_allocator_model import ModelError
+
+
+class GpuMemError(ModelError):
     """Bad input to the plugin or the fixture; its message is a single line naming the bad value."""
 
 
 class GpuMemWarning(UserWarning):
     """A measurement that ran but could not see everything (e.g. threads the test started)."""
+
+
+@contextmanager
+def from_the_model() -> Iterator[None]:
+    """Within it, an error of the allocator's model (a bad size, card or setting given to the plugin) is
+    raised as a GpuMemError with the same line: users of the plugin catch one type."""
+    try:
+        yield
+    except GpuMemError:
+        raise
+    except ModelError as exc:
+        raise GpuMemError(str(exc)) from None
 
 
 def exception_text(exc: BaseException) -> str:

@@ -7,13 +7,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from cuda_allocator_model import format_size
 from pytest_gpumem.constants import (
     DEFAULT_DIST_TIMEOUT,
     DEFAULT_FILENAME,
     DEFAULT_SLACK_BYTES,
     DEFAULT_TOLERANCE_PERCENT,
 )
-from pytest_gpumem.sizes import format_size
 from pytest_gpumem.values import (
     backend_name,
     capacity,

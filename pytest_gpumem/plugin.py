@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from cuda_allocator_model import ModelError
 from pytest_gpumem import hookspecs
 from pytest_gpumem.budget import MARKER, MARKER_SIGNATURE
 from pytest_gpumem.config import add_options, read_options
-from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.run.regression import BaselineRun
 from pytest_gpumem.run.session import MEASUREMENT_KEY, GpuMemSession
 from pytest_gpumem.run.xdist import worker_id
@@ -72,7 +72,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
         try:
             store = load(baseline_options.path)
-        except GpuMemError as exc:
+        except ModelError as exc:
             raise pytest.UsageError(str(exc)) from None
     session = GpuMemSession(config, options, BaselineRun(baseline_options, store))
     config.stash[SESSION_KEY] = session
@@ -124,7 +124,7 @@ def pytest_report_collectionfinish(config: pytest.Config) -> str | None:
 def _header(session: GpuMemSession) -> str:
     try:
         return session.header()
-    except GpuMemError as exc:
+    except ModelError as exc:
         raise pytest.UsageError(str(exc)) from None
 
 
@@ -155,7 +155,7 @@ def gpumem(request: pytest.FixtureRequest) -> GpuMem | Unmeasured:
     _measure_calls(session)  # also when a fixture asks for it with request.getfixturevalue
     try:
         measured = session.measurement(request.node, fresh=True)
-    except GpuMemError as exc:
+    except ModelError as exc:
         pytest.fail(f"{request.node.nodeid}: {exc}", pytrace=False)
     from pytest_gpumem.advise.run import advise
     from pytest_gpumem.distributed.world import Worlds

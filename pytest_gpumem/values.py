@@ -9,13 +9,12 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from cuda_allocator_model import MAX_TEXT, ModelError, parse_size, shorten
 from pytest_gpumem.budget import Budget, Limit, budget_from_marker, capacity_limit
 from pytest_gpumem.constants import (
     PATHS,
     ROUNDINGS,
 )
-from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.sizes import MAX_TEXT, parse_size, shorten
 
 _ORDINAL = re.compile(r"[0-9]{1,6}")
 
@@ -91,7 +90,7 @@ def devices_spec(value: str) -> str | tuple[int, ...]:
 def slack(value: str) -> int:
     try:
         return parse_size(value.strip())
-    except GpuMemError as exc:
+    except ModelError as exc:
         raise argparse.ArgumentTypeError(f"invalid slack {shorten(value)}: {exc}") from None
 
 
@@ -100,7 +99,7 @@ def default_budget(value: str) -> Budget:
     try:
         parse_size(value.strip())
         budget = budget_from_marker((value.strip(),), {})
-    except GpuMemError as exc:
+    except ModelError as exc:
         raise argparse.ArgumentTypeError(f"invalid size {shorten(value)}: {exc}") from None
     assert budget.total is not None
     return Budget(total=dataclasses.replace(budget.total, written=f"{budget.total.written} (--gpumem-max-memory)"))
@@ -111,7 +110,7 @@ def _keyword_limit(keyword: str, flag: str) -> Callable[[str], Limit]:
         try:
             parse_size(value.strip())
             limit = getattr(budget_from_marker((), {keyword: value.strip()}), keyword)
-        except GpuMemError as exc:
+        except ModelError as exc:
             raise argparse.ArgumentTypeError(f"invalid size {shorten(value)}: {exc}") from None
         assert isinstance(limit, Limit)
         return dataclasses.replace(limit, written=f"{limit.written} ({flag})")
@@ -123,7 +122,7 @@ def capacity(value: str) -> Limit:
     """A size (the allocator's limit) or a card's name, as max_memory(capacity=) reads it."""
     try:
         limit = capacity_limit(value.strip())
-    except GpuMemError as exc:
+    except ModelError as exc:
         raise argparse.ArgumentTypeError(f"invalid capacity {shorten(value)}: {exc}") from None
     return dataclasses.replace(limit, written=f"{limit.written} (--gpumem-capacity)")
 

@@ -29,7 +29,7 @@ from builders import Reported
 from filelock import FileLock
 
 import pytest_gpumem
-from pytest_gpumem.snapshots.read import Snapshot, read_snapshot
+from cuda_allocator_model.snapshots.read import Snapshot, read_snapshot
 
 # pytester's in-process runs drop the modules first imported inside them, so what inner runs import
 # lazily is imported here, once. torch registers operator libraries on import (torch._dynamo ->

@@ -15,9 +15,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from pytest_gpumem.backends.tracker.allocator_config import INTERVALS, AllocatorSettings
+from cuda_allocator_model import ModelError
+from cuda_allocator_model.settings import INTERVALS, AllocatorSettings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
-from pytest_gpumem.errors import GpuMemError
 
 MiB = 2**20
 GiB = 2**30
@@ -98,7 +98,7 @@ def test_settings_torch_accepts_are_read_to_its_values(text: str, settings: Allo
 
 @pytest.mark.parametrize(("text", "reason"), REFUSED, ids=[repr(t[:48]) for t, _ in REFUSED])
 def test_settings_torch_refuses_stop_in_one_line_naming_the_variable_and_the_value(text: str, reason: str) -> None:
-    with pytest.raises(GpuMemError) as caught:
+    with pytest.raises(ModelError) as caught:
         AllocatorSettings.from_environ({"PYTORCH_CUDA_ALLOC_CONF": text})
     message = str(caught.value)
     assert message.startswith("PYTORCH_CUDA_ALLOC_CONF: ")
@@ -126,7 +126,7 @@ def test_the_generic_keys_come_from_the_first_variable_set_the_cuda_keys_skip_th
 def test_a_run_without_the_model_ignores_the_allocator_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", ASYNC)
     assert TrackerBackend(rounding="none").allocator == AllocatorSettings()
-    with pytest.raises(GpuMemError, match="not modelled"):
+    with pytest.raises(ModelError, match="not modelled"):
         TrackerBackend(rounding="cuda")
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from cuda_allocator_model.sizes import format_size
 from pytest_gpumem.baselines import compare as C
 from pytest_gpumem.baselines import file as F
 from pytest_gpumem.baselines import schema
@@ -21,7 +22,6 @@ from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.results.baseline import BaselineStatus, DeviceIdentity, Entry, Environment, Verdict
 from pytest_gpumem.results.explanation import Cell, PhaseComposition
 from pytest_gpumem.results.gradients import Fingerprint, GradStats, ParamFingerprint
-from pytest_gpumem.sizes import format_size
 
 H200 = DeviceIdentity("cuda", "NVIDIA H200", "9.0", 150_754_820_096)
 A100 = DeviceIdentity("cuda", "NVIDIA A100-SXM4-80GB", "8.0", 85_094_678_528)

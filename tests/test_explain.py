@@ -891,8 +891,8 @@ def test_reserved_at_the_peak_reads_back_and_an_older_explanation_reads_without_
 
 
 def test_the_trace_gives_the_models_figures_at_any_moment() -> None:
-    from pytest_gpumem.backends.tracker.allocator import CachingAllocatorModel
-    from pytest_gpumem.backends.tracker.allocator_trace import AllocatorTrace
+    from cuda_allocator_model.model import CachingAllocatorModel
+    from cuda_allocator_model.trace import AllocatorTrace
 
     class Ledger:
         model = CachingAllocatorModel()

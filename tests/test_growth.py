@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from cuda_allocator_model.sizes import format_size
 from pytest_gpumem.baselines.compare import Tolerance, change_text, compare_peak
 from pytest_gpumem.explain.blocks import fold, repeated_blocks
 from pytest_gpumem.explain.growth import compact
@@ -21,7 +22,6 @@ from pytest_gpumem.results.explanation import (
     SampledTimeline,
     composition_to_json,
 )
-from pytest_gpumem.sizes import format_size
 
 KIB = 1024
 

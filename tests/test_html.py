@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from builders import Reported
 
+from cuda_allocator_model.sizes import format_size
 from pytest_gpumem.backends.tracker.attribution import NO_MODULE
 from pytest_gpumem.report.html import byte_ticks, chart_texts, render
 from pytest_gpumem.report.html_axis import event_axis, event_ticks
@@ -33,7 +34,6 @@ from pytest_gpumem.results.explanation import (
     UnmeasuredSpan,
 )
 from pytest_gpumem.run.outputs import write_evidence, write_picture
-from pytest_gpumem.sizes import format_size
 
 CATEGORIES = list(ATTRIBUTED)
 LABELS = dict(ATTRIBUTED_LABELS)

@@ -14,14 +14,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pytest_gpumem"
 PRIVATE_TORCH = re.compile(r"torch\._[A-Za-z]|\b_cdata\b|\b_schema\b|\b_should_skip_dynamo\b")
 """A private torch name, in code, a comment or a docstring alike."""
 REFERENCE = PACKAGE.parent / "reference_losses"  # a user of the plugin, shipped beside it
+MODEL = PACKAGE.parent / "cuda_allocator_model"  # the allocator's model, a package of its own
+MODEL_PUBLIC = {MODEL.name, f"{MODEL.name}.snapshots"}  # where its public names (`__all__`) are
 
 # lowest first; a module may import its own layer and the layers below it
 LAYERS = (
-    ("errors", "constants", "sizes", "cards", "files", "private_torch"),
+    ("errors", "constants", "files", "private_torch"),
     ("results",),
     ("budget",),
     ("backends",),
-    ("snapshots",),
     ("gradients",),
     ("explain",),
     ("measure",),
@@ -39,12 +40,9 @@ WITHOUT_PYTEST = (
     "errors",
     "private_torch",
     "constants",
-    "sizes",
-    "cards",
     "files",
     "results",
     "backends",
-    "snapshots",
     "gradients",
     "explain",
     "baselines",
@@ -120,12 +118,12 @@ def test_relative_imports_are_resolved() -> None:
     assert absolute("pytest_gpumem.run", 1, "judge") == "pytest_gpumem.run.judge"
     assert absolute("pytest_gpumem.run", 2, "budget") == "pytest_gpumem.budget"
     assert absolute("pytest_gpumem.run", 1, None) == "pytest_gpumem.run"
-    assert absolute("pytest_gpumem", 0, "pytest_gpumem.sizes") == "pytest_gpumem.sizes"
+    assert absolute("pytest_gpumem", 0, "pytest_gpumem.budget") == "pytest_gpumem.budget"
 
 
 def test_a_lazy_public_name_is_an_import_of_the_top_layer() -> None:
-    assert imported_from("pytest_gpumem", ["sizes"]) == {"pytest_gpumem.sizes"}
-    assert imported_from("pytest_gpumem", ["sizes", "GpuMem"]) == {"pytest_gpumem.sizes", "pytest_gpumem"}
+    assert imported_from("pytest_gpumem", ["budget"]) == {"pytest_gpumem.budget"}
+    assert imported_from("pytest_gpumem", ["budget", "GpuMem"]) == {"pytest_gpumem.budget", "pytest_gpumem"}
     assert layer("pytest_gpumem") == len(LAYERS) - 1
 
 
@@ -204,3 +202,26 @@ def test_only_private_torch_names_private_torch() -> None:
         if PRIVATE_TORCH.search(line)
     ]
     assert found == []
+
+
+def test_the_allocator_model_imports_neither_torch_nor_pytest_nor_the_plugin() -> None:
+    outside = {"torch", "pytest", "_pytest", PACKAGE.name, REFERENCE.name}
+    users = sorted(
+        f"{module_name(path)} -> {other}"
+        for path in MODEL.rglob("*.py")
+        for other in imported(module_name(path), path)
+        if other.split(".")[0] in outside
+    )
+    assert users == []
+
+
+def test_the_plugin_uses_only_the_allocator_models_public_names() -> None:
+    private = sorted(
+        f"{module_name(path)} -> {other}"
+        for path in [*PACKAGE.rglob("*.py"), *REFERENCE.rglob("*.py")]
+        for other in imported(module_name(path), path)
+        if other.split(".")[0] == MODEL.name
+        and other not in MODEL_PUBLIC
+        and other.rpartition(".")[0] not in MODEL_PUBLIC
+    )
+    assert private == []

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from cuda_allocator_model.cards import find_card
 from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.backends.tracker.kernel_temporaries import (
@@ -30,7 +31,6 @@ from pytest_gpumem.backends.tracker.kernel_temporaries import (
 )
 from pytest_gpumem.backends.tracker.ledger import StorageLedger
 from pytest_gpumem.backends.tracker.recording import Recorder
-from pytest_gpumem.cards import find_card
 
 MIB = 2**20
 SNAPSHOTS = Path(__file__).parents[2] / "shared" / "snapshots"

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from builders import Reported
 
+from cuda_allocator_model.cards import CUBLAS_WORKSPACE_DEFAULT as WORKSPACE
 from pytest_gpumem.backends import make_builtin
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.backends.tracker.meta_errors import cannot_run_on_meta
-from pytest_gpumem.cards import CUBLAS_WORKSPACE_DEFAULT as WORKSPACE
 from pytest_gpumem.errors import GpuMemError
 
 WORKLOAD = """

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from pytest_gpumem.backends.tracker.allocator import AllocatorOutOfMemory
-from pytest_gpumem.backends.tracker.allocator_config import AllocatorSettings
-from pytest_gpumem.snapshots.read import read_snapshot, snapshot_from_bytes
-from pytest_gpumem.snapshots.replay import replay
-from pytest_gpumem.snapshots.write import RecordedModel, snapshot_bytes, snapshot_of
+from cuda_allocator_model.model import AllocatorOutOfMemory
+from cuda_allocator_model.settings import AllocatorSettings
+from cuda_allocator_model.snapshots.read import read_snapshot, snapshot_from_bytes
+from cuda_allocator_model.snapshots.replay import replay
+from pytest_gpumem.backends.tracker.torch_snapshot import RecordedModel, snapshot_bytes, snapshot_of
 
 MiB = 1 << 20
 BASE = 1 << 32  # the model's first segment address
@@ -122,7 +122,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, int]:
 
     from pytest_gpumem.backends.base import Settings
     from pytest_gpumem.backends.tracker.backend import TrackerBackend
-    from pytest_gpumem.snapshots.write import record
+    from pytest_gpumem.backends.tracker.torch_snapshot import record
 
     backend = TrackerBackend(device="meta")
     backend.configure(Settings(None, origins=False, events=False, explain=False))

@@ -13,10 +13,10 @@ import pytest
 import torch
 from builders import Reported
 
+from cuda_allocator_model.cards import cublas_workspace_bytes
 from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.backends.tracker.ledger import StorageLedger, Workspace
-from pytest_gpumem.cards import cublas_workspace_bytes
 from pytest_gpumem.explain.text import describe
 from pytest_gpumem.measure.measurement import Measurement
 

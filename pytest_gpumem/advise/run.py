@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import flop_registry
 
+from cuda_allocator_model import shorten
 from pytest_gpumem.advise.check import Saved, compare, randomness, scales
 from pytest_gpumem.advise.strategies import all_strategies, conflict, ordered
 from pytest_gpumem.advise.strategy import OptimizerShim, Patch, Run, Strategy, Target, find_blocks
@@ -35,7 +36,6 @@ from pytest_gpumem.measure.failures import release_memory
 from pytest_gpumem.measure.regions import RegionStack
 from pytest_gpumem.private_torch import TorchDispatchMode, in_backward, pytree_leaves, storage_key
 from pytest_gpumem.results.advice import AS_IS, NOT_CHECKED, Advice, PhasePeak, Row, capacity_bytes, held_bytes
-from pytest_gpumem.sizes import shorten
 
 if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend

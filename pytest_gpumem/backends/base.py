@@ -130,7 +130,7 @@ class Backend(abc.ABC):
         return None
 
     def predict_card(self, card: str | None) -> None:
-        """Predict the card called `card` from now on (None: none named; see `pytest_gpumem.cards`)."""
+        """Predict the card called `card` from now on (None: none named; see `cuda_allocator_model.cards`)."""
         return None
 
     def predicting(self, card: str | None) -> contextlib.AbstractContextManager[None]:

@@ -20,10 +20,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from cuda_allocator_model import format_size
 from pytest_gpumem.baselines.schema import BaselineError, BaselineStore, digest, dumps, loads
 from pytest_gpumem.errors import one_line
 from pytest_gpumem.files import replace_atomically
-from pytest_gpumem.sizes import format_size
 
 __all__ = ["LOCK_TIMEOUT_S", "MAX_FILE_BYTES", "STALE_TMP_AGE_S", "load", "read_file", "write"]
 

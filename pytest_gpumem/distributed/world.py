@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cuda_allocator_model import shorten
 from pytest_gpumem.distributed.spawn import DEFAULT_TIMEOUT, MIN_JOIN_TIMEOUT, spawn
 from pytest_gpumem.errors import GpuMemError, one_line
 from pytest_gpumem.results import RANK_SEPARATOR
 from pytest_gpumem.results.ranks import RankResult, RankSpec, World
-from pytest_gpumem.sizes import shorten
 
 if TYPE_CHECKING:
     from pytest_gpumem.measure.measurement import Measurement

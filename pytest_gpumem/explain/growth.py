@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from cuda_allocator_model import format_size
 from pytest_gpumem.explain.blocks import fold
 from pytest_gpumem.explain.replay import OTHER_MODULES, changes
 from pytest_gpumem.results.categories import LABELS
 from pytest_gpumem.results.explanation import Cell, Composition, Explanation, PhaseComposition
-from pytest_gpumem.sizes import format_size
 
 _STORED_CELLS = 8  # of an explanation made before folding
 _TOP_GROWN = 3  # module groups a regression names

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from cuda_allocator_model import format_size
 from pytest_gpumem.explain.replay import TOP_MODULES, changes, largest
 from pytest_gpumem.results.explanation import Explanation, PhaseExplanation, ReservedAtPeak, Tensor
-from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
     from pytest_gpumem.budget import Budget, Limit

@@ -20,15 +20,14 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from cuda_allocator_model import ModelError, format_size, parse_size
 from pytest_gpumem.baselines.compare import Tolerance
 from pytest_gpumem.baselines.schema import paused_gc
 from pytest_gpumem.constants import DEFAULT_FILENAME, DEFAULT_SLACK_BYTES
-from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.history.git import Commit, GitError, Repo, Version
 from pytest_gpumem.history.reports import Reports, read_reports
 from pytest_gpumem.history.series import Gate, Series, build, offenders, read
 from pytest_gpumem.history.table import json_text, markdown_text, table
-from pytest_gpumem.sizes import format_size, parse_size
 
 __all__ = ["GitError", "add_parser", "run"]
 
@@ -73,7 +72,7 @@ def percent(value: str) -> float:
 def slack(value: str) -> int:
     try:
         return parse_size(value.strip())
-    except GpuMemError as exc:
+    except ModelError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None  # it names the value
 
 

@@ -21,11 +21,11 @@ from typing import Any
 
 import jinja2
 
+from cuda_allocator_model import format_size
 from pytest_gpumem.history.git import Commit
 from pytest_gpumem.history.series import Gate, Series, Step, growth_text, signed
 from pytest_gpumem.history.table import groups, sparkline
 from pytest_gpumem.report import assets
-from pytest_gpumem.sizes import format_size
 
 __all__ = ["byte_ticks", "render"]
 

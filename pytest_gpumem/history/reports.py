@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cuda_allocator_model import ModelError
 from pytest_gpumem.baselines.schema import paused_gc
-from pytest_gpumem.errors import GpuMemError, first_line
+from pytest_gpumem.errors import first_line
 from pytest_gpumem.history.git import Commit, GitError
 from pytest_gpumem.results import TestResult
 from pytest_gpumem.results.baseline import DeviceIdentity, Entry
@@ -108,7 +109,7 @@ def _merged(reports: list[_Report], commit: Commit, skipped: list[str]) -> Entri
 def _load(path: Path) -> _Report:
     try:
         report = read_report(path)
-    except GpuMemError as exc:
+    except ModelError as exc:
         raise _Refused(str(exc).removeprefix(f"{path}: ")) from None
     return _Report(path, report.commit, {} if report.commit is None else _entries(report.tests))
 

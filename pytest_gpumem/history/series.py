@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
+from cuda_allocator_model import format_size
 from pytest_gpumem.baselines.compare import Tolerance
 from pytest_gpumem.baselines.schema import BaselineError, Versions, paused_gc
 from pytest_gpumem.errors import first_line
 from pytest_gpumem.history.git import Commit, Version
 from pytest_gpumem.results.baseline import DeviceIdentity, Entry
-from pytest_gpumem.sizes import format_size
 
 __all__ = [
     "Gate",

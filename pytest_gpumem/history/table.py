@@ -10,11 +10,11 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from cuda_allocator_model import format_size
 from pytest_gpumem.history.git import Commit
 from pytest_gpumem.history.series import Gate, Series, Step, growth_text, signed
 from pytest_gpumem.report.markdown import cell, markdown_table
 from pytest_gpumem.report.width import cut, display_width, pad, truncate
-from pytest_gpumem.sizes import format_size
 
 __all__ = ["JSON_VERSION", "WIDTH", "groups", "json_text", "markdown_text", "sparkline", "table"]
 

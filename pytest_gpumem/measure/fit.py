@@ -16,10 +16,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
+from cuda_allocator_model import Capacity, format_size, is_binary
 from pytest_gpumem.backends.timeline import Timeline
-from pytest_gpumem.cards import Capacity
 from pytest_gpumem.measure.lines import MAX_BATCH, Lines
-from pytest_gpumem.sizes import format_size, is_binary
 
 __all__ = ["LOOP_STEPS", "MAX_BATCH", "BatchFit", "Check", "Found", "Measure", "Sample"]
 

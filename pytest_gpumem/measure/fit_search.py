@@ -27,14 +27,13 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
+from cuda_allocator_model import format_size, parse_capacity, shorten
 from pytest_gpumem.backends.base import Backend
 from pytest_gpumem.backends.timeline import Timeline
-from pytest_gpumem.cards import parse_capacity
-from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.errors import GpuMemError, from_the_model
 from pytest_gpumem.measure.fit import LOOP_STEPS, MAX_BATCH, BatchFit, Check, Found, Measure, Sample, integers
 from pytest_gpumem.measure.host import HOST_SHARE, host_available
 from pytest_gpumem.measure.lines import Lines, fit_lines
-from pytest_gpumem.sizes import format_size, shorten
 
 FIT_CAPACITY = "gpumem.fit(capacity=...)"  # how its errors name the argument
 
@@ -231,7 +230,8 @@ def fit_peaks(
     """
     __tracebackhide__ = True
     checked = _check_sizes(sizes)
-    judged = parse_capacity(capacity, FIT_CAPACITY)
+    with from_the_model():
+        judged = parse_capacity(capacity, FIT_CAPACITY)
     _check_tolerance(tolerance, slack)
     if not isinstance(confirm, bool):
         raise GpuMemError(f"fit confirm= must be True or False, got {shorten(confirm)}")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
+from cuda_allocator_model import format_size
 from pytest_gpumem.backends.base import Backend
-from pytest_gpumem.sizes import format_size
 
 HOST_SHARE = 0.8
 """The share of the host's available memory a fit's runs may take."""

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, final
 
 from pytest_gpumem.backends.base import Backend
-from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.errors import GpuMemError, from_the_model
 from pytest_gpumem.measure.failures import is_out_of_memory, release_memory
 from pytest_gpumem.measure.regions import RegionStack, mark_phase
 from pytest_gpumem.results import PhaseResult
@@ -140,12 +140,13 @@ class GpuMem:
             The `BatchFit`: `largest` (None when no batch fits), its peak, how it was found.
         """
         __tracebackhide__ = True
-        from pytest_gpumem.cards import parse_capacity
+        from cuda_allocator_model import parse_capacity
         from pytest_gpumem.measure.fit_search import DEFAULT_SLACK, DEFAULT_TOLERANCE, FIT_CAPACITY, fit_peaks
         from pytest_gpumem.measure.host import runs_refused
 
         label = self._measured.next_fit_label(name)
-        judged = parse_capacity(capacity, FIT_CAPACITY)  # a named card's runs are the card's (its cuBLAS workspaces)
+        with from_the_model():  # a named card's runs are the card's (its cuBLAS workspaces)
+            judged = parse_capacity(capacity, FIT_CAPACITY)
         card = judged.card
         predicting = self.backend.predicting(card.name) if card else None
         with predicting or contextlib.nullcontext():

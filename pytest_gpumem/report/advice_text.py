@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from cuda_allocator_model import format_size
 from pytest_gpumem.results.advice import AS_IS, Advice, cheapest
-from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
     from pytest_gpumem.budget import Budget

@@ -19,11 +19,11 @@ from typing import Any
 
 import jinja2
 
+from cuda_allocator_model import format_size
 from pytest_gpumem.report import assets
 from pytest_gpumem.report.html_axis import Axis, AxisSpan, event_axis, event_ticks, nice_step
 from pytest_gpumem.results.advice import AS_IS, Advice, Row
 from pytest_gpumem.results.explanation import Explanation, PhaseExplanation, Point, Tensor, UnmeasuredSpan
-from pytest_gpumem.sizes import format_size
 
 COLOURS = ("#4e79a7", "#f28e2b", "#e15759", "#59a14f", "#edc948", "#b07aa1", "#76b7b2", "#ff9da7", "#9c755f")
 """One colour per category, in the explanation's stacking order (repeating past the ninth)."""

@@ -19,13 +19,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from cuda_allocator_model import format_size
 from pytest_gpumem.baselines.compare import change_text
 from pytest_gpumem.explain.text import summary
 from pytest_gpumem.report.ids import TestFloors, common_prefix, elide, elide_apart, shorten_ids
 from pytest_gpumem.report.width import display_width, flatten, pad, truncate
 from pytest_gpumem.results import PhaseResult, Status, TestResult, rank_phase, split_rank
 from pytest_gpumem.results.baseline import BaselineStatus, PhaseComparison
-from pytest_gpumem.sizes import format_size
 
 DEFAULT_WIDTH = 120  # when pytest writes to no terminal
 _GAP = "  "

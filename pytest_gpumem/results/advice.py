@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_gpumem.cards import capacity_bytes as card_bytes
-from pytest_gpumem.errors import GpuMemError, first_line
+from cuda_allocator_model import capacity_bytes as card_bytes
+from cuda_allocator_model import format_size, shorten
+from pytest_gpumem.errors import GpuMemError, first_line, from_the_model
 from pytest_gpumem.results.checks import OffShape, fields, first_difference, listed, short
-from pytest_gpumem.sizes import format_size, shorten
 
 AS_IS = "as-is"
 NOT_CHECKED = "not checked"
@@ -152,11 +152,12 @@ class Row:
 
 
 def capacity_bytes(value: object, where: str) -> int:
-    """`value` (bytes, a size such as "80 GiB" or a card such as "H100-80GB", see `pytest_gpumem.cards`) in the
+    """`value` (bytes, a size such as "80 GiB" or a card such as "H100-80GB", see `cuda_allocator_model.cards`) in the
     bytes the allocator is held to; anything else refused in one line naming `where`."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise GpuMemError(f"{where} must be an int (bytes), a size such as '80 GiB' or a card, got {shorten(value)}")
-    return card_bytes(value, where)
+    with from_the_model():
+        return card_bytes(value, where)
 
 
 def held_bytes(absolute: int, reserved: int | None) -> int:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from json.encoder import encode_basestring
 from typing import Any
 
+from cuda_allocator_model import integer_words
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.sizes import integer_words
 
 MAX_BYTES = 2**63
 """Byte counts are integers ``0 <= n < MAX_BYTES``."""

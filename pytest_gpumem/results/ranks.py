@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from cuda_allocator_model import format_size
 from pytest_gpumem.results import PhaseResult, rank_phase
 from pytest_gpumem.results.explanation import Explanation, RanksExplanation
-from pytest_gpumem.sizes import format_size
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 
+from cuda_allocator_model import ModelError, format_size
 from pytest_gpumem.budget import MARKER, Budget, Limit, all_of, budget_from_marker, closest_first
 from pytest_gpumem.distributed.worker import json_problem  # pure, and pytest-free for the ranks
 from pytest_gpumem.errors import GpuMemError, GpuMemWarning, one_line
@@ -27,7 +28,6 @@ from pytest_gpumem.results import REPORT_ATTRIBUTE, PhaseResult, Status, TestRes
 from pytest_gpumem.run import test_files
 from pytest_gpumem.run.outputs import WRITE_ERRORS
 from pytest_gpumem.run.session import JUDGE, MEASUREMENT_KEY, GpuMemSession
-from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
     from pytest_gpumem.config import Options
@@ -173,7 +173,7 @@ class Judge:
             measured = session.measurement(item)
             watch = _watch_of(session.options, budget, session.baselines.explains(item.nodeid, measured.backend))
             watch.apply(measured.backend, measured)
-        except GpuMemError as exc:
+        except ModelError as exc:
             error = f"{item.nodeid}: {exc}"
         else:
             return (yield from self._measured(item, measured, budget, watch, asked))
@@ -189,7 +189,7 @@ class Judge:
         self._begin_files(item, measured)
         try:
             outcome = yield
-        except GpuMemError as exc:
+        except ModelError as exc:
             status, failure = Status.ERROR, FailureLine(f"{item.nodeid}: {exc}")
         except (pytest.skip.Exception, pytest.xfail.Exception):
             measured.end()
@@ -336,7 +336,7 @@ def _after_hook(item: pytest.Item, result: TestResult, report: pytest.TestReport
         return _checked(result)
     except pytest.exit.Exception:
         raise
-    except GpuMemError as exc:  # e.g. a status that is none of ours, or a value JSON cannot hold
+    except ModelError as exc:  # e.g. a status that is none of ours, or a value JSON cannot hold
         problem, trace = f"{item.nodeid}: pytest_gpumem_result: {exc}", None
     except (Exception, pytest.fail.Exception, pytest.skip.Exception) as exc:
         problem = f"{item.nodeid}: pytest_gpumem_result raised {one_line(exc)}"

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from cuda_allocator_model import ModelError
 from pytest_gpumem.budget import MARKER
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.results import Status
@@ -229,5 +230,5 @@ class GpuMemSession:
             missing = [r.nodeid for r in self.results if r.status == Status.MISSING_BASELINE]
             regressed = [r.nodeid for r in self.results if r.status == Status.REGRESSED]
             self.baseline_lines += self.baselines.finish(records, self.backend, missing, regressed)
-        except GpuMemError as exc:
+        except ModelError as exc:
             self.problems.append(str(exc))

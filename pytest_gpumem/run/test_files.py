@@ -20,10 +20,10 @@ from pytest_gpumem.run.outputs import file_stem, shown_from, write_picture, writ
 __all__ = ["TEST_FILES", "PerTestFile", "Picture", "TorchSnapshot", "Trace", "chosen"]
 
 if TYPE_CHECKING:
+    from pytest_gpumem.backends.tracker.torch_snapshot import RecordedModel
     from pytest_gpumem.measure.measurement import Measurement
     from pytest_gpumem.measure.record import CallRecord
     from pytest_gpumem.results import TestResult
-    from pytest_gpumem.snapshots.write import RecordedModel
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class TorchSnapshot(PerTestFile):
     def begin(self, item: pytest.Item, measured: Measurement) -> str | None:
         """Record the call's requests, frees and segments from here on, on the allocator's model."""
         from pytest_gpumem.backends.tracker.ledger import StorageLedger
-        from pytest_gpumem.snapshots.write import record
+        from pytest_gpumem.backends.tracker.torch_snapshot import record
 
         ledger = getattr(measured.backend, "ledger", None)
         recorded = record(ledger) if isinstance(ledger, StorageLedger) else None
@@ -97,7 +97,7 @@ class TorchSnapshot(PerTestFile):
         if recorded is None:
             return None
         del item.stash[_RECORDED_KEY]
-        from pytest_gpumem.snapshots.write import snapshot_bytes, snapshot_of
+        from pytest_gpumem.backends.tracker.torch_snapshot import snapshot_bytes, snapshot_of
 
         path = self.folder / f"{file_stem(item.nodeid)}.pickle"
         self.folder.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from pytest_gpumem.backends.tracker.allocator_trace import AllocatorTrace, ServedByModel
+from cuda_allocator_model import AllocatorTrace, ServedByModel
 from pytest_gpumem.backends.tracker.graph import (
     ACCUMULATE_GRAD_SEQUENCE,
     autograd_nodes,

@@ -13,16 +13,21 @@ import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from cuda_allocator_model import (
+    CUBLAS_WORKSPACE_DEFAULT,
+    AllocatorSettings,
+    cublas_workspace_bytes,
+    find_card,
+    format_size,
+)
 from pytest_gpumem.backends.base import Backend, Counters, Settings
 from pytest_gpumem.backends.timeline import Timeline, TimelineRecorder
-from pytest_gpumem.backends.tracker.allocator_config import AllocatorSettings
 from pytest_gpumem.backends.tracker.ledger import StorageLedger
 from pytest_gpumem.backends.tracker.mode import leave, mode_class
 from pytest_gpumem.backends.tracker.patches import Patches
-from pytest_gpumem.cards import CUBLAS_WORKSPACE_DEFAULT, cublas_workspace_bytes, find_card
 from pytest_gpumem.constants import PATHS, ROUNDINGS
+from pytest_gpumem.errors import from_the_model
 from pytest_gpumem.results.baseline import DeviceIdentity
-from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
     import torch
@@ -86,7 +91,8 @@ class TrackerBackend(Backend):
             raise ValueError(f"paths must be one of {PATHS}, got {paths!r}")
         self.rounding = rounding
         # PYTORCH_CUDA_ALLOC_CONF is the allocator model's: a run without it ignores a GPU job's settings
-        self.allocator = AllocatorSettings.from_environ(os.environ) if rounding == "cuda" else AllocatorSettings()
+        with from_the_model():
+            self.allocator = AllocatorSettings.from_environ(os.environ) if rounding == "cuda" else AllocatorSettings()
         self._device_type = device
         self._default_paths = _default_paths(rounding, device)
         self.paths = paths or self._default_paths
@@ -125,8 +131,11 @@ class TrackerBackend(Backend):
         """From the next allocation on, predict the card called `card` (None: no card named): with the
         allocator's model, its cuBLAS workspaces have the size torch gives its compute capability, or
         `CUBLAS_WORKSPACE_CONFIG`'s, as the GPU job's would (read now)."""
-        found = None if card is None else find_card(card)
-        self.ledger.workspace_bytes = cublas_workspace_bytes(None if found is None else found.capability, os.environ)
+        with from_the_model():
+            found = None if card is None else find_card(card)
+            self.ledger.workspace_bytes = cublas_workspace_bytes(
+                None if found is None else found.capability, os.environ
+            )
         self._on_card(None if found is None else found.total)
         self.ledger.card = found
 
@@ -282,7 +291,7 @@ class TrackerBackend(Backend):
             self._place_anew(before)
 
     def _place_anew(self, settings: AllocatorSettings) -> None:
-        from pytest_gpumem.backends.tracker.allocator import CachingAllocatorModel
+        from cuda_allocator_model import CachingAllocatorModel
 
         ledger, old = self.ledger, self.ledger.model
         model = CachingAllocatorModel(settings)

@@ -51,8 +51,8 @@ import torch
 from pytest_gpumem import private_torch
 
 if TYPE_CHECKING:
+    from cuda_allocator_model import Card
     from pytest_gpumem.backends.tracker.ledger import StorageLedger
-    from pytest_gpumem.cards import Card
 
 _ITEMSIZE = {
     "bool": 1,

@@ -18,12 +18,16 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from cuda_allocator_model import (
+    CUBLAS_WORKSPACE_DEFAULT,
+    AllocatorOutOfMemory,
+    AllocatorSettings,
+    CachingAllocatorModel,
+    Card,
+    format_size,
+)
 from pytest_gpumem.backends.timeline import FREED, RESIZED
-from pytest_gpumem.backends.tracker.allocator import AllocatorOutOfMemory, CachingAllocatorModel
-from pytest_gpumem.backends.tracker.allocator_config import AllocatorSettings
-from pytest_gpumem.cards import CUBLAS_WORKSPACE_DEFAULT, Card
 from pytest_gpumem.private_torch import storage_key
-from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
     import torch

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from cuda_allocator_model import format_size
 from pytest_gpumem.private_torch import storage_key
-from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
     import torch

@@ -4,7 +4,7 @@
   const W = 1000, H = 440, M = { left: 84, right: 16, top: 30, bottom: 46 };
   const BANDS = ["#dce7f3", "#f5e6d0", "#dff0d8", "#eddcec", "#f2efcc", "#d9eeee"];
   const data = JSON.parse(document.getElementById("gpumem-data").textContent);
-  // every size a reader sees comes formatted from Python (pytest_gpumem.sizes), in `view`
+  // every size a reader sees comes formatted from Python (cuda_allocator_model.sizes), in `view`
   const view = JSON.parse(document.getElementById("gpumem-view").textContent);
   const colours = view.colours;
   const categories = data.categories || [];

@@ -5,7 +5,7 @@ Read as a CUDA build of torch 2.13 reads it (`c10/core/AllocatorConfig.{h,cpp}`:
 tokens split at `, : [ ]` with C blanks dropped; a key's value is the token two after it and the next key two
 after that, whatever separates them (torch checks only that a token is there); numbers are `std::stoull`
 (`_whole`) and `std::stod` (`_real`); a size in MiB is clamped to SIZE_MAX / 1 MiB; with the CUDA parser
-loaded every key outside the two key lists is an error. A value torch refuses raises GpuMemError, one line.
+loaded every key outside the two key lists is an error. A value torch refuses raises ModelError, one line.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.sizes import shorten
+from cuda_allocator_model.errors import ModelError
+from cuda_allocator_model.sizes import shorten
 
 __all__ = ["AllocatorSettings"]
 
@@ -88,10 +88,10 @@ _REAL: Final = re.compile(
 def _canonical_divisions(values: tuple[int, ...]) -> tuple[int, ...]:
     """() when no interval rounds, (d,) when all intervals use d, else all 16 values."""
     if len(values) > INTERVALS:
-        raise GpuMemError(f"roundup_power2_divisions: at most {INTERVALS} intervals, got {len(values)}")
+        raise ModelError(f"roundup_power2_divisions: at most {INTERVALS} intervals, got {len(values)}")
     for value in values:
         if value < 0 or (value & (value - 1)):
-            raise GpuMemError(f"roundup_power2_divisions: {value} is not 0 or a power of 2")
+            raise ModelError(f"roundup_power2_divisions: {value} is not 0 or a power of 2")
     if not values:
         return ()
     full = values + (values[-1],) * (INTERVALS - len(values))
@@ -122,11 +122,11 @@ class AllocatorSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "roundup_power2_divisions", _canonical_divisions(tuple(self.roundup_power2_divisions)))
         if self.max_split_size is not None and self.max_split_size <= 0:
-            raise GpuMemError(f"max_split_size must be a positive number of bytes, got {self.max_split_size}")
+            raise ModelError(f"max_split_size must be a positive number of bytes, got {self.max_split_size}")
         if self.large_segment_size <= 0:
-            raise GpuMemError(f"large_segment_size must be a positive number of bytes, got {self.large_segment_size}")
+            raise ModelError(f"large_segment_size must be a positive number of bytes, got {self.large_segment_size}")
         if not 0.0 <= self.per_process_memory_fraction <= 1.0:
-            raise GpuMemError(f"per_process_memory_fraction must be in [0, 1], got {self.per_process_memory_fraction}")
+            raise ModelError(f"per_process_memory_fraction must be in [0, 1], got {self.per_process_memory_fraction}")
 
     @property
     def fraction_limit(self) -> int | None:
@@ -161,7 +161,7 @@ class AllocatorSettings:
         """Settings from a `PYTORCH_CUDA_ALLOC_CONF` value, read as torch 2.13 reads it (None or "": defaults).
 
         Keys torch accepts but the model does not use are kept in `ignored`; a value torch refuses, a key it
-        does not know or `backend:cudaMallocAsync` raise GpuMemError in one line naming `variable`.
+        does not know or `backend:cudaMallocAsync` raise ModelError in one line naming `variable`.
         """
         return _Parser(text or "", variable).read(generic=True, cuda=True).settings()
 
@@ -271,7 +271,7 @@ class _Parser:
         self.ignored: list[str] = []
 
     def read(self, generic: bool, cuda: bool) -> _Parser:
-        """Walk the tokens, applying the generic keys, the CUDA keys or both; GpuMemError where torch refuses."""
+        """Walk the tokens, applying the generic keys, the CUDA keys or both; ModelError where torch refuses."""
         try:
             if generic:
                 self._large_segment_first()
@@ -280,7 +280,7 @@ class _Parser:
                 i = self._key(i, generic, cuda)
                 i += 2 if i + 1 < len(self.tokens) else 1  # whatever token follows is taken as the ','
         except _Refused as refused:
-            raise GpuMemError(f"{self.variable}: {refused}") from None
+            raise ModelError(f"{self.variable}: {refused}") from None
         return self
 
     def settings(self, cuda: _Parser | None = None) -> AllocatorSettings:

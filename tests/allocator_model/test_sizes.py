@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_gpumem import GpuMemError, format_size, parse_size
-from pytest_gpumem.sizes import shorten
+from cuda_allocator_model import ModelError, format_size, parse_size
+from cuda_allocator_model.sizes import shorten
 
 
 @pytest.mark.parametrize(
@@ -52,7 +52,7 @@ def test_a_size_is_read_in_bytes_from_a_count_or_a_unit(text: object, expected: 
     ],
 )
 def test_what_is_not_a_size_is_refused_naming_it(bad: object, message: str) -> None:
-    with pytest.raises(GpuMemError) as info:
+    with pytest.raises(ModelError) as info:
         parse_size(bad)
     assert message in str(info.value) and len(str(info.value)) < 150
 
@@ -60,7 +60,7 @@ def test_what_is_not_a_size_is_refused_naming_it(bad: object, message: str) -> N
 def test_sizes_reach_the_largest_signed_64_bit_count() -> None:
     assert parse_size(2**63 - 1) == 2**63 - 1
     assert parse_size("8388607 TiB") == 8388607 * 1024**4  # 2**63 bytes is 8388608 TiB
-    with pytest.raises(GpuMemError, match="below 2"):
+    with pytest.raises(ModelError, match="below 2"):
         parse_size("8388608 TiB")
 
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
-from pytest_gpumem.backends.tracker.allocator import CachingAllocatorModel
-from pytest_gpumem.backends.tracker.allocator_blocks import RestoredPiece, RestoredSegment
-from pytest_gpumem.backends.tracker.allocator_config import SMALL_BUFFER, MiB
-from pytest_gpumem.snapshots.read import Event, Snapshot
+from cuda_allocator_model.blocks import RestoredPiece, RestoredSegment
+from cuda_allocator_model.model import CachingAllocatorModel
+from cuda_allocator_model.settings import SMALL_BUFFER, MiB
+from cuda_allocator_model.snapshots.read import Event, Snapshot
 
 __all__ = ["LiveBlock", "StartSegment", "StartState", "may_have_wrapped", "restore", "start_state"]
 

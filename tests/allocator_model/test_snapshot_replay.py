@@ -13,15 +13,15 @@ from typing import Any
 
 import pytest
 
-from pytest_gpumem.backends.tracker.allocator import AllocatorOutOfMemory, CachingAllocatorModel
-from pytest_gpumem.backends.tracker.allocator_config import AllocatorSettings
+from cuda_allocator_model.model import AllocatorOutOfMemory, CachingAllocatorModel
+from cuda_allocator_model.settings import AllocatorSettings
+from cuda_allocator_model.snapshots.agreement import agree
+from cuda_allocator_model.snapshots.command import settings_for
+from cuda_allocator_model.snapshots.read import Snapshot, snapshot_from_bytes
+from cuda_allocator_model.snapshots.start import may_have_wrapped, restore, start_state
+from cuda_allocator_model.snapshots.whatif import what_if
+from pytest_gpumem.backends.tracker.torch_snapshot import RecordedModel, snapshot_of
 from pytest_gpumem.cli import main
-from pytest_gpumem.snapshots.agreement import agree
-from pytest_gpumem.snapshots.command import settings_for
-from pytest_gpumem.snapshots.read import Snapshot, snapshot_from_bytes
-from pytest_gpumem.snapshots.start import may_have_wrapped, restore, start_state
-from pytest_gpumem.snapshots.whatif import what_if
-from pytest_gpumem.snapshots.write import RecordedModel, snapshot_of
 
 MiB = 1 << 20
 LARGE = 0x7F0000000000

@@ -6,7 +6,7 @@ from bisect import bisect_left, insort
 from dataclasses import dataclass
 from typing import Final
 
-from pytest_gpumem.backends.tracker.allocator_config import UNLIMITED, AllocatorSettings
+from cuda_allocator_model.settings import UNLIMITED, AllocatorSettings
 
 # A pool keeps one sorted list of free blocks per stream; a block's place in it is one int, (size,
 # address) in that order of significance (ints compare far faster than tuples): with the stream first,

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pytest_gpumem.backends.tracker.allocator import AllocatorOutOfMemory, CachingAllocatorModel
-from pytest_gpumem.backends.tracker.allocator_config import AllocatorSettings
-from pytest_gpumem.snapshots.read import Event, Snapshot
-from pytest_gpumem.snapshots.start import StartState, restore, start_state
+from cuda_allocator_model.model import AllocatorOutOfMemory, CachingAllocatorModel
+from cuda_allocator_model.settings import AllocatorSettings
+from cuda_allocator_model.snapshots.read import Event, Snapshot
+from cuda_allocator_model.snapshots.start import StartState, restore, start_state
 
 __all__ = ["Agreement", "agree", "derived_capacity"]
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from pytest_gpumem.snapshots.against import compare, render, to_json
-from pytest_gpumem.snapshots.read import Snapshot, read_snapshot, snapshot_from_bytes
-from pytest_gpumem.snapshots.write import RecordedModel, snapshot_bytes, snapshot_of
+from cuda_allocator_model.snapshots.against import compare, render, to_json
+from cuda_allocator_model.snapshots.read import Snapshot, read_snapshot, snapshot_from_bytes
+from pytest_gpumem.backends.tracker.torch_snapshot import RecordedModel, snapshot_bytes, snapshot_of
 
 MiB = 1 << 20
 SNAPSHOTS = Path(__file__).resolve().parents[1].parent / "shared" / "snapshots"

@@ -14,11 +14,11 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass
 
-from pytest_gpumem.backends.tracker.allocator import AllocatorOutOfMemory, CachingAllocatorModel
-from pytest_gpumem.backends.tracker.allocator_config import AllocatorSettings
-from pytest_gpumem.snapshots.agreement import Agreement
-from pytest_gpumem.snapshots.read import Event, Snapshot
-from pytest_gpumem.snapshots.start import StartState, start_state
+from cuda_allocator_model.model import AllocatorOutOfMemory, CachingAllocatorModel
+from cuda_allocator_model.settings import AllocatorSettings
+from cuda_allocator_model.snapshots.agreement import Agreement
+from cuda_allocator_model.snapshots.read import Event, Snapshot
+from cuda_allocator_model.snapshots.start import StartState, start_state
 
 __all__ = ["DeviceReplay", "OutOfMemoryAt", "WhatIf", "user_frame", "what_if"]
 

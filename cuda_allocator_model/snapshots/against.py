@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.sizes import format_size
-from pytest_gpumem.snapshots.read import Event, Snapshot, read_snapshot
-from pytest_gpumem.snapshots.replay import CardFigures, replay
+from cuda_allocator_model.errors import ModelError
+from cuda_allocator_model.sizes import format_size
+from cuda_allocator_model.snapshots.read import Event, Snapshot, read_snapshot
+from cuda_allocator_model.snapshots.replay import CardFigures, replay
 
 __all__ = ["Alignment", "Difference", "Peaks", "Request", "compare", "render", "run_against", "to_json"]
 
@@ -233,7 +233,7 @@ def run_against(
     what_ifs = [flag for flag in ("alloc_conf", "capacity", "html") if getattr(args, flag, None)]
     if what_ifs:
         flag = "--" + what_ifs[0].replace("_", "-")
-        raise GpuMemError(f"--against compares two snapshots as recorded: {flag} does not apply to it")
+        raise ModelError(f"--against compares two snapshots as recorded: {flag} does not apply to it")
     comparison = compare(card, read_snapshot(args.against))
     say(render(comparison))
     if args.json is not None:

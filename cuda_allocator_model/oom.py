@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-from pytest_gpumem.backends.tracker.allocator_blocks import SIZE_SHIFT, Block, Pool
-from pytest_gpumem.backends.tracker.allocator_config import (
+from cuda_allocator_model.blocks import SIZE_SHIFT, Block, Pool
+from cuda_allocator_model.expandable import ExpandableSegments
+from cuda_allocator_model.settings import (
     MIN_LARGE_ALLOC,
     ONE_EXABYTE,
     ROUND_LARGE,
     SMALL_BUFFER,
     SMALL_SIZE,
 )
-from pytest_gpumem.backends.tracker.allocator_expandable import ExpandableSegments
-from pytest_gpumem.sizes import format_size
+from cuda_allocator_model.sizes import format_size
 
 
 class AllocatorOutOfMemory(Exception):

@@ -1,4 +1,4 @@
-"""The CUDA caching allocator's model (`backends/tracker/allocator.py`): one test per rule, each figure
+"""The CUDA caching allocator's model (`cuda_allocator_model/model.py`): one test per rule, each figure
 derived by hand in its comments from the rules of torch's `CUDACachingAllocator.cpp`; property tests over
 random allocation sequences; the parsing of `PYTORCH_CUDA_ALLOC_CONF`, bad values included."""
 
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pytest_gpumem.backends.tracker.allocator import AllocatorOutOfMemory, CachingAllocatorModel
-from pytest_gpumem.backends.tracker.allocator_config import INTERVALS, AllocatorSettings
-from pytest_gpumem.errors import GpuMemError
+from cuda_allocator_model import ModelError
+from cuda_allocator_model.model import AllocatorOutOfMemory, CachingAllocatorModel
+from cuda_allocator_model.settings import INTERVALS, AllocatorSettings
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -667,14 +667,14 @@ def test_parse_lists_the_keys_it_does_not_model() -> None:
     ],
 )
 def test_parse_rejects_bad_values_in_one_line(text: str, message: str) -> None:
-    with pytest.raises(GpuMemError) as caught:
+    with pytest.raises(ModelError) as caught:
         AllocatorSettings.parse(text)
     assert str(caught.value) == f"PYTORCH_CUDA_ALLOC_CONF: {message}"
     assert "\n" not in str(caught.value)
 
 
 def test_parse_says_cuda_malloc_async_is_not_modelled() -> None:
-    with pytest.raises(GpuMemError) as caught:
+    with pytest.raises(ModelError) as caught:
         AllocatorSettings.parse("backend:cudaMallocAsync")
     assert str(caught.value) == (
         "PYTORCH_CUDA_ALLOC_CONF: backend:cudaMallocAsync (the driver's stream-ordered allocator) is not "
@@ -687,5 +687,5 @@ def test_from_environ_reads_pytorch_cuda_alloc_conf_then_pytorch_alloc_conf() ->
     both = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64", "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
     assert AllocatorSettings.from_environ(both).max_split_size == 64 * MiB
     assert AllocatorSettings.from_environ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}).expandable_segments
-    with pytest.raises(GpuMemError, match=r"^PYTORCH_ALLOC_CONF: invalid value"):
+    with pytest.raises(ModelError, match=r"^PYTORCH_ALLOC_CONF: invalid value"):
         AllocatorSettings.from_environ({"PYTORCH_ALLOC_CONF": "expandable_segments:1"})

@@ -19,9 +19,14 @@ import sys
 from collections.abc import Iterator
 from typing import Any, Final
 
-from pytest_gpumem.backends.tracker.allocator import AllocatorOutOfMemory, CachingAllocatorModel
-from pytest_gpumem.backends.tracker.allocator_blocks import Segment
-from pytest_gpumem.backends.tracker.allocator_config import INTERVALS, UNLIMITED, AllocatorSettings
+from cuda_allocator_model import (
+    INTERVALS,
+    UNLIMITED,
+    AllocatorOutOfMemory,
+    AllocatorSettings,
+    CachingAllocatorModel,
+    Segment,
+)
 from pytest_gpumem.backends.tracker.ledger import StorageLedger
 from pytest_gpumem.backends.tracker.recording import op_name, user_line
 

@@ -29,8 +29,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.sizes import MAX_TEXT, format_size, parse_size, shorten
+from cuda_allocator_model.errors import ModelError
+from cuda_allocator_model.sizes import MAX_TEXT, format_size, parse_size, shorten
 
 _MIB = 2**20
 
@@ -203,21 +203,21 @@ class Capacity:
 def parse_capacity(value: object, where: str = "") -> Capacity:
     """A capacity from an int or a size ('16 GiB': the allocator's own limit), a card's name ('H100-80GB':
     its total less `_DEFAULT_OUTSIDE`), a name or a total with what lies outside the allocator after a colon
-    ('H100-80GB:1 GiB', '24 GiB:600 MiB'). Raises GpuMemError in one line, starting with `where` (the
+    ('H100-80GB:1 GiB', '24 GiB:600 MiB'). Raises ModelError in one line, starting with `where` (the
     option or argument) when given, listing the cards for a name it does not know."""
     try:
         return _capacity(value)
-    except GpuMemError as exc:
+    except ModelError as exc:
         if not where:
             raise
-        raise GpuMemError(f"{where}: {exc}") from None
+        raise ModelError(f"{where}: {exc}") from None
 
 
 def _capacity(value: object) -> Capacity:
     if not isinstance(value, str):
         return Capacity(parse_size(value))
     if len(value) > MAX_TEXT:
-        raise GpuMemError(f"capacity text must be at most {MAX_TEXT} characters, got {shorten(value)}")
+        raise ModelError(f"capacity text must be at most {MAX_TEXT} characters, got {shorten(value)}")
     text, colon, after = (part.strip() for part in value.partition(":"))
     if not colon:
         if _SIZE_START.match(text):
@@ -228,10 +228,10 @@ def _capacity(value: object) -> Capacity:
     total = card.total if card is not None else parse_size(text)
     try:
         outside = parse_size(after)
-    except GpuMemError as exc:
-        raise GpuMemError(f"the memory outside the allocator after ':' in {value!r}: {exc}") from None
+    except ModelError as exc:
+        raise ModelError(f"the memory outside the allocator after ':' in {value!r}: {exc}") from None
     if outside >= total:
-        raise GpuMemError(
+        raise ModelError(
             f"capacity {value!r}: {format_size(outside)} outside the allocator leaves nothing of {format_size(total)}"
         )
     return Capacity(total - outside, card, total, outside)
@@ -240,7 +240,7 @@ def _capacity(value: object) -> Capacity:
 def _card(name: str) -> Card:
     card = find_card(name)
     if card is None:
-        raise GpuMemError(
+        raise ModelError(
             f"unknown card {name!r}: give a size like '16 GiB' or a card ({_NAMES}), optionally with ':SIZE' "
             "outside the allocator"
         )

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pytest_gpumem.backends.tracker.allocator_blocks import AllocatorState, Block, Pool
-from pytest_gpumem.backends.tracker.allocator_config import SMALL_BUFFER
+from cuda_allocator_model.blocks import AllocatorState, Block, Pool
+from cuda_allocator_model.settings import SMALL_BUFFER
 
 
 class ExpandableSegments(AllocatorState):

@@ -80,21 +80,21 @@ the expandable-segments hint; ours gives it only when more than 20% of reserved 
 and expandable segments are off.
 
 Where the rules live: here `malloc` and `free` (request size, best fit, the split decision, merging: the
-hot path, written out), `allocator_blocks` (segments, blocks, pools, the split itself, the invariants),
-`allocator_oom` (new segments, the retries, the error), `allocator_expandable` (expandable segments),
-`allocator_config` (the settings and constants).
+hot path, written out), `blocks` (segments, blocks, pools, the split itself, the invariants),
+`oom` (new segments, the retries, the error), `expandable` (expandable segments),
+`settings` (the settings and constants).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, insort
 
-from pytest_gpumem.backends.tracker.allocator_blocks import Block
-from pytest_gpumem.backends.tracker.allocator_config import MIN_BLOCK, ONE_EXABYTE, AllocatorSettings
-from pytest_gpumem.backends.tracker.allocator_expandable import expandable_best_fit
-from pytest_gpumem.backends.tracker.allocator_oom import AllocatorOutOfMemory, NewMemory
+from cuda_allocator_model.blocks import Block
+from cuda_allocator_model.expandable import expandable_best_fit
+from cuda_allocator_model.oom import AllocatorOutOfMemory, NewMemory
+from cuda_allocator_model.settings import MIN_BLOCK, ONE_EXABYTE, AllocatorSettings
 
-__all__ = ["AllocatorOutOfMemory", "AllocatorSettings", "CachingAllocatorModel"]  # settings: allocator_config
+__all__ = ["AllocatorOutOfMemory", "AllocatorSettings", "CachingAllocatorModel"]
 
 
 class CachingAllocatorModel(NewMemory):

@@ -7,11 +7,11 @@ from collections.abc import Sequence
 from html import escape
 from typing import TYPE_CHECKING
 
-from pytest_gpumem.sizes import format_size
+from cuda_allocator_model.sizes import format_size
 
 if TYPE_CHECKING:
-    from pytest_gpumem.snapshots.read import Snapshot
-    from pytest_gpumem.snapshots.whatif import DeviceReplay
+    from cuda_allocator_model.snapshots.read import Snapshot
+    from cuda_allocator_model.snapshots.whatif import DeviceReplay
 
 __all__ = ["page"]
 

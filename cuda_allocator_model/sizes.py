@@ -6,7 +6,7 @@ import math
 import re
 from decimal import Decimal, InvalidOperation
 
-from pytest_gpumem.errors import GpuMemError
+from cuda_allocator_model.errors import ModelError
 
 _DECIMAL_PREFIXES = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
 _BINARY_PREFIXES = {"k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
@@ -38,31 +38,31 @@ def _unit_factor(unit: str) -> int | None:
 def parse_size(value: object) -> int:
     """Bytes from an int or a string such as "1.5 GiB", "800MB", "4096" (units case-insensitive)."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise GpuMemError(f"size must be an int (bytes) or a string like '64 MiB', got {shorten(value)}")
+        raise ModelError(f"size must be an int (bytes) or a string like '64 MiB', got {shorten(value)}")
     if isinstance(value, int):
         if value < 0:
-            raise GpuMemError(f"size must not be negative, got {shorten(value)}")
+            raise ModelError(f"size must not be negative, got {shorten(value)}")
         return _bounded(value, value)
     if len(value) > MAX_TEXT:
-        raise GpuMemError(f"size text must be at most {MAX_TEXT} characters, got {shorten(value)}")
+        raise ModelError(f"size text must be at most {MAX_TEXT} characters, got {shorten(value)}")
     match = _SIZE_RE.match(value)
     if match is None:
-        raise GpuMemError(f"cannot read size {value!r}: expected a number and a unit ({_UNITS_HELP})")
+        raise ModelError(f"cannot read size {value!r}: expected a number and a unit ({_UNITS_HELP})")
     factor = _unit_factor(match["unit"])
     if factor is None:
-        raise GpuMemError(f"unknown unit {match['unit']!r} in size {value!r}: use one of {_UNITS_HELP}")
+        raise ModelError(f"unknown unit {match['unit']!r} in size {value!r}: use one of {_UNITS_HELP}")
     try:
         number = Decimal(match["number"])
     except InvalidOperation:  # pragma: no cover - the regex admits only decimals
-        raise GpuMemError(f"cannot read size {value!r}") from None
+        raise ModelError(f"cannot read size {value!r}") from None
     if number < 0:
-        raise GpuMemError(f"size must not be negative, got {value!r}")
+        raise ModelError(f"size must not be negative, got {value!r}")
     return _bounded(int(number * factor), value)
 
 
 def _bounded(size: int, value: object) -> int:
     if size > MAX_BYTES:
-        raise GpuMemError(f"size must be below 2**63 bytes, got {shorten(value)}")
+        raise ModelError(f"size must be below 2**63 bytes, got {shorten(value)}")
     return size
 
 

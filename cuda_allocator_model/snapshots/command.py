@@ -18,14 +18,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pytest_gpumem.backends.tracker.allocator_config import AllocatorSettings
-from pytest_gpumem.cards import parse_capacity
-from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.sizes import format_size
-from pytest_gpumem.snapshots.agreement import Agreement, agree
-from pytest_gpumem.snapshots.read import Snapshot, read_snapshot
-from pytest_gpumem.snapshots.start import StartState
-from pytest_gpumem.snapshots.whatif import DeviceReplay, WhatIf, what_if
+from cuda_allocator_model.cards import parse_capacity
+from cuda_allocator_model.errors import ModelError
+from cuda_allocator_model.settings import AllocatorSettings
+from cuda_allocator_model.sizes import format_size
+from cuda_allocator_model.snapshots.agreement import Agreement, agree
+from cuda_allocator_model.snapshots.read import Snapshot, read_snapshot
+from cuda_allocator_model.snapshots.start import StartState
+from cuda_allocator_model.snapshots.whatif import DeviceReplay, WhatIf, what_if
 
 __all__ = ["add_parser", "run"]
 
@@ -60,7 +60,7 @@ def alloc_conf(value: str) -> str:
     """A PYTORCH_CUDA_ALLOC_CONF value torch would accept, as given."""
     try:
         AllocatorSettings.parse(value)
-    except GpuMemError as exc:
+    except ModelError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return value
 
@@ -69,16 +69,16 @@ def capacity(value: str) -> str:
     """A capacity `parse_capacity` reads, as given."""
     try:
         parse_capacity(value)
-    except GpuMemError as exc:
+    except ModelError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return value
 
 
 def run(args: argparse.Namespace, write: Write, say: Say) -> int:
-    """Replay, print, write what was asked; GpuMemError (one line) for a file that is no snapshot."""
+    """Replay, print, write what was asked; ModelError (one line) for a file that is no snapshot."""
     snapshot = read_snapshot(args.snapshot)
     if args.against is not None:
-        from pytest_gpumem.snapshots.against import run_against
+        from cuda_allocator_model.snapshots.against import run_against
 
         return run_against(args, snapshot, write, say)
     replays = _replay_all(snapshot, args.alloc_conf, args.capacity)
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace, write: Write, say: Say) -> int:
     if args.json is not None:
         write(args.json, json_text(snapshot, replays))
     if args.html is not None:
-        from pytest_gpumem.snapshots.page import page
+        from cuda_allocator_model.snapshots.page import page
 
         write(args.html, page(snapshot, replays))
     return 0

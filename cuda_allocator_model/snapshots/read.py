@@ -5,7 +5,7 @@ The unpickler refuses every global (no class, no function, no reducer: a snapsho
 tuples, strings, numbers and booleans), so a file can only describe memory, never act. Every format since
 torch 2.0 reads: the keys a version added (`time_us`, `allocator_settings`, `external_annotations`,
 `compile_context`, `user_metadata`, `device_free`) are optional. Anything else (not a pickle, a cut file, a
-Git LFS pointer, a pickle with a global, a dict without a snapshot's shape) raises `GpuMemError` with one
+Git LFS pointer, a pickle with a global, a dict without a snapshot's shape) raises `ModelError` with one
 line naming the file and what was found.
 """
 
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, NamedTuple, TypeVar
 
-from pytest_gpumem.backends.tracker.allocator_config import INTERVALS, AllocatorSettings
-from pytest_gpumem.errors import GpuMemError
+from cuda_allocator_model.errors import ModelError
+from cuda_allocator_model.settings import INTERVALS, AllocatorSettings
 
 __all__ = [
     "ACTIONS",
@@ -141,11 +141,11 @@ class _NoGlobals(pickle.Unpickler):
 
 
 def read_snapshot(path: str | Path) -> Snapshot:
-    """The snapshot in the file at `path`; GpuMemError (one line, naming the file) for anything else."""
+    """The snapshot in the file at `path`; ModelError (one line, naming the file) for anything else."""
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
-        raise GpuMemError(f"{path}: cannot read the snapshot ({exc.strerror or type(exc).__name__})") from None
+        raise ModelError(f"{path}: cannot read the snapshot ({exc.strerror or type(exc).__name__})") from None
     return snapshot_from_bytes(data, str(path))
 
 
@@ -155,7 +155,7 @@ def snapshot_from_bytes(data: bytes, name: str = "<bytes>") -> Snapshot:
         raw = _unpickle(data)
         return _snapshot(raw, name)
     except _Refuse as exc:
-        raise GpuMemError(f"{name}: {exc}") from None
+        raise ModelError(f"{name}: {exc}") from None
 
 
 def _unpickle(data: bytes) -> Any:
@@ -346,7 +346,7 @@ def _settings(raw: object) -> tuple[AllocatorSettings | None, str | None]:
             roundup_power2_divisions=divisions,
             expandable_segments=_field(raw, "expandable_segments", bool, where, False),
         )
-    except GpuMemError as exc:
+    except ModelError as exc:
         raise _Refuse(f"allocator_settings: {exc}") from None
     return settings, conf
 

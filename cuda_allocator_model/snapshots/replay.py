@@ -20,8 +20,8 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass
 
-from pytest_gpumem.backends.tracker.allocator import AllocatorSettings, CachingAllocatorModel
-from pytest_gpumem.snapshots.read import Event, Snapshot
+from cuda_allocator_model.model import AllocatorSettings, CachingAllocatorModel
+from cuda_allocator_model.snapshots.read import Event, Snapshot
 
 __all__ = ["CardFigures", "replay", "starts_empty"]
 

@@ -7,7 +7,7 @@ from bisect import bisect_right
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from pytest_gpumem.backends.tracker.allocator import CachingAllocatorModel
+    from cuda_allocator_model.model import CachingAllocatorModel
 
 
 class ServedByModel(Protocol):

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.snapshots.read import Snapshot, read_snapshot, snapshot_from_bytes
-from pytest_gpumem.snapshots.replay import replay, starts_empty
+from cuda_allocator_model import ModelError
+from cuda_allocator_model.snapshots.read import Snapshot, read_snapshot, snapshot_from_bytes
+from cuda_allocator_model.snapshots.replay import replay, starts_empty
 
 MiB = 1 << 20
 FROM_EMPTY = {  # the catalog's from-empty traces
@@ -65,7 +65,7 @@ def hand_made() -> dict[str, Any]:
 
 
 def refusal(data: bytes) -> str:
-    with pytest.raises(GpuMemError) as caught:
+    with pytest.raises(ModelError) as caught:
         snapshot_from_bytes(data, "card.pickle")
     message = str(caught.value)
     assert "\n" not in message and message.startswith("card.pickle: ")
@@ -124,7 +124,7 @@ def test_a_text_file_is_refused() -> None:
 
 
 def test_a_missing_file_is_refused_with_its_name(tmp_path: Path) -> None:
-    with pytest.raises(GpuMemError, match=r"nothing\.pickle: cannot read"):
+    with pytest.raises(ModelError, match=r"nothing\.pickle: cannot read"):
         read_snapshot(tmp_path / "nothing.pickle")
 
 

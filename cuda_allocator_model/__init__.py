@@ -1,0 +1,104 @@
+"""A model of PyTorch's CUDA caching allocator, without torch: blocks, segments, pools and the settings of
+`PYTORCH_CUDA_ALLOC_CONF`, the cards' capacities, and byte sizes for people. Reading and replaying a
+card's memory snapshot is `cuda_allocator_model.snapshots`. Names are imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cuda_allocator_model.blocks import Block as Block
+    from cuda_allocator_model.blocks import Segment as Segment
+    from cuda_allocator_model.cards import CARDS as CARDS
+    from cuda_allocator_model.cards import CUBLAS_WORKSPACE_DEFAULT as CUBLAS_WORKSPACE_DEFAULT
+    from cuda_allocator_model.cards import Capacity as Capacity
+    from cuda_allocator_model.cards import Card as Card
+    from cuda_allocator_model.cards import capacity_bytes as capacity_bytes
+    from cuda_allocator_model.cards import cublas_workspace_bytes as cublas_workspace_bytes
+    from cuda_allocator_model.cards import find_card as find_card
+    from cuda_allocator_model.cards import parse_capacity as parse_capacity
+    from cuda_allocator_model.errors import ModelError as ModelError
+    from cuda_allocator_model.model import CachingAllocatorModel as CachingAllocatorModel
+    from cuda_allocator_model.oom import AllocatorOutOfMemory as AllocatorOutOfMemory
+    from cuda_allocator_model.settings import INTERVALS as INTERVALS
+    from cuda_allocator_model.settings import MIN_BLOCK as MIN_BLOCK
+    from cuda_allocator_model.settings import SMALL_BUFFER as SMALL_BUFFER
+    from cuda_allocator_model.settings import UNLIMITED as UNLIMITED
+    from cuda_allocator_model.settings import AllocatorSettings as AllocatorSettings
+    from cuda_allocator_model.sizes import MAX_BYTES as MAX_BYTES
+    from cuda_allocator_model.sizes import MAX_TEXT as MAX_TEXT
+    from cuda_allocator_model.sizes import format_size as format_size
+    from cuda_allocator_model.sizes import integer_words as integer_words
+    from cuda_allocator_model.sizes import is_binary as is_binary
+    from cuda_allocator_model.sizes import parse_size as parse_size
+    from cuda_allocator_model.sizes import shorten as shorten
+    from cuda_allocator_model.trace import AllocatorTrace as AllocatorTrace
+    from cuda_allocator_model.trace import ServedByModel as ServedByModel
+
+_HOMES = {
+    "AllocatorOutOfMemory": "cuda_allocator_model.oom",
+    "AllocatorSettings": "cuda_allocator_model.settings",
+    "AllocatorTrace": "cuda_allocator_model.trace",
+    "Block": "cuda_allocator_model.blocks",
+    "CARDS": "cuda_allocator_model.cards",
+    "CUBLAS_WORKSPACE_DEFAULT": "cuda_allocator_model.cards",
+    "CachingAllocatorModel": "cuda_allocator_model.model",
+    "Capacity": "cuda_allocator_model.cards",
+    "Card": "cuda_allocator_model.cards",
+    "INTERVALS": "cuda_allocator_model.settings",
+    "MAX_BYTES": "cuda_allocator_model.sizes",
+    "MAX_TEXT": "cuda_allocator_model.sizes",
+    "MIN_BLOCK": "cuda_allocator_model.settings",
+    "ModelError": "cuda_allocator_model.errors",
+    "SMALL_BUFFER": "cuda_allocator_model.settings",
+    "Segment": "cuda_allocator_model.blocks",
+    "ServedByModel": "cuda_allocator_model.trace",
+    "UNLIMITED": "cuda_allocator_model.settings",
+    "capacity_bytes": "cuda_allocator_model.cards",
+    "cublas_workspace_bytes": "cuda_allocator_model.cards",
+    "find_card": "cuda_allocator_model.cards",
+    "format_size": "cuda_allocator_model.sizes",
+    "integer_words": "cuda_allocator_model.sizes",
+    "is_binary": "cuda_allocator_model.sizes",
+    "parse_capacity": "cuda_allocator_model.cards",
+    "parse_size": "cuda_allocator_model.sizes",
+    "shorten": "cuda_allocator_model.sizes",
+}
+
+__all__ = [
+    "CARDS",
+    "CUBLAS_WORKSPACE_DEFAULT",
+    "INTERVALS",
+    "MAX_BYTES",
+    "MAX_TEXT",
+    "MIN_BLOCK",
+    "SMALL_BUFFER",
+    "UNLIMITED",
+    "AllocatorOutOfMemory",
+    "AllocatorSettings",
+    "AllocatorTrace",
+    "Block",
+    "CachingAllocatorModel",
+    "Capacity",
+    "Card",
+    "ModelError",
+    "Segment",
+    "ServedByModel",
+    "capacity_bytes",
+    "cublas_workspace_bytes",
+    "find_card",
+    "format_size",
+    "integer_words",
+    "is_binary",
+    "parse_capacity",
+    "parse_size",
+    "shorten",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        return getattr(importlib.import_module(_HOMES[name]), name)
+    raise AttributeError(f"module 'cuda_allocator_model' has no attribute {name!r}")
