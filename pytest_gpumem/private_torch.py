@@ -212,12 +212,34 @@ def no_dispatch_modes() -> AbstractContextManager[Any]:
     return _disable_current_modes()
 
 
+def pytree_map(function: Callable[[Any], Any], tree: object) -> Any:
+    """`tree` with `function` applied to each leaf torch's pytree sees (an optimizer's state, copied); the
+    module is private."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(function, tree)
+
+
 def pytree_leaves(tree: object) -> list[Any]:
     """The leaves torch's pytree sees in an op's output (tuples, lists, dicts, namedtuples, registered
     types); the module is private."""
     from torch.utils._pytree import tree_leaves
 
     return tree_leaves(tree)
+
+
+def function_mode_stack() -> list[Any]:
+    """This thread's torch-function modes, innermost last; no public API lists them."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    return list(_get_current_function_mode_stack())  # type: ignore[no-untyped-call]
+
+
+def pop_function_mode() -> Any:
+    """Take the innermost torch-function mode off this thread's stack without exiting it (one a test left on)."""
+    from torch.overrides import _pop_mode
+
+    return _pop_mode()  # type: ignore[no-untyped-call]
 
 
 # --- Dynamo and Inductor ----------------------------------------------------------------------------
@@ -396,6 +418,30 @@ def module_apply() -> tuple[Any, str]:
     import torch
 
     return torch.nn.Module, "_apply"
+
+
+def dropout_base() -> type[Any]:
+    """The base class of every dropout module (`Dropout`, `Dropout1d/2d/3d`, `AlphaDropout`, ...): no public
+    class or flag says that a module draws random numbers."""
+    import torch
+
+    return torch.nn.modules.dropout._DropoutNd
+
+
+def takes_foreach(params: list[Any]) -> bool:
+    """Whether an optimizer given neither `foreach` nor `fused` takes the foreach (multi-tensor) kernels for
+    `params`, as its own default decides (by their devices and types); no public API asks."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    return bool(_default_to_fused_or_foreach(params, differentiable=False, use_fused=False)[1])
+
+
+def fake_store() -> Any:
+    """A store for the `fake` process group (a world of one process playing any rank): torch ships it only
+    under `torch.testing._internal`."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
 
 
 def foreach_devices() -> tuple[Any, str]:

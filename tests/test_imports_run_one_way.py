@@ -225,3 +225,88 @@ def test_the_plugin_uses_only_the_allocator_models_public_names() -> None:
         and other.rpartition(".")[0] not in MODEL_PUBLIC
     )
     assert private == []
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _chain(node: ast.expr) -> list[str]:
+    """`a.b.c` as ["a", "b", "c"]; [] for anything but names and attributes."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else []
+
+
+def private_names(path: Path, roots: tuple[str, ...]) -> list[str]:
+    """Where the module at `path` names a private attribute of a module under `roots` (or of a name it
+    imported from one): imports, attributes and getattr-family literals. Operators reached through
+    `torch.ops` are the dispatcher's names (`aten._softmax`), not Python's private API."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    bound: set[str] = set()
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in roots:
+                    bound.add((alias.asname or alias.name).split(".")[0])
+                    if any(_private(part) for part in alias.name.split(".")):
+                        found.append(f"{node.lineno}: import {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in roots:
+            for alias in node.names:
+                if any(_private(part) for part in [*node.module.split("."), alias.name]):
+                    found.append(f"{node.lineno}: from {node.module} import {alias.name}")
+                bound.add(alias.asname or alias.name)
+    for node in ast.walk(tree):
+        target, name = None, None
+        if not isinstance(node, ast.expr):
+            continue
+        if isinstance(node, ast.Attribute):
+            target, name = node.value, node.attr
+        elif isinstance(node, ast.Call) and _chain(node.func)[-1:] in (["getattr"], ["hasattr"], ["setattr"]):
+            literal = node.args[1] if len(node.args) > 1 else None
+            if isinstance(literal, ast.Constant) and isinstance(literal.value, str):
+                target, name = node.args[0], literal.value
+        chain = [] if target is None else _chain(target)
+        if name and _private(name) and chain and chain[0] in bound and "ops" not in chain:
+            found.append(f"{node.lineno}: {'.'.join(chain)}.{name}")
+    return sorted(set(found))
+
+
+def test_no_module_but_private_torch_names_a_private_torch_attribute() -> None:
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{where}"
+        for root in (PACKAGE, REFERENCE, MODEL)
+        for path in sorted(root.rglob("*.py"))
+        if path != PACKAGE / "private_torch.py"
+        for where in private_names(path, ("torch",))
+    ]
+    assert found == []
+
+
+def test_cpythons_multiprocessing_internals_stay_in_the_fork_server() -> None:
+    server = PACKAGE / "distributed" / "server.py"
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{where}"
+        for root in (PACKAGE, REFERENCE, MODEL)
+        for path in sorted(root.rglob("*.py"))
+        if path != server
+        for where in private_names(path, ("multiprocessing",))
+    ]
+    assert found == [] and private_names(server, ("multiprocessing",)) != []
+
+
+def test_the_fence_sees_what_the_text_search_did_not(tmp_path: Path) -> None:
+    source = (
+        "import torch\nfrom torch import nn\nfrom torch.overrides import _pop_mode\n"
+        "x = nn.modules.dropout._DropoutNd\ny = getattr(torch.optim, '_hidden')\nz = torch.ops.aten._softmax\n"
+    )
+    path = tmp_path / "probe.py"
+    path.write_text(source, encoding="utf-8")
+    assert private_names(path, ("torch",)) == [
+        "3: from torch.overrides import _pop_mode",
+        "4: nn.modules.dropout._DropoutNd",
+        "5: torch.optim._hidden",
+    ]

@@ -243,6 +243,50 @@ def _module_apply() -> None:
     assert seen == [(1, 1), (1,)]  # the weight, then the bias
 
 
+def _pytree_map() -> None:
+    doubled = pt.pytree_map(lambda leaf: leaf * 2, {"step": torch.tensor(1.0), "buffers": [torch.ones(2)]})
+    assert doubled["step"].item() == 2.0 and doubled["buffers"][0].tolist() == [2.0, 2.0]
+
+
+def _function_mode_stack() -> None:
+    class Mode(torch.overrides.TorchFunctionMode):
+        pass
+
+    mode = Mode()
+    mode.__enter__()  # type: ignore[no-untyped-call]
+    try:
+        assert pt.function_mode_stack()[-1] is mode
+        assert pt.pop_function_mode() is mode and mode not in pt.function_mode_stack()
+    finally:
+        torch._C._push_on_torch_function_stack(mode)  # back, so that its own exit pops it
+        mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+    assert mode not in pt.function_mode_stack()
+
+
+def _dropout_base() -> None:
+    modules = (torch.nn.Dropout(), torch.nn.Dropout2d(), torch.nn.AlphaDropout(), torch.nn.FeatureAlphaDropout())
+    assert all(isinstance(module, pt.dropout_base()) for module in modules)
+    assert not isinstance(torch.nn.Linear(1, 1), pt.dropout_base())
+
+
+def _takes_foreach() -> None:
+    assert pt.takes_foreach([torch.ones(1, device="meta")]) is False  # neither has foreach kernels listed
+    assert pt.takes_foreach([torch.ones(1)]) is False
+    owner, name = pt.foreach_devices()
+    listed = getattr(owner, name)
+    setattr(owner, name, lambda: ["cpu"])
+    try:
+        assert pt.takes_foreach([torch.ones(1)]) is True  # the default follows the devices' list
+    finally:
+        setattr(owner, name, listed)
+
+
+def _fake_store() -> None:
+    import torch.distributed as dist
+
+    assert isinstance(pt.fake_store(), dist.Store)  # type: ignore[attr-defined]
+
+
 def _foreach_devices() -> None:
     owner, name = pt.foreach_devices()
     assert "cuda" in getattr(owner, name)()
@@ -355,6 +399,12 @@ CHECKS: dict[str, Callable[[], bool | None]] = {
     "amp_availability": _amp_availability,
     "jit_trace_module": _jit_trace_module,
     "foreach_devices": _foreach_devices,
+    "pytree_map": _pytree_map,
+    "function_mode_stack": _function_mode_stack,
+    "pop_function_mode": _function_mode_stack,
+    "dropout_base": _dropout_base,
+    "takes_foreach": _takes_foreach,
+    "fake_store": _fake_store,
     "module_apply": _module_apply,
     "clear_cublas_workspaces": _clear_cublas_workspaces,
     "record_memory_history": _record_memory_history,

@@ -14,10 +14,9 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_map
 
 from pytest_gpumem.advise.strategy import Target
+from pytest_gpumem.private_torch import dropout_base, no_dispatch_modes, pytree_map
 
 # Largest relative error (the norm of the difference over the norm of the as-is gradient) that counts
 # as equal, by the dtype the step computes in. fp32: reordered sums of up to ~1e4 terms move a result by
@@ -48,7 +47,7 @@ class Saved:
 
     def __init__(self, target: Target) -> None:
         self.target = target
-        with _disable_current_modes(), torch.no_grad():
+        with no_dispatch_modes(), torch.no_grad():
             self.params = [(p, p.detach().clone()) for p in target.parameters()]
             self.buffers = [(b, b.detach().clone()) for b in target.model.buffers()]
         self.names = _names(target)
@@ -61,7 +60,7 @@ class Saved:
 
     def _values(self) -> None:
         if self.dirty:
-            with _disable_current_modes(), torch.no_grad():
+            with no_dispatch_modes(), torch.no_grad():
                 for tensor, saved in [*self.params, *self.buffers]:
                     tensor.copy_(saved)
         torch.set_rng_state(self.rng)
@@ -72,12 +71,12 @@ class Saved:
         """Before a run: the saved values, fresh copies of gradients and of the optimizer's state."""
         self._values()
         self.dirty = True
-        with _disable_current_modes(), torch.no_grad():
+        with no_dispatch_modes(), torch.no_grad():
             for p, grad in self.grads:
                 p.grad = None if grad is None else grad.detach().clone()
             optimizer = self.target.optimizer
             if optimizer is not None and self.state is not None and self.groups is not None:
-                optimizer.state = defaultdict(dict, tree_map(_copy, dict(self.state)))
+                optimizer.state = defaultdict(dict, pytree_map(_copy, dict(self.state)))
                 optimizer.param_groups = [dict(group) for group in self.groups]
 
     def restore(self) -> None:
@@ -103,7 +102,7 @@ class Saved:
         if stepped:
             return {self.names[id(p)]: stepped[id(p)] for p, _ in self.params if id(p) in stepped}
         found: dict[str, torch.Tensor] = {}
-        with _disable_current_modes(), torch.no_grad():
+        with no_dispatch_modes(), torch.no_grad():
             for p, _ in self.params:
                 if p.grad is not None:
                     found[self.names[id(p)]] = p.grad.detach().to("cpu", copy=True)
@@ -112,7 +111,7 @@ class Saved:
 
 def scales(outcome: Mapping[str, torch.Tensor]) -> dict[str, float]:
     """What errors are relative to: each gradient's norm."""
-    with _disable_current_modes(), torch.no_grad():
+    with no_dispatch_modes(), torch.no_grad():
         return {key: max(float(value.float().norm()), 1e-30) for key, value in outcome.items()}
 
 
@@ -126,7 +125,7 @@ def compare(
         return "not checked: no gradients to compare", None, ""
     rtol = _GRADIENT_RTOL.get(dtype, _GRADIENT_RTOL[torch.float32])
     worst_key, worst = keys[0], 0.0
-    with _disable_current_modes(), torch.no_grad():
+    with no_dispatch_modes(), torch.no_grad():
         for key in keys:
             error = float(torch.dist(got[key].float(), ref[key].float())) / scale[key]
             if not error <= worst:  # NaN counts as the worst
@@ -140,7 +139,7 @@ def compare(
 def randomness(model: nn.Module) -> str:
     """What makes the step draw random numbers, as far as the model shows: '12 dropout modules in training
     mode', else only that torch's generator moved."""
-    dropouts = [m for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0]
+    dropouts = [m for m in model.modules() if isinstance(m, dropout_base()) and m.training and m.p > 0]
     if not dropouts:
         return "the step draws from torch's random number generator"
     return f"{len(dropouts)} dropout module{'s' if len(dropouts) > 1 else ''} in training mode"

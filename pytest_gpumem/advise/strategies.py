@@ -245,13 +245,13 @@ def _post_accumulate_hook(patch: Patch, param: torch.Tensor, hook: Callable[[tor
 
 def _foreach_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """The parameter groups that take the foreach (multi-tensor) implementation."""
-    from torch.optim.optimizer import _default_to_fused_or_foreach
+    from pytest_gpumem.private_torch import takes_foreach
 
     found = []
     for group in optimizer.param_groups:
         chosen = group.get("foreach")
         if chosen is None and not group.get("fused"):
-            _, chosen = _default_to_fused_or_foreach(group["params"], differentiable=False, use_fused=False)
+            chosen = takes_foreach(group["params"])
         if chosen:
             found.append(group)
     return found

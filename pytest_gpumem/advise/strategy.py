@@ -149,10 +149,10 @@ class Run:
 
     def keep_grad(self, param: torch.Tensor) -> None:
         """A host copy of `param`'s gradient now, made unseen by any dispatch mode (not measured)."""
-        from torch.utils._python_dispatch import _disable_current_modes
+        from pytest_gpumem.private_torch import no_dispatch_modes
 
         if self.check and param.grad is not None:
-            with _disable_current_modes():
+            with no_dispatch_modes():
                 self.grads[id(param)] = param.grad.detach().to("cpu", copy=True)
 
 

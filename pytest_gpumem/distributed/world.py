@@ -107,9 +107,9 @@ class Worlds:
             raise GpuMemError(
                 "gpumem.simulate_rank(): this process already has a process group; it cannot be simulated"
             )
-        from torch.testing._internal.distributed.fake_pg import FakeStore
+        from pytest_gpumem.private_torch import fake_store
 
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
         try:
             return fn(rank, world_size, meter, *args)
         finally:

@@ -240,9 +240,9 @@ def _fused_attention_class() -> type[Any]:
 @contextlib.contextmanager
 def on_stack(mode: Any) -> Iterator[None]:
     """Within the block, `mode` is on this thread's torch-function mode stack (pushed if it is not)."""
-    from torch.overrides import _get_current_function_mode_stack
+    from pytest_gpumem.private_torch import function_mode_stack
 
-    if mode in _get_current_function_mode_stack():  # type: ignore[no-untyped-call]
+    if mode in function_mode_stack():
         yield
         return
     mode.__enter__()
@@ -254,11 +254,10 @@ def on_stack(mode: Any) -> Iterator[None]:
 
 def leave_function_mode(mode: Any) -> None:
     """Take `mode` off this thread's torch-function mode stack, with any the test left above it."""
-    from torch.overrides import _get_current_function_mode_stack, _pop_mode
+    from pytest_gpumem.private_torch import function_mode_stack, pop_function_mode
 
-    stack = _get_current_function_mode_stack  # untyped in torch
-    if mode not in stack():  # type: ignore[no-untyped-call]
+    if mode not in function_mode_stack():
         return
-    while stack()[-1] is not mode:  # type: ignore[no-untyped-call]
-        _pop_mode()  # type: ignore[no-untyped-call]
+    while function_mode_stack()[-1] is not mode:
+        pop_function_mode()
     mode.__exit__(None, None, None)
