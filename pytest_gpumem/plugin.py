@@ -12,7 +12,7 @@ from pytest_gpumem import hookspecs
 from pytest_gpumem.budget import MARKER, MARKER_SIGNATURE
 from pytest_gpumem.config import add_options, read_options
 from pytest_gpumem.run.regression import BaselineRun
-from pytest_gpumem.run.session import MEASUREMENT_KEY, GpuMemSession
+from pytest_gpumem.run.session import BASELINES, MEASUREMENT_KEY, REGISTERED, XDIST, GpuMemSession
 from pytest_gpumem.run.xdist import worker_id
 
 if TYPE_CHECKING:
@@ -78,13 +78,22 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[SESSION_KEY] = session
     session.assign_device()
     if session.baselines.active:
-        config.pluginmanager.register(session.baselines, "gpumem-baselines")
+        config.pluginmanager.register(session.baselines, BASELINES)
     if options.backend_given:
         _header(session)
     if config.pluginmanager.hasplugin("xdist"):
         from pytest_gpumem.run.xdist import XdistResults
 
-        config.pluginmanager.register(XdistResults(session.add), "gpumem-xdist")
+        config.pluginmanager.register(XdistResults(session.add), XDIST)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The plugins this run registered leave with it (as pytest's own junitxml does): an in-process run
+    that follows, under pytester, starts without them."""
+    for name in REGISTERED:
+        plugin = config.pluginmanager.get_plugin(name)
+        if plugin is not None:
+            config.pluginmanager.unregister(plugin, name)
 
 
 @pytest.hookimpl(trylast=True)

@@ -110,3 +110,26 @@ def test_a_compiled_function_keeps_its_program_across_measurements_on_meta() -> 
 def test_inner_runs_see_no_terminal_width_of_the_caller() -> None:
     # the report fits COLUMNS: a suite run from a 90-column terminal would narrow every inner report
     assert "COLUMNS" not in os.environ
+
+
+def test_the_plugins_a_run_registers_leave_with_it(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(
+        """
+        import pytest
+
+        NAMES = ("gpumem-session", "gpumem-baselines", "gpumem-xdist")
+
+        def pytest_sessionfinish(session):
+            registered = [name for name in NAMES if session.config.pluginmanager.has_plugin(name)]
+            (session.config.rootpath / "during.txt").write_text(" ".join(registered))
+
+        @pytest.hookimpl(trylast=True)
+        def pytest_unconfigure(config):
+            left = [name for name in NAMES if config.pluginmanager.has_plugin(name)]
+            (config.rootpath / "after.txt").write_text(" ".join(left))
+        """
+    )
+    pytester.makepyfile("def test_one(gpumem):\n    pass\n")
+    pytester.runpytest("-p", "xdist", "--gpumem-update=all").assert_outcomes(passed=1)
+    assert (pytester.path / "during.txt").read_text() == "gpumem-session gpumem-baselines gpumem-xdist"
+    assert (pytester.path / "after.txt").read_text() == ""

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 MEASUREMENT_KEY = pytest.StashKey["Measurement"]()
 JUDGE = "gpumem-session"  # the name of the plugin that measures test calls, registered in runs that measure
+BASELINES = "gpumem-baselines"  # the baseline run's hooks, registered where baselines are read or written
+XDIST = "gpumem-xdist"  # the controller's hand-over hooks, registered where xdist is installed
+REGISTERED = (JUDGE, BASELINES, XDIST)  # every plugin a run registers, removed at its end
 
 
 def _marked_meta(item: pytest.Item) -> bool:
