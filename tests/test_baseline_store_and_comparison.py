@@ -644,7 +644,7 @@ def test_unused_and_prune_touch_only_this_device(path: Path) -> None:
     [
         "pytest_gpumem.baselines.schema, pytest_gpumem.baselines.file, pytest_gpumem.baselines.update, "
         "pytest_gpumem.baselines.compare, pytest_gpumem.results.baseline",
-        "pytest_gpumem.gradients.fingerprint, pytest_gpumem.gradients.compare, pytest_gpumem.results.gradients",
+        "pytest_gpumem.gradients.fingerprint, pytest_gpumem.gradients.mismatches, pytest_gpumem.results.gradients",
     ],
     ids=["baselines", "gradients"],
 )

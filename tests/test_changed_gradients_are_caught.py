@@ -10,9 +10,9 @@ import pytest
 import torch
 from builders import model_with_grads
 
-from pytest_gpumem.gradients import compare as GC
-from pytest_gpumem.gradients.compare import compare_fingerprints
+from pytest_gpumem.gradients import mismatches as GC
 from pytest_gpumem.gradients.fingerprint import fingerprint
+from pytest_gpumem.gradients.mismatches import compare_fingerprints
 from pytest_gpumem.results.gradients import Fingerprint, GradStats, ParamFingerprint
 
 

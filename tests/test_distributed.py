@@ -25,7 +25,7 @@ from pytest_gpumem.distributed.spawn import Deadlines, Progress
 from pytest_gpumem.distributed.worker import InRank
 from pytest_gpumem.distributed.world import check_call, check_phase_names, check_started, explained
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.explain.replay import of_worlds, with_ranks
+from pytest_gpumem.explain.composition import of_worlds, with_ranks
 from pytest_gpumem.explain.text import made_of
 from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.measure.meter import GpuMem

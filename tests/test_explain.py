@@ -21,8 +21,8 @@ from builders import Reported
 from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.budget import budget_from_marker
 from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.explain.composition import on_rank
 from pytest_gpumem.explain.growth import what_grew
-from pytest_gpumem.explain.replay import on_rank
 from pytest_gpumem.explain.text import describe
 from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.results.baseline import check_composition

@@ -9,7 +9,7 @@ from builders import Reported
 
 from pytest_gpumem.baselines.compare import Tolerance, compare
 from pytest_gpumem.budget import budget_from_marker
-from pytest_gpumem.measure.failures import Holding
+from pytest_gpumem.measure.oom_and_leaks import Holding
 from pytest_gpumem.measure.record import CallRecord
 from pytest_gpumem.outcome import judge
 from pytest_gpumem.report.failures import LINE_WIDTH, budget_line, fit_line, verdict_line

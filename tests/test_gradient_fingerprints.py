@@ -13,8 +13,8 @@ from builders import model_with_grads
 from torch import nn
 
 from pytest_gpumem.gradients import fingerprint as G
-from pytest_gpumem.gradients.compare import compare_fingerprints
 from pytest_gpumem.gradients.fingerprint import fingerprint
+from pytest_gpumem.gradients.mismatches import compare_fingerprints
 from pytest_gpumem.results.gradients import Fingerprint, GradStats, ParamFingerprint
 
 

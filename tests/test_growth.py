@@ -10,9 +10,9 @@ import pytest
 from cuda_allocator_model.sizes import format_size
 from pytest_gpumem.baselines.compare import Tolerance, change_text, compare_peak
 from pytest_gpumem.explain.blocks import fold, repeated_blocks
+from pytest_gpumem.explain.composition import OTHER_MODULES, folded_cells
 from pytest_gpumem.explain.growth import compact
 from pytest_gpumem.explain.growth import what_grew as what_grew_typed
-from pytest_gpumem.explain.replay import OTHER_MODULES, folded_cells
 from pytest_gpumem.results.baseline import check_composition
 from pytest_gpumem.results.explanation import (
     Cell,

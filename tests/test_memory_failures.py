@@ -16,7 +16,7 @@ from builders import Reported
 
 from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
-from pytest_gpumem.measure.failures import leak_holding
+from pytest_gpumem.measure.oom_and_leaks import leak_holding
 
 LEAKS = """
 import pytest, torch

@@ -11,8 +11,8 @@ import pytest
 import torch
 from builders import assert_one_line_failure, run, stored_gradients, strict_json
 
-from pytest_gpumem.gradients.compare import compare_fingerprints
 from pytest_gpumem.gradients.fingerprint import fingerprint
+from pytest_gpumem.gradients.mismatches import compare_fingerprints
 
 # ------------------------------------------------------------------------------- gradients as a dict
 

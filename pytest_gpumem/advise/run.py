@@ -32,7 +32,7 @@ from pytest_gpumem.advise.strategies import all_strategies, conflict, ordered
 from pytest_gpumem.advise.strategy import OptimizerShim, Patch, Run, Strategy, Target, find_blocks
 from pytest_gpumem.backends.tracker.ledger import cuda_block_size
 from pytest_gpumem.errors import GpuMemError, exception_text
-from pytest_gpumem.measure.failures import release_memory
+from pytest_gpumem.measure.oom_and_leaks import release_memory
 from pytest_gpumem.measure.regions import RegionStack
 from pytest_gpumem.private_torch import TorchDispatchMode, in_backward, pytree_leaves, storage_key
 from pytest_gpumem.results.advice import AS_IS, NOT_CHECKED, Advice, PhasePeak, Row, capacity_bytes, held_bytes

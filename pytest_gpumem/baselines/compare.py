@@ -27,7 +27,7 @@ from fractions import Fraction
 from cuda_allocator_model import format_size
 from pytest_gpumem.baselines.schema import BaselineStore
 from pytest_gpumem.constants import DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT
-from pytest_gpumem.gradients.compare import compare_fingerprints
+from pytest_gpumem.gradients.mismatches import compare_fingerprints
 from pytest_gpumem.results.baseline import BaselineStatus, DeviceIdentity, Entry, Environment, PhaseComparison, Verdict
 from pytest_gpumem.results.checks import check_bytes, short
 from pytest_gpumem.results.explanation import Composition

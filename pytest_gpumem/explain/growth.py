@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from cuda_allocator_model import format_size
 from pytest_gpumem.explain.blocks import fold
-from pytest_gpumem.explain.replay import OTHER_MODULES, changes
+from pytest_gpumem.explain.composition import OTHER_MODULES, changes
 from pytest_gpumem.results.categories import LABELS
 from pytest_gpumem.results.explanation import Cell, Composition, Explanation, PhaseComposition
 

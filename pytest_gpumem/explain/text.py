@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from cuda_allocator_model import format_size
-from pytest_gpumem.explain.replay import TOP_MODULES, changes, largest
+from pytest_gpumem.explain.composition import TOP_MODULES, changes, largest
 from pytest_gpumem.results.explanation import Explanation, PhaseExplanation, ReservedAtPeak, Tensor
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pytest_gpumem.backends.base import Backend, collect_garbage
 from pytest_gpumem.errors import GpuMemError, one_line
-from pytest_gpumem.measure.failures import Holding, leak_holding
+from pytest_gpumem.measure.oom_and_leaks import Holding, leak_holding
 from pytest_gpumem.measure.record import CallRecord, SimulatedRank
 from pytest_gpumem.measure.regions import RegionStack
 from pytest_gpumem.results import PhaseResult
@@ -172,7 +172,7 @@ class Measurement:
         self._worlds.append(world)
         explained = world.explanation
         if explained is not None:
-            from pytest_gpumem.explain.replay import of_worlds
+            from pytest_gpumem.explain.composition import of_worlds
 
             earlier = self._ranks_explained
             self._ranks_explained = explained if earlier is None else of_worlds(earlier, explained)
@@ -273,7 +273,7 @@ class Measurement:
         return survivors, holding, trace
 
     def _explained(self, attribution: Attributor, call: PhaseResult) -> Explanation | None:
-        from pytest_gpumem.explain.replay import explain
+        from pytest_gpumem.explain.composition import explain
 
         name = self.backend.name if self._shadow is None else f"{self.backend.name} (composition from a shadow tracker)"
         self._notes += [f"the explanation may be incomplete: {problem}" for problem in attribution.problems]
@@ -282,7 +282,7 @@ class Measurement:
             ranks = self._ranks_explained
             if ranks is None:
                 return explained
-            from pytest_gpumem.explain.replay import with_ranks
+            from pytest_gpumem.explain.composition import with_ranks
 
             return with_ranks(explained, ranks, ranks_peak=call.rank is not None)
         except Exception as exc:  # an explanation never changes the test's outcome

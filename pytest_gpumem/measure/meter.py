@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, final
 
 from pytest_gpumem.backends.base import Backend
 from pytest_gpumem.errors import GpuMemError, from_the_model
-from pytest_gpumem.measure.failures import is_out_of_memory, release_memory
+from pytest_gpumem.measure.oom_and_leaks import is_out_of_memory, release_memory
 from pytest_gpumem.measure.regions import RegionStack, mark_phase
 from pytest_gpumem.results import PhaseResult
 

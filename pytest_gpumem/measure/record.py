@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pytest_gpumem.backends.tracker.recording import Survivor
-    from pytest_gpumem.measure.failures import Holding
     from pytest_gpumem.measure.fit import BatchFit
+    from pytest_gpumem.measure.oom_and_leaks import Holding
     from pytest_gpumem.results import PhaseResult
     from pytest_gpumem.results.advice import Advice
     from pytest_gpumem.results.explanation import Explanation

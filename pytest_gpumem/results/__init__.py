@@ -175,7 +175,7 @@ class TestResult:
     baseline_entry: Entry | None = None
     notes: list[str] = field(default_factory=list)
     worker_device: str | None = None  # under --gpumem-devices: which of the caller's devices a worker used
-    explanation: Explanation | None = None  # what made each peak (pytest_gpumem.explain.replay), when asked for
+    explanation: Explanation | None = None  # what made each peak (pytest_gpumem.explain.composition), when asked for
     html_path: str | None = None  # the picture of an explained test (--gpumem-html)
     fits: list[str] = field(default_factory=list)
     advice: Advice | None = None

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from cuda_allocator_model import MAX_BYTES
 from pytest_gpumem.results.checks import (
     check_bytes,
     count,
@@ -145,7 +146,7 @@ class Entry:
         for name, value in phases.items():
             if not isinstance(name, str) or not name:
                 raise ValueError(f"phases: phase names must be non-empty strings, got {short(name)}")
-            if type(value) is not int or not 0 <= value < 2**63:  # the name is formatted only when needed
+            if type(value) is not int or not 0 <= value <= MAX_BYTES:  # the name is formatted only when needed
                 check_bytes(value, f"phases[{json_key(name)}]")
         object.__setattr__(self, "phases", phases)
         for attr in ("torch", "cuda"):

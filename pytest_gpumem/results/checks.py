@@ -5,22 +5,19 @@ from __future__ import annotations
 from json.encoder import encode_basestring
 from typing import Any
 
-from cuda_allocator_model import integer_words
+from cuda_allocator_model import MAX_BYTES, integer_words
 from pytest_gpumem.errors import GpuMemError
-
-MAX_BYTES = 2**63
-"""Byte counts are integers ``0 <= n < MAX_BYTES``."""
 
 
 def check_bytes(value: object, what: str) -> None:
-    """``ValueError`` unless ``value`` is an int byte count, ``0 <= value < MAX_BYTES``."""
-    if type(value) is not int or not 0 <= value < MAX_BYTES:
+    """``ValueError`` unless ``value`` is an int byte count, ``0 <= value <= MAX_BYTES``."""
+    if type(value) is not int or not 0 <= value <= MAX_BYTES:
         raise ValueError(f"{what}: expected an integer 0 <= n < 2**63 (bytes), got {short(value)}")
 
 
 def signed_bytes(value: object) -> bool:
-    """A byte difference: an int with ``-MAX_BYTES < value < MAX_BYTES``."""
-    return type(value) is int and -MAX_BYTES < value < MAX_BYTES
+    """A byte difference: an int with ``-MAX_BYTES <= value <= MAX_BYTES``."""
+    return type(value) is int and -MAX_BYTES <= value <= MAX_BYTES
 
 
 def exact_keys(obj: object, where: str, keys: tuple[str, ...]) -> dict[str, Any]:
@@ -75,8 +72,8 @@ def fields(obj: object, where: str, required: tuple[str, ...], optional: tuple[s
 
 
 def count(value: object, where: str, low: int = 0, what: str = "an integer of bytes") -> int:
-    """An integer ``low <= value < MAX_BYTES`` (``what`` says what it counts); no bool, float or string."""
-    if type(value) is not int or not low <= value < MAX_BYTES:
+    """An integer ``low <= value <= MAX_BYTES`` (``what`` says what it counts); no bool, float or string."""
+    if type(value) is not int or not low <= value <= MAX_BYTES:
         raise refuse(where, what, value)
     return value
 

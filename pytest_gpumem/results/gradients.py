@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from cuda_allocator_model import MAX_BYTES
 from pytest_gpumem.results.checks import exact_keys, json_key, short
 
 __all__ = ["SUMMARY_WORST", "Fingerprint", "GradStats", "GradientComparison", "Mismatch", "ParamFingerprint"]
@@ -87,7 +88,7 @@ class ParamFingerprint:
         d = exact_keys(obj, where, ("shape", "dtype", "grad"))
         shape = d["shape"]
         if shape is not None and (
-            not isinstance(shape, list) or not all(type(s) is int and 0 <= s < 2**63 for s in shape)
+            not isinstance(shape, list) or not all(type(s) is int and 0 <= s <= MAX_BYTES for s in shape)
         ):
             raise ValueError(f"{where}.shape: expected a list of integers 0 <= n < 2**63 or null, got {short(shape)}")
         dtype = d["dtype"]

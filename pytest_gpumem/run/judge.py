@@ -17,7 +17,12 @@ from pytest_gpumem.budget import MARKER, Budget, Limit, all_of, budget_from_mark
 from pytest_gpumem.distributed.worker import json_problem  # pure, and pytest-free for the ranks
 from pytest_gpumem.errors import GpuMemError, GpuMemWarning, one_line
 from pytest_gpumem.explain.text import section as explained
-from pytest_gpumem.measure.failures import is_out_of_memory, needs_real_values, release_memory, uninitialized_in_ours
+from pytest_gpumem.measure.oom_and_leaks import (
+    is_out_of_memory,
+    needs_real_values,
+    release_memory,
+    uninitialized_in_ours,
+)
 from pytest_gpumem.measure.record import CallRecord
 from pytest_gpumem.measure.watch import Watch
 from pytest_gpumem.outcome import Outcome, judge, result_of
