@@ -26,6 +26,7 @@ from pytest_gpumem.history.git import Commit
 from pytest_gpumem.history.series import Gate, Series, Step, growth_text, signed
 from pytest_gpumem.history.table import groups, sparkline
 from pytest_gpumem.report import assets
+from pytest_gpumem.report.html_axis import nice_step
 
 __all__ = ["byte_ticks", "render"]
 
@@ -233,15 +234,9 @@ def byte_ticks(low: int, high: int) -> tuple[float, float, list[tuple[float, str
     unit, name = next((size, text) for size, text in _UNITS if high >= size or size == 1)
     widen = max(0.0, high * _MIN_SPAN - (high - low)) / 2
     span = (high - low + 2 * widen) / unit or max(high / unit / 10, 1.0)
-    step = max(_nice(span / 4), 1.0 if unit == 1 else 0.0)
+    step = max(nice_step(span / 4), 1.0 if unit == 1 else 0.0)
     bottom = max(0.0, (math.ceil((low - widen) / unit / step) - 1) * step)
     top = (math.floor((high + widen) / unit / step) + 1) * step
     decimals = max(0, -math.floor(math.log10(step)))
     marks = [(bottom + i * step) * unit for i in range(round((top - bottom) / step) + 1)]
     return bottom * unit, top * unit, [(mark, f"{mark / unit:.{decimals}f} {name}") for mark in marks]
-
-
-def _nice(raw: float) -> float:
-    power = 10.0 ** math.floor(math.log10(raw))
-    ratio = raw / power
-    return (1 if ratio <= 1 else 2 if ratio <= 2 else 5 if ratio <= 5 else 10) * power
