@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_gpumem.backends.base import Backend, Counters, Settings
 from pytest_gpumem.backends.timeline import Timeline, TimelineRecorder
+from pytest_gpumem.backends.tracker import cudnn
 from pytest_gpumem.backends.tracker.allocator_config import AllocatorSettings
 from pytest_gpumem.backends.tracker.ledger import StorageLedger
 from pytest_gpumem.backends.tracker.mode import leave, mode_class
@@ -223,7 +224,7 @@ class TrackerBackend(Backend):
     def _undo_patches(self) -> None:
         if self._patches is not None:
             self._patches.undo()
-        self._notes += _fake_outputs_note(self.ledger.fake_outputs)
+        self._notes += _fake_outputs_note(self.ledger.fake_outputs) + cudnn.notes(self.ledger.bounds)
 
     @property
     def capacity(self) -> int | None:
