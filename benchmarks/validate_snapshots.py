@@ -28,6 +28,7 @@ for entry in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(entry))
 
 import benchlib  # noqa: E402
+from conv_workloads import nca_single_step  # noqa: E402
 from workloads import WORKLOADS, Workload  # noqa: E402
 
 from pytest_gpumem.backends.base import Settings  # noqa: E402
@@ -61,6 +62,21 @@ class Comparison:
     aligned: float
     differences: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
+
+
+def conv_workloads() -> tuple[Workload, ...]:
+    """The conv traces whose workloads can be rebuilt from their requests (`conv_workloads.py`): the plain
+    PyTorch NCA step (depthwise 3x3, two 1x1 convolutions through cuDNN). Not rebuilt: the custom CUDA layer's
+    step (its kernel is not torch's), and the 3-D training and 2-D whole-slide inference runs, whose models'
+    configs were local files (CATALOG.md) and whose traces start mid-run."""
+    return (
+        Workload(
+            "conv NCA step fp32",
+            "HugePandaCoder__octree-nca-groupeq__traditional_single_step.pickle",
+            nca_single_step,
+            None,
+        ),
+    )
 
 
 def predict(workload: Workload) -> Prediction:
@@ -219,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"validate_snapshots: no snapshots folder at {args.snapshots}; nothing to compare")
         return 0
     started = time.perf_counter()
-    chosen = [w for w in WORKLOADS if not args.only or any(part in w.name for part in args.only)]
+    chosen = [w for w in (*WORKLOADS, *conv_workloads()) if not args.only or any(part in w.name for part in args.only)]
     results = [compare(workload, args.snapshots) for workload in chosen]
     print(HEADER)
     for result in results:
