@@ -109,6 +109,31 @@ def test_a_bias_gradient_holds_its_reduction_staging_when_larger_than_the_copies
     assert temporaries(CONV_BACKWARD, args, {}, None) == staging  # registered with the kernel temporaries
 
 
+# --- reflect padding ---
+#
+# The inference trace's NCA state: 16 x 330 x 340 float32 (7,180,800 B), channels-last after `.to(device)`;
+# reflect-padded by 1 it is 16 x 332 x 342 (7,266,816 B), and the kernel copies its input contiguous.
+
+
+def nca_state() -> torch.Tensor:
+    return meta(1, 330, 340, 16).permute(0, 3, 1, 2)
+
+
+def test_a_reflect_pad_copies_a_non_contiguous_input() -> None:
+    pad = "aten.reflection_pad2d.default"
+    assert cudnn.temporaries(pad, (nca_state(), [1, 1, 1, 1]), {}, no_reduction) == [7_180_800]
+    assert cudnn.temporaries(pad, (meta(1, 16, 330, 340), [1, 1, 1, 1]), {}, no_reduction) == []
+    assert label(pad) == "reflection pad input copy"
+
+
+def test_the_cards_reflect_pad_copies_its_input_after_its_output() -> None:
+    events = [e for e in conv_trace("inference2_peso_oct")[:6] if e.action in ("alloc", "free_requested")]
+    state, output, copy, freed = events[0], events[1], events[2], events[3]
+    padded = F.pad(nca_state(), (1, 1, 1, 1), mode="reflect")
+    assert (state.size, output.size) == (7_180_800, padded.numel() * 4)
+    assert (copy.size, freed.action, freed.addr) == (7_180_800, "free_requested", copy.addr)
+
+
 # --- batch norm ---
 #
 # cuDNN's batch norm copies a non-contiguous input (2 x 8 x 16 x 16 float32: 16,384 B);
