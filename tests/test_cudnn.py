@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from builders import Reported
 
 from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker import cudnn
@@ -209,6 +210,29 @@ def test_end_to_end_the_copy_is_held_with_the_output_and_the_notes_name_the_op()
         backend.stop()
     (note,) = backend.notes()
     assert note.startswith(f"cuDNN workspaces counted at 0 B in 1 call ({CONV} 3x3 x1)")
+
+
+def test_a_conv_test_on_meta_says_which_convolutions_a_card_may_exceed(
+    tracker: pytest.Pytester, reported: Reported
+) -> None:
+    tracker.makepyfile(
+        """
+        import torch
+
+        def test_conv(gpumem):
+            conv = torch.nn.Conv2d(4, 8, 3, padding=1, bias=False).to(gpumem.device)
+            x = torch.randn(2, 4, 16, 16, device=gpumem.device).transpose(2, 3)
+            with gpumem.phase("forward"):
+                y = conv(x)  # its output 16,384 B and the input's copy 8,192 B
+            del y
+        """
+    )
+    tracker.runpytest("--gpumem-device=meta", "--gpumem-json=out.json").assert_outcomes(passed=1)
+    test = reported()["test_conv"]
+    assert test["phases"]["forward"]["peak_bytes"] == 16384 + 8192
+    assert [note.split(":")[0] for note in test["notes"]] == [
+        f"cuDNN workspaces counted at 0 B in 1 call ({CONV} 3x3 x1)"
+    ]
 
 
 # --- the cards: what the shared conv traces show ---
