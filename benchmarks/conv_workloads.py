@@ -142,3 +142,79 @@ def nca_single_step(device: str, record: Record) -> None:
         updated = x[:, 3:] + y  # a new name: the card keeps the masked update alive
         x = torch.cat((x[:, :3], updated), 1)
     del image, mask, y, updated, x
+
+
+# ------------------------------------------------------------ the octree-NCA whole-slide inference
+
+SLIDE_LEVELS = ((5280, 5440), (2640, 2720), (1320, 1360), (660, 680), (330, 340))
+"""The octree's resolutions, finest first: a 5280 x 5440 slide region halved four times."""
+
+
+class NCA2D(nn.Module):
+    """A neural cellular automaton's backbone (16 channels, 3 of them the image's): a reflect-padded depthwise
+    3x3 perception, then 1x1 convolutions 32 -> 64 -> 13, a stochastic mask per pixel, the image kept."""
+
+    def __init__(self, channels: int = 16, hidden: int = 64, image: int = 3, device: str = "cpu") -> None:
+        super().__init__()
+        self.image = image
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1, padding_mode="reflect", groups=channels, device=device)
+        self.fc0 = nn.Conv2d(2 * channels, hidden, 1, device=device)
+        self.fc1 = nn.Conv2d(hidden, channels - image, 1, bias=False, device=device)
+
+    def update(self, state: torch.Tensor) -> torch.Tensor:
+        delta = self.conv(state)
+        delta = torch.cat([state, delta], dim=1)
+        delta = self.fc0(delta)
+        delta = F.relu(delta)
+        delta = self.fc1(delta)
+        stochastic = torch.zeros(delta.size(0), 1, delta.size(2), delta.size(3), device=delta.device)
+        stochastic.bernoulli_(0.5)
+        delta = delta * stochastic
+        updated: torch.Tensor = state[:, self.image :] + delta
+        return updated
+
+    def forward(self, x: torch.Tensor, steps: int) -> torch.Tensor:
+        """`steps` updates of a B H W C state (a B C H W view of it is what the convolutions see)."""
+        state = x.permute(0, 3, 1, 2)
+        image = state[:, : self.image]
+        for _ in range(steps):
+            new_state = self.update(state)
+            state = torch.cat([image, new_state], dim=1)
+        return state.permute(0, 2, 3, 1)
+
+
+def nca_whole_slide(device: str, record: Record) -> None:
+    """The OctreeNCA-2D inference of the trace (`inference2_peso_oct.py`, torch's path, no custom layer): 20
+    steps at 330 x 340, then at each finer level the state upsampled, the slide's channels written into it
+    from the host, and 10 steps (the 1320 x 1360 level twice); at the finest level the steps are the script's
+    own loop, with the image channels cloned once."""
+    torch.manual_seed(0)
+    ncas = [NCA2D(device=device) for _ in SLIDE_LEVELS]
+    slide = torch.randn(1, 3, *SLIDE_LEVELS[0])  # host memory, as the script's slide
+    seed = torch.zeros(1, *SLIDE_LEVELS[-1], 16)
+    seed[..., :3] = F.interpolate(slide, size=SLIDE_LEVELS[-1]).permute(0, 2, 3, 1)
+    record()
+    with torch.no_grad():
+        state = ncas[4](seed.to(device), steps=20)
+        for level, steps in ((3, 10), (2, 10), (2, 10), (1, 10)):
+            state = state.permute(0, 3, 1, 2)
+            state = F.interpolate(state, size=SLIDE_LEVELS[level])
+            state[0, :3] = F.interpolate(slide, size=SLIDE_LEVELS[level])[0]
+            state = state.permute(0, 2, 3, 1)
+            state = ncas[level](state, steps=steps)
+        state = state.permute(0, 3, 1, 2)
+        state = F.interpolate(state, size=SLIDE_LEVELS[0])
+        state[0, :3] = slide[0]
+        nca = ncas[0]  # the script's own loop: `NCA2D.update` written out, the image channels cloned once
+        image = state[:, : nca.image].clone()
+        for _ in range(10):
+            delta = nca.conv(state)
+            delta = torch.cat([state, delta], dim=1)
+            delta = nca.fc0(delta)
+            delta = F.relu(delta)
+            delta = nca.fc1(delta)
+            stochastic = torch.zeros(delta.size(0), 1, delta.size(2), delta.size(3), device=delta.device)
+            stochastic.bernoulli_(0.5)
+            delta = delta * stochastic
+            new_state = state[:, nca.image :] + delta
+            state = torch.cat([image, new_state], dim=1)
