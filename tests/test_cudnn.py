@@ -71,6 +71,9 @@ def test_depthwise_convolutions_take_cudas_kernels_and_copy_only_to_row_major() 
     assert cudnn.bound(CONV, args, {}) is None
     three_d = conv_args(meta(1, 8, 4, 8, 8), meta(8, 1, 3, 3, 3), padding=1, groups=8)
     assert cudnn.convolution_path(three_d, {}) == "depthwise"
+    one_d = conv_args(meta(2, 64, 8).transpose(1, 2), meta(8, 1, 3), padding=1, groups=8)  # (B, L, C) seen as (B, C, L)
+    assert cudnn.convolution_path(one_d, {}) == "depthwise"
+    assert cudnn.temporaries(CONV, one_d, {}, no_reduction) == [2 * 64 * 8 * 4]
 
 
 def test_float16_depthwise_with_32_channels_may_take_cudnn_and_is_noted() -> None:

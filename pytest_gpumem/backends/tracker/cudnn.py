@@ -10,8 +10,9 @@ Read from torch's sources (`Convolution.cpp`: `_select_conv_backend`, `_convolut
 convolutions through `conv_depthwise2d` / `conv_depthwise3d`, `cudnn_batch_norm` in training, on fp32):
 
 * A convolution's input is copied contiguous in the backend's memory format when it is not (channels-last
-  when the input or the weight is), and so is the weight; cuDNN's backward copies the gradient of the output
-  too. The copies live until the op returns. Outputs are allocated as on the CPU (bias added in place).
+  when the input or the weight is; a 1-D convolution's input always row-major), and so is the weight;
+  cuDNN's backward copies the gradient of the output too. The copies live until the op returns. Outputs
+  are allocated as on the CPU (bias added in place).
 * cuDNN's workspace: in the traces every `cudnn_convolution` (1x1, stride 1, no padding) allocates its output
   and nothing else: 0 B, as the implicit-GEMM engine needs none. For any other cuDNN convolution, and for
   every backward, the workspace is the algorithm's (heuristics by default, the fastest measured one under
@@ -98,11 +99,12 @@ def _copy(tensor: torch.Tensor | None, fmt: torch.memory_format = torch.contiguo
 
 
 def is_depthwise(tensor: torch.Tensor, weight: torch.Tensor, groups: int, transposed: bool) -> bool:
-    """`ConvParams::is_depthwise`: one group per input channel, 4-D or 5-D, not transposed."""
+    """`ConvParams::is_depthwise`: one group per input channel, 4-D or 5-D (a 3-D input is viewed as 4-D
+    first), not transposed."""
     channels = tensor.shape[1] if tensor.dim() > 1 else 0
     return (
         not transposed
-        and tensor.dim() in (4, 5)
+        and tensor.dim() in (3, 4, 5)
         and groups > 1
         and channels == groups
         and weight.shape[0] % max(channels, 1) == 0
@@ -112,7 +114,8 @@ def is_depthwise(tensor: torch.Tensor, weight: torch.Tensor, groups: int, transp
 def _may_take_cudnn_depthwise(tensor: torch.Tensor) -> bool:
     """`use_cudnn_depthwise`'s first conditions: 4-D float16 with at least 32 channels (then a table of shapes
     decides, which is not modelled)."""
-    return tensor.dim() == 4 and tensor.dtype == torch.float16 and tensor.shape[1] >= _CUDNN_DEPTHWISE_MIN_CHANNELS
+    planar = tensor.dim() in (3, 4)
+    return planar and tensor.dtype == torch.float16 and tensor.shape[1] >= _CUDNN_DEPTHWISE_MIN_CHANNELS
 
 
 def _is_pointwise(weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int]) -> bool:
