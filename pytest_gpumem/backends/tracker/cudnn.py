@@ -112,8 +112,8 @@ def is_depthwise(tensor: torch.Tensor, weight: torch.Tensor, groups: int, transp
 
 
 def _may_take_cudnn_depthwise(tensor: torch.Tensor) -> bool:
-    """`use_cudnn_depthwise`'s first conditions: 4-D float16 with at least 32 channels (then a table of shapes
-    decides, which is not modelled)."""
+    """`use_cudnn_depthwise`'s first conditions: 2-D (or 1-D) float16 with at least 32 channels (then a table
+    of shapes decides, which is not modelled)."""
     planar = tensor.dim() in (3, 4)
     return planar and tensor.dtype == torch.float16 and tensor.shape[1] >= _CUDNN_DEPTHWISE_MIN_CHANNELS
 
@@ -129,8 +129,9 @@ def _is_pointwise(weight: torch.Tensor, stride: Sequence[int], padding: Sequence
 
 
 def convolution_path(args: Sequence[Any], kwargs: dict[str, Any]) -> str:
-    """Which CUDA path `aten.convolution` (or its backward, `backward=True` arguments) takes: 'depthwise'
-    (CUDA's kernels), 'pointwise' (cuDNN without a workspace), or 'cudnn' (a workspace the card picks)."""
+    """Which CUDA path `aten.convolution` on these arguments (its backward: on its forward's) takes:
+    'depthwise' (CUDA's kernels), 'pointwise' (cuDNN without a workspace), or 'cudnn' (a workspace the card
+    picks)."""
     tensor, weight = args[0], args[1]
     stride, padding, dilation = args[3], args[4], args[5]
     transposed, groups = bool(args[6]), int(args[8])
