@@ -113,6 +113,12 @@ def test_a_bias_gradient_holds_its_reduction_staging_when_larger_than_the_copies
     assert temporaries(CONV_BACKWARD, args, {}, None) == staging  # registered with the kernel temporaries
 
 
+def test_tensors_without_strides_take_no_cards_path() -> None:
+    x = torch.randn(2, 4, 8, 8).to_mkldnn()
+    args = conv_args(x, torch.randn(8, 4, 3, 3).to_mkldnn(), padding=1)
+    assert cudnn.temporaries(CONV, args, {}, no_reduction) == [] and cudnn.bound(CONV, args, {}) is None
+
+
 # --- reflect padding ---
 #
 # The inference trace's NCA state: 16 x 330 x 340 float32 (7,180,800 B), channels-last after `.to(device)`;

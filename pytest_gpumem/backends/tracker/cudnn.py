@@ -197,7 +197,10 @@ def _batch_norm_backward(args: Sequence[Any], kwargs: dict[str, Any]) -> list[in
 
 def temporaries(name: str, args: Sequence[Any], kwargs: dict[str, Any], reduce: Reducer) -> list[int]:
     """The bytes of each temporary op `name` takes on a card beyond its outputs, in allocation order (all
-    freed before it returns); cuDNN's workspaces count 0 B (see the module's docstring)."""
+    freed before it returns); cuDNN's workspaces count 0 B (see the module's docstring). None for tensors
+    without strides (mkldnn, sparse), which no card's path takes."""
+    if not _strided(args):
+        return []
     if name == CONVOLUTION:
         return _forward(args, kwargs)
     if name == CONVOLUTION_BACKWARD:
@@ -211,6 +214,11 @@ def temporaries(name: str, args: Sequence[Any], kwargs: dict[str, Any], reduce: 
     return []
 
 
+def _strided(args: Sequence[Any]) -> bool:
+    """Whether the op's first two arguments, where tensors, have strides, as a card's kernels take them."""
+    return all(not isinstance(t, torch.Tensor) or t.layout == torch.strided for t in args[:2])
+
+
 def _shape_text(weight: torch.Tensor) -> str:
     return "x".join(str(k) for k in weight.shape[2:]) or "1"
 
@@ -222,6 +230,8 @@ SAVED_COPY = "saved copy"
 def bound(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[str, str] | None:
     """Why op `name`'s figure on these arguments is not a card's to the byte: (`WORKSPACE` or `SAVED_COPY`,
     the op and its shape: 'aten.convolution.default 3x3'), or None where it is."""
+    if not _strided(args):
+        return None
     if name == CONVOLUTION:
         return (WORKSPACE, f"{name} {_shape_text(args[1])}") if convolution_path(args, kwargs) == "cudnn" else None
     if name == CONVOLUTION_BACKWARD:
