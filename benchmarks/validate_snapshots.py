@@ -2,7 +2,7 @@
 code (benchmarks/workloads.py), predicted on the meta device by the tracker and its model of the caching
 allocator, against the figures the cards' traces give (cuda_allocator_model.snapshots.replay).
 
-    python benchmarks/validate_snapshots.py [--json PATH] [--snapshots DIR] [--only NAME]
+    python benchmarks/validate_snapshots.py [--json PATH] [--snapshots DIR] [--only NAME] [--capacity CARD|SIZE]
 
 One table: requests (ours/card), peak allocated and peak reserved (prediction, card, difference), and the
 share of the card's request sizes that line up with ours (difflib.SequenceMatcher). Then, per workload, the
@@ -28,13 +28,16 @@ for entry in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(entry))
 
 import benchlib  # noqa: E402
+from conv_workloads import nca_single_step, nca_whole_slide  # noqa: E402
 from workloads import WORKLOADS, Workload  # noqa: E402
 
+from cuda_allocator_model.cards import capacity_bytes  # noqa: E402
 from cuda_allocator_model.snapshots.against import line_of, op_of  # noqa: E402
 from cuda_allocator_model.snapshots.read import Event, read_snapshot  # noqa: E402
 from cuda_allocator_model.snapshots.replay import CardFigures, replay  # noqa: E402
 from pytest_gpumem.backends.base import Settings  # noqa: E402
 from pytest_gpumem.backends.tracker.backend import TrackerBackend  # noqa: E402
+from pytest_gpumem.errors import GpuMemError  # noqa: E402
 
 SNAPSHOTS = ROOT.parent / "shared" / "snapshots"
 
@@ -63,11 +66,34 @@ class Comparison:
     seconds: float = 0.0
 
 
-def predict(workload: Workload) -> Prediction:
-    """Run `workload` on meta under the tracker (CUDA rounding, the workload's card), events recorded."""
+def conv_workloads() -> tuple[Workload, ...]:
+    """The conv traces whose workloads can be rebuilt from their requests (`conv_workloads.py`): the plain
+    PyTorch NCA step (depthwise 3x3, two 1x1 convolutions through cuDNN) and the OctreeNCA-2D whole-slide
+    inference (5 levels, 70 steps). Not rebuilt: the custom CUDA layer's step (its kernel is not torch's), and
+    the 3-D training run, whose model's configuration was a local file (CATALOG.md) and whose trace starts
+    mid-run."""
+    return (
+        Workload(
+            "conv NCA step",
+            "HugePandaCoder__octree-nca-groupeq__traditional_single_step.pickle",
+            nca_single_step,
+            None,
+        ),
+        Workload(
+            "conv NCA slide warm",
+            "HugePandaCoder__octree-nca-groupeq__inference2_peso_oct.pickle",
+            nca_whole_slide,
+            None,
+        ),
+    )
+
+
+def predict(workload: Workload, capacity: int | None = None) -> Prediction:
+    """Run `workload` on meta under the tracker (CUDA rounding, the workload's card, the allocator held to
+    `capacity` bytes where given), events recorded."""
     backend = TrackerBackend(device="meta")
     backend.predict_card(workload.card)
-    backend.configure(Settings(events=True))
+    backend.configure(Settings(events=True, capacity=capacity))
     mark = [0]
 
     def record() -> None:
@@ -125,11 +151,11 @@ def differences(
     return list(found.values())
 
 
-def compare(workload: Workload, folder: Path) -> Comparison:
+def compare(workload: Workload, folder: Path, capacity: int | None = None) -> Comparison:
     started = time.perf_counter()
     snapshot = read_snapshot(folder / workload.snapshot)
     card: CardFigures = replay(snapshot)
-    predicted = predict(workload)
+    predicted = predict(workload, capacity)
     sizes = [r["bytes"] for r in predicted.requests]
     share, opcodes = alignment(sizes, [e.size for e in card.requests])
     ours = {
@@ -214,13 +240,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", type=Path, default=None, help="also write every figure as JSON")
     p.add_argument("--snapshots", type=Path, default=SNAPSHOTS, help=f"the snapshots folder (default {SNAPSHOTS})")
     p.add_argument("--only", action="append", default=None, help="run only workloads whose name contains this")
+    p.add_argument("--capacity", metavar="CARD|SIZE", default=None, help="hold the allocator's model to a card")
     args = p.parse_args(argv)
+    try:
+        capacity = None if args.capacity is None else capacity_bytes(args.capacity, "--capacity")
+    except GpuMemError as exc:
+        print(f"validate_snapshots: {exc}")
+        return 2
     if not args.snapshots.is_dir():
         print(f"validate_snapshots: no snapshots folder at {args.snapshots}; nothing to compare")
         return 0
     started = time.perf_counter()
-    chosen = [w for w in WORKLOADS if not args.only or any(part in w.name for part in args.only)]
-    results = [compare(workload, args.snapshots) for workload in chosen]
+    chosen = [w for w in (*WORKLOADS, *conv_workloads()) if not args.only or any(part in w.name for part in args.only)]
+    results = [compare(workload, args.snapshots, capacity) for workload in chosen]
     print(HEADER)
     for result in results:
         print(row(result))

@@ -22,6 +22,7 @@ from cuda_allocator_model import (
 )
 from pytest_gpumem.backends.base import Backend, Counters, Settings
 from pytest_gpumem.backends.timeline import Timeline, TimelineRecorder
+from pytest_gpumem.backends.tracker import cudnn
 from pytest_gpumem.backends.tracker.ledger import StorageLedger
 from pytest_gpumem.backends.tracker.mode import leave, mode_class
 from pytest_gpumem.backends.tracker.patches import Patches
@@ -232,7 +233,7 @@ class TrackerBackend(Backend):
     def _undo_patches(self) -> None:
         if self._patches is not None:
             self._patches.undo()
-        self._notes += _fake_outputs_note(self.ledger.fake_outputs)
+        self._notes += _fake_outputs_note(self.ledger.fake_outputs) + cudnn.notes(self.ledger.bounds)
 
     @property
     def capacity(self) -> int | None:

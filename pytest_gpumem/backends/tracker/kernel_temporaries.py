@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pytest_gpumem import private_torch
+from pytest_gpumem.backends.tracker import cudnn
 
 if TYPE_CHECKING:
     from cuda_allocator_model import Card
@@ -512,6 +513,7 @@ _LABELS = {
     ),
     "aten.embedding_dense_backward.default": "embedding backward sort temporaries",
     "aten.mse_loss.default": "unreduced loss and reduction staging",
+    **cudnn.LABELS,
 }
 
 
@@ -535,6 +537,10 @@ def temporaries(name: str, args: Sequence[Any], kwargs: dict[str, Any] | None, c
         return _embedding_backward(args, kwargs, gpu)
     if name == "aten.mse_loss.default":
         return _mse_loss(args, kwargs, gpu)
+    if name in cudnn.LABELS:
+        return cudnn.temporaries(
+            name, args, kwargs, lambda t, dims: temporaries("aten.sum.dim_IntList", (t, dims), None, card)
+        )
     red = _reduction_of(name, args, kwargs)
     return [] if red is None else _reduction_temporaries(red, gpu)
 
@@ -569,6 +575,8 @@ def record(
     sizes: list[int] = []
     if kind is not None and _on_counted_device(ledger, args) and _holds_memory(args[0]):
         sizes = _sizes(func, name, args, kwargs, ledger.card)
+        if name in cudnn.LABELS:
+            ledger.note_bound(cudnn.bound(name, args, kwargs or {}))
     if sizes:
         ledger.out, ledger.op = None, f"{kind} ({name})"
     ledger.transient(sizes, during)

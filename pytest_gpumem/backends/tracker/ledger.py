@@ -136,6 +136,7 @@ class StorageLedger:
         self.workspaces: dict[object, Workspace] = {}  # by cuBLAS handle
         self.card: Card | None = None  # the card predicted (its SMs size kernel temporaries); None: none named
         self.largest_temporaries = 0  # the most bytes one op's kernel temporaries held at once, since `forget`
+        self.bounds: dict[tuple[str, str], int] = {}  # ops whose figure is not a card's (`cudnn.bound`): calls
         self._on_free = self._freed  # one bound method shared by every reference
 
     @property
@@ -208,6 +209,11 @@ class StorageLedger:
             while held:
                 held.pop()  # its last reference: freed now
 
+    def note_bound(self, reason: tuple[str, str] | None) -> None:
+        """An op ran whose figure is not a card's to the byte, for `reason` (`cudnn.bound`); None: it is."""
+        if reason is not None:
+            self.bounds[reason] = self.bounds.get(reason, 0) + 1
+
     def _hold(self, size: int) -> Workspace:
         made = Workspace(size)
         self._follow(made, made.key, size)
@@ -271,6 +277,7 @@ class StorageLedger:
         self.workspaces.clear()
         self.requested = self.allocated = self.peak_requested = self.peak_allocated = self.fake_outputs = 0
         self.largest_temporaries = 0
+        self.bounds = {}
         if self.model is not None:  # each measurement starts with an empty cache
             self.model = CachingAllocatorModel(self.settings, self._capacity)
 
