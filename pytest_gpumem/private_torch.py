@@ -277,6 +277,34 @@ DYNAMO = "torch._dynamo"
 imports it once for them."""
 
 
+def compile_stance_owner() -> tuple[Any, str] | None:
+    """(Dynamo's frame module, the name of the function through which each call of a compiled function
+    picks the callback its frames run with, under the compiler's stance: None or False runs them as they
+    are, as `torch.compiler.set_stance("force_eager")` does); None while Dynamo is not loaded."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None or not callable(getattr(eval_frame, "_callback_from_stance", None)):
+        return None
+    return eval_frame, "_callback_from_stance"
+
+
+def inductor_partition_backend() -> Callable[..., Any]:
+    """Dynamo's `aot_eager_decomp_partition` backend: Inductor's decompositions and min-cut partitioner (what
+    is saved for backward, what is recomputed), then the forward and backward graphs run op by op, each
+    value freed after its last use."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    backend: Callable[..., Any] = lookup_backend("aot_eager_decomp_partition")
+    return backend
+
+
+def dynamo_callback(backend: Callable[..., Any]) -> Any:
+    """The callback with which Dynamo compiles a frame's code with `backend` (what `torch.compile(fn,
+    backend=...)` sets for `fn`'s frames)."""
+    from torch._dynamo.eval_frame import _create_wrapped_callback
+
+    return _create_wrapped_callback(backend)
+
+
 def inductor_allocator_owner() -> tuple[Any, str]:
     """(the module holding Inductor's direct allocators, their name prefix): compiled programs allocate
     through `_empty_strided_cpu` and its kin, below any dispatch mode."""
