@@ -165,7 +165,7 @@ def _hide_from_dynamo() -> None:
 
 
 def _compile_stance_owner() -> None:
-    import torch._dynamo  # noqa: F401  (loaded by the first torch.compile)
+    import torch._dynamo  # loaded by the first torch.compile
 
     found = pt.compile_stance_owner()
     assert found is not None

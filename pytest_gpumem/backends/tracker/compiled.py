@@ -28,6 +28,8 @@ class UnfusedPartition:
     """Dynamo's backend for a card's prediction; `ran_eagerly` is told each time a graph whose partition
     lost a gradient runs eagerly instead."""
 
+    __name__ = "inductor (its partition, unfused)"  # how Dynamo's errors name a backend
+
     def __init__(self) -> None:
         self.ran_eagerly: Callable[[], None] | None = None
 
