@@ -11,6 +11,7 @@ in `isinstance` (`TorchDispatchMode`, `FakeTensor`) is reached through a functio
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import sys
@@ -295,6 +296,47 @@ def inductor_partition_backend() -> Callable[..., Any]:
 
     backend: Callable[..., Any] = lookup_backend("aot_eager_decomp_partition")
     return backend
+
+
+@functools.cache
+def _composite_meta_kernels() -> tuple[Any, ...]:
+    """The ops that decompose on every device (CompositeImplicitAutograd) to which torch also gives a Python
+    meta kernel (from the decompositions' table, `torch._meta_registrations.activate_meta`)."""
+    import torch
+    from torch._decomp import global_decomposition_table
+
+    meta = torch._C.DispatchKey.Meta
+    found = {
+        op
+        for table in global_decomposition_table.values()
+        for op in table
+        if isinstance(op, torch._ops.OpOverload)
+        and meta in op.py_kernels
+        and torch._C._dispatch_has_kernel_for_dispatch_key(
+            op.name(),  # type: ignore[no-untyped-call]
+            "CompositeImplicitAutograd",
+        )
+    }
+    return tuple(found)
+
+
+@contextlib.contextmanager
+def composite_ops_decomposed_on_meta() -> Iterator[None]:
+    """Within the block, ops that decompose on every device (CompositeImplicitAutograd) decompose on meta
+    tensors too while torch traces (the Python dispatcher): their Python meta kernels stand aside. Kept, a
+    kernel hides the decomposition's autograd (nll_loss, so cross_entropy, lost its gradient)."""
+    import torch
+
+    meta = torch._C.DispatchKey.Meta
+    taken = [(op, op.py_kernels.pop(meta)) for op in _composite_meta_kernels() if meta in op.py_kernels]
+    for op, _ in taken:
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, kernel in taken:
+            op.py_kernels[meta] = kernel
+            op._dispatch_cache.clear()
 
 
 def dynamo_callback(backend: Callable[..., Any]) -> Any:

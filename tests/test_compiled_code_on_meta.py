@@ -4,6 +4,7 @@ failed inside torch), and says so; torch's own compile failures on meta are one 
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from builders import UNPLUGGED, Reported
 from torch import nn
 
+from pytest_gpumem import private_torch
 from pytest_gpumem.backends.tracker.backend import COMPILED_EAGERLY, COMPILED_UNFUSED, TrackerBackend
 from pytest_gpumem.backends.tracker.meta_errors import cannot_run_on_meta
 
@@ -49,9 +51,12 @@ def test_a_compiled_mlp_on_meta_is_inductors_partition_unfused_and_says_so() -> 
     assert compiled[0] >= 8 * MiB + 8 * MiB + 2 * MiB + 2 * MiB and compiled[1] >= 8 * MiB + 8 * MiB + 2 * MiB + 4
 
 
-def test_where_torch_loses_a_gradient_on_meta_the_graph_runs_eagerly_and_says_so() -> None:
-    # torch's joint graph on meta drops nll_loss's gradient (it warns while compiling): the frame runs as
-    # Dynamo captured it, eagerly, and the weight gets its gradient (16 x 8 float32)
+def _cross_entropy_gradient(monkeypatch: pytest.MonkeyPatch | None = None) -> tuple[int, list[str]]:
+    """(bytes held after backward, notes) of a compiled cross_entropy over a 16 x 8 weight on meta; with
+    `monkeypatch`, torch's meta kernels of the ops that decompose everywhere are left in place."""
+    if monkeypatch is not None:
+        monkeypatch.setattr(private_torch, "composite_ops_decomposed_on_meta", contextlib.nullcontext)
+    torch.compiler.reset()  # the lambda's code is compiled anew in each call
     weight = torch.randn(16, 8, device="meta", requires_grad=True)
     target = torch.randint(0, 16, (4,), device="meta")
     compiled = torch.compile(lambda x: torch.nn.functional.cross_entropy(x @ weight.t(), target))
@@ -59,11 +64,24 @@ def test_where_torch_loses_a_gradient_on_meta_the_graph_runs_eagerly_and_says_so
     backend.start()
     try:
         compiled(torch.randn(4, 8, device="meta")).backward()  # type: ignore[no-untyped-call]
-        gradient = backend.current().allocated
+        held = backend.current().allocated
     finally:
         backend.stop()
-    assert weight.grad is not None and gradient == 16 * 8 * 4
-    assert backend.notes() == [COMPILED_EAGERLY]
+    assert weight.grad is not None
+    return held, backend.notes()
+
+
+def test_cross_entropy_compiled_on_meta_keeps_its_gradient() -> None:
+    # torch's joint graph on meta took nll_loss's Python meta kernel and lost its gradient: the weight's
+    # gradient (16 x 8 float32) is what the step leaves
+    assert _cross_entropy_gradient() == (16 * 8 * 4, [COMPILED_UNFUSED])
+
+
+def test_where_torch_still_loses_a_gradient_the_graph_runs_eagerly_and_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # with nll_loss's meta kernel in place torch warns of the lost gradient while compiling
+    assert _cross_entropy_gradient(monkeypatch) == (16 * 8 * 4, [COMPILED_EAGERLY])
 
 
 COMPILED_ON_META = """

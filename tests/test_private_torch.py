@@ -194,6 +194,16 @@ def _inductor_partition_backend() -> None:
     assert sorted(shapes) == [(4, 8), (4, 16), (4, 16), (8, 16)]
 
 
+def _composite_ops_decomposed_on_meta() -> None:
+    # nll_loss decomposes on every device, and torch gives it a Python meta kernel besides: aside in the block
+    meta = torch._C.DispatchKey.Meta
+    nll_loss = torch.ops.aten.nll_loss.default
+    assert meta in nll_loss.py_kernels
+    with pt.composite_ops_decomposed_on_meta():
+        assert meta not in nll_loss.py_kernels
+    assert meta in nll_loss.py_kernels
+
+
 def _dynamo_callback() -> None:
     graphs: list[Any] = []
 
@@ -394,6 +404,7 @@ CHECKS: dict[str, Callable[[], bool | None]] = {
     "compile_stance_owner": _compile_stance_owner,
     "inductor_partition_backend": _inductor_partition_backend,
     "dynamo_callback": _dynamo_callback,
+    "composite_ops_decomposed_on_meta": _composite_ops_decomposed_on_meta,
     "inductor_allocator_owner": _inductor_allocator_owner,
     "loaded_inductor_modules": _loaded_inductor_modules,
     "without_cuda_autocast": _cuda_autocast_key,

@@ -51,8 +51,7 @@ COMPILED_UNFUSED = (
 )
 """The note of a prediction in which compiled functions ran (`Patches.unfused_compiled`)."""
 COMPILED_EAGERLY = (
-    "compiled: ran eagerly where torch's partition on meta lost a gradient (nll_loss): not a bound; "
-    "--gpumem-round=cuda gives one"
+    "compiled: ran eagerly where torch's partition on meta lost a gradient: not a bound (--gpumem-round=cuda gives one)"
 )
 """The note of a prediction on meta in which a compiled graph ran eagerly (`compiled`)."""
 COMPILED_FOR_CPU = "compiled: Inductor's plan for the CPU, not a card's Triton plan (fusion and buffer reuse differ)"

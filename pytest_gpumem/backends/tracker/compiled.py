@@ -7,21 +7,27 @@ what the forward saves for backward and what backward recomputes, and the backwa
 gradient at once. Run op by op with each value freed after its last use, those graphs hold every buffer
 Inductor's fused kernels would and the intermediates fusion would drop: an upper bound of a card's plan.
 
-On meta, torch's tracing of the joint graph loses the gradient of some ops (nll_loss, so cross_entropy):
-it warns that "an autograd kernel was not registered" while compiling. Such a graph runs as Dynamo
-captured it, eagerly, which is no bound: the frame is noticed apart.
+On meta, torch's tracing of the joint graph took the Python meta kernels torch gives some ops that
+decompose on every device, and lost their gradient (nll_loss, so cross_entropy): those kernels stand aside
+while the partition is traced, as on a card. Should a gradient still be lost (torch warns that "an autograd
+kernel was not registered" while compiling), the graph runs as Dynamo captured it, eagerly, which is no
+bound: the frame is noticed apart.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from pytest_gpumem import private_torch
 
 _LOST_GRADIENT = "an autograd kernel was not registered to the Autograd key"
+_META = torch.device("meta")
 
 
 class UnfusedPartition:
@@ -35,7 +41,9 @@ class UnfusedPartition:
 
     def __call__(self, graph: Any, example_inputs: list[Any]) -> Callable[..., Any]:
         partition = private_torch.inductor_partition_backend()
-        with warnings.catch_warnings(record=True) as caught:
+        on_meta = any(getattr(value, "device", None) == _META for value in example_inputs)
+        decomposed = private_torch.composite_ops_decomposed_on_meta() if on_meta else contextlib.nullcontext()
+        with warnings.catch_warnings(record=True) as caught, decomposed:
             warnings.simplefilter("always")
             compiled: Callable[..., Any] = partition(graph, example_inputs)
         lost = False
