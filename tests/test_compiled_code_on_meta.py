@@ -13,7 +13,12 @@ from builders import UNPLUGGED, Reported
 from torch import nn
 
 from pytest_gpumem import private_torch
-from pytest_gpumem.backends.tracker.backend import COMPILED_EAGERLY, COMPILED_UNFUSED, TrackerBackend
+from pytest_gpumem.backends.tracker.backend import (
+    COMPILED_EAGERLY,
+    COMPILED_FOR_CPU,
+    COMPILED_UNFUSED,
+    TrackerBackend,
+)
 from pytest_gpumem.backends.tracker.meta_errors import cannot_run_on_meta
 
 MiB = 1 << 20
@@ -82,6 +87,22 @@ def test_where_torch_still_loses_a_gradient_the_graph_runs_eagerly_and_says_so(
 ) -> None:
     # with nll_loss's meta kernel in place torch warns of the lost gradient while compiling
     assert _cross_entropy_gradient(monkeypatch) == (16 * 8 * 4, [COMPILED_EAGERLY])
+
+
+@pytest.mark.slow
+def test_a_backward_inductor_compiled_before_the_call_is_noted_as_no_bound() -> None:
+    # the forward ran compiled by Inductor before the measurement: its backward is Inductor's CPU program,
+    # reached without Dynamo, and leaves y's gradient (1024 float32, one 4,096-byte block)
+    y = torch.randn(1024, requires_grad=True)
+    loss = torch.compile(lambda t: (t.sin() * t).sum())(y)
+    backend = TrackerBackend("cuda")
+    backend.start()
+    try:
+        loss.backward()
+        held = backend.current().allocated
+    finally:
+        backend.stop()
+    assert held == 4096 and backend.notes() == [COMPILED_FOR_CPU]
 
 
 COMPILED_ON_META = """

@@ -54,12 +54,14 @@ COMPILED_EAGERLY = (
     "compiled: ran eagerly where torch's partition on meta lost a gradient: not a bound (--gpumem-round=cuda gives one)"
 )
 """The note of a prediction on meta in which a compiled graph ran eagerly (`compiled`)."""
-COMPILED_FOR_CPU = "compiled: Inductor's plan for the CPU, not a card's Triton plan (fusion and buffer reuse differ)"
-"""The note of a test in which compiled programs made buffers (`patches.count_compiled_allocations`)."""
+COMPILED_FOR_CPU = "compiled: Inductor's plan for the CPU ran (compiled before the call), not a card's: no bound"
+"""The note of a prediction in which compiled programs made buffers (`patches.count_compiled_allocations`):
+compiled before the measurement and reached without Dynamo (a compiled forward's backward)."""
 
 
 def _compiled_note(patches: Patches | None, buffers: int) -> list[str]:
-    """What the figures of compiled code are: Inductor's partition unfused (or eager), or the CPU's plan."""
+    """Where a card is predicted, what the figures of compiled code are: Inductor's partition unfused, eager
+    where torch lost a gradient, or the CPU's Inductor plan."""
     notes = [COMPILED_FOR_CPU] if buffers else []
     if patches is not None and patches.compiled_eagerly:
         return [COMPILED_EAGERLY, *notes]
@@ -251,7 +253,8 @@ class TrackerBackend(Backend):
         if self._patches is not None:
             self._patches.undo()
         self._notes += _fake_outputs_note(self.ledger.fake_outputs)
-        self._notes += _compiled_note(self._patches, self.ledger.compiled_buffers)
+        if self._predicting:
+            self._notes += _compiled_note(self._patches, self.ledger.compiled_buffers)
 
     @property
     def capacity(self) -> int | None:
