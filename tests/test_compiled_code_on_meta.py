@@ -1,5 +1,5 @@
 """torch.compile where a card is predicted (meta, --gpumem-round=cuda): a compiled function runs as
-Inductor's partition, unfused (Inductor's own plan on meta read 4 MiB where a card holds at least 18, or
+Inductor's partition, unfused (Inductor's own plan on meta read 4 MiB of a forward where a card holds 20, or
 failed inside torch), and says so; torch's own compile failures on meta are one line. Exact bytes by hand."""
 
 from __future__ import annotations

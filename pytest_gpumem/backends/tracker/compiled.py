@@ -1,11 +1,12 @@
 """Compiled functions where a card is predicted: as Inductor splits them, run unfused.
 
 Inductor's plan on the CPU is not a card's (its C++ kernels fuse and reuse buffers otherwise), and on meta
-it cannot plan at all (it counted 4 MiB where a card holds at least 18, or failed inside torch). What a card
-does and the tracker can run is Inductor's front half: its decompositions and min-cut partitioner decide
-what the forward saves for backward and what backward recomputes, and the backward graph returns every
-gradient at once. Run op by op with each value freed after its last use, those graphs hold every buffer
-Inductor's fused kernels would and the intermediates fusion would drop: an upper bound of a card's plan.
+it cannot plan at all (it counted 4 MiB of a forward where a card holds at least 20, or failed inside
+torch). What a card does and the tracker can run is Inductor's front half: its decompositions and min-cut
+partitioner decide what the forward saves for backward and what backward recomputes, and the backward
+graph returns every gradient at once. Run op by op with each value freed after its last use, those graphs
+hold every buffer Inductor's fused kernels would and the intermediates fusion would drop: an upper bound
+of a card's plan.
 
 On meta, torch's tracing of the joint graph took the Python meta kernels torch gives some ops that
 decompose on every device, and lost their gradient (nll_loss, so cross_entropy): those kernels stand aside

@@ -11,7 +11,7 @@
   compiler's own worker threads).
 - Where a card is predicted, compiled functions are split as Inductor splits them and run unfused
   (`unfused_compiled`): an upper bound of a card's plan, which the CPU's Inductor is not, and which runs
-  on meta (Inductor there counted 4 MiB where a card holds 18, or failed inside torch).
+  on meta (Inductor there counted 4 MiB of a forward where a card holds 20, or failed inside torch).
 
 Everything but the compiled-program allocators is patched only while a measurement runs, and undone
 unconditionally by `Patches.undo`.
