@@ -28,8 +28,9 @@ for entry in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(entry))
 
 import benchlib  # noqa: E402
+import torch  # noqa: E402
 from conv_workloads import nca_single_step, nca_whole_slide  # noqa: E402
-from workloads import WORKLOADS, Workload  # noqa: E402
+from workloads import WORKLOADS, Record, Workload, scaled_attention  # noqa: E402
 
 from cuda_allocator_model.cards import capacity_bytes  # noqa: E402
 from cuda_allocator_model.snapshots.against import line_of, op_of  # noqa: E402
@@ -112,6 +113,25 @@ def predict(workload: Workload, capacity: int | None = None) -> Prediction:
     requests = [e for e in events[mark[0] :] if e["action"] == "alloc"]
     reserved = peak.reserved or 0
     return Prediction(requests, peak.allocated, peak.requested, reserved, time.perf_counter() - started)
+
+
+def compiled_attention(device: str, record: Record) -> None:
+    """CS336's naive attention (`scaled_attention`) under torch.compile: Q, K, V = randn(8, 256, 16)
+    requiring grad, forward only, its output dropped each step (so the graph's saved tensors go with it);
+    5 warmup steps, then 100 recorded."""
+    q, k, v = (torch.randn(8, 256, 16, device=device, requires_grad=True) for _ in range(3))
+    compiled = torch.compile(scaled_attention)
+    for step in range(105):
+        if step == 5:
+            record()
+        out = compiled(q, k, v)
+        del out
+
+
+def compiled_workloads() -> tuple[Workload, ...]:
+    """The compiled row: the one trace of a compiled step whose workload its frames and catalog give."""
+    snapshot = "sungdk0822__CS336-assignment2-systems__attn_d16_s256_fwd_compile.pickle"
+    return (Workload("compiled attn s256", snapshot, compiled_attention, None),)
 
 
 Opcode = tuple[str, int, int, int, int]
@@ -251,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"validate_snapshots: no snapshots folder at {args.snapshots}; nothing to compare")
         return 0
     started = time.perf_counter()
-    chosen = [w for w in (*WORKLOADS, *conv_workloads()) if not args.only or any(part in w.name for part in args.only)]
+    every = (*WORKLOADS, *conv_workloads(), *compiled_workloads())
+    chosen = [w for w in every if not args.only or any(part in w.name for part in args.only)]
     results = [compare(workload, args.snapshots, capacity) for workload in chosen]
     print(HEADER)
     for result in results:

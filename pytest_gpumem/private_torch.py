@@ -11,6 +11,7 @@ in `isinstance` (`TorchDispatchMode`, `FakeTensor`) is reached through a functio
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import sys
@@ -297,6 +298,87 @@ DYNAMO = "torch._dynamo"
 """Dynamo's package: the first call of anything torch wraps in `torch._disable_dynamo` (an optimizer's
 `add_param_group`, which its constructor calls) imports it, a second or more; a process that forks ranks
 imports it once for them."""
+
+
+def compile_stance_owner() -> tuple[Any, str] | None:
+    """(Dynamo's frame module, the name of the function through which each call of a compiled function
+    picks the callback its frames run with, under the compiler's stance: None or False runs them as they
+    are, as `torch.compiler.set_stance("force_eager")` does); None while Dynamo is not loaded."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None or not callable(getattr(eval_frame, "_callback_from_stance", None)):
+        return None
+    return eval_frame, "_callback_from_stance"
+
+
+def inductor_partition_backend() -> Callable[..., Any]:
+    """Dynamo's `aot_eager_decomp_partition` backend: Inductor's decompositions and min-cut partitioner (what
+    is saved for backward, what is recomputed), then the forward and backward graphs run op by op, each
+    value freed after its last use."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    backend: Callable[..., Any] = lookup_backend("aot_eager_decomp_partition")
+    return backend
+
+
+@functools.cache
+def _composite_meta_kernels() -> tuple[Any, ...]:
+    """The ops that decompose on every device (CompositeImplicitAutograd) to which torch also gives a Python
+    meta kernel (from the decompositions' table, `torch._meta_registrations.activate_meta`)."""
+    import torch
+    from torch._decomp import global_decomposition_table
+
+    meta = torch._C.DispatchKey.Meta
+    found = {
+        op
+        for table in global_decomposition_table.values()
+        for op in table
+        if isinstance(op, torch._ops.OpOverload)
+        and meta in op.py_kernels
+        and torch._C._dispatch_has_kernel_for_dispatch_key(
+            op.name(),  # type: ignore[no-untyped-call]
+            "CompositeImplicitAutograd",
+        )
+    }
+    return tuple(found)
+
+
+@contextlib.contextmanager
+def composite_ops_decomposed_on_meta() -> Iterator[None]:
+    """Within the block, ops that decompose on every device (CompositeImplicitAutograd) decompose on meta
+    tensors too while torch traces (the Python dispatcher): their Python meta kernels stand aside. Kept, a
+    kernel hides the decomposition's autograd (nll_loss, so cross_entropy, lost its gradient)."""
+    import torch
+
+    meta = torch._C.DispatchKey.Meta
+    taken = [(op, op.py_kernels.pop(meta)) for op in _composite_meta_kernels() if meta in op.py_kernels]
+    for op, _ in taken:
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, kernel in taken:
+            op.py_kernels[meta] = kernel
+            op._dispatch_cache.clear()
+
+
+def dynamo_callback(backend: Callable[..., Any], like: Any) -> Any:
+    """The callback with which Dynamo compiles a frame's code with `backend`, made as `like` (the callback
+    `torch.compile` chose for the frame) was made: with `fullgraph=True` a graph break still raises. Dynamo
+    clones a callback with another backend so for DDP; a callback that cannot be cloned is made plainly."""
+    from torch._dynamo.convert_frame import catch_errors_wrapper
+    from torch._dynamo.eval_frame import _create_wrapped_callback
+
+    clone = getattr(getattr(like, "_torchdynamo_orig_backend", None), "_clone_with_backend", None)
+    if clone is None or not hasattr(like, "hooks"):
+        return _create_wrapped_callback(backend)
+    return catch_errors_wrapper(clone(backend), like.hooks)
+
+
+def dynamo_callback_kind(callback: Any) -> tuple[str, bool]:
+    """What makes two of Dynamo's callbacks compile alike: the kind of frame converter they wrap, and whether
+    it must capture one graph (`fullgraph=True`)."""
+    inner = getattr(callback, "_torchdynamo_orig_backend", None)
+    return type(inner).__name__, bool(getattr(inner, "_one_graph", False))
 
 
 def inductor_allocator_owner() -> tuple[Any, str]:

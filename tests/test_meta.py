@@ -14,7 +14,7 @@ from builders import Reported
 
 from cuda_allocator_model.cards import CUBLAS_WORKSPACE_DEFAULT as WORKSPACE
 from pytest_gpumem.backends import make_builtin
-from pytest_gpumem.backends.tracker.backend import TrackerBackend
+from pytest_gpumem.backends.tracker.backend import COMPILED_UNFUSED, TrackerBackend
 from pytest_gpumem.backends.tracker.meta_errors import cannot_run_on_meta
 from pytest_gpumem.errors import GpuMemError
 
@@ -89,7 +89,10 @@ def test_header_identity_and_report_say_prediction(tracker: pytest.Pytester, rep
     tracker.makepyfile(WORKLOAD)
     result = tracker.runpytest("--gpumem-device=meta", "--gpumem-update", "--gpumem-json=out.json")
     result.stdout.fnmatch_lines(
-        ["gpumem: tracker (*), device meta (a prediction: sizes without data, nothing computed); a GPU*s code paths*"]
+        [
+            "gpumem: tracker (*), device meta (a prediction: sizes without data, nothing computed); compiled: "
+            "Inductor*s partition, unfused (an upper bound); a GPU*s code paths*"
+        ]
     )
     test = reported()["test_step"]
     assert (test["device"], test["info"]) == ("meta", {"device": "meta"})
@@ -367,10 +370,10 @@ def test_the_autograd_engine_is_restored_after_the_measurement() -> None:
 
 
 @pytest.mark.slow
-def test_torch_compile_traces_attention_as_written_on_meta() -> None:
+def test_compiled_attention_on_meta_is_traced_as_written() -> None:
     # the graph is traced to ATen at compile time without the interception (Inductor cannot lower the
-    # flash kernel's meta graph): a compiled region takes the CPU's path, whatever the paths
-    compiled = torch.compile(_causal_attention, backend="aot_eager")
+    # flash kernel's meta graph): a compiled region takes the math path, whatever the paths
+    compiled = torch.compile(_causal_attention)
     kept = {}
     for paths in (None, "cpu"):
         q, k, v = _qkv(torch.bfloat16)
@@ -382,6 +385,7 @@ def test_torch_compile_traces_attention_as_written_on_meta() -> None:
             del out
         finally:
             backend.stop()
+        assert backend.notes() == [COMPILED_UNFUSED]
     assert kept[None] == kept["cpu"] > B * H * S * S * FP32
 
 

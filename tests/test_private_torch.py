@@ -164,6 +164,71 @@ def _hide_from_dynamo() -> None:
     assert function._torchdynamo_disable is True  # type: ignore[attr-defined]
 
 
+def _compile_stance_owner() -> None:
+    import torch._dynamo  # loaded by the first torch.compile
+
+    found = pt.compile_stance_owner()
+    assert found is not None
+    owner, name = found
+    pick = getattr(owner, name)
+    assert pick("a callback") == "a callback" and pick(None) is None  # the default stance keeps the callback
+    with torch.compiler.set_stance("force_eager"):
+        assert pick("a callback") is None
+
+
+def _inductor_partition_backend() -> None:
+    # Inductor's min-cut saves, beside the input and the second weight, Linear's output for GELU's backward
+    # and GELU's for the second weight's gradient (it recomputes neither): the forward graph's saved tensors
+    shapes: list[tuple[int, ...]] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(tensor.shape))
+        return tensor
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    x = torch.randn(4, 8)
+    compiled = torch.compile(model, backend=pt.inductor_partition_backend())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = compiled(x)
+    assert torch.allclose(out, model(x), atol=1e-6)
+    assert sorted(shapes) == [(4, 8), (4, 16), (4, 16), (8, 16)]
+
+
+def _composite_ops_decomposed_on_meta() -> None:
+    # nll_loss decomposes on every device, and torch gives it a Python meta kernel besides: aside in the block
+    meta = torch._C.DispatchKey.Meta
+    nll_loss = torch.ops.aten.nll_loss.default
+    assert meta in nll_loss.py_kernels
+    with pt.composite_ops_decomposed_on_meta():
+        assert meta not in nll_loss.py_kernels
+    assert meta in nll_loss.py_kernels
+
+
+def _dynamo_callback() -> None:
+    graphs: list[Any] = []
+
+    def backend(graph: Any, inputs: Any) -> Any:
+        graphs.append(graph)
+        return graph.forward
+
+    def breaks(x: torch.Tensor) -> torch.Tensor:
+        return x * 3 if x.sum() > 0 else x  # a data-dependent branch: a graph break
+
+    found = pt.compile_stance_owner()
+    assert found is not None
+    owner, name = found
+    original = getattr(owner, name)
+    setattr(owner, name, lambda chosen: chosen and pt.dynamo_callback(backend, chosen))
+    try:
+        assert torch.compile(lambda x: x * 3)(torch.ones(2)).tolist() == [3.0, 3.0]
+        with pytest.raises(torch._dynamo.exc.Unsupported):  # made as fullgraph's callback: the break raises
+            torch.compile(breaks, fullgraph=True)(torch.ones(2))
+        assert torch.compile(breaks)(torch.ones(2)).tolist() == [3.0, 3.0]
+    finally:
+        setattr(owner, name, original)
+    assert len(graphs) >= 2  # compiled by the callback's backend, not Inductor
+
+
 def _inductor_allocator_owner() -> None:
     owner, prefix = pt.inductor_allocator_owner()
     made = getattr(owner, prefix + "empty_strided_cpu")((2, 3), (3, 1), torch.float32)
@@ -385,6 +450,11 @@ CHECKS: dict[str, Callable[[], bool | None]] = {
     "DYNAMO": _dynamo,
     "hide_from_dynamo": _hide_from_dynamo,
     "DynamoWrapperOff": _dynamo_wrapper_off,
+    "compile_stance_owner": _compile_stance_owner,
+    "inductor_partition_backend": _inductor_partition_backend,
+    "dynamo_callback": _dynamo_callback,
+    "dynamo_callback_kind": _dynamo_callback,
+    "composite_ops_decomposed_on_meta": _composite_ops_decomposed_on_meta,
     "inductor_allocator_owner": _inductor_allocator_owner,
     "loaded_inductor_modules": _loaded_inductor_modules,
     "without_cuda_autocast": _cuda_autocast_key,

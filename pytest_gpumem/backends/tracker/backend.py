@@ -52,6 +52,28 @@ def _fake_outputs_note(count: int) -> list[str]:
     ]
 
 
+COMPILED_UNFUSED = (
+    "compiled: Inductor's partition run unfused, not its CUDA plan: an upper bound (fusion only drops buffers)"
+)
+"""The note of a prediction in which compiled functions ran (`Patches.unfused_compiled`)."""
+COMPILED_EAGERLY = (
+    "compiled: ran eagerly where torch's partition on meta lost a gradient: not a bound (--gpumem-round=cuda gives one)"
+)
+"""The note of a prediction on meta in which a compiled graph ran eagerly (`compiled`)."""
+COMPILED_FOR_CPU = "compiled: Inductor's plan for the CPU ran (compiled before the call), not a card's: no bound"
+"""The note of a prediction in which compiled programs made buffers (`patches.count_compiled_allocations`):
+compiled before the measurement and reached without Dynamo (a compiled forward's backward)."""
+
+
+def _compiled_note(patches: Patches | None, buffers: int) -> list[str]:
+    """Where a card is predicted, what the figures of compiled code are: Inductor's partition unfused, eager
+    where torch lost a gradient, or the CPU's Inductor plan."""
+    notes = [COMPILED_FOR_CPU] if buffers else []
+    if patches is not None and patches.compiled_eagerly:
+        return [COMPILED_EAGERLY, *notes]
+    return [COMPILED_UNFUSED, *notes] if patches is not None and patches.compiled_unfused else notes
+
+
 def _default_paths(rounding: str, device: str) -> str:
     """A GPU's code paths where the run predicts a GPU (the meta device, CUDA rounding), else the CPU's."""
     return "gpu" if device == "meta" or rounding == "cuda" else "cpu"
@@ -104,6 +126,11 @@ class TrackerBackend(Backend):
         self._mode: Any = None
         self._patches: Patches | None = None
         self._notes: list[str] = []
+
+    @property
+    def _predicting(self) -> bool:
+        """Whether the figures stand for a card's: on meta, or served by the CUDA allocator's model."""
+        return self._device_type == "meta" or self.rounding == "cuda"
 
     @property
     def device(self) -> torch.device:
@@ -186,8 +213,9 @@ class TrackerBackend(Backend):
             settings = self.allocator.describe(limits=True)
             served = "served by a model of the CUDA caching allocator" + (f", {settings}" if settings else "")
         line = f"tracker (storages created by ATen ops, {served}), device {device}"
-        predicting = self._device_type == "meta" or self.rounding == "cuda"
-        return line + self._paths_text() if predicting or self.paths == "gpu" else line
+        if self._predicting:
+            line += "; compiled: Inductor's partition, unfused (an upper bound)"
+        return line + self._paths_text() if self._predicting or self.paths == "gpu" else line
 
     def _paths_text(self) -> str:
         meta = self._device_type == "meta"
@@ -212,6 +240,7 @@ class TrackerBackend(Backend):
             allocator=self.rounding == "cuda",
             meta=meta,
             cuda_autocast=self._device_type if gpu else None,
+            unfused_compiled=self._predicting,
         )
         self._mode = tracking_mode(self.ledger)
         attribution = self.attribution()
@@ -234,6 +263,8 @@ class TrackerBackend(Backend):
         if self._patches is not None:
             self._patches.undo()
         self._notes += _fake_outputs_note(self.ledger.fake_outputs) + cudnn.notes(self.ledger.bounds)
+        if self._predicting:
+            self._notes += _compiled_note(self._patches, self.ledger.compiled_buffers)
 
     @property
     def capacity(self) -> int | None:

@@ -126,6 +126,7 @@ class StorageLedger:
         self.peak_requested = 0
         self.peak_allocated = 0
         self.fake_outputs = 0  # outputs of ops under FakeTensorMode, which hold no memory
+        self.compiled_buffers = 0  # buffers of Inductor's compiled programs (its plan for the CPU)
         self.device_type: str | None = None  # count only storages on it (meta: the GPU); None: every storage
         self._capacity: int | None = None
         self.recorder: Recorder | None = None  # origins (and events) of the storages, when asked for
@@ -276,6 +277,7 @@ class StorageLedger:
         self.live.clear()
         self.workspaces.clear()
         self.requested = self.allocated = self.peak_requested = self.peak_allocated = self.fake_outputs = 0
+        self.compiled_buffers = 0
         self.largest_temporaries = 0
         self.bounds = {}
         if self.model is not None:  # each measurement starts with an empty cache

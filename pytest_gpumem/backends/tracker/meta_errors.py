@@ -29,6 +29,11 @@ _PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"register_meta function for (?P<op>torch\.\w+)\(\) raises unimplemented"), _DATA_SIZED),
     (re.compile(r"(?P<op>aten::\w+(?:\.\w+)?): attempted to run this operator with Meta tensors"), _NO_META_KERNEL),
 )
+_COMPILER = re.compile(r"^backend='(?P<backend>[^']+)' raised:\s*\n(?P<error>\w+)")
+_COMPILE_FAILED = (
+    "torch.compile's {backend} cannot compile this graph for meta tensors ({error} in torch): "
+    "measure it on the CPU with --gpumem-round=cuda, at a shape that fits"
+)
 _NEEDS_DATA = re.compile(r"meta tensor|no data|data-independent|'Meta' backend", re.IGNORECASE)
 _ERRORS = (RuntimeError, NotImplementedError, TypeError, BufferError)
 
@@ -42,6 +47,9 @@ def cannot_run_on_meta(exc: BaseException) -> str | None:
         text = str(exc).strip()
     except Exception:
         return None
+    compiler = _compiler_failed(exc, text)
+    if compiler is not None:
+        return compiler
     for pattern, reason in _PATTERNS:
         found = pattern.search(text)
         if found is not None:
@@ -52,3 +60,10 @@ def cannot_run_on_meta(exc: BaseException) -> str | None:
     if isinstance(exc, (RuntimeError, NotImplementedError)) and _NEEDS_DATA.search(first):
         return first if len(first) <= 200 else first[:199] + "…"
     return None
+
+
+def _compiler_failed(exc: BaseException, text: str) -> str | None:
+    """torch.compile's backend failed (Dynamo's BackendCompilerFailed, whose text dumps the graph): which
+    backend, and the kind of its error."""
+    found = _COMPILER.match(text) if type(exc).__name__ == "BackendCompilerFailed" else None
+    return None if found is None else _COMPILE_FAILED.format(**found.groupdict())

@@ -9,6 +9,9 @@
   allocator (on a machine without CUDA it does nothing by itself).
 - Threads started inside the call run without the mode: they are noticed and reported (but for the
   compiler's own worker threads).
+- Where a card is predicted, compiled functions are split as Inductor splits them and run unfused
+  (`unfused_compiled`): an upper bound of a card's plan, which the CPU's Inductor is not, and which runs
+  on meta (Inductor there counted 4 MiB of a forward where a card holds 20, or failed inside torch).
 
 Everything but the compiled-program allocators is patched only while a measurement runs, and undone
 unconditionally by `Patches.undo`.
@@ -71,6 +74,7 @@ def _counting_allocator(original: Callable[..., torch.Tensor], mode_class: type[
         ledger = _active_ledger(mode_class)
         if ledger is not None:
             ledger.op, ledger.out = "a compiled program's buffer", out
+            ledger.compiled_buffers += 1
             try:
                 ledger.add(out.untyped_storage())
             finally:
@@ -101,6 +105,9 @@ class Patches:
         self.notes = notes
         self._undo: list[Callable[[], None]] = []
         self.threads: list[str] = []
+        self.compiled_unfused = False  # a compiled function ran as Inductor's partition, unfused
+        self.compiled_eagerly = False  # ... or eagerly, where torch's partition on meta lost a gradient
+        self._stance_patched = False
 
     def install(
         self,
@@ -109,11 +116,15 @@ class Patches:
         allocator: bool = False,
         meta: bool = False,
         cuda_autocast: str | None = None,
+        unfused_compiled: bool = False,
     ) -> None:
         """The patches every measurement needs, with the GPU's optimizer path (`foreach`) and attention
-        kernels (`fused_attention`) where asked, and `torch.cuda.empty_cache` where the ledger models the
-        CUDA allocator (`allocator`)."""
+        kernels (`fused_attention`) where asked, `torch.cuda.empty_cache` where the ledger models the
+        CUDA allocator (`allocator`), and compiled functions run as Inductor's partition, unfused
+        (`unfused_compiled`)."""
         try:
+            if unfused_compiled:
+                self._unfused_compiled()
             self._backward_as_without_a_mode()
             self._resize()
             if allocator:
@@ -285,6 +296,50 @@ class Patches:
         self._replace(graph, entry, run_backward)
         if getattr(torch.autograd, entry, None) is original:
             self._replace(torch.autograd, entry, run_backward)
+
+    def _unfused_compiled(self) -> None:
+        """Each call of a compiled function that would compile or run its frames runs them as Inductor's
+        partition, unfused (`compiled`), and is noticed; a stance that runs
+        them as they are is kept. While Dynamo is not loaded nothing compiled can run: `torch.compile`
+        loads it, and is wrapped to patch it then (importing Dynamo here would cost every measurement a second)."""
+        found = private_torch.compile_stance_owner()
+        if found is None:
+            self._unfused_once_compiled()
+            return
+        from pytest_gpumem.backends.tracker import compiled
+
+        owner, name = found
+        original = getattr(owner, name)
+
+        def eagerly() -> None:
+            self.compiled_eagerly = True
+
+        compiled.BACKEND.ran_eagerly = eagerly
+        self._undo.append(lambda: setattr(compiled.BACKEND, "ran_eagerly", None))
+
+        def unfused(callback: Any) -> Any:
+            chosen = original(callback)
+            if chosen is None or chosen is False:
+                return chosen
+            self.compiled_unfused = True
+            return compiled.callback(chosen)
+
+        self._replace(owner, name, unfused)
+        self._stance_patched = True
+
+    def _unfused_once_compiled(self) -> None:
+        import torch
+
+        original = torch.compile
+
+        @functools.wraps(original)
+        def compile(*args: Any, **kwargs: Any) -> Any:
+            made = original(*args, **kwargs)
+            if not self._stance_patched and private_torch.compile_stance_owner() is not None:
+                self._unfused_compiled()
+            return made
+
+        self._replace(torch, "compile", compile)
 
     def _threads(self) -> None:
         previous = threading.getprofile()
