@@ -142,7 +142,7 @@ def _frame_end(data: Buffer, pos: int, end: int) -> int:
     """The end of the FRAME (protocol 4) holding `pos`, which the unpickler reads whole; `pos` without frames."""
     at = 2 if data[:1] == b"\x80" else 0
     while at + 9 <= end and data[at] == 0x95:
-        after = at + 9 + struct.unpack_from("<Q", data, at + 1)[0]
+        after: int = at + 9 + struct.unpack_from("<Q", data, at + 1)[0]
         if after >= pos:
             return min(after, end)
         at = after
