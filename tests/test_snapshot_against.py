@@ -130,7 +130,7 @@ def test_the_replay_command_compares_against_a_prediction(tmp_path: Path) -> Non
     done = subprocess.run([*command, "--json", str(report)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "peak reserved         14.0 MiB      22.0 MiB  +8.0 MiB (+57.1%)" in done.stdout.splitlines()
-    assert json.loads(report.read_text(encoding="utf-8"))["differences"][0]["card"]["bytes"] == 12 * MiB
+    assert json.loads(report.read_text(encoding="utf-8"))["devices"][0]["differences"][0]["card"]["bytes"] == 12 * MiB
     refused = subprocess.run([*command, "--capacity", "1 GB"], capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2
     assert "--against compares two snapshots as recorded: --capacity does not apply to it" in refused.stderr

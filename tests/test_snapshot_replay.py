@@ -196,7 +196,7 @@ def test_replay_prints_the_agreement_and_the_what_ifs(tmp_path: Path, capsys: py
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "segment decisions 2/2 (2 new segments)" in out and "placements 2/2" in out
-    assert "peak reserved: card 24.0 MiB, model 24.0 MiB" in out
+    assert "peak reserved: card 24.0 MiB, model equal" in out
     rows = [line.split() for line in out.splitlines() if line.endswith("train.py:9")]
     # 12 MiB fits 20 MiB, a second 12 MiB segment does not; expandable: one 20 MiB page, 8 MiB of it free
     assert rows == [

@@ -53,7 +53,17 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--against", type=Path, default=None, metavar="PREDICTED",
         help="hold SNAPSHOT (a card's) against a prediction's (--gpumem-torch-snapshots): peaks, first differences",
     )  # fmt: skip
+    r.add_argument(
+        "--device", type=_device, default=None, metavar="N",
+        help="replay (or with --against, compare) device N only (default: every device traced)",
+    )  # fmt: skip
     return r
+
+
+def _device(value: str) -> int:
+    if not (value.isascii() and value.isdigit() and len(value) <= 4):
+        raise argparse.ArgumentTypeError(f"a device index (0, 1, ...), got {value[:20]!r}")
+    return int(value)
 
 
 def alloc_conf(value: str) -> str:
@@ -76,12 +86,15 @@ def capacity(value: str) -> str:
 
 def run(args: argparse.Namespace, write: Write, say: Say) -> int:
     """Replay, print, write what was asked; GpuMemError (one line) for a file that is no snapshot."""
+    _outputs_apart(args)
+    for conf in args.alloc_conf:
+        _fraction_of_a_card(conf, args.capacity)
     snapshot = read_snapshot(args.snapshot)
     if args.against is not None:
         from pytest_gpumem.snapshots.against import run_against
 
         return run_against(args, snapshot, write, say)
-    replays = _replay_all(snapshot, args.alloc_conf, args.capacity)
+    replays = _replay_all(snapshot, args.alloc_conf, args.capacity, args.device)
     say(text(snapshot, replays))
     if args.json is not None:
         write(args.json, json_text(snapshot, replays))
@@ -90,6 +103,41 @@ def run(args: argparse.Namespace, write: Write, say: Say) -> int:
 
         write(args.html, page(snapshot, replays))
     return 0
+
+
+def _outputs_apart(args: argparse.Namespace) -> None:
+    """No output may be written over an input or over another output: refused before anything is read."""
+    inputs = [("SNAPSHOT", args.snapshot), ("--against", args.against)]
+    outputs = [("--json", args.json), ("--html", args.html)]
+    named = [(flag, path) for flag, path in inputs if path is not None]
+    for flag, path in outputs:
+        if path is None:
+            continue
+        same = next((other for other, seen in named if _same_file(path, seen)), None)
+        if same is not None:
+            role = "the snapshot read" if same in ("SNAPSHOT", "--against") else f"{same}'s output too"
+            raise GpuMemError(f"{flag} {path} is {role}; write it elsewhere")
+        named.append((flag, path))
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
+    except (OSError, RuntimeError):  # a link loop, a path that cannot be resolved: not the same
+        return False
+
+
+def _fraction_of_a_card(conf: str, capacities: Sequence[str]) -> None:
+    """per_process_memory_fraction takes a fraction of a card's total memory: every capacity must name one."""
+    if AllocatorSettings.parse(conf, "--alloc-conf").per_process_memory_fraction >= 1.0:
+        return
+    bare = next((cap for cap in capacities if not parse_capacity(cap, "--capacity").on_a_card), None)
+    if not capacities or bare is not None:
+        got = f"--capacity {bare} is a size, not a card" if bare is not None else "no --capacity names a card"
+        raise GpuMemError(
+            f"--alloc-conf {conf}: per_process_memory_fraction is a share of a card's memory, but {got}: "
+            "name one (--capacity H100-80GB, or TOTAL:OUTSIDE)"
+        )
 
 
 def settings_for(snapshot: Snapshot, conf: str | None) -> AllocatorSettings:
@@ -101,11 +149,13 @@ def settings_for(snapshot: Snapshot, conf: str | None) -> AllocatorSettings:
     return AllocatorSettings.parse(joined, "--alloc-conf")
 
 
-def _replay_all(snapshot: Snapshot, confs: Sequence[str], capacities: Sequence[str]) -> list[DeviceReplay]:
-    """Agreement and what-ifs for every device that recorded a trace."""
+def _replay_all(
+    snapshot: Snapshot, confs: Sequence[str], capacities: Sequence[str], only: int | None = None
+) -> list[DeviceReplay]:
+    """Agreement and what-ifs for every device that recorded a trace (or device `only`)."""
     out = []
     for device, trace in enumerate(snapshot.traces):
-        if not trace:
+        if not trace or (only is not None and device != only):
             continue
         agreement = agree(snapshot, device)
         caps: list[str | None] = [*capacities] or [None]
@@ -117,8 +167,9 @@ def _replay_all(snapshot: Snapshot, confs: Sequence[str], capacities: Sequence[s
 
 
 def _what_if(snapshot: Snapshot, device: int, start: StartState, conf: str | None, cap: str | None) -> WhatIf:
-    settings = settings_for(snapshot, conf)
-    limit = None if cap is None else parse_capacity(cap, "--capacity").bytes
+    capacity = None if cap is None else parse_capacity(cap, "--capacity")
+    settings = settings_for(snapshot, conf).on_card(None if capacity is None else capacity.total)
+    limit = None if capacity is None else capacity.bytes
     return what_if(snapshot, settings, limit, conf or _RECORDED, cap or UNLIMITED, device, start)
 
 
@@ -145,7 +196,8 @@ def _agreement_lines(a: Agreement) -> list[str]:
         f"  segment decisions {_share(a.decisions_matched, a.requests)} ({a.new_segments} new segments)",
         f"  placements {_share(a.placements_matched, a.requests)}",
         f"  reserved after each request {_share(a.reserved_matched, a.requests)}",
-        f"  peak reserved: card {_size(a.peak_reserved_card)}, model {_size(a.peak_reserved_model)}",
+        f"  peak reserved: card {_size(a.peak_reserved_card)}, "
+        f"model {_versus(a.peak_reserved_card, a.peak_reserved_model)}",
     ]
     if a.card_oom_at is not None or a.model_oom_at is not None:
         cap = "" if a.capacity is None else f" (capacity {_size(a.capacity)} from the card's device_free)"
@@ -158,7 +210,7 @@ def _agreement_lines(a: Agreement) -> list[str]:
     return lines
 
 
-_HEAD = f"{'setting':<24} {'capacity':<13} {'peak reserved':>13} {'unalloc@peak':>12}  runs out at: request size where"
+_TAIL = f"{'peak reserved':>13} {'unalloc@peak':>12}  runs out at: request size where"
 
 
 def _runs_out(o: WhatIf) -> str:
@@ -171,31 +223,39 @@ def _runs_out(o: WhatIf) -> str:
     return f"#{oom.request} {_size(oom.size)} {where}"
 
 
-def _card_row(a: Agreement) -> str:
-    """The card itself, from its own cache at the start (the exact replay's figures)."""
+def _table(a: Agreement, outcomes: Sequence[WhatIf]) -> list[str]:
+    """The card's own row, then one per what-if; settings and capacities in full, however long."""
+    card = "the card, as traced"
+    wide = max(len(card), *(len(o.setting) for o in outcomes))
+    cap = max(len("capacity"), *(len(o.capacity) for o in outcomes))
     oom = "no" if a.card_oom_at is None else f"#{a.card_oom_at}"
     peak, unallocated = _size(a.peak_reserved_card), _size(a.unallocated_at_peak)
-    return f"{'the card, as traced':<24} {'-':<13} {peak:>13} {unallocated:>12}  {oom}"
+    lines = [
+        f"{'setting':<{wide}} {'capacity':<{cap}} {_TAIL}",
+        f"{card:<{wide}} {'-':<{cap}} {peak:>13} {unallocated:>12}  {oom}",
+    ]
+    for o in outcomes:
+        figures = f"{_size(o.peak_reserved):>13} {_size(o.unallocated_at_peak):>12}"
+        lines.append(f"{o.setting:<{wide}} {o.capacity:<{cap}} {figures}  {_runs_out(o)}")
+    return lines
 
 
-def _what_if_row(o: WhatIf) -> str:
-    setting = o.setting if len(o.setting) <= 24 else o.setting[:23] + "~"
-    row = f"{setting:<24} {o.capacity[:13]:<13} {_size(o.peak_reserved):>13} {_size(o.unallocated_at_peak):>12}  "
-    row += _runs_out(o)
-    return row if len(row) <= 100 else row[:99] + "~"
+def _versus(card: int, model: int) -> str:
+    """The model's figure beside the card's: 'equal' (to the byte), or the model's with its difference."""
+    if card == model:
+        return "equal"
+    sign = "+" if model > card else "-"
+    return f"{_size(model)} ({sign}{_size(abs(model - card))}, {model - card:+,} B)"
 
 
 def text(snapshot: Snapshot, replays: Sequence[DeviceReplay]) -> str:
     settings = snapshot.allocator_settings
     conf = "not recorded (torch < 2.3): defaults" if settings is None else (snapshot.alloc_conf or "defaults")
-    name = snapshot.path if len(snapshot.path) <= 100 else "..." + snapshot.path[-97:]
-    lines = [name, f"format {snapshot.tier}, {len(replays)} device(s) traced, allocator settings {conf}"]
+    lines = [snapshot.path, f"format {snapshot.tier}, {len(replays)} device(s) traced, allocator settings {conf}"]
     for r in replays:
         lines += _agreement_lines(r.agreement)
         lines.append(f"what if (the {len(r.agreement.start.live)} requests live at the start on an empty cache):")
-        lines.append(_HEAD)
-        lines.append(_card_row(r.agreement))
-        lines += [_what_if_row(o) for o in r.outcomes]
+        lines += _table(r.agreement, r.outcomes)
         ignored = sorted({key for o in r.outcomes for key in o.ignored})
         if ignored:
             lines.append(f"  not modelled, without effect here: {', '.join(ignored)}")

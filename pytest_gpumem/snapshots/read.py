@@ -276,10 +276,14 @@ def _records(value: object, where: str, budget: _Budget) -> list[Mapping[Any, An
 
 
 def _printable(text: str) -> str:
-    """`text` with what a terminal would act on (escapes, control characters, lone surrogates) written out."""
+    """`text` with nothing a terminal would act on: a control character becomes its picture (ESC is '␛'),
+    anything else unprintable (a lone surrogate, a format character) U+FFFD."""
     if text.isprintable():
         return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    return "".join(c if c.isprintable() else _PICTURES.get(c, "\ufffd") for c in text)
+
+
+_PICTURES: Final = {chr(i): chr(0x2400 + i) for i in range(32)} | {"\x7f": "\u2421"}
 
 
 def _text(record: Mapping[Any, Any], key: str, where: str, default: Any = ...) -> str:
@@ -314,6 +318,7 @@ def _snapshot(loaded: _Loaded, name: str) -> Snapshot:
     if not isinstance(traces_raw, list):
         raise _Refuse(f"'device_traces' is {_a(_kind(traces_raw))}, not a list")
     budget.spend(len(traces_raw), "'device_traces'")
+    _not_shared(traces_raw, "device_traces")
     traces = tuple(_trace(t, f"device_traces[{d}]", frames, budget) for d, t in enumerate(traces_raw))
     settings, conf = _settings(raw.get("allocator_settings"))
     marks = _records(raw.get("external_annotations", []), "'external_annotations'", budget)
@@ -322,6 +327,14 @@ def _snapshot(loaded: _Loaded, name: str) -> Snapshot:
     overflowed = _field(raw, "trace_alloc_overflowed", bool, "the snapshot", None)
     max_entries = _field(raw, "trace_alloc_max_entries", int, "the snapshot", None)
     return Snapshot(_printable(name), segments, traces, settings, conf, annotations, tier, overflowed, max_entries)
+
+
+def _not_shared(lists: list[Any], where: str) -> None:
+    """Each device's trace is its own list: one list under many devices is damage, or a file's trick."""
+    seen: dict[int, int] = {}
+    for i, item in enumerate(lists):
+        if isinstance(item, list) and item and seen.setdefault(id(item), i) != i:
+            raise _Refuse(f"{where}[{i}] is the very list of {where}[{seen[id(item)]}]: no snapshot's shape")
 
 
 def _pool(raw: Mapping[Any, Any], where: str) -> tuple[int, int]:
