@@ -3,13 +3,16 @@ peaks from its trace. Real cards' snapshots are read from ../shared/snapshots (s
 
 from __future__ import annotations
 
+import os
 import pickle
+import struct
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.snapshots.pickled import MAX_TUPLES
 from pytest_gpumem.snapshots.read import Snapshot, read_snapshot, snapshot_from_bytes
 from pytest_gpumem.snapshots.replay import replay, starts_empty
 
@@ -128,6 +131,70 @@ def test_a_git_lfs_pointer_is_refused() -> None:
 )
 def test_what_is_not_a_snapshot_is_refused_in_one_line(value: object, found: str) -> None:
     assert found in refusal(pickle.dumps(value))
+
+
+def shared_traces() -> bytes:
+    trace = hand_made()["device_traces"][0]
+    return pickle.dumps({"segments": [], "device_traces": [trace] * 1000})
+
+
+def with_event(**fields: Any) -> bytes:
+    snapshot = hand_made()
+    snapshot["device_traces"][0][1].update(fields)
+    return pickle.dumps(snapshot)
+
+
+def with_divisions(divisions: dict[Any, Any]) -> bytes:
+    snapshot = hand_made()
+    snapshot["allocator_settings"]["roundup_power2_divisions"] = divisions
+    return pickle.dumps(snapshot)
+
+
+@pytest.mark.parametrize(
+    ("data", "found"),
+    [
+        (b"\x80\x04}}b.", "not a pickle of plain data (the opcode BUILD at byte 4)"),
+        (b"\x80\x04\x8d" + struct.pack("<Q", 1 << 63) + b".", "cut short after 12 bytes (truncated: 9,223,372,036"),
+        (b"\x80\x04}N" + b"\x85" * 1_000_000 + b"K\x01s.", f"more than {MAX_TUPLES:,} nested tuples"),
+        (b"Nr" + struct.pack("<I", 1 << 27) + b".", "a memo index of 134,217,728 at byte 1"),
+        (pickle.dumps({10**5000: 1}), "a dict without 'segments' and 'device_traces' (keys: none)"),
+        (shared_traces(), "device_traces[1] is the very list of device_traces[0]"),
+        (with_event(size=-4096), "device_traces[0][1]: 'size' is -4,096, outside [0, 1,125,899,906,842,624)"),
+        (with_event(addr=1 << 70), "device_traces[0][1]: 'addr' is 1,180,591,620,717,411,303,424, outside [0, "),
+        (with_divisions({"²": 4}), "'roundup_power2_divisions' has the key '²', not a power of two in MiB"),
+    ],
+    ids=["build", "2^63-long", "deep-tuple", "memo", "huge-key", "shared", "negative", "address", "key"],
+)
+def test_a_hostile_pickle_is_refused_in_one_line_before_it_is_built(data: bytes, found: str) -> None:
+    assert found in refusal(data)
+
+
+def test_flat_tuples_such_as_pool_ids_are_not_counted_against_the_nesting_bound() -> None:
+    snapshot = hand_made()
+    snapshot["device_traces"][0] *= 2 * MAX_TUPLES // 10
+    for e in snapshot["device_traces"][0]:
+        e["pool_id"] = (0, 0)
+    assert len(snapshot_from_bytes(pickle.dumps(snapshot)).trace()) == 2 * MAX_TUPLES
+
+
+def test_reading_stops_at_the_pickles_end(tmp_path: Path) -> None:
+    path = tmp_path / "tail.pickle"
+    path.write_bytes(pickle.dumps(hand_made()) + b"\x00not read" * 1000)
+    assert len(read_snapshot(path).trace()) == 10
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(GpuMemError, match=r"fifo: not a regular file \(a pipe, a device\), not a snapshot"):
+        read_snapshot(tmp_path / "fifo")
+
+
+def test_frame_text_is_made_printable() -> None:
+    snapshot = hand_made()
+    snapshot["device_traces"][0][1]["frames"] = [frame("\x1b]0;owned\x07", "tr\ud800ain.py")]
+    frame_read = snapshot_from_bytes(pickle.dumps(snapshot)).trace()[1].frames[0]
+    assert (frame_read.name, frame_read.filename) == ("\u241b]0;owned\u2407", "tr\ufffdain.py")
 
 
 def test_a_text_file_is_refused() -> None:

@@ -325,3 +325,37 @@ def test_an_out_of_memory_we_wrote_is_reproduced_at_the_same_request(conf: str) 
             served += 1
     a = agree(snapshot_from_bytes(pickle.dumps(snapshot_of(model, conf))))
     assert a.capacity == 200 * MiB and a.card_oom_at == a.model_oom_at == served and a.exact
+
+
+# ------------------------------------------------------------------------------ outputs and limits
+
+
+def test_an_output_over_the_snapshot_or_over_another_output_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, raw_from_empty())
+    before = path.read_bytes()
+    assert main(["replay", str(path), "--json", str(tmp_path / "." / "card.pickle")]) == 2
+    assert f"--json {tmp_path}/card.pickle is the snapshot read; write it elsewhere" in capsys.readouterr().err
+    out = tmp_path / "out"
+    assert main(["replay", str(path), "--json", str(out), "--html", str(out)]) == 2
+    assert f"--html {out} is --json's output too" in capsys.readouterr().err
+    assert path.read_bytes() == before and not out.exists()
+
+
+def test_a_memory_fraction_is_of_the_named_cards_memory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 0.1 of the H100-80GB's 85,020,639,232 B is 8,502,063,923 B: 6 GiB fits, 6 GiB + 2 GiB does not
+    trace = [event("segment_alloc", LARGE, 6 << 30), event("alloc", LARGE, 6 << 30, 10)]
+    trace += [event("segment_alloc", LARGE + (8 << 30), 2 << 30), event("alloc", LARGE + (8 << 30), 2 << 30, 11)]
+    path = write(tmp_path, {"segments": [], "device_traces": [trace]}, "fraction.pickle")
+    conf = "per_process_memory_fraction:0.1"
+    assert main(["replay", str(path), "--alloc-conf", conf, "--capacity", "H100-80GB"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if "H100-80GB" in line]
+    assert [row[0] for row in rows] == ["as", conf]
+    assert rows[0][-1] == "no" and rows[1][-4:] == ["#1", "2.0", "GiB", "train.py:11"]
+    assert main(["replay", str(path), "--alloc-conf", conf, "--capacity", "24 GiB"]) == 2
+    assert "--capacity 24 GiB is a size, not a card: name one" in capsys.readouterr().err
+    assert main(["replay", str(path), "--alloc-conf", conf]) == 2
+    assert "per_process_memory_fraction is a share of a card's memory, but no --capacity names a card" in (
+        capsys.readouterr().err
+    )

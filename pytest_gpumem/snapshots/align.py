@@ -45,7 +45,7 @@ def align(first: Sequence[int], second: Sequence[int], max_edits: int = MAX_EDIT
         steps += path
     if end:
         steps.append(("equal", end, end))
-    opcodes = _opcodes(steps)
+    opcodes = _slid(_opcodes(steps), a, b)
     matched = sum(i2 - i1 for tag, i1, i2, _, _ in opcodes if tag == "equal")
     return Aligned(tuple(opcodes), matched, cut)
 
@@ -134,3 +134,37 @@ def _tag(kind: str, in_a: int, in_b: int) -> str:
     if kind == "equal":
         return kind
     return "replace" if in_a and in_b else "delete" if in_a else "insert"
+
+
+def _slid(opcodes: list[Opcode], a: str, b: str) -> list[Opcode]:
+    """An insertion, a run of equal elements, then a deletion (or the other way) is one replacement beside
+    the run wherever the run repeats what moves past it: equal sizes leave Myers' path a choice."""
+    out: list[Opcode] = []
+    i = 0
+    while i < len(opcodes):
+        window = opcodes[i : i + 3]
+        if len(window) == 3 and window[1][0] == "equal" and {window[0][0], window[2][0]} == {"insert", "delete"}:
+            moved = _slide(*window, a, b)
+            if moved is not None:
+                out += moved
+                i += 3
+                continue
+        out.append(opcodes[i])
+        i += 1
+    return out
+
+
+def _slide(first: Opcode, same: Opcode, last: Opcode, a: str, b: str) -> list[Opcode] | None:
+    _, i1, i2, j1, j2 = first
+    _, _, i3, _, j3 = same
+    _, _, i4, _, j4 = last
+    run, last_a, last_b = i3 - i2, i4 - i3, j4 - j3
+    if (a[i2:i3] == a[i2 + last_a : i4]) if last_a else (b[j2:j3] == b[j2 + last_b : j4]):  # last moves left
+        ends = (i2 + last_a, j2 + last_b)
+        return [(_tag("x", ends[0] - i1, ends[1] - j1), i1, ends[0], j1, ends[1]), ("equal", ends[0], i4, ends[1], j4)]
+    if (a[i1 : i1 + run] == a[i2:i3]) if i2 > i1 else (b[j1 : j1 + run] == b[j2:j3]):  # first moves right
+        return [
+            ("equal", i1, i1 + run, j1, j1 + run),
+            (_tag("x", i4 - i1 - run, j4 - j1 - run), i1 + run, i4, j1 + run, j4),
+        ]
+    return None
