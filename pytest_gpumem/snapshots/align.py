@@ -144,7 +144,7 @@ def _slid(opcodes: list[Opcode], a: str, b: str) -> list[Opcode]:
     while i < len(opcodes):
         window = opcodes[i : i + 3]
         if len(window) == 3 and window[1][0] == "equal" and {window[0][0], window[2][0]} == {"insert", "delete"}:
-            moved = _slide(*window, a, b)
+            moved = _slide(window[0], window[1], window[2], a, b)
             if moved is not None:
                 out += moved
                 i += 3
