@@ -359,3 +359,53 @@ def test_a_memory_fraction_is_of_the_named_cards_memory(tmp_path: Path, capsys: 
     assert "per_process_memory_fraction is a share of a card's memory, but no --capacity names a card" in (
         capsys.readouterr().err
     )
+
+
+# ------------------------------------------------------------------------------------ a final state only
+
+
+def final_state() -> dict[str, Any]:
+    """No trace: a 20 MiB segment holding 8 MiB live (allocated at train.py:12), a free 2 MiB small segment,
+    and a private pool's 40 MiB segment holding 30 MiB live (at cache.py:5)."""
+    small, private = LARGE + 64 * MiB, LARGE + 128 * MiB
+    a = segment(
+        LARGE, 20 * MiB, [(LARGE, 8 * MiB, 8 * MiB, "active_allocated"), (LARGE + 8 * MiB, 12 * MiB, 0, "inactive")]
+    )
+    a["blocks"][0]["frames"] = [{"name": "step", "filename": "/home/me/train.py", "line": 12}]
+    b = segment(small, 2 * MiB, [(small, 2 * MiB, 0, "inactive")], "small")
+    c = segment(
+        private,
+        40 * MiB,
+        [(private, 30 * MiB, 30 * MiB, "active_allocated"), (private + 30 * MiB, 10 * MiB, 0, "inactive")],
+    )
+    c["blocks"][0]["frames"] = [{"name": "kv", "filename": "/srv/cache.py", "line": 5}]
+    c["segment_pool_id"] = (1, 0)
+    return {"segments": [a, b, c], "device_traces": [[]]}
+
+
+def test_a_final_state_says_what_held_memory_and_whether_a_card_holds_it_again(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, report = write(tmp_path, final_state()), tmp_path / "final.json"
+    assert main(["replay", str(path), "--capacity", "40 MiB", "--json", str(report)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert (
+        "  default pool: reserved 22.0 MiB in 2 segments; allocated 8.0 MiB in 1 live blocks (requested 8.0 MiB)" in out
+    )
+    assert "    free in the cache 14.0 MiB: 2.0 MiB whole segments (empty_cache frees them), 12.0 MiB beside live " \
+        "blocks (fragmentation), largest 12.0 MiB" in out  # fmt: skip
+    assert [line.split()[-2:] for line in out if line.endswith(("step", "kv"))] == [
+        ["cache.py:5", "kv"],
+        ["train.py:12", "step"],
+    ]
+    device = json.loads(report.read_text())["devices"][0]
+    assert device["all_pools"]["reserved"] == 62 * MiB and device["all_pools"]["allocated"] == 38 * MiB
+    assert [p["pool"] for p in device["pools"]] == [[0, 0], [1, 0]] and device["pools"][1][
+        "free_between_live_blocks"
+    ] == 10 * MiB
+    # again on an empty cache: 8 MiB takes a 20 MiB segment, 30 MiB one of 30 MiB: 50 MiB, past 40 MiB
+    (what_if,) = device["what_if"]
+    assert what_if["out_of_memory"]["size"] == 30 * MiB and what_if["headroom"] is None
+    assert main(["replay", str(path), "--json", str(report)]) == 0
+    (unlimited,) = json.loads(report.read_text())["devices"][0]["what_if"]
+    assert (unlimited["peak_reserved"], unlimited["unallocated_at_peak"]) == (50 * MiB, 12 * MiB)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,9 @@ from pytest_gpumem.backends.tracker.allocator_config import AllocatorSettings
 from pytest_gpumem.cards import parse_capacity
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.sizes import format_size
+from pytest_gpumem.snapshots import final
 from pytest_gpumem.snapshots.agreement import Agreement, agree
+from pytest_gpumem.snapshots.final import untraced
 from pytest_gpumem.snapshots.read import Snapshot, read_snapshot
 from pytest_gpumem.snapshots.start import StartState
 from pytest_gpumem.snapshots.whatif import DeviceReplay, WhatIf, what_if
@@ -94,6 +97,8 @@ def run(args: argparse.Namespace, write: Write, say: Say) -> int:
         from pytest_gpumem.snapshots.against import run_against
 
         return run_against(args, snapshot, write, say)
+    if untraced(snapshot):
+        return _final_state(args, snapshot, write, say)
     replays = _replay_all(snapshot, args.alloc_conf, args.capacity, args.device)
     say(text(snapshot, replays))
     if args.json is not None:
@@ -321,4 +326,108 @@ def json_text(snapshot: Snapshot, replays: Sequence[DeviceReplay]) -> str:
             for r in replays
         ],
     }
+    return json.dumps(doc, indent=2, allow_nan=False) + "\n"
+
+
+# ------------------------------------------------------------------------------- a final state only
+
+
+@dataclass(frozen=True)
+class FinalDevice:
+    """One device of a snapshot that holds its final state only."""
+
+    device: int
+    pools: list[final.PoolState]
+    by_frame: list[final.Holder]
+    by_size: list[final.Holder]
+    outcomes: tuple[WhatIf, ...]
+    capacities: dict[str, int]  # the bytes of each capacity named
+
+
+def _final_state(args: argparse.Namespace, snapshot: Snapshot, write: Write, say: Say) -> int:
+    devices = [d for d in final.final_devices(snapshot) if args.device is None or d == args.device]
+    bare = final.without_trace(snapshot)
+    caps: list[str | None] = [*args.capacity] or [None]
+    sized = {cap: parse_capacity(cap, "--capacity").bytes for cap in args.capacity}
+    sections = []
+    for d in devices:
+        start = final.start_of(snapshot, d)
+        outcomes = tuple(_what_if(bare, d, start, conf, cap) for conf in [None, *args.alloc_conf] for cap in caps)
+        by_frame, by_size = final.held_by(snapshot, d)
+        sections.append(FinalDevice(d, final.pools(snapshot, d), by_frame, by_size, outcomes, sized))
+    say(final_text(snapshot, sections))
+    if args.json is not None:
+        write(args.json, final_json(snapshot, sections))
+    if args.html is not None:
+        from pytest_gpumem.snapshots.page import final_page
+
+        write(args.html, final_page(snapshot, final_text(snapshot, sections)))
+    return 0
+
+
+def _final_rows(section: FinalDevice) -> list[str]:
+    outcomes = section.outcomes
+    total = final.totals(section.pools)
+    wide = max(len("the card, at its end"), *(len(o.setting) for o in outcomes))
+    cap = max(len("capacity"), *(len(o.capacity) for o in outcomes))
+    head = f"{'setting':<{wide}} {'capacity':<{cap}} {'reserved':>10} {'unallocated':>11} {'headroom':>10}  runs out"
+    unallocated = total.reserved - total.allocated
+    lines = [
+        head,
+        f"{'the card, at its end':<{wide}} {'-':<{cap}} {_size(total.reserved):>10} {_size(unallocated):>11}",
+    ]
+    for o in outcomes:
+        limit = section.capacities.get(o.capacity)
+        room = "-" if limit is None or o.out_of_memory else _size(limit - o.peak_reserved)
+        oom = "no" if o.out_of_memory is None else f"yes, at a live block of {_size(o.out_of_memory.size)}"
+        figures = f"{_size(o.peak_reserved):>10} {_size(o.unallocated_at_peak):>11} {room:>10}"
+        lines.append(f"{o.setting:<{wide}} {o.capacity:<{cap}} {figures}  {oom}")
+    return lines
+
+
+def final_text(snapshot: Snapshot, sections: Sequence[FinalDevice]) -> str:
+    settings = snapshot.allocator_settings
+    conf = "not recorded (torch < 2.3): defaults" if settings is None else (snapshot.alloc_conf or "defaults")
+    lines = [
+        snapshot.path,
+        f"format {snapshot.tier}, the final state only (no request traced), allocator settings {conf}",
+    ]
+    for section in sections:
+        lines.append(f"device {section.device}:")
+        if len(section.pools) > 1:
+            lines += final.state_lines(final.totals(section.pools), "all pools")
+        for state in section.pools:
+            lines += final.state_lines(state, final.pool_name(state.pool))
+        lines += final.holder_lines("live blocks by the user frame that allocated them", section.by_frame)
+        lines += final.holder_lines("live blocks by size", section.by_size)
+        live = sum(p.live_blocks for p in section.pools)
+        lines.append(f"what if the {live} live blocks were allocated again, in address order, on an empty cache:")
+        lines += _final_rows(section)
+    if not sections:
+        lines.append("no device holds a segment")
+    return "\n".join(lines)
+
+
+def final_json(snapshot: Snapshot, sections: Sequence[FinalDevice]) -> str:
+    doc = {
+        "snapshot": snapshot.path,
+        "format": snapshot.tier,
+        "final_state_only": True,
+        "alloc_conf": snapshot.alloc_conf,
+        "devices": [
+            {
+                "device": s.device,
+                "all_pools": final.state_json(final.totals(s.pools)),
+                "pools": [final.state_json(p) for p in s.pools],
+                "by_frame": final.holders_json(s.by_frame),
+                "by_size": final.holders_json(s.by_size),
+                "what_if": [
+                    {**_outcome_json(o), "headroom": None if o.out_of_memory or o.capacity not in s.capacities
+                     else s.capacities[o.capacity] - o.peak_reserved}
+                    for o in s.outcomes
+                ],
+            }
+            for s in sections
+        ],
+    }  # fmt: skip
     return json.dumps(doc, indent=2, allow_nan=False) + "\n"

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.snapshots.read import Snapshot
     from pytest_gpumem.snapshots.whatif import DeviceReplay
 
-__all__ = ["page"]
+__all__ = ["final_page", "page"]
 
 WIDTH, HEIGHT, LEFT, BOTTOM, POINTS = 900, 320, 80, 24, 600
 COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
@@ -65,4 +65,13 @@ def page(snapshot: Snapshot, replays: Sequence[DeviceReplay]) -> str:
     return (
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title></head>'
         f'<body style="font-family:sans-serif"><h1>{title}</h1>{body}</body></html>\n'
+    )
+
+
+def final_page(snapshot: Snapshot, text: str) -> str:
+    """A final state's page: the figures as the terminal shows them (no trace to draw)."""
+    title = escape(f"final state of {snapshot.path}")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title></head>'
+        f'<body style="font-family:sans-serif"><h1>{title}</h1><pre>{escape(text)}</pre></body></html>\n'
     )

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pytest_gpumem.backends.tracker.allocator import AllocatorOutOfMemory, CachingAllocatorModel
 from pytest_gpumem.backends.tracker.allocator_config import AllocatorSettings
 from pytest_gpumem.snapshots.agreement import Agreement
-from pytest_gpumem.snapshots.read import Event, Snapshot
+from pytest_gpumem.snapshots.read import Event, Frame, Snapshot
 from pytest_gpumem.snapshots.start import StartState, start_state
 
-__all__ = ["DeviceReplay", "OutOfMemoryAt", "WhatIf", "user_frame", "what_if"]
+__all__ = ["DeviceReplay", "OutOfMemoryAt", "WhatIf", "frames_user_frame", "user_frame", "what_if"]
 
 _NOT_USER = ("/torch/", "\\torch\\", "site-packages", "dist-packages", "/lib/python", "<frozen")
 
@@ -61,14 +61,19 @@ class DeviceReplay:
 
 def user_frame(event: Event) -> str:
     """The first Python frame of the user's code (not torch's, not a library's): 'train.py:12 step'."""
-    for frame in event.frames:
+    return frames_user_frame(event.frames)
+
+
+def frames_user_frame(frames: tuple[Frame, ...]) -> str:
+    """`user_frame` of a stack (a live block's, in a snapshot's final state)."""
+    for frame in frames:
         path = frame.filename
         if path.endswith(".py") and not any(part in path for part in _NOT_USER):
             return f"{path.replace(chr(92), '/').rsplit('/', 1)[-1]}:{frame.line} {frame.name}"
-    op = next((f.name for f in reversed(event.frames) if f.name.startswith("at::_ops::")), None)
+    op = next((f.name for f in reversed(frames) if f.name.startswith("at::_ops::")), None)
     if op is not None:  # autograd's thread: no Python frame, the op it ran
         return f"autograd {op.removeprefix('at::_ops::').split('::')[0]}"
-    return "(no Python frame)" if event.frames else "(no frames recorded)"
+    return "(no Python frame)" if frames else "(no frames recorded)"
 
 
 def what_if(
