@@ -223,8 +223,20 @@ def test_replay_draws_a_page_without_network_assets(tmp_path: Path, capsys: pyte
     args = ["replay", str(write(tmp_path, raw_from_empty())), "--alloc-conf", "expandable_segments:True"]
     assert main([*args, "--html", str(out)]) == 0
     page = out.read_text()
-    assert page.count("<svg") == 1 and page.count("<polyline") == 4  # reserved and allocated per setting
+    assert page.count("<svg") == 1 and page.count("<polyline") == 5  # the card's, reserved and allocated per setting
     assert "<script" not in page and "src=" not in page and "href=" not in page
+
+
+def test_the_page_marks_each_capacity_where_each_row_runs_out_and_the_cards_curve(tmp_path: Path) -> None:
+    out = tmp_path / "replay.html"
+    assert main(["replay", str(write(tmp_path, raw_from_empty())), "--capacity", "20 MiB", "--html", str(out)]) == 0
+    page = out.read_text()
+    assert "20 MiB: 20.0 MiB</text>" in page and page.count("<circle") == 1
+    assert "the card, as traced: peak reserved 24.0 MiB (25,165,824 B)" in page
+    assert (
+        "as recorded, 20 MiB: peak reserved 12.0 MiB (12,582,912 B); runs out at request #1, 12.0 MiB (train.py:9 step)"
+        in page
+    )
 
 
 @pytest.mark.parametrize(
