@@ -402,10 +402,14 @@ class _Frames:
             raise _Refuse(f"{where}: 'frames' is {_a(_kind(raw))}, not a list")
         self.budget.spend(len(raw), f"{where}: 'frames'")
         known = self.known
-        for frame in raw:
-            if id(frame) not in known:
-                known[id(frame)] = self.frame(frame, where)
-        stack = self.lists[id(raw)] = tuple(map(known.__getitem__, map(id, raw)))
+        try:
+            stack = tuple(map(known.__getitem__, map(id, raw)))
+        except KeyError:  # frames not seen before: checked once each
+            for frame in raw:
+                if id(frame) not in known:
+                    known[id(frame)] = self.frame(frame, where)
+            stack = tuple(map(known.__getitem__, map(id, raw)))
+        self.lists[id(raw)] = stack
         return stack
 
     @staticmethod

@@ -259,5 +259,6 @@ def _settings_of(settings: AllocatorSettings, alloc_conf: str = "") -> dict[str,
 
 
 def snapshot_bytes(snapshot: dict[str, Any]) -> bytes:
-    """The snapshot pickled as torch's `_dump_snapshot` pickles it (the default protocol)."""
-    return pickle.dumps(snapshot)
+    """The snapshot pickled as torch's `_dump_snapshot` pickles it, in protocol 4 (memory_viz's reader
+    knows no later one; Python 3.14's default is 5)."""
+    return pickle.dumps(snapshot, protocol=4)
