@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from pytest_gpumem.backends.tracker.allocator import AllocatorOutOfMemory, CachingAllocatorModel
 from pytest_gpumem.backends.tracker.allocator_config import AllocatorSettings
-from pytest_gpumem.snapshots.agreement import Agreement
+from pytest_gpumem.snapshots.agreement import Agreement, emptied_by
 from pytest_gpumem.snapshots.read import Event, Frame, Snapshot
 from pytest_gpumem.snapshots.start import StartState, start_state
 
@@ -140,7 +140,7 @@ class _Run:
             elif action == "free_completed":
                 model.free(e.addr)
             elif action == "segment_free" or action == "segment_unmap":
-                if not emptied and any("emptyCache" in f.name for f in e.frames):
+                if not emptied and emptied_by(e):
                     model.empty_cache()
                     emptied = True
                 continue
