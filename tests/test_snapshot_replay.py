@@ -104,6 +104,18 @@ def test_a_round_event_count_says_the_ring_buffer_may_have_wrapped() -> None:
     assert not may_have_wrapped(19_917) and not may_have_wrapped(0)
 
 
+@pytest.mark.parametrize(("overflowed", "said"), [(True, "wrapped"), (False, None), (None, "may have")])
+def test_a_recorded_overflow_flag_says_for_sure_whether_the_ring_buffer_wrapped(
+    overflowed: bool | None, said: str | None
+) -> None:
+    trace = [event("alloc", LARGE, 4 * MiB), *freed(LARGE, 4 * MiB)] * 1000  # 3,000 events: a round number
+    raw: dict[str, Any] = {"segments": [segment(LARGE, 20 * MiB, [(LARGE, 20 * MiB, 0, "inactive")])]}
+    raw |= {"device_traces": [trace], "trace_alloc_overflowed": overflowed}
+    caveats = start_state(snapshot_from_bytes(pickle.dumps(raw))).caveats
+    wrapped = [c for c in caveats if "ring buffer" in c]
+    assert len(wrapped) == (said is not None) and all(said in c for c in wrapped if said)
+
+
 # ------------------------------------------------------------------------------------------ agreement
 
 
