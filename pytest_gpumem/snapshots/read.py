@@ -421,31 +421,38 @@ class _Frames:
 
 
 def _trace(raw: object, where: str, frames: _Frames, budget: _Budget) -> tuple[Event, ...]:
-    return tuple(_event(e, f"{where}[{i}]", frames) for i, e in enumerate(_records(raw, where, budget)))
-
-
-def _event(raw: Mapping[Any, Any], where: str, frames: _Frames) -> Event:
-    """The event `raw`: a quick path where every field has its type and range, else the checks that say what
-    is wrong (and make its text printable)."""
-    get = raw.get
-    action, addr, size, stream = get("action"), get("addr", 0), get("size"), get("stream", 0)
-    time_us, context, metadata, free = get("time_us"), get("compile_context"), get("user_metadata"), get("device_free")
-    if (
-        type(action) is str
-        and action in ACTIONS
-        and type(addr) is int
-        and type(size) is int
-        and type(stream) is int
-        and 0 <= addr < MAX_ADDRESS
-        and 0 <= size < MAX_SIZE
-        and 0 <= stream < MAX_ADDRESS
-        and (time_us is None or type(time_us) is int)
-        and (context is None or (type(context) is str and context.isprintable()))
-        and (metadata is None or (type(metadata) is str and metadata.isprintable()))
-        and (free is None or (type(free) is int and 0 <= free < MAX_SIZE))
-    ):
-        return Event(action, addr, size, stream, frames.of(get("frames", ()), where), time_us, context, metadata, free)
-    return _checked_event(raw, where, frames)
+    """The events of one device: a quick path, in one loop, where every field has its type and range (and
+    the frames were seen), else the checks that say what is wrong (and make text printable)."""
+    records = _records(raw, where, budget)
+    known = frames.lists
+    out: list[Event] = []
+    append = out.append
+    for i, record in enumerate(records):
+        get = record.get
+        action, addr, size, stream = get("action"), get("addr", 0), get("size"), get("stream", 0)
+        time_us, context, metadata = get("time_us"), get("compile_context"), get("user_metadata")
+        free, stack_raw = get("device_free"), get("frames", ())
+        stack = known.get(id(stack_raw))
+        if stack is None:  # a list of frames not seen before
+            stack = frames.of(stack_raw, f"{where}[{i}]")
+        if (
+            type(action) is str
+            and action in ACTIONS
+            and type(addr) is int
+            and type(size) is int
+            and type(stream) is int
+            and 0 <= addr < MAX_ADDRESS
+            and 0 <= size < MAX_SIZE
+            and 0 <= stream < MAX_ADDRESS
+            and (time_us is None or type(time_us) is int)
+            and (context is None or (type(context) is str and context.isprintable()))
+            and (metadata is None or (type(metadata) is str and metadata.isprintable()))
+            and (free is None or (type(free) is int and 0 <= free < MAX_SIZE))
+        ):
+            append(Event(action, addr, size, stream, stack, time_us, context, metadata, free))
+        else:
+            append(_checked_event(record, f"{where}[{i}]", frames))
+    return tuple(out)
 
 
 def _checked_event(raw: Mapping[Any, Any], where: str, frames: _Frames) -> Event:
