@@ -159,7 +159,7 @@ def with_divisions(divisions: dict[Any, Any]) -> bytes:
         (b"Nr" + struct.pack("<I", 1 << 27) + b".", "a memo index of 134,217,728 at byte 1"),
         (pickle.dumps({10**5000: 1}), "a dict without 'segments' and 'device_traces' (keys: none)"),
         (shared_traces(), "device_traces[1] is the very list of device_traces[0]"),
-        (with_event(size=-4096), "device_traces[0][1]: 'size' is -4,096, outside [0, 1,125,899,906,842,624)"),
+        (with_event(size=-4096), "device_traces[0][1]: 'size' is -4,096, outside [0, 1,152,921,504,606,846,976)"),
         (with_event(addr=1 << 70), "device_traces[0][1]: 'addr' is 1,180,591,620,717,411,303,424, outside [0, "),
         (with_divisions({"²": 4}), "'roundup_power2_divisions' has the key '²', not a power of two in MiB"),
     ],

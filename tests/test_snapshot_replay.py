@@ -433,3 +433,21 @@ def test_a_final_state_says_what_held_memory_and_whether_a_card_holds_it_again(
     assert main(["replay", str(path), "--json", str(report)]) == 0
     (unlimited,) = json.loads(report.read_text())["devices"][0]["what_if"]
     assert (unlimited["peak_reserved"], unlimited["unallocated_at_peak"]) == (50 * MiB, 12 * MiB)
+
+
+def test_a_card_that_ran_out_and_went_on_replays_under_its_own_capacity_to_its_peak(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """12 MiB, then a fit's probe of 2^53 B refused with 10 MiB free (the card's capacity: 22 MiB), then
+    10 MiB more: the card went on to 22 MiB reserved, and so does the what-if under the card's capacity."""
+    second = LARGE + 1024 * MiB
+    trace = [event("segment_alloc", LARGE, 12 * MiB), event("alloc", LARGE, 12 * MiB)]
+    trace += [{**event("oom", 0, 1 << 53, 9), "device_free": 10 * MiB}]
+    trace += [event("segment_alloc", second, 10 * MiB), event("alloc", second, 10 * MiB)]
+    report = tmp_path / "fit.json"
+    assert (
+        main(["replay", str(write(tmp_path, {"segments": [], "device_traces": [trace]})), "--json", str(report)]) == 0
+    )
+    (what_if,) = json.loads(report.read_text())["devices"][0]["what_if"]
+    assert (what_if["capacity"], what_if["peak_reserved"]) == ("the card's 22.0 MiB", 22 * MiB)
+    assert what_if["out_of_memory"] == {"request": 1, "size": 1 << 53, "frame": "train.py:9 step"}

@@ -164,18 +164,23 @@ def _replay_all(
             continue
         agreement = agree(snapshot, device)
         caps: list[str | None] = [*capacities] or [None]
+        derived = None if capacities else agreement.capacity  # the card's own, where it ran out
         outcomes = tuple(
-            _what_if(snapshot, device, agreement.start, conf, cap) for conf in [None, *confs] for cap in caps
+            _what_if(snapshot, device, agreement.start, conf, cap, derived) for conf in [None, *confs] for cap in caps
         )
         out.append(DeviceReplay(device, agreement, outcomes))
     return out
 
 
-def _what_if(snapshot: Snapshot, device: int, start: StartState, conf: str | None, cap: str | None) -> WhatIf:
+def _what_if(
+    snapshot: Snapshot, device: int, start: StartState, conf: str | None, cap: str | None, derived: int | None = None
+) -> WhatIf:
+    """One what-if; without a capacity named, the card's own where its trace ran out (`derived`), else none."""
     capacity = None if cap is None else parse_capacity(cap, "--capacity")
     settings = settings_for(snapshot, conf).on_card(None if capacity is None else capacity.total)
-    limit = None if capacity is None else capacity.bytes
-    return what_if(snapshot, settings, limit, conf or _RECORDED, cap or UNLIMITED, device, start)
+    limit = derived if capacity is None else capacity.bytes
+    text = cap or (UNLIMITED if derived is None else f"the card's {_size(derived)}")
+    return what_if(snapshot, settings, limit, conf or _RECORDED, text, device, start)
 
 
 # ------------------------------------------------------------------------------------------- text

@@ -9,14 +9,11 @@ from collections.abc import Sequence
 from html import escape
 from typing import TYPE_CHECKING
 
-from pytest_gpumem.cards import parse_capacity
 from pytest_gpumem.sizes import format_size
 
 if TYPE_CHECKING:
     from pytest_gpumem.snapshots.read import Snapshot
     from pytest_gpumem.snapshots.whatif import DeviceReplay, WhatIf
-
-UNLIMITED = "unlimited"  # the capacity of a what-if without one
 
 __all__ = ["final_page", "page"]
 
@@ -50,7 +47,7 @@ def card_reserved(snapshot: Snapshot, device: int, start: int) -> list[int]:
 
 
 def _capacities(outcomes: Sequence[WhatIf]) -> dict[str, int]:
-    return {o.capacity: parse_capacity(o.capacity).bytes for o in outcomes if o.capacity != UNLIMITED}
+    return {o.capacity: o.limit for o in outcomes if o.limit is not None}
 
 
 def _chart(snapshot: Snapshot, replay: DeviceReplay) -> str:

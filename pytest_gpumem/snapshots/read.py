@@ -57,7 +57,7 @@ ACTIONS: Final = frozenset(
     }
 )
 DEFAULT_POOL: Final = (0, 0)
-MAX_SIZE: Final = 1 << 50  # bytes: no card's request, block or segment is a PiB
+MAX_SIZE: Final = 1 << 60  # bytes: what the allocator refuses outright (torch: 1 EiB), a fit may ask near it
 MAX_ADDRESS: Final = 1 << 64
 MAX_DEVICES: Final = 1 << 12
 _LFS_POINTER: Final = b"version https://git-lfs.github.com/spec/"

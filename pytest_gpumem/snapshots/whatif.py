@@ -6,7 +6,9 @@ compare with each other: the requests live when recording began are served first
 an empty cache; then the trace's requests and frees in order. `torch.cuda.empty_cache()` calls the trace
 shows (`segment_free` events with an `emptyCache` frame) are made again; releases the card made because
 its driver ran short are the model's own business under a capacity. An `oom` event of the card is
-asked again and given back when it is served.
+asked again and given back when it is served; refused, it is where the what-if runs out, and the replay
+goes on as the program did (a fit's search, an out-of-memory handler). A request the card served that
+the what-if refuses ends it.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class WhatIf:
     ignored: tuple[str, ...]  # keys the model does not act on (garbage_collection_threshold)
     reserved: array[int]  # after each request served
     allocated: array[int]
+    limit: int | None = None  # the capacity's bytes; None: unlimited
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ def what_if(
         oom = run.trace(snapshot.trace(device))
     return WhatIf(
         setting, capacity_text, run.peak, run.unallocated, model.peak_allocated, oom, settings.ignored,
-        run.reserved, run.allocated,
+        run.reserved, run.allocated, capacity,
     )  # fmt: skip
 
 
@@ -124,7 +127,10 @@ class _Run:
         return None
 
     def trace(self, trace: tuple[Event, ...]) -> OutOfMemoryAt | None:
+        """The first request refused: one the card served ends the replay (what follows depended on it);
+        one the card refused too (its `oom`) does not, as the program went on (a fit's search, a handler)."""
         model = self.model
+        first: OutOfMemoryAt | None = None
         index = 0
         emptied = False  # within a run of segment_free events that an empty_cache() made
         for e in trace:
@@ -134,7 +140,7 @@ class _Run:
                     model.malloc(e.addr, e.size, e.stream)
                 except AllocatorOutOfMemory:
                     self.note()
-                    return OutOfMemoryAt(index, e.size, user_frame(e))
+                    return first or OutOfMemoryAt(index, e.size, user_frame(e))
                 index += 1
                 self.note()
             elif action == "free_completed":
@@ -148,7 +154,8 @@ class _Run:
                 try:
                     model.malloc(-1, e.size, e.stream)
                 except AllocatorOutOfMemory:
-                    return OutOfMemoryAt(index, e.size, user_frame(e))
+                    first = first or OutOfMemoryAt(index, e.size, user_frame(e))
+                    continue
                 model.free(-1)
             emptied = False
-        return None
+        return first
