@@ -34,8 +34,12 @@ class Refused(Exception):
 
 _LONG1 = b"\\x8a(?:" + b"|".join(re.escape(bytes([n])) + b".{%d}" % n for n in range(9)) + b")"
 _SCALAR = b"(?:K.|M..|J....|" + _LONG1 + b"|[N\\x88\\x89]|G.{8})"
+_SHORT_TEXT = b"\\x8c(?:" + b"|".join(re.escape(bytes([n])) + b".{%d}" % n for n in range(256)) + b")"
 _OP = (  # the opcodes that are safe whatever their context, the most frequent first
-    b"[hK].|j....|[(}u\\x94\\])esaN\\x88\\x89012dl\\x8f]|J....|M..|" + _LONG1 + b"|[q\\x80].|[\\x95G].{8}"
+    b"[hK].|j....|[(}u\\x94\\])esaN\\x88\\x89012dl\\x8f]|J....|M..|"
+    + _LONG1
+    + b"|[q\\x80].|[\\x95G].{8}|"
+    + _SHORT_TEXT
 )
 _BULK: Final = re.compile(b"(?:" + _OP + b")*+", re.DOTALL)
 # A run of safe opcodes whose last `n` push scalars: the items of a TUPLEn that follows, which hash flat.
