@@ -41,28 +41,31 @@ from pytest_gpumem.snapshots.whatif import what_if  # noqa: E402
 from pytest_gpumem.snapshots.write import RecordedModel, snapshot_of  # noqa: E402
 
 SNAPSHOTS = ROOT.parent / "shared" / "snapshots"
-HEADER = (
-    f"{'file':<34} {'events':>6} {'requests':>8} {'decisions':>14} {'placements':>10} {'reserved':>8} "
-    f"{'peak reserved card/model':>26} {'start':<6} {'read s':>6} {'replay s':>8}"
-)
 
 
-def row(name: str, a: Agreement, read_s: float, replay_s: float) -> str:
+def header(wide: int) -> str:
+    return (
+        f"{'file':<{wide}} {'events':>6} {'requests':>8} {'decisions':>14} {'placements':>10} {'reserved':>8} "
+        f"{'peak reserved card/model':>26} {'start':<6} {'read s':>6} {'replay s':>8}"
+    )
+
+
+def row(name: str, a: Agreement, read_s: float, replay_s: float, wide: int) -> str:
     decided = f"{a.decisions_matched} ({a.new_segments})"
     peak = f"{a.peak_reserved_card}/" + (
         "=" if a.peak_reserved_model == a.peak_reserved_card else str(a.peak_reserved_model)
     )
     start = "empty" if a.start.empty else "warm" + ("*" if a.start.caveats else "")
     short = name.removesuffix(".pickle")
-    short = short if len(short) <= 34 else short[:33] + "~"
     return (
-        f"{short:<34} {a.events:>6} {a.requests:>8} {decided:>14} {a.placements_matched:>10} {a.reserved_matched:>8} "
-        f"{peak:>26} {start:<6} {read_s:>6.2f} {replay_s:>8.3f}"
+        f"{short:<{wide}} {a.events:>6} {a.requests:>8} {decided:>14} {a.placements_matched:>10} "
+        f"{a.reserved_matched:>8} {peak:>26} {start:<6} {read_s:>6.2f} {replay_s:>8.3f}"
     )
 
 
 def validate(folder: Path) -> list[dict[str, Any]]:
-    print(HEADER)
+    wide = max(len(p.name.removesuffix(".pickle")) + 11 for p in folder.glob("*.pickle"))  # names never cut
+    print(header(wide))
     results: list[dict[str, Any]] = []
     finals: list[tuple[str, Snapshot, float]] = []
     for path in sorted(folder.glob("*.pickle")):
@@ -70,7 +73,7 @@ def validate(folder: Path) -> list[dict[str, Any]]:
         try:
             snapshot = read_snapshot(path)
         except GpuMemError as exc:
-            print(f"{path.name[:34]:<34} refused: {str(exc).split(': ', 1)[-1][:100]}")
+            print(f"{path.name:<{wide}} refused: {str(exc).split(': ', 1)[-1][:100]}")
             continue
         read_s = time.perf_counter() - started
         if untraced(snapshot):
@@ -82,20 +85,20 @@ def validate(folder: Path) -> list[dict[str, Any]]:
             started = time.perf_counter()
             a = agree(snapshot, device)
             replay_s = time.perf_counter() - started
-            print(row(path.name if device == 0 else f"{path.name} (device {device})", a, read_s, replay_s))
+            print(row(path.name if device == 0 else f"{path.name} (device {device})", a, read_s, replay_s, wide))
             results.append(_figures(path.name, a, read_s, replay_s))
     print("(decisions: matched (the card's new segments); start warm*: may be a wrapped ring buffer)")
     _totals(results)
-    _final_states(finals)
+    _final_states(finals, wide)
     return results
 
 
-def _final_states(finals: list[tuple[str, Snapshot, float]]) -> None:
+def _final_states(finals: list[tuple[str, Snapshot, float]], wide: int) -> None:
     """The snapshots that hold a final state only: what the segments hold, and the live blocks allocated
     again on an empty cache by the model (as recorded)."""
     if not finals:
         return
-    print(f"\n{'final state only':<34} {'format':>6} {'segments':>8} {'reserved':>14} {'allocated':>14} "
+    print(f"\n{'final state only':<{wide}} {'format':>6} {'segments':>8} {'reserved':>14} {'allocated':>14} "
           f"{'live':>6} {'again: reserved':>15} {'unalloc':>11} {'read s':>6}")  # fmt: skip
     for name, snapshot, read_s in finals:
         for device in final.final_devices(snapshot):
@@ -104,9 +107,8 @@ def _final_states(finals: list[tuple[str, Snapshot, float]]) -> None:
             settings = snapshot.allocator_settings or AllocatorSettings()
             again = what_if(final.without_trace(snapshot), settings, None, "as recorded", "unlimited", device, start)
             short = name.removesuffix(".pickle")
-            short = short if len(short) <= 34 else short[:33] + "~"
             print(
-                f"{short:<34} {snapshot.tier:>6} {total.segments:>8} {total.reserved:>14} {total.allocated:>14} "
+                f"{short:<{wide}} {snapshot.tier:>6} {total.segments:>8} {total.reserved:>14} {total.allocated:>14} "
                 f"{total.live_blocks:>6} {again.peak_reserved:>15} {again.unallocated_at_peak:>11} {read_s:>6.2f}"
             )
 
