@@ -26,7 +26,7 @@ from pytest_gpumem.sizes import format_size
 from pytest_gpumem.snapshots import final
 from pytest_gpumem.snapshots.agreement import Agreement, agree
 from pytest_gpumem.snapshots.final import untraced
-from pytest_gpumem.snapshots.read import Snapshot, read_snapshot
+from pytest_gpumem.snapshots.read import DEFAULT_POOL, Snapshot, SnapshotSegment, read_snapshot
 from pytest_gpumem.snapshots.start import StartState
 from pytest_gpumem.snapshots.whatif import DeviceReplay, WhatIf, what_if
 
@@ -258,12 +258,24 @@ def _versus(card: int, model: int) -> str:
     return f"{_size(model)} ({sign}{_size(abs(model - card))}, {model - card:+,} B)"
 
 
+def _private_pools(snapshot: Snapshot, device: int) -> list[SnapshotSegment]:
+    """The final segments of `device` in a pool of their own (the model replays one pool per device)."""
+    return [s for s in snapshot.segments if s.device == device and s.pool != DEFAULT_POOL]
+
+
 def text(snapshot: Snapshot, replays: Sequence[DeviceReplay]) -> str:
     settings = snapshot.allocator_settings
     conf = "not recorded (torch < 2.3): defaults" if settings is None else (snapshot.alloc_conf or "defaults")
     lines = [snapshot.path, f"format {snapshot.tier}, {len(replays)} device(s) traced, allocator settings {conf}"]
     for r in replays:
         lines += _agreement_lines(r.agreement)
+        private = _private_pools(snapshot, r.device)
+        if private:
+            count, size = len(private), sum(s.total_size for s in private)
+            lines.append(
+                f"  not kept apart: {count} segments ({_size(size)}) of private pools (MemPool, CUDA graph) "
+                "are replayed as the default pool's"
+            )
         lines.append(f"what if (the {len(r.agreement.start.live)} requests live at the start on an empty cache):")
         lines += _table(r.agreement, r.outcomes)
         ignored = sorted({key for o in r.outcomes for key in o.ignored})
@@ -325,6 +337,7 @@ def json_text(snapshot: Snapshot, replays: Sequence[DeviceReplay]) -> str:
         "devices": [
             {
                 "device": r.device,
+                "private_pool_segments": len(_private_pools(snapshot, r.device)),
                 "agreement": _agreement_json(r.agreement),
                 "what_if": [_outcome_json(o) for o in r.outcomes],
             }
