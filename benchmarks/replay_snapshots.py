@@ -15,9 +15,12 @@ script says so and exits 0. No GPU is needed.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import pickle
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,49 +31,86 @@ if str(ROOT) not in sys.path:  # run from a checkout where the package is not in
 
 import benchlib  # noqa: E402
 
+from cuda_allocator_model.settings import AllocatorSettings  # noqa: E402
+from cuda_allocator_model.snapshots import final  # noqa: E402
 from cuda_allocator_model.snapshots.agreement import Agreement, agree  # noqa: E402
-from cuda_allocator_model.snapshots.read import read_snapshot, snapshot_from_bytes  # noqa: E402
+from cuda_allocator_model.snapshots.final import untraced  # noqa: E402
+from cuda_allocator_model.snapshots.read import Snapshot, read_snapshot, snapshot_from_bytes  # noqa: E402
+from cuda_allocator_model.snapshots.whatif import what_if  # noqa: E402
 from pytest_gpumem.backends.tracker.torch_snapshot import RecordedModel, snapshot_of  # noqa: E402
+from pytest_gpumem.errors import GpuMemError  # noqa: E402
 
 SNAPSHOTS = ROOT.parent / "shared" / "snapshots"
-HEADER = (
-    f"{'file':<34} {'events':>6} {'requests':>8} {'decisions':>14} {'placements':>10} {'reserved':>8} "
-    f"{'peak reserved card/model':>26} {'start':<6} {'read s':>6} {'replay s':>8}"
-)
 
 
-def row(name: str, a: Agreement, read_s: float, replay_s: float) -> str:
+def header(wide: int) -> str:
+    return (
+        f"{'file':<{wide}} {'events':>6} {'requests':>8} {'decisions':>14} {'placements':>10} {'reserved':>8} "
+        f"{'peak reserved card/model':>26} {'start':<6} {'read s':>6} {'replay s':>8}"
+    )
+
+
+def row(name: str, a: Agreement, read_s: float, replay_s: float, wide: int) -> str:
     decided = f"{a.decisions_matched} ({a.new_segments})"
     peak = f"{a.peak_reserved_card}/" + (
         "=" if a.peak_reserved_model == a.peak_reserved_card else str(a.peak_reserved_model)
     )
     start = "empty" if a.start.empty else "warm" + ("*" if a.start.caveats else "")
     short = name.removesuffix(".pickle")
-    short = short if len(short) <= 34 else short[:33] + "~"
     return (
-        f"{short:<34} {a.events:>6} {a.requests:>8} {decided:>14} {a.placements_matched:>10} {a.reserved_matched:>8} "
-        f"{peak:>26} {start:<6} {read_s:>6.2f} {replay_s:>8.3f}"
+        f"{short:<{wide}} {a.events:>6} {a.requests:>8} {decided:>14} {a.placements_matched:>10} "
+        f"{a.reserved_matched:>8} {peak:>26} {start:<6} {read_s:>6.2f} {replay_s:>8.3f}"
     )
 
 
 def validate(folder: Path) -> list[dict[str, Any]]:
-    print(HEADER)
+    wide = max(len(p.name.removesuffix(".pickle")) + 11 for p in folder.glob("*.pickle"))  # names never cut
+    print(header(wide))
     results: list[dict[str, Any]] = []
+    finals: list[tuple[str, Snapshot, float]] = []
     for path in sorted(folder.glob("*.pickle")):
         started = time.perf_counter()
-        snapshot = read_snapshot(path)
+        try:
+            snapshot = read_snapshot(path)
+        except GpuMemError as exc:
+            print(f"{path.name:<{wide}} refused: {str(exc).split(': ', 1)[-1][:100]}")
+            continue
         read_s = time.perf_counter() - started
+        if untraced(snapshot):
+            finals.append((path.name, snapshot, read_s))
+            continue
         for device, trace in enumerate(snapshot.traces):
             if not trace:
                 continue
             started = time.perf_counter()
             a = agree(snapshot, device)
             replay_s = time.perf_counter() - started
-            print(row(path.name if device == 0 else f"{path.name} (device {device})", a, read_s, replay_s))
+            print(row(path.name if device == 0 else f"{path.name} (device {device})", a, read_s, replay_s, wide))
             results.append(_figures(path.name, a, read_s, replay_s))
     print("(decisions: matched (the card's new segments); start warm*: may be a wrapped ring buffer)")
     _totals(results)
+    _final_states(finals, wide)
     return results
+
+
+def _final_states(finals: list[tuple[str, Snapshot, float]], wide: int) -> None:
+    """The snapshots that hold a final state only: what the segments hold, and the live blocks allocated
+    again on an empty cache by the model (as recorded)."""
+    if not finals:
+        return
+    print(f"\n{'final state only':<{wide}} {'format':>6} {'segments':>8} {'reserved':>14} {'allocated':>14} "
+          f"{'live':>6} {'again: reserved':>15} {'unalloc':>11} {'read s':>6}")  # fmt: skip
+    for name, snapshot, read_s in finals:
+        for device in final.final_devices(snapshot):
+            total = final.totals(final.pools(snapshot, device))
+            start = final.start_of(snapshot, device)
+            settings = snapshot.allocator_settings or AllocatorSettings()
+            again = what_if(final.without_trace(snapshot), settings, None, "as recorded", "unlimited", device, start)
+            short = name.removesuffix(".pickle")
+            print(
+                f"{short:<{wide}} {snapshot.tier:>6} {total.segments:>8} {total.reserved:>14} {total.allocated:>14} "
+                f"{total.live_blocks:>6} {again.peak_reserved:>15} {again.unallocated_at_peak:>11} {read_s:>6.2f}"
+            )
 
 
 def _figures(name: str, a: Agreement, read_s: float, replay_s: float) -> dict[str, Any]:
@@ -135,6 +175,31 @@ def speed(events: int, repeat: int = 5) -> dict[str, float]:
     return {"events": len(snapshot.trace()), "read_s": read_s, "replay_s": replay_s, "total_s": total, "cpu_s": cpu_s}
 
 
+def _requests(sizes: list[int]) -> bytes:
+    model = RecordedModel()
+    for key, size in enumerate(sizes):
+        model.malloc(key, size)
+        if key >= 8:
+            model.free(key - 8)
+    return pickle.dumps(snapshot_of(model))
+
+
+def against_speed(requests: int, folder: Path) -> float:
+    """Seconds of `replay CARD --against OURS` (in this process) for `requests` requests of four sizes,
+    where the prediction replaces one request in 1,000."""
+    rng = random.Random(requests)
+    sizes = [rng.choice((512, 4096, 1 << 20, 3 << 20)) for _ in range(requests)]
+    card, ours = folder / f"card{requests}.pickle", folder / f"ours{requests}.pickle"
+    card.write_bytes(_requests(sizes))
+    ours.write_bytes(_requests([7 * 512 if i % 1000 == 500 else x for i, x in enumerate(sizes)]))
+    from pytest_gpumem.cli import main as cli
+
+    started = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli(["replay", str(card), "--against", str(ours)]) == 0
+    return time.perf_counter() - started
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="the allocator's model replaying real cards' traces")
     p.add_argument("folder", nargs="?", type=Path, default=SNAPSHOTS, help=f"snapshots (default {SNAPSHOTS})")
@@ -146,7 +211,12 @@ def main(argv: list[str] | None = None) -> int:
         results = validate(args.folder)
     else:
         print(f"replay_snapshots: no snapshots folder at {args.folder}; nothing to replay")
-    timing = speed(100_000) if args.speed else None
+    timing: dict[str, Any] | None = dict(speed(100_000)) if args.speed else None
+    if timing is not None:
+        with tempfile.TemporaryDirectory() as folder:
+            against = {n: against_speed(n, Path(folder)) for n in (5_000, 20_000, 100_000)}
+        print("replay --against: " + ", ".join(f"{n:,} requests {s:.2f} s" for n, s in against.items()))
+        timing["against_s"] = against
     benchlib.write_json(args.json, {"replay_snapshots": results, "speed": timing})
     return 0
 

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from cuda_allocator_model.cards import find_card as find_card
     from cuda_allocator_model.cards import parse_capacity as parse_capacity
     from cuda_allocator_model.errors import ModelError as ModelError
+    from cuda_allocator_model.errors import exception_text as exception_text
     from cuda_allocator_model.model import CachingAllocatorModel as CachingAllocatorModel
     from cuda_allocator_model.oom import AllocatorOutOfMemory as AllocatorOutOfMemory
     from cuda_allocator_model.settings import INTERVALS as INTERVALS
@@ -52,6 +53,7 @@ _HOMES = {
     "MAX_TEXT": "cuda_allocator_model.sizes",
     "MIN_BLOCK": "cuda_allocator_model.settings",
     "ModelError": "cuda_allocator_model.errors",
+    "exception_text": "cuda_allocator_model.errors",
     "SMALL_BUFFER": "cuda_allocator_model.settings",
     "Segment": "cuda_allocator_model.blocks",
     "ServedByModel": "cuda_allocator_model.trace",
@@ -88,6 +90,7 @@ __all__ = [
     "ServedByModel",
     "capacity_bytes",
     "cublas_workspace_bytes",
+    "exception_text",
     "find_card",
     "format_size",
     "integer_words",

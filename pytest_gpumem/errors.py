@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from cuda_allocator_model import ModelError
+from cuda_allocator_model import ModelError, exception_text
 
 
 class GpuMemError(ModelError):
@@ -26,14 +26,6 @@ def from_the_model() -> Iterator[None]:
         raise
     except ModelError as exc:
         raise GpuMemError(str(exc)) from None
-
-
-def exception_text(exc: BaseException) -> str:
-    """`str(exc)`, or `<Type.__str__ raised>` where the exception's own `__str__` raises."""
-    try:
-        return str(exc)
-    except Exception:
-        return f"<{type(exc).__name__}.__str__ raised>"
 
 
 def first_line(exc: BaseException) -> str:

@@ -14,8 +14,10 @@ import pytest
 
 from cuda_allocator_model.model import AllocatorOutOfMemory
 from cuda_allocator_model.settings import AllocatorSettings
+from cuda_allocator_model.snapshots.agreement import agree
 from cuda_allocator_model.snapshots.read import read_snapshot, snapshot_from_bytes
 from cuda_allocator_model.snapshots.replay import replay
+from cuda_allocator_model.snapshots.whatif import what_if
 from pytest_gpumem.backends.tracker.torch_snapshot import RecordedModel, snapshot_bytes, snapshot_of
 
 MiB = 1 << 20
@@ -230,3 +232,44 @@ def test_without_the_allocators_model_the_run_says_none_was_written(pytester: py
     assert len(line) <= 100
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     assert not list((pytester.path / "snaps").iterdir())
+
+
+@pytest.mark.parametrize("expandable", [False, True], ids=["segments", "expandable"])
+def test_what_empty_cache_gives_back_replays_as_an_empty_cache(expandable: bool) -> None:
+    """100 MiB and 60 MiB, both freed, empty_cache(), then 80 MiB: the model reserves 160 MiB at most (not
+    240 MiB: the cache was emptied before the 80 MiB), and the file says so to every replay of it."""
+    model = RecordedModel(AllocatorSettings(expandable_segments=expandable))
+    model.malloc(1, 100 * MiB)
+    model.malloc(2, 60 * MiB)
+    model.free(1)
+    model.free(2)
+    model.empty_cache()
+    model.malloc(3, 80 * MiB)
+    released = [e for e in model.events if e["action"] in ("segment_free", "segment_unmap")]
+    assert released and all("emptyCache" in e["frames"][0]["name"] for e in released)
+    snapshot = snapshot_from_bytes(snapshot_bytes(snapshot_of(model)))
+    agreement = agree(snapshot)
+    assert agreement.exact and agreement.releases_unmatched == 0
+    settings = snapshot.allocator_settings or AllocatorSettings()
+    again = what_if(snapshot, settings, None, "as recorded", "unlimited")
+    assert again.peak_reserved == model.peak_reserved == 160 * MiB
+
+
+def test_a_distributed_tests_snapshot_is_not_written_empty_and_its_notes_say_why(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from pytest_gpumem.backends.tracker.ledger import StorageLedger
+    from pytest_gpumem.results import TestResult
+    from pytest_gpumem.run.test_files import TorchSnapshot
+
+    item = SimpleNamespace(stash=pytest.Stash(), nodeid="test_d.py::test_world")
+    files = TorchSnapshot(tmp_path)
+    measured = SimpleNamespace(backend=SimpleNamespace(ledger=StorageLedger("cuda")))
+    assert files.begin(item, measured) is None  # type: ignore[arg-type]
+    result = TestResult("test_d.py::test_world", "tracker", "meta", None, distributed=[{"world_size": 2}])
+    assert files.write(item, measured, result, None) is None  # type: ignore[arg-type]
+    assert not list(tmp_path.iterdir())
+    assert result.notes == [
+        "--gpumem-torch-snapshots: no snapshot written: this test's memory is its distributed ranks', measured "
+        "in their own processes, and a snapshot holds the test's own process"
+    ]

@@ -3,15 +3,16 @@
 side by side and the first requests where they part, with the card's frames and our op and line: how a
 user finds out why CPU CI and the GPU runner disagree.
 
-The requests are aligned on their sizes (difflib, as `benchmarks/validate_snapshots.py` aligns them): equal
-runs are the same work; a replaced, inserted or deleted run is a difference, shown with its first request
-on each side. Peaks are each file's own (`replay`), so a snapshot from any torch version compares.
+The requests are aligned on their sizes (`align.py`: linear where they differ in few places, difflib's runs):
+equal runs are the same work; a replaced, inserted or deleted run is a difference, shown with its first
+request on each side. Peaks are each file's own (`replay`), so a snapshot from any torch version compares.
+Every device the card traced is compared (or `--device N`), each with the prediction's trace of the same
+device, or with its only one (a prediction is of one device), and the pair is said.
 """
 
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import re
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from typing import Any, Final
 
 from cuda_allocator_model.errors import ModelError
 from cuda_allocator_model.sizes import format_size
+from cuda_allocator_model.snapshots.align import MAX_EDITS, align
 from cuda_allocator_model.snapshots.read import Event, Snapshot, read_snapshot
 from cuda_allocator_model.snapshots.replay import CardFigures, replay
 
@@ -84,6 +86,9 @@ class Alignment:
     aligned: int  # requests of the card matched by ours, in order and size
     differences: tuple[Difference, ...]  # the first `shown`
     difference_count: int  # all of them
+    card_device: int = 0
+    our_device: int = 0
+    cut: bool = False  # more than align.MAX_EDITS differences in the middle: counted as one run
 
     @property
     def agree(self) -> bool:
@@ -95,14 +100,14 @@ class Alignment:
         )
 
 
-def compare(card: Snapshot, ours: Snapshot, device: int = 0, shown: int = _SHOWN) -> Alignment:
-    """`card` (a GPU's snapshot) against `ours` (the prediction's) on `device`."""
-    real, predicted = replay(card, device), replay(ours, device)
-    matcher = difflib.SequenceMatcher(
-        None, [e.size for e in real.requests], [e.size for e in predicted.requests], autojunk=False
-    )
-    aligned = sum(block.size for block in matcher.get_matching_blocks())
-    parted = [op for op in matcher.get_opcodes() if op[0] != "equal"]
+def compare(
+    card: Snapshot, ours: Snapshot, device: int = 0, shown: int = _SHOWN, our_device: int | None = None
+) -> Alignment:
+    """`card` (a GPU's snapshot) on `device` against `ours` (the prediction's) on `our_device` (the same)."""
+    mine = device if our_device is None else our_device
+    real, predicted = replay(card, device), replay(ours, mine)
+    aligned_runs = align([e.size for e in real.requests], [e.size for e in predicted.requests])
+    parted = [op for op in aligned_runs.opcodes if op[0] != "equal"]
     differences = tuple(
         Difference(
             kind,
@@ -113,7 +118,27 @@ def compare(card: Snapshot, ours: Snapshot, device: int = 0, shown: int = _SHOWN
         )
         for kind, i1, i2, j1, j2 in parted[:shown]
     )
-    return Alignment(card.path, ours.path, Peaks.of(real), Peaks.of(predicted), aligned, differences, len(parted))
+    return Alignment(
+        card.path, ours.path, Peaks.of(real), Peaks.of(predicted), aligned_runs.matched, differences, len(parted),
+        device, mine, aligned_runs.cut,
+    )  # fmt: skip
+
+
+def traced(snapshot: Snapshot) -> list[int]:
+    """The devices whose trace holds a request."""
+    return [d for d, trace in enumerate(snapshot.traces) if any(e.action == "alloc" for e in trace)]
+
+
+def pairs(card: Snapshot, ours: Snapshot, device: int | None) -> list[tuple[int, int]]:
+    """(the card's device, the prediction's) to compare: every device the card traced, or `device`."""
+    theirs, mine = traced(card), traced(ours)
+    if device is not None and device not in theirs:
+        where = f"it traced device {', '.join(map(str, theirs))}" if theirs else "it holds no trace"
+        raise ModelError(f"--device {device}: the card's snapshot has no request on device {device} ({where})")
+    if not theirs:
+        raise ModelError(f"{card.path}: the card's snapshot holds no trace (its final state only): nothing to compare")
+    chosen = [device] if device is not None else theirs
+    return [(d, d if d in mine or len(mine) != 1 else mine[0]) for d in chosen]
 
 
 def op_of(event: Event) -> str:
@@ -143,8 +168,8 @@ def render(comparison: Alignment, width: int = WIDTH) -> str:
     """The comparison for a terminal, every line within `width` columns."""
     c = comparison
     lines = [
-        f"card:       {c.card_path}",
-        f"prediction: {c.ours_path}",
+        f"card:       {c.card_path} (device {c.card_device})",
+        f"prediction: {c.ours_path} (device {c.our_device})",
         "",
         f"{'':<16}{'card':>14}{'prediction':>14}  difference",
     ]
@@ -156,6 +181,8 @@ def render(comparison: Alignment, width: int = WIDTH) -> str:
         f"{'requests':<16}{c.card.requests:>14,}{c.ours.requests:>14,}  {c.aligned:,} aligned ({share} of the card's)"
     )
     lines.append("")
+    if c.cut:
+        lines.append(f"more than {MAX_EDITS} requests differ in the middle: it is counted as one run")
     if not c.difference_count:
         lines.append("every request of the card is the prediction's, in order and size")
     else:
@@ -167,7 +194,7 @@ def render(comparison: Alignment, width: int = WIDTH) -> str:
         lines.append(f"requests that differ{more}:")
         for number, difference in enumerate(c.differences, 1):
             lines += _difference_lines(number, difference)
-    return "\n".join(_fit(line, width) for line in lines)
+    return "\n".join(line if i < 2 else _fit(line, width) for i, line in enumerate(lines))  # paths in full
 
 
 def _delta(real: int, ours: int) -> str:
@@ -208,9 +235,10 @@ def to_json(comparison: Alignment) -> dict[str, Any]:
         return None if r is None else {"index": r.index, "bytes": r.size, "op": r.op, "line": r.line}
 
     return {
-        "card": {"path": c.card_path, **peaks(c.card)},
-        "prediction": {"path": c.ours_path, **peaks(c.ours)},
+        "card": {"path": c.card_path, "device": c.card_device, **peaks(c.card)},
+        "prediction": {"path": c.ours_path, "device": c.our_device, **peaks(c.ours)},
         "aligned": c.aligned,
+        "cut": c.cut,
         "agree": c.agree,
         "difference_count": c.difference_count,
         "differences": [
@@ -234,8 +262,10 @@ def run_against(
     if what_ifs:
         flag = "--" + what_ifs[0].replace("_", "-")
         raise ModelError(f"--against compares two snapshots as recorded: {flag} does not apply to it")
-    comparison = compare(card, read_snapshot(args.against))
-    say(render(comparison))
+    ours = read_snapshot(args.against)
+    comparisons = [compare(card, ours, d, our_device=o) for d, o in pairs(card, ours, args.device)]
+    say("\n\n".join(map(render, comparisons)))
     if args.json is not None:
-        write(args.json, json.dumps(to_json(comparison), indent=2, allow_nan=False) + "\n")
+        document = {"devices": [to_json(c) for c in comparisons]}
+        write(args.json, json.dumps(document, indent=2, allow_nan=False) + "\n")
     return 0

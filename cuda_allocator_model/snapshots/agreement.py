@@ -5,7 +5,9 @@ The model starts in the state walked back from the final segments (`start.py`) a
 with the card's stream; a new segment goes to the address the card's `segment_alloc` (or `segment_map`)
 gave it, so that ties between equal free blocks break as they did on the card. The card's `segment_free`
 (and `segment_unmap`) events release the same segments in the model: a card gives cached memory back
-when the driver runs short, which depends on what else used the device; the trace says when.
+when the driver runs short, which depends on what else used the device; the trace says when. A run of
+releases whose frames name `emptyCache` is one `empty_cache()` of the model (pages of expandable
+segments included).
 
 Agreement, per request: the segment decision (a new segment, or a cached block), the placement (the
 address the request got) and reserved memory after it. An `oom` event is reproduced where the card's
@@ -21,7 +23,7 @@ from cuda_allocator_model.settings import AllocatorSettings
 from cuda_allocator_model.snapshots.read import Event, Snapshot
 from cuda_allocator_model.snapshots.start import StartState, restore, start_state
 
-__all__ = ["Agreement", "agree", "derived_capacity"]
+__all__ = ["Agreement", "agree", "derived_capacity", "emptied_by"]
 
 _GROW = frozenset({"segment_alloc", "segment_map"})
 _SHRINK = frozenset({"segment_free", "segment_unmap"})
@@ -58,6 +60,11 @@ class Agreement:
             and self.peak_reserved_card == self.peak_reserved_model
             and self.card_oom_at == self.model_oom_at
         )
+
+
+def emptied_by(event: Event) -> bool:
+    """Whether a release of the card's is `torch.cuda.empty_cache()`'s (its frames name emptyCache)."""
+    return any("emptyCache" in f.name for f in event.frames)
 
 
 def derived_capacity(trace: tuple[Event, ...], start_reserved: int) -> int | None:
@@ -102,8 +109,16 @@ class _Replay:
     def run(self, trace: tuple[Event, ...], device: int) -> Agreement:
         model = self.model
         pending: list[int] = []  # addresses of the segments the card made since the last request
+        emptied = False  # within a run of releases that one empty_cache() made
         for e in trace:
             action = e.action
+            if action in _SHRINK and emptied_by(e):
+                self.card_reserved -= e.size
+                if not emptied:
+                    model.empty_cache()
+                    emptied = True
+                continue
+            emptied = False
             if action == "alloc":
                 self.serve(e, pending)
                 pending.clear()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,10 @@ from cuda_allocator_model.cards import parse_capacity
 from cuda_allocator_model.errors import ModelError
 from cuda_allocator_model.settings import AllocatorSettings
 from cuda_allocator_model.sizes import format_size
+from cuda_allocator_model.snapshots import final
 from cuda_allocator_model.snapshots.agreement import Agreement, agree
-from cuda_allocator_model.snapshots.read import Snapshot, read_snapshot
+from cuda_allocator_model.snapshots.final import untraced
+from cuda_allocator_model.snapshots.read import DEFAULT_POOL, Snapshot, SnapshotSegment, read_snapshot
 from cuda_allocator_model.snapshots.start import StartState
 from cuda_allocator_model.snapshots.whatif import DeviceReplay, WhatIf, what_if
 
@@ -53,7 +56,17 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--against", type=Path, default=None, metavar="PREDICTED",
         help="hold SNAPSHOT (a card's) against a prediction's (--gpumem-torch-snapshots): peaks, first differences",
     )  # fmt: skip
+    r.add_argument(
+        "--device", type=_device, default=None, metavar="N",
+        help="replay (or with --against, compare) device N only (default: every device traced)",
+    )  # fmt: skip
     return r
+
+
+def _device(value: str) -> int:
+    if not (value.isascii() and value.isdigit() and len(value) <= 4):
+        raise argparse.ArgumentTypeError(f"a device index (0, 1, ...), got {value[:20]!r}")
+    return int(value)
 
 
 def alloc_conf(value: str) -> str:
@@ -76,12 +89,17 @@ def capacity(value: str) -> str:
 
 def run(args: argparse.Namespace, write: Write, say: Say) -> int:
     """Replay, print, write what was asked; ModelError (one line) for a file that is no snapshot."""
+    _outputs_apart(args)
+    for conf in args.alloc_conf:
+        _fraction_of_a_card(conf, args.capacity)
     snapshot = read_snapshot(args.snapshot)
     if args.against is not None:
         from cuda_allocator_model.snapshots.against import run_against
 
         return run_against(args, snapshot, write, say)
-    replays = _replay_all(snapshot, args.alloc_conf, args.capacity)
+    if untraced(snapshot):
+        return _final_state(args, snapshot, write, say)
+    replays = _replay_all(snapshot, args.alloc_conf, args.capacity, args.device)
     say(text(snapshot, replays))
     if args.json is not None:
         write(args.json, json_text(snapshot, replays))
@@ -90,6 +108,41 @@ def run(args: argparse.Namespace, write: Write, say: Say) -> int:
 
         write(args.html, page(snapshot, replays))
     return 0
+
+
+def _outputs_apart(args: argparse.Namespace) -> None:
+    """No output may be written over an input or over another output: refused before anything is read."""
+    inputs = [("SNAPSHOT", args.snapshot), ("--against", args.against)]
+    outputs = [("--json", args.json), ("--html", args.html)]
+    named = [(flag, path) for flag, path in inputs if path is not None]
+    for flag, path in outputs:
+        if path is None:
+            continue
+        same = next((other for other, seen in named if _same_file(path, seen)), None)
+        if same is not None:
+            role = "the snapshot read" if same in ("SNAPSHOT", "--against") else f"{same}'s output too"
+            raise ModelError(f"{flag} {path} is {role}; write it elsewhere")
+        named.append((flag, path))
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
+    except (OSError, RuntimeError):  # a link loop, a path that cannot be resolved: not the same
+        return False
+
+
+def _fraction_of_a_card(conf: str, capacities: Sequence[str]) -> None:
+    """per_process_memory_fraction takes a fraction of a card's total memory: every capacity must name one."""
+    if AllocatorSettings.parse(conf, "--alloc-conf").per_process_memory_fraction >= 1.0:
+        return
+    bare = next((cap for cap in capacities if not parse_capacity(cap, "--capacity").on_a_card), None)
+    if not capacities or bare is not None:
+        got = f"--capacity {bare} is a size, not a card" if bare is not None else "no --capacity names a card"
+        raise ModelError(
+            f"--alloc-conf {conf}: per_process_memory_fraction is a share of a card's memory, but {got}: "
+            "name one (--capacity H100-80GB, or TOTAL:OUTSIDE)"
+        )
 
 
 def settings_for(snapshot: Snapshot, conf: str | None) -> AllocatorSettings:
@@ -101,25 +154,33 @@ def settings_for(snapshot: Snapshot, conf: str | None) -> AllocatorSettings:
     return AllocatorSettings.parse(joined, "--alloc-conf")
 
 
-def _replay_all(snapshot: Snapshot, confs: Sequence[str], capacities: Sequence[str]) -> list[DeviceReplay]:
-    """Agreement and what-ifs for every device that recorded a trace."""
+def _replay_all(
+    snapshot: Snapshot, confs: Sequence[str], capacities: Sequence[str], only: int | None = None
+) -> list[DeviceReplay]:
+    """Agreement and what-ifs for every device that recorded a trace (or device `only`)."""
     out = []
     for device, trace in enumerate(snapshot.traces):
-        if not trace:
+        if not trace or (only is not None and device != only):
             continue
         agreement = agree(snapshot, device)
         caps: list[str | None] = [*capacities] or [None]
+        derived = None if capacities else agreement.capacity  # the card's own, where it ran out
         outcomes = tuple(
-            _what_if(snapshot, device, agreement.start, conf, cap) for conf in [None, *confs] for cap in caps
+            _what_if(snapshot, device, agreement.start, conf, cap, derived) for conf in [None, *confs] for cap in caps
         )
         out.append(DeviceReplay(device, agreement, outcomes))
     return out
 
 
-def _what_if(snapshot: Snapshot, device: int, start: StartState, conf: str | None, cap: str | None) -> WhatIf:
-    settings = settings_for(snapshot, conf)
-    limit = None if cap is None else parse_capacity(cap, "--capacity").bytes
-    return what_if(snapshot, settings, limit, conf or _RECORDED, cap or UNLIMITED, device, start)
+def _what_if(
+    snapshot: Snapshot, device: int, start: StartState, conf: str | None, cap: str | None, derived: int | None = None
+) -> WhatIf:
+    """One what-if; without a capacity named, the card's own where its trace ran out (`derived`), else none."""
+    capacity = None if cap is None else parse_capacity(cap, "--capacity")
+    settings = settings_for(snapshot, conf).on_card(None if capacity is None else capacity.total)
+    limit = derived if capacity is None else capacity.bytes
+    text = cap or (UNLIMITED if derived is None else f"the card's {_size(derived)}")
+    return what_if(snapshot, settings, limit, conf or _RECORDED, text, device, start)
 
 
 # ------------------------------------------------------------------------------------------- text
@@ -145,7 +206,8 @@ def _agreement_lines(a: Agreement) -> list[str]:
         f"  segment decisions {_share(a.decisions_matched, a.requests)} ({a.new_segments} new segments)",
         f"  placements {_share(a.placements_matched, a.requests)}",
         f"  reserved after each request {_share(a.reserved_matched, a.requests)}",
-        f"  peak reserved: card {_size(a.peak_reserved_card)}, model {_size(a.peak_reserved_model)}",
+        f"  peak reserved: card {_size(a.peak_reserved_card)}, "
+        f"model {_versus(a.peak_reserved_card, a.peak_reserved_model)}",
     ]
     if a.card_oom_at is not None or a.model_oom_at is not None:
         cap = "" if a.capacity is None else f" (capacity {_size(a.capacity)} from the card's device_free)"
@@ -158,7 +220,7 @@ def _agreement_lines(a: Agreement) -> list[str]:
     return lines
 
 
-_HEAD = f"{'setting':<24} {'capacity':<13} {'peak reserved':>13} {'unalloc@peak':>12}  runs out at: request size where"
+_TAIL = f"{'peak reserved':>13} {'unalloc@peak':>12}  runs out at: request size where"
 
 
 def _runs_out(o: WhatIf) -> str:
@@ -171,31 +233,51 @@ def _runs_out(o: WhatIf) -> str:
     return f"#{oom.request} {_size(oom.size)} {where}"
 
 
-def _card_row(a: Agreement) -> str:
-    """The card itself, from its own cache at the start (the exact replay's figures)."""
+def _table(a: Agreement, outcomes: Sequence[WhatIf]) -> list[str]:
+    """The card's own row, then one per what-if; settings and capacities in full, however long."""
+    card = "the card, as traced"
+    wide = max(len(card), *(len(o.setting) for o in outcomes))
+    cap = max(len("capacity"), *(len(o.capacity) for o in outcomes))
     oom = "no" if a.card_oom_at is None else f"#{a.card_oom_at}"
     peak, unallocated = _size(a.peak_reserved_card), _size(a.unallocated_at_peak)
-    return f"{'the card, as traced':<24} {'-':<13} {peak:>13} {unallocated:>12}  {oom}"
+    lines = [
+        f"{'setting':<{wide}} {'capacity':<{cap}} {_TAIL}",
+        f"{card:<{wide}} {'-':<{cap}} {peak:>13} {unallocated:>12}  {oom}",
+    ]
+    for o in outcomes:
+        figures = f"{_size(o.peak_reserved):>13} {_size(o.unallocated_at_peak):>12}"
+        lines.append(f"{o.setting:<{wide}} {o.capacity:<{cap}} {figures}  {_runs_out(o)}")
+    return lines
 
 
-def _what_if_row(o: WhatIf) -> str:
-    setting = o.setting if len(o.setting) <= 24 else o.setting[:23] + "~"
-    row = f"{setting:<24} {o.capacity[:13]:<13} {_size(o.peak_reserved):>13} {_size(o.unallocated_at_peak):>12}  "
-    row += _runs_out(o)
-    return row if len(row) <= 100 else row[:99] + "~"
+def _versus(card: int, model: int) -> str:
+    """The model's figure beside the card's: 'equal' (to the byte), or the model's with its difference."""
+    if card == model:
+        return "equal"
+    sign = "+" if model > card else "-"
+    return f"{_size(model)} ({sign}{_size(abs(model - card))}, {model - card:+,} B)"
+
+
+def _private_pools(snapshot: Snapshot, device: int) -> list[SnapshotSegment]:
+    """The final segments of `device` in a pool of their own (the model replays one pool per device)."""
+    return [s for s in snapshot.segments if s.device == device and s.pool != DEFAULT_POOL]
 
 
 def text(snapshot: Snapshot, replays: Sequence[DeviceReplay]) -> str:
     settings = snapshot.allocator_settings
     conf = "not recorded (torch < 2.3): defaults" if settings is None else (snapshot.alloc_conf or "defaults")
-    name = snapshot.path if len(snapshot.path) <= 100 else "..." + snapshot.path[-97:]
-    lines = [name, f"format {snapshot.tier}, {len(replays)} device(s) traced, allocator settings {conf}"]
+    lines = [snapshot.path, f"format {snapshot.tier}, {len(replays)} device(s) traced, allocator settings {conf}"]
     for r in replays:
         lines += _agreement_lines(r.agreement)
+        private = _private_pools(snapshot, r.device)
+        if private:
+            count, size = len(private), sum(s.total_size for s in private)
+            lines.append(
+                f"  not kept apart: {count} segments ({_size(size)}) of private pools (MemPool, CUDA graph) "
+                "are replayed as the default pool's"
+            )
         lines.append(f"what if (the {len(r.agreement.start.live)} requests live at the start on an empty cache):")
-        lines.append(_HEAD)
-        lines.append(_card_row(r.agreement))
-        lines += [_what_if_row(o) for o in r.outcomes]
+        lines += _table(r.agreement, r.outcomes)
         ignored = sorted({key for o in r.outcomes for key in o.ignored})
         if ignored:
             lines.append(f"  not modelled, without effect here: {', '.join(ignored)}")
@@ -255,10 +337,115 @@ def json_text(snapshot: Snapshot, replays: Sequence[DeviceReplay]) -> str:
         "devices": [
             {
                 "device": r.device,
+                "private_pool_segments": len(_private_pools(snapshot, r.device)),
                 "agreement": _agreement_json(r.agreement),
                 "what_if": [_outcome_json(o) for o in r.outcomes],
             }
             for r in replays
         ],
     }
+    return json.dumps(doc, indent=2, allow_nan=False) + "\n"
+
+
+# ------------------------------------------------------------------------------- a final state only
+
+
+@dataclass(frozen=True)
+class FinalDevice:
+    """One device of a snapshot that holds its final state only."""
+
+    device: int
+    pools: list[final.PoolState]
+    by_frame: list[final.Holder]
+    by_size: list[final.Holder]
+    outcomes: tuple[WhatIf, ...]
+    capacities: dict[str, int]  # the bytes of each capacity named
+
+
+def _final_state(args: argparse.Namespace, snapshot: Snapshot, write: Write, say: Say) -> int:
+    devices = [d for d in final.final_devices(snapshot) if args.device is None or d == args.device]
+    bare = final.without_trace(snapshot)
+    caps: list[str | None] = [*args.capacity] or [None]
+    sized = {cap: parse_capacity(cap, "--capacity").bytes for cap in args.capacity}
+    sections = []
+    for d in devices:
+        start = final.start_of(snapshot, d)
+        outcomes = tuple(_what_if(bare, d, start, conf, cap) for conf in [None, *args.alloc_conf] for cap in caps)
+        by_frame, by_size = final.held_by(snapshot, d)
+        sections.append(FinalDevice(d, final.pools(snapshot, d), by_frame, by_size, outcomes, sized))
+    say(final_text(snapshot, sections))
+    if args.json is not None:
+        write(args.json, final_json(snapshot, sections))
+    if args.html is not None:
+        from cuda_allocator_model.snapshots.page import final_page
+
+        write(args.html, final_page(snapshot, final_text(snapshot, sections)))
+    return 0
+
+
+def _final_rows(section: FinalDevice) -> list[str]:
+    outcomes = section.outcomes
+    total = final.totals(section.pools)
+    wide = max(len("the card, at its end"), *(len(o.setting) for o in outcomes))
+    cap = max(len("capacity"), *(len(o.capacity) for o in outcomes))
+    head = f"{'setting':<{wide}} {'capacity':<{cap}} {'reserved':>10} {'unallocated':>11} {'headroom':>10}  runs out"
+    unallocated = total.reserved - total.allocated
+    lines = [
+        head,
+        f"{'the card, at its end':<{wide}} {'-':<{cap}} {_size(total.reserved):>10} {_size(unallocated):>11}",
+    ]
+    for o in outcomes:
+        limit = section.capacities.get(o.capacity)
+        room = "-" if limit is None or o.out_of_memory else _size(limit - o.peak_reserved)
+        oom = "no" if o.out_of_memory is None else f"yes, at a live block of {_size(o.out_of_memory.size)}"
+        figures = f"{_size(o.peak_reserved):>10} {_size(o.unallocated_at_peak):>11} {room:>10}"
+        lines.append(f"{o.setting:<{wide}} {o.capacity:<{cap}} {figures}  {oom}")
+    return lines
+
+
+def final_text(snapshot: Snapshot, sections: Sequence[FinalDevice]) -> str:
+    settings = snapshot.allocator_settings
+    conf = "not recorded (torch < 2.3): defaults" if settings is None else (snapshot.alloc_conf or "defaults")
+    lines = [
+        snapshot.path,
+        f"format {snapshot.tier}, the final state only (no request traced), allocator settings {conf}",
+    ]
+    for section in sections:
+        lines.append(f"device {section.device}:")
+        if len(section.pools) > 1:
+            lines += final.state_lines(final.totals(section.pools), "all pools")
+        for state in section.pools:
+            lines += final.state_lines(state, final.pool_name(state.pool))
+        lines += final.holder_lines("live blocks by the user frame that allocated them", section.by_frame)
+        lines += final.holder_lines("live blocks by size", section.by_size)
+        live = sum(p.live_blocks for p in section.pools)
+        lines.append(f"what if the {live} live blocks were allocated again, in address order, on an empty cache:")
+        lines += _final_rows(section)
+    if not sections:
+        lines.append("no device holds a segment")
+    return "\n".join(lines)
+
+
+def final_json(snapshot: Snapshot, sections: Sequence[FinalDevice]) -> str:
+    doc = {
+        "snapshot": snapshot.path,
+        "format": snapshot.tier,
+        "final_state_only": True,
+        "alloc_conf": snapshot.alloc_conf,
+        "devices": [
+            {
+                "device": s.device,
+                "all_pools": final.state_json(final.totals(s.pools)),
+                "pools": [final.state_json(p) for p in s.pools],
+                "by_frame": final.holders_json(s.by_frame),
+                "by_size": final.holders_json(s.by_size),
+                "what_if": [
+                    {**_outcome_json(o), "headroom": None if o.out_of_memory or o.capacity not in s.capacities
+                     else s.capacities[o.capacity] - o.peak_reserved}
+                    for o in s.outcomes
+                ],
+            }
+            for s in sections
+        ],
+    }  # fmt: skip
     return json.dumps(doc, indent=2, allow_nan=False) + "\n"

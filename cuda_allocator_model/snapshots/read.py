@@ -11,18 +11,26 @@ line naming the file and what was found.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import mmap
+import os
 import pickle
-from collections.abc import Callable, Mapping, Sequence
+import stat
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, NamedTuple, TypeVar
 
-from cuda_allocator_model.errors import ModelError
+from cuda_allocator_model.errors import ModelError, exception_text
 from cuda_allocator_model.settings import INTERVALS, AllocatorSettings
+from cuda_allocator_model.snapshots import pickled
+from cuda_allocator_model.snapshots.pickled import Buffer
 
 __all__ = [
     "ACTIONS",
+    "DEFAULT_POOL",
+    "MAX_SIZE",
     "Annotation",
     "Event",
     "Frame",
@@ -36,6 +44,7 @@ __all__ = [
 
 ACTIONS: Final = frozenset(
     {
+        "annotate",
         "alloc",
         "free_requested",
         "free_completed",
@@ -47,6 +56,10 @@ ACTIONS: Final = frozenset(
         "snapshot",
     }
 )
+DEFAULT_POOL: Final = (0, 0)
+MAX_SIZE: Final = 1 << 60  # bytes: what the allocator refuses outright (torch: 1 EiB), a fit may ask near it
+MAX_ADDRESS: Final = 1 << 64
+MAX_DEVICES: Final = 1 << 12
 _LFS_POINTER: Final = b"version https://git-lfs.github.com/spec/"
 _T = TypeVar("_T")
 
@@ -68,6 +81,7 @@ class SnapshotBlock:
     size: int
     requested_size: int
     state: str  # active_allocated, active_pending_free, inactive
+    frames: tuple[Frame, ...] = ()  # where a live block was allocated (torch 2.0: its history's last entry)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +95,7 @@ class SnapshotSegment:
     segment_type: str  # small or large
     is_expandable: bool
     blocks: tuple[SnapshotBlock, ...]
+    pool: tuple[int, int] = (0, 0)  # segment_pool_id: (0, 0) the default pool, else a MemPool's or a graph's
 
 
 class Event(NamedTuple):
@@ -120,6 +135,8 @@ class Snapshot:
     alloc_conf: str | None  # PYTORCH_CUDA_ALLOC_CONF as the process had it
     annotations: tuple[Annotation, ...]
     tier: str  # the format's generation, T0 (<= 2.1) to T6 (>= 2.10): see `format_tier`
+    overflowed: bool | None = None  # trace_alloc_overflowed, where recorded: the ring buffer wrapped
+    max_entries: int | None = None  # trace_alloc_max_entries, where recorded
 
     def trace(self, device: int = 0) -> tuple[Event, ...]:
         """The events of `device` (empty when it recorded none)."""
@@ -141,12 +158,35 @@ class _NoGlobals(pickle.Unpickler):
 
 
 def read_snapshot(path: str | Path) -> Snapshot:
-    """The snapshot in the file at `path`; ModelError (one line, naming the file) for anything else."""
+    """The snapshot in the file at `path`; ModelError (one line, naming the file) for anything else. Only a
+    regular file is read (never a FIFO or a device, which could block or never end), and of it only the
+    pickle, up to its STOP."""
     try:
-        data = Path(path).read_bytes()
+        with _opened(Path(path)) as data:
+            raw = _unpickle(data)
+        return _snapshot(raw, str(path))
+    except _Refuse as exc:
+        raise ModelError(f"{_printable(str(path))}: {exc}") from None
     except OSError as exc:
-        raise ModelError(f"{path}: cannot read the snapshot ({exc.strerror or type(exc).__name__})") from None
-    return snapshot_from_bytes(data, str(path))
+        why = exc.strerror or type(exc).__name__
+        raise ModelError(f"{_printable(str(path))}: cannot read the snapshot ({why})") from None
+
+
+@contextlib.contextmanager
+def _opened(path: Path) -> Iterator[Buffer]:
+    """The file's bytes, mapped (pages are read only where the scan looks): a regular file only."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    try:
+        mode = os.fstat(fd)
+        if not stat.S_ISREG(mode.st_mode):
+            kind = "a folder" if stat.S_ISDIR(mode.st_mode) else "not a regular file (a pipe, a device)"
+            raise _Refuse(f"{kind}, not a snapshot")
+        if mode.st_size == 0:
+            raise _Refuse("an empty file, not a snapshot")
+        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mapped:
+            yield mapped
+    finally:
+        os.close(fd)
 
 
 def snapshot_from_bytes(data: bytes, name: str = "<bytes>") -> Snapshot:
@@ -155,27 +195,36 @@ def snapshot_from_bytes(data: bytes, name: str = "<bytes>") -> Snapshot:
         raw = _unpickle(data)
         return _snapshot(raw, name)
     except _Refuse as exc:
-        raise ModelError(f"{name}: {exc}") from None
+        raise ModelError(f"{_printable(name)}: {exc}") from None
 
 
-def _unpickle(data: bytes) -> Any:
-    if data.startswith(_LFS_POINTER):
+class _Loaded(NamedTuple):
+    value: object
+    extent: int  # the pickle's bytes: what bounds the work its lists may ask for
+
+
+def _unpickle(data: Buffer) -> _Loaded:
+    if data[: len(_LFS_POINTER)] == _LFS_POINTER:
         raise _Refuse("a Git LFS pointer, not the snapshot it stands for (fetch it with `git lfs pull`)")
-    if not data:
+    if not len(data):
         raise _Refuse("an empty file, not a snapshot")
     try:
-        return _NoGlobals(io.BytesIO(data)).load()
+        end = pickled.extent(data)
+    except pickled.Refused as exc:
+        raise _Refuse(str(exc)) from None
+    try:
+        return _Loaded(_NoGlobals(io.BytesIO(data[:end])).load(), end)
     except _Refuse:
         raise
     except EOFError:
-        raise _Refuse(f"a pickle cut short after {len(data)} bytes (truncated)") from None
-    except (pickle.UnpicklingError, ValueError, IndexError, KeyError, TypeError, MemoryError) as exc:
-        if "truncated" in str(exc):
-            raise _Refuse(f"a pickle cut short after {len(data)} bytes (truncated)") from None
-        head = data[:16]
-        raise _Refuse(f"not a pickle, or a damaged one ({type(exc).__name__}; starts with {head!r})") from None
+        raise _Refuse(f"a pickle cut short after {end} bytes (truncated)") from None
     except RecursionError:
         raise _Refuse("a pickle nested too deeply to be a snapshot") from None
+    except Exception as exc:  # the scan let it through; whatever the unpickler still finds wrong is damage
+        if "truncated" in exception_text(exc):
+            raise _Refuse(f"a pickle cut short after {end} bytes (truncated)") from None
+        head = bytes(data[:16])
+        raise _Refuse(f"not a pickle, or a damaged one ({type(exc).__name__}; starts with {head!r})") from None
 
 
 # ------------------------------------------------------------------------------------------ checking
@@ -203,128 +252,232 @@ def _field(record: Mapping[Any, Any], key: str, kind: type[_T], where: str, defa
     return value
 
 
-def _records(value: object, where: str) -> list[Mapping[Any, Any]]:
+class _Budget:
+    """The list items a file may make the reader visit: no more than the pickle has bytes (every item takes
+    one at least), so that lists shared between devices or segments cannot multiply the work."""
+
+    def __init__(self, extent: int) -> None:
+        self.left = extent + 1024
+
+    def spend(self, items: int, where: str) -> None:
+        self.left -= items
+        if self.left < 0:
+            raise _Refuse(f"{where}: more items than the file's bytes can hold (lists shared between records)")
+
+
+def _records(value: object, where: str, budget: _Budget) -> list[Mapping[Any, Any]]:
     if not isinstance(value, list):
         raise _Refuse(f"{where} is {_a(_kind(value))}, not a list")
-    for i, item in enumerate(value):
-        if not isinstance(item, dict):
-            raise _Refuse(f"{where}[{i}] is {_a(_kind(item))}, not a dict")
+    budget.spend(len(value), where)
+    if any(type(item) is not dict for item in value):
+        i, item = next((i, item) for i, item in enumerate(value) if not isinstance(item, dict))
+        raise _Refuse(f"{where}[{i}] is {_a(_kind(item))}, not a dict")
     return value
 
 
-def _snapshot(raw: object, name: str) -> Snapshot:
+def _printable(text: str) -> str:
+    """`text` with nothing a terminal would act on: a control character becomes its picture (ESC is '␛'),
+    anything else unprintable (a lone surrogate, a format character) U+FFFD."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else _PICTURES.get(c, "\ufffd") for c in text)
+
+
+_PICTURES: Final = {chr(i): chr(0x2400 + i) for i in range(32)} | {"\x7f": "\u2421"}
+
+
+def _text(record: Mapping[Any, Any], key: str, where: str, default: Any = ...) -> str:
+    value = _field(record, key, str, where, default)
+    return value if value is None else _printable(value)
+
+
+def _bounded(record: Mapping[Any, Any], key: str, where: str, top: int, default: Any = ...) -> int:
+    """An int field within [0, top)."""
+    value = _field(record, key, int, where, default)
+    if value is not None and not 0 <= value < top:
+        raise _Refuse(f"{where}: {key!r} is {_number(value)}, outside [0, {top:,})")
+    return value
+
+
+def _number(value: int) -> str:
+    return f"{value:,}" if abs(value) < 1 << 128 else f"a {value.bit_length()}-bit number"
+
+
+def _snapshot(loaded: _Loaded, name: str) -> Snapshot:
+    raw = loaded.value
     if not isinstance(raw, dict):
         raise _Refuse(f"not a memory snapshot: the pickle holds {_a(_kind(raw))}, not a dict")
     if "segments" not in raw or "device_traces" not in raw:
-        keys = ", ".join(sorted(map(str, raw)))[:80] or "none"
+        keys = _printable(", ".join(sorted(k for k in raw if type(k) is str))[:80]) or "none"
         raise _Refuse(f"not a memory snapshot: a dict without 'segments' and 'device_traces' (keys: {keys})")
-    segments = tuple(_segment(s, f"segments[{i}]") for i, s in enumerate(_records(raw["segments"], "segments")))
+    budget = _Budget(loaded.extent)
+    frames = _Frames(budget)
+    raw_segments = _records(raw["segments"], "segments", budget)
+    segments = tuple(_segment(s, f"segments[{i}]", frames, budget) for i, s in enumerate(raw_segments))
     traces_raw = raw["device_traces"]
     if not isinstance(traces_raw, list):
         raise _Refuse(f"'device_traces' is {_a(_kind(traces_raw))}, not a list")
-    frames = _Frames()
-    traces = tuple(_trace(t, f"device_traces[{d}]", frames) for d, t in enumerate(traces_raw))
+    budget.spend(len(traces_raw), "'device_traces'")
+    _not_shared(traces_raw, "device_traces")
+    traces = tuple(_trace(t, f"device_traces[{d}]", frames, budget) for d, t in enumerate(traces_raw))
     settings, conf = _settings(raw.get("allocator_settings"))
-    marks = _records(raw.get("external_annotations", []), "'external_annotations'")
+    marks = _records(raw.get("external_annotations", []), "'external_annotations'", budget)
     annotations = tuple(_annotation(a, i) for i, a in enumerate(marks))
     tier = format_tier(raw, traces)
-    return Snapshot(name, segments, traces, settings, conf, annotations, tier)
+    overflowed = _field(raw, "trace_alloc_overflowed", bool, "the snapshot", None)
+    max_entries = _field(raw, "trace_alloc_max_entries", int, "the snapshot", None)
+    return Snapshot(_printable(name), segments, traces, settings, conf, annotations, tier, overflowed, max_entries)
 
 
-def _segment(raw: Mapping[Any, Any], where: str) -> SnapshotSegment:
-    blocks = tuple(
-        SnapshotBlock(
-            _field(b, "address", int, f"{where}.blocks[{j}]"),
-            _field(b, "size", int, f"{where}.blocks[{j}]"),
-            _field(b, "requested_size", int, f"{where}.blocks[{j}]", 0),
-            _field(b, "state", str, f"{where}.blocks[{j}]"),
-        )
-        for j, b in enumerate(_records(raw.get("blocks", []), f"{where}.blocks"))
-    )
+def _not_shared(lists: list[Any], where: str) -> None:
+    """Each device's trace is its own list: one list under many devices is damage, or a file's trick."""
+    seen: dict[int, int] = {}
+    for i, item in enumerate(lists):
+        if isinstance(item, list) and item and seen.setdefault(id(item), i) != i:
+            raise _Refuse(f"{where}[{i}] is the very list of {where}[{seen[id(item)]}]: no snapshot's shape")
+
+
+def _pool(raw: Mapping[Any, Any], where: str) -> tuple[int, int]:
+    pool = raw.get("segment_pool_id", DEFAULT_POOL)
+    if pool is None:
+        return DEFAULT_POOL
+    if not (isinstance(pool, (tuple, list)) and len(pool) == 2 and all(type(p) is int for p in pool)):
+        raise _Refuse(f"{where}: 'segment_pool_id' is {_a(_kind(pool))}, not a pair of whole numbers")
+    return (pool[0], pool[1])
+
+
+def _segment(raw: Mapping[Any, Any], where: str, frames: _Frames, budget: _Budget) -> SnapshotSegment:
+    address = _bounded(raw, "address", where, MAX_ADDRESS)
+    total = _bounded(raw, "total_size", where, MAX_SIZE)
+    blocks = []
+    at = address  # torch 2.0's blocks carry no address: they lie in order from the segment's start
+    for j, b in enumerate(_records(raw.get("blocks", []), f"{where}.blocks", budget)):
+        block = _block(b, f"{where}.blocks[{j}]", at, frames)
+        if not address <= block.address <= block.address + block.size <= address + total:
+            raise _Refuse(f"{where}.blocks[{j}] lies outside its segment ({block.size:,} bytes at {block.address:#x})")
+        blocks.append(block)
+        at = block.address + block.size
     return SnapshotSegment(
-        _field(raw, "device", int, where, 0),
-        _field(raw, "address", int, where),
-        _field(raw, "total_size", int, where),
-        _field(raw, "stream", int, where, 0),
-        _field(raw, "segment_type", str, where, "large"),
+        _bounded(raw, "device", where, MAX_DEVICES, 0),
+        address,
+        total,
+        _bounded(raw, "stream", where, MAX_ADDRESS, 0),
+        _text(raw, "segment_type", where, "large"),
         _field(raw, "is_expandable", bool, where, False),
-        blocks,
+        tuple(blocks),
+        _pool(raw, where),
+    )
+
+
+def _block(raw: Mapping[Any, Any], where: str, at: int, frames: _Frames) -> SnapshotBlock:
+    history = raw.get("history")
+    last = history[-1] if isinstance(history, list) and history and isinstance(history[-1], dict) else {}
+    requested = _bounded(raw, "requested_size", where, MAX_SIZE, None)
+    if requested is None:
+        requested = _bounded(last, "real_size", f"{where}.history", MAX_SIZE, 0)
+    stack = raw["frames"] if "frames" in raw else last.get("frames", [])
+    return SnapshotBlock(
+        _bounded(raw, "address", where, MAX_ADDRESS, at),
+        _bounded(raw, "size", where, MAX_SIZE),
+        requested,
+        _text(raw, "state", where),
+        frames.of(stack, where),
     )
 
 
 class _Frames:
-    """One `Frame` per distinct frame dict: a trace shares its frame dicts, so each is checked once."""
+    """One `Frame` per distinct frame dict and one tuple per distinct list of them: a trace shares them, so
+    each is checked once."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget: _Budget) -> None:
         self.known: dict[int, Frame] = {}
+        self.lists: dict[int, tuple[Frame, ...]] = {id(()): ()}  # () stands for 'frames' absent
+        self.budget = budget
 
     def of(self, raw: object, where: str) -> tuple[Frame, ...]:
+        done = self.lists.get(id(raw))
+        if done is not None:
+            return done
         if not isinstance(raw, list):
             raise _Refuse(f"{where}: 'frames' is {_a(_kind(raw))}, not a list")
+        self.budget.spend(len(raw), f"{where}: 'frames'")
         known = self.known
         try:
-            return tuple(map(known.__getitem__, map(id, raw)))
-        except KeyError:
+            stack = tuple(map(known.__getitem__, map(id, raw)))
+        except KeyError:  # frames not seen before: checked once each
             for frame in raw:
                 if id(frame) not in known:
                     known[id(frame)] = self.frame(frame, where)
-            return tuple(map(known.__getitem__, map(id, raw)))
+            stack = tuple(map(known.__getitem__, map(id, raw)))
+        self.lists[id(raw)] = stack
+        return stack
 
     @staticmethod
     def frame(raw: object, where: str) -> Frame:
         if not isinstance(raw, dict):
             raise _Refuse(f"{where}: a frame is {_a(_kind(raw))}, not a dict")
         here = f"{where} frame"
-        return Frame(_field(raw, "name", str, here), _field(raw, "filename", str, here), _field(raw, "line", int, here))
+        return Frame(_text(raw, "name", here), _text(raw, "filename", here), _field(raw, "line", int, here))
 
 
-def _trace(raw: object, where: str, frames: _Frames) -> tuple[Event, ...]:
-    return tuple(_event(e, f"{where}[{i}]", frames) for i, e in enumerate(_records(raw, where)))
-
-
-def _event(raw: Mapping[Any, Any], where: str, frames: _Frames) -> Event:
-    """The event `raw`: a quick path where every field has its type, else the checks that say what is wrong."""
-    get = raw.get
-    action, addr, size, stream = get("action"), get("addr", 0), get("size"), get("stream", 0)
-    time_us, context, metadata, free = get("time_us"), get("compile_context"), get("user_metadata"), get("device_free")
-    if (
-        type(action) is str
-        and action in ACTIONS
-        and type(addr) is int
-        and type(size) is int
-        and type(stream) is int
-        and (time_us is None or type(time_us) is int)
-        and (context is None or type(context) is str)
-        and (metadata is None or type(metadata) is str)
-        and (free is None or type(free) is int)
-    ):
-        return Event(action, addr, size, stream, frames.of(get("frames", []), where), time_us, context, metadata, free)
-    return _checked_event(raw, where, frames)
+def _trace(raw: object, where: str, frames: _Frames, budget: _Budget) -> tuple[Event, ...]:
+    """The events of one device: a quick path, in one loop, where every field has its type and range (and
+    the frames were seen), else the checks that say what is wrong (and make text printable)."""
+    records = _records(raw, where, budget)
+    known = frames.lists
+    out: list[Event] = []
+    append = out.append
+    for i, record in enumerate(records):
+        get = record.get
+        action, addr, size, stream = get("action"), get("addr", 0), get("size"), get("stream", 0)
+        time_us, context, metadata = get("time_us"), get("compile_context"), get("user_metadata")
+        free, stack_raw = get("device_free"), get("frames", ())
+        stack = known.get(id(stack_raw))
+        if stack is None:  # a list of frames not seen before
+            stack = frames.of(stack_raw, f"{where}[{i}]")
+        if (
+            type(action) is str
+            and action in ACTIONS
+            and type(addr) is int
+            and type(size) is int
+            and type(stream) is int
+            and 0 <= addr < MAX_ADDRESS
+            and 0 <= size < MAX_SIZE
+            and 0 <= stream < MAX_ADDRESS
+            and (time_us is None or type(time_us) is int)
+            and (context is None or (type(context) is str and context.isprintable()))
+            and (metadata is None or (type(metadata) is str and metadata.isprintable()))
+            and (free is None or (type(free) is int and 0 <= free < MAX_SIZE))
+        ):
+            append(Event(action, addr, size, stream, stack, time_us, context, metadata, free))
+        else:
+            append(_checked_event(record, f"{where}[{i}]", frames))
+    return tuple(out)
 
 
 def _checked_event(raw: Mapping[Any, Any], where: str, frames: _Frames) -> Event:
     action = _field(raw, "action", str, where)
     if action not in ACTIONS:
-        raise _Refuse(f"{where}: unknown action {action[:40]!r}")
+        raise _Refuse(f"{where}: unknown action {_printable(action[:40])!r}")
     return Event(
         action,
-        _field(raw, "addr", int, where, 0),
-        _field(raw, "size", int, where),
-        _field(raw, "stream", int, where, 0),
-        frames.of(raw.get("frames", []), where),
+        _bounded(raw, "addr", where, MAX_ADDRESS, 0),
+        _bounded(raw, "size", where, MAX_SIZE, 0 if action == "annotate" else ...),
+        _bounded(raw, "stream", where, MAX_ADDRESS, 0),
+        frames.of(raw.get("frames", ()), where),
         _field(raw, "time_us", int, where, None),
-        _field(raw, "compile_context", str, where, None),
-        _field(raw, "user_metadata", str, where, None),
-        _field(raw, "device_free", int, where, None),
+        _text(raw, "compile_context", where, None),
+        _text(raw, "user_metadata", where, None),
+        _bounded(raw, "device_free", where, MAX_SIZE, None),
     )
 
 
 def _annotation(raw: Mapping[Any, Any], index: int) -> Annotation:
     where = f"external_annotations[{index}]"
     return Annotation(
-        _field(raw, "stage", str, where),
-        _field(raw, "name", str, where),
-        _field(raw, "device", int, where, 0),
+        _text(raw, "stage", where),
+        _text(raw, "name", where),
+        _bounded(raw, "device", where, MAX_DEVICES, 0),
         _field(raw, "time_us", int, where, 0),
     )
 
@@ -336,7 +489,7 @@ def _settings(raw: object) -> tuple[AllocatorSettings | None, str | None]:
     if not isinstance(raw, dict):
         raise _Refuse(f"'allocator_settings' is {_a(_kind(raw))}, not a dict")
     where = "allocator_settings"
-    conf = _field(raw, "PYTORCH_CUDA_ALLOC_CONF", str, where, None)
+    conf = _text(raw, "PYTORCH_CUDA_ALLOC_CONF", where, None)
     max_split = _field(raw, "max_split_size", int, where, -1)
     divisions_raw = _field(raw, "roundup_power2_divisions", dict, where, {})
     divisions = tuple(_divisions(divisions_raw))
@@ -353,9 +506,14 @@ def _settings(raw: object) -> tuple[AllocatorSettings | None, str | None]:
 
 def _divisions(raw: Mapping[Any, Any]) -> Sequence[int]:
     """Divisions per power-of-two interval, in torch's order ('1' MiB, '2', ... '32768'); () for none."""
-    values = [raw[key] for key in sorted(raw, key=lambda k: int(k) if str(k).isdigit() else 0)]
-    if any(not isinstance(v, int) or isinstance(v, bool) for v in values):
-        raise _Refuse("allocator_settings: 'roundup_power2_divisions' holds a value that is no whole number")
+    where = "allocator_settings: 'roundup_power2_divisions'"
+    for key, value in raw.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 6):
+            shown = _printable(key[:20]) if isinstance(key, str) else _kind(key)
+            raise _Refuse(f"{where} has the key {shown!r}, not a power of two in MiB")
+        if type(value) is not int or not 0 <= value <= 1 << 16:
+            raise _Refuse(f"{where}[{key!r}] is not a whole number of divisions in [0, 65536]")
+    values = [raw[key] for key in sorted(raw, key=int)]
     return values[:INTERVALS] if any(values) else ()
 
 

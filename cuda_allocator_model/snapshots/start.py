@@ -8,8 +8,9 @@ pool and in expandable segments a live block is its request rounded (they split 
 in the large pool no free block is 1 MiB or smaller, so a gap of at most 1 MiB after a live block is that
 block's unsplit tail. Free blocks are the gaps between live ones (free neighbours always merge).
 
-Where this cannot be exact it says why (`StartState.caveats`): a trace whose event count is a round
-number may be a wrapped ring buffer (`max_entries`), whose first events were dropped; a block that the
+Where this cannot be exact it says why (`StartState.caveats`): a ring buffer that wrapped (`max_entries`)
+dropped the first events: newer torch says so (`trace_alloc_overflowed`), and without it a trace whose
+event count is a round number may have wrapped; a block that the
 walk finds inconsistent (an `alloc` of an address still live); with `max_split_size`, a live oversize
 block followed by a gap (its unsplit remainder may be larger than 1 MiB).
 """
@@ -99,7 +100,9 @@ def start_state(snapshot: Snapshot, device: int = 0) -> StartState:
                 live[b.address] = LiveBlock(b.address, b.requested_size, s.stream)
     conflicts = _walk_back(trace, plain, runs, live)
     caveats = []
-    if may_have_wrapped(len(trace)):
+    if snapshot.overflowed:
+        caveats.append("the ring buffer wrapped (trace_alloc_overflowed): its first events were dropped")
+    elif snapshot.overflowed is None and may_have_wrapped(len(trace)):
         caveats.append(f"{len(trace)} events, a round number: the ring buffer (max_entries) may have wrapped")
     if conflicts:
         caveats.append(f"{conflicts} events disagree with the final segments")

@@ -6,7 +6,9 @@ compare with each other: the requests live when recording began are served first
 an empty cache; then the trace's requests and frees in order. `torch.cuda.empty_cache()` calls the trace
 shows (`segment_free` events with an `emptyCache` frame) are made again; releases the card made because
 its driver ran short are the model's own business under a capacity. An `oom` event of the card is
-asked again and given back when it is served.
+asked again and given back when it is served; refused, it is where the what-if runs out, and the replay
+goes on as the program did (a fit's search, an out-of-memory handler). A request the card served that
+the what-if refuses ends it.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ from dataclasses import dataclass
 
 from cuda_allocator_model.model import AllocatorOutOfMemory, CachingAllocatorModel
 from cuda_allocator_model.settings import AllocatorSettings
-from cuda_allocator_model.snapshots.agreement import Agreement
-from cuda_allocator_model.snapshots.read import Event, Snapshot
+from cuda_allocator_model.snapshots.agreement import Agreement, emptied_by
+from cuda_allocator_model.snapshots.read import Event, Frame, Snapshot
 from cuda_allocator_model.snapshots.start import StartState, start_state
 
-__all__ = ["DeviceReplay", "OutOfMemoryAt", "WhatIf", "user_frame", "what_if"]
+__all__ = ["DeviceReplay", "OutOfMemoryAt", "WhatIf", "frames_user_frame", "user_frame", "what_if"]
 
 _NOT_USER = ("/torch/", "\\torch\\", "site-packages", "dist-packages", "/lib/python", "<frozen")
 
@@ -48,6 +50,7 @@ class WhatIf:
     ignored: tuple[str, ...]  # keys the model does not act on (garbage_collection_threshold)
     reserved: array[int]  # after each request served
     allocated: array[int]
+    limit: int | None = None  # the capacity's bytes; None: unlimited
 
 
 @dataclass(frozen=True)
@@ -61,14 +64,19 @@ class DeviceReplay:
 
 def user_frame(event: Event) -> str:
     """The first Python frame of the user's code (not torch's, not a library's): 'train.py:12 step'."""
-    for frame in event.frames:
+    return frames_user_frame(event.frames)
+
+
+def frames_user_frame(frames: tuple[Frame, ...]) -> str:
+    """`user_frame` of a stack (a live block's, in a snapshot's final state)."""
+    for frame in frames:
         path = frame.filename
         if path.endswith(".py") and not any(part in path for part in _NOT_USER):
             return f"{path.replace(chr(92), '/').rsplit('/', 1)[-1]}:{frame.line} {frame.name}"
-    op = next((f.name for f in reversed(event.frames) if f.name.startswith("at::_ops::")), None)
+    op = next((f.name for f in reversed(frames) if f.name.startswith("at::_ops::")), None)
     if op is not None:  # autograd's thread: no Python frame, the op it ran
         return f"autograd {op.removeprefix('at::_ops::').split('::')[0]}"
-    return "(no Python frame)" if event.frames else "(no frames recorded)"
+    return "(no Python frame)" if frames else "(no frames recorded)"
 
 
 def what_if(
@@ -89,7 +97,7 @@ def what_if(
         oom = run.trace(snapshot.trace(device))
     return WhatIf(
         setting, capacity_text, run.peak, run.unallocated, model.peak_allocated, oom, settings.ignored,
-        run.reserved, run.allocated,
+        run.reserved, run.allocated, capacity,
     )  # fmt: skip
 
 
@@ -119,7 +127,10 @@ class _Run:
         return None
 
     def trace(self, trace: tuple[Event, ...]) -> OutOfMemoryAt | None:
+        """The first request refused: one the card served ends the replay (what follows depended on it);
+        one the card refused too (its `oom`) does not, as the program went on (a fit's search, a handler)."""
         model = self.model
+        first: OutOfMemoryAt | None = None
         index = 0
         emptied = False  # within a run of segment_free events that an empty_cache() made
         for e in trace:
@@ -129,13 +140,13 @@ class _Run:
                     model.malloc(e.addr, e.size, e.stream)
                 except AllocatorOutOfMemory:
                     self.note()
-                    return OutOfMemoryAt(index, e.size, user_frame(e))
+                    return first or OutOfMemoryAt(index, e.size, user_frame(e))
                 index += 1
                 self.note()
             elif action == "free_completed":
                 model.free(e.addr)
             elif action == "segment_free" or action == "segment_unmap":
-                if not emptied and any("emptyCache" in f.name for f in e.frames):
+                if not emptied and emptied_by(e):
                     model.empty_cache()
                     emptied = True
                 continue
@@ -143,7 +154,8 @@ class _Run:
                 try:
                     model.malloc(-1, e.size, e.stream)
                 except AllocatorOutOfMemory:
-                    return OutOfMemoryAt(index, e.size, user_frame(e))
+                    first = first or OutOfMemoryAt(index, e.size, user_frame(e))
+                    continue
                 model.free(-1)
             emptied = False
-        return None
+        return first

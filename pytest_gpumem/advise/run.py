@@ -26,12 +26,12 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import flop_registry
 
-from cuda_allocator_model import shorten
+from cuda_allocator_model import exception_text, shorten
 from pytest_gpumem.advise.check import Saved, compare, randomness, scales
 from pytest_gpumem.advise.strategies import all_strategies, conflict, ordered
 from pytest_gpumem.advise.strategy import OptimizerShim, Patch, Run, Strategy, Target, find_blocks
 from pytest_gpumem.backends.tracker.ledger import cuda_block_size
-from pytest_gpumem.errors import GpuMemError, exception_text
+from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.measure.oom_and_leaks import release_memory
 from pytest_gpumem.measure.regions import RegionStack
 from pytest_gpumem.private_torch import TorchDispatchMode, in_backward, pytree_leaves, storage_key

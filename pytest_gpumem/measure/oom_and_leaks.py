@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from pytest_gpumem.errors import exception_text
+from cuda_allocator_model import exception_text
 from pytest_gpumem.private_torch import storage_key
 
 _UNINITIALIZED = "Attempted to use an uninitialized parameter in "  # torch.nn.parameter.UninitializedParameter

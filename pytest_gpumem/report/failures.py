@@ -13,8 +13,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cuda_allocator_model import format_size
-from pytest_gpumem.errors import exception_text
+from cuda_allocator_model import exception_text, format_size
 from pytest_gpumem.measure.regions import phase_left_by
 from pytest_gpumem.report.advice_text import advice_clause
 

@@ -97,6 +97,12 @@ class TorchSnapshot(PerTestFile):
         if recorded is None:
             return None
         del item.stash[_RECORDED_KEY]
+        if result.distributed and not recorded.events:  # the ranks' memory was in their own processes
+            result.notes.append(
+                f"{self.flag}: no snapshot written: this test's memory is its distributed ranks', measured in "
+                "their own processes, and a snapshot holds the test's own process"
+            )
+            return None
         from pytest_gpumem.backends.tracker.torch_snapshot import snapshot_bytes, snapshot_of
 
         path = self.folder / f"{file_stem(item.nodeid)}.pickle"

@@ -6,6 +6,7 @@ present."""
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -14,11 +15,12 @@ from typing import Any
 import pytest
 
 from cuda_allocator_model.snapshots.against import compare, render, to_json
+from cuda_allocator_model.snapshots.align import align
 from cuda_allocator_model.snapshots.read import Snapshot, read_snapshot, snapshot_from_bytes
 from pytest_gpumem.backends.tracker.torch_snapshot import RecordedModel, snapshot_bytes, snapshot_of
 
 MiB = 1 << 20
-SNAPSHOTS = Path(__file__).resolve().parents[1].parent / "shared" / "snapshots"
+SNAPSHOTS = Path(__file__).resolve().parents[3] / "shared" / "snapshots"
 
 
 def recorded(*sizes: int) -> RecordedModel:
@@ -130,7 +132,62 @@ def test_the_replay_command_compares_against_a_prediction(tmp_path: Path) -> Non
     done = subprocess.run([*command, "--json", str(report)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "peak reserved         14.0 MiB      22.0 MiB  +8.0 MiB (+57.1%)" in done.stdout.splitlines()
-    assert json.loads(report.read_text(encoding="utf-8"))["differences"][0]["card"]["bytes"] == 12 * MiB
+    assert json.loads(report.read_text(encoding="utf-8"))["devices"][0]["differences"][0]["card"]["bytes"] == 12 * MiB
     refused = subprocess.run([*command, "--capacity", "1 GB"], capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2
     assert "--against compares two snapshots as recorded: --capacity does not apply to it" in refused.stderr
+
+
+def test_a_card_traced_on_another_device_is_compared_there_and_said(tmp_path: Path) -> None:
+    written = snapshot_of(recorded(4000, 12 * MiB))
+    written["device_traces"] = [[], written["device_traces"][0]]
+    card_path, ours_path = tmp_path / "card.pickle", tmp_path / "ours.pickle"
+    card_path.write_bytes(snapshot_bytes(written))
+    ours_path.write_bytes(snapshot_bytes(snapshot_of(recorded(4000, 12 * MiB))))
+    command = [sys.executable, "-m", "pytest_gpumem", "replay", str(card_path), "--against", str(ours_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[:2] == [f"card:       {card_path} (device 1)", f"prediction: {ours_path} (device 0)"]
+    assert "every request of the card is the prediction's, in order and size" in lines
+    refused = subprocess.run([*command, "--device", "0"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2
+    assert "--device 0: the card's snapshot has no request on device 0 (it traced device 1)" in refused.stderr
+
+
+def longest_common(a: list[int], b: list[int]) -> int:
+    row = [0] * (len(b) + 1)
+    for x in a:
+        previous, row = row, [0]
+        for j, y in enumerate(b):
+            row.append(previous[j] + 1 if x == y else max(previous[j + 1], row[j]))
+    return row[-1]
+
+
+def test_the_alignment_is_a_longest_common_sequence_and_its_runs_rebuild_both() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        a = [rng.choice((1, 2, 3)) for _ in range(rng.randrange(30))]
+        b = [x for x in a if rng.random() > 0.1] + [rng.choice((3, 4)) for _ in range(rng.randrange(3))]
+        rng.shuffle(b[: rng.randrange(4)])
+        result = align(a, b)
+        assert result.matched == longest_common(a, b) and not result.cut
+        starts = [(i1, j1) for _, i1, _, j1, _ in result.opcodes]
+        assert starts == [(0, 0), *((i2, j2) for _, _, i2, _, j2 in result.opcodes[:-1])][: len(starts)]
+        ends = [(i2, j2) for _, _, i2, _, j2 in result.opcodes[-1:]]
+        assert ends == ([(len(a), len(b))] if a or b else [])
+        assert all(a[i1:i2] == b[j1:j2] for tag, i1, i2, j1, j2 in result.opcodes if tag == "equal")
+
+
+def test_100000_requests_of_few_sizes_align_in_linear_time() -> None:
+    rng = random.Random(3)
+    a = [rng.choice((512, 4096, MiB, 3 * MiB)) for _ in range(100_000)]
+    b = [7 if i % 1000 == 0 else x for i, x in enumerate(a)]  # 100 requests replaced
+    result = align(a, b)  # difflib: minutes; Myers with D = 200 edits: a tenth of a second
+    assert result.matched == 99_900 and len([op for op in result.opcodes if op[0] != "equal"]) == 100
+
+
+def test_more_differences_than_the_bound_are_one_run_and_said() -> None:
+    a, b = list(range(2000)), list(range(2000, 4000))
+    result = align(a, b, max_edits=100)
+    assert result.cut and result.opcodes == (("replace", 0, 2000, 0, 2000),) and result.matched == 0

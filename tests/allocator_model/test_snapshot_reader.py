@@ -3,23 +3,37 @@ peaks from its trace. Real cards' snapshots are read from ../shared/snapshots (s
 
 from __future__ import annotations
 
+import os
 import pickle
+import struct
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from cuda_allocator_model import ModelError
+from cuda_allocator_model.snapshots.pickled import MAX_TUPLES
 from cuda_allocator_model.snapshots.read import Snapshot, read_snapshot, snapshot_from_bytes
 from cuda_allocator_model.snapshots.replay import replay, starts_empty
 
 MiB = 1 << 20
+SNAPSHOTS = Path(__file__).resolve().parents[3] / "shared" / "snapshots"
 FROM_EMPTY = {  # the catalog's from-empty traces
     "NiuHuangxiaozi__assignment2-systems__fwd_ctx100_fp32.pickle",
     "NiuHuangxiaozi__assignment2-systems__fwd_ctx200_bf16autocast.pickle",
     "NiuHuangxiaozi__assignment2-systems__train_ctx100_fp32.pickle",
     "shreyansh26__MLSys-Experiments__profile_grad.pickle",
     "silmont2000__assignment2-systems__mem_snapshot.pickle",
+    "a0kuma__ckptTry__mlp_actckpt_fwdbwd.pickle",
+    "a0kuma__ckptTry__mlp_nockpt_fwdbwd.pickle",
+    "dmasloff__effdl26-liger-kernel-report__ce_fwdbwd.pickle",
+    "dmasloff__effdl26-liger-kernel-report__liger_ce_fwdbwd.pickle",
+    "HugePandaCoder__octree-nca-groupeq__cuda_single_step.pickle",  # its one older segment is never used
+}
+FINAL_STATE = {  # segments only: no trace, or one event
+    "CognitoBlocks__BlockZero__segments.pickle",
+    "Yiyi-philosophy__LLM-inference__flexgen_opt1.3b_segments.pickle",
+    "ZijianDu__Attention__sd_img2img_vit_segments.pickle",
 }
 SMALL, LARGE = 0x7F0000000000, 0x7F0010000000  # segment addresses of the hand-made trace
 
@@ -119,6 +133,70 @@ def test_what_is_not_a_snapshot_is_refused_in_one_line(value: object, found: str
     assert found in refusal(pickle.dumps(value))
 
 
+def shared_traces() -> bytes:
+    trace = hand_made()["device_traces"][0]
+    return pickle.dumps({"segments": [], "device_traces": [trace] * 1000})
+
+
+def with_event(**fields: Any) -> bytes:
+    snapshot = hand_made()
+    snapshot["device_traces"][0][1].update(fields)
+    return pickle.dumps(snapshot)
+
+
+def with_divisions(divisions: dict[Any, Any]) -> bytes:
+    snapshot = hand_made()
+    snapshot["allocator_settings"]["roundup_power2_divisions"] = divisions
+    return pickle.dumps(snapshot)
+
+
+@pytest.mark.parametrize(
+    ("data", "found"),
+    [
+        (b"\x80\x04}}b.", "not a pickle of plain data (the opcode BUILD at byte 4)"),
+        (b"\x80\x04\x8d" + struct.pack("<Q", 1 << 63) + b".", "cut short after 12 bytes (truncated: 9,223,372,036"),
+        (b"\x80\x04}N" + b"\x85" * 1_000_000 + b"K\x01s.", f"more than {MAX_TUPLES:,} nested tuples"),
+        (b"Nr" + struct.pack("<I", 1 << 27) + b".", "a memo index of 134,217,728 at byte 1"),
+        (pickle.dumps({10**5000: 1}), "a dict without 'segments' and 'device_traces' (keys: none)"),
+        (shared_traces(), "device_traces[1] is the very list of device_traces[0]"),
+        (with_event(size=-4096), "device_traces[0][1]: 'size' is -4,096, outside [0, 1,152,921,504,606,846,976)"),
+        (with_event(addr=1 << 70), "device_traces[0][1]: 'addr' is 1,180,591,620,717,411,303,424, outside [0, "),
+        (with_divisions({"²": 4}), "'roundup_power2_divisions' has the key '²', not a power of two in MiB"),
+    ],
+    ids=["build", "2^63-long", "deep-tuple", "memo", "huge-key", "shared", "negative", "address", "key"],
+)
+def test_a_hostile_pickle_is_refused_in_one_line_before_it_is_built(data: bytes, found: str) -> None:
+    assert found in refusal(data)
+
+
+def test_flat_tuples_such_as_pool_ids_are_not_counted_against_the_nesting_bound() -> None:
+    snapshot = hand_made()
+    snapshot["device_traces"][0] *= 2 * MAX_TUPLES // 10
+    for e in snapshot["device_traces"][0]:
+        e["pool_id"] = (0, 0)
+    assert len(snapshot_from_bytes(pickle.dumps(snapshot)).trace()) == 2 * MAX_TUPLES
+
+
+def test_reading_stops_at_the_pickles_end(tmp_path: Path) -> None:
+    path = tmp_path / "tail.pickle"
+    path.write_bytes(pickle.dumps(hand_made()) + b"\x00not read" * 1000)
+    assert len(read_snapshot(path).trace()) == 10
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(ModelError, match=r"fifo: not a regular file \(a pipe, a device\), not a snapshot"):
+        read_snapshot(tmp_path / "fifo")
+
+
+def test_frame_text_is_made_printable() -> None:
+    snapshot = hand_made()
+    snapshot["device_traces"][0][1]["frames"] = [frame("\x1b]0;owned\x07", "tr\ud800ain.py")]
+    frame_read = snapshot_from_bytes(pickle.dumps(snapshot)).trace()[1].frames[0]
+    assert (frame_read.name, frame_read.filename) == ("\u241b]0;owned\u2407", "tr\ufffdain.py")
+
+
 def test_a_text_file_is_refused() -> None:
     assert "not a pickle" in refusal(b"hello, world\n")
 
@@ -180,15 +258,25 @@ def cards(snapshot_cards: dict[str, Snapshot]) -> dict[str, Snapshot]:
 
 
 def test_every_real_snapshot_reads(cards: dict[str, Snapshot]) -> None:
-    assert len(cards) == 21
+    assert len(cards) == 33
     assert {s.tier for s in cards.values()} == {"T0", "T1", "T2", "T3", "T4", "T5", "T6"}
-    assert all(s.trace(0) and s.segments for s in cards.values())
+    assert all(s.segments for s in cards.values())
+    assert {name for name, s in cards.items() if len(s.trace(0)) < 2} == FINAL_STATE
     streams = {e.stream for e in cards["Maphsge4__select_n__llama_selectn_multistream.pickle"].trace()}
     assert len(streams) == 10
 
 
+def test_torch_2_0s_blocks_lie_where_their_history_says(cards: dict[str, Snapshot]) -> None:
+    name = "Yiyi-philosophy__LLM-inference__flexgen_opt1.3b_segments.pickle"
+    raw = pickle.loads((SNAPSHOTS / name).read_bytes())
+    live = [b["history"][-1]["addr"] for s in raw["segments"] for b in s["blocks"] if b["state"] != "inactive"]
+    ours = [b for s in cards[name].segments for b in s.blocks if b.state != "inactive"]
+    assert len(live) == 715 and live == [b.address for b in ours]
+    assert all(sum(b.size for b in s.blocks) == s.total_size for s in cards[name].segments)
+
+
 def test_the_from_empty_traces_are_the_catalogs(cards: dict[str, Snapshot]) -> None:
-    assert {name for name, s in cards.items() if starts_empty(s.trace())} == FROM_EMPTY
+    assert {name for name, s in cards.items() if s.trace() and starts_empty(s.trace())} == FROM_EMPTY
 
 
 def reserved_at_peak(snapshot: Snapshot) -> int:

@@ -104,6 +104,18 @@ def test_a_round_event_count_says_the_ring_buffer_may_have_wrapped() -> None:
     assert not may_have_wrapped(19_917) and not may_have_wrapped(0)
 
 
+@pytest.mark.parametrize(("overflowed", "said"), [(True, "wrapped"), (False, None), (None, "may have")])
+def test_a_recorded_overflow_flag_says_for_sure_whether_the_ring_buffer_wrapped(
+    overflowed: bool | None, said: str | None
+) -> None:
+    trace = [event("alloc", LARGE, 4 * MiB), *freed(LARGE, 4 * MiB)] * 1000  # 3,000 events: a round number
+    raw: dict[str, Any] = {"segments": [segment(LARGE, 20 * MiB, [(LARGE, 20 * MiB, 0, "inactive")])]}
+    raw |= {"device_traces": [trace], "trace_alloc_overflowed": overflowed}
+    caveats = start_state(snapshot_from_bytes(pickle.dumps(raw))).caveats
+    wrapped = [c for c in caveats if "ring buffer" in c]
+    assert len(wrapped) == (said is not None) and all(said in c for c in wrapped if said)
+
+
 # ------------------------------------------------------------------------------------------ agreement
 
 
@@ -196,7 +208,7 @@ def test_replay_prints_the_agreement_and_the_what_ifs(tmp_path: Path, capsys: py
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "segment decisions 2/2 (2 new segments)" in out and "placements 2/2" in out
-    assert "peak reserved: card 24.0 MiB, model 24.0 MiB" in out
+    assert "peak reserved: card 24.0 MiB, model equal" in out
     rows = [line.split() for line in out.splitlines() if line.endswith("train.py:9")]
     # 12 MiB fits 20 MiB, a second 12 MiB segment does not; expandable: one 20 MiB page, 8 MiB of it free
     assert rows == [
@@ -223,8 +235,20 @@ def test_replay_draws_a_page_without_network_assets(tmp_path: Path, capsys: pyte
     args = ["replay", str(write(tmp_path, raw_from_empty())), "--alloc-conf", "expandable_segments:True"]
     assert main([*args, "--html", str(out)]) == 0
     page = out.read_text()
-    assert page.count("<svg") == 1 and page.count("<polyline") == 4  # reserved and allocated per setting
+    assert page.count("<svg") == 1 and page.count("<polyline") == 5  # the card's, reserved and allocated per setting
     assert "<script" not in page and "src=" not in page and "href=" not in page
+
+
+def test_the_page_marks_each_capacity_where_each_row_runs_out_and_the_cards_curve(tmp_path: Path) -> None:
+    out = tmp_path / "replay.html"
+    assert main(["replay", str(write(tmp_path, raw_from_empty())), "--capacity", "20 MiB", "--html", str(out)]) == 0
+    page = out.read_text()
+    assert "20 MiB: 20.0 MiB</text>" in page and page.count("<circle") == 1
+    assert "the card, as traced: peak reserved 24.0 MiB (25,165,824 B)" in page
+    assert (
+        "as recorded, 20 MiB: peak reserved 12.0 MiB (12,582,912 B); runs out at request #1, 12.0 MiB (train.py:9 step)"
+        in page
+    )
 
 
 @pytest.mark.parametrize(
@@ -325,3 +349,118 @@ def test_an_out_of_memory_we_wrote_is_reproduced_at_the_same_request(conf: str) 
             served += 1
     a = agree(snapshot_from_bytes(pickle.dumps(snapshot_of(model, conf))))
     assert a.capacity == 200 * MiB and a.card_oom_at == a.model_oom_at == served and a.exact
+
+
+# ------------------------------------------------------------------------------ outputs and limits
+
+
+def test_an_output_over_the_snapshot_or_over_another_output_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, raw_from_empty())
+    before = path.read_bytes()
+    assert main(["replay", str(path), "--json", str(tmp_path / "." / "card.pickle")]) == 2
+    assert f"--json {tmp_path}/card.pickle is the snapshot read; write it elsewhere" in capsys.readouterr().err
+    out = tmp_path / "out"
+    assert main(["replay", str(path), "--json", str(out), "--html", str(out)]) == 2
+    assert f"--html {out} is --json's output too" in capsys.readouterr().err
+    assert path.read_bytes() == before and not out.exists()
+
+
+def test_a_memory_fraction_is_of_the_named_cards_memory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 0.1 of the H100-80GB's 85,020,639,232 B is 8,502,063,923 B: 6 GiB fits, 6 GiB + 2 GiB does not
+    trace = [event("segment_alloc", LARGE, 6 << 30), event("alloc", LARGE, 6 << 30, 10)]
+    trace += [event("segment_alloc", LARGE + (8 << 30), 2 << 30), event("alloc", LARGE + (8 << 30), 2 << 30, 11)]
+    path = write(tmp_path, {"segments": [], "device_traces": [trace]}, "fraction.pickle")
+    conf = "per_process_memory_fraction:0.1"
+    assert main(["replay", str(path), "--alloc-conf", conf, "--capacity", "H100-80GB"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if "H100-80GB" in line]
+    assert [row[0] for row in rows] == ["as", conf]
+    assert rows[0][-1] == "no" and rows[1][-4:] == ["#1", "2.0", "GiB", "train.py:11"]
+    assert main(["replay", str(path), "--alloc-conf", conf, "--capacity", "24 GiB"]) == 2
+    assert "--capacity 24 GiB is a size, not a card: name one" in capsys.readouterr().err
+    assert main(["replay", str(path), "--alloc-conf", conf]) == 2
+    assert "per_process_memory_fraction is a share of a card's memory, but no --capacity names a card" in (
+        capsys.readouterr().err
+    )
+
+
+# ------------------------------------------------------------------------------------ a final state only
+
+
+def final_state() -> dict[str, Any]:
+    """No trace: a 20 MiB segment holding 8 MiB live (allocated at train.py:12), a free 2 MiB small segment,
+    and a private pool's 40 MiB segment holding 30 MiB live (at cache.py:5)."""
+    small, private = LARGE + 64 * MiB, LARGE + 128 * MiB
+    a = segment(
+        LARGE, 20 * MiB, [(LARGE, 8 * MiB, 8 * MiB, "active_allocated"), (LARGE + 8 * MiB, 12 * MiB, 0, "inactive")]
+    )
+    a["blocks"][0]["frames"] = [{"name": "step", "filename": "/home/me/train.py", "line": 12}]
+    b = segment(small, 2 * MiB, [(small, 2 * MiB, 0, "inactive")], "small")
+    c = segment(
+        private,
+        40 * MiB,
+        [(private, 30 * MiB, 30 * MiB, "active_allocated"), (private + 30 * MiB, 10 * MiB, 0, "inactive")],
+    )
+    c["blocks"][0]["frames"] = [{"name": "kv", "filename": "/srv/cache.py", "line": 5}]
+    c["segment_pool_id"] = (1, 0)
+    return {"segments": [a, b, c], "device_traces": [[]]}
+
+
+def test_a_final_state_says_what_held_memory_and_whether_a_card_holds_it_again(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, report = write(tmp_path, final_state()), tmp_path / "final.json"
+    assert main(["replay", str(path), "--capacity", "40 MiB", "--json", str(report)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert (
+        "  default pool: reserved 22.0 MiB in 2 segments; allocated 8.0 MiB in 1 live blocks (requested 8.0 MiB)" in out
+    )
+    assert "    free in the cache 14.0 MiB: 2.0 MiB whole segments (empty_cache frees them), 12.0 MiB beside live " \
+        "blocks (fragmentation), largest 12.0 MiB" in out  # fmt: skip
+    assert [line.split()[-2:] for line in out if line.endswith(("step", "kv"))] == [
+        ["cache.py:5", "kv"],
+        ["train.py:12", "step"],
+    ]
+    device = json.loads(report.read_text())["devices"][0]
+    assert device["all_pools"]["reserved"] == 62 * MiB and device["all_pools"]["allocated"] == 38 * MiB
+    assert [p["pool"] for p in device["pools"]] == [[0, 0], [1, 0]] and device["pools"][1][
+        "free_between_live_blocks"
+    ] == 10 * MiB
+    # again on an empty cache: 8 MiB takes a 20 MiB segment, 30 MiB one of 30 MiB: 50 MiB, past 40 MiB
+    (what_if,) = device["what_if"]
+    assert what_if["out_of_memory"]["size"] == 30 * MiB and what_if["headroom"] is None
+    assert main(["replay", str(path), "--json", str(report)]) == 0
+    (unlimited,) = json.loads(report.read_text())["devices"][0]["what_if"]
+    assert (unlimited["peak_reserved"], unlimited["unallocated_at_peak"]) == (50 * MiB, 12 * MiB)
+
+
+def test_a_card_that_ran_out_and_went_on_replays_under_its_own_capacity_to_its_peak(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """12 MiB, then a fit's probe of 2^53 B refused with 10 MiB free (the card's capacity: 22 MiB), then
+    10 MiB more: the card went on to 22 MiB reserved, and so does the what-if under the card's capacity."""
+    second = LARGE + 1024 * MiB
+    trace = [event("segment_alloc", LARGE, 12 * MiB), event("alloc", LARGE, 12 * MiB)]
+    trace += [{**event("oom", 0, 1 << 53, 9), "device_free": 10 * MiB}]
+    trace += [event("segment_alloc", second, 10 * MiB), event("alloc", second, 10 * MiB)]
+    report = tmp_path / "fit.json"
+    assert (
+        main(["replay", str(write(tmp_path, {"segments": [], "device_traces": [trace]})), "--json", str(report)]) == 0
+    )
+    (what_if,) = json.loads(report.read_text())["devices"][0]["what_if"]
+    assert (what_if["capacity"], what_if["peak_reserved"]) == ("the card's 22.0 MiB", 22 * MiB)
+    assert what_if["out_of_memory"] == {"request": 1, "size": 1 << 53, "frame": "train.py:9 step"}
+
+
+def test_private_pools_the_replay_does_not_keep_apart_are_said(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    raw = raw_from_empty()
+    raw["segments"][1]["segment_pool_id"] = (1, 0)
+    report = tmp_path / "pools.json"
+    assert main(["replay", str(write(tmp_path, raw)), "--json", str(report)]) == 0
+    line = "  not kept apart: 1 segments (12.0 MiB) of private pools (MemPool, CUDA graph) are replayed as the default "
+    line += "pool's"
+    assert line in capsys.readouterr().out.splitlines()
+    assert json.loads(report.read_text())["devices"][0]["private_pool_segments"] == 1

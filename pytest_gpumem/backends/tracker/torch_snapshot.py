@@ -7,7 +7,8 @@ bytes), each free (`free_requested` then `free_completed`), each segment taken a
 (`segment_alloc`/`segment_free`; `segment_map`/`segment_unmap` of expandable segments' pages) and each
 request it refuses (`oom`, with the bytes the card had left), in order. An allocation's frames are two:
 the op (filename `??`, as torch writes a C++ frame it cannot place) and the innermost line of the test's
-own code. Frees carry no frames (torch's `context="alloc"`). `snapshot_of` adds the segments with their
+own code. Frees carry no frames (torch's `context="alloc"`); what `empty_cache()` gives back carries
+torch's `emptyCache` frame, as a card's trace does. `snapshot_of` adds the segments with their
 blocks at the end and the allocator's settings; `snapshot_bytes` pickles the plain dicts and lists as
 torch's `_dump_snapshot` does.
 """
@@ -35,12 +36,19 @@ __all__ = ["RecordedModel", "record", "snapshot_bytes", "snapshot_of"]
 Frame = dict[str, Any]
 Run = tuple[int, int, bool, int]  # a mapped range: start, end, expandable, stream
 _NO_FRAMES: Final[list[Frame]] = []
+_EMPTY_CACHE: Final[list[Frame]] = [  # as a card's trace names it
+    {
+        "name": "c10::cuda::CUDACachingAllocator::Native::NativeCachingAllocator::emptyCache()",
+        "filename": "??",
+        "line": 0,
+    }
+]
 
 
 class RecordedModel(CachingAllocatorModel):
     """The caching allocator's model that keeps torch's memory history of what it serves (`events`)."""
 
-    __slots__ = ("_frames", "_frames_of", "_ledger", "_runs", "_seen", "events")
+    __slots__ = ("_frames", "_frames_of", "_ledger", "_released_by", "_runs", "_seen", "events")
 
     def __init__(
         self,
@@ -55,6 +63,7 @@ class RecordedModel(CachingAllocatorModel):
         self._frames_of: dict[int, list[Frame]] = {}  # the frames of each live request
         self._runs: list[Run] = []
         self._seen = self._fingerprint()
+        self._released_by = _NO_FRAMES  # the frames of the segments given back next
 
     def malloc(self, key: int, nbytes: int, stream: int = 0) -> int:
         try:
@@ -91,8 +100,14 @@ class RecordedModel(CachingAllocatorModel):
         ]
 
     def empty_cache(self) -> None:
+        """`torch.cuda.empty_cache()`: the segments and pages it gives back carry torch's frame for it, so
+        that a replay knows them from the releases a card makes when it runs short."""
         super().empty_cache()
-        self._segments_changed()
+        self._released_by = _EMPTY_CACHE
+        try:
+            self._segments_changed()
+        finally:
+            self._released_by = _NO_FRAMES
 
     def frames_of(self, key: int) -> list[Frame]:
         """The frames of live request `key`."""
@@ -110,7 +125,7 @@ class RecordedModel(CachingAllocatorModel):
         runs = _mapped_runs(self._segments)
         for start, end, expandable, stream in _without(self._runs, runs):
             action = "segment_unmap" if expandable else "segment_free"
-            self.events.append(_event(action, start, end - start, stream, _NO_FRAMES))
+            self.events.append(_event(action, start, end - start, stream, self._released_by))
         for start, end, expandable, stream in _without(runs, self._runs):
             action = "segment_map" if expandable else "segment_alloc"
             self.events.append(_event(action, start, end - start, stream, _NO_FRAMES))
@@ -264,5 +279,6 @@ def _settings_of(settings: AllocatorSettings, alloc_conf: str = "") -> dict[str,
 
 
 def snapshot_bytes(snapshot: dict[str, Any]) -> bytes:
-    """The snapshot pickled as torch's `_dump_snapshot` pickles it (the default protocol)."""
-    return pickle.dumps(snapshot)
+    """The snapshot pickled as torch's `_dump_snapshot` pickles it, in protocol 4 (memory_viz's reader
+    knows no later one; Python 3.14's default is 5)."""
+    return pickle.dumps(snapshot, protocol=4)
