@@ -8,8 +8,8 @@ Columns: events, requests, segment decisions matched (new segments in brackets),
 reserved bytes matched after each request, peak reserved card/model (bytes; `=` when equal), where
 recording began (empty, warm, or warm with a caveat: a ring buffer that may have wrapped), seconds to
 read and to replay. `--speed` times a synthetic trace of 100,000 events (written by our own recorded
-allocator model: `snapshots/write.py`) read from bytes, walked back and replayed. Without the folder the
-script says so and exits 0. No GPU is needed.
+allocator model: `pytest_gpumem/backends/tracker/torch_snapshot.py`) read from bytes, walked back and
+replayed. Without the folder the script says so and exits 0. No GPU is needed.
 """
 
 from __future__ import annotations

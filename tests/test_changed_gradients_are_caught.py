@@ -1,4 +1,4 @@
-"""Comparing gradient fingerprints (gradients.compare): a changed gradient is caught, in one mismatch per
+"""Comparing gradient fingerprints (gradients.mismatches): a changed gradient is caught, in one mismatch per
 parameter naming what changed, while the noise of reduction order and low precision passes."""
 
 from __future__ import annotations

@@ -190,7 +190,7 @@ def _payload(fn: Callable[..., object], args: tuple[Any, ...]) -> bytes:
 
 
 def explained(world: World) -> RanksExplanation | None:
-    """The ranks' explanations as one, for the test's (`explain.replay.of_ranks`)."""
+    """The ranks' explanations as one, for the test's (`explain.composition.of_ranks`)."""
     from pytest_gpumem.explain.composition import of_ranks
 
     found = [(r.rank, r.explanation) for r in world.ranks if r.explanation is not None]

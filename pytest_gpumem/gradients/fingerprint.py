@@ -1,5 +1,5 @@
 """Gradient fingerprints: a few numbers per parameter that catch a changed gradient, small enough for JSON,
-made from a test's gradients (their stored form is ``results.gradients``, their comparison ``gradients.compare``).
+made from a test's gradients (their stored form is ``results.gradients``, their comparison ``gradients.mismatches``).
 
 A memory-saving strategy must not change what it computes. Storing every gradient is out of the question
 (a baseline file is reviewed in pull requests), so each gradient is reduced to a fingerprint, computed in

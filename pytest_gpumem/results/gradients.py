@@ -1,5 +1,5 @@
 """Gradient fingerprints as stored and compared: their JSON form (``"gradients"`` in a baseline entry) and
-the outcome of a comparison. No torch here; ``gradients.fingerprint`` makes them, ``gradients.compare``
+the outcome of a comparison. No torch here; ``gradients.fingerprint`` makes them, ``gradients.mismatches``
 compares them.
 
 JSON form::

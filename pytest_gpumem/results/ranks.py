@@ -42,7 +42,7 @@ class RankResult:
     value: Any = None
     info: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    explanation: Explanation | None = None  # the rank's own (explain.replay.explain), when the test is explained
+    explanation: Explanation | None = None  # the rank's own (explain.composition.explain), when the test is explained
 
     def to_json(self) -> dict[str, Any]:
         """Everything but `value` (the function's own object, which travels pickled)."""
