@@ -189,6 +189,15 @@ def test_a_saved_copy_and_channels_last_batch_norm_are_noted() -> None:
     assert cudnn.bound(BN, bn_args(last, training=False), {}) is None
 
 
+def test_only_cudnns_channels_last_batch_norm_backward_is_noted() -> None:
+    def backward(dtype: torch.dtype) -> tuple[Any, ...]:
+        x = meta(2, 8, 16, 16, dtype=dtype).to(memory_format=torch.channels_last)
+        return (x, x, meta(8, dtype=dtype), meta(8), meta(8), meta(8), meta(8), True, 1e-5, [True] * 3)
+
+    assert cudnn.bound(BN_BACKWARD, backward(torch.float32), {}) == (cudnn.WORKSPACE, f"{BN_BACKWARD} channels-last")
+    assert cudnn.bound(BN_BACKWARD, backward(torch.bfloat16), {}) is None  # bfloat16 takes CUDA's own kernel
+
+
 def test_the_notes_name_the_ops_and_count_their_calls() -> None:
     bounds = {(cudnn.WORKSPACE, f"{CONV} 3x3"): 16, (cudnn.WORKSPACE, f"{CONV} 7x7"): 1, (cudnn.SAVED_COPY, BN): 2}
     workspaces, copies = cudnn.notes(bounds)
