@@ -205,6 +205,36 @@ def _batch_norm_backward(args: Sequence[Any], kwargs: dict[str, Any]) -> list[in
     return _copy(grad, _channels_last(tensor) or torch.contiguous_format)
 
 
+def lay_out_on_meta(name: str, args: Sequence[Any], kwargs: dict[str, Any], out: object) -> None:
+    """On meta, a convolution's output (its backward's input gradient) takes the layout a card's backend gives
+    it, `_conv_format` (torch's meta kernels make it row-major where cuDNN and the CPU keep channels-last, and
+    the next op then counted a copy no card makes); CUDA's depthwise kernels write row-major."""
+    if name == CONVOLUTION:
+        forward, made = args, out
+    elif name == CONVOLUTION_BACKWARD and isinstance(out, tuple) and out:
+        forward, made = _convolution_of(args), out[0]
+    else:
+        return
+    if not isinstance(made, torch.Tensor) or made.device.type != "meta" or not made.is_contiguous():
+        return
+    fmt = _conv_format(forward[0], forward[1])
+    if fmt is not torch.contiguous_format and convolution_path(forward, kwargs) != "depthwise":
+        made.as_strided_(made.shape, _strides(tuple(made.shape), fmt))
+
+
+def _strides(shape: tuple[int, ...], fmt: torch.memory_format) -> tuple[int, ...]:
+    """The strides of a dense tensor of `shape` (4-D or 5-D) laid out channels-last (`fmt`)."""
+    if len(shape) != (4 if fmt is torch.channels_last else 5):
+        raise ValueError(f"{fmt} does not lay out a {len(shape)}-D tensor")
+    order = [1, *range(len(shape) - 1, 1, -1), 0]  # channels innermost, then the last spatial dim ... the batch
+    strides = [0] * len(shape)
+    step = 1
+    for dim in order:
+        strides[dim] = step
+        step *= max(shape[dim], 1)
+    return tuple(strides)
+
+
 def temporaries(name: str, args: Sequence[Any], kwargs: dict[str, Any], reduce: Reducer) -> list[int]:
     """The bytes of each temporary op `name` takes on a card beyond its outputs, in allocation order (all
     freed before it returns); cuDNN's workspaces count 0 B (see the module's docstring). None for tensors
