@@ -300,11 +300,15 @@ DYNAMO = "torch._dynamo"
 imports it once for them."""
 
 
+DYNAMO_FRAMES = "torch._dynamo.eval_frame"
+"""Dynamo's module that picks the callback each call of a compiled function runs its frames with."""
+
+
 def compile_stance_owner() -> tuple[Any, str] | None:
     """(Dynamo's frame module, the name of the function through which each call of a compiled function
     picks the callback its frames run with, under the compiler's stance: None or False runs them as they
     are, as `torch.compiler.set_stance("force_eager")` does); None while Dynamo is not loaded."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    eval_frame = sys.modules.get(DYNAMO_FRAMES)
     if eval_frame is None or not callable(getattr(eval_frame, "_callback_from_stance", None)):
         return None
     return eval_frame, "_callback_from_stance"
@@ -374,11 +378,17 @@ def dynamo_callback(backend: Callable[..., Any], like: Any) -> Any:
     return catch_errors_wrapper(clone(backend), like.hooks)
 
 
-def dynamo_callback_kind(callback: Any) -> tuple[str, bool]:
-    """What makes two of Dynamo's callbacks compile alike: the kind of frame converter they wrap, and whether
-    it must capture one graph (`fullgraph=True`)."""
-    inner = getattr(callback, "_torchdynamo_orig_backend", None)
-    return type(inner).__name__, bool(getattr(inner, "_one_graph", False))
+def dynamo_compiler(callback: Any) -> tuple[str, dict[str, Any] | None]:
+    """(the name of the compiler a callback of Dynamo's compiles with, Inductor's options where that compiler
+    is Inductor, else None): `torch.compile`'s backend, found under the wrappers Dynamo puts around it."""
+    backend = callback
+    while hasattr(backend, "_torchdynamo_orig_backend"):
+        backend = backend._torchdynamo_orig_backend
+    name = str(getattr(backend, "compiler_name", None) or getattr(backend, "__name__", type(backend).__name__))
+    if name != "inductor":
+        return name, None
+    options = getattr(backend, "config", None)
+    return name, dict(options) if isinstance(options, dict) else {}
 
 
 def inductor_allocator_owner() -> tuple[Any, str]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -13,11 +15,14 @@ from builders import UNPLUGGED, Reported
 from torch import nn
 
 from pytest_gpumem import private_torch
+from pytest_gpumem.backends.tracker import compiled
 from pytest_gpumem.backends.tracker.backend import (
+    COMPILED_CUDA_GRAPHS,
     COMPILED_EAGERLY,
     COMPILED_FOR_CPU,
     COMPILED_UNFUSED,
     TrackerBackend,
+    compiled_as_chosen_note,
 )
 from pytest_gpumem.backends.tracker.meta_errors import cannot_run_on_meta
 
@@ -105,9 +110,87 @@ def test_a_backward_inductor_compiled_before_the_call_is_noted_as_no_bound() -> 
     assert held == 4096 and backend.notes() == [COMPILED_FOR_CPU]
 
 
+def _compiled_on_meta(**options: Any) -> tuple[int, list[str]]:
+    """(peak bytes, notes) of relu(x @ x).sum() on a 64 x 64 x made in the call, compiled with `options` on
+    meta."""
+    torch.compiler.reset()
+    compiled = torch.compile(lambda x: torch.relu(x @ x).sum(), **options)
+    backend = TrackerBackend("none", device="meta")
+    backend.start()
+    try:
+        compiled(torch.randn(64, 64, device="meta"))
+        peak = backend.peak().allocated
+    finally:
+        backend.stop()
+    return peak, backend.notes()
+
+
+def test_a_users_own_backend_runs_as_chosen_and_says_it_is_no_bound() -> None:
+    graphs: list[Any] = []
+
+    def counted(graph: Any, inputs: Any) -> Any:
+        graphs.append(graph)
+        return graph.forward
+
+    # the captured graph runs eagerly: x, x @ x and relu's output (64 x 64 float32, 16 KiB each); x @ x is
+    # freed before the 4-byte sum
+    assert len(graphs) == 0
+    assert _compiled_on_meta(backend=counted) == (3 * 16384, [compiled_as_chosen_note({"counted"})])
+    assert len(graphs) == 1
+    assert _compiled_on_meta(backend="eager") == (3 * 16384, [compiled_as_chosen_note({"eager"})])
+
+
+def test_inductor_with_cuda_graphs_is_run_unfused_and_called_no_bound() -> None:
+    # the partition's graph frees x @ x after relu too: the same 48 KiB as eagerly
+    assert _compiled_on_meta(mode="reduce-overhead") == (3 * 16384, [COMPILED_CUDA_GRAPHS])
+
+
+def test_each_compiled_function_keeps_its_own_callback(monkeypatch: pytest.MonkeyPatch) -> None:
+    found = private_torch.compile_stance_owner()
+    assert found is not None
+    chosen: list[Any] = []
+    monkeypatch.setattr(*found, chosen.append)  # records each function's callback, compiles nothing
+    for function in (lambda x: x + 1, lambda x: x * 2):
+        torch.compile(function)(torch.ones(1))
+    made = [compiled.callback(callback) for callback in chosen]
+    assert [callback.hooks for callback in made] == [callback.hooks for callback in chosen]
+    assert made[0] is not made[1] and compiled.callback(chosen[1]) is made[1]
+
+
+def test_a_warning_while_compiling_is_warned_again_as_its_module_warned_it() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.warn_explicit("old", DeprecationWarning, fnmatch.__file__, 1, "fnmatch", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module="fnmatch")
+        compiled._warn_again(caught[0])  # the user's filter names the module: ignored, not raised
+        warnings.filterwarnings("error", category=DeprecationWarning, module="fnmatch")
+        with pytest.raises(DeprecationWarning, match="old"):
+            compiled._warn_again(caught[0])
+
+
 COMPILED_ON_META = """
+from torch import compile as imported_compile
+import pytest
 import torch
 from torch import nn
+
+
+def test_imported_compile(gpumem):
+    # bound before the measurement, Dynamo not yet loaded: still Inductor's partition, unfused
+    imported_compile(lambda x: torch.relu(x @ x).sum())(torch.randn(64, 64, device=gpumem.device))
+
+
+def test_own_backend_runs(gpumem):
+    graphs = []
+
+    def counted(graph, inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    torch.compile(lambda x: torch.relu(x @ x).sum(), backend=counted)(torch.randn(64, 64, device=gpumem.device))
+    assert len(graphs) == 1
 
 
 def test_mlp(gpumem):
@@ -134,17 +217,20 @@ def test_compiled_code_on_meta_is_predicted_unfused_and_the_report_says_so(
     tracker: pytest.Pytester, reported: Reported
 ) -> None:
     tracker.makepyfile(COMPILED_ON_META)
-    # a process that has not loaded Dynamo before the call: torch.compile loads it inside the measurement
+    # a process that has not loaded Dynamo before the call: the first test's compile loads it inside the
+    # measurement, through the `torch.compile` it imported before
     result = tracker.runpytest_subprocess(*UNPLUGGED, "--gpumem-device=meta", "--gpumem-json=out.json")
-    result.assert_outcomes(passed=1, failed=1)  # fullgraph=True refuses a graph break, as unmeasured
+    result.assert_outcomes(passed=3, failed=1)  # fullgraph=True refuses a graph break, as unmeasured
     result.stdout.fnmatch_lines(["_* test_fullgraph_refuses_a_graph_break _*", "E * torch._dynamo.exc.Unsupported: *"])
     result.stdout.fnmatch_lines(
-        ["gpumem: tracker (*), device meta (*); compiled: Inductor's partition, unfused (an upper bound); *"]
+        ["gpumem: tracker (*), device meta (*); compiled: Inductor's partition, unfused (an upper bound), other *"]
     )
     result.stdout.fnmatch_lines([f"*test_mlp: {COMPILED_UNFUSED}"])  # the note, as a warning at the test
-    test = reported()["test_mlp"]
-    assert test["notes"] == [COMPILED_UNFUSED]
-    assert test["phases"]["forward"]["peak_bytes"] >= 18 * MiB  # the 4 MiB of Inductor's meta plan is gone
+    tests = reported()
+    assert tests["test_imported_compile"]["notes"] == [COMPILED_UNFUSED]
+    assert tests["test_own_backend_runs"]["notes"] == [compiled_as_chosen_note({"counted"})]
+    assert tests["test_mlp"]["notes"] == [COMPILED_UNFUSED]
+    assert tests["test_mlp"]["phases"]["forward"]["peak_bytes"] >= 18 * MiB  # Inductor's 4 MiB on meta is gone
 
 
 @pytest.mark.slow

@@ -189,6 +189,15 @@ def test_a_saved_copy_and_channels_last_batch_norm_are_noted() -> None:
     assert cudnn.bound(BN, bn_args(last, training=False), {}) is None
 
 
+def test_only_cudnns_channels_last_batch_norm_backward_is_noted() -> None:
+    def backward(dtype: torch.dtype) -> tuple[Any, ...]:
+        x = meta(2, 8, 16, 16, dtype=dtype).to(memory_format=torch.channels_last)
+        return (x, x, meta(8, dtype=dtype), meta(8), meta(8), meta(8), meta(8), True, 1e-5, [True] * 3)
+
+    assert cudnn.bound(BN_BACKWARD, backward(torch.float32), {}) == (cudnn.WORKSPACE, f"{BN_BACKWARD} channels-last")
+    assert cudnn.bound(BN_BACKWARD, backward(torch.bfloat16), {}) is None  # bfloat16 takes CUDA's own kernel
+
+
 def test_the_notes_name_the_ops_and_count_their_calls() -> None:
     bounds = {(cudnn.WORKSPACE, f"{CONV} 3x3"): 16, (cudnn.WORKSPACE, f"{CONV} 7x7"): 1, (cudnn.SAVED_COPY, BN): 2}
     workspaces, copies = cudnn.notes(bounds)
@@ -219,6 +228,38 @@ def test_end_to_end_the_copy_is_held_with_the_output_and_the_notes_name_the_op()
         backend.stop()
     (note,) = backend.notes()
     assert note.startswith(f"cuDNN workspaces counted at 0 B in 1 call ({CONV} 3x3 x1)")
+
+
+def test_on_meta_a_channels_last_convolution_keeps_its_layout_and_the_next_copies_nothing() -> None:
+    last = torch.channels_last
+    x = meta(2, 4, 16, 16).to(memory_format=last)  # made before: not counted
+    w1, w2 = meta(8, 4, 3, 3).to(memory_format=last), meta(8, 8, 3, 3).to(memory_format=last)
+    backend = TrackerBackend(device="meta")
+    backend.start()
+    try:
+        y = F.conv2d(x, w1, padding=1)  # 2 x 8 x 16 x 16 float32: 16,384 B
+        z = F.conv2d(y, w2, padding=1)  # another 16,384 B; a row-major y was copied first (16,384 B more)
+        layouts = y.is_contiguous(memory_format=last), z.is_contiguous(memory_format=last)
+        peak = backend.peak().allocated
+        del y, z
+    finally:
+        backend.stop()
+    assert (layouts, peak) == ((True, True), 2 * 16384)
+
+
+def test_on_meta_a_convolutions_input_gradient_takes_the_cards_layout() -> None:
+    x, w = meta(2, 4, 16, 16), meta(8, 4, 3, 3).to(memory_format=torch.channels_last)
+    grads = torch.ops.aten.convolution_backward(
+        meta(2, 8, 16, 16), x, w, None, *conv_args(x, w, padding=1)[3:], [True, True, False]
+    )
+    cudnn.lay_out_on_meta(CONV_BACKWARD, conv_backward_args(grads[0], x, w), {}, grads)
+    assert grads[0].is_contiguous(memory_format=torch.channels_last)  # the weight is: cuDNN's format
+    depthwise = meta(2, 8, 16, 16)
+    out = meta(2, 8, 14, 14)
+    cudnn.lay_out_on_meta(
+        CONV, conv_args(depthwise, meta(8, 1, 3, 3).to(memory_format=torch.channels_last), groups=8), {}, out
+    )
+    assert out.is_contiguous()  # CUDA's depthwise kernels write row-major
 
 
 def test_a_conv_test_on_meta_says_which_convolutions_a_card_may_exceed(

@@ -91,7 +91,7 @@ def test_header_identity_and_report_say_prediction(tracker: pytest.Pytester, rep
     result.stdout.fnmatch_lines(
         [
             "gpumem: tracker (*), device meta (a prediction: sizes without data, nothing computed); compiled: "
-            "Inductor*s partition, unfused (an upper bound); a GPU*s code paths*"
+            "Inductor*s partition, unfused (an upper bound), other backends as chosen; a GPU*s code paths*"
         ]
     )
     test = reported()["test_step"]

@@ -214,3 +214,26 @@ def test_a_rerun_starts_from_nothing(tracker: pytest.Pytester, reported: Reporte
     *_, case = [c for c in ET.parse(tracker.path / "j.xml").iter("testcase") if c.get("name") == "test_flaky"]
     statuses = [p.get("value") for p in case.iter("property") if p.get("name") == "gpumem_status"]
     assert statuses == ["ok"]
+
+
+CONVOLUTION = """
+import torch
+
+
+def test_conv(gpumem):  # cuDNN's workspaces are noted where a card is predicted
+    conv = torch.nn.Conv2d(3, 8, 3).to(gpumem.device)
+    conv(torch.randn(2, 3, 16, 16, device=gpumem.device)).sum().backward()
+"""
+
+
+def test_a_suite_that_fails_on_warnings_keeps_its_notes_as_warnings_by_ignoring_ours(
+    pytester: pytest.Pytester, reported: Reported
+) -> None:
+    pytester.makepyfile(CONVOLUTION)
+    settings = '[tool.pytest.ini_options]\ngpumem_backend = "tracker"\nfilterwarnings = [{}]\n'
+    pytester.makepyprojecttoml(settings.format('"error"'))
+    pytester.runpytest("--gpumem-device=meta", "-p", "no:randomly").assert_outcomes(failed=1)  # a note fails it
+    pytester.makepyprojecttoml(settings.format('"error", "ignore::pytest_gpumem.GpuMemWarning"'))
+    result = pytester.runpytest("--gpumem-device=meta", "--gpumem-json=out.json", "-p", "no:randomly")
+    result.assert_outcomes(passed=1)
+    assert reported()["test_conv"]["notes"][0].startswith("cuDNN workspaces counted at 0 B")

@@ -229,6 +229,25 @@ def _dynamo_callback() -> None:
     assert len(graphs) >= 2  # compiled by the callback's backend, not Inductor
 
 
+def _dynamo_compiler() -> None:
+    chosen: list[Any] = []
+    found = pt.compile_stance_owner()
+    assert found is not None
+    owner, name = found
+    original = getattr(owner, name)
+    setattr(owner, name, lambda callback: chosen.append(pt.dynamo_compiler(callback)))  # None: nothing compiles
+
+    def counted(graph: Any, inputs: Any) -> Any:
+        return graph.forward
+
+    try:
+        for options in ({}, {"mode": "reduce-overhead"}, {"backend": "eager"}, {"backend": counted}):
+            torch.compile(lambda x: x * 3, **options)(torch.ones(2))
+    finally:
+        setattr(owner, name, original)
+    assert chosen == [("inductor", {}), ("inductor", {"triton.cudagraphs": True}), ("eager", None), ("counted", None)]
+
+
 def _inductor_allocator_owner() -> None:
     owner, prefix = pt.inductor_allocator_owner()
     made = getattr(owner, prefix + "empty_strided_cpu")((2, 3), (3, 1), torch.float32)
@@ -453,7 +472,8 @@ CHECKS: dict[str, Callable[[], bool | None]] = {
     "compile_stance_owner": _compile_stance_owner,
     "inductor_partition_backend": _inductor_partition_backend,
     "dynamo_callback": _dynamo_callback,
-    "dynamo_callback_kind": _dynamo_callback,
+    "dynamo_compiler": _dynamo_compiler,
+    "DYNAMO_FRAMES": lambda: torch._dynamo.eval_frame.__name__ == pt.DYNAMO_FRAMES,
     "composite_ops_decomposed_on_meta": _composite_ops_decomposed_on_meta,
     "inductor_allocator_owner": _inductor_allocator_owner,
     "loaded_inductor_modules": _loaded_inductor_modules,

@@ -65,13 +65,31 @@ COMPILED_FOR_CPU = "compiled: Inductor's plan for the CPU ran (compiled before t
 compiled before the measurement and reached without Dynamo (a compiled forward's backward)."""
 
 
+COMPILED_CUDA_GRAPHS = (
+    "compiled: Inductor's partition run unfused, not its CUDA graphs (a private pool, copies of the inputs): no bound"
+)
+"""The note of a prediction in which a function compiled for CUDA graphs ran (`mode="reduce-overhead"`)."""
+
+
+def compiled_as_chosen_note(names: set[str]) -> str:
+    """The note of a prediction in which functions compiled by other compilers than Inductor ran."""
+    chosen = ", ".join(sorted(names))
+    return f"compiled: the chosen backend ({chosen}) ran as on this device, not a card's plan: no bound"
+
+
 def _compiled_note(patches: Patches | None, buffers: int) -> list[str]:
-    """Where a card is predicted, what the figures of compiled code are: Inductor's partition unfused, eager
-    where torch lost a gradient, or the CPU's Inductor plan."""
-    notes = [COMPILED_FOR_CPU] if buffers else []
-    if patches is not None and patches.compiled_eagerly:
+    """Where a card is predicted, what the figures of compiled code are: Inductor's partition unfused (no
+    bound where Inductor would run CUDA graphs), eager where torch lost a gradient, other compilers as
+    chosen, or the CPU's Inductor plan."""
+    if patches is None:
+        return [COMPILED_FOR_CPU] if buffers else []
+    notes = [compiled_as_chosen_note(patches.compiled_as_chosen)] if patches.compiled_as_chosen else []
+    notes += [COMPILED_FOR_CPU] if buffers else []
+    if patches.compiled_eagerly:
         return [COMPILED_EAGERLY, *notes]
-    return [COMPILED_UNFUSED, *notes] if patches is not None and patches.compiled_unfused else notes
+    if patches.compiled_cuda_graphs:
+        return [COMPILED_CUDA_GRAPHS, *notes]
+    return [COMPILED_UNFUSED, *notes] if patches.compiled_unfused else notes
 
 
 def _default_paths(rounding: str, device: str) -> str:
@@ -214,7 +232,7 @@ class TrackerBackend(Backend):
             served = "served by a model of the CUDA caching allocator" + (f", {settings}" if settings else "")
         line = f"tracker (storages created by ATen ops, {served}), device {device}"
         if self._predicting:
-            line += "; compiled: Inductor's partition, unfused (an upper bound)"
+            line += "; compiled: Inductor's partition, unfused (an upper bound), other backends as chosen"
         return line + self._paths_text() if self._predicting or self.paths == "gpu" else line
 
     def _paths_text(self) -> str:

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -52,7 +54,7 @@ class UnfusedPartition:
             if _LOST_GRADIENT in str(warning.message):
                 lost = True
             else:
-                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+                _warn_again(warning)
         return self._eager(graph.forward) if lost else compiled
 
     def _eager(self, forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -65,17 +67,40 @@ class UnfusedPartition:
         return run
 
 
+def _warn_again(warning: warnings.WarningMessage) -> None:
+    """`warning` warned again as its module warned it, so that the filters naming that module (`-W
+    ignore::DeprecationWarning:torch.jit._script`) and its registry of warnings shown once still apply."""
+    module = _module_of(warning.filename)
+    if module is None:
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+        return
+    where = vars(module)
+    registry = where.setdefault("__warningregistry__", {})
+    warnings.warn_explicit(
+        warning.message, warning.category, warning.filename, warning.lineno, module.__name__, registry, where
+    )
+
+
+def _module_of(filename: str) -> Any:
+    """The loaded module whose source is `filename`, or None."""
+    for module in list(sys.modules.values()):
+        if getattr(module, "__file__", None) == filename:
+            return module
+    return None
+
+
 BACKEND = UnfusedPartition()
 """One per process: Dynamo reuses what it compiled for the same backend."""
 
 
-_CALLBACKS: dict[tuple[str, bool], Any] = {}
+_CALLBACKS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def callback(like: Any) -> Any:
-    """Dynamo's callback that compiles frames with `BACKEND`, made as `like` was (one per kind, so that Dynamo
-    finds what it compiled before): a `fullgraph=True` function still refuses graph breaks."""
-    kind = private_torch.dynamo_callback_kind(like)
-    if kind not in _CALLBACKS:
-        _CALLBACKS[kind] = private_torch.dynamo_callback(BACKEND, like)
-    return _CALLBACKS[kind]
+    """Dynamo's callback that compiles frames with `BACKEND`, made as `like` (the callback `torch.compile`
+    chose for the function) was, with its hooks and recompile limit: a `fullgraph=True` function still refuses
+    graph breaks. One per chosen callback, so that each call of a function finds what it compiled before."""
+    made = _CALLBACKS.get(like)
+    if made is None:
+        made = _CALLBACKS[like] = private_torch.dynamo_callback(BACKEND, like)
+    return made

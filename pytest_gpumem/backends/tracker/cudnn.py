@@ -156,12 +156,23 @@ def _backward(args: Sequence[Any], kwargs: dict[str, Any], reduce: Reducer) -> l
     weight's; then, once they are freed, the bias gradient's reduction."""
     grad, tensor, weight = args[0], args[1], args[2]
     mask = list(_arg(args, kwargs, 10, "output_mask") or (True, True, True))
-    forward_args = (tensor, weight, None, args[4], args[5], args[6], args[7], args[8], args[9])
-    depthwise = convolution_path(forward_args, kwargs) == "depthwise"
+    depthwise = convolution_path(_convolution_of(args), kwargs) == "depthwise"
     fmt = torch.contiguous_format if depthwise else _conv_format(tensor, weight)
     copies = (_copy(tensor, fmt) if mask[1] else []) + _copy(grad, fmt) + (_copy(weight, fmt) if mask[0] else [])
     staging = reduce(grad, [d for d in range(grad.dim()) if d != 1]) if mask[2] and grad.numel() else []
     return copies if sum(copies) >= sum(staging) else staging
+
+
+def _convolution_of(backward_args: Sequence[Any]) -> tuple[Any, ...]:
+    """The forward `convolution`'s arguments of a `convolution_backward`'s (its bias left out)."""
+    return (backward_args[1], backward_args[2], None, *backward_args[4:10])
+
+
+def _batch_norm_of(backward_args: Sequence[Any]) -> tuple[Any, ...]:
+    """The forward `native_batch_norm`'s arguments, up to `training`, of a `native_batch_norm_backward`'s
+    (the weight stands in for the bias, which backward does not take)."""
+    weight = backward_args[2]
+    return (backward_args[1], weight, weight, backward_args[3], backward_args[4], backward_args[7])
 
 
 def takes_cudnn_batch_norm(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
@@ -189,10 +200,39 @@ def _batch_norm(args: Sequence[Any], kwargs: dict[str, Any]) -> list[int]:
 
 def _batch_norm_backward(args: Sequence[Any], kwargs: dict[str, Any]) -> list[int]:
     grad, tensor = args[0], args[1]
-    forward_args = (tensor, args[2], args[2], args[3], args[4], args[7])
-    if not takes_cudnn_batch_norm(forward_args, {}):
+    if not takes_cudnn_batch_norm(_batch_norm_of(args), {}):
         return []
     return _copy(grad, _channels_last(tensor) or torch.contiguous_format)
+
+
+def lay_out_on_meta(name: str, args: Sequence[Any], kwargs: dict[str, Any], out: object) -> None:
+    """On meta, a convolution's output (its backward's input gradient) takes the layout a card's backend gives
+    it, `_conv_format` (torch's meta kernels make it row-major where cuDNN and the CPU keep channels-last, and
+    the next op then counted a copy no card makes); CUDA's depthwise kernels write row-major."""
+    if name == CONVOLUTION:
+        forward, made = args, out
+    elif name == CONVOLUTION_BACKWARD and isinstance(out, tuple) and out:
+        forward, made = _convolution_of(args), out[0]
+    else:
+        return
+    if not isinstance(made, torch.Tensor) or made.device.type != "meta" or not made.is_contiguous():
+        return
+    fmt = _conv_format(forward[0], forward[1])
+    if fmt is not torch.contiguous_format and convolution_path(forward, kwargs) != "depthwise":
+        made.as_strided_(made.shape, _strides(tuple(made.shape), fmt))
+
+
+def _strides(shape: tuple[int, ...], fmt: torch.memory_format) -> tuple[int, ...]:
+    """The strides of a dense tensor of `shape` (4-D or 5-D) laid out channels-last (`fmt`)."""
+    if len(shape) != (4 if fmt is torch.channels_last else 5):
+        raise ValueError(f"{fmt} does not lay out a {len(shape)}-D tensor")
+    order = [1, *range(len(shape) - 1, 1, -1), 0]  # channels innermost, then the last spatial dim ... the batch
+    strides = [0] * len(shape)
+    step = 1
+    for dim in order:
+        strides[dim] = step
+        step *= max(shape[dim], 1)
+    return tuple(strides)
 
 
 def temporaries(name: str, args: Sequence[Any], kwargs: dict[str, Any], reduce: Reducer) -> list[int]:
@@ -235,13 +275,12 @@ def bound(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[str, 
     if name == CONVOLUTION:
         return (WORKSPACE, f"{name} {_shape_text(args[1])}") if convolution_path(args, kwargs) == "cudnn" else None
     if name == CONVOLUTION_BACKWARD:
-        forward_args = (args[1], args[2], None, *args[4:10])
-        depthwise = convolution_path(forward_args, kwargs) == "depthwise"
+        depthwise = convolution_path(_convolution_of(args), kwargs) == "depthwise"
         return None if depthwise else (WORKSPACE, f"{name} {_shape_text(args[2])}")
     if name == BATCH_NORM:
         return _batch_norm_bound(name, args, kwargs)
     if name == BATCH_NORM_BACKWARD and _channels_last(args[1]) is not None:
-        return WORKSPACE, f"{name} channels-last"
+        return (WORKSPACE, f"{name} channels-last") if takes_cudnn_batch_norm(_batch_norm_of(args), {}) else None
     return None
 
 

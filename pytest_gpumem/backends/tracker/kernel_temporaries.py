@@ -568,15 +568,18 @@ def record(
     args: Sequence[Any],
     kwargs: dict[str, Any] | None,
     during: Callable[[], None] | None = None,
+    out: object = None,
 ) -> None:
     """Op `func` ran on these arguments: its kernel temporaries go through `ledger` (allocated, `during` run,
-    freed), attributed to '<label> (<op>)'; only those of tensors on the device the ledger counts."""
+    freed), attributed to '<label> (<op>)'; only those of tensors on the device the ledger counts. On meta
+    a convolution's output `out` takes a card's layout (`cudnn.lay_out_on_meta`)."""
     name, kind = _known(func)
     sizes: list[int] = []
     if kind is not None and _on_counted_device(ledger, args) and _holds_memory(args[0]):
         sizes = _sizes(func, name, args, kwargs, ledger.card)
         if name in cudnn.LABELS:
             ledger.note_bound(cudnn.bound(name, args, kwargs or {}))
+            cudnn.lay_out_on_meta(name, args, kwargs or {}, out)
     if sizes:
         ledger.out, ledger.op = None, f"{kind} ({name})"
     ledger.transient(sizes, during)

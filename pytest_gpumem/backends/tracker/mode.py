@@ -255,7 +255,8 @@ class _StorageTrackingMode(DynamoWrapperOff, TorchDispatchMode):  # type: ignore
         if plan[0] == _BLAS and ledger.wants_workspaces:
             workspace = functools.partial(self._workspace, func, args, kwargs)
         if ledger.wants_temporaries and modelled(func):
-            record_temporaries(ledger, func, args, kwargs, during=workspace)  # held while the workspace is made
+            # held while the workspace is made
+            record_temporaries(ledger, func, args, kwargs, during=workspace, out=out)
         elif workspace is not None:
             workspace()
         return out

@@ -20,6 +20,8 @@ unconditionally by `Patches.undo`.
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.machinery
 import os
 import sys
 import threading
@@ -97,6 +99,36 @@ def _compiling(thread_id: int) -> bool:
     return False
 
 
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds module `name` as the path finder does, and calls `then` once it has run."""
+
+    def __init__(self, name: str, then: Callable[[], None]) -> None:
+        self.name = name
+        self.then = then
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _ThenLoader(spec.loader, self.then)
+        return spec
+
+
+class _ThenLoader(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader, then: Callable[[], None]) -> None:
+        self.loader = loader
+        self.then = then
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        module.__loader__ = module.__spec__.loader = self.loader  # the module as the path finder loads it
+        self.loader.exec_module(module)
+        self.then()
+
+
 class Patches:
     """The patches of one measurement, each undone by `undo` whatever happened in between."""
 
@@ -107,7 +139,8 @@ class Patches:
         self.threads: list[str] = []
         self.compiled_unfused = False  # a compiled function ran as Inductor's partition, unfused
         self.compiled_eagerly = False  # ... or eagerly, where torch's partition on meta lost a gradient
-        self._stance_patched = False
+        self.compiled_cuda_graphs = False  # ... where Inductor would have run it as CUDA graphs
+        self.compiled_as_chosen: set[str] = set()  # the other compilers, which ran as chosen
 
     def install(
         self,
@@ -298,10 +331,10 @@ class Patches:
             self._replace(torch.autograd, entry, run_backward)
 
     def _unfused_compiled(self) -> None:
-        """Each call of a compiled function that would compile or run its frames runs them as Inductor's
-        partition, unfused (`compiled`), and is noticed; a stance that runs
-        them as they are is kept. While Dynamo is not loaded nothing compiled can run: `torch.compile`
-        loads it, and is wrapped to patch it then (importing Dynamo here would cost every measurement a second)."""
+        """Each call of a function compiled by Inductor that would compile or run its frames runs them as
+        Inductor's partition, unfused (`compiled`), and is noticed; other compilers, and a stance that runs
+        frames as they are, are kept. While Dynamo is not loaded nothing compiled can run: it is patched once
+        its frame module loads (importing Dynamo here would cost every measurement a second)."""
         found = private_torch.compile_stance_owner()
         if found is None:
             self._unfused_once_compiled()
@@ -321,25 +354,21 @@ class Patches:
             chosen = original(callback)
             if chosen is None or chosen is False:
                 return chosen
+            compiler, inductor = private_torch.dynamo_compiler(chosen)
+            if inductor is None:
+                self.compiled_as_chosen.add(compiler)
+                return chosen
             self.compiled_unfused = True
+            self.compiled_cuda_graphs |= bool(inductor.get("triton.cudagraphs"))
             return compiled.callback(chosen)
 
         self._replace(owner, name, unfused)
-        self._stance_patched = True
 
     def _unfused_once_compiled(self) -> None:
-        import torch
-
-        original = torch.compile
-
-        @functools.wraps(original)
-        def compile(*args: Any, **kwargs: Any) -> Any:
-            made = original(*args, **kwargs)
-            if not self._stance_patched and private_torch.compile_stance_owner() is not None:
-                self._unfused_compiled()
-            return made
-
-        self._replace(torch, "compile", compile)
+        """Patched as soon as Dynamo's frame module loads, by whatever path (`from torch import compile`)."""
+        finder = _AfterImport(private_torch.DYNAMO_FRAMES, self._unfused_compiled)
+        sys.meta_path.insert(0, finder)
+        self._undo.append(lambda: sys.meta_path.remove(finder))
 
     def _threads(self) -> None:
         previous = threading.getprofile()
