@@ -109,7 +109,7 @@ def test_every_python_block_is_a_file_that_runs() -> None:
 
 def test_no_example_file_shares_a_name_with_a_test_module_of_this_suite() -> None:
     """Examples run in this suite's process (pytester), where a module name can be imported only once."""
-    ours = {path.name for path in (ROOT / "tests").glob("*.py")}
+    ours = {path.name for path in (ROOT / "tests").rglob("*.py")}  # its folders too
     clashing = [
         f"{page.relative_to(ROOT)}:{block.line} {block.title}"
         for page in PAGES
