@@ -4,7 +4,7 @@
     python benchmarks/validate_allocator.py --stand-in --json /tmp/v.json   # every code path, on CPU
 
 For each allocator setting (PYTORCH_CUDA_ALLOC_CONF) a fresh process is started with the variable set
-before torch initializes CUDA. It replays the hand-derived sequences of tests/allocator_model/test_caching_allocator_rules.py that
+before torch initializes CUDA. It replays the hand-derived sequences of tests/allocator_model/ that
 apply to the setting and a seeded random sequence, on the card (`torch.empty(nbytes, dtype=torch.uint8,
 device="cuda")`, `del`, `torch.cuda.empty_cache()`, a side stream for stream 1, and
 `torch.cuda.set_per_process_memory_fraction` for the sequences that run out of memory) and in
@@ -141,7 +141,7 @@ def placement_sequences() -> Iterator[tuple[str, list[Op]]]:
 
 
 def fragmentation_sequences() -> Iterator[tuple[str, list[Op]]]:
-    """Merging, inactive split, empty_cache and out of memory (tests/allocator_model/test_caching_allocator_rules.py), and the
+    """Merging, inactive split, empty_cache and out of memory (tests/allocator_model/), and the
     explanation's reserved memory at a peak (tests/test_explain.py)."""
     s = Seq()
     a, b, c = (s.malloc(256 * KiB) for _ in range(3))

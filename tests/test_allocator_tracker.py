@@ -1,6 +1,6 @@
 """Under `--gpumem-round=cuda` the tracker's storages are served by the model of the CUDA caching allocator:
 allocated bytes are its blocks, reserved bytes its segments, and a capacity is judged as a card judges it,
-on reserved memory. Figures derived by hand from the allocator's rules (see tests/allocator_model/test_caching_allocator_rules.py)."""
+on reserved memory. Figures derived by hand from the allocator's rules (see tests/allocator_model/)."""
 
 from __future__ import annotations
 

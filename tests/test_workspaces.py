@@ -1,7 +1,7 @@
 """The cuBLAS workspace as the allocator sees it, under the allocator's model: one per cuBLAS handle (the
 test's thread, and the autograd engine's device thread that runs backward on CUDA), allocated on the
 handle's first matmul, of the size torch gives the card's compute capability, kept until the test ends;
-never the test's leak. Figures derived by hand from the allocator's rules (tests/allocator_model/test_caching_allocator_rules.py)."""
+never the test's leak. Figures derived by hand from the allocator's rules (tests/allocator_model/)."""
 
 from __future__ import annotations
 
