@@ -1,0 +1,290 @@
+"""Where the tracker's time goes on small ops: µs per op of each part, on the step overhead.py calls tiny.
+
+    python benchmarks/op_cost.py [--json PATH] [--rounds 15] [--threads 1] [--inner 200]
+
+One forward+backward step of `Linear(64)` on a batch of 8 (13 ATen ops, 5 of them making a tensor), run
+`inner` times under each candidate, the candidates interleaved round by round (drift hits all alike). Each
+candidate adds one part to the one above it, so the difference of their medians, over the ops of a step, is
+that part's cost per op:
+
+- the floor: a dispatch mode that does nothing (the op's kernel called, Dynamo kept out of its frames as
+  the tracker keeps it): what any Python dispatch mode pays;
+- the tracker's mode, its ledger counting nothing (the op's plan, the fast path);
+- the ledger, exact: a weak reference per storage, the counters;
+- the unmoded backward (`unmoded`): the graph walked before each backward, hooks where it joins;
+- the allocator's model (`--gpumem-round=cuda`), without workspaces or temporaries;
+- cuBLAS workspaces: the two matmuls go the slow way (with the kernel temporaries' check, its model off);
+- kernel temporaries: the two reductions' model (`kernel_temporaries`): the default on meta;
+- `--gpumem-explain`: the attributor (each op's module, each allocation's origin and category);
+- CUDA's autocast emulation installed (`--gpumem-paths=gpu`), on a step that makes no autocast region.
+
+It also times the full tracker in a plain loop (one backend, every step after the first) and in
+overhead.py's interleaved rounds (a fresh backend each round, MemTracker and the profiler in between).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import benchlib
+import torch
+from torch import nn
+
+from pytest_gpumem import private_torch
+from pytest_gpumem.backends.base import Settings
+from pytest_gpumem.backends.tracker import mode as tracker_mode
+from pytest_gpumem.backends.tracker.backend import TrackerBackend
+from pytest_gpumem.backends.tracker.ledger import Storage, StorageLedger
+
+Step = Callable[[], None]
+
+
+def tiny_step() -> tuple[Step, int]:
+    """The step, and how many ATen ops one step dispatches."""
+    torch.manual_seed(0)
+    model, x = nn.Linear(64, 64), torch.randn(8, 64)
+
+    def step() -> None:
+        model(x).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    return step, _ops_in(step)
+
+
+def _ops_in(step: Step) -> int:
+    seen: list[object] = []
+
+    class Counting(private_torch.TorchDispatchMode):  # type: ignore[no-untyped-call]
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+        ) -> Any:
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    counting: Any = Counting()  # type: ignore[no-untyped-call]
+    with counting:
+        step()
+    return len(seen)
+
+
+class _Floor(private_torch.DynamoWrapperOff, private_torch.TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """A mode that does nothing but run the op, as cheaply as the tracker's fast path does."""
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        setter = _SET_EVAL_FRAME
+        prior = None if setter is None else setter(None)
+        try:
+            kernel = private_torch.op_kernel(func)
+            return kernel(*args, **kwargs) if kwargs else kernel(*args)
+        finally:
+            if setter is not None:
+                setter(prior)
+
+
+_SET_EVAL_FRAME = private_torch.eval_frame_setter()
+if _SET_EVAL_FRAME is not None:
+    private_torch.hide_from_dynamo(_Floor.__torch_dispatch__)
+
+
+class _Uncounted(StorageLedger):
+    """A ledger that follows nothing."""
+
+    def add(self, storage: Storage) -> None:
+        return None
+
+
+class _NoTemporaries(StorageLedger):
+    """The allocator's model without kernel temporaries (nor cuBLAS workspaces: the fast path takes the
+    ops that may have either)."""
+
+    @property
+    def wants_temporaries(self) -> bool:
+        return False
+
+
+_RECORD = "record_temporaries"  # the mode's name for kernel_temporaries.record
+
+
+@contextlib.contextmanager
+def _temporaries_unmodelled() -> Iterator[None]:
+    """The ops that may take kernel temporaries go the slow way, but their model is not run."""
+    original = getattr(tracker_mode, _RECORD)
+
+    def during_only(ledger: Any, func: Any, args: Any, kwargs: Any, during: Callable[[], None] | None = None) -> None:
+        if during is not None:
+            during()
+
+    setattr(tracker_mode, _RECORD, during_only)
+    try:
+        yield
+    finally:
+        setattr(tracker_mode, _RECORD, original)
+
+
+def _timed(step: Step, inner: int, enter: Callable[[], Any], leave: Callable[[Any], None]) -> float:
+    start = time.perf_counter()
+    held = enter()
+    try:
+        for _ in range(inner):
+            step()
+    finally:
+        leave(held)
+    return (time.perf_counter() - start) / inner
+
+
+def _mode_only(ledger: Callable[[], StorageLedger]) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    def enter() -> Any:
+        mode: Any = tracker_mode.mode_class()(ledger())
+        mode.__enter__()
+        return mode
+
+    return enter, lambda mode: mode.__exit__(None, None, None)
+
+
+def _backend(
+    rounding: str, paths: str | None = None, ledger: type[StorageLedger] | None = None, explain: bool = False
+) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    def enter() -> Any:
+        backend = TrackerBackend(rounding, paths=paths)
+        if ledger is not None:
+            backend.ledger.__class__ = ledger
+        backend.configure(Settings(None, explain=explain))
+        backend.start()
+        return backend
+
+    return enter, lambda backend: backend.stop()
+
+
+def candidates(step: Step, inner: int) -> dict[str, Callable[[], float]]:
+    """Seconds per step of each candidate, each adding one part to the one before it."""
+
+    def run(enter: Callable[[], Any], leave: Callable[[Any], None]) -> Callable[[], float]:
+        return lambda: _timed(step, inner, enter, leave)
+
+    def floor_enter() -> Any:
+        mode: Any = _Floor()  # type: ignore[no-untyped-call]
+        mode.__enter__()
+        return mode
+
+    def unmodelled() -> float:
+        with _temporaries_unmodelled():
+            return _timed(step, inner, *_backend("cuda"))
+
+    return {
+        "untracked": run(lambda: None, lambda _: None),
+        "floor: a mode that does nothing": run(floor_enter, lambda mode: mode.__exit__(None, None, None)),
+        "+ the tracker's mode (ledger counts nothing)": run(*_mode_only(lambda: _Uncounted("none"))),
+        "+ the ledger (exact)": run(*_mode_only(lambda: StorageLedger("none"))),
+        "+ the unmoded backward (the tracker)": run(*_backend("none")),
+        "+ the allocator's model": run(*_backend("cuda", ledger=_NoTemporaries)),
+        "+ cuBLAS workspaces": unmodelled,
+        "+ kernel temporaries (tracker + allocator model)": run(*_backend("cuda")),
+        "+ --gpumem-explain": run(*_backend("cuda", explain=True)),
+        "tracker + allocator model, autocast installed": run(*_backend("cuda", paths="gpu")),
+    }
+
+
+def per_op_table(step: Step, ops: int, inner: int, rounds: int) -> tuple[list[list[str]], dict[str, Any]]:
+    times = benchlib.interleaved(candidates(step, inner), rounds)
+    medians = {name: benchlib.median(t) for name, t in times.items()}
+    base = medians["untracked"]
+    rows, previous = [], base
+    for name, med in medians.items():
+        # autocast's row adds to the allocator model's full tracker, not to --gpumem-explain's
+        above = medians["+ kernel temporaries (tracker + allocator model)"] if "autocast" in name else previous
+        part = (med - above) / ops * 1e6
+        rows.append([name, f"{med * 1e6:,.1f}", f"{med / base:.3f}", f"{part:+.2f}" if name != "untracked" else ""])
+        previous = med
+    return rows, {"ops_per_step": ops, "median_s": medians, "seconds": times}
+
+
+def gap(step: Step, inner: int, rounds: int) -> tuple[list[list[str]], dict[str, Any]]:
+    """The full tracker in a plain loop and in overhead.py's rounds; and why they differ."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.profiler import ProfilerActivity, profile
+
+    def plain() -> float:
+        backend = TrackerBackend("cuda")
+        backend.start()
+        try:
+            step()  # the round's first step: a fresh allocator model makes its segments
+            return benchlib.per_call(step, inner)
+        finally:
+            backend.stop()
+
+    def others() -> float:
+        with MemTracker() as tracker:
+            for _ in range(inner // 10):
+                step()
+                tracker.reset_mod_stats()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True):
+            for _ in range(inner // 10):
+                step()
+        return 0.0
+
+    round_ = candidates(step, inner)["+ kernel temporaries (tracker + allocator model)"]
+    alone = benchlib.interleaved({"untracked": candidates(step, inner)["untracked"], "round": round_}, rounds)
+    mixed = benchlib.interleaved(
+        {"untracked": candidates(step, inner)["untracked"], "round": round_, "others": others}, rounds
+    )
+    loop = benchlib.interleaved({"untracked": candidates(step, inner)["untracked"], "plain": plain}, rounds)
+    gc_off = _without_gc(lambda: benchlib.interleaved({"round": round_, "others": others}, rounds))
+    rows: list[tuple[str, list[float], list[float]]] = [
+        ("plain loop, one backend", loop["plain"], loop["untracked"]),
+        ("rounds: a fresh backend each round", alone["round"], alone["untracked"]),
+        ("rounds with MemTracker and the profiler between", mixed["round"], mixed["untracked"]),
+        ("the same, garbage collector off", gc_off["round"], mixed["untracked"]),
+    ]
+    table = [
+        [name, f"{benchlib.median(t) * 1e6:,.1f}", f"{benchlib.median(t) / benchlib.median(u):.3f}"]
+        for name, t, u in rows
+    ]
+    return table, {"plain": loop, "alone": alone, "mixed": mixed, "gc_off": gc_off}
+
+
+def _without_gc(run: Callable[[], dict[str, list[float]]]) -> dict[str, list[float]]:
+    gc.collect()
+    gc.disable()
+    try:
+        return run()
+    finally:
+        gc.enable()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = benchlib.parser("µs per op of each part of the tracker, on Linear(64) b8")
+    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
+    p.add_argument("--inner", type=int, default=200, help="steps per candidate and round (default 200)")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    p.add_argument("--skip-gap", action="store_true", help="only the per-op table")
+    args: argparse.Namespace = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    step, ops = tiny_step()
+    data: dict[str, Any] = {}
+    rows, data["parts"] = per_op_table(step, ops, args.inner, args.rounds)
+    benchlib.show(
+        f"Linear(64) b8, {ops} ops a step, {args.threads} thread(s), {args.rounds} interleaved rounds of {args.inner}",
+        ["candidate (each adds a part)", "median µs/step", "ratio", "µs per op of the part"],
+        rows,
+        ["the part's cost: (its median - the row above's) / ops a step; autocast's row is above the allocator row"],
+    )
+    if not args.skip_gap:
+        rows, data["gap"] = gap(step, args.inner, args.rounds)
+        benchlib.show(
+            "the tracker with the allocator's model: a plain loop against overhead.py's interleaved rounds",
+            ["how it runs", "median µs/step", "ratio to untracked"],
+            rows,
+        )
+    benchlib.write_json(args.json, {"op_cost": data})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
