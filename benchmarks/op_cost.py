@@ -1,6 +1,6 @@
 """Where the tracker's time goes on small ops: µs per op of each part, on the step overhead.py calls tiny.
 
-    python benchmarks/op_cost.py [--json PATH] [--rounds 15] [--threads 1] [--inner 200]
+    python benchmarks/op_cost.py [--json PATH] [--rounds 15] [--threads 1] [--inner 200] [--wall]
 
 One forward+backward step of `Linear(64)` on a batch of 8 (13 ATen ops, 5 of them making a tensor), run
 `inner` times under each candidate, the candidates interleaved round by round (drift hits all alike). Each
@@ -15,10 +15,13 @@ that part's cost per op:
 - the allocator's model (`--gpumem-round=cuda`), without workspaces or temporaries;
 - cuBLAS workspaces: the two matmuls go the slow way (with the kernel temporaries' check, its model off);
 - kernel temporaries: the two reductions' model (`kernel_temporaries`): the default on meta;
-- `--gpumem-explain`: the attributor (each op's module, each allocation's origin and category);
-- CUDA's autocast emulation installed (`--gpumem-paths=gpu`), on a step that makes no autocast region.
+- a GPU's paths (the default with the allocator's model): foreach optimizers and CUDA's autocast emulation
+  installed, on a step that has neither (overhead.py's `tracker + allocator model`);
+- `--gpumem-explain`: the attributor (each op's module, each allocation's origin and category).
 
-It also times the full tracker in a plain loop (one backend, every step after the first) and in
+Times are the main thread's CPU time (`time.thread_time`: on the CPU, backward runs on the calling
+thread), which a machine shared with other work disturbs far less than wall time (`--wall`). It also times
+the full tracker in a plain loop (one backend, every step after the first) and in
 overhead.py's interleaved rounds (a fresh backend each round, MemTracker and the profiler in between).
 """
 
@@ -42,6 +45,7 @@ from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.backends.tracker.ledger import Storage, StorageLedger
 
 Step = Callable[[], None]
+_CLOCK: list[Callable[[], float]] = [time.thread_time]  # --wall: time.perf_counter
 
 
 def tiny_step() -> tuple[Step, int]:
@@ -129,14 +133,15 @@ def _temporaries_unmodelled() -> Iterator[None]:
 
 
 def _timed(step: Step, inner: int, enter: Callable[[], Any], leave: Callable[[Any], None]) -> float:
-    start = time.perf_counter()
+    clock = _CLOCK[0]
+    start = clock()
     held = enter()
     try:
         for _ in range(inner):
             step()
     finally:
         leave(held)
-    return (time.perf_counter() - start) / inner
+    return (clock() - start) / inner
 
 
 def _mode_only(ledger: Callable[[], StorageLedger]) -> tuple[Callable[[], Any], Callable[[Any], None]]:
@@ -175,7 +180,7 @@ def candidates(step: Step, inner: int) -> dict[str, Callable[[], float]]:
 
     def unmodelled() -> float:
         with _temporaries_unmodelled():
-            return _timed(step, inner, *_backend("cuda"))
+            return _timed(step, inner, *_backend("cuda", paths="cpu"))
 
     return {
         "untracked": run(lambda: None, lambda _: None),
@@ -183,12 +188,16 @@ def candidates(step: Step, inner: int) -> dict[str, Callable[[], float]]:
         "+ the tracker's mode (ledger counts nothing)": run(*_mode_only(lambda: _Uncounted("none"))),
         "+ the ledger (exact)": run(*_mode_only(lambda: StorageLedger("none"))),
         "+ the unmoded backward (the tracker)": run(*_backend("none")),
-        "+ the allocator's model": run(*_backend("cuda", ledger=_NoTemporaries)),
+        "+ the allocator's model": run(*_backend("cuda", paths="cpu", ledger=_NoTemporaries)),
         "+ cuBLAS workspaces": unmodelled,
-        "+ kernel temporaries (tracker + allocator model)": run(*_backend("cuda")),
+        "+ kernel temporaries": run(*_backend("cuda", paths="cpu")),
+        "+ a GPU's paths: CUDA's autocast (tracker + allocator model)": run(*_backend("cuda")),
         "+ --gpumem-explain": run(*_backend("cuda", explain=True)),
-        "tracker + allocator model, autocast installed": run(*_backend("cuda", paths="gpu")),
     }
+
+
+FULL = "+ a GPU's paths: CUDA's autocast (tracker + allocator model)"
+"""overhead.py's `tracker + allocator model`: `--gpumem-round=cuda` on the CPU predicts a GPU's paths."""
 
 
 def per_op_table(step: Step, ops: int, inner: int, rounds: int) -> tuple[list[list[str]], dict[str, Any]]:
@@ -197,9 +206,7 @@ def per_op_table(step: Step, ops: int, inner: int, rounds: int) -> tuple[list[li
     base = medians["untracked"]
     rows, previous = [], base
     for name, med in medians.items():
-        # autocast's row adds to the allocator model's full tracker, not to --gpumem-explain's
-        above = medians["+ kernel temporaries (tracker + allocator model)"] if "autocast" in name else previous
-        part = (med - above) / ops * 1e6
+        part = (med - previous) / ops * 1e6
         rows.append([name, f"{med * 1e6:,.1f}", f"{med / base:.3f}", f"{part:+.2f}" if name != "untracked" else ""])
         previous = med
     return rows, {"ops_per_step": ops, "median_s": medians, "seconds": times}
@@ -215,7 +222,7 @@ def gap(step: Step, inner: int, rounds: int) -> tuple[list[list[str]], dict[str,
         backend.start()
         try:
             step()  # the round's first step: a fresh allocator model makes its segments
-            return benchlib.per_call(step, inner)
+            return _timed(step, inner, lambda: None, lambda _: None)
         finally:
             backend.stop()
 
@@ -229,7 +236,7 @@ def gap(step: Step, inner: int, rounds: int) -> tuple[list[list[str]], dict[str,
                 step()
         return 0.0
 
-    round_ = candidates(step, inner)["+ kernel temporaries (tracker + allocator model)"]
+    round_ = candidates(step, inner)[FULL]
     alone = benchlib.interleaved({"untracked": candidates(step, inner)["untracked"], "round": round_}, rounds)
     mixed = benchlib.interleaved(
         {"untracked": candidates(step, inner)["untracked"], "round": round_, "others": others}, rounds
@@ -264,16 +271,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inner", type=int, default=200, help="steps per candidate and round (default 200)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("--skip-gap", action="store_true", help="only the per-op table")
+    p.add_argument("--wall", action="store_true", help="wall time (time.perf_counter), not the thread's CPU time")
     args: argparse.Namespace = p.parse_args(argv)
+    if args.wall:
+        _CLOCK[0] = time.perf_counter
     torch.set_num_threads(args.threads)
     step, ops = tiny_step()
     data: dict[str, Any] = {}
     rows, data["parts"] = per_op_table(step, ops, args.inner, args.rounds)
     benchlib.show(
-        f"Linear(64) b8, {ops} ops a step, {args.threads} thread(s), {args.rounds} interleaved rounds of {args.inner}",
+        f"Linear(64) b8, {ops} ops a step, {args.threads} thread(s), {args.rounds} interleaved rounds of {args.inner}, "
+        + ("wall time" if args.wall else "CPU time"),
         ["candidate (each adds a part)", "median µs/step", "ratio", "µs per op of the part"],
         rows,
-        ["the part's cost: (its median - the row above's) / ops a step; autocast's row is above the allocator row"],
+        ["the part's cost: (its median - the row above's) / ops a step"],
     )
     if not args.skip_gap:
         rows, data["gap"] = gap(step, args.inner, args.rounds)

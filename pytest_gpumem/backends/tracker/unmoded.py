@@ -224,29 +224,31 @@ def _is_twin_node(node: Any) -> bool:
 def _graph(roots: Sequence[Any]) -> _Graph:
     """The graph's nodes reachable from `roots`, each once, with the edges (consumer, input) they send
     gradients along (`next_functions`), by the id of the node (held, so the id stays its own); how many
-    edges end in each buffer slot (consumer's id, input); and whether any slot takes more than one."""
+    edges end in each buffer slot (consumer's id, input); and whether any slot takes more than one. The
+    slots are counted only where some node is reached twice (a tree's nodes are reached once each)."""
     nodes: dict[int, tuple[Any, Any]] = {}
-    feeds: dict[tuple[int, int], int] = {}
-    joined = False
+    twice = False
     roots = roots if isinstance(roots, (list, tuple)) else (roots,)
     pending = [node for node in map(_root_node, roots) if node is not None]
     while pending:
         node = pending.pop()
         if id(node) in nodes:
+            twice = True
             continue
         edges = node.next_functions
         nodes[id(node)] = (node, edges)
+        for consumer, _ in edges:
+            if consumer is not None:
+                pending.append(consumer)
+    feeds: dict[tuple[int, int], int] = {}
+    if not twice:
+        return nodes, feeds, False
+    for _, edges in nodes.values():
         for consumer, slot in edges:
-            if consumer is None:
-                continue
-            edge = (id(consumer), slot)
-            if edge in feeds:
-                feeds[edge] += 1
-                joined = True
-            else:
-                feeds[edge] = 1
-            pending.append(consumer)
-    return nodes, feeds, joined
+            if consumer is not None:
+                edge = (id(consumer), slot)
+                feeds[edge] = feeds.get(edge, 0) + 1
+    return nodes, feeds, any(count > 1 for count in feeds.values())
 
 
 def _root_node(root: Any) -> Any:
