@@ -8,8 +8,8 @@
    (batch 8). Every round runs each candidate once, in turn (interleaved, so drift hits all alike);
    each candidate enters its tool, runs `inner` steps and leaves it (setup and teardown included); the
    ratio is the median time over the median untracked time. `--cpu-time` times the main thread's CPU time
-   instead of wall time (on the CPU, backward runs on the calling thread): a machine shared with other work
-   disturbs it far less.
+   instead of wall time (on the CPU, backward runs on the calling thread), and the pytest runs below in
+   their CPU time (user and system): a machine shared with other work disturbs it far less.
 2. The plugin idle (installed, no flags, no markers) on a generated suite of 2,000 trivial tests vs
    `-p no:gpumem`: median wall time of subprocess pytest runs (-q -p no:cacheprovider), interleaved.
 3. The cost per measured test: one trivial test carrying `@pytest.mark.max_memory` vs 1 + N of them, on
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -141,12 +142,19 @@ def write_suite(folder: Path, tests: int, marked: bool, needs_torch: bool) -> Pa
 def pytest_seconds(folder: Path, target: Path, extra: list[str]) -> float:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(target), *extra]
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-    start = time.perf_counter()
+    cpu = _CLOCK[0] is not time.perf_counter
+    start = _children_cpu() if cpu else time.perf_counter()
     done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, check=False)
-    elapsed = time.perf_counter() - start
+    elapsed = (_children_cpu() if cpu else time.perf_counter()) - start
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     return elapsed
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user and system) of the finished child processes (`--cpu-time`)."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
 
 
 def idle_overhead(runs: int) -> tuple[list[list[str]], dict[str, Any]]:
