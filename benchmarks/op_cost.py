@@ -21,8 +21,9 @@ that part's cost per op:
 
 Times are the main thread's CPU time (`time.thread_time`: on the CPU, backward runs on the calling
 thread), which a machine shared with other work disturbs far less than wall time (`--wall`). It also times
-the full tracker in a plain loop (one backend, every step after the first) and in
-overhead.py's interleaved rounds (a fresh backend each round, MemTracker and the profiler in between).
+the full tracker in a plain loop (one backend, every step after the first) and in overhead.py's
+interleaved rounds (a fresh backend each round, MemTracker and the profiler in between), with and without
+a full garbage collection before each run: the candidates here all run after one (`collect=True`).
 """
 
 from __future__ import annotations
@@ -201,7 +202,7 @@ FULL = "+ a GPU's paths: CUDA's autocast (tracker + allocator model)"
 
 
 def per_op_table(step: Step, ops: int, inner: int, rounds: int) -> tuple[list[list[str]], dict[str, Any]]:
-    times = benchlib.interleaved(candidates(step, inner), rounds)
+    times = benchlib.interleaved(candidates(step, inner), rounds, collect=True)
     medians = {name: benchlib.median(t) for name, t in times.items()}
     base = medians["untracked"]
     rows, previous = [], base
@@ -213,56 +214,77 @@ def per_op_table(step: Step, ops: int, inner: int, rounds: int) -> tuple[list[li
 
 
 def gap(step: Step, inner: int, rounds: int) -> tuple[list[list[str]], dict[str, Any]]:
-    """The full tracker in a plain loop and in overhead.py's rounds; and why they differ."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.profiler import ProfilerActivity, profile
+    """The full tracker in a plain loop, and in overhead.py's rounds (its five tools, one round each in
+    turn) without and with a full collection before each run: the garbage collector's work in each."""
+    import overhead
 
     def plain() -> float:
         backend = TrackerBackend("cuda")
         backend.start()
         try:
-            step()  # the round's first step: a fresh allocator model makes its segments
+            step()  # the first step: a fresh allocator model makes its segments
             return _timed(step, inner, lambda: None, lambda _: None)
         finally:
             backend.stop()
 
-    def others() -> float:
-        with MemTracker() as tracker:
-            for _ in range(inner // 10):
-                step()
-                tracker.reset_mod_stats()
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True):
-            for _ in range(inner // 10):
-                step()
-        return 0.0
-
-    round_ = candidates(step, inner)[FULL]
-    alone = benchlib.interleaved({"untracked": candidates(step, inner)["untracked"], "round": round_}, rounds)
-    mixed = benchlib.interleaved(
-        {"untracked": candidates(step, inner)["untracked"], "round": round_, "others": others}, rounds
-    )
-    loop = benchlib.interleaved({"untracked": candidates(step, inner)["untracked"], "plain": plain}, rounds)
-    gc_off = _without_gc(lambda: benchlib.interleaved({"round": round_, "others": others}, rounds))
-    rows: list[tuple[str, list[float], list[float]]] = [
-        ("plain loop, one backend", loop["plain"], loop["untracked"]),
-        ("rounds: a fresh backend each round", alone["round"], alone["untracked"]),
-        ("rounds with MemTracker and the profiler between", mixed["round"], mixed["untracked"]),
-        ("the same, garbage collector off", gc_off["round"], mixed["untracked"]),
-    ]
-    table = [
-        [name, f"{benchlib.median(t) * 1e6:,.1f}", f"{benchlib.median(t) / benchlib.median(u):.3f}"]
-        for name, t, u in rows
-    ]
-    return table, {"plain": loop, "alone": alone, "mixed": mixed, "gc_off": gc_off}
+    overhead._CLOCK[0] = _CLOCK[0]
+    model, x = overhead.make_model("tiny")
+    tools = overhead.candidates(model, x, inner)
+    table: list[list[str]] = []
+    data: dict[str, Any] = {}
+    for how, run, collect in (
+        ("plain loop, one backend", {"untracked": tools["untracked"], FULL_TOOL: plain}, False),
+        ("overhead.py's rounds, as before", tools, False),
+        ("overhead.py's rounds, each run after a full collection (now)", tools, True),
+    ):
+        counted = {name: _GcCounted(fn) for name, fn in run.items()}
+        with _gc_watched():
+            times = benchlib.interleaved(dict(counted.items()), rounds, collect=collect)
+        full, base = benchlib.median(times[FULL_TOOL]), benchlib.median(times["untracked"])
+        gc_work = counted[FULL_TOOL]
+        per_step = gc_work.seconds / ((rounds + 2) * inner) * 1e6
+        table.append([how, f"{full * 1e6:,.1f}", f"{full / base:.3f}", str(gc_work.collections), f"{per_step:.1f}"])
+        data[how] = {"seconds": times, "collections": gc_work.collections, "gc_seconds": gc_work.seconds}
+    return table, data
 
 
-def _without_gc(run: Callable[[], dict[str, list[float]]]) -> dict[str, list[float]]:
-    gc.collect()
-    gc.disable()
+FULL_TOOL = "tracker + allocator model"  # overhead.py's name for it
+
+
+class _GcCounted:
+    """A candidate, with the garbage collections (and their seconds) that happen while it runs."""
+
+    def __init__(self, run: Callable[[], float]) -> None:
+        self.run, self.collections, self.seconds = run, 0, 0.0
+
+    def __call__(self) -> float:
+        _RUNNING[0] = self
+        try:
+            return self.run()
+        finally:
+            _RUNNING[0] = None
+
+
+_RUNNING: list[_GcCounted | None] = [None]
+
+
+@contextlib.contextmanager
+def _gc_watched() -> Iterator[None]:
+    started = [0.0]
+
+    def watch(phase: str, info: dict[str, int]) -> None:
+        running = _RUNNING[0]
+        if phase == "start":
+            started[0] = _CLOCK[0]()
+        elif running is not None:
+            running.collections += 1
+            running.seconds += _CLOCK[0]() - started[0]
+
+    gc.callbacks.append(watch)
     try:
-        return run()
+        yield
     finally:
-        gc.enable()
+        gc.callbacks.remove(watch)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -290,8 +312,12 @@ def main(argv: list[str] | None = None) -> int:
         rows, data["gap"] = gap(step, args.inner, args.rounds)
         benchlib.show(
             "the tracker with the allocator's model: a plain loop against overhead.py's interleaved rounds",
-            ["how it runs", "median µs/step", "ratio to untracked"],
+            ["how it runs", "median µs/step", "ratio to untracked", "collections in its runs", "gc µs per step"],
             rows,
+            [
+                "the collections a round triggers scan the young objects MemTracker and the profiler left before "
+                "it, unless a full collection removed them first"
+            ],
         )
     benchlib.write_json(args.json, {"op_cost": data})
     return 0

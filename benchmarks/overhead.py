@@ -3,13 +3,13 @@
     python benchmarks/overhead.py [--json PATH] [--rounds 15] [--threads N] [--skip-suites] [--cpu-time]
 
 1. One forward+backward step, untracked vs the tracker (and with the CUDA allocator's model,
-   `--gpumem-round=cuda`) vs MemTracker vs the profiler with
-   profile_memory=True, on the Net (Linear 1024->2048->1024, batch 64) and on a tiny Linear(64)
-   (batch 8). Every round runs each candidate once, in turn (interleaved, so drift hits all alike);
-   each candidate enters its tool, runs `inner` steps and leaves it (setup and teardown included); the
-   ratio is the median time over the median untracked time. `--cpu-time` times the main thread's CPU time
-   instead of wall time (on the CPU, backward runs on the calling thread), and the pytest runs below in
-   their CPU time (user and system): a machine shared with other work disturbs it far less.
+   `--gpumem-round=cuda`) vs MemTracker vs the profiler with profile_memory=True, on the Net (Linear
+   1024->2048->1024, batch 64) and on a tiny Linear(64) (batch 8). Every round runs each candidate once,
+   in turn (interleaved, so drift hits all alike); each candidate enters its tool, runs `inner` steps and
+   leaves it (setup and teardown included), after a full garbage collection (untimed: `benchlib.interleaved`);
+   the ratio is the median time over the median untracked time. `--cpu-time` times the main thread's CPU
+   time instead of wall time (on the CPU, backward runs on the calling thread), and the pytest runs below
+   in their CPU time (user and system): a machine shared with other work disturbs it far less.
 2. The plugin idle (installed, no flags, no markers) on a generated suite of 2,000 trivial tests vs
    `-p no:gpumem`: median wall time of subprocess pytest runs (-q -p no:cacheprovider), interleaved.
 3. The cost per measured test: one trivial test carrying `@pytest.mark.max_memory` vs 1 + N of them, on
@@ -112,7 +112,7 @@ def step_overheads(rounds: int) -> tuple[list[list[str]], dict[str, Any]]:
     data: dict[str, Any] = {}
     for kind, label, inner in (("net", "Net b64", 3), ("tiny", "Linear(64) b8", 200)):
         model, x = make_model(kind)
-        times = benchlib.interleaved(candidates(model, x, inner), rounds)
+        times = benchlib.interleaved(candidates(model, x, inner), rounds, collect=True)
         base = benchlib.median(times["untracked"])
         data[kind] = {name: {"median_s": benchlib.median(t), "min_s": min(t)} for name, t in times.items()}
         for name, t in times.items():
