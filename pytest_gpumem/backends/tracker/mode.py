@@ -302,13 +302,15 @@ class _StorageTrackingMode(DynamoWrapperOff, TorchDispatchMode):  # type: ignore
         __tracebackhide__ = True
         recorder = self.ledger.recorder
         kind = plan[0]
+        fast = _FAST.get(func)
+        kernel = func if fast is None else fast[1]  # the C++ callable, one Python frame less
         if kind == _PASS:
-            return func(*args, **kwargs) if kwargs else func(*args)
+            return kernel(*args, **kwargs) if kwargs else kernel(*args)
         if kind == _RESIZE:
             return self._dispatch_resizing(func, args, kwargs or {})
         if kind == _LIFT:
             return self._dispatch_lifting(func, args, kwargs or {})
-        out = func(*args, **kwargs) if kwargs else func(*args)
+        out = kernel(*args, **kwargs) if kwargs else kernel(*args)
         if recorder is not None:
             self.ledger.out = out
         if kind == _SINGLE and type(out) is _TENSOR:
