@@ -7,6 +7,7 @@ Not a module of the package: the scripts next to it import it as `benchlib` (run
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -338,14 +339,21 @@ def profiler_peaks(run: Run) -> dict[str, int]:
 # ------------------------------------------------------------------------------------------- timing
 
 
-def interleaved(candidates: dict[str, Callable[[], float]], rounds: int, warmup: int = 2) -> dict[str, list[float]]:
-    """Each round runs every candidate once, in turn, so that machine drift hits them all alike."""
+def interleaved(
+    candidates: dict[str, Callable[[], float]], rounds: int, warmup: int = 2, collect: bool = False
+) -> dict[str, list[float]]:
+    """Each round runs every candidate once, in turn, so that machine drift hits them all alike; with
+    `collect`, each after a full garbage collection (untimed), so that the collections a candidate triggers
+    scan what it left, not the young objects of the one before it (MemTracker's and the profiler's made
+    one gen-1 collection take 9 ms, a third of the tracker + allocator model's time on Linear(64) b8)."""
     for _ in range(warmup):
         for fn in candidates.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(rounds):
         for name, fn in candidates.items():
+            if collect:
+                gc.collect()
             times[name].append(fn())
     return times
 

@@ -1,13 +1,15 @@
 """Overhead: what measuring costs.
 
-    python benchmarks/overhead.py [--json PATH] [--rounds 15] [--threads N] [--skip-suites]
+    python benchmarks/overhead.py [--json PATH] [--rounds 15] [--threads N] [--skip-suites] [--cpu-time]
 
 1. One forward+backward step, untracked vs the tracker (and with the CUDA allocator's model,
-   `--gpumem-round=cuda`) vs MemTracker vs the profiler with
-   profile_memory=True, on the Net (Linear 1024->2048->1024, batch 64) and on a tiny Linear(64)
-   (batch 8). Every round runs each candidate once, in turn (interleaved, so drift hits all alike);
-   each candidate enters its tool, runs `inner` steps and leaves it (setup and teardown included); the
-   ratio is the median time over the median untracked time.
+   `--gpumem-round=cuda`) vs MemTracker vs the profiler with profile_memory=True, on the Net (Linear
+   1024->2048->1024, batch 64) and on a tiny Linear(64) (batch 8). Every round runs each candidate once,
+   in turn (interleaved, so drift hits all alike); each candidate enters its tool, runs `inner` steps and
+   leaves it (setup and teardown included), after a full garbage collection (untimed: `benchlib.interleaved`);
+   the ratio is the median time over the median untracked time. `--cpu-time` times the main thread's CPU
+   time instead of wall time (on the CPU, backward runs on the calling thread), and the pytest runs below
+   in their CPU time (user and system): a machine shared with other work disturbs it far less.
 2. The plugin idle (installed, no flags, no markers) on a generated suite of 2,000 trivial tests vs
    `-p no:gpumem`: median wall time of subprocess pytest runs (-q -p no:cacheprovider), interleaved.
 3. The cost per measured test: one trivial test carrying `@pytest.mark.max_memory` vs 1 + N of them, on
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -35,6 +38,7 @@ from pytest_gpumem.backends.tracker.backend import TrackerBackend
 
 IDLE_TESTS = 2000
 MEASURED_TESTS = 200
+_CLOCK: list[Callable[[], float]] = [time.perf_counter]  # --cpu-time: time.thread_time
 
 
 # ------------------------------------------------------------------------------------ per step
@@ -57,37 +61,42 @@ def candidates(model: nn.Module, x: torch.Tensor, inner: int) -> dict[str, Calla
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.profiler import ProfilerActivity, profile
 
+    clock = _CLOCK[0]
+
     def untracked() -> float:
-        return benchlib.per_call(lambda: step(model, x), inner)
+        start = clock()
+        for _ in range(inner):
+            step(model, x)
+        return (clock() - start) / inner
 
     def tracked(rounding: str) -> Callable[[], float]:
         def run() -> float:
             backend = TrackerBackend(rounding)
-            start = time.perf_counter()
+            start = clock()
             backend.start()
             try:
                 for _ in range(inner):
                     step(model, x)
             finally:
                 backend.stop()
-            return (time.perf_counter() - start) / inner
+            return (clock() - start) / inner
 
         return run
 
     def memtracker() -> float:
-        start = time.perf_counter()
+        start = clock()
         with MemTracker() as mt:
             for _ in range(inner):
                 step(model, x)
                 mt.reset_mod_stats()  # MemTracker refuses a module run twice without it
-        return (time.perf_counter() - start) / inner
+        return (clock() - start) / inner
 
     def profiler() -> float:
-        start = time.perf_counter()
+        start = clock()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True):
             for _ in range(inner):
                 step(model, x)
-        return (time.perf_counter() - start) / inner
+        return (clock() - start) / inner
 
     return {
         "untracked": untracked,
@@ -103,7 +112,7 @@ def step_overheads(rounds: int) -> tuple[list[list[str]], dict[str, Any]]:
     data: dict[str, Any] = {}
     for kind, label, inner in (("net", "Net b64", 3), ("tiny", "Linear(64) b8", 200)):
         model, x = make_model(kind)
-        times = benchlib.interleaved(candidates(model, x, inner), rounds)
+        times = benchlib.interleaved(candidates(model, x, inner), rounds, collect=True)
         base = benchlib.median(times["untracked"])
         data[kind] = {name: {"median_s": benchlib.median(t), "min_s": min(t)} for name, t in times.items()}
         for name, t in times.items():
@@ -133,12 +142,19 @@ def write_suite(folder: Path, tests: int, marked: bool, needs_torch: bool) -> Pa
 def pytest_seconds(folder: Path, target: Path, extra: list[str]) -> float:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(target), *extra]
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-    start = time.perf_counter()
+    cpu = _CLOCK[0] is not time.perf_counter
+    start = _children_cpu() if cpu else time.perf_counter()
     done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, check=False)
-    elapsed = time.perf_counter() - start
+    elapsed = (_children_cpu() if cpu else time.perf_counter()) - start
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     return elapsed
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user and system) of the finished child processes (`--cpu-time`)."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
 
 
 def idle_overhead(runs: int) -> tuple[list[list[str]], dict[str, Any]]:
@@ -193,13 +209,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=5, help="pytest runs per suite (default 5)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
     p.add_argument("--skip-suites", action="store_true", help="only the per-step comparison")
+    p.add_argument("--cpu-time", action="store_true", help="steps timed in the thread's CPU time, not wall time")
     args: argparse.Namespace = p.parse_args(argv)
+    if args.cpu_time:
+        if args.threads != 1:
+            p.error("--cpu-time times the main thread only: give --threads 1")
+        _CLOCK[0] = time.thread_time
     if args.threads:
         torch.set_num_threads(args.threads)
     data: dict[str, Any] = {}
     rows, data["step"] = step_overheads(args.rounds)
     benchlib.show(
-        f"forward+backward step, {torch.get_num_threads()} threads, {args.rounds} interleaved rounds",
+        f"forward+backward step, {torch.get_num_threads()} threads, {args.rounds} interleaved rounds, "
+        + ("CPU time" if args.cpu_time else "wall time"),
         ["model", "tool", "median µs/step", "ratio (medians)", "ratio (minima)"],
         rows,
     )

@@ -5,7 +5,7 @@ mode makes every tensor look like a subclass (float32 = 4 bytes throughout)."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -314,6 +314,40 @@ def test_the_hooks_are_removed_after_backward(monkeypatch: pytest.MonkeyPatch) -
     assert started == hooked
     loss.backward()  # type: ignore[no-untyped-call]
     assert started == hooked
+
+
+def _parts_summed() -> torch.Tensor:
+    a, b = torch.randn(2, N, requires_grad=True).exp().unbind()  # UnbindBackward0 is reached twice, by two inputs
+    return (a * 2 + b * 3).sum()
+
+
+@pytest.mark.parametrize(
+    "make_loss",
+    [lambda: (torch.randn(N, requires_grad=True).exp() * 2).sum(), _parts_summed],
+    ids=["a chain", "two inputs of one node"],
+)
+def test_a_graph_where_no_gradients_meet_is_hooked_nowhere(
+    monkeypatch: pytest.MonkeyPatch, make_loss: Callable[[], torch.Tensor]
+) -> None:
+    seen: list[str] = []
+
+    class Recording(unmoded._Run):
+        def starts(self, name: str, grad_outputs: object) -> None:
+            seen.append(name)
+
+        def returned(self, grad_inputs: Sequence[torch.Tensor | None], grad_outputs: object) -> None:
+            seen.append("returned")
+
+    monkeypatch.setattr(unmoded, "_Run", Recording)
+    loss = make_loss()
+    backend = TrackerBackend(rounding="none")
+    backend.start()
+    seen.clear()  # the first start's probe runs a backward of its own
+    try:
+        loss.backward()  # type: ignore[no-untyped-call]
+    finally:
+        backend.stop()
+    assert seen == []
 
 
 def test_grad_with_inputs_adds_in_place() -> None:

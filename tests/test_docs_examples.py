@@ -27,6 +27,7 @@ FENCE = re.compile(r"^```(?P<lang>[\w-]*)(?P<attrs>[^\n]*)\n(?P<body>.*?)^```\s*
 TITLE = re.compile(r'title="(?P<name>[^"]+)"')
 TIME = re.compile(r"\d+(\.\d+)?s( \(\d+:\d\d:\d\d\))?(?= =*$)")
 SEPARATOR = re.compile(r"=+ (?P<text>.*\*) =+")
+REFERENCE_SUITE = ["pytest", "--pyargs", "reference_losses"]
 
 
 @dataclass
@@ -85,12 +86,24 @@ SLOW_PAGES = (
 
 def examples() -> list[object]:
     pages = [page for page in PAGES if any(b.lang == "python" or b.lang == "console" for b in blocks(page))]
-    return [example(page) for page in pages]
+    return [example(page, line) for page in pages for line in parts(page)]
 
 
-def example(page: Path) -> object:
+def parts(page: Path) -> list[int | None]:
+    """The lines of a page's commands where each runs apart (a test each, which workers share out): the
+    page writes no file and every command runs the reference suite (its runs shared, none changing another's
+    output); else [None], the whole page in one test."""
+    found = [command for block in blocks(page) if block.lang == "console" for command in commands(block)]
+    apart = not any(block.lang == "python" for block in blocks(page)) and len(found) > 1
+    if apart and all(command.argv[:3] == REFERENCE_SUITE for command in found):
+        return [command.line for command in found]
+    return [None]
+
+
+def example(page: Path, line: int | None) -> object:
     name = str(page.relative_to(ROOT))
-    return pytest.param(page, id=name, marks=[pytest.mark.slow] if name in SLOW_PAGES else [])
+    marks = [pytest.mark.slow] if name in SLOW_PAGES else []
+    return pytest.param(page, line, id=name if line is None else f"{name}:{line}", marks=marks)
 
 
 def test_the_slow_pages_are_pages() -> None:
@@ -119,8 +132,11 @@ def test_no_example_file_shares_a_name_with_a_test_module_of_this_suite() -> Non
     assert not clashing, f"example files named like this suite's test modules: {', '.join(clashing)}"
 
 
-@pytest.mark.parametrize("page", examples())
-def test_page_examples_print_what_they_show(pytester: pytest.Pytester, run_reference: RunReference, page: Path) -> None:
+@pytest.mark.parametrize(("page", "only"), examples())
+def test_page_examples_print_what_they_show(
+    pytester: pytest.Pytester, run_reference: RunReference, page: Path, only: int | None
+) -> None:
+    """`only`: the line of the one command to run (`parts`), or None for all of the page."""
     pytester.makeini("[pytest]\ngpumem_backend = tracker\n")
     ran: set[str] = set()
     written: list[str] = []
@@ -132,6 +148,8 @@ def test_page_examples_print_what_they_show(pytester: pytest.Pytester, run_refer
             written.append(block.title)
         elif block.lang == "console":
             for command in commands(block):
+                if only is not None and command.line != only:
+                    continue
                 where = f"{page.relative_to(ROOT)}:{command.line}"
                 output = printed(pytester, run_reference, command.argv, where, shared=not written)
                 ran.update(arg for arg in command.argv if arg in written)
@@ -143,9 +161,6 @@ def test_page_examples_print_what_they_show(pytester: pytest.Pytester, run_refer
         if Path(name).name.startswith("test_") and name not in ran:
             result = pytester.runpytest("-p", "no:cacheprovider", name)
             assert result.ret == 0, f"{page.relative_to(ROOT)}: {name} fails:\n{result.stdout.str()}"
-
-
-REFERENCE_SUITE = ["pytest", "--pyargs", "reference_losses"]
 
 
 def printed(

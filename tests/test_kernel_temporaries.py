@@ -293,6 +293,29 @@ def test_end_to_end_a_reductions_staging_buffer_is_at_its_peak(on_meta: TrackerB
     del y
 
 
+def test_end_to_end_a_reduction_counted_first_without_a_gpu_still_stages_on_one() -> None:
+    exact = TrackerBackend(rounding="none")  # no GPU predicted: the reduction takes the fast path
+    exact.start()
+    try:
+        x = torch.ones(4, 128, 2560)
+        before = exact.current().allocated
+        y = x.sum(2, keepdim=True)  # its 2 KiB output and nothing else
+        assert exact.peak().allocated - before == exact.current().allocated - before == 2048
+    finally:
+        exact.stop()
+    on_meta = TrackerBackend(device="meta")
+    on_meta.start()
+    try:
+        m = reduced_outermost(4, 128, 2560)
+        before = on_meta.current().allocated
+        on_meta.reset_peak()
+        z = m.sum(2, keepdim=True)  # as in test_end_to_end_a_reductions_staging_buffer_is_at_its_peak
+        assert on_meta.peak().allocated - before == 2048 + 10_485_760 + 512
+    finally:
+        on_meta.stop()
+    del y, z
+
+
 def test_end_to_end_bmms_operand_copy_is_held_while_the_workspace_is_made(on_meta: TrackerBackend) -> None:
     grad = torch.ones((), device="meta").expand(8, 4096, 16)
     p = meta(8, 4096, 4096).transpose(1, 2)

@@ -106,6 +106,28 @@ def test_other_ops_and_empty_operands_make_none(meta: TrackerBackend) -> None:
     assert workspaces(meta) == []
 
 
+def test_a_matmul_counted_first_without_the_model_still_makes_its_workspace_with_it() -> None:
+    exact = TrackerBackend(rounding="none")  # no GPU predicted: the matmul takes the fast path, as any op
+    exact.start()
+    try:
+        a = torch.ones(64, 64)
+        before = exact.current().allocated
+        b = torch.mm(a, a)  # its 16 KiB output and nothing else
+        assert exact.current().allocated - before == 64 * 64 * 4
+    finally:
+        exact.stop()
+    on_meta = TrackerBackend(device="meta")
+    on_meta.start()
+    try:
+        m = torch.empty(1024, 1024, device="meta")
+        c = torch.mm(m, m)  # as in test_a_matmul_makes_its_threads_workspace_once
+        assert on_meta.current().allocated == 4 * MIB + 4 * MIB + WORKSPACE
+        assert workspaces(on_meta) == [WORKSPACE]
+    finally:
+        on_meta.stop()
+    del b, c
+
+
 def test_a_card_of_compute_capability_9_has_32_mib_workspaces(meta: TrackerBackend) -> None:
     meta.predict_card("H100-80GB")
     a = torch.empty(1024, 1024, device="meta")

@@ -159,8 +159,11 @@ _SET_EVAL_FRAME = private_torch.eval_frame_setter()
 _FAKE_TENSOR = private_torch.fake_tensor_class()
 _is_wrapper_subclass = private_torch.wrapper_subclass_test()
 _PLANS: dict[Any, tuple[int, Any]] = {}  # each op overload's plan, decided on its first call
-# ops that make nothing (_PASS) or one fresh tensor (_SINGLE): (counts its output, the op's kernel)
-_FAST: dict[Any, tuple[bool, Callable[..., Any]]] = {}
+# ops whose outputs are nothing (_PASS) or one fresh tensor (_SINGLE): (counts its output, the op's kernel,
+# when the fast path may not take it: _ON_GPU, _IN_BACKWARD or both, 0 for never)
+_FAST: dict[Any, tuple[bool, Callable[..., Any], int]] = {}
+_ON_GPU = 1  # a cuBLAS op or one with kernel temporaries: slow only where the ledger predicts a GPU
+_IN_BACKWARD = 2  # a candidate of `unmoded`: slow only while the autograd engine runs
 _STRIDED = torch.strided
 
 
@@ -193,6 +196,30 @@ def _input_keys(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> set[int
     return {storage_key(s) for s in found if s is not _NOT_DENSE and s is not _FAKE}
 
 
+def _make_fast(func: Any, plan: tuple[int, Any]) -> None:
+    """Put `func` in `_FAST` where its outputs' plan is _PASS or _SINGLE, with the conditions under which
+    its extra work (cuBLAS workspace, kernel temporaries, the in-place twin) still needs the slow path."""
+    kind, outputs, when = plan[0], plan, 0
+    if kind == _TWIN:
+        outputs, when = plan[1], _IN_BACKWARD | (_ON_GPU if modelled(func) else 0)
+    elif kind in (_BLAS, _TEMPS):
+        outputs, when = plan[1], _ON_GPU
+    if outputs[0] in (_PASS, _SINGLE):
+        _FAST[func] = (outputs[0] == _SINGLE, private_torch.op_kernel(func), when)
+
+
+def _workspace_due(ledger: StorageLedger) -> object | None:
+    """The cuBLAS handle a matmul on this thread runs on, if it has no workspace of the ledger's size yet."""
+    handle = _AUTOGRAD_HANDLE if _graph_task() != -1 else _thread()
+    held = ledger.workspaces.get(handle)
+    return None if held is not None and held.size >= ledger.workspace_bytes else handle
+
+
+def _slow(when: int, ledger: StorageLedger) -> bool:
+    """Whether an op with these conditions (`_make_fast`) takes the slow path now."""
+    return bool(when & _ON_GPU and ledger.wants_temporaries) or bool(when & _IN_BACKWARD and _graph_task() != -1)
+
+
 class _StorageTrackingMode(DynamoWrapperOff, TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self, ledger: StorageLedger) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -213,7 +240,7 @@ class _StorageTrackingMode(DynamoWrapperOff, TorchDispatchMode):  # type: ignore
         try:
             fast = _FAST.get(func)
             ledger = self.ledger
-            if fast is None or ledger.recorder is not None:
+            if fast is None or ledger.recorder is not None or (fast[2] and _slow(fast[2], ledger)):
                 return self._dispatch(func, args, kwargs)
             ledger.op = func
             out = fast[1](*args, **kwargs) if kwargs else fast[1](*args)
@@ -241,8 +268,7 @@ class _StorageTrackingMode(DynamoWrapperOff, TorchDispatchMode):  # type: ignore
         plan = _PLANS.get(func)
         if plan is None:
             plan = _PLANS[func] = _op_plan(func)
-            if plan[0] in (_PASS, _SINGLE):
-                _FAST[func] = (plan[0] == _SINGLE, private_torch.op_kernel(func))
+            _make_fast(func, plan)
         if plan[0] < _BLAS:
             return self._run(func, plan, args, kwargs)
         if plan[0] == _TWIN:
@@ -252,7 +278,7 @@ class _StorageTrackingMode(DynamoWrapperOff, TorchDispatchMode):  # type: ignore
             out = self._run(func, plan[1], args, kwargs)
         ledger = self.ledger
         workspace = None
-        if plan[0] == _BLAS and ledger.wants_workspaces:
+        if plan[0] == _BLAS and ledger.wants_workspaces and _workspace_due(ledger) is not None:
             workspace = functools.partial(self._workspace, func, args, kwargs)
         if ledger.wants_temporaries and modelled(func):
             # held while the workspace is made
@@ -265,9 +291,8 @@ class _StorageTrackingMode(DynamoWrapperOff, TorchDispatchMode):  # type: ignore
         """`func` ran on cuBLAS: its handle's workspace, made on the handle's first use (an empty operand
         returns before cuBLAS is reached)."""
         ledger = self.ledger
-        handle = _AUTOGRAD_HANDLE if _graph_task() != -1 else _thread()
-        held = ledger.workspaces.get(handle)
-        if held is not None and held.size >= ledger.workspace_bytes:
+        handle = _workspace_due(ledger)
+        if handle is None:
             return
         if any(t.numel() == 0 for t in tensors_in([*args, *(kwargs or {}).values()])):
             return
@@ -278,13 +303,15 @@ class _StorageTrackingMode(DynamoWrapperOff, TorchDispatchMode):  # type: ignore
         __tracebackhide__ = True
         recorder = self.ledger.recorder
         kind = plan[0]
+        fast = _FAST.get(func)
+        kernel = func if fast is None else fast[1]  # the C++ callable, one Python frame less
         if kind == _PASS:
-            return func(*args, **kwargs) if kwargs else func(*args)
+            return kernel(*args, **kwargs) if kwargs else kernel(*args)
         if kind == _RESIZE:
             return self._dispatch_resizing(func, args, kwargs or {})
         if kind == _LIFT:
             return self._dispatch_lifting(func, args, kwargs or {})
-        out = func(*args, **kwargs) if kwargs else func(*args)
+        out = kernel(*args, **kwargs) if kwargs else kernel(*args)
         if recorder is not None:
             self.ledger.out = out
         if kind == _SINGLE and type(out) is _TENSOR:

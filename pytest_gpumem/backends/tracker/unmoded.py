@@ -32,7 +32,7 @@ import contextlib
 import functools
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -137,23 +137,40 @@ def _runs() -> list[_Run]:
     return runs
 
 
-@contextlib.contextmanager
-def hooked(roots: Sequence[Any]) -> Iterator[None]:
+def hooked(roots: Sequence[Any]) -> contextlib.AbstractContextManager[None]:
     """Within the block (one run of the autograd engine from `roots`, tensors or gradient edges), the
     nodes reachable from them tell this thread's `in_place_twin` where backward is."""
     run = _Run()
     handles = None if _engine_replaced() else _hook_graph(roots, run)
     if handles is None:
-        yield
-        return
-    runs = _runs()
-    runs.append(run)
-    try:
-        yield
-    finally:
-        runs.remove(run)
-        for handle in handles:
+        return contextlib.nullcontext()
+    return _Hooked(run if handles else _UNHOOKED, handles)
+
+
+class _Hooked:
+    """The run on this thread's stack within the block; its hooks removed after it."""
+
+    __slots__ = ("handles", "run")
+
+    def __init__(self, run: _Run, handles: list[Any]) -> None:
+        self.run, self.handles = run, handles
+
+    def __enter__(self) -> None:
+        _runs().append(self.run)
+
+    def __exit__(self, *exc: object) -> None:
+        runs = _runs()
+        for i in range(len(runs) - 1, -1, -1):  # the innermost: `_UNHOOKED` may stand more than once
+            if runs[i] is self.run:
+                del runs[i]
+                break
+        for handle in self.handles:
             handle.remove()
+
+
+_UNHOOKED = _Run()
+"""The run of a graph where nothing runs differently without a mode: no hook moves it from its start
+(no node, nothing produced), so one serves every such run on every thread."""
 
 
 def _hook_graph(roots: Sequence[Any], run: _Run) -> list[Any] | None:
@@ -173,11 +190,14 @@ def _hook_graph(roots: Sequence[Any], run: _Run) -> list[Any] | None:
 
 
 def _add_hooks(graph: _Graph, run: _Run, handles: list[Any]) -> None:
-    nodes, feeds = graph
+    nodes, feeds, joined = graph
+    if not joined and not any(_is_twin_node(node) for node, _ in nodes.values()):
+        return  # nothing in this graph runs differently without a mode
     starting: dict[int, Any] = {}
-    for node, consumers in nodes.values():
-        joins = any(feeds[id(consumer), slot] > 1 for consumer, slot in consumers)
-        if joins or node.name() in _TWINS:
+    for node, edges in nodes.values():
+        consumers = [edge for edge in edges if edge[0] is not None]
+        joins = joined and any(feeds[id(consumer), slot] > 1 for consumer, slot in consumers)
+        if joins or _is_twin_node(node):
             handles.append(node.register_hook(run.returned))
             starting[id(node)] = node
         if joins:
@@ -189,28 +209,46 @@ def _add_hooks(graph: _Graph, run: _Run, handles: list[Any]) -> None:
 
 
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
-_Graph = tuple[dict[int, tuple[Any, list[Any]]], dict[tuple[int, int], int]]
+_Graph = tuple[dict[int, tuple[Any, Any]], dict[tuple[int, int], int], bool]
+_TWIN_TYPES: dict[type, bool] = {}  # each node class: whether it is one of `_TWINS` (its name is its class's)
+
+
+def _is_twin_node(node: Any) -> bool:
+    kind = type(node)
+    found = _TWIN_TYPES.get(kind)
+    if found is None:
+        found = _TWIN_TYPES[kind] = node.name() in _TWINS
+    return found
 
 
 def _graph(roots: Sequence[Any]) -> _Graph:
     """The graph's nodes reachable from `roots`, each once, with the edges (consumer, input) they send
-    gradients along, by the id of the node (held, so the id stays its own); and how many edges end in
-    each buffer slot (consumer's id, input)."""
-    nodes: dict[int, tuple[Any, list[Any]]] = {}
-    feeds: dict[tuple[int, int], int] = {}
+    gradients along (`next_functions`), by the id of the node (held, so the id stays its own); how many
+    edges end in each buffer slot (consumer's id, input); and whether any slot takes more than one. The
+    slots are counted only where some node is reached twice (a tree's nodes are reached once each)."""
+    nodes: dict[int, tuple[Any, Any]] = {}
+    twice = False
     roots = roots if isinstance(roots, (list, tuple)) else (roots,)
     pending = [node for node in map(_root_node, roots) if node is not None]
     while pending:
         node = pending.pop()
         if id(node) in nodes:
+            twice = True
             continue
-        consumers = [edge for edge in node.next_functions if edge[0] is not None]
-        nodes[id(node)] = (node, consumers)
-        for consumer, slot in consumers:
-            edge = (id(consumer), slot)
-            feeds[edge] = feeds.get(edge, 0) + 1
-            pending.append(consumer)
-    return nodes, feeds
+        edges = node.next_functions
+        nodes[id(node)] = (node, edges)
+        for consumer, _ in edges:
+            if consumer is not None:
+                pending.append(consumer)
+    feeds: dict[tuple[int, int], int] = {}
+    if not twice:
+        return nodes, feeds, False
+    for _, edges in nodes.values():
+        for consumer, slot in edges:
+            if consumer is not None:
+                edge = (id(consumer), slot)
+                feeds[edge] = feeds.get(edge, 0) + 1
+    return nodes, feeds, any(count > 1 for count in feeds.values())
 
 
 def _root_node(root: Any) -> Any:
