@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_gpumem.budget import MARKER
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.results import Status
+from pytest_gpumem.run.late_markers import marked_meta
 from pytest_gpumem.run.regression import BaselineRun, partial_run, selection_flags
 from pytest_gpumem.run.xdist import worker_id
 
@@ -26,14 +26,6 @@ if TYPE_CHECKING:
 
 MEASUREMENT_KEY = pytest.StashKey["Measurement"]()
 JUDGE = "gpumem-session"  # the name of the plugin that measures test calls, registered in runs that measure
-
-
-def _marked_meta(item: pytest.Item) -> bool:
-    """Whether the closest max_memory marker that names a device names meta (bad markers fail later)."""
-    for mark in item.iter_markers(MARKER):
-        if "device" in mark.kwargs:
-            return bool(mark.kwargs["device"] == "meta")
-    return False
 
 
 def _cuda_device_count() -> int:
@@ -95,7 +87,7 @@ class GpuMemSession:
         if measured is None:
             from pytest_gpumem.measure.measurement import Measurement
 
-            backend = self.meta_backend() if _marked_meta(item) else self.backend()
+            backend = self.meta_backend() if marked_meta(item) else self.backend()
             measured = item.stash[MEASUREMENT_KEY] = Measurement(backend, item.nodeid)
         return measured
 
