@@ -174,8 +174,8 @@ def test_out_of_memory_on_the_allocators_model_says_the_cause_and_the_section_it
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
-            "out of memory in grow (tried to allocate 20.0 MiB) after a peak of 40.0 MiB (41,943,040 B): past the "
-            "capacity 40 MiB (max_memory capacity=); fragmentation (20.0 MiB reserved but unallocated)",
+            "out of memory in grow (tried to allocate 20.0 MiB) after a peak of 40.0 MiB (41,943,040 B): past "
+            "max_memory(capacity='40 MiB'); fragmentation (20.0 MiB reserved but unallocated)",
             "also: over its budget 30 MiB too, at 40.0 MiB",
             "allocator when it ran out: 40.0 MiB reserved, 20.0 MiB allocated and 20.0 MiB reserved but unallocated",
             "fragmentation: no free block holds 8.0 MiB, though 20.0 MiB is reserved but unallocated; "
