@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from pytest_gpumem.backends.tracker import autocast_lists
+
 BASELINES = "gpumem-baselines.json"
 
 TWO = """
@@ -237,7 +239,11 @@ def test_the_example_workflow_keeps_forks_off_the_gpu_runner_pins_torch_and_name
     text = WORKFLOW.read_text(encoding="utf-8")
     workflow = yaml.safe_load(text)
     jobs, version = workflow["jobs"], workflow["env"]["TORCH_VERSION"]
-    assert re.fullmatch(r"\d+\.\d+\.\d+", version), version
+    # the torch the README pins, whose allocator and autocast tables the tracker models
+    readme = (WORKFLOW.parent.parent / "README.md").read_text(encoding="utf-8")
+    tables = autocast_lists.__doc__ or ""
+    assert set(re.findall(r"torch==([\d.]+)", readme)) == {version}, version
+    assert f"torch {version} registers them" in tables, version
     installs = [line for job in jobs.values() for step in job["steps"] for line in step.get("run", "").splitlines()]
     torch_installs = [line for line in installs if "install" in line and "torch" in line]
     assert len(torch_installs) == 3 and all('"torch==$TORCH_VERSION"' in line for line in torch_installs)
