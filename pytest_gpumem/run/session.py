@@ -13,7 +13,7 @@ import pytest
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.results import Status
 from pytest_gpumem.run.late_markers import marked_meta
-from pytest_gpumem.run.regression import BaselineRun, partial_run, selection_flags
+from pytest_gpumem.run.regression import BaselineRun, partial_run, selection_flags, slack_hint
 from pytest_gpumem.run.xdist import worker_id
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ class GpuMemSession:
         self.config = config
         self.options = options
         self.baselines = baselines
-        baselines.selection = selection_flags(options)
+        baselines.selection = selection_flags(options, baselines.options.slack)
         self._results: dict[str, TestResult] = {}
         self._backend: Backend | None = None
         self._meta: Backend | None = None
@@ -221,5 +221,6 @@ class GpuMemSession:
             missing = [r.nodeid for r in self.results if r.status == Status.MISSING_BASELINE]
             regressed = [r.nodeid for r in self.results if r.status == Status.REGRESSED]
             self.baseline_lines += self.baselines.finish(records, self.backend, missing, regressed)
+            self.baseline_lines += slack_hint(self.results, self.baselines.options.slack)
         except GpuMemError as exc:
             self.problems.append(str(exc))
