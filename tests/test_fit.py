@@ -386,6 +386,37 @@ def test_bad_arguments_are_refused_in_one_line(kwargs: dict[str, Any], expected:
     assert "\n" not in str(info.value)
 
 
+def test_a_step_that_cannot_be_called_with_a_batch_size_fails_its_test_in_one_line(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        """
+        import torch
+
+        def test_none(gpumem):
+            gpumem.fit(None, [1, 2, 4], "1 GB")
+
+        def test_no_argument(gpumem):
+            gpumem.fit(lambda: torch.ones(10), [1, 2, 4], "1 GB")
+
+        def test_two_arguments(gpumem):
+            def step(n, model):
+                pass
+            gpumem.fit(step, [1, 2, 4], "1 GB")
+        """
+    )
+    result = tracker.runpytest("-p", "no:randomly")
+    result.assert_outcomes(failed=3)
+    result.stdout.fnmatch_lines(
+        [
+            "*::test_none: fit step must be a function of the batch size, called as step(n), got None",
+            "*::test_no_argument: fit step must take the batch size as its one argument, called as step(n); "
+            "test_no_argument.<locals>.<lambda>() cannot be",
+            "*::test_two_arguments: fit step must take the batch size as its one argument, called as step(n); "
+            "test_two_arguments.<locals>.step(n, model) cannot be",
+        ]
+    )
+    result.stdout.no_fnmatch_line("*TypeError*")
+
+
 def test_integer_like_sizes_are_accepted(tracked: Tracked) -> None:
     fit = fit_peaks(rows, (n for n in np.array([1, 2, 3])), "1 MiB", tracked)
     assert fit.sizes == (1, 2, 3) and all(type(n) is int for n in fit.sizes)

@@ -17,6 +17,7 @@ what the host can give is refused before it runs.
 
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 import weakref
@@ -230,6 +231,7 @@ def fit_peaks(
     the step keeps memory from one size to the next, and where the answer needs runs that cannot be made.
     """
     __tracebackhide__ = True
+    _check_step(step)
     checked = _check_sizes(sizes)
     judged = parse_capacity(capacity, FIT_CAPACITY)
     _check_tolerance(tolerance, slack)
@@ -483,6 +485,24 @@ def _bound(step: Callable[[int], object], n: int, steps: int, done: list[int] | 
         return value
 
     return run
+
+
+def _check_step(step: object) -> None:
+    """A step is called as step(n): refuse, in one line, what cannot be (a signature torch or C code does not
+    tell is taken as it is)."""
+    if not callable(step):
+        raise GpuMemError(f"fit step must be a function of the batch size, called as step(n), got {shorten(step)}")
+    try:
+        signature = inspect.signature(step)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(1)
+    except TypeError:
+        name = getattr(step, "__qualname__", type(step).__name__)
+        raise GpuMemError(
+            f"fit step must take the batch size as its one argument, called as step(n); {name}{signature} cannot be"
+        ) from None
 
 
 def _check_sizes(sizes: object) -> list[int]:
