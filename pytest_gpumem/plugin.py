@@ -93,7 +93,9 @@ def pytest_gpumem_make_backend(config: pytest.Config, name: str) -> Backend | No
     from pytest_gpumem.backends import make_builtin
 
     options = config.stash[SESSION_KEY].options
-    return make_builtin(name, options.rounding, options.device, options.paths)
+    # unmeasured, only its device is read: no allocator is modelled, so none of its settings is read
+    rounding = "none" if options.disabled else options.rounding
+    return make_builtin(name, rounding, options.device, options.paths)
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:

@@ -126,7 +126,10 @@ class TrackerBackend(Backend):
         allocator's model, its cuBLAS workspaces have the size torch gives its compute capability, or
         `CUBLAS_WORKSPACE_CONFIG`'s, as the GPU job's would (read now)."""
         found = None if card is None else find_card(card)
-        self.ledger.workspace_bytes = cublas_workspace_bytes(None if found is None else found.capability, os.environ)
+        capability = None if found is None else found.capability
+        # read only where the allocator's model makes workspaces, as PYTORCH_CUDA_ALLOC_CONF is
+        modelled = self.rounding == "cuda"
+        self.ledger.workspace_bytes = cublas_workspace_bytes(capability, os.environ if modelled else None)
         self._on_card(None if found is None else found.total)
         self.ledger.card = found
 
