@@ -161,17 +161,21 @@ def _same(a: Path, b: Path) -> bool:
 
 
 def _since(repo: Repo, versions: list[Version], since: str) -> list[Version]:
-    """The version as it was at ``since`` (the newest before the range), then the versions in it: a ref
-    is the range ``REF..HEAD``, a date ``git rev-list --since`` (both along the first-parent line)."""
+    """The version as it was at ``since``, then the versions in the range: a ref is the range ``REF..HEAD``
+    and the file as REF holds it (also a tag off the first-parent line, on a release branch merged since),
+    a date ``git rev-list --since`` and the newest version before it (both along the first-parent line)."""
+    at = None
     if repo.is_ref(since):
         revisions = [f"{since}..HEAD"]
+        at = repo.at(since)
     elif (when := _date(since)) is not None:
         revisions = [f"--since={when}", "HEAD"]
     else:
         raise GitError(f"--since {since}: neither a commit, branch or tag nor a date like 2026-11-01")
     inside = repo.inside(revisions)
     before = [v for v in versions if v.commit.sha not in inside]
-    return [*before[-1:], *(v for v in versions if v.commit.sha in inside)]
+    first = [at] if at is not None else before[-1:]
+    return [*first, *(v for v in versions if v.commit.sha in inside)]
 
 
 def _date(since: str) -> str | None:
