@@ -26,7 +26,7 @@ from pytest_gpumem.constants import DEFAULT_FILENAME, DEFAULT_SLACK_BYTES
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.history.git import Commit, GitError, Repo, Version
 from pytest_gpumem.history.reports import Reports, read_reports
-from pytest_gpumem.history.series import Gate, Series, build, offenders, read
+from pytest_gpumem.history.series import Gate, Series, build, gate_first, offenders, read
 from pytest_gpumem.history.table import json_text, markdown_text, table
 from pytest_gpumem.sizes import format_size, parse_size
 
@@ -97,11 +97,11 @@ def _run(args: argparse.Namespace, write: Write, say: Say) -> int:
     skipped = [*parsed.skipped, *(reports.skipped if reports else [])]
     for line in skipped:
         _note(line)
-    series = build(parsed.stores, reports.stores if reports else ())
+    gate = None if args.max_growth is None else Gate(Tolerance(args.max_growth, args.slack), args.since)
+    series = gate_first(build(parsed.stores, reports.stores if reports else ()), gate)
     sparklines = args.sparklines if args.sparklines is not None else sys.stdout.isatty()
     say(table(series, sparklines) if series else f"{args.file}: no baselines in its committed versions")
     commits = _axis([c for c, _ in parsed.stores], reports)
-    gate = None if args.max_growth is None else Gate(Tolerance(args.max_growth, args.slack), args.since)
     if args.json is not None:
         write(args.json, json_text(series, commits, skipped))
     if args.markdown is not None:
