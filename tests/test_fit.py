@@ -429,6 +429,54 @@ def test_result_is_frozen(tracked: Tracked) -> None:
         fit.largest = 1  # type: ignore[misc]
 
 
+FRESH = """
+import pathlib, pytest, torch
+from torch.utils.checkpoint import checkpoint
+
+def checkpointed():
+    with torch.device("meta"):
+        blocks = [torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512))
+                  for _ in range(4)]
+
+    def step(n):
+        x = torch.randn(n, 512, device="meta")
+        for block in blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        x.sum().backward()
+        for block in blocks:
+            block.zero_grad(set_to_none=True)
+
+    return step
+
+@pytest.mark.max_memory(device="meta", tolerance=5)
+def test_fit(gpumem):
+    step = checkpointed()
+    step(8)  # the warm-up a fresh test makes too
+    found = gpumem.fit(step, [8, 16, 32], "256 MiB")
+    pathlib.Path("answer").write_text(str(found.largest))
+
+@pytest.mark.parametrize("above", [0, 1])
+@pytest.mark.max_memory(capacity="256 MiB", device="meta")
+def test_fresh(gpumem, above):
+    n = int(pathlib.Path("answer").read_text()) + above
+    step = checkpointed()
+    step(8)
+    for _ in range(3):
+        step(n)
+"""
+
+
+@pytest.mark.slow
+def test_a_fits_answer_runs_in_a_fresh_test_and_the_next_size_does_not(tracker: pytest.Pytester) -> None:
+    """Checkpointed blocks on meta: each loop of the fit starts from the allocator's state when it began (the
+    warm-up's cached segments kept) and without the gradients a loop that ran out of memory left."""
+    tracker.makepyfile(FRESH)
+    result = tracker.runpytest("-p", "no:randomly")
+    result.assert_outcomes(passed=2, failed=1)
+    ran_out = "out of memory in the call *past max_memory(capacity='256 MiB')*"
+    result.stdout.fnmatch_lines(["*_ test_fresh[[]1[]] _*", ran_out])
+
+
 def test_the_fixture_fits_a_batch_size(tracker: pytest.Pytester, reported: Reported) -> None:
     tracker.makepyfile(
         """

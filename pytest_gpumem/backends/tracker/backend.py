@@ -8,6 +8,7 @@ cannot see, and on request a recorder of origins and events (`recording`) or an 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import os
 from collections.abc import Callable, Iterator
@@ -66,6 +67,14 @@ def stop_counting(mode: Any, ledger: StorageLedger, undo: Callable[[], None] = l
         undo()
         ledger.forget()
         ledger.recorder = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _AllocatorState:
+    """The allocator model at one moment and the bytes each live storage was counted with then."""
+
+    model: Any
+    counted: dict[int, int]
 
 
 class TrackerBackend(Backend):
@@ -266,6 +275,33 @@ class TrackerBackend(Backend):
     def empty_cache(self) -> None:
         """Give back the allocator model's free segments (nothing without the model)."""
         self.ledger.empty_cache()
+
+    def allocator_state(self) -> object | None:
+        """A copy of the allocator model (its segments, blocks and cache) and the storages live in it."""
+        model = self.ledger.model
+        if model is None:
+            return None
+        return _AllocatorState(copy.deepcopy(model), {key: ref.counted for key, ref in self.ledger.live.items()})
+
+    def start_afresh(self, state: object | None) -> None:
+        """The allocator model as `state` holds it (its peaks kept), where the same storages are live and
+        it is served with the same settings; else the live storages placed anew in a model with no cache."""
+        ledger, model = self.ledger, self.ledger.model
+        if model is None:
+            return
+        same = isinstance(state, _AllocatorState) and state.counted.keys() == ledger.live.keys()
+        if not same or state.model.settings != ledger.settings:  # type: ignore[union-attr]
+            self._place_anew(ledger.settings)
+            return
+        assert isinstance(state, _AllocatorState)
+        restored = copy.deepcopy(state.model)
+        for key, ref in ledger.live.items():
+            ledger.allocated += state.counted[key] - ref.counted
+            ref.counted = state.counted[key]
+        restored.peak_reserved = max(restored.peak_reserved, model.peak_reserved)
+        restored.peak_allocated = max(restored.peak_allocated, model.peak_allocated)
+        restored.capacity = ledger.capacity
+        ledger.model = restored
 
     def expandable_segments(self) -> contextlib.AbstractContextManager[None] | None:
         """A block within which the allocator's model has expandable segments, where it has none; the live
