@@ -139,15 +139,29 @@ class Holding:
         return ", ".join(f"{what} {fmt(size)}" for what, size in self.kinds)
 
     def by_module(self, fmt: Callable[[int], str], width: int = 120) -> list[str]:
-        """For each kind some module made, what each made, in lines of at most `width` characters:
-        'left allocated by module: parameters 3.0 MiB: 0 257.0 KiB, 1 257.0 KiB, ...'."""
+        """For each kind some module made, what each made, repeated blocks folded as the rest of the report
+        folds them, in lines of at most `width` characters: 'left allocated by module: parameters 3.0 MiB:
+        blocks.* 2.9 MiB (12 blocks), head 103.0 KiB'."""
+        from pytest_gpumem.explain.blocks import fold, numbered_lists
+
+        folds = numbered_lists({module for _, module, _ in self.modules})
         lines = []
         for what, size in self.kinds:
-            made = ", ".join(f"{module} {fmt(b)}" for w, module, b in self.modules if w == what)
+            grouped: dict[str, int] = {}
+            for w, module, b in self.modules:
+                if w == what:
+                    group = fold(module, folds)
+                    grouped[group] = grouped.get(group, 0) + b
+            ranked = sorted(grouped.items(), key=lambda item: -item[1])
+            made = ", ".join(f"{group} {fmt(b)}{_blocks(folds.get(group))}" for group, b in ranked)
             if made:
                 text = f"left allocated by module: {what} {fmt(size)}: {made}"
                 lines += textwrap.wrap(text, width, subsequent_indent="  ", break_long_words=False)
         return lines
+
+
+def _blocks(count: int | None) -> str:
+    return "" if count is None else f" ({count} blocks)"
 
 
 def leak_holding(live: Mapping[int, tuple[int, Any]]) -> Holding | None:
