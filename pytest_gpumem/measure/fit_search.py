@@ -184,6 +184,7 @@ class _Fit:
     checks: list[Check] = field(default_factory=list)
     known: dict[int, Check] = field(default_factory=dict)  # the loop run at each size, by size
     began: object | None = None  # the allocator's state when the fit began, each loop's start
+    afresh: bool = True  # loops start from `began`; False: from an emptied cache (the expandable search)
 
     def sample(
         self, n: int, limit: int | None = None, steps: int = 1, done: list[int] | None = None, loop: bool = False
@@ -191,7 +192,7 @@ class _Fit:
         """A run of `steps` steps of size n: a sample on an allocator with no segment cached by other sizes,
         a `loop` on the allocator as `forget` left it (as the fit began)."""
         __tracebackhide__ = True
-        if self.backend is not None and not loop:
+        if self.backend is not None and not (loop and self.afresh):
             self.backend.empty_cache()
         sample = _check_sample(self.measure(_bound(self.step, n, steps, done), limit), n)
         if sample.out_of_memory and limit is None:
@@ -221,11 +222,13 @@ class _Fit:
         first step to make again among its activations, and serve the loop from the allocator's state when
         the fit began (none of the cache its earlier runs left), as a fresh test that runs the loop there."""
         self.optimizers.forget_state()
-        self.gradients.forget()
+        if self.afresh:
+            self.gradients.forget()
         if self.backend is not None:
             if self.warm_up:
                 self.backend.clear_workspaces()
-            self.backend.start_afresh(self.began)
+            if self.afresh:
+                self.backend.start_afresh(self.began)
 
     def _host_allows(self, n: int) -> None:
         __tracebackhide__ = True
@@ -504,7 +507,7 @@ def _with_expandable(fit: _Fit, found: BatchFit) -> BatchFit:
     if backend is None or serving is None:
         return found
     checks, known = fit.checks, fit.known
-    fit.checks, fit.known = [], {}
+    fit.checks, fit.known, fit.afresh = [], {}, False  # no state a fresh test has under these settings
     fit.optimizers.forget_state()  # before the live storages are placed anew, as a fresh process has them:
     backend.clear_workspaces()  # made by the loop's first step, the workspaces at its first matmuls
     try:
@@ -512,7 +515,7 @@ def _with_expandable(fit: _Fit, found: BatchFit) -> BatchFit:
             answer = _search(fit, 1 if found.largest is None else found.largest)
         return replace(found, expandable=answer, expandable_checks=tuple(fit.checks))
     finally:
-        fit.checks, fit.known = checks, known
+        fit.checks, fit.known, fit.afresh = checks, known, True
 
 
 def _bound(step: Callable[[int], object], n: int, steps: int, done: list[int] | None) -> Callable[[], object]:

@@ -11,6 +11,8 @@ import contextlib
 import copy
 import dataclasses
 import os
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +69,35 @@ def stop_counting(mode: Any, ledger: StorageLedger, undo: Callable[[], None] = l
         undo()
         ledger.forget()
         ledger.recorder = None
+
+
+def _copied(model: Any) -> Any:
+    """A deep copy of the allocator model, made on a thread of its own with a deep stack: its blocks are
+    linked lists, which `copy.deepcopy` follows one recursive call after another."""
+    copies: list[Any] = []
+
+    def run() -> None:
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(max(limit, _COPY_DEPTH))
+        try:
+            copies.append(copy.deepcopy(model))
+        finally:
+            sys.setrecursionlimit(limit)
+
+    stack = threading.stack_size(_COPY_STACK)
+    try:
+        worker = threading.Thread(target=run, name="gpumem-allocator-copy")
+        worker.start()
+    finally:
+        threading.stack_size(stack)
+    worker.join()
+    if not copies:
+        raise RuntimeError("the allocator model could not be copied")
+    return copies[0]
+
+
+_COPY_DEPTH = 2_000_000  # Python frames: some ten per block of the model
+_COPY_STACK = 1 << 30  # bytes of the copying thread's stack (reserved, not used until needed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,7 +312,7 @@ class TrackerBackend(Backend):
         model = self.ledger.model
         if model is None:
             return None
-        return _AllocatorState(copy.deepcopy(model), {key: ref.counted for key, ref in self.ledger.live.items()})
+        return _AllocatorState(_copied(model), {key: ref.counted for key, ref in self.ledger.live.items()})
 
     def start_afresh(self, state: object | None) -> None:
         """The allocator model as `state` holds it (its peaks kept), where the same storages are live and
@@ -294,7 +325,7 @@ class TrackerBackend(Backend):
             self._place_anew(ledger.settings)
             return
         assert isinstance(state, _AllocatorState)
-        restored = copy.deepcopy(state.model)
+        restored = _copied(state.model)
         for key, ref in ledger.live.items():
             ledger.allocated += state.counted[key] - ref.counted
             ref.counted = state.counted[key]
