@@ -8,7 +8,8 @@ on meta (width 2048, sequence 1024, AdamW; a batch of 1 takes other ops), a step
 as n squared, the fit guide's steps (a Linear(1024, 1024) against 80 GiB on meta and on the CPU, whose
 host cannot hold 80 GiB; its MLP against 24 GB warmed up and not, and against an L4), a fit under a test
 capacity smaller than its own, and a 1B Llama-like decoder (16 layers, width 2048, MLP 8192, vocabulary
-128,256, sequence 2048, bf16, AdamW) against an H100-80GB and an A100-40GB. A wrong answer is one where
+128,256, sequence 2048, bf16, AdamW) against an H100-80GB and an A100-40GB, and 4 checkpointed MLP blocks
+(Linear(1024, 4096), GELU, Linear(4096, 1024)) against 2 GiB on meta, warmed up. A wrong answer is one where
 N's loop runs out or N + 1's runs.
 
 Run: python benchmarks/fit_cases.py [--json PATH] [--only NAME]
@@ -86,6 +87,27 @@ def guide_mlp(device: str) -> Step:
     return step
 
 
+def checkpointed(device: str) -> Step:
+    """4 blocks of Linear(1024, 4096), GELU, Linear(4096, 1024), each checkpointed (recomputed in backward)."""
+    from torch.utils.checkpoint import checkpoint
+
+    with torch.device(device):
+        blocks = [
+            torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024))
+            for _ in range(4)
+        ]
+
+    def step(n: int) -> None:
+        x = torch.randn(n, 1024, device=device)
+        for block in blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        x.sum().backward()  # type: ignore[no-untyped-call]
+        for block in blocks:
+            block.zero_grad(set_to_none=True)
+
+    return step
+
+
 LLAMA_1B = Shape(layers=16, hidden=2048, heads=32, mlp=8192, vocab=128_256, seq=2048)
 
 
@@ -138,6 +160,7 @@ CASES = [
     Case("8-layer decoder, width 2048, seq 1024", "meta", decoder, [1, 2, 3], "24 GiB"),
     Case("the fit guide's step, 80 GiB", "meta", guide, [8, 16, 32], "80 GiB", False),
     Case("the fit guide's step, 80 GiB, on the CPU", "cpu", guide, [8, 16, 32], "80 GiB", False),
+    Case("4 checkpointed MLP blocks, 2 GiB", "meta", checkpointed, [8, 16, 32], "2 GiB"),
     Case("under a 128 MiB test capacity", "meta", lambda d: linear_adamw(2048, d), [8, 16, 32], "200 MiB", True, 2**27),
 ]
 

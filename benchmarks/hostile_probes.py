@@ -1,6 +1,8 @@
 """Hostile input, end to end: every option, ini value, marker argument, allocator setting, baseline file and
 report file that a user could get wrong, each run as a user would run it, counting INTERNALERRORs and
-tracebacks through the plugin's own frames (the target is zero of each).
+tracebacks through the plugin's own frames (the target is zero of each); and the failures a user's own
+code meets under the plugin (issue #48's: a backward or a cast op that raises, a bad fit step, a marker added
+in the test, a fork server that cannot start), whose tracebacks must hold no frame of the plugin either.
 
     python benchmarks/hostile_probes.py [--jobs 2] [--only SUBSTRING] [--json probes.json]
 
@@ -133,6 +135,80 @@ BASELINE_FILES = (
 REPORTS = (*BASELINE_FILES, '{"tests": [{"nodeid": 1}]}', '{"tests": [{}]}', '{"tests": "x"}')
 
 
+FORK_SERVER = """
+def nothing(rank, world_size, meter):
+    pass
+
+
+def test_world(gpumem, monkeypatch):
+    monkeypatch.setenv("PYTHONHOME", "/nonexistent")
+    gpumem.distributed(nothing, 2)
+"""
+
+USER_ERRORS = """
+import pytest
+import torch
+
+
+class Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("boom in backward")
+
+
+def test_backward(gpumem):
+    Boom.apply(torch.ones(3, device=gpumem.device, requires_grad=True)).sum().backward()
+
+
+def test_cast_op(gpumem):
+    with torch.autocast("cuda", dtype=torch.float16):
+        torch.mm(torch.ones(3, 4, device=gpumem.device), torch.ones(5, 6, device=gpumem.device))
+
+
+def test_fit_none(gpumem):
+    gpumem.fit(None, [1, 2, 4], "1 GB")
+
+
+def test_fit_no_argument(gpumem):
+    gpumem.fit(lambda: torch.ones(10), [1, 2, 4], "1 GB")
+
+
+def test_marker_in_body(request, gpumem):
+    request.node.add_marker(pytest.mark.max_memory(capacity="1 MiB", device="meta"))
+    torch.zeros(1024, 1024, device=gpumem.device)
+
+
+def test_item(gpumem):
+    torch.ones(3, device=gpumem.device).sum().item()
+"""
+
+UNMEASURED = """
+import torch
+
+
+def test_device(gpumem):
+    torch.ones(3, device=gpumem.device)
+"""
+
+
+def issue_48() -> Iterator[Probe]:
+    """The defects issue #48 found outside replay, each as its user met it."""
+    for conf in ("garbage", "max_split_size_mb:\u00b2"):
+        env = (("PYTORCH_CUDA_ALLOC_CONF", conf),)
+        disabled, files = ("--gpumem-disable", "--gpumem-round=cuda"), (("test_unmeasured.py", UNMEASURED),)
+        yield Probe(f"#48 disable ALLOC_CONF={conf!r}", disabled, env=env, files=files)
+    workspace = (("CUBLAS_WORKSPACE_CONFIG", ":" + "9" * 5000 + ":2"),)
+    for flag in ("--gpumem-round=cuda", "--gpumem-device=meta"):
+        yield Probe(f"#48 CUBLAS_WORKSPACE_CONFIG 5,000 digits {flag}", (flag,), env=workspace)
+    yield Probe("#48 fork server cannot start", (), files=(("test_world.py", FORK_SERVER),))
+    for device in ((), ("--gpumem-device=meta",)):
+        yield Probe(f"#48 user errors {' '.join(device)}", device, files=(("test_user.py", USER_ERRORS),))
+
+
 @dataclass(frozen=True)
 class Probe:
     name: str
@@ -179,6 +255,7 @@ def probes() -> Iterator[Probe]:
         yield Probe(f"history {flag} {value}", ("history", flag, value), cli=True, files=())
     for i, pickle in enumerate(("", "not a pickle", "version https://git-lfs.github.com/spec/v1\n")):
         yield Probe(f"replay bad file #{i}", ("replay", "s.pickle"), cli=True, files=(("s.pickle", pickle),))
+    yield from issue_48()
 
 
 PLUGIN_FRAME = re.compile(r"(pytest_gpumem[/\\][\w/\\]+\.py)[\":, ]+(?:line )?(\d+)")

@@ -48,6 +48,7 @@ _CUBLAS_WORKSPACE_LARGE = 4096 * 8 * 1024
 _LARGE_WORKSPACE_MAJORS = frozenset((9, 10, 12))
 _THREADS_PER_SM = {(7, 5): 1024, (8, 6): 1536, (8, 9): 1536, (12, 0): 1536}  # 2048 on 8.0, 9.0, 10.0
 _WORKSPACE_PAIR = re.compile(r":([0-9]+):([0-9]+)")
+_C_INT_MAX = 2**31 - 1  # torch reads each number of CUBLAS_WORKSPACE_CONFIG with std::stoi
 _SIZE_START = re.compile(r"^[-+.0-9]")
 
 
@@ -170,6 +171,12 @@ def cublas_workspace_bytes(capability: tuple[int, int] | None, environ: Mapping[
     pairs = _WORKSPACE_PAIR.findall(config or "")
     if not pairs:  # torch warns and takes its default where the variable is set but unreadable
         return default
+    for number in (number for pair in pairs for number in pair):
+        if len(number.lstrip("0")) > len(str(_C_INT_MAX)) or int(number) > _C_INT_MAX:
+            raise ModelError(
+                f"CUBLAS_WORKSPACE_CONFIG={shorten(config)}: {shorten(number)} is past what torch reads there (a C "
+                f"int, at most {_C_INT_MAX:,}): on a card the first matmul fails"
+            )
     return sum(int(size) * 1024 * int(count) for size, count in pairs)
 
 

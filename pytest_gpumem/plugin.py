@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Generator
 from typing import TYPE_CHECKING
 
 import pytest
@@ -101,7 +102,9 @@ def pytest_gpumem_make_backend(config: pytest.Config, name: str) -> Backend | No
     from pytest_gpumem.backends import make_builtin
 
     options = config.stash[SESSION_KEY].options
-    return make_builtin(name, options.rounding, options.device, options.paths)
+    # unmeasured, only its device is read: no allocator is modelled, so none of its settings is read
+    rounding = "none" if options.disabled else options.rounding
+    return make_builtin(name, rounding, options.device, options.paths)
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
@@ -121,6 +124,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     if session.options.measure_all or any(_measures(item) for item in items):
         _measure_calls(session)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
+    """A fixture may mark its test with max_memory: measure calls from then on, when nothing else did."""
+    yield
+    session = item.config.stash[SESSION_KEY]
+    if not session.options.disabled and not session.measuring and _measures(item):
+        _measure_calls(session)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
+    __tracebackhide__ = True
+    if item.config.stash[SESSION_KEY].options.disabled:
+        return (yield)
+    from pytest_gpumem.run.late_markers import markers_refused
+
+    with markers_refused(item):
+        return (yield)
 
 
 def pytest_report_collectionfinish(config: pytest.Config) -> str | None:

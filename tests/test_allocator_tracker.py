@@ -78,7 +78,7 @@ def test_running_out_in_a_test_says_what_was_reserved_and_that_fragmentation_is_
         [
             # CUDA names the segment it tried to reserve: 20 MiB for a request under 10 MiB
             "out of memory in the call (tried to allocate 20.0 MiB) after a peak of 40.0 MiB (41,943,040 B): past "
-            "the capacity 40 MiB (max_memory capacity=); fragmentation (20.0 MiB reserved but unallocated)",
+            "max_memory(capacity='40 MiB'); fragmentation (20.0 MiB reserved but unallocated)",
             "allocator when it ran out: 40.0 MiB reserved, 20.0 MiB allocated and 20.0 MiB reserved but unallocated",
             "fragmentation: no free block holds 8.0 MiB, though 20.0 MiB is reserved but unallocated; "
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets that memory serve it",

@@ -109,6 +109,25 @@ def test_slack_is_added_to_the_tolerance(tracker: pytest.Pytester) -> None:
     tracker.runpytest("--gpumem-tolerance=0").assert_outcomes(passed=1)  # the default slack: 1 MiB
 
 
+def test_growth_that_passes_only_by_the_slack_is_named_with_the_slack_that_fails_it(tracker: pytest.Pytester) -> None:
+    """A tiny config's 20% growth passes under the 1 MiB default slack, and the run says so."""
+    suite(tracker, a=100_000, b=1000)
+    tracker.runpytest("--gpumem-update").assert_outcomes(passed=2)
+    suite(tracker, a=120_000, b=1000)  # 400,000 B -> 480,000 B: 60,000 B past 5%, passed by the slack
+    result = tracker.runpytest("-p", "no:randomly")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "warning: 1 test grew past the tolerance and passed only by the 1.0 MiB slack: "
+            "test_suite.py::test_alloc[[]a[]] made +20.0%; --gpumem-slack=58KiB fails it"
+        ]
+    )
+    tracker.runpytest("--gpumem-slack=58KiB").assert_outcomes(passed=1, failed=1)  # 59,392 B < 60,000 B
+    tracker.runpytest("--gpumem-slack=59KiB").assert_outcomes(passed=2)  # 60,416 B
+    suite(tracker, a=100_000, b=1000)
+    tracker.runpytest().stdout.no_fnmatch_line("*passed only by*")
+
+
 def test_marker_tolerance_overrides(tracker: pytest.Pytester) -> None:
     tracker.makepyfile(
         test_suite="""

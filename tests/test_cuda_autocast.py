@@ -388,3 +388,39 @@ def test_a_cuda_autocast_region_left_open_is_closed_when_the_measurement_ends() 
         backend.stop()
     assert not torch.is_autocast_enabled("cuda")
     assert backend.notes() == ["a CUDA autocast region the test entered was still open when it ended: closed"]
+
+
+def test_an_error_in_a_cast_op_or_in_backward_shows_no_frame_of_the_plugin(tracker: pytest.Pytester) -> None:
+    """The user's traceback holds the test's frames and torch's, as unmeasured: not the emulation's casts
+    nor the wrapper that runs backward under the GPU's paths."""
+    tracker.makepyfile(
+        """
+        import torch
+
+        class Boom(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x * 2
+
+            @staticmethod
+            def backward(ctx, grad):
+                raise ValueError("boom in backward")
+
+        def test_backward(gpumem):
+            Boom.apply(torch.ones(3, device=gpumem.device, requires_grad=True)).sum().backward()
+
+        def test_cast_op(gpumem):
+            with torch.autocast("cuda", dtype=torch.float16):
+                torch.mm(torch.ones(3, 4, device=gpumem.device), torch.ones(5, 6, device=gpumem.device))
+
+        def test_banned(gpumem):
+            with torch.autocast("cuda", dtype=torch.float16):
+                x = torch.ones(3, device=gpumem.device)
+                torch.nn.functional.binary_cross_entropy(x, x)
+        """
+    )
+    result = tracker.runpytest("--gpumem-device=meta", "-p", "no:randomly")
+    result.assert_outcomes(failed=3)
+    said = ["E * boom in backward", "E * must have same reduction dim*", "E * unsafe to autocast*"]
+    result.stdout.fnmatch_lines(said)
+    result.stdout.no_fnmatch_line("*pytest_gpumem*.py:*")

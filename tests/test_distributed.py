@@ -252,6 +252,31 @@ def test_faults_end_every_rank_and_fail_one_test_in_one_line(
     assert not list(own_tmp.glob("gpumem-dist-*"))  # the rendezvous folders are gone
 
 
+@pytest.mark.slow
+def test_a_fork_server_that_cannot_start_fails_its_test_in_one_line(tracker: pytest.Pytester) -> None:
+    """In its own process: the resource tracker multiprocessing starts with the test's environment dies too."""
+    tracker.makepyfile(
+        """
+        def nothing(rank, world_size, meter):
+            pass
+
+        def test_world(gpumem, monkeypatch):
+            monkeypatch.setenv("PYTHONHOME", "/nonexistent")
+            gpumem.distributed(nothing, 2)
+        """
+    )
+    result = tracker.runpytest_subprocess(*UNPLUGGED)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*::test_world: the ranks' fork server (a Python started as a spawned rank would be) exited with code 1 "
+            "as it started; the test sets PYTHONHOME='/nonexistent': its own error is in the test's captured stderr",
+        ]
+    )
+    result.stdout.no_fnmatch_line("*EOFError*")
+    result.stdout.no_fnmatch_line("*pytest_gpumem/distributed*.py:*")
+
+
 SLEEPING = """
 import os, time
 from pathlib import Path

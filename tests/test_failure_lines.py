@@ -54,15 +54,20 @@ def test_who_holds_a_leak_and_what_each_module_left() -> None:
         kinds=(("parameters", 3264), ("saved for backward", 2048)),
         graph=True,
         holder="global STATE of test_x (a list)",
-        modules=(*(("parameters", str(i), 1088) for i in range(3)), ("saved for backward", "0", 1024)),
+        modules=(
+            *(("parameters", f"blocks.{i}.fc", 1000) for i in range(3)),
+            ("parameters", "head", 264),
+            ("saved for backward", "blocks.0.fc", 1024),
+            ("saved for backward", "head", 1024),
+        ),
     )
     assert holding.held() == "held by an autograd graph kept alive by global STATE of test_x (a list)"
     assert holding.parts(lambda n: f"{n:,} B") == "parameters 3,264 B, saved for backward 2,048 B"
-    assert holding.by_module(lambda n: f"{n:,} B", width=60) == [
-        "left allocated by module: parameters 3,264 B: 0 1,088 B, 1",
-        "  1,088 B, 2 1,088 B",
-        "left allocated by module: saved for backward 2,048 B: 0",
-        "  1,024 B",
+    assert holding.by_module(lambda n: f"{n:,} B", width=70) == [  # repeated blocks folded, as elsewhere
+        "left allocated by module: parameters 3,264 B: blocks.* 3,000 B (3",
+        "  blocks), head 264 B",
+        "left allocated by module: saved for backward 2,048 B: blocks.* 1,024 B",
+        "  (3 blocks), head 1,024 B",
     ]
     assert Holding((), False, "global KEEP of t (a list)").held() == "kept by global KEEP of t (a list)"
     assert Holding((), False, None).held() == ""
@@ -104,8 +109,8 @@ def test_a_leak_names_its_holder_first_and_its_survivors_in_the_section(
             # three layers' outputs (256 B each: the last one for pow) and is 4 B itself
             "left 5.3 kB allocated after the call (leak limit 1 kB), held by an autograd graph kept alive by "
             "global STATE of test_leaks (a list): parameters 3.3 kB, saved for backward 2.0 kB, graph outputs 8 B",
-            "left allocated by module: parameters 3.2 KiB: 0 1.1 KiB, 1 1.1 KiB, 2 1.1 KiB",
-            "left allocated by module: saved for backward 2.0 KiB: 0 512 B, 1 512 B, 2 512 B",
+            "left allocated by module: parameters 3.2 KiB: * 3.2 KiB (3 blocks)",
+            "left allocated by module: saved for backward 2.0 KiB: * 1.5 KiB (3 blocks)",
         ]
     )
     assert all(len(test["message"]) <= LINE_WIDTH for test in reported().values())
@@ -174,8 +179,8 @@ def test_out_of_memory_on_the_allocators_model_says_the_cause_and_the_section_it
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
-            "out of memory in grow (tried to allocate 20.0 MiB) after a peak of 40.0 MiB (41,943,040 B): past the "
-            "capacity 40 MiB (max_memory capacity=); fragmentation (20.0 MiB reserved but unallocated)",
+            "out of memory in grow (tried to allocate 20.0 MiB) after a peak of 40.0 MiB (41,943,040 B): past "
+            "max_memory(capacity='40 MiB'); fragmentation (20.0 MiB reserved but unallocated)",
             "also: over its budget 30 MiB too, at 40.0 MiB",
             "allocator when it ran out: 40.0 MiB reserved, 20.0 MiB allocated and 20.0 MiB reserved but unallocated",
             "fragmentation: no free block holds 8.0 MiB, though 20.0 MiB is reserved but unallocated; "

@@ -386,6 +386,37 @@ def test_bad_arguments_are_refused_in_one_line(kwargs: dict[str, Any], expected:
     assert "\n" not in str(info.value)
 
 
+def test_a_step_that_cannot_be_called_with_a_batch_size_fails_its_test_in_one_line(tracker: pytest.Pytester) -> None:
+    tracker.makepyfile(
+        """
+        import torch
+
+        def test_none(gpumem):
+            gpumem.fit(None, [1, 2, 4], "1 GB")
+
+        def test_no_argument(gpumem):
+            gpumem.fit(lambda: torch.ones(10), [1, 2, 4], "1 GB")
+
+        def test_two_arguments(gpumem):
+            def step(n, model):
+                pass
+            gpumem.fit(step, [1, 2, 4], "1 GB")
+        """
+    )
+    result = tracker.runpytest("-p", "no:randomly")
+    result.assert_outcomes(failed=3)
+    result.stdout.fnmatch_lines(
+        [
+            "*::test_none: fit step must be a function of the batch size, called as step(n), got None",
+            "*::test_no_argument: fit step must take the batch size as its one argument, called as step(n); "
+            "test_no_argument.<locals>.<lambda>() cannot be",
+            "*::test_two_arguments: fit step must take the batch size as its one argument, called as step(n); "
+            "test_two_arguments.<locals>.step(n, model) cannot be",
+        ]
+    )
+    result.stdout.no_fnmatch_line("*TypeError*")
+
+
 def test_integer_like_sizes_are_accepted(tracked: Tracked) -> None:
     fit = fit_peaks(rows, (n for n in np.array([1, 2, 3])), "1 MiB", tracked)
     assert fit.sizes == (1, 2, 3) and all(type(n) is int for n in fit.sizes)
@@ -396,6 +427,54 @@ def test_result_is_frozen(tracked: Tracked) -> None:
     assert isinstance(fit, BatchFit) and fit.predict(10) == FIXED + 10 * ROW
     with pytest.raises(AttributeError):
         fit.largest = 1  # type: ignore[misc]
+
+
+FRESH = """
+import pathlib, pytest, torch
+from torch.utils.checkpoint import checkpoint
+
+def checkpointed():
+    with torch.device("meta"):
+        blocks = [torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512))
+                  for _ in range(4)]
+
+    def step(n):
+        x = torch.randn(n, 512, device="meta")
+        for block in blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        x.sum().backward()
+        for block in blocks:
+            block.zero_grad(set_to_none=True)
+
+    return step
+
+@pytest.mark.max_memory(device="meta", tolerance=5)
+def test_fit(gpumem):
+    step = checkpointed()
+    step(8)  # the warm-up a fresh test makes too
+    found = gpumem.fit(step, [8, 16, 32], "256 MiB")
+    pathlib.Path("answer").write_text(str(found.largest))
+
+@pytest.mark.parametrize("above", [0, 1])
+@pytest.mark.max_memory(capacity="256 MiB", device="meta")
+def test_fresh(gpumem, above):
+    n = int(pathlib.Path("answer").read_text()) + above
+    step = checkpointed()
+    step(8)
+    for _ in range(3):
+        step(n)
+"""
+
+
+@pytest.mark.slow
+def test_a_fits_answer_runs_in_a_fresh_test_and_the_next_size_does_not(tracker: pytest.Pytester) -> None:
+    """Checkpointed blocks on meta: each loop of the fit starts from the allocator's state when it began (the
+    warm-up's cached segments kept) and without the gradients a loop that ran out of memory left."""
+    tracker.makepyfile(FRESH)
+    result = tracker.runpytest("-p", "no:randomly")
+    result.assert_outcomes(passed=2, failed=1)
+    ran_out = "out of memory in the call *past max_memory(capacity='256 MiB')*"
+    result.stdout.fnmatch_lines(["*_ test_fresh[[]1[]] _*", ran_out])
 
 
 def test_the_fixture_fits_a_batch_size(tracker: pytest.Pytester, reported: Reported) -> None:

@@ -386,6 +386,10 @@ def test_a_memory_suite_runs_unmeasured_under_disable(tracker: pytest.Pytester) 
     )
     assert json.loads((tracker.path / "out.json").read_text())["tests"] == []
     tracker.runpytest(*flags).assert_outcomes(failed=2)  # measured: a budget, a missing baseline
+    with pytest.MonkeyPatch.context() as env:  # no allocator is modelled: its settings are not read
+        env.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:\u00b2")
+        env.setenv("CUBLAS_WORKSPACE_CONFIG", ":99999999999:1")
+        tracker.runpytest(*flags, "--gpumem-disable", "--gpumem-round=cuda").assert_outcomes(passed=1, skipped=1)
 
 
 def test_the_unmeasured_fixture_offers_what_the_measuring_one_does() -> None:

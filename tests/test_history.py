@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from pytest_gpumem.baselines.compare import Tolerance
 from pytest_gpumem.baselines.schema import BaselineError, loads
 from pytest_gpumem.cli import main
 from pytest_gpumem.history.git import Commit, Head, Version, head
-from pytest_gpumem.history.series import read
+from pytest_gpumem.history.series import Gate, Series, SeriesPoint, offenders, read
 from pytest_gpumem.history.table import sparkline
 from pytest_gpumem.report.width import display_width
 from pytest_gpumem.results import PhaseResult, TestResult
@@ -344,6 +345,49 @@ def test_a_report_before_the_range_read_is_not_in_the_history(repo: Path, capsys
         f"{git(repo, 'rev-parse', shorts[0]).strip()[7:12]}, which is not in the history read "
         f"(its commits: {shorts[2]} to HEAD)\n"
     )
+
+
+def cpu_report(sha: str, peaks: dict[str, int]) -> str:
+    """A --gpumem-json report of the CPU job, made at `sha`: the committed file's identity and figures."""
+    tests = []
+    for nodeid, peak in peaks.items():
+        phases = {"forward": PhaseResult("forward", peak // 2, peak // 2, None, 0)}
+        test = TestResult(nodeid, "tracker", "cpu", PhaseResult("call", peak, peak, None, 0), phases)
+        test.baseline_entry = Entry(DeviceIdentity("tracker", "cpu"), peak, {"forward": peak // 2}, "2.13.0", None)
+        tests.append(test.to_json())
+    return json.dumps({"version": 1, "backend": "tracker", "device": "cpu", "commit": {"sha": sha, "dirty": False},
+                       "tests": tests})  # fmt: skip
+
+
+def test_the_gates_offenders_come_first_once_each_with_reports_of_the_same_figures(
+    repo: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """test_big grows 40% (past 20% + 1 MiB); test_small 50%, but by 31 KiB, within the slack."""
+    (repo / "ci").mkdir()
+    for day, (big, small) in enumerate([(10 << 20, 62 << 10), (14 << 20, 93 << 10)], start=1):
+        peaks = {"t.py::test_big": big, "t.py::test_small": small}
+        sha = git(repo, "rev-parse", commit(repo, baselines(peaks), f"c{day}", day)).strip()
+        (repo / "ci" / f"{day}.json").write_text(cpu_report(sha, peaks))
+    assert main(["history", "--no-sparklines", "--reports", "ci", "--max-growth", "20"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    named = [line for line in out if line.startswith("t.py::")]
+    assert named == [
+        "t.py::test_big  [tracker cpu]",
+        "t.py::test_big  [tracker cpu (reports)]",
+        "t.py::test_small  [tracker cpu]",
+        "t.py::test_small  [tracker cpu (reports)]",
+    ]
+    grew = [line.split(" (")[0] for line in out if line.startswith("grew:")]
+    assert grew == ["grew: t.py::test_big [tracker cpu] call: 10.0 MiB -> 14.0 MiB"]  # forward: 7 MiB, at the gate
+
+
+def test_reports_of_other_figures_are_said_on_the_committed_offenders_line() -> None:
+    c1, c2 = Commit("a" * 40, "aaaaaaa", "2026-11-01", "c1"), Commit("b" * 40, "bbbbbbb", "2026-11-02", "c2")
+    committed = Series("t.py::t", "tracker cpu", "call", [SeriesPoint(c1, 100), SeriesPoint(c2, 200)])
+    reported = Series("t.py::t", "tracker cpu (reports)", "call", [SeriesPoint(c1, 100), SeriesPoint(c2, 300)], True)
+    (line,) = offenders([committed, reported], Gate(Tolerance(10, 0)))
+    assert line.startswith("t.py::t [tracker cpu] call: 100 B -> 200 B (+100.0%, more than 10%) in 1 step: bbbbbbb")
+    assert line.endswith("; in the reports 100 B -> 300 B")
 
 
 ENTRY = TestResult("t.py::x", "cuda", "cuda:0", PhaseResult("call", 1, 1, None, 0)).to_json()

@@ -89,6 +89,32 @@ def test_a_clean_merge_is_read_as_the_file_it_holds(
 
 
 @pytest.fixture(scope="module")
+def release(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """git-flow: v1 tags a release branch's commit (400 B), merged into main after an unrelated commit;
+    main then grows the test by 5%."""
+    repo = init(tmp_path_factory.mktemp("release") / "repo")
+    save(repo, {"t.py::test_a": 100}, "start", 1)
+    git(repo, "checkout", "-q", "-b", "release")
+    tagged = save(repo, {"t.py::test_a": 400}, "release 1", 2)
+    git(repo, "tag", "v1")
+    git(repo, "checkout", "-q", "main")
+    (repo / "README").write_text("x\n")
+    record(repo, "unrelated", 3)
+    merged = merge(repo, "release", 4)
+    return repo, [tagged, merged, save(repo, {"t.py::test_a": 420}, "grows 5%", 5)]
+
+
+def test_since_a_tag_on_a_merged_release_branch_starts_from_the_file_as_the_tag_holds_it(
+    release: tuple[Path, list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    repo, (tagged, merged, grown) = release
+    assert points(repo, tmp_path, "--since", "v1") == [[tagged, 400], [merged, 400], [grown, 420]]
+    assert main(["history", str(repo / FILE), "--since", "v1", "--max-growth", "10", "--slack", "0"]) == 0
+    assert main(["history", str(repo / FILE), "--since", "v1", "--max-growth", "4", "--slack", "0"]) == 1
+    assert "grew since v1: t.py::test_a [tracker cpu] call: 400 B -> 420 B (+5.0%" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
 def both_sides(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
     """Main and a side branch each change another test of the file; the merge is clean (git merges the
     two hunks) and holds the side branch's 200 B for test_a, main's later commit 100 B."""

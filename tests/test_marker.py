@@ -9,7 +9,7 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 import pytest
-from builders import Reported
+from builders import Reported, assert_one_line_failure
 
 from pytest_gpumem import Budget, GpuMemError, budget_from_marker
 from pytest_gpumem.budget import max_memory
@@ -276,3 +276,66 @@ def test_marker_registered_with_every_argument_it_takes(pytester: pytest.Pyteste
     taken = {"limit": "1 MiB", "tolerance": 5, "capacity": "1 GiB", "leak": 0, "device": "meta", "explain": True}
     assert set(taken) | {"phase_limits"} == set(inspect.signature(max_memory).parameters)
     assert budget_from_marker((), taken).explain
+
+
+def test_a_marker_added_where_it_cannot_take_effect_fails_its_test_in_one_line(
+    pytester: pytest.Pytester, reported: Reported
+) -> None:
+    """Inside the test function (the call already runs, unmeasured or as marked before) and, for meta, after
+    the gpumem fixture was made on the CPU; from a fixture before gpumem, a marker takes effect, also in a
+    run where no other test measures."""
+    pytester.makepyfile(
+        """
+        import pytest, torch
+
+        def test_in_body(request):
+            request.node.add_marker(pytest.mark.max_memory(capacity="1 MiB", device="meta"))
+            torch.zeros(1024, 1024)
+
+        def test_in_body_measured(request, gpumem):
+            request.applymarker(pytest.mark.max_memory("1 MiB"))
+            torch.zeros(1024, 1024)
+
+        def test_other_marker_in_body(request):
+            request.node.add_marker("slow")
+            assert request.node.get_closest_marker("slow") is not None
+
+        @pytest.fixture
+        def on_meta(request):
+            request.node.add_marker(pytest.mark.max_memory("1 MiB", device="meta"))
+
+        def test_meta_after_gpumem(gpumem, on_meta):
+            torch.zeros(1024, 1024, device=gpumem.device)
+
+        def test_meta_before_gpumem(on_meta, gpumem):
+            assert str(gpumem.device) == "meta"
+            torch.zeros(1024, 1024, device=gpumem.device)  # 4 MiB on meta: over 1 MiB
+
+        @pytest.fixture
+        def capped(request):
+            request.node.add_marker(pytest.mark.max_memory("1 KiB"))
+
+        def test_marked_by_a_fixture(capped):
+            torch.zeros(1024)  # 4 KiB
+        """
+    )
+    result = pytester.runpytest("-p", "no:randomly", "--gpumem-backend=tracker", "--gpumem-json=out.json")
+    result.assert_outcomes(passed=1, failed=5)
+    result.stdout.fnmatch_lines(
+        [
+            "*::test_in_body: max_memory added inside the test function, after its call began: it would be "
+            "ignored; put it on the test (a decorator, pytestmark or pytest.param(..., marks=...)) or add it "
+            "from a fixture",
+            "*::test_in_body_measured: max_memory added inside the test function*",
+            "*::test_meta_after_gpumem: max_memory(device='meta') was added after the gpumem fixture was made on "
+            "cpu: the test would run on cpu; put it on the test*from a fixture that runs before gpumem",
+            "*call peak 4.0 MiB exceeds max_memory 1 MiB*",
+            "*call peak 4.0 KiB exceeds max_memory 1 KiB*",
+        ]
+    )
+    assert_one_line_failure(result)
+    status = {name: test["status"] for name, test in reported().items()}
+    assert status["test_meta_before_gpumem"] == status["test_marked_by_a_fixture"] == "OVER BUDGET"
+    alone = pytester.runpytest("-p", "no:randomly", "--gpumem-backend=tracker", "-k", "test_marked_by_a_fixture")
+    alone.assert_outcomes(failed=1)
+    alone.stdout.fnmatch_lines(["*call peak 4.0 KiB exceeds max_memory 1 KiB*"])

@@ -145,21 +145,28 @@ def test_budget_passed_already(gpumem):
 @pytest.mark.max_memory("1 GB", capacity="190 MB")
 def test_own_capacity(gpumem):
     big()
+
+@pytest.mark.max_memory(capacity="A100-40GB", device="meta")
+def test_card(gpumem):
+    torch.empty(50 * 2**30, dtype=torch.uint8, device=gpumem.device)
 """
 
 
 def test_out_of_memory_names_the_limit_hit(tracker: pytest.Pytester) -> None:
     tracker.makepyfile(OUT_OF_MEMORY)
     result = tracker.runpytest("-p", "no:randomly", "--gpumem-capacity=200MB")
-    result.assert_outcomes(failed=3)
-    oom = "out of memory in the call (tried to allocate 76.3 MiB) after a peak of 160.0 MB: past the capacity"
+    result.assert_outcomes(failed=4)
+    oom = "out of memory in the call (tried to allocate 76.3 MiB) after a peak of 160.0 MB: past"
     result.stdout.fnmatch_lines(
         [
             # the option's 200 MB binds; the budget (256 MB) is not the cause and was not exceeded
-            f"{oom} 200MB (--gpumem-capacity)",
+            f"{oom} the capacity 200MB (--gpumem-capacity)",
             # a budget the peak had already passed is named as well
-            f"{oom} 200MB (--gpumem-capacity); over its budget 100 MB too, at 160.0 MB",
-            f"{oom} 190 MB (max_memory capacity=)",
+            f"{oom} the capacity 200MB (--gpumem-capacity); over its budget 100 MB too, at 160.0 MB",
+            f"{oom} max_memory(capacity='190 MB')",
+            # a card's usable bytes: its 42,298,834,944 B less the 512 MiB CUDA's context keeps
+            "out of memory in the call (tried to allocate 50.0 GiB) after a peak of 0 B: past "
+            "max_memory(capacity='A100-40GB'), 38.9 GiB usable; a prediction on meta",
         ]
     )
     result.stdout.no_fnmatch_line("*budget 256 MB*")
@@ -246,7 +253,7 @@ def test_capacity_and_out_of_memory(tracker: pytest.Pytester, reported: Reported
     result.stdout.fnmatch_lines(
         [
             "out of memory in backward (tried to allocate 7.8 KiB) after a peak of 4.0 kB: "
-            "past the capacity 10 kB (max_memory capacity=)",
+            "past max_memory(capacity='10 kB')",
         ]
     )
     result.stdout.no_fnmatch_line("*Traceback*")

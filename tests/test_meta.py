@@ -121,11 +121,49 @@ def test_data_dependent_ops_fail_in_one_line(tracker: pytest.Pytester) -> None:
     result = tracker.runpytest("--gpumem-device=meta")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
-        [f"*::test_needs_data: this test cannot run on the meta device (tensors without data): {said}"]
+        [
+            f"*::test_needs_data: this test cannot run on the meta device (tensors without data): {said}; "
+            "asked at test_*.py:5 in test_needs_data"
+        ]
     )
     result.stdout.no_fnmatch_line("*Traceback*")
     result.stdout.no_fnmatch_line("*pytest_gpumem/*.py:*")
     result.stdout.no_fnmatch_line("*All traceback entries are hidden*")  # our line only, no word of frames
+
+
+def test_a_value_asked_for_on_meta_names_the_library_frame_and_the_users(tracker: pytest.Pytester) -> None:
+    """A library's data-dependent branch (as HF's masks on a batch above 1) names the library's line that
+    asked for a value and the test's line that called it; the test's own `.item()` names its line alone."""
+    library = tracker.mkdir("site-packages").joinpath("masks")
+    library.mkdir()
+    library.joinpath("__init__.py").write_text(
+        "def packed(ids):\n    lengths = ids.ne(0).sum(-1)\n    if (lengths > 1).all():\n        return None\n"
+    )
+    tracker.makeconftest("import sys, os\nsys.path.insert(0, os.path.join(os.path.dirname(__file__), 'site-packages'))")
+    tracker.makepyfile(
+        """
+        import torch, masks
+
+        def test_library(gpumem):
+            ids = torch.ones(2, 8, dtype=torch.long, device=gpumem.device)
+            masks.packed(ids)
+
+        def test_own(gpumem):
+            torch.ones(3, device=gpumem.device).sum().item()
+        """
+    )
+    result = tracker.runpytest("--gpumem-device=meta", "-p", "no:randomly")
+    result.assert_outcomes(failed=2)
+    item = "Tensor.item() needs a value (so do float(), int(), bool(), `if` on a tensor)"
+    result.stdout.fnmatch_lines(
+        [
+            f"*::test_library: this test cannot run on the meta device (tensors without data): {item}; asked at "
+            "masks/__init__.py:3 in packed, called from test_a_value_asked_for_on_meta_*.py:5 in test_library",
+            f"*::test_own: this test cannot run on the meta device (tensors without data): {item}; asked at "
+            "test_a_value_asked_for_on_meta_*.py:8 in test_own",
+        ]
+    )
+    result.stdout.no_fnmatch_line("*Traceback*")
 
 
 def test_meta_needs_the_tracker() -> None:
@@ -175,8 +213,8 @@ def test_a_marker_makes_one_test_a_prediction(tracker: pytest.Pytester, reported
     # the forward's cuBLAS workspace (8 MiB + 128 KiB) and 1 KiB of scalars served from them (11.8 MiB)
     result.stdout.fnmatch_lines(
         [
-            "out of memory in the call (tried to allocate 1.0 GiB) after a peak of 1.0 GiB: past the capacity 2 GiB "
-            "(max_memory capacity=); a prediction on meta",
+            "out of memory in the call (tried to allocate 1.0 GiB) after a peak of 1.0 GiB: past "
+            "max_memory(capacity='2 GiB'); a prediction on meta",
             "allocator when it ran out: 1.0 GiB reserved, 1.0 GiB allocated and 11.8 MiB reserved but unallocated",
             "*max_memory device=: only 'meta' (a prediction without data) is chosen per test, got 'cuda'",
         ]

@@ -229,6 +229,7 @@ IDLE = {
 }
 IDLE |= {"run.regression", "run.session", "run.xdist", "results.checks"}
 IDLE |= {"report", "report.writers"}  # the writers' table: a report must not overwrite the baselines
+IDLE |= {"run.late_markers"}  # a max_memory marker added too late fails its test, also in a run that measures nothing
 
 
 def test_an_idle_plugin_imports_neither_torch_nor_the_measuring_modules(pytester: pytest.Pytester) -> None:

@@ -154,6 +154,24 @@ def test_cublas_workspace_config_sets_the_size_as_on_the_gpu(monkeypatch: pytest
     assert backend.ledger.workspace_bytes == 32 * MIB
 
 
+@pytest.mark.parametrize("number", ["9" * 5000, "2147483648"])
+def test_a_cublas_workspace_config_torch_cannot_read_stops_the_run_in_one_line(
+    tracker: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, number: str
+) -> None:
+    """torch reads each number with std::stoi: past a C int the first matmul fails on a card (and Python
+    refuses to convert 5,000 digits); 2,147,483,647 is still read."""
+    assert cublas_workspace_bytes(None, {"CUBLAS_WORKSPACE_CONFIG": ":1:2147483647"}) == 1024 * (2**31 - 1)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", f":{number}:2")
+    tracker.makepyfile("def test_nothing(gpumem):\n    pass\n")
+    result = tracker.runpytest("--gpumem-device=meta")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        [f"ERROR: CUBLAS_WORKSPACE_CONFIG=':{number[:5]}*:2'*: '{number[:5]}* is past what torch reads there (a C "
+         "int, at most 2,147,483,647): on a card the first matmul fails"]
+    )  # fmt: skip
+    result.stdout.no_fnmatch_line("*INTERNALERROR*")
+
+
 def test_without_the_allocators_model_there_is_none() -> None:
     backend = TrackerBackend("none")
     backend.start()

@@ -124,6 +124,16 @@ class Backend(abc.ABC):
         """Free every cuBLAS workspace its allocator keeps (each measured test makes its own)."""
         return None
 
+    def allocator_state(self) -> object | None:
+        """The allocator's state now, for `start_afresh` to serve from again (`gpumem.fit` takes it when
+        it begins); None where it cannot be set, as a real allocator's cannot."""
+        return None
+
+    def start_afresh(self, state: object | None) -> None:
+        """Serve the next allocations from `state` (`allocator_state()`), as a fresh test that reached the
+        same point would: `gpumem.fit`'s loops each start there. Nothing where it cannot be set."""
+        return None
+
     def expandable_segments(self) -> contextlib.AbstractContextManager[None] | None:
         """A block within which its allocator serves with expandable segments (`gpumem.fit` compares its
         answer with theirs); None where it cannot be changed or has them already."""

@@ -40,6 +40,7 @@ __all__ = [
     "compare",
     "compare_peak",
     "environment_warnings",
+    "passed_by_slack",
 ]
 
 _SizeFormatter = Callable[[int], str]
@@ -260,6 +261,15 @@ def compare_peak(
         )
         return PhaseComparison(phase, stored, current, allowed, change, BaselineStatus.IMPROVED, message)
     return PhaseComparison(phase, stored, current, allowed, change, BaselineStatus.OK)
+
+
+def passed_by_slack(comparison: PhaseComparison, slack: int) -> bool:
+    """Whether a peak that passed grew past its tolerance's percent and passed only by the slack's bytes
+    (`Tolerance.upper` less the slack): growth a tiny config's CI would miss under the 1 MiB default."""
+    stored, current, allowed = comparison.baseline, comparison.current, comparison.allowed
+    if comparison.status != BaselineStatus.OK or not stored or current is None or allowed is None:
+        return False
+    return current > allowed - slack
 
 
 def _in_percent(stored: int, current: int) -> bool:

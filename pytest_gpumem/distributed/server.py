@@ -39,6 +39,8 @@ from collections.abc import Iterator, Mapping
 from multiprocessing import connection, context, forkserver, popen_forkserver, process, reduction, spawn, util
 from typing import Any
 
+from cuda_allocator_model import shorten
+from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.private_torch import DYNAMO
 
 _RANK_CODE = ("pytest_gpumem.distributed.worker", "torch.multiprocessing", "torch.distributed", DYNAMO)
@@ -82,6 +84,12 @@ class _Servers:
             _ensure_running(server)
             return server.connect_to_new_process(fds)
 
+    def not_started(self, preload: tuple[str, ...]) -> str:
+        """Why the server for `preload` gave no rank (it exited as it started), once it is reaped."""
+        with self.lock:
+            server = self.servers.pop((preload, *_start_key(preload)), None)
+            return _not_started(None if server is None else _reap(server))
+
     def stop_all(self) -> None:
         with self.lock:
             while self.servers:
@@ -103,6 +111,32 @@ def _ensure_running(server: forkserver.ForkServer) -> None:
         _forget(server)
     with _short_socket_folder():
         server.ensure_running()
+
+
+def _reap(server: forkserver.ForkServer) -> int | None:
+    """The exit code of a server that is exiting or has exited (killed if it still runs), then forgotten."""
+    pid = server._forkserver_pid  # type: ignore[attr-defined]
+    if pid is None:
+        return None
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    try:
+        status = os.waitpid(pid, 0)[1]
+    except ChildProcessError:
+        status = None
+    _forget(server)
+    return None if status is None else os.waitstatus_to_exitcode(status)
+
+
+def _not_started(code: int | None) -> str:
+    """Why no rank could start: the server exited as it started, in the environment the test set."""
+    how = "exited" if code is None else f"exited with code {code}"
+    home = os.environ.get("PYTHONHOME")
+    suspect = f"; the test sets PYTHONHOME={shorten(home)}" if home is not None else ""
+    return (
+        f"the ranks' fork server (a Python started as a spawned rank would be) {how} as it started{suspect}: "
+        "its own error is in the test's captured stderr"
+    )
 
 
 def _stop(server: forkserver.ForkServer) -> None:
@@ -178,7 +212,11 @@ class _Popen(popen_forkserver.Popen):
         parent_w = os.dup(w)  # the rank's sentinel of this process, as in popen_forkserver
         with open(w, "wb", closefd=True) as f:
             f.write(buf.getbuffer())
-        self.pid = forkserver.read_signed(self.sentinel)
+        try:
+            self.pid = forkserver.read_signed(self.sentinel)
+        except EOFError:  # the server closed the connection: it exited as it started
+            os.close(parent_w)
+            raise GpuMemError(_SERVERS.not_started(process_obj.preload)) from None
         self.pidfd = _pidfd(self.pid)
         kept = (parent_w, self.sentinel) if self.pidfd is None else (parent_w, self.sentinel, self.pidfd)
         self.finalizer = util.Finalize(self, util.close_fds, kept)  # type: ignore[attr-defined]

@@ -38,3 +38,21 @@ def fold(module: str, folds: Collection[str]) -> str:
 def _group_of(parent: str) -> str:
     """The name of the group of `parent`'s numbered children."""
     return f"{parent}.*" if parent else "*"
+
+
+def numbered_lists(modules: Collection[str]) -> dict[str, int]:
+    """Where no module classes are known, by name alone: each parent whose numbered children (`h.0`, `h.1`,
+    ...) are two or more and hold the same submodules among `modules`, as its group with how many."""
+    below: dict[str, dict[str, set[str]]] = {}  # parent -> number -> the paths below that child
+    for module in modules:
+        parts = module.split(".")
+        for index, part in enumerate(parts):
+            if part.isdigit():
+                parent = ".".join(parts[:index])
+                below.setdefault(parent, {}).setdefault(part, set()).add(".".join(parts[index + 1 :]))
+                break
+    return {
+        _group_of(parent): len(children)
+        for parent, children in below.items()
+        if len(children) > 1 and len({frozenset(paths) for paths in children.values()}) == 1
+    }

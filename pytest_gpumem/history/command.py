@@ -26,7 +26,7 @@ from pytest_gpumem.baselines.schema import paused_gc
 from pytest_gpumem.constants import DEFAULT_FILENAME, DEFAULT_SLACK_BYTES
 from pytest_gpumem.history.git import Commit, GitError, Repo, Version
 from pytest_gpumem.history.reports import Reports, read_reports
-from pytest_gpumem.history.series import Gate, Series, build, offenders, read
+from pytest_gpumem.history.series import Gate, Series, build, gate_first, offenders, read
 from pytest_gpumem.history.table import json_text, markdown_text, table
 
 __all__ = ["GitError", "add_parser", "run"]
@@ -96,11 +96,11 @@ def _run(args: argparse.Namespace, write: Write, say: Say) -> int:
     skipped = [*parsed.skipped, *(reports.skipped if reports else [])]
     for line in skipped:
         _note(line)
-    series = build(parsed.stores, reports.stores if reports else ())
+    gate = None if args.max_growth is None else Gate(Tolerance(args.max_growth, args.slack), args.since)
+    series = gate_first(build(parsed.stores, reports.stores if reports else ()), gate)
     sparklines = args.sparklines if args.sparklines is not None else sys.stdout.isatty()
     say(table(series, sparklines) if series else f"{args.file}: no baselines in its committed versions")
     commits = _axis([c for c, _ in parsed.stores], reports)
-    gate = None if args.max_growth is None else Gate(Tolerance(args.max_growth, args.slack), args.since)
     if args.json is not None:
         write(args.json, json_text(series, commits, skipped))
     if args.markdown is not None:
@@ -160,17 +160,21 @@ def _same(a: Path, b: Path) -> bool:
 
 
 def _since(repo: Repo, versions: list[Version], since: str) -> list[Version]:
-    """The version as it was at ``since`` (the newest before the range), then the versions in it: a ref
-    is the range ``REF..HEAD``, a date ``git rev-list --since`` (both along the first-parent line)."""
+    """The version as it was at ``since``, then the versions in the range: a ref is the range ``REF..HEAD``
+    and the file as REF holds it (also a tag off the first-parent line, on a release branch merged since),
+    a date ``git rev-list --since`` and the newest version before it (both along the first-parent line)."""
+    at = None
     if repo.is_ref(since):
         revisions = [f"{since}..HEAD"]
+        at = repo.at(since)
     elif (when := _date(since)) is not None:
         revisions = [f"--since={when}", "HEAD"]
     else:
         raise GitError(f"--since {since}: neither a commit, branch or tag nor a date like 2026-11-01")
     inside = repo.inside(revisions)
     before = [v for v in versions if v.commit.sha not in inside]
-    return [*before[-1:], *(v for v in versions if v.commit.sha in inside)]
+    first = [at] if at is not None else before[-1:]
+    return [*first, *(v for v in versions if v.commit.sha in inside)]
 
 
 def _date(since: str) -> str | None:

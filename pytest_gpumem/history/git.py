@@ -144,6 +144,15 @@ class Repo:
         args = ["log", "--first-parent", "-z", f"--format={_FORMAT}", "HEAD", "--not", f"{oldest.sha}^@"]
         return [commit for commit, _, _ in _records(self._run(args, "git log failed"))][::-1]
 
+    def at(self, ref: str) -> Version | None:
+        """The file as commit ``ref`` holds it, under its name now (a tag of a merged release branch is off
+        the first-parent line); None where ``ref`` holds no file of that name."""
+        out = self._run(["log", "-1", "--no-walk", "-z", f"--format={_FORMAT}", f"{ref}^{{commit}}"], "git log failed")
+        commit = next(_records(out))[0]
+        answer = self._run(["cat-file", "--batch"], "git cat-file failed", f"{commit.sha}:{self.path}\n".encode())
+        (data,) = _blobs(answer)
+        return None if data is None else Version(commit, self.path, data)
+
     def inside(self, revisions: Sequence[str]) -> set[str]:
         """The hashes of the first-parent commits that ``git rev-list`` selects with ``revisions``."""
         text = self._text(["rev-list", "--first-parent", *revisions], "git rev-list failed")

@@ -23,6 +23,7 @@ __all__ = [
     "Step",
     "build",
     "device_label",
+    "gate_first",
     "growth_text",
     "offenders",
     "read",
@@ -199,18 +200,38 @@ class Gate:
 
 def offenders(series: Iterable[Series], gate: Gate) -> list[str]:
     """One line per series that broke ``gate``: the test, the phase, both figures and the commits of
-    its steps."""
+    its steps. A reported series whose committed twin (same test, device and phase) broke it too is said
+    on the twin's line, where its figures differ, not on a line of its own."""
+    broken = [s for s in series if gate.broke(s)]
+    committed = {(s.nodeid, s.device, s.phase): s for s in broken if not s.reported}
+    said: dict[int, Series] = {}  # the committed twin's id -> the reported series said on its line
+    for s in broken:
+        twin = committed.get((s.nodeid, s.device.removesuffix(_REPORTED), s.phase)) if s.reported else None
+        if twin is not None:
+            said[id(twin)] = s
     lines = []
-    for s in series:
-        if not gate.broke(s):
+    for s in broken:
+        if s.reported and any(reported is s for reported in said.values()):
             continue
         steps = ", ".join(f"{step.commit.short} {signed(step.change)}" for step in s.steps)
         count = f"{len(s.steps)} step{'' if len(s.steps) == 1 else 's'}"
+        reported = said.get(id(s))
+        also = (
+            ""
+            if reported is None or (reported.first, reported.latest) == (s.first, s.latest)
+            else (f"; in the reports {format_size(reported.first)} -> {format_size(reported.latest)}")
+        )
         lines.append(
             f"{s.nodeid} [{s.device}] {s.phase}: {format_size(s.first)} -> {format_size(s.latest)} "
-            f"({growth_text(s)}, more than {gate.tolerance.describe()}) in {count}: {steps}"
+            f"({growth_text(s)}, more than {gate.tolerance.describe()}) in {count}: {steps}{also}"
         )
     return lines
+
+
+def gate_first(series: Sequence[Series], gate: Gate | None) -> list[Series]:
+    """The series that broke ``gate`` first (each group in its order, by growth), so that a small change
+    large in percent is never ranked above them."""
+    return list(series) if gate is None else sorted(series, key=lambda s: not gate.broke(s))
 
 
 def signed(n: int) -> str:

@@ -17,6 +17,7 @@ what the host can give is refused before it runs.
 
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 import weakref
@@ -72,6 +73,38 @@ class _Optimizers:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         handle = register_optimizer_step_pre_hook(self.stepped)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+
+class _Gradients:
+    """The parameters of the modules the fit's runs call that had no gradient when first called: a loop
+    that ran out of memory in backward leaves them gradients a fresh test's loop would not start with."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()  # by id: a tensor's == compares its values
+        self.bare: list[weakref.ref[Any]] = []
+
+    def called(self, module: Any, args: object) -> None:
+        for param in module.parameters(recurse=False):
+            if id(param) not in self.seen:
+                self.seen.add(id(param))
+                if param.grad is None:
+                    self.bare.append(weakref.ref(param))
+
+    def forget(self) -> None:
+        for ref in self.bare:
+            param = ref()
+            if param is not None:
+                param.grad = None
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        handle = register_module_forward_pre_hook(self.called)
         try:
             yield
         finally:
@@ -139,6 +172,7 @@ class _Fit:
     backend: Backend | None = None
     host: int | None = None  # bytes of the host's a run may take beyond what was live (the CPU); None: no limit
     optimizers: _Optimizers = field(default_factory=_Optimizers)
+    gradients: _Gradients = field(default_factory=_Gradients)
     growth: _Growth | None = None
     warm_up: int = 0  # bytes the first run left allocated
     over: int = MAX_BATCH + 1  # a size whose step alone, held to the capacity, did not fit
@@ -148,9 +182,17 @@ class _Fit:
     samples: list[Sample] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
     known: dict[int, Check] = field(default_factory=dict)  # the loop run at each size, by size
+    began: object | None = None  # the allocator's state when the fit began, each loop's start
+    afresh: bool = True  # loops start from `began`; False: from an emptied cache (the expandable search)
 
-    def sample(self, n: int, limit: int | None = None, steps: int = 1, done: list[int] | None = None) -> Sample:
+    def sample(
+        self, n: int, limit: int | None = None, steps: int = 1, done: list[int] | None = None, loop: bool = False
+    ) -> Sample:
+        """A run of `steps` steps of size n: a sample on an allocator with no segment cached by other sizes,
+        a `loop` on the allocator as `forget` left it (as the fit began)."""
         __tracebackhide__ = True
+        if self.backend is not None and not (loop and self.afresh):
+            self.backend.empty_cache()
         sample = _check_sample(self.measure(_bound(self.step, n, steps, done), limit), n)
         if sample.out_of_memory and limit is None:
             raise GpuMemError(f"fit: the step ran out of memory at size {n:,}, after {format_size(sample.peak)}")
@@ -167,7 +209,7 @@ class _Fit:
         self._host_allows(n)
         self.forget()
         done = [0]
-        sample = self.sample(n, self.capacity, LOOP_STEPS, done)
+        sample = self.sample(n, self.capacity, LOOP_STEPS, done, loop=True)
         steps = done[0] + sample.out_of_memory
         check = Check(n, sample.peak, sample.out_of_memory, sample.held, sample.place(), steps)
         self.checks.append(check)
@@ -176,10 +218,16 @@ class _Fit:
 
     def forget(self) -> None:
         """Free what the fit's first run made and kept (optimizer state, cuBLAS workspaces), for a loop's
-        first step to make again among its activations, as in a fresh process."""
+        first step to make again among its activations, and serve the loop from the allocator's state when
+        the fit began (none of the cache its earlier runs left), as a fresh test that runs the loop there."""
         self.optimizers.forget_state()
-        if self.warm_up and self.backend is not None:
-            self.backend.clear_workspaces()
+        if self.afresh:
+            self.gradients.forget()
+        if self.backend is not None:
+            if self.warm_up:
+                self.backend.clear_workspaces()
+            if self.afresh:
+                self.backend.start_afresh(self.began)
 
     def _host_allows(self, n: int) -> None:
         __tracebackhide__ = True
@@ -229,6 +277,7 @@ def fit_peaks(
     the step keeps memory from one size to the next, and where the answer needs runs that cannot be made.
     """
     __tracebackhide__ = True
+    _check_step(step)
     checked = _check_sizes(sizes)
     with from_the_model():
         judged = parse_capacity(capacity, FIT_CAPACITY)
@@ -236,7 +285,8 @@ def fit_peaks(
     if not isinstance(confirm, bool):
         raise GpuMemError(f"fit confirm= must be True or False, got {shorten(confirm)}")
     fit = _Fit(step, measure, judged.bytes, runs_refused, backend, given=max(checked))
-    with fit.optimizers.watching():
+    fit.began = None if backend is None else backend.allocator_state()
+    with fit.optimizers.watching(), fit.gradients.watching():
         for n in checked:
             fit.sizes.append(n)
             fit.samples.append(fit.sample(n))
@@ -457,7 +507,7 @@ def _with_expandable(fit: _Fit, found: BatchFit) -> BatchFit:
     if backend is None or serving is None:
         return found
     checks, known = fit.checks, fit.known
-    fit.checks, fit.known = [], {}
+    fit.checks, fit.known, fit.afresh = [], {}, False  # no state a fresh test has under these settings
     fit.optimizers.forget_state()  # before the live storages are placed anew, as a fresh process has them:
     backend.clear_workspaces()  # made by the loop's first step, the workspaces at its first matmuls
     try:
@@ -465,7 +515,7 @@ def _with_expandable(fit: _Fit, found: BatchFit) -> BatchFit:
             answer = _search(fit, 1 if found.largest is None else found.largest)
         return replace(found, expandable=answer, expandable_checks=tuple(fit.checks))
     finally:
-        fit.checks, fit.known = checks, known
+        fit.checks, fit.known, fit.afresh = checks, known, True
 
 
 def _bound(step: Callable[[int], object], n: int, steps: int, done: list[int] | None) -> Callable[[], object]:
@@ -483,6 +533,24 @@ def _bound(step: Callable[[int], object], n: int, steps: int, done: list[int] | 
         return value
 
     return run
+
+
+def _check_step(step: object) -> None:
+    """A step is called as step(n): refuse, in one line, what cannot be (a signature torch or C code does not
+    tell is taken as it is)."""
+    if not callable(step):
+        raise GpuMemError(f"fit step must be a function of the batch size, called as step(n), got {shorten(step)}")
+    try:
+        signature = inspect.signature(step)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(1)
+    except TypeError:
+        name = getattr(step, "__qualname__", type(step).__name__)
+        raise GpuMemError(
+            f"fit step must take the batch size as its one argument, called as step(n); {name}{signature} cannot be"
+        ) from None
 
 
 def _check_sizes(sizes: object) -> list[int]:

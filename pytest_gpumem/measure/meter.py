@@ -178,7 +178,6 @@ class GpuMem:
             holding = backend.held_to(limit) if limit is not None and backend.holds_capacity else None
             recording = backend.timeline()
             start, out_of_memory, timeline = 0, False, None
-            backend.empty_cache()  # each size as in a fresh process: no segments cached by other sizes
             try:
                 with self.phase(phase):
                     start = self.backend.current().allocated  # the phase's start: what is live before the step

@@ -6,6 +6,7 @@ import gc
 import inspect
 import os
 import sys
+import sysconfig
 import textwrap
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -33,7 +34,50 @@ def needs_real_values(exc: BaseException, device: object) -> str | None:
     from pytest_gpumem.backends.tracker.meta_errors import cannot_run_on_meta
 
     reason = cannot_run_on_meta(exc) if str(device) == "meta" else None
-    return None if reason is None else f"this test cannot run on the meta device (tensors without data): {reason}"
+    if reason is None:
+        return None
+    return f"this test cannot run on the meta device (tensors without data): {reason}{_asked_where(exc)}"
+
+
+def _asked_where(exc: BaseException) -> str:
+    """'; asked at transformers/masking_utils.py:761 in find_packed_sequence_indices, called from
+    test_lm.py:12 in test_step': the innermost frame outside torch and this package (the code that asked
+    for a value), and the innermost frame of the user's own code when that is not it."""
+    torch = sys.modules.get("torch")
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep if torch and torch.__file__ else None
+    frames = [
+        tb
+        for tb in _tracebacks(exc)
+        if not (path := tb.tb_frame.f_code.co_filename).startswith("<")
+        and not os.path.abspath(path).startswith(_PACKAGE)
+        and (torch_dir is None or not os.path.abspath(path).startswith(torch_dir))
+    ]
+    if not frames:
+        return ""
+    asker = frames[-1]
+    user = next((tb for tb in reversed(frames) if _library_part(tb.tb_frame.f_code.co_filename) is None), None)
+    called = "" if user is None or user is asker else f", called from {_frame_text(user)}"
+    return f"; asked at {_frame_text(asker)}{called}"
+
+
+def _library_part(filename: str) -> str | None:
+    """The path of an installed library's file below its site-packages folder (or of the standard
+    library's below its folder), or None for the user's code."""
+    for folder in ("site-packages", "dist-packages"):
+        _, found, after = filename.rpartition(f"{os.sep}{folder}{os.sep}")
+        if found:
+            return after
+    stdlib = sysconfig.get_paths()["stdlib"] + os.sep
+    return filename.removeprefix(stdlib) if filename.startswith(stdlib) else None
+
+
+def _frame_text(tb: TracebackType) -> str:
+    code = tb.tb_frame.f_code
+    path = _library_part(code.co_filename)
+    if path is None:
+        path = os.path.abspath(code.co_filename)
+        path = os.path.relpath(path) if path.startswith(os.getcwd() + os.sep) else path
+    return f"{path}:{tb.tb_lineno} in {code.co_name}"
 
 
 def uninitialized_in_ours(exc: BaseException) -> str | None:
@@ -95,15 +139,29 @@ class Holding:
         return ", ".join(f"{what} {fmt(size)}" for what, size in self.kinds)
 
     def by_module(self, fmt: Callable[[int], str], width: int = 120) -> list[str]:
-        """For each kind some module made, what each made, in lines of at most `width` characters:
-        'left allocated by module: parameters 3.0 MiB: 0 257.0 KiB, 1 257.0 KiB, ...'."""
+        """For each kind some module made, what each made, repeated blocks folded as the rest of the report
+        folds them, in lines of at most `width` characters: 'left allocated by module: parameters 3.0 MiB:
+        blocks.* 2.9 MiB (12 blocks), head 103.0 KiB'."""
+        from pytest_gpumem.explain.blocks import fold, numbered_lists
+
+        folds = numbered_lists({module for _, module, _ in self.modules})
         lines = []
         for what, size in self.kinds:
-            made = ", ".join(f"{module} {fmt(b)}" for w, module, b in self.modules if w == what)
+            grouped: dict[str, int] = {}
+            for w, module, b in self.modules:
+                if w == what:
+                    group = fold(module, folds)
+                    grouped[group] = grouped.get(group, 0) + b
+            ranked = sorted(grouped.items(), key=lambda item: -item[1])
+            made = ", ".join(f"{group} {fmt(b)}{_blocks(folds.get(group))}" for group, b in ranked)
             if made:
                 text = f"left allocated by module: {what} {fmt(size)}: {made}"
                 lines += textwrap.wrap(text, width, subsequent_indent="  ", break_long_words=False)
         return lines
+
+
+def _blocks(count: int | None) -> str:
+    return "" if count is None else f" ({count} blocks)"
 
 
 def leak_holding(live: Mapping[int, tuple[int, Any]]) -> Holding | None:

@@ -115,7 +115,7 @@ def out_of_memory_message(
     where = f"in {phase}" if phase else "in the call"
     asked = re.search(r"[Tt]ried to allocate ([\d.,]+ ?[KMGTP]?i?B)", exception_text(exc))
     tried = f" (tried to allocate {asked.group(1)})" if asked else ""
-    limits = ": the device's memory ran out" if capacity is None else f": past the {_capacity_hit(budget, capacity)}"
+    limits = ": the device's memory ran out" if capacity is None else f": past {_capacity_hit(budget, capacity)}"
     peak = format_size(measured.peak()) if capacity is None else capacity.fmt(measured.peak())
     state, fragmented = _allocator_state(exc)
     clauses = [
@@ -150,9 +150,13 @@ def _allocator_state(exc: BaseException) -> tuple[tuple[str, ...], str]:
 
 
 def _capacity_hit(budget: Budget | None, capacity: Limit) -> str:
-    """'capacity 10 kB (max_memory capacity=)'; the option's limit is written with its flag already."""
-    source = " (max_memory capacity=)" if budget is not None and budget.capacity is capacity else ""
-    return f"capacity {capacity.written}{source}"
+    """The limit hit, as the test set it: max_memory(capacity='10 kB'), or the capacity 200MB (--gpumem-capacity) (the
+    option's limit is written with its flag already); a card's usable bytes after its name."""
+    if budget is not None and budget.capacity is capacity:
+        named = f"max_memory(capacity={capacity.written!r})"
+    else:
+        named = f"the capacity {capacity.written}"
+    return named if capacity.card is None else f"{named}, {format_size(capacity.bytes, binary=True)} usable"
 
 
 def _budget_over(budget: Budget | None, measured: Measurement, phase: str | None) -> str:

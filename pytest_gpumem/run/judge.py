@@ -31,6 +31,7 @@ from pytest_gpumem.report.advice_text import advice_section
 from pytest_gpumem.report.failures import FailureLine, out_of_memory_message
 from pytest_gpumem.results import REPORT_ATTRIBUTE, PhaseResult, Status, TestResult, agree_with_pytest, junit_properties
 from pytest_gpumem.run import test_files
+from pytest_gpumem.run.late_markers import device_too_late
 from pytest_gpumem.run.outputs import WRITE_ERRORS
 from pytest_gpumem.run.session import JUDGE, MEASUREMENT_KEY, GpuMemSession
 
@@ -176,6 +177,9 @@ class Judge:
         try:
             budget = _with_default(_budget_of(marks), session.options.default_budget)
             measured = session.measurement(item)
+            late = device_too_late(item, measured)
+            if late is not None:
+                raise GpuMemError(late)
             watch = _watch_of(session.options, budget, session.baselines.explains(item.nodeid, measured.backend))
             watch.apply(measured.backend, measured)
         except ModelError as exc:

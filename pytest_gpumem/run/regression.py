@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from cuda_allocator_model import format_size
 from pytest_gpumem.config import BaselineOptions, Options
+from pytest_gpumem.constants import DEFAULT_SLACK_BYTES
 
 if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
@@ -19,6 +21,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.baselines.update import UpdateSummary
     from pytest_gpumem.budget import Budget
     from pytest_gpumem.measure.measurement import Measurement
+    from pytest_gpumem.results import TestResult
     from pytest_gpumem.results.baseline import DeviceIdentity, Entry, Verdict
 
 
@@ -43,14 +46,44 @@ def identity_of(backend: Backend) -> DeviceIdentity:
         raise GpuMemError(f"the {backend.name} backend's identity(): {exc}") from None
 
 
-def selection_flags(options: Options) -> list[str]:
+def selection_flags(options: Options, slack: int = DEFAULT_SLACK_BYTES) -> list[str]:
     """The options that decide which tests a run measures and for which device identity: a run that
-    records baselines needs the same ones as the run that enforces them, or it records other tests."""
+    records baselines needs the same ones as the run that enforces them, or it records other tests (under
+    --gpumem-all, the slack too: a test whose peaks stay within it needs no baseline)."""
     flags = [f"--gpumem-backend={options.backend}"] if options.backend_given else []
     flags += [] if options.rounding == "auto" else [f"--gpumem-round={options.rounding}"]
     flags += [] if options.device == "cpu" else [f"--gpumem-device={options.device}"]
     flags += [] if options.paths is None else [f"--gpumem-paths={options.paths}"]
-    return [*flags, "--gpumem-all"] if options.measure_all else flags
+    if not options.measure_all:
+        return flags
+    return [*flags, "--gpumem-all"] + ([] if slack == DEFAULT_SLACK_BYTES else [f"--gpumem-slack={slack}"])
+
+
+def slack_hint(results: Iterable[TestResult], slack: int) -> list[str]:
+    """A line naming the tests whose peaks grew past their tolerance and passed only by the slack (the
+    first three, each with its largest such growth), and the largest slack that fails them all."""
+    from pytest_gpumem.baselines.compare import change_text, passed_by_slack
+
+    grown: list[str] = []
+    margin = slack  # the least growth past a tolerance's percent, among them
+    for result in results:
+        found = [c for c in result.verdict.comparisons if passed_by_slack(c, slack)] if result.verdict else []
+        for comparison in found:
+            assert comparison.allowed is not None and comparison.current is not None
+            margin = min(margin, comparison.current - (comparison.allowed - slack))
+        if found:
+            # the largest growth, a phase's name before the call's when they grew alike
+            worst = max(found, key=lambda c: ((c.current or 0) - (c.baseline or 0), c.phase is not None))
+            grown.append(f"{result.nodeid} {worst.label} {change_text(worst.baseline or 0, worst.current or 0)}")
+    if not grown:
+        return []
+    shown = ", ".join(grown[:3]) + (f" and {len(grown) - 3} more" if len(grown) > 3 else "")
+    fails = f"{(margin - 1) // 1024}KiB" if margin > 1024 else str(margin - 1)
+    tests, them = ("test", "it") if len(grown) == 1 else ("tests", "them")
+    return [
+        f"warning: {len(grown)} {tests} grew past the tolerance and passed only by the {format_size(slack)} "
+        f"slack: {shown}; --gpumem-slack={fails} fails {them}"
+    ]
 
 
 def partial_run(config: pytest.Config, session: pytest.Session) -> bool:

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 import pytest
 
 from cuda_allocator_model import ModelError
-from pytest_gpumem.budget import MARKER
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.results import Status
-from pytest_gpumem.run.regression import BaselineRun, partial_run, selection_flags
+from pytest_gpumem.run.late_markers import marked_meta
+from pytest_gpumem.run.regression import BaselineRun, partial_run, selection_flags, slack_hint
 from pytest_gpumem.run.xdist import worker_id
 
 if TYPE_CHECKING:
@@ -32,14 +32,6 @@ XDIST = "gpumem-xdist"  # the controller's hand-over hooks, registered where xdi
 REGISTERED = (JUDGE, BASELINES, XDIST)  # every plugin a run registers, removed at its end
 
 
-def _marked_meta(item: pytest.Item) -> bool:
-    """Whether the closest max_memory marker that names a device names meta (bad markers fail later)."""
-    for mark in item.iter_markers(MARKER):
-        if "device" in mark.kwargs:
-            return bool(mark.kwargs["device"] == "meta")
-    return False
-
-
 def _cuda_device_count() -> int:
     import torch
 
@@ -54,7 +46,7 @@ class GpuMemSession:
         self.config = config
         self.options = options
         self.baselines = baselines
-        baselines.selection = selection_flags(options)
+        baselines.selection = selection_flags(options, baselines.options.slack)
         self._results: dict[str, TestResult] = {}
         self._backend: Backend | None = None
         self._meta: Backend | None = None
@@ -99,7 +91,7 @@ class GpuMemSession:
         if measured is None:
             from pytest_gpumem.measure.measurement import Measurement
 
-            backend = self.meta_backend() if _marked_meta(item) else self.backend()
+            backend = self.meta_backend() if marked_meta(item) else self.backend()
             measured = item.stash[MEASUREMENT_KEY] = Measurement(backend, item.nodeid)
         return measured
 
@@ -233,5 +225,6 @@ class GpuMemSession:
             missing = [r.nodeid for r in self.results if r.status == Status.MISSING_BASELINE]
             regressed = [r.nodeid for r in self.results if r.status == Status.REGRESSED]
             self.baseline_lines += self.baselines.finish(records, self.backend, missing, regressed)
+            self.baseline_lines += slack_hint(self.results, self.baselines.options.slack)
         except ModelError as exc:
             self.problems.append(str(exc))

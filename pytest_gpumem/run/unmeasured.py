@@ -32,10 +32,12 @@ class Unmeasured:
     @property
     def device(self) -> torch.device:
         """Where the test's tensors would go to be measured."""
-        return self._backend().device
+        __tracebackhide__ = True
+        return self.backend.device
 
     @property
     def backend(self) -> Backend:
+        __tracebackhide__ = True
         return self._backend()
 
     @property

@@ -214,11 +214,13 @@ class CudaAutocast:
         return functools.partial(self._unknown, op, name)
 
     def _cast_to(self, op: Any, dtype: torch.dtype | None, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # an op's error shows the test's frames and torch's
         with without_cuda_autocast():
             to = _lower() if dtype is None else dtype
             return op(*self.cast_all(to, args), **self.cast_all(to, kwargs))
 
     def _set_opt_dtype(self, op: Any, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # an op's error shows the test's frames and torch's
         with without_cuda_autocast():
             if not self._eligible(args[0]):
                 return op(*args, **kwargs)
@@ -226,17 +228,20 @@ class CudaAutocast:
             return op(*args, **kwargs)
 
     def _append_dtype(self, op: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # an op's error shows the test's frames and torch's
         with without_cuda_autocast():
             first = args[0]
             dtype = _float32() if self._eligible(first) else first.dtype
             return target(*_with_defaults(op, args), **kwargs, dtype=dtype)
 
     def _promote(self, op: Any, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # an op's error shows the test's frames and torch's
         with without_cuda_autocast():
             to = functools.reduce(self._prioritize, tensors_in([*args, *kwargs.values()]), _lower())
             return op(*self.cast_all(to, args), **self.cast_all(to, kwargs))
 
     def _unknown(self, op: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # an op's error shows the test's frames and torch's
         self.note(f"{name} has a CUDA autocast kernel this tracker has no cast policy for: it ran uncast")
         with without_cuda_autocast():
             return op(*args, **kwargs)
@@ -381,6 +386,7 @@ def _with_defaults(op: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _banned(*args: Any, **kwargs: Any) -> Any:
+    __tracebackhide__ = True  # raised where a card's autocast raises it: in the test's call
     raise RuntimeError(BANNED_MESSAGE)
 
 

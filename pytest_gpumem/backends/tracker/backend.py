@@ -8,8 +8,11 @@ cannot see, and on request a recorder of origins and events (`recording`) or an 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import os
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -114,6 +117,43 @@ def stop_counting(mode: Any, ledger: StorageLedger, undo: Callable[[], None] = l
         ledger.recorder = None
 
 
+def _copied(model: Any) -> Any:
+    """A deep copy of the allocator model, made on a thread of its own with a deep stack: its blocks are
+    linked lists, which `copy.deepcopy` follows one recursive call after another."""
+    copies: list[Any] = []
+
+    def run() -> None:
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(max(limit, _COPY_DEPTH))
+        try:
+            copies.append(copy.deepcopy(model))
+        finally:
+            sys.setrecursionlimit(limit)
+
+    stack = threading.stack_size(_COPY_STACK)
+    try:
+        worker = threading.Thread(target=run, name="gpumem-allocator-copy")
+        worker.start()
+    finally:
+        threading.stack_size(stack)
+    worker.join()
+    if not copies:
+        raise RuntimeError("the allocator model could not be copied")
+    return copies[0]
+
+
+_COPY_DEPTH = 2_000_000  # Python frames: some ten per block of the model
+_COPY_STACK = 1 << 30  # bytes of the copying thread's stack (reserved, not used until needed)
+
+
+@dataclasses.dataclass(frozen=True)
+class _AllocatorState:
+    """The allocator model at one moment and the bytes each live storage was counted with then."""
+
+    model: Any
+    counted: dict[int, int]
+
+
 class TrackerBackend(Backend):
     """Counts tensor storages on any device; `rounding="cuda"` predicts the CUDA allocator's counts."""
 
@@ -177,11 +217,11 @@ class TrackerBackend(Backend):
         """From the next allocation on, predict the card called `card` (None: no card named): with the
         allocator's model, its cuBLAS workspaces have the size torch gives its compute capability, or
         `CUBLAS_WORKSPACE_CONFIG`'s, as the GPU job's would (read now)."""
+        modelled = self.rounding == "cuda"  # the environment is read only where the model makes workspaces
         with from_the_model():
             found = None if card is None else find_card(card)
-            self.ledger.workspace_bytes = cublas_workspace_bytes(
-                None if found is None else found.capability, os.environ
-            )
+            capability = None if found is None else found.capability
+            self.ledger.workspace_bytes = cublas_workspace_bytes(capability, os.environ if modelled else None)
         self._on_card(None if found is None else found.total)
         self.ledger.card = found
 
@@ -322,6 +362,33 @@ class TrackerBackend(Backend):
     def empty_cache(self) -> None:
         """Give back the allocator model's free segments (nothing without the model)."""
         self.ledger.empty_cache()
+
+    def allocator_state(self) -> object | None:
+        """A copy of the allocator model (its segments, blocks and cache) and the storages live in it."""
+        model = self.ledger.model
+        if model is None:
+            return None
+        return _AllocatorState(_copied(model), {key: ref.counted for key, ref in self.ledger.live.items()})
+
+    def start_afresh(self, state: object | None) -> None:
+        """The allocator model as `state` holds it (its peaks kept), where the same storages are live and
+        it is served with the same settings; else the live storages placed anew in a model with no cache."""
+        ledger, model = self.ledger, self.ledger.model
+        if model is None:
+            return
+        same = isinstance(state, _AllocatorState) and state.counted.keys() == ledger.live.keys()
+        if not same or state.model.settings != ledger.settings:  # type: ignore[union-attr]
+            self._place_anew(ledger.settings)
+            return
+        assert isinstance(state, _AllocatorState)
+        restored = _copied(state.model)
+        for key, ref in ledger.live.items():
+            ledger.allocated += state.counted[key] - ref.counted
+            ref.counted = state.counted[key]
+        restored.peak_reserved = max(restored.peak_reserved, model.peak_reserved)
+        restored.peak_allocated = max(restored.peak_allocated, model.peak_allocated)
+        restored.capacity = ledger.capacity
+        ledger.model = restored
 
     def expandable_segments(self) -> contextlib.AbstractContextManager[None] | None:
         """A block within which the allocator's model has expandable segments, where it has none; the live

@@ -323,6 +323,7 @@ class Patches:
 
         @functools.wraps(original)
         def run_backward(*args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True  # a failing backward shows the test's frames and torch's, as unmeasured
             with context(args[0] if args else kwargs.get("t_outputs", ())):
                 return original(*args, **kwargs)
 
