@@ -23,7 +23,7 @@ from typing import Any, Final
 from cuda_allocator_model.errors import ModelError
 from cuda_allocator_model.sizes import format_size
 from cuda_allocator_model.snapshots.align import MAX_EDITS, align
-from cuda_allocator_model.snapshots.read import Event, Snapshot, read_snapshot
+from cuda_allocator_model.snapshots.read import Event, Snapshot, collector_paused, read_snapshot
 from cuda_allocator_model.snapshots.replay import CardFigures, replay
 
 __all__ = ["Alignment", "Difference", "Peaks", "Request", "compare", "render", "run_against", "to_json"]
@@ -105,8 +105,9 @@ def compare(
 ) -> Alignment:
     """`card` (a GPU's snapshot) on `device` against `ours` (the prediction's) on `our_device` (the same)."""
     mine = device if our_device is None else our_device
-    real, predicted = replay(card, device), replay(ours, mine)
-    aligned_runs = align([e.size for e in real.requests], [e.size for e in predicted.requests])
+    with collector_paused():
+        real, predicted = replay(card, device), replay(ours, mine)
+        aligned_runs = align([e.size for e in real.requests], [e.size for e in predicted.requests])
     parted = [op for op in aligned_runs.opcodes if op[0] != "equal"]
     differences = tuple(
         Difference(

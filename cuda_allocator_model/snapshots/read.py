@@ -12,6 +12,7 @@ line naming the file and what was found.
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import mmap
 import os
@@ -37,6 +38,7 @@ __all__ = [
     "Snapshot",
     "SnapshotBlock",
     "SnapshotSegment",
+    "collector_paused",
     "format_tier",
     "read_snapshot",
     "snapshot_from_bytes",
@@ -162,9 +164,10 @@ def read_snapshot(path: str | Path) -> Snapshot:
     regular file is read (never a FIFO or a device, which could block or never end), and of it only the
     pickle, up to its STOP."""
     try:
-        with _opened(Path(path)) as data:
-            raw = _unpickle(data)
-        return _snapshot(raw, str(path))
+        with collector_paused():
+            with _opened(Path(path)) as data:
+                raw = _unpickle(data)
+            return _snapshot(raw, str(path))
     except _Refuse as exc:
         raise ModelError(f"{_printable(str(path))}: {exc}") from None
     except OSError as exc:
@@ -192,10 +195,25 @@ def _opened(path: Path) -> Iterator[Buffer]:
 def snapshot_from_bytes(data: bytes, name: str = "<bytes>") -> Snapshot:
     """The snapshot pickled in `data`; `name` is what error messages call it."""
     try:
-        raw = _unpickle(data)
-        return _snapshot(raw, name)
+        with collector_paused():
+            raw = _unpickle(data)
+            return _snapshot(raw, name)
     except _Refuse as exc:
         raise ModelError(f"{_printable(name)}: {exc}") from None
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused for the block: reading a trace makes a million containers
+    that are not garbage, and each collection of them would walk them all again (it took 40% of
+    `--against`'s time). A file's cycles, where one makes any, are collected once the block ends."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 class _Loaded(NamedTuple):
@@ -427,6 +445,8 @@ def _trace(raw: object, where: str, frames: _Frames, budget: _Budget) -> tuple[E
     known = frames.lists
     out: list[Event] = []
     append = out.append
+    # the loop's names bound here: a global's lookup per event and field costs as much as its check
+    make, event, actions, top_address, top_size = tuple.__new__, Event, ACTIONS, MAX_ADDRESS, MAX_SIZE
     for i, record in enumerate(records):
         get = record.get
         action, addr, size, stream = get("action"), get("addr", 0), get("size"), get("stream", 0)
@@ -437,19 +457,19 @@ def _trace(raw: object, where: str, frames: _Frames, budget: _Budget) -> tuple[E
             stack = frames.of(stack_raw, f"{where}[{i}]")
         if (
             type(action) is str
-            and action in ACTIONS
+            and action in actions
             and type(addr) is int
             and type(size) is int
             and type(stream) is int
-            and 0 <= addr < MAX_ADDRESS
-            and 0 <= size < MAX_SIZE
-            and 0 <= stream < MAX_ADDRESS
+            and 0 <= addr < top_address
+            and 0 <= size < top_size
+            and 0 <= stream < top_address
             and (time_us is None or type(time_us) is int)
             and (context is None or (type(context) is str and context.isprintable()))
             and (metadata is None or (type(metadata) is str and metadata.isprintable()))
-            and (free is None or (type(free) is int and 0 <= free < MAX_SIZE))
-        ):
-            append(Event(action, addr, size, stream, stack, time_us, context, metadata, free))
+            and (free is None or (type(free) is int and 0 <= free < top_size))
+        ):  # tuple.__new__: Event's own __new__ is a Python function, one call more per event
+            append(make(event, (action, addr, size, stream, stack, time_us, context, metadata, free)))
         else:
             append(_checked_event(record, f"{where}[{i}]", frames))
     return tuple(out)

@@ -3,6 +3,7 @@ peaks from its trace. Real cards' snapshots are read from ../shared/snapshots (s
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import struct
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 from cuda_allocator_model import ModelError
+from cuda_allocator_model.snapshots.against import compare
 from cuda_allocator_model.snapshots.pickled import MAX_TUPLES
 from cuda_allocator_model.snapshots.read import Snapshot, read_snapshot, snapshot_from_bytes
 from cuda_allocator_model.snapshots.replay import replay, starts_empty
@@ -204,6 +206,22 @@ def test_a_text_file_is_refused() -> None:
 def test_a_missing_file_is_refused_with_its_name(tmp_path: Path) -> None:
     with pytest.raises(ModelError, match=r"nothing\.pickle: cannot read"):
         read_snapshot(tmp_path / "nothing.pickle")
+
+
+@pytest.mark.parametrize("was_on", [True, False])
+def test_reading_leaves_the_garbage_collector_as_it_found_it(was_on: bool) -> None:
+    """The reader pauses Python's collector while it builds a trace; a read, a refusal and a comparison
+    give it back as they found it (a user's process whose collector stayed off would grow without bound)."""
+    good, bad = pickle.dumps(hand_made()), pickle.dumps({"segments": 1})
+    (gc.enable if was_on else gc.disable)()
+    try:
+        snapshot = snapshot_from_bytes(good)
+        with pytest.raises(ModelError):
+            snapshot_from_bytes(bad)
+        compare(snapshot, snapshot)
+        assert gc.isenabled() is was_on
+    finally:
+        gc.enable()
 
 
 # ------------------------------------------------------------------------------------- a hand-made one
