@@ -131,14 +131,18 @@ def replay(snapshot: Snapshot, device: int = 0) -> CardFigures:
     peak_allocated = outside
     reserved = peak_reserved = start[2]
     served: set[int] = set()
+    requests: list[Event] = []
     for event in trace:
         action = event.action
         if action == "alloc":
+            requests.append(event)
             requested += event.size
-            peak_requested = max(peak_requested, requested)
+            if requested > peak_requested:
+                peak_requested = requested
             model.malloc(event.addr, event.size, event.stream)
             served.add(event.addr)
-            peak_allocated = max(peak_allocated, outside + model.allocated)
+            if outside + model.allocated > peak_allocated:
+                peak_allocated = outside + model.allocated
         elif action == "free_completed":
             requested -= event.size
             if event.addr in served:
@@ -151,5 +155,6 @@ def replay(snapshot: Snapshot, device: int = 0) -> CardFigures:
             peak_reserved = max(peak_reserved, reserved)
         elif action in _SHRINK:
             reserved -= event.size
-    requests = tuple(e for e in trace if e.action == "alloc")
-    return CardFigures(empty, peak_requested, peak_allocated, peak_reserved, *start, model.peak_reserved, requests)
+    return CardFigures(
+        empty, peak_requested, peak_allocated, peak_reserved, *start, model.peak_reserved, tuple(requests)
+    )
