@@ -273,6 +273,33 @@ def test_regression_names_the_module_that_grew(tracker: pytest.Pytester) -> None
     )  # fmt: skip
 
 
+def test_the_markdown_says_what_each_recorded_peak_was_made_of_after_a_card(tracker: pytest.Pytester) -> None:
+    """A card's cuBLAS workspace is part of the identity a baseline is stored under: a test that names a card,
+    and the one after it, are found and explained by their stored composition, as every other test is."""
+    tracker.makepyfile(
+        test_cards="""
+        import pytest, torch
+
+        @pytest.mark.max_memory(capacity="H100")
+        def test_a_card(gpumem):
+            x = torch.zeros(1024, device=gpumem.device)
+
+        def test_b_after_it(gpumem):
+            x = torch.zeros(2048, device=gpumem.device)
+        """
+    )
+    args = ("--gpumem-device=meta", "-p", "no:randomly")
+    tracker.runpytest(*args, "--gpumem-update=new").assert_outcomes(passed=2)  # the command a run prints
+    tracker.runpytest(*args, "--gpumem-markdown=out.md").assert_outcomes(passed=2)
+    rows = [line.split("|") for line in (tracker.path / "out.md").read_text().splitlines() if "::test_" in line]
+    made = {row[1].strip(): row[-2].strip() for row in rows}
+    # 1,024 and 2,048 floats: 4,096 and 8,192 B, blocks of that size on the allocator's model
+    assert made == {
+        "test_cards.py::test_a_card": "inputs and other 4.0 KiB",
+        "test_cards.py::test_b_after_it": "inputs and other 8.0 KiB",
+    }
+
+
 def test_budget_failure_says_what_made_the_peak(tracker: pytest.Pytester) -> None:
     tracker.makepyfile(
         """
