@@ -300,6 +300,66 @@ def test_the_markdown_says_what_each_recorded_peak_was_made_of_after_a_card(trac
     }
 
 
+KV_CACHE = """
+import pytest, torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(64, 64, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        return (q @ k.transpose(0, 1)).softmax(-1) @ v, (k, v)  # k and v are saved and returned
+
+
+@pytest.mark.max_memory(explain=True)
+def test_cache(gpumem):
+    attn = Attention()
+    opt = torch.optim.SGD(attn.parameters(), lr=0.1)
+    x = torch.randn(128, 64)
+    with gpumem.phase("forward"):
+        out, cache = attn(x)
+    out.sum().backward()
+    with gpumem.phase("step"):
+        opt.step()
+        torch.zeros(1024)
+
+
+@pytest.mark.max_memory(explain=True)
+def test_retained(gpumem):
+    attn = Attention()
+    out, cache = attn(torch.randn(128, 64))
+    out.sum().backward(retain_graph=True)
+    with gpumem.phase("after"):
+        torch.zeros(1024)
+"""
+
+
+def test_a_kept_kv_cache_is_not_saved_for_backward_once_backward_freed_the_graph(
+    tracker: pytest.Pytester, reported: Reported
+) -> None:
+    """k and v (128 x 64 floats, 32 KiB each) are saved for backward while the graph lives, and after a
+    backward without retain_graph only the returned cache the test keeps holds them: temporaries of k, v."""
+    tracker.makepyfile(test_work=KV_CACHE)
+    tests = _explained(tracker, reported, passed=2)
+    explained = tests["test_cache"]["explanation"]["phases"]
+    # the forward's peak is softmax's output: q, k, v and it saved (3 x 32 + 64 KiB), q @ k.T's 64 KiB beside
+    assert (explained["forward"]["live"]["saved"], explained["forward"]["live"]["temporaries"]) == (163840, 65536)
+    step = explained["step"]
+    # 3 weights of 16 KiB and their gradients; x and the zeros (32 + 4 KiB); out, k and v (3 x 32 KiB)
+    assert {c: b for c, b in step["live"].items() if b} == {
+        "parameters": 49152, "gradients": 49152, "inputs": 36864, "temporaries": 98304
+    }  # fmt: skip
+    assert {(t["module"], t["category"]) for t in step["tensors"] if t["bytes"] == 32768} == {
+        ("(outside modules)", "inputs"), ("(Attention)", "temporaries"), ("k", "temporaries"), ("v", "temporaries")
+    }  # fmt: skip
+    # a graph backward retained still saves q, k, v and softmax's output
+    assert tests["test_retained"]["explanation"]["phases"]["after"]["live"]["saved"] == 163840
+
+
 def test_budget_failure_says_what_made_the_peak(tracker: pytest.Pytester) -> None:
     tracker.makepyfile(
         """

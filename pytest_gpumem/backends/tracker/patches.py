@@ -305,6 +305,31 @@ class Patches:
 
         calibrate(lambda: self.mode_class(StorageLedger("none")))
         self._backward_under(hooked)
+        self._after_backward()
+
+    def _after_backward(self) -> None:
+        """After each run of the autograd engine, the measuring ledger's recorder is told (an attributor reads
+        what the graph released); a run that records nothing pays one look at the mode stack."""
+        import torch.autograd
+
+        graph, entry = private_torch.engine_entry()
+        original = getattr(graph, entry, None)
+        if original is None:
+            return
+        mode_class = self.mode_class
+
+        @functools.wraps(original)
+        def run_backward(*args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True  # a failing backward shows the test's frames and torch's, as unmeasured
+            result = original(*args, **kwargs)
+            ledger = _active_ledger(mode_class)
+            if ledger is not None and ledger.recorder is not None:
+                ledger.recorder.backward_ran(args[0] if args else kwargs.get("t_outputs", ()))
+            return result
+
+        self._replace(graph, entry, run_backward)
+        if getattr(torch.autograd, entry, None) is original:  # its own name for it, bound at import
+            self._replace(torch.autograd, entry, run_backward)
 
     def _backward_under(self, mode: Any) -> None:
         """Each run of the autograd engine with `mode` on the torch-function stack (see `gpu_paths`), or,
