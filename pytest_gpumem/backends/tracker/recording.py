@@ -10,7 +10,7 @@ import os
 import sys
 import sysconfig
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -111,9 +111,6 @@ class Recorder:
 
     def entered(self) -> None:
         """An op is about to run (the ledger's `op`)."""
-
-    def backward_ran(self, roots: Sequence[Any]) -> None:
-        """A run of the autograd engine from `roots` (tensors or gradient edges) returned."""
 
     def allocated(self, op: object, out: object, ref: Followed, total: int) -> Origin:
         """`ref`, a storage among the outputs `out` of `op`, is followed from now on."""
