@@ -567,6 +567,36 @@ def test_an_error_in_our_hooks_is_a_note_not_the_tests_failure() -> None:
     assert record.notes == (note,)
 
 
+def test_a_tensor_two_graphs_save_stays_saved_until_both_released_it() -> None:
+    """h (1,000 floats, 4,000 B) is saved by sin in two heads' graphs: a backward through one head leaves it
+    saved by the other; after the second backward nothing saves it, and the h the test keeps is a temporary
+    (beside the heads' two 4-byte sums)."""
+    import torch
+
+    from pytest_gpumem.measure.meter import GpuMem
+
+    class Head(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.sin().sum()
+
+    measured = _explaining_meter()
+    gpumem = GpuMem(measured)
+    measured.begin()
+    h = torch.ones(1000).exp().requires_grad_()
+    first, second = Head()(h), Head()(h)
+    first.backward()
+    with gpumem.phase("between"):
+        torch.zeros(250)  # 1,000 B: each phase's peak
+    second.backward()
+    with gpumem.phase("after"):
+        torch.zeros(250)
+    record = measured.end()
+    assert record.explanation is not None
+    between, after = (record.explanation.phases[name] for name in ("between", "after"))
+    assert (between.live["saved"], between.live["temporaries"]) == (4000, 8)
+    assert (after.live["saved"], after.live["temporaries"]) == (0, 4008)
+
+
 @dataclass
 class _Output:
     hidden: Any
