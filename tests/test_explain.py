@@ -273,6 +273,93 @@ def test_regression_names_the_module_that_grew(tracker: pytest.Pytester) -> None
     )  # fmt: skip
 
 
+def test_the_markdown_says_what_each_recorded_peak_was_made_of_after_a_card(tracker: pytest.Pytester) -> None:
+    """A card's cuBLAS workspace is part of the identity a baseline is stored under: a test that names a card,
+    and the one after it, are found and explained by their stored composition, as every other test is."""
+    tracker.makepyfile(
+        test_cards="""
+        import pytest, torch
+
+        @pytest.mark.max_memory(capacity="H100")
+        def test_a_card(gpumem):
+            x = torch.zeros(1024, device=gpumem.device)
+
+        def test_b_after_it(gpumem):
+            x = torch.zeros(2048, device=gpumem.device)
+        """
+    )
+    args = ("--gpumem-device=meta", "-p", "no:randomly")
+    tracker.runpytest(*args, "--gpumem-update=new").assert_outcomes(passed=2)  # the command a run prints
+    tracker.runpytest(*args, "--gpumem-markdown=out.md").assert_outcomes(passed=2)
+    rows = [line.split("|") for line in (tracker.path / "out.md").read_text().splitlines() if "::test_" in line]
+    made = {row[1].strip(): row[-2].strip() for row in rows}
+    # 1,024 and 2,048 floats: 4,096 and 8,192 B, blocks of that size on the allocator's model
+    assert made == {
+        "test_cards.py::test_a_card": "inputs and other 4.0 KiB",
+        "test_cards.py::test_b_after_it": "inputs and other 8.0 KiB",
+    }
+
+
+KV_CACHE = """
+import pytest, torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(64, 64, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        return (q @ k.transpose(0, 1)).softmax(-1) @ v, (k, v)  # k and v are saved and returned
+
+
+@pytest.mark.max_memory(explain=True)
+def test_cache(gpumem):
+    attn = Attention()
+    opt = torch.optim.SGD(attn.parameters(), lr=0.1)
+    x = torch.randn(128, 64)
+    with gpumem.phase("forward"):
+        out, cache = attn(x)
+    out.sum().backward()
+    with gpumem.phase("step"):
+        opt.step()
+        torch.zeros(1024)
+
+
+@pytest.mark.max_memory(explain=True)
+def test_retained(gpumem):
+    attn = Attention()
+    out, cache = attn(torch.randn(128, 64))
+    out.sum().backward(retain_graph=True)
+    with gpumem.phase("after"):
+        torch.zeros(1024)
+"""
+
+
+def test_a_kept_kv_cache_is_not_saved_for_backward_once_backward_freed_the_graph(
+    tracker: pytest.Pytester, reported: Reported
+) -> None:
+    """k and v (128 x 64 floats, 32 KiB each) are saved for backward while the graph lives, and after a
+    backward without retain_graph only the returned cache the test keeps holds them: temporaries of k, v."""
+    tracker.makepyfile(test_work=KV_CACHE)
+    tests = _explained(tracker, reported, passed=2)
+    explained = tests["test_cache"]["explanation"]["phases"]
+    # the forward's peak is softmax's output: q, k, v and it saved (3 x 32 + 64 KiB), q @ k.T's 64 KiB beside
+    assert (explained["forward"]["live"]["saved"], explained["forward"]["live"]["temporaries"]) == (163840, 65536)
+    step = explained["step"]
+    # 3 weights of 16 KiB and their gradients; x and the zeros (32 + 4 KiB); out, k and v (3 x 32 KiB)
+    assert {c: b for c, b in step["live"].items() if b} == {
+        "parameters": 49152, "gradients": 49152, "inputs": 36864, "temporaries": 98304
+    }  # fmt: skip
+    assert {(t["module"], t["category"]) for t in step["tensors"] if t["bytes"] == 32768} == {
+        ("(outside modules)", "inputs"), ("(Attention)", "temporaries"), ("k", "temporaries"), ("v", "temporaries")
+    }  # fmt: skip
+    # a graph backward retained still saves q, k, v and softmax's output
+    assert tests["test_retained"]["explanation"]["phases"]["after"]["live"]["saved"] == 163840
+
+
 def test_budget_failure_says_what_made_the_peak(tracker: pytest.Pytester) -> None:
     tracker.makepyfile(
         """
@@ -478,6 +565,36 @@ def test_an_error_in_our_hooks_is_a_note_not_the_tests_failure() -> None:
     assert y.tolist() == [4.0] * 1000
     note = "the explanation may be incomplete: module_entered: TypeError: unhashable type: 'Unhashable'"
     assert record.notes == (note,)
+
+
+def test_a_tensor_two_graphs_save_stays_saved_until_both_released_it() -> None:
+    """h (1,000 floats, 4,000 B) is saved by sin in two heads' graphs: a backward through one head leaves it
+    saved by the other; after the second backward nothing saves it, and the h the test keeps is a temporary
+    (beside the heads' two 4-byte sums)."""
+    import torch
+
+    from pytest_gpumem.measure.meter import GpuMem
+
+    class Head(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.sin().sum()
+
+    measured = _explaining_meter()
+    gpumem = GpuMem(measured)
+    measured.begin()
+    h = torch.ones(1000).exp().requires_grad_()
+    first, second = Head()(h), Head()(h)
+    first.backward()
+    with gpumem.phase("between"):
+        torch.zeros(250)  # 1,000 B: each phase's peak
+    second.backward()
+    with gpumem.phase("after"):
+        torch.zeros(250)
+    record = measured.end()
+    assert record.explanation is not None
+    between, after = (record.explanation.phases[name].live or {} for name in ("between", "after"))
+    assert (between["saved"], between["temporaries"]) == (4000, 8)
+    assert (after["saved"], after["temporaries"]) == (0, 4008)
 
 
 @dataclass

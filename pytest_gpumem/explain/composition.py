@@ -52,7 +52,7 @@ class _Snapshot:
     categories: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
     modules: dict[str, int] = field(default_factory=dict)
     cells: dict[tuple[str, str], int] = field(default_factory=dict)
-    tensors: list[tuple[int, Allocation]] = field(default_factory=list)
+    tensors: list[tuple[int, Allocation]] = field(default_factory=list)  # each with its category at the moment
 
 
 def explain(attributor: Attributor, measured: Mapping[str, PhaseResult], nodeid: str, backend: str) -> Explanation:
@@ -173,33 +173,55 @@ def _replay(
     snapshots: dict[int, _Snapshot] = {}
     points: list[Point] = []
     targets = set(wanted)
+    unsaved = _unsaved(attributor)
+    now: dict[int, str] = {}  # the allocations whose category changed: what each is for from then on
     events = zip(attributor.ids, attributor.sizes, strict=True)
     for moment in range(len(attributor.ids) + 1):
         if moment:
             allocation, size = next(events)
-            by_category[allocations[allocation].category] += size - live.get(allocation, 0)
+            by_category[now.get(allocation) or allocations[allocation].category] += size - live.get(allocation, 0)
             if size:
                 live[allocation] = size
             else:
                 live.pop(allocation, None)
+        for allocation in unsaved.get(moment, ()):
+            now[allocation] = "temporaries"
+            by_category["saved"] -= live.get(allocation, 0)
+            by_category["temporaries"] += live.get(allocation, 0)
         if moment in targets:
-            snapshots[moment] = _snapshot(live, allocations)
+            snapshots[moment] = _snapshot(live, allocations, moment)
         if moment in sampled:
             points.append(Point(moment, [by_category[c] for c in CATEGORIES]))
     return snapshots, points
 
 
-def _snapshot(live: Mapping[int, int], allocations: Sequence[Allocation]) -> _Snapshot:
+def _unsaved(attributor: Attributor) -> dict[int, list[int]]:
+    """The allocations that stop being saved for backward after each event (their graphs released them)."""
+    found: dict[int, list[int]] = {}
+    for moment, index in attributor.unsaved:
+        allocation = attributor.allocations[index]
+        if allocation.unsaved_at == moment and allocation.category_at(moment) != allocation.category:
+            found.setdefault(moment, []).append(index)
+    return found
+
+
+def _snapshot(live: Mapping[int, int], allocations: Sequence[Allocation], moment: int) -> _Snapshot:
     snap = _Snapshot()
     for index, size in live.items():
         allocation = allocations[index]
-        snap.categories[allocation.category] += size
+        category = allocation.category_at(moment)
+        snap.categories[category] += size
         snap.modules[allocation.module] = snap.modules.get(allocation.module, 0) + size
-        cell = (allocation.category, allocation.module)
+        cell = (category, allocation.module)
         snap.cells[cell] = snap.cells.get(cell, 0) + size
     largest = sorted(live.items(), key=lambda kv: (-kv[1], kv[0]))[:_TOP_TENSORS]
-    snap.tensors = [(size, allocations[i]) for i, size in largest]
+    snap.tensors = [(size, _at(allocations[i], moment)) for i, size in largest]
     return snap
+
+
+def _at(allocation: Allocation, moment: int) -> Allocation:
+    category = allocation.category_at(moment)
+    return allocation if category == allocation.category else replace(allocation, category=category)
 
 
 def changes(start: Mapping[K, int], top: Mapping[K, int]) -> dict[K, int]:

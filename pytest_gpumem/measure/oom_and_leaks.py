@@ -222,7 +222,7 @@ def _totals(live: Mapping[int, tuple[int, Any]], kind: Mapping[int, str]) -> tup
     for key, (size, origin) in live.items():
         what = kind.get(key)
         if what is None:
-            what = LABELS.get(origin.category, "other") if isinstance(origin, Allocation) else "other"
+            what = LABELS.get(origin.category_now, "other") if isinstance(origin, Allocation) else "other"
         totals[what] = totals.get(what, 0) + size
         if isinstance(origin, Allocation) and origin.module and not origin.module.startswith("("):
             modules[what, origin.module] = modules.get((what, origin.module), 0) + size

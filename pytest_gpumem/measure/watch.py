@@ -3,6 +3,7 @@ leak, evidence, explanation. The lines it fails with are in `report/failures.py`
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,12 +37,21 @@ class Watch:
             explain = explain or budget.explain
         return cls(capacity, leak, evidence, explain)
 
+    def predict_card(self, backend: Backend) -> None:
+        """From the next allocation on, the backend predicts the capacity's card (its cuBLAS workspaces), or
+        no card: before the test's baseline is looked up, as the card is part of the backend's identity."""
+        backend.predict_card(None if self.capacity is None else self.capacity.card)
+
+    def explaining(self, explain: bool) -> Watch:
+        """This watch, explaining the call also when `explain` says so (a stored composition)."""
+        return self if not explain or self.explain else dataclasses.replace(self, explain=True)
+
     def apply(self, backend: Backend, measured: Measurement) -> None:
-        """Set up the backend for the next call (every measured test: nothing carries over)."""
+        """Set up the backend for the next call (every measured test: nothing carries over), once the card
+        is predicted (`predict_card`)."""
         measured.hold_to(leak_check=self.leak is not None, explain=self.explain)
         capacity = None if self.capacity is None else self.capacity.bytes
         origins = self.leak is not None or self.evidence
-        backend.predict_card(None if self.capacity is None else self.capacity.card)  # a card's cuBLAS workspaces
         if self.capacity is not None and not backend.sets_capacity:  # a test held to one must not run without
             raise GpuMemError(f"capacity {self.capacity.written}: the {backend.name} backend cannot set a capacity")
         backend.configure(Settings(capacity, origins=origins, events=self.evidence, explain=self.explain))

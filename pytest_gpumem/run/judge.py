@@ -65,10 +65,10 @@ def _with_default(budget: Budget | None, default: Budget | None) -> Budget | Non
     return default if budget is None else dataclasses.replace(budget, total=default.total)
 
 
-def _watch_of(options: Options, budget: Budget | None, explain: bool) -> Watch:
+def _watch_of(options: Options, budget: Budget | None) -> Watch:
     """What the test is held to beyond its peaks, from its budget and the run's options."""
     evidence = options.snapshot_dir is not None
-    return Watch.of(budget, options.capacity, options.leak, evidence=evidence, explain=explain or options.explain)
+    return Watch.of(budget, options.capacity, options.leak, evidence=evidence, explain=options.explain)
 
 
 def within_slack(call: PhaseResult, phases: dict[str, PhaseResult], slack: int) -> bool:
@@ -180,7 +180,9 @@ class Judge:
             late = device_too_late(item, measured)
             if late is not None:
                 raise GpuMemError(late)
-            watch = _watch_of(session.options, budget, session.baselines.explains(item.nodeid, measured.backend))
+            watch = _watch_of(session.options, budget)
+            watch.predict_card(measured.backend)  # the identity its baseline is stored under names the card's
+            watch = watch.explaining(session.baselines.explains(item.nodeid, measured.backend))
             watch.apply(measured.backend, measured)
         except ModelError as exc:
             error = f"{item.nodeid}: {exc}"

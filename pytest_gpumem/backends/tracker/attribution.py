@@ -7,7 +7,9 @@ Categories come from use, never from size:
 - optimizer state: the tensors in `optimizer.state` after a step;
 - saved for backward: tensors held by the autograd graph (its saved variables, read without unpacking
   them, so that no saved-tensor hook runs and no checkpoint recomputes: when a module's forward returns,
-  and when a backward pass reaches a node);
+  and when a backward pass reaches a node), until every node known to save one released it (a backward
+  without retain_graph): from then on a storage still alive (an output the test keeps, such as a KV
+  cache) is a temporary again (`Allocation.unsaved_at`);
 - inputs and other: made by a factory op (no tensor arguments, or a `*_like`) in the test's own code,
   outside any module, backward pass or optimizer step (an input the graph saves stays an input); DDP's
   gradient buckets, made so when it is wrapped, are gradients;
@@ -29,7 +31,7 @@ import types
 import warnings
 import weakref
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -97,11 +99,24 @@ class Allocation(Origin):
     category: str = "temporaries"
     shape: tuple[int, ...] | None = None
     dtype: str | None = None
+    unsaved_at: int = -1  # the event after which no graph saves it any more (-1: saved to the end, or never)
 
     def mark(self, category: str) -> None:
         """A use was seen; the most specific one wins (a parameter saved for backward is a parameter)."""
         if _RANK[category] < _RANK[self.category]:
             self.category = category
+
+    def category_at(self, moment: int) -> str:
+        """What it was for after event `moment`: saved for backward until its graphs released it, then what
+        made it (only a temporary ranks below saved)."""
+        if self.category == "saved" and 0 <= self.unsaved_at <= moment:
+            return "temporaries"
+        return self.category
+
+    @property
+    def category_now(self) -> str:
+        """What it is for after the last event recorded."""
+        return self.category_at(sys.maxsize)
 
 
 @dataclass(frozen=True)
@@ -152,6 +167,10 @@ class Attributor(Recorder):
         self._handles: list[Any] = []
         self._in_step = 0
         self._factory: dict[object, bool] = {}
+        # the saving nodes of each saved allocation (by id), and what each node saves (storage key, allocation)
+        self._savers: dict[int, set[tuple[int, Any]]] = {}
+        self._saved_by: dict[tuple[int, Any], dict[int, tuple[int, Allocation]]] = {}
+        self.unsaved: list[tuple[int, int]] = []  # (event, allocation id): no graph saves it after the event
         self._thread = threading.get_ident()  # the test's: module and optimizer hooks fire in every thread
 
     # --- regions, from the meter
@@ -223,7 +242,7 @@ class Attributor(Recorder):
         """One record for freed allocations alike in every field (a loop's temporaries): millions of them
         cost a list entry each."""
         key = (allocation.op, allocation.where, allocation.module, allocation.category, allocation.shape,
-               allocation.dtype)  # fmt: skip
+               allocation.dtype, allocation.unsaved_at)  # fmt: skip
         found = self._shared.get(key)
         if found is None and len(self._shared) < _MAX_SHARED:
             found = self._shared[key] = allocation
@@ -282,8 +301,7 @@ class Attributor(Recorder):
         roots = [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
         for node in autograd_nodes(roots, lambda n: not start <= node_sequence_nr(n) < ACCUMULATE_GRAD_SEQUENCE):
             if self._by_sequence.setdefault(node_sequence_nr(node), name) == name:
-                for tensor in saved_tensors(node):  # held for backward from now on
-                    self._mark(tensor, "saved")
+                self._saves(node)  # held for backward from now on
 
     def _name_tree(self, module: torch.nn.Module) -> str:
         """Name `module` and everything below it (a root: its children by their qualified names), and
@@ -332,14 +350,57 @@ class Attributor(Recorder):
 
         for found in autograd_nodes([node], lambda n: node_key(n) in self._walked):
             self._walked.add(node_key(found))
-            for tensor in saved_tensors(found):
-                self._mark(tensor, "saved")
+            self._saves(found)
             variable = getattr(found, "variable", None)
             if isinstance(variable, torch.Tensor) and variable not in self._hooked:
                 self._hooked[variable] = True
                 with contextlib.suppress(RuntimeError):
                     hook = variable.register_post_accumulate_grad_hook(self._grad_landed)  # type: ignore[no-untyped-call]
                     self._handles.append(hook)
+
+    def _saves(self, node: Any) -> None:
+        """`node` holds its saved tensors for backward: each is saved, by it among others."""
+        key = node_key(node)
+        for storage, allocation in self._saved_allocations(node):
+            allocation.mark("saved")
+            allocation.unsaved_at = -1  # saved (again): its whole life reads as saved, as before any release
+            self._savers.setdefault(allocation.id, set()).add(key)
+            self._saved_by.setdefault(key, {})[allocation.id] = (storage, allocation)
+
+    def _saved_allocations(self, node: Any) -> list[tuple[int, Allocation]]:
+        found = []
+        for tensor in saved_tensors(node):
+            for key in storage_keys(tensor):
+                ref = self.live.get(key)
+                if ref is not None and isinstance(ref.origin, Allocation):
+                    found.append((key, ref.origin))
+        return found
+
+    @_contained
+    def backward_ran(self, roots: Sequence[Any]) -> None:
+        """A run of the autograd engine from `roots` (tensors or gradient edges) returned: what the nodes it
+        reaches saved and released (no retain_graph) is no longer saved by them; a storage still alive that
+        no node known to us saves any more is not saved for backward from now on."""
+        if not self._saved_by or threading.get_ident() != self._thread:
+            return
+        import torch
+
+        starts = [r.grad_fn if isinstance(r, torch.Tensor) else getattr(r, "node", None) for r in roots]
+        for node in autograd_nodes(starts, lambda n: False):
+            key = node_key(node)
+            held = self._saved_by.get(key)
+            if held:
+                still = {allocation.id for _, allocation in self._saved_allocations(node)}
+                for allocation_id in [i for i in held if i not in still]:
+                    self._released(key, *held.pop(allocation_id))
+
+    def _released(self, node: tuple[int, Any], storage: int, allocation: Allocation) -> None:
+        savers = self._savers.get(allocation.id, set())
+        savers.discard(node)
+        ref = self.live.get(storage)
+        if not savers and ref is not None and ref.origin is allocation and allocation.category == "saved":
+            allocation.unsaved_at = len(self.ids)
+            self.unsaved.append((allocation.unsaved_at, allocation.id))
 
     @_contained
     def _grad_landed(self, tensor: torch.Tensor) -> None:

@@ -292,6 +292,7 @@ class TrackerBackend(Backend):
         self._patches = Patches(tracking_mode, self._notes)
         gpu = self.paths == "gpu"
         meta = self._device_type == "meta"
+        attribution = self.attribution()
         self._patches.install(
             foreach=gpu,
             fused_attention=gpu and meta,
@@ -299,9 +300,9 @@ class TrackerBackend(Backend):
             meta=meta,
             cuda_autocast=self._device_type if gpu else None,
             unfused_compiled=self._predicting,
+            after_backward=None if attribution is None else attribution.backward_ran,
         )
         self._mode = tracking_mode(self.ledger)
-        attribution = self.attribution()
         try:
             if attribution is not None:
                 attribution.install()

@@ -25,7 +25,7 @@ import importlib.machinery
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpumem import private_torch
@@ -150,15 +150,19 @@ class Patches:
         meta: bool = False,
         cuda_autocast: str | None = None,
         unfused_compiled: bool = False,
+        after_backward: Callable[[Sequence[Any]], None] | None = None,
     ) -> None:
         """The patches every measurement needs, with the GPU's optimizer path (`foreach`) and attention
         kernels (`fused_attention`) where asked, `torch.cuda.empty_cache` where the ledger models the
         CUDA allocator (`allocator`), and compiled functions run as Inductor's partition, unfused
-        (`unfused_compiled`)."""
+        (`unfused_compiled`), and `after_backward` called with the roots of each run of the autograd engine
+        once it returned (an explanation reads what the graph released)."""
         try:
             if unfused_compiled:
                 self._unfused_compiled()
             self._backward_as_without_a_mode()
+            if after_backward is not None:
+                self._after_backward(after_backward)
             self._resize()
             if allocator:
                 self._empty_cache()
@@ -305,6 +309,26 @@ class Patches:
 
         calibrate(lambda: self.mode_class(StorageLedger("none")))
         self._backward_under(hooked)
+
+    def _after_backward(self, then: Callable[[Sequence[Any]], None]) -> None:
+        """`then(roots)` after each run of the autograd engine from `roots` (tensors or gradient edges)."""
+        import torch.autograd
+
+        graph, entry = private_torch.engine_entry()
+        original = getattr(graph, entry, None)
+        if original is None:
+            return
+
+        @functools.wraps(original)
+        def run_backward(*args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True  # a failing backward shows the test's frames and torch's, as unmeasured
+            result = original(*args, **kwargs)
+            then(args[0] if args else kwargs.get("t_outputs", ()))
+            return result
+
+        self._replace(graph, entry, run_backward)
+        if getattr(torch.autograd, entry, None) is original:  # its own name for it, bound at import
+            self._replace(torch.autograd, entry, run_backward)
 
     def _backward_under(self, mode: Any) -> None:
         """Each run of the autograd engine with `mode` on the torch-function stack (see `gpu_paths`), or,
