@@ -277,7 +277,7 @@ def test_the_markdown_says_what_each_recorded_peak_was_made_of_after_a_card(trac
     """A card's cuBLAS workspace is part of the identity a baseline is stored under: a test that names a card,
     and the one after it, are found and explained by their stored composition, as every other test is."""
     tracker.makepyfile(
-        test_cards="""
+        test_card_then_plain="""
         import pytest, torch
 
         @pytest.mark.max_memory(capacity="H100")
@@ -295,8 +295,8 @@ def test_the_markdown_says_what_each_recorded_peak_was_made_of_after_a_card(trac
     made = {row[1].strip(): row[-2].strip() for row in rows}
     # 1,024 and 2,048 floats: 4,096 and 8,192 B, blocks of that size on the allocator's model
     assert made == {
-        "test_cards.py::test_a_card": "inputs and other 4.0 KiB",
-        "test_cards.py::test_b_after_it": "inputs and other 8.0 KiB",
+        "test_card_then_plain.py::test_a_card": "inputs and other 4.0 KiB",
+        "test_card_then_plain.py::test_b_after_it": "inputs and other 8.0 KiB",
     }
 
 
