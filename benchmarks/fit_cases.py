@@ -9,8 +9,9 @@ as n squared, the fit guide's steps (a Linear(1024, 1024) against 80 GiB on meta
 host cannot hold 80 GiB; its MLP against 24 GB warmed up and not, and against an L4), a fit under a test
 capacity smaller than its own, and a 1B Llama-like decoder (16 layers, width 2048, MLP 8192, vocabulary
 128,256, sequence 2048, bf16, AdamW) against an H100-80GB and an A100-40GB, and 4 checkpointed MLP blocks
-(Linear(1024, 4096), GELU, Linear(4096, 1024)) against 2 GiB on meta, warmed up. A wrong answer is one where
-N's loop runs out or N + 1's runs.
+(Linear(1024, 4096), GELU, Linear(4096, 1024)) against 2 GiB on meta, warmed up. Where the fit gives an
+answer with expandable segments, it is run the same way in a fresh process that set
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. A wrong answer is one where N's loop runs out or N + 1's runs.
 
 Run: python benchmarks/fit_cases.py [--json PATH] [--only NAME]
 """
@@ -18,8 +19,9 @@ Run: python benchmarks/fit_cases.py [--json PATH] [--only NAME]
 from __future__ import annotations
 
 import contextlib
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,7 @@ from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.measure.meter import GpuMem
 
 Step = Callable[[int], None]
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 
 
 def linear_adamw(width: int, device: str, bias: bool = False) -> Step:
@@ -165,6 +168,20 @@ CASES = [
 ]
 
 
+@contextlib.contextmanager
+def expandable() -> Iterator[None]:
+    """Within the block, a new tracker's allocator model has expandable segments (a process that set it)."""
+    before = os.environ.get(ALLOC_CONF)
+    os.environ[ALLOC_CONF] = "expandable_segments:True"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[ALLOC_CONF]
+        else:
+            os.environ[ALLOC_CONF] = before
+
+
 def loop(case: Case, n: int, steps: int = 3) -> str:
     """A fresh process's training loop: a new tracker, the case's step built on it (warmed up with its first
     size where the case is), then `steps` steps of n held to the capacity ('3 steps' or 'out of memory in
@@ -210,13 +227,20 @@ def run(case: Case) -> dict[str, object]:
     at_n = loop(case, answer) if runnable and answer else "not run"
     above = loop(case, answer + 1) if runnable and answer else "not run"
     wrong = at_n.startswith("out of memory") or above.endswith("steps")
+    grown = fit.expandable
+    with expandable():
+        grown_at_n = loop(case, grown) if runnable and grown else "not run"
+        grown_above = loop(case, grown + 1) if runnable and grown else "not run"
+    wrong = wrong or grown_at_n.startswith("out of memory") or grown_above.endswith("steps")
     return {
         "case": case.name,
         "answer": answer,
         "how": fit.found.value + (", exact" if fit.exact else "") + (", confirmed" if fit.confirmed else ""),
         "N": at_n,
         "N + 1": above,
-        "expandable": fit.expandable,
+        "expandable": grown,
+        "expandable N": grown_at_n,
+        "expandable N + 1": grown_above,
         "wrong": wrong,
         "runs": len(fit.sizes) + len(fit.checks) + len(fit.expandable_checks),
         "seconds": round(seconds, 2),
@@ -229,7 +253,8 @@ def main() -> None:
     args.add_argument("--only", default="", help="run the cases whose name contains this")
     options = args.parse_args()
     results = [run(case) for case in CASES if options.only in case.name]
-    headers = ["case", "answer", "how", "N", "N + 1", "expandable", "wrong", "runs", "seconds"]
+    expandable_runs = ["expandable", "expandable N", "expandable N + 1"]
+    headers = ["case", "answer", "how", "N", "N + 1", *expandable_runs, "wrong", "runs", "seconds"]
     show("gpumem.fit: each answer, run within its capacity", headers, [[r[h] for h in headers] for r in results])
     for r in results:
         print(f"  * {r['case']}: {r['describe']}")

@@ -430,7 +430,7 @@ def test_result_is_frozen(tracked: Tracked) -> None:
 
 
 FRESH = """
-import pathlib, pytest, torch
+import os, pathlib, pytest, torch
 from torch.utils.checkpoint import checkpoint
 
 def checkpointed():
@@ -454,11 +454,13 @@ def test_fit(gpumem):
     step(8)  # the warm-up a fresh test makes too
     found = gpumem.fit(step, [8, 16, 32], "256 MiB")
     pathlib.Path("answer").write_text(str(found.largest))
+    pathlib.Path("expandable").write_text(str(found.expandable))
 
 @pytest.mark.parametrize("above", [0, 1])
 @pytest.mark.max_memory(capacity="256 MiB", device="meta")
 def test_fresh(gpumem, above):
-    n = int(pathlib.Path("answer").read_text()) + above
+    expandable = "expandable" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    n = int(pathlib.Path("expandable" if expandable else "answer").read_text()) + above
     step = checkpointed()
     step(8)
     for _ in range(3):
@@ -467,13 +469,20 @@ def test_fresh(gpumem, above):
 
 
 @pytest.mark.slow
-def test_a_fits_answer_runs_in_a_fresh_test_and_the_next_size_does_not(tracker: pytest.Pytester) -> None:
+def test_a_fits_answer_runs_in_a_fresh_test_and_the_next_size_does_not(
+    tracker: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Checkpointed blocks on meta: each loop of the fit starts from the allocator's state when it began (the
-    warm-up's cached segments kept) and without the gradients a loop that ran out of memory left."""
+    warm-up's cached segments kept) and without the gradients a loop that ran out of memory left; its answer
+    with expandable segments runs, and the next size runs out, in a fresh test that set them."""
     tracker.makepyfile(FRESH)
     result = tracker.runpytest("-p", "no:randomly")
     result.assert_outcomes(passed=2, failed=1)
     ran_out = "out of memory in the call *past max_memory(capacity='256 MiB')*"
+    result.stdout.fnmatch_lines(["*_ test_fresh[[]1[]] _*", ran_out])
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    result = tracker.runpytest("-p", "no:randomly", "-k", "test_fresh")
+    result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*_ test_fresh[[]1[]] _*", ran_out])
 
 
@@ -707,5 +716,30 @@ def test_the_tracker_serves_a_block_with_expandable_segments_its_live_storages_p
         assert (backend.current().allocated, backend.current().reserved) == (12 * 2**20, 12 * 2**20)
         del kept
         assert backend.current().allocated == 0
+    finally:
+        backend.stop()
+
+
+def test_a_restored_allocator_state_frees_what_was_freed_since_it_was_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fit's loop starts from the state it began with where a gradient it forgot was live then: the
+    gradient's block is freed in it, and stays cached (as the step's zero_grad leaves it in a fresh test)."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    backend = TrackerBackend(device="meta")
+    backend.start()
+    try:
+        kept = torch.empty(12 * 2**20, dtype=torch.uint8, device="meta")  # 12 MiB: a segment of its own size
+        freed = torch.empty(12 * 2**20, dtype=torch.uint8, device="meta")
+        state = backend.allocator_state()
+        del freed
+        backend.empty_cache()  # the fit's runs gave its segment back
+        assert (backend.current().allocated, backend.current().reserved) == (12 * 2**20, 12 * 2**20)
+        backend.start_afresh(state)
+        assert (backend.current().allocated, backend.current().reserved) == (12 * 2**20, 24 * 2**20)
+        again = torch.empty(12 * 2**20, dtype=torch.uint8, device="meta")  # served from the freed block
+        assert (backend.current().allocated, backend.current().reserved) == (24 * 2**20, 24 * 2**20)
+        del kept
+        backend.start_afresh(state)  # `again` was not live then: what is live placed anew, with no cache
+        assert (backend.current().allocated, backend.current().reserved) == (12 * 2**20, 12 * 2**20)
+        del again
     finally:
         backend.stop()

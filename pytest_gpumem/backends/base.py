@@ -131,7 +131,8 @@ class Backend(abc.ABC):
 
     def start_afresh(self, state: object | None) -> None:
         """Serve the next allocations from `state` (`allocator_state()`), as a fresh test that reached the
-        same point would: `gpumem.fit`'s loops each start there. Nothing where it cannot be set."""
+        same point would: `gpumem.fit`'s loops each start there (None: the live storages placed anew, no
+        cache). Nothing where it cannot be set."""
         return None
 
     def expandable_segments(self) -> contextlib.AbstractContextManager[None] | None:

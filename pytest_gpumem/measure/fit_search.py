@@ -183,7 +183,7 @@ class _Fit:
     checks: list[Check] = field(default_factory=list)
     known: dict[int, Check] = field(default_factory=dict)  # the loop run at each size, by size
     began: object | None = None  # the allocator's state when the fit began, each loop's start
-    afresh: bool = True  # loops start from `began`; False: from an emptied cache (the expandable search)
+    warmed: bool = False  # whether the fit began on a warm-up's cache (`_warmed`)
 
     def sample(
         self, n: int, limit: int | None = None, steps: int = 1, done: list[int] | None = None, loop: bool = False
@@ -191,7 +191,7 @@ class _Fit:
         """A run of `steps` steps of size n: a sample on an allocator with no segment cached by other sizes,
         a `loop` on the allocator as `forget` left it (as the fit began)."""
         __tracebackhide__ = True
-        if self.backend is not None and not (loop and self.afresh):
+        if self.backend is not None and not loop:
             self.backend.empty_cache()
         sample = _check_sample(self.measure(_bound(self.step, n, steps, done), limit), n)
         if sample.out_of_memory and limit is None:
@@ -221,13 +221,11 @@ class _Fit:
         first step to make again among its activations, and serve the loop from the allocator's state when
         the fit began (none of the cache its earlier runs left), as a fresh test that runs the loop there."""
         self.optimizers.forget_state()
-        if self.afresh:
-            self.gradients.forget()
+        self.gradients.forget()
         if self.backend is not None:
             if self.warm_up:
                 self.backend.clear_workspaces()
-            if self.afresh:
-                self.backend.start_afresh(self.began)
+            self.backend.start_afresh(self.began)
 
     def _host_allows(self, n: int) -> None:
         __tracebackhide__ = True
@@ -286,6 +284,7 @@ def fit_peaks(
         raise GpuMemError(f"fit confirm= must be True or False, got {shorten(confirm)}")
     fit = _Fit(step, measure, judged.bytes, runs_refused, backend, given=max(checked))
     fit.began = None if backend is None else backend.allocator_state()
+    fit.warmed = _warmed(backend, fit.began)
     with fit.optimizers.watching(), fit.gradients.watching():
         for n in checked:
             fit.sizes.append(n)
@@ -300,6 +299,18 @@ def fit_peaks(
             base, warm_up=warm_up, reserved=fit.samples[0].reserved, card=judged if judged.on_a_card else None
         )
         return _answered(fit, base, confirm)
+
+
+def _warmed(backend: Backend | None, began: object | None) -> bool:
+    """Whether the fit began on more reserved bytes than its live storages placed anew take (a warm-up's
+    cache), the allocator's state left as it was."""
+    if backend is None or began is None:
+        return False
+    reserved = backend.current().reserved
+    backend.start_afresh(None)  # no state: what is live placed anew
+    placed = backend.current().reserved
+    backend.start_afresh(began)
+    return reserved is not None and placed is not None and reserved > placed
 
 
 def _answered(fit: _Fit, base: BatchFit, confirm: bool) -> BatchFit:
@@ -506,16 +517,30 @@ def _with_expandable(fit: _Fit, found: BatchFit) -> BatchFit:
     serving = None if backend is None or not found.reserved else backend.expandable_segments()
     if backend is None or serving is None:
         return found
-    checks, known = fit.checks, fit.known
-    fit.checks, fit.known, fit.afresh = [], {}, False  # no state a fresh test has under these settings
-    fit.optimizers.forget_state()  # before the live storages are placed anew, as a fresh process has them:
-    backend.clear_workspaces()  # made by the loop's first step, the workspaces at its first matmuls
+    checks, known, began = fit.checks, fit.known, fit.began
+    fit.checks, fit.known = [], {}
+    # before the live storages are placed anew: what the fit's runs made (optimizer state, gradients,
+    # workspaces) a fresh process makes in its warm-up or its loop's first step
+    fit.optimizers.forget_state()
+    fit.gradients.forget()
+    backend.clear_workspaces()
     try:
         with serving:
+            fit.began = _fresh_start(fit, backend)
             answer = _search(fit, 1 if found.largest is None else found.largest)
         return replace(found, expandable=answer, expandable_checks=tuple(fit.checks))
     finally:
-        fit.checks, fit.known, fit.afresh = checks, known, True
+        fit.checks, fit.known, fit.began = checks, known, began
+
+
+def _fresh_start(fit: _Fit, backend: Backend) -> object | None:
+    """The allocator's state a fresh process serving with these settings has where the fit began: what is
+    live placed anew in the order it was made, then, where the fit began on a warm-up's cache, a step of the
+    first size (the warm-up, run again: its cache is what the loops start on)."""
+    __tracebackhide__ = True
+    if fit.warmed:
+        fit.measure(_bound(fit.step, fit.sizes[0], 1, None), None)
+    return backend.allocator_state()
 
 
 def _bound(step: Callable[[int], object], n: int, steps: int, done: list[int] | None) -> Callable[[], object]:

@@ -372,17 +372,20 @@ class TrackerBackend(Backend):
         return _AllocatorState(_copied(model), {key: ref.counted for key, ref in self.ledger.live.items()})
 
     def start_afresh(self, state: object | None) -> None:
-        """The allocator model as `state` holds it (its peaks kept), where the same storages are live and
-        it is served with the same settings; else the live storages placed anew in a model with no cache."""
+        """The allocator model as `state` holds it (its peaks kept), where the storages live now were all live
+        then and it is served with the same settings (those freed since, such as gradients set to None, freed
+        in it as a step's first frees); else the live storages placed anew in a model with no cache."""
         ledger, model = self.ledger, self.ledger.model
         if model is None:
             return
-        same = isinstance(state, _AllocatorState) and state.counted.keys() == ledger.live.keys()
-        if not same or state.model.settings != ledger.settings:  # type: ignore[union-attr]
+        kept = isinstance(state, _AllocatorState) and ledger.live.keys() <= state.counted.keys()
+        if not kept or state.model.settings != ledger.settings:  # type: ignore[union-attr]
             self._place_anew(ledger.settings)
             return
         assert isinstance(state, _AllocatorState)
         restored = _copied(state.model)
+        for key in state.counted.keys() - ledger.live.keys():
+            restored.free(key)
         for key, ref in ledger.live.items():
             ledger.allocated += state.counted[key] - ref.counted
             ref.counted = state.counted[key]
