@@ -293,7 +293,7 @@ def test_a_backend_with_only_the_required_members_sees_everything_and_can_do_not
     backend = Minimal()
     backend.configure(Settings(1000, origins=True, events=True, explain=True))
     assert (backend.sees_earlier_allocations, backend.rounding, backend.capacity) == (True, "none", None)
-    assert (backend.sets_capacity, backend.records_events, backend.holds_capacity) == (False, False, False)
+    assert (backend.caps_the_process, backend.records_events, backend.caps_a_block) == (False, False, False)
     assert (backend.attribution(), backend.snapshot(), backend.trace(), backend.timeline()) == (None,) * 4
     assert (backend.live_storages(), backend.survivors(3), backend.notes()) == ({}, [], [])
     assert (backend.identity().backend, backend.identity().device) == ("minimal", "cpu")  # type: ignore[union-attr]

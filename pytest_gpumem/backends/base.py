@@ -59,9 +59,9 @@ class Backend(abc.ABC):
     name: str
     sees_earlier_allocations: bool = True  # False: counts only what it saw allocated (no full gc needed)
     rounding: str = "none"  # "none" (exact) or "cuda" (the CUDA caching allocator's blocks)
-    sets_capacity: bool = False  # `configure` holds the process to `Settings.capacity`
+    caps_the_process: bool = False  # `configure` holds the process to `Settings.capacity`
     records_events: bool = False  # `configure(events=True)` keeps a trace or history for evidence
-    holds_capacity: bool = False  # `held_to` sets the capacity for a block
+    caps_a_block: bool = False  # `held_to` sets the capacity for a block
 
     @property
     @abc.abstractmethod
@@ -94,7 +94,7 @@ class Backend(abc.ABC):
 
     def configure(self, settings: Settings) -> None:
         """Take `settings` for the next measurement (called before each one). By default: nothing kept,
-        so `sets_capacity`, `records_events` stay False and attribution() None."""
+        so `caps_the_process`, `records_events` stay False and attribution() None."""
         return None
 
     def identity(self) -> DeviceIdentity | Mapping[str, Any]:
@@ -111,7 +111,7 @@ class Backend(abc.ABC):
 
     def held_to(self, capacity: int | None) -> contextlib.AbstractContextManager[None]:
         """Within the block, an allocation past `capacity` bytes raises OutOfMemoryError (None: no capacity
-        holds), whatever was configured; only where `holds_capacity` says so."""
+        holds), whatever was configured; only where `caps_a_block` says so."""
         from pytest_gpumem.errors import GpuMemError
 
         raise GpuMemError(f"the {self.name} backend cannot hold a block to a capacity")

@@ -28,7 +28,7 @@ class CudaBackend(Backend):
     """Peaks of `torch.cuda.memory_stats()` on the current CUDA (or ROCm) device."""
 
     name = "cuda"
-    sets_capacity = True
+    caps_the_process = True
     records_events = True
 
     def __init__(self) -> None:

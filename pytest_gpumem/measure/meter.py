@@ -175,7 +175,7 @@ class GpuMem:
             __tracebackhide__ = True
             phase = f"{label}[{next(counter)}]"
             backend = self.backend
-            holding = backend.held_to(limit) if limit is not None and backend.holds_capacity else None
+            holding = backend.held_to(limit) if limit is not None and backend.caps_a_block else None
             recording = backend.timeline()
             start, out_of_memory, timeline = 0, False, None
             try:
@@ -253,7 +253,7 @@ class GpuMem:
         if (phase := self._measured.open_phase) is not None:
             raise GpuMemError(f"gpumem.advise() called inside phase {phase!r}: call it outside phases")
         backend = self.backend
-        lifted = backend.held_to(None) if backend.holds_capacity else contextlib.nullcontext()
+        lifted = backend.held_to(None) if backend.caps_a_block else contextlib.nullcontext()
         try:
             with stack.unmeasured("gpumem.advise"), lifted:
                 advising, self._measured.advising = self._measured.advising, True
@@ -262,7 +262,7 @@ class GpuMem:
                 finally:
                     self._measured.advising = advising
         finally:  # what advise's runs cached past a lifted capacity must not serve the test's own step
-            if backend.holds_capacity:
+            if backend.caps_a_block:
                 backend.empty_cache()
 
     def distributed(

@@ -52,6 +52,6 @@ class Watch:
         measured.hold_to(leak_check=self.leak is not None, explain=self.explain)
         capacity = None if self.capacity is None else self.capacity.bytes
         origins = self.leak is not None or self.evidence
-        if self.capacity is not None and not backend.sets_capacity:  # a test held to one must not run without
+        if self.capacity is not None and not backend.caps_the_process:  # a test held to one must not run without
             raise GpuMemError(f"capacity {self.capacity.written}: the {backend.name} backend cannot set a capacity")
         backend.configure(Settings(capacity, origins=origins, events=self.evidence, explain=self.explain))

@@ -159,7 +159,7 @@ class TrackerBackend(Backend):
 
     name = "tracker"
     sees_earlier_allocations = False
-    sets_capacity = records_events = holds_capacity = True
+    caps_the_process = records_events = caps_a_block = True
 
     def __init__(self, rounding: str = "auto", device: str = "cpu", paths: str | None = None) -> None:
         if rounding == "auto":
