@@ -22,8 +22,8 @@ import math
 import operator
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
@@ -68,15 +68,11 @@ class _Optimizers:
         for optimizer in list(self.made):
             optimizer.state = defaultdict(dict)
 
-    @contextmanager
-    def watching(self) -> Iterator[None]:
+    def watching(self) -> AbstractContextManager[Any]:
+        """`stepped` hooked while the handle is used as a context (torch's handle removes it on exit)."""
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        handle = register_optimizer_step_pre_hook(self.stepped)
-        try:
-            yield
-        finally:
-            handle.remove()
+        return register_optimizer_step_pre_hook(self.stepped)
 
 
 class _Gradients:
@@ -100,15 +96,11 @@ class _Gradients:
             if param is not None:
                 param.grad = None
 
-    @contextmanager
-    def watching(self) -> Iterator[None]:
+    def watching(self) -> AbstractContextManager[Any]:
+        """`called` hooked while the handle is used as a context (torch's handle removes it on exit)."""
         from torch.nn.modules.module import register_module_forward_pre_hook
 
-        handle = register_module_forward_pre_hook(self.called)
-        try:
-            yield
-        finally:
-            handle.remove()
+        return register_module_forward_pre_hook(self.called)
 
 
 @dataclass(frozen=True)
