@@ -48,6 +48,8 @@ from typing import Any
 
 import torch
 
+from pytest_gpumem.backends.tracker.recording import op_arg
+
 CONVOLUTION = "aten.convolution.default"
 CONVOLUTION_BACKWARD = "aten.convolution_backward.default"
 BATCH_NORM = "aten.native_batch_norm.default"
@@ -71,10 +73,6 @@ _CUDNN_BN_TRAINING_BATCH = 880_801
 _CUDNN_BN_EVAL_BATCH = 65_535
 _INT32_MAX = 2**31 - 1
 _CUDNN_DEPTHWISE_MIN_CHANNELS = 32
-
-
-def _arg(args: Sequence[Any], kwargs: dict[str, Any], index: int, name: str) -> Any:
-    return args[index] if len(args) > index else kwargs.get(name)
 
 
 def _channels_last(tensor: torch.Tensor) -> torch.memory_format | None:
@@ -155,7 +153,7 @@ def _backward(args: Sequence[Any], kwargs: dict[str, Any], reduce: Reducer) -> l
     """`convolution_backward`: the input's copy (for the weight's gradient), the output gradient's and the
     weight's; then, once they are freed, the bias gradient's reduction."""
     grad, tensor, weight = args[0], args[1], args[2]
-    mask = list(_arg(args, kwargs, 10, "output_mask") or (True, True, True))
+    mask = list(op_arg(args, kwargs, 10, "output_mask") or (True, True, True))
     depthwise = convolution_path(_convolution_of(args), kwargs) == "depthwise"
     fmt = torch.contiguous_format if depthwise else _conv_format(tensor, weight)
     copies = (_copy(tensor, fmt) if mask[1] else []) + _copy(grad, fmt) + (_copy(weight, fmt) if mask[0] else [])
@@ -178,7 +176,7 @@ def _batch_norm_of(backward_args: Sequence[Any]) -> tuple[Any, ...]:
 def takes_cudnn_batch_norm(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     """`_batch_norm_impl_index`'s choice of `cudnn_batch_norm` on a card (cuDNN >= 8, where any epsilon goes)."""
     tensor, weight, bias, mean, var = args[0], args[1], args[2], args[3], args[4]
-    training = bool(_arg(args, kwargs, 5, "training"))
+    training = bool(op_arg(args, kwargs, 5, "training"))
     if weight is None or bias is None or tensor.dim() < 3:
         return False
     if torch.bfloat16 in (tensor.dtype, weight.dtype):
@@ -288,7 +286,7 @@ def _batch_norm_bound(name: str, args: Sequence[Any], kwargs: dict[str, Any]) ->
     if not takes_cudnn_batch_norm(args, kwargs):
         return None
     tensor = args[0]
-    if _channels_last(tensor) is not None and bool(_arg(args, kwargs, 5, "training")):
+    if _channels_last(tensor) is not None and bool(op_arg(args, kwargs, 5, "training")):
         return WORKSPACE, f"{name} channels-last"
     if _copy(tensor) and torch.is_grad_enabled() and tensor.requires_grad:
         return SAVED_COPY, name

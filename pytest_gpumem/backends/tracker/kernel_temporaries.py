@@ -50,6 +50,7 @@ import torch
 
 from pytest_gpumem import private_torch
 from pytest_gpumem.backends.tracker import cudnn
+from pytest_gpumem.backends.tracker.recording import op_arg
 
 if TYPE_CHECKING:
     from cuda_allocator_model import Card
@@ -306,12 +307,6 @@ _INDEXED = frozenset(("aten.max.dim", "aten.min.dim", "aten.argmax.default", "at
 _PAIR = 16  # thrust::pair<value, int64_t>: the accumulator of max/min with indices and argmax/argmin
 
 
-def _arg(args: Sequence[Any], kwargs: dict[str, Any], index: int, name: str, default: Any = None) -> Any:
-    if len(args) > index:
-        return args[index]
-    return kwargs.get(name, default)
-
-
 def _reduced_dims(dim: Any, ndim: int) -> frozenset[int]:
     """The dims a `dim` argument names (None or empty: all), made non-negative."""
     if dim is None:
@@ -340,13 +335,13 @@ def _reduction_of(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> _Re
     if layout.numel == 0 or layout.itemsize == 0:
         return None
     if name in _SUM_LIKE:
-        dim = None if name.endswith(".default") else _arg(args, kwargs, 1, "dim")
+        dim = None if name.endswith(".default") else op_arg(args, kwargs, 1, "dim")
         dtype = kwargs.get("dtype")
         return _sum_like(layout, None if dtype is None else _dtype_name(dtype), _reduced_dims(dim, ndim))
     if name in _VALUES:
-        return _Reduction(layout, _reduced_dims(_arg(args, kwargs, 1, "dim", ()), ndim), layout.itemsize)
+        return _Reduction(layout, _reduced_dims(op_arg(args, kwargs, 1, "dim", ()), ndim), layout.itemsize)
     if name in _INDEXED:
-        dim = _arg(args, kwargs, 1, "dim")
+        dim = op_arg(args, kwargs, 1, "dim")
         return None if dim is None or ndim == 0 else _Reduction(layout, _reduced_dims(dim, ndim), _PAIR)
     return None
 
@@ -389,10 +384,10 @@ def bmm_temporaries(result: Layout, batch1: Layout, batch2: Layout) -> list[int]
 
 def _bmm(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> list[int]:
     if name == "aten.bmm.default":
-        batch1, batch2 = Layout.of(args[0]), Layout.of(_arg(args, kwargs, 1, "mat2"))
+        batch1, batch2 = Layout.of(args[0]), Layout.of(op_arg(args, kwargs, 1, "mat2"))
         result = Layout.contiguous((batch1.shape[0], batch1.shape[1], batch2.shape[2]), batch1.dtype)
     else:
-        batch1, batch2 = Layout.of(_arg(args, kwargs, 1, "batch1")), Layout.of(_arg(args, kwargs, 2, "batch2"))
+        batch1, batch2 = Layout.of(op_arg(args, kwargs, 1, "batch1")), Layout.of(op_arg(args, kwargs, 2, "batch2"))
         shape = (batch1.shape[0], batch1.shape[1], batch2.shape[2])
         result = Layout.of(args[0]) if name == "aten.baddbmm_.default" else Layout.contiguous(shape, batch1.dtype)
     return bmm_temporaries(result, batch1, batch2)
@@ -440,10 +435,10 @@ def _front_is_contiguous(shape: tuple[int, ...], dims: list[int]) -> bool:
 
 
 def _index_put(args: Sequence[Any], kwargs: dict[str, Any]) -> list[int]:
-    if not _arg(args, kwargs, 3, "accumulate", False):
+    if not op_arg(args, kwargs, 3, "accumulate", False):
         return []
-    indices = [None if i is None else Layout.of(i) for i in _arg(args, kwargs, 1, "indices")]
-    return index_put_temporaries(Layout.of(args[0]), indices, Layout.of(_arg(args, kwargs, 2, "values")))
+    indices = [None if i is None else Layout.of(i) for i in op_arg(args, kwargs, 1, "indices")]
+    return index_put_temporaries(Layout.of(args[0]), indices, Layout.of(op_arg(args, kwargs, 2, "values")))
 
 
 # --- embedding backward (Embedding.cu, EmbeddingBackwardKernel.cu) ---
@@ -480,9 +475,9 @@ def embedding_backward_temporaries(
 
 
 def _embedding_backward(args: Sequence[Any], kwargs: dict[str, Any], gpu: Gpu) -> list[int]:
-    grad, indices = Layout.of(args[0]), Layout.of(_arg(args, kwargs, 1, "indices"))
-    num_weights = int(_arg(args, kwargs, 2, "num_weights"))
-    scale = bool(_arg(args, kwargs, 4, "scale_grad_by_freq", False))
+    grad, indices = Layout.of(args[0]), Layout.of(op_arg(args, kwargs, 1, "indices"))
+    num_weights = int(op_arg(args, kwargs, 2, "num_weights"))
+    scale = bool(op_arg(args, kwargs, 4, "scale_grad_by_freq", False))
     return embedding_backward_temporaries(grad, indices, num_weights, scale, gpu)
 
 
@@ -491,9 +486,9 @@ def _embedding_backward(args: Sequence[Any], kwargs: dict[str, Any], gpu: Gpu) -
 
 def _mse_loss(args: Sequence[Any], kwargs: dict[str, Any], gpu: Gpu) -> list[int]:
     """`mse_loss_out`: the unreduced loss (the inputs' broadcast shape), then its mean's or sum's staging."""
-    if _arg(args, kwargs, 2, "reduction", 1) == 0:
+    if op_arg(args, kwargs, 2, "reduction", 1) == 0:
         return []
-    first, second = Layout.of(args[0]), Layout.of(_arg(args, kwargs, 1, "target"))
+    first, second = Layout.of(args[0]), Layout.of(op_arg(args, kwargs, 1, "target"))
     loss = Layout.contiguous(_broadcast([first.shape, second.shape]), first.dtype)
     if loss.numel == 0:
         return []

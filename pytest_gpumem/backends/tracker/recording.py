@@ -10,7 +10,7 @@ import os
 import sys
 import sysconfig
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -88,6 +88,13 @@ def code_file_shown(path: str) -> tuple[bool, str] | None:
     if path.startswith(_STDLIB) or path.startswith("<frozen "):
         return False, path.removeprefix(_STDLIB)
     return True, path if path.startswith("<") else os.path.relpath(path)
+
+
+def op_arg(args: Sequence[Any], kwargs: dict[str, Any], index: int, name: str, default: Any = None) -> Any:
+    """An op's argument `name`, given at position `index` or by name (`default` where it is neither)."""
+    if len(args) > index:
+        return args[index]
+    return kwargs.get(name, default)
 
 
 def op_name(op: object) -> str:
