@@ -208,18 +208,27 @@ class _Popen(popen_forkserver.Popen):
             reduction.dump(process_obj, buf)
         finally:
             context.set_spawning_popen(None)
-        self.sentinel, w = _SERVERS.connect(process_obj.preload, self._fds)  # type: ignore[attr-defined]
-        parent_w = os.dup(w)  # the rank's sentinel of this process, as in popen_forkserver
-        with open(w, "wb", closefd=True) as f:
-            f.write(buf.getbuffer())
         try:
-            self.pid = forkserver.read_signed(self.sentinel)
-        except EOFError:  # the server closed the connection: it exited as it started
-            os.close(parent_w)
+            parent_w = self._hand_over(process_obj.preload, buf)
+        except (EOFError, ConnectionError):  # the server refused or closed the connection: it exited as it started
             raise GpuMemError(_SERVERS.not_started(process_obj.preload)) from None
         self.pidfd = _pidfd(self.pid)
         kept = (parent_w, self.sentinel) if self.pidfd is None else (parent_w, self.sentinel, self.pidfd)
         self.finalizer = util.Finalize(self, util.close_fds, kept)  # type: ignore[attr-defined]
+
+    def _hand_over(self, preload: tuple[str, ...], buf: io.BytesIO) -> int:
+        """Send the rank to the server and read its pid; the rank's sentinel kept by this process is returned."""
+        self.sentinel, w = _SERVERS.connect(preload, self._fds)  # type: ignore[attr-defined]
+        parent_w = os.dup(w)  # as in popen_forkserver
+        try:
+            with open(w, "wb", closefd=True) as f:
+                f.write(buf.getbuffer())
+            self.pid = forkserver.read_signed(self.sentinel)
+        except BaseException:
+            os.close(parent_w)
+            os.close(self.sentinel)
+            raise
+        return parent_w
 
     def poll(self, flag: int = os.WNOHANG) -> int | None:
         """As `popen_forkserver`'s, except that a rank whose server died (which reports every exit) is
