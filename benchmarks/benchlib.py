@@ -26,7 +26,7 @@ from torch import nn
 from pytest_gpumem.backends.base import Backend
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.measure.measurement import Measurement
-from pytest_gpumem.measure.meter import GpuMem
+from pytest_gpumem.measure.meter import measuring
 from pytest_gpumem.results import PhaseResult
 
 PHASES = ("forward", "backward")
@@ -237,26 +237,14 @@ def strategy_workloads(scale: float = 1.0) -> list[Workload]:
 
 def tracker_peaks(run: Run, backend: Backend | None = None) -> dict[str, int]:
     """Phase peaks from the plugin's meter (the tracker unless another backend is given)."""
-    measured = Measurement(backend or TrackerBackend(), "bench")
-    meter = GpuMem(measured)
-    measured.begin()
-    try:
-        run(meter)
-    finally:
-        measured.end()
-    return {name: r.peak_bytes for name, r in meter.phases.items()}
+    return {name: r.peak_bytes for name, r in phases_of(run, backend or TrackerBackend()).items()}
 
 
 def phases_of(run: Run, backend: Backend) -> dict[str, PhaseResult]:
     """The phases `run` opens, measured on `backend` as the plugin measures a test's call."""
-    measured = Measurement(backend, "bench")
-    meter = GpuMem(measured)
-    measured.begin()
-    try:
-        run(meter)
-    finally:
-        measured.end()
-    return meter.phases
+    with measuring(Measurement(backend, "bench")) as call:
+        run(call.meter)
+    return call.meter.phases
 
 
 def tracker_results(run: Run, backend: Backend) -> dict[str, tuple[int, int]]:

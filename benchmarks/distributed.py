@@ -17,7 +17,7 @@ import benchlib
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.distributed.world import Worlds
 from pytest_gpumem.measure.measurement import Measurement
-from pytest_gpumem.measure.meter import GpuMem
+from pytest_gpumem.measure.meter import GpuMem, measuring
 from reference_losses.distributed import PHASES, STRATEGIES, expected, run_strategies, sizes
 
 WORLD_SIZES = (2, 4)
@@ -31,15 +31,11 @@ def noop(rank: int, world_size: int, meter: GpuMem) -> None:
 def measured(fn: Any, world_size: int, args: tuple[Any, ...] = ()) -> tuple[float, GpuMem]:
     """Seconds for one measured world, and the meter holding its phases."""
     measured = Measurement(TrackerBackend(), f"benchmark {world_size} ranks", Worlds(DIST_TIMEOUT))
-    meter = GpuMem(measured)
-    measured.begin()
-    try:
+    with measuring(measured) as call:
         start = time.perf_counter()
-        meter.distributed(fn, world_size, args=args)
+        call.meter.distributed(fn, world_size, args=args)
         seconds = time.perf_counter() - start
-    finally:
-        measured.end_if_running()
-    return seconds, meter
+    return seconds, call.meter
 
 
 def startup(repeat: int) -> dict[int, list[float]]:

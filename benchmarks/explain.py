@@ -19,7 +19,7 @@ import torch
 from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.measure.measurement import Measurement
-from pytest_gpumem.measure.meter import GpuMem
+from pytest_gpumem.measure.meter import measuring
 from pytest_gpumem.measure.record import CallRecord
 
 
@@ -28,13 +28,9 @@ def measured(run: benchlib.Run, explain: bool) -> CallRecord:
     backend.configure(Settings(None, origins=False, events=False, explain=explain))
     measurement = Measurement(backend, "bench")
     measurement.hold_to(leak_check=False, explain=explain)
-    measurement.begin()
-    try:
-        run(GpuMem(measurement))
-    finally:
-        record = measurement.end_if_running()
-    assert record is not None
-    return record
+    with measuring(measurement) as call:
+        run(call.meter)
+    return call.record
 
 
 def exact(record: CallRecord) -> bool:

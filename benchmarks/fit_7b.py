@@ -23,7 +23,7 @@ from meta_7b import HandCount, Shape, build, parameter_count
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.measure.fit import BatchFit
 from pytest_gpumem.measure.measurement import Measurement
-from pytest_gpumem.measure.meter import GpuMem
+from pytest_gpumem.measure.meter import measuring
 
 
 @dataclass(frozen=True)
@@ -38,10 +38,7 @@ class Timed:
 
 def fit_on_meta(s: Shape, sizes: list[int], capacity: str) -> Timed:
     """Build the model and AdamW inside a measured call on meta, warm one step up, then fit."""
-    measured = Measurement(TrackerBackend(device="meta"), "fit_7b")
-    meter = GpuMem(measured)
-    measured.begin()
-    try:
+    with measuring(Measurement(TrackerBackend(device="meta"), "fit_7b")) as call:
         model = build(s)[0]  # its example inputs are dropped: only the model is live
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # meta takes the GPU's foreach path
 
@@ -56,12 +53,10 @@ def fit_on_meta(s: Shape, sizes: list[int], capacity: str) -> Timed:
         began = time.perf_counter()
         step(1)  # warm-up: AdamW's state exists from here on
         one_step = time.perf_counter() - began
-        live = meter.backend.current().allocated
+        live = call.meter.backend.current().allocated
         began = time.perf_counter()
-        fit = meter.fit(step, sizes, capacity)
+        fit = call.meter.fit(step, sizes, capacity)
         return Timed(fit, live, one_step, time.perf_counter() - began)
-    finally:
-        measured.end()
 
 
 def rows(timed: Timed, expected_live: int, capacity: str) -> list[list[str]]:

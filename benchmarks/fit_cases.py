@@ -34,7 +34,7 @@ from cuda_allocator_model.cards import parse_capacity
 from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.measure.measurement import Measurement
-from pytest_gpumem.measure.meter import GpuMem
+from pytest_gpumem.measure.meter import measuring
 
 Step = Callable[[int], None]
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
@@ -210,18 +210,13 @@ def loop(case: Case, n: int, steps: int = 3) -> str:
 def run(case: Case) -> dict[str, object]:
     backend = TrackerBackend(device=case.device)
     backend.configure(Settings(case.test_capacity, origins=False, events=False))
-    measured = Measurement(backend, case.name)
-    meter = GpuMem(measured)
-    measured.begin()
-    try:
+    with measuring(Measurement(backend, case.name)) as call:
         step = case.build(case.device)
         if case.warm:
             step(case.sizes[0])
         began = time.perf_counter()
-        fit = meter.fit(step, case.sizes, case.capacity)
+        fit = call.meter.fit(step, case.sizes, case.capacity)
         seconds = time.perf_counter() - began
-    finally:
-        measured.end()
     answer = fit.largest
     runnable = fit.confirmed and answer is not None
     at_n = loop(case, answer) if runnable and answer else "not run"

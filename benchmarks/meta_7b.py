@@ -32,7 +32,7 @@ from cuda_allocator_model.cards import cublas_workspace_bytes
 from cuda_allocator_model.sizes import format_size
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.measure.measurement import Measurement
-from pytest_gpumem.measure.meter import GpuMem
+from pytest_gpumem.measure.meter import measuring
 from pytest_gpumem.results import PhaseResult
 
 
@@ -179,10 +179,8 @@ def build(s: Shape) -> tuple[Decoder, torch.Tensor, torch.Tensor]:
 def measure_step(s: Shape, paths: str = "gpu", rounding: str = "none") -> tuple[dict[str, PhaseResult], PhaseResult]:
     model, ids, targets = build(s)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # torch's default: foreach only on GPU paths
-    measured = Measurement(TrackerBackend(rounding, device="meta", paths=paths), "meta_7b")
-    meter = GpuMem(measured)
-    measured.begin()
-    try:
+    with measuring(Measurement(TrackerBackend(rounding, device="meta", paths=paths), "meta_7b")) as call:
+        meter = call.meter
         with meter.phase("forward"):
             logits = model(ids)
             loss = F.cross_entropy(logits.float().view(-1, s.vocab), targets)
@@ -192,9 +190,7 @@ def measure_step(s: Shape, paths: str = "gpu", rounding: str = "none") -> tuple[
             del loss
         with meter.phase("step"):
             optimizer.step()
-    finally:
-        whole = measured.end().call
-    return meter.phases, whole
+    return meter.phases, call.record.call
 
 
 def table(phases: dict[str, PhaseResult], whole: PhaseResult, hand: HandCount) -> list[list[str]]:

@@ -11,7 +11,7 @@ import torch
 
 from pytest_gpumem import Backend, Counters, GpuMemError
 from pytest_gpumem.measure.measurement import Measurement
-from pytest_gpumem.measure.meter import GpuMem
+from pytest_gpumem.measure.meter import GpuMem, measuring
 
 
 class ScriptedAllocator(Backend):
@@ -24,6 +24,7 @@ class ScriptedAllocator(Backend):
         self.now = 0
         self.high = 0
         self.resets = 0
+        self.observing = False
 
     def alloc(self, n: int) -> None:
         self.now += n
@@ -36,10 +37,10 @@ class ScriptedAllocator(Backend):
         return "scripted fake"
 
     def start(self) -> None:
-        pass
+        self.observing = True
 
     def stop(self) -> None:
-        pass
+        self.observing = False
 
     def settle(self) -> None:
         pass
@@ -117,6 +118,29 @@ def test_a_phase_left_open_is_closed_when_the_call_ends() -> None:
     assert measured.end().call.peak_bytes == 64
     with pytest.raises(GpuMemError, match="the call of t is measured only while its test function runs"):
         GpuMem(Measurement(fake, "t")).peak()
+
+
+def test_measuring_ends_the_call_into_its_record_when_the_block_ends() -> None:
+    fake = ScriptedAllocator()
+    with measuring(Measurement(fake, "t")) as call:
+        assert fake.observing
+        with call.meter.phase("p"):
+            fake.alloc(700)
+        fake.free(700)
+    assert not fake.observing
+    assert (call.record.call.peak_bytes, call.record.call.net_bytes) == (700, 0)
+    assert call.record.phases["p"].net_bytes == 700
+
+
+def test_measuring_ends_a_call_whose_block_raised_and_keeps_no_record() -> None:
+    fake = ScriptedAllocator()
+    measured = Measurement(fake, "t")
+    with pytest.raises(ValueError, match="the step's own"), measuring(measured) as call:
+        fake.alloc(300)
+        raise ValueError("the step's own error")
+    assert not fake.observing and measured.stack is None
+    with pytest.raises(GpuMemError, match="has a record only once its `with` block ended"):
+        call.record  # noqa: B018
 
 
 def test_call_so_far() -> None:

@@ -17,7 +17,7 @@ from pytest_gpumem.distributed.gloo import SettledBoundaries, wait_for_gloo_afte
 from pytest_gpumem.distributed.messages import Kind, Message, describe, done
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.measure.measurement import Measurement
-from pytest_gpumem.measure.meter import GpuMem
+from pytest_gpumem.measure.meter import measuring
 from pytest_gpumem.results.ranks import RankResult, RankSpec
 
 if TYPE_CHECKING:
@@ -149,12 +149,9 @@ def _measured(rank: int, spec: RankSpec, backend: Backend, fn: Any, args: tuple[
     setattr(backend, "settle", boundaries)  # noqa: B010  (this rank's own backend, for its lifetime)
     measured = Measurement(backend, f"{spec.nodeid} rank {rank}", InRank(spec.nodeid))
     measured.hold_to(leak_check=False, explain=spec.explain)
-    measured.begin()
-    try:
-        value = fn(rank, spec.world_size, GpuMem(measured, advise), *args)
-        record = measured.end()
-    finally:
-        measured.end_if_running()
+    with measuring(measured, advise) as call:
+        value = fn(rank, spec.world_size, call.meter, *args)
+    record = call.record
     notes = [*record.notes, *boundaries.notes()]
     phases = dict(record.phases)
     return RankResult(rank, record.call, phases, value, sendable_info(record.info), notes, record.explanation)
