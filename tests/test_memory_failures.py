@@ -8,6 +8,7 @@ import json
 import os
 import sysconfig
 import types
+import weakref
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -16,7 +17,7 @@ from builders import Reported
 
 from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
-from pytest_gpumem.measure.oom_and_leaks import leak_holding
+from pytest_gpumem.measure.oom_and_leaks import Failed, is_out_of_memory, leak_holding, trial
 
 LEAKS = """
 import pytest, torch
@@ -85,6 +86,29 @@ def _counts(device: str = "cpu") -> TrackerBackend:
 def _generator() -> Iterator[torch.Tensor]:
     kept = torch.ones(10)
     yield kept
+
+
+def test_a_trial_that_ran_out_of_memory_says_so_and_keeps_none_of_its_steps_tensors() -> None:
+    made: list[weakref.ref[torch.Tensor]] = []
+
+    def step() -> None:
+        tensor = torch.empty(1000)  # held by this frame, which the error's traceback holds
+        made.append(weakref.ref(tensor))
+        raise torch.OutOfMemoryError("Tried to allocate 4.00 KiB")
+
+    assert trial(step, is_out_of_memory) == Failed("OutOfMemoryError", "Tried to allocate 4.00 KiB", True)
+    assert made[0]() is None
+
+
+def test_a_trial_returns_what_its_step_returned_and_raises_what_it_does_not_catch() -> None:
+    assert trial(lambda: 4000, is_out_of_memory) == 4000
+
+    def step() -> None:
+        raise ValueError("a shape the step refuses")
+
+    with pytest.raises(ValueError, match="a shape the step refuses"):
+        trial(step, is_out_of_memory)
+    assert trial(step, lambda exc: True) == Failed("ValueError", "a shape the step refuses", False)
 
 
 @pytest.mark.parametrize(

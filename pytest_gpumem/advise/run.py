@@ -26,13 +26,13 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import flop_registry
 
-from cuda_allocator_model import exception_text, shorten
+from cuda_allocator_model import shorten
 from pytest_gpumem.advise.check import Saved, compare, randomness, scales
 from pytest_gpumem.advise.strategies import all_strategies, conflict, ordered
 from pytest_gpumem.advise.strategy import OptimizerShim, Patch, Run, Strategy, Target, find_blocks
 from pytest_gpumem.backends.tracker.ledger import cuda_block_size
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.measure.oom_and_leaks import release_memory
+from pytest_gpumem.measure.oom_and_leaks import Failed, trial
 from pytest_gpumem.measure.regions import RegionStack
 from pytest_gpumem.private_torch import TorchDispatchMode, in_backward, pytree_leaves, storage_key
 from pytest_gpumem.results.advice import AS_IS, NOT_CHECKED, Advice, PhasePeak, Row, capacity_bytes, held_bytes
@@ -268,17 +268,12 @@ class _Advisor:
         description = " and ".join(s.describe(self.target) for s in strategies)
         names = tuple(s.name for s in strategies)
         started = time.perf_counter()
-        try:
-            measured = _measure(self.backend, self.target, self.saved, strategies, self.check)
-        except Exception as exc:  # a strategy the step does not survive is reported, not raised
-            exc.__traceback__ = None  # its frames hold what the failed run allocated
-            oom = isinstance(exc, torch.OutOfMemoryError)
-            why = "ran out of memory" if oom else f"the step raised {type(exc).__name__}"
-            text = " ".join(exception_text(exc).split())
-            del exc
-        else:
+        measured = trial(lambda: _measure(self.backend, self.target, self.saved, strategies, self.check), _any_error)
+        if not isinstance(measured, Failed):
             return self._row(name, description, names, measured, strategies)
-        release_memory()  # outside the handler: reference cycles among its tensors (graphs, checkpoint storage)
+        # a strategy the step does not survive is reported, not raised
+        why = "ran out of memory" if measured.out_of_memory else f"the step raised {measured.kind}"
+        text = " ".join(measured.text.split())
         seconds = time.perf_counter() - started
         return Row(name, description, names, skipped=f"{why}: {text}" if text else why, seconds=seconds)
 
@@ -350,6 +345,10 @@ class _Advisor:
                 stack.append(candidate)
                 best = combined
         return found
+
+
+def _any_error(exc: Exception) -> bool:
+    return True
 
 
 def _lowers_any(row: Row, base: Row) -> bool:

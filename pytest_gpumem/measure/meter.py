@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, final
 
 from pytest_gpumem.backends.base import Backend
 from pytest_gpumem.errors import GpuMemError, from_the_model
-from pytest_gpumem.measure.oom_and_leaks import is_out_of_memory, release_memory
+from pytest_gpumem.measure.oom_and_leaks import Failed, is_out_of_memory, trial
 from pytest_gpumem.measure.regions import RegionStack, mark_phase
 from pytest_gpumem.results import PhaseResult
 
@@ -178,20 +178,19 @@ class GpuMem:
             backend = self.backend
             holding = backend.held_to(limit) if limit is not None and backend.caps_a_block else None
             recording = backend.timeline()
-            start, out_of_memory, timeline = 0, False, None
-            try:
+            start, timeline = 0, None
+
+            def run() -> None:
+                __tracebackhide__ = True
+                nonlocal start, timeline
                 with self.phase(phase):
-                    start = self.backend.current().allocated  # the phase's start: what is live before the step
+                    start = backend.current().allocated  # the phase's start: what is live before the step
                     with holding or contextlib.nullcontext(), recording or contextlib.nullcontext() as recorded:
                         fn()  # what the step returns is dropped inside the phase: freed before the next size
                     timeline = None if recorded is None else recorded()
-            except Exception as exc:
-                if limit is None or not is_out_of_memory(exc):
-                    raise
-                exc.__traceback__, out_of_memory = None, True  # its frames hold the step's tensors
-                del exc
-            if out_of_memory:
-                release_memory()  # outside the handler, where the exception is no longer the one handled
+
+            ran = trial(run, lambda exc: limit is not None and is_out_of_memory(exc))
+            out_of_memory = isinstance(ran, Failed)  # the only error caught
             result = self._measured.result(phase)
             end, reserved = start + result.net_bytes, result.reserved_peak_bytes
             peak = start + result.peak_bytes if reserved is None else reserved  # a card runs out on reserved

@@ -12,10 +12,12 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from cuda_allocator_model import exception_text
 from pytest_gpumem.private_torch import storage_key
+
+_T = TypeVar("_T")
 
 _UNINITIALIZED = "Attempted to use an uninitialized parameter in "  # torch.nn.parameter.UninitializedParameter
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -116,6 +118,33 @@ def release_memory() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A trial whose step raised: what it raised (the exception itself is dropped, its frames hold the
+    step's tensors)."""
+
+    kind: str  # the exception's type name
+    text: str
+    out_of_memory: bool
+
+
+def trial(run: Callable[[], _T], caught: Callable[[Exception], bool]) -> _T | Failed:
+    """One trial of a step (a fit's run, an advice's strategy): what `run()` returns, or, where it raised an
+    exception that `caught` accepts, what it raised, with the step's memory released outside the handler,
+    where no traceback holds its frames any more."""
+    __tracebackhide__ = True
+    try:
+        return run()
+    except Exception as exc:
+        if not caught(exc):
+            raise
+        exc.__traceback__ = None  # its frames hold the step's tensors
+        failed = Failed(type(exc).__name__, exception_text(exc), is_out_of_memory(exc))
+        del exc
+    release_memory()
+    return failed
 
 
 @dataclass(frozen=True)
