@@ -19,7 +19,6 @@ from pytest_gpumem.run.xdist import worker_id
 if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
     from pytest_gpumem.measure.meter import GpuMem
-    from pytest_gpumem.run.unmeasured import Unmeasured
 
 SESSION_KEY = pytest.StashKey[GpuMemSession]()
 
@@ -171,13 +170,13 @@ def _measures(item: pytest.Item) -> bool:
 
 
 @pytest.fixture
-def gpumem(request: pytest.FixtureRequest) -> GpuMem | Unmeasured:
+def gpumem(request: pytest.FixtureRequest) -> GpuMem:
     """Measure peak memory of the test call and of named phases: `with gpumem.phase("forward"): ...`."""
     session = request.config.stash[SESSION_KEY]
     if session.options.disabled:
-        from pytest_gpumem.run.unmeasured import Unmeasured
+        from pytest_gpumem.run.unmeasured import unmeasured
 
-        return Unmeasured(request.node.nodeid, session.backend)
+        return unmeasured(request.node.nodeid, session.backend)
     if os.environ.get("PYTEST_CURRENT_TEST", "").endswith("(call)"):
         pytest.fail(
             f"{request.node.nodeid}: request the gpumem fixture as a test argument or from a fixture; "

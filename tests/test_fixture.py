@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
+from typing import NoReturn
 
 import pytest
+import torch
 from builders import Reported
+
+from pytest_gpumem import GpuMemError
 
 
 def test_the_fixture_reads_the_call_its_phases_device_and_backend(tracker: pytest.Pytester) -> None:
@@ -392,13 +398,36 @@ def test_a_memory_suite_runs_unmeasured_under_disable(tracker: pytest.Pytester) 
         tracker.runpytest(*flags, "--gpumem-disable", "--gpumem-round=cuda").assert_outcomes(passed=1, skipped=1)
 
 
-def test_the_unmeasured_fixture_offers_what_the_measuring_one_does() -> None:
+def test_a_gpumem_whose_measurement_is_off_runs_its_blocks_and_refuses_what_needs_a_measurement() -> None:
     from pytest_gpumem.backends.tracker.backend import TrackerBackend
-    from pytest_gpumem.measure.measurement import Measurement
-    from pytest_gpumem.measure.meter import GpuMem
-    from pytest_gpumem.run.unmeasured import Unmeasured
+    from pytest_gpumem.measure.meter import GpuMem, MeasurementOff
 
-    def public(obj: object) -> list[str]:
-        return [name for name in dir(obj) if not name.startswith("_")]
+    made: list[TrackerBackend] = []
 
-    assert public(Unmeasured("t.py::t", TrackerBackend)) == public(GpuMem(Measurement(TrackerBackend(), "t.py::t")))
+    def backend() -> TrackerBackend:
+        made.append(TrackerBackend())
+        return made[-1]
+
+    def refuse(call: str) -> NoReturn:
+        raise LookupError(call)
+
+    meter = GpuMem(MeasurementOff("t.py::t", backend, refuse))
+    with meter.phase("forward"):
+        kept = torch.ones(1000)
+    meter.check_gradients({"w": kept}, rtol=-1.0)  # checks nothing, not even its arguments
+    meter.info["batch"] = 2
+    assert (meter.phases, meter.info, made) == ({}, {"batch": 2}, [])
+    with pytest.raises(GpuMemError, match="needs a non-empty name other than 'call', got 'call'"):
+        meter.phase("call").__enter__()
+    refused: dict[str, Callable[[], object]] = {
+        "peak()": meter.peak,
+        "result()": meter.result,
+        "fit()": lambda: meter.fit(lambda n: None, [1, 2], "1 GB"),
+        "advise()": lambda: meter.advise(lambda: None, model=torch.nn.Linear(1, 1)),
+        "distributed()": lambda: meter.distributed(print),
+        "simulate_rank()": lambda: meter.simulate_rank(print, 2),
+    }
+    for call, run in refused.items():
+        with pytest.raises(LookupError, match=re.escape(call)):
+            run()
+    assert meter.device == torch.device("cpu") and len(made) == 1

@@ -9,7 +9,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any, NoReturn, final
 
 from pytest_gpumem.backends.base import Backend
 from pytest_gpumem.errors import GpuMemError, from_the_model
@@ -36,15 +36,48 @@ def _finite_non_negative(value: object) -> bool:
 
 
 @final
+class MeasurementOff:
+    """A measurement that is off (the plugin's, under --gpumem-disable): a `GpuMem` on it runs the test as
+    without the plugin. Its phases measure nothing, `check_gradients()` checks nothing, and what reads or
+    makes a measurement (`peak()`, `result()`, `fit()`, `advise()`, `distributed()`, `simulate_rank()`)
+    calls `refuse` with its name instead (the plugin skips the test, saying why)."""
+
+    def __init__(self, nodeid: str, backend: Callable[[], Backend], refuse: Callable[[str], NoReturn]) -> None:
+        self.nodeid = nodeid
+        self.info: Any = {}  # kept for the test's own reading; no result carries it
+        self.refuse = refuse
+        self._backend = backend
+
+    @property
+    def backend(self) -> Backend:
+        """The backend the test would be measured on, made when first read."""
+        __tracebackhide__ = True
+        return self._backend()
+
+    @property
+    def phases(self) -> dict[str, PhaseResult]:
+        return {}
+
+
+@final
 class GpuMem:
     """The `gpumem` fixture: measures the test's call and the phases opened with `phase(name)`; read them
     with `peak()`, `result()` and `phases`. Made by the plugin for each test, not by tests."""
 
-    def __init__(self, measured: Measurement, advisor: Callable[..., Advice] | None = None) -> None:
-        """Made by the plugin for each test on its `Measurement`, not by tests; `advisor` runs `advise()`
-        (`pytest_gpumem.advise.run.advise`, given where the fixture is made: advise sits above measuring)."""
+    def __init__(self, measured: Measurement | MeasurementOff, advisor: Callable[..., Advice] | None = None) -> None:
+        """Made by the plugin for each test on its `Measurement` (a `MeasurementOff` under --gpumem-disable),
+        not by tests; `advisor` runs `advise()` (`pytest_gpumem.advise.run.advise`, given where the fixture
+        is made: advise sits above measuring)."""
         self._measured = measured
         self._advisor = advisor
+
+    def _on(self, call: str) -> Measurement:
+        """The measurement, or, where it is off, its refusal of `gpumem.<call>`."""
+        __tracebackhide__ = True
+        measured = self._measured
+        if isinstance(measured, MeasurementOff):
+            measured.refuse(call)
+        return measured
 
     @property
     def info(self) -> dict[str, Any]:
@@ -61,11 +94,13 @@ class GpuMem:
     @property
     def device(self) -> torch.device:
         """Where the test's tensors should go to be measured (e.g. cuda:0, or cpu for the tracker)."""
+        __tracebackhide__ = True
         return self._measured.backend.device
 
     @property
     def backend(self) -> Backend:
         """The backend measuring this test (its `name`: tracker, cuda, or a plugin's)."""
+        __tracebackhide__ = True
         return self._measured.backend
 
     @property
@@ -85,6 +120,9 @@ class GpuMem:
         if not isinstance(name, str) or not name or name == CALL:
             raise GpuMemError(f"gpumem.phase() needs a non-empty name other than {CALL!r}, got {name!r}")
         measured = self._measured
+        if isinstance(measured, MeasurementOff):  # the block runs, measured by nothing
+            yield
+            return
         stack = self._running(f"phase({name!r})")
         if measured.advising:
             yield
@@ -106,10 +144,10 @@ class GpuMem:
     def _running(self, call: str) -> RegionStack:
         """The call's open regions, or the one-line refusal of `gpumem.<call>` outside the test function."""
         __tracebackhide__ = True
-        stack = self._measured.stack
-        if stack is None:
-            raise GpuMemError(f"gpumem.{call} works only while the test function of {self._measured.nodeid} runs")
-        return stack
+        measured = self._on(call)
+        if measured.stack is None:
+            raise GpuMemError(f"gpumem.{call} works only while the test function of {measured.nodeid} runs")
+        return measured.stack
 
     def fit(
         self,
@@ -145,7 +183,8 @@ class GpuMem:
         from pytest_gpumem.measure.fit_search import DEFAULT_SLACK, DEFAULT_TOLERANCE, FIT_CAPACITY, fit_peaks
         from pytest_gpumem.measure.host import runs_refused
 
-        label = self._measured.next_fit_label(name)
+        measured = self._on("fit()")
+        label = measured.next_fit_label(name)
         with from_the_model():  # a named card's runs are the card's (its cuBLAS workspaces)
             judged = parse_capacity(capacity, FIT_CAPACITY)
         card = judged.card
@@ -162,7 +201,7 @@ class GpuMem:
                 runs_refused=runs_refused(self.backend, judged.bytes),
                 backend=self.backend,
             )
-        self._measured.add_fit(found)
+        measured.add_fit(found)
         return found
 
     def _fit_measure(self, label: str) -> Measure:
@@ -171,6 +210,7 @@ class GpuMem:
         from pytest_gpumem.measure.fit import Sample
 
         counter = itertools.count()
+        measured = self._on("fit()")
 
         def measure(fn: Callable[[], object], limit: int | None = None) -> Sample:
             __tracebackhide__ = True
@@ -191,7 +231,7 @@ class GpuMem:
 
             ran = trial(run, lambda exc: limit is not None and is_out_of_memory(exc))
             out_of_memory = isinstance(ran, Failed)  # the only error caught
-            result = self._measured.result(phase)
+            result = measured.result(phase)
             end, reserved = start + result.net_bytes, result.reserved_peak_bytes
             peak = start + result.peak_bytes if reserved is None else reserved  # a card runs out on reserved
             return Sample(start, peak, end, out_of_memory, holding is not None, timeline, reserved is not None)
@@ -228,6 +268,7 @@ class GpuMem:
             The `Advice`: one row per strategy, `best()`, and the strategies skipped with their reasons.
         """
         __tracebackhide__ = True
+        measured = self._on("advise()")
         if self._advisor is None:
             raise GpuMemError("gpumem.advise() runs strategies only for a meter given its advisor (the gpumem fixture)")
         with self._advising():
@@ -241,7 +282,7 @@ class GpuMem:
                 loss=loss,
                 batch_size=batch_size,
             )
-        self._measured.add_advice(found)  # for the failure line, report and JSON
+        measured.add_advice(found)  # for the failure line, report and JSON
         return found
 
     @contextmanager
@@ -250,17 +291,18 @@ class GpuMem:
         before and reset after), the step's own gpumem.phase() blocks measure nothing, and a capacity set on
         the tracker is lifted (advise judges the capacity itself)."""
         stack = self._running("advise()")
-        if (phase := self._measured.open_phase) is not None:
+        measured = self._on("advise()")
+        if (phase := measured.open_phase) is not None:
             raise GpuMemError(f"gpumem.advise() called inside phase {phase!r}: call it outside phases")
         backend = self.backend
         lifted = backend.held_to(None) if backend.caps_a_block else contextlib.nullcontext()
         try:
             with stack.unmeasured("gpumem.advise"), lifted:
-                advising, self._measured.advising = self._measured.advising, True
+                advising, measured.advising = measured.advising, True
                 try:
                     yield
                 finally:
-                    self._measured.advising = advising
+                    measured.advising = advising
         finally:  # what advise's runs cached past a lifted capacity must not serve the test's own step
             if backend.caps_a_block:
                 backend.empty_cache()
@@ -293,7 +335,7 @@ class GpuMem:
             One `RankResult` per rank: its call, phases, `fn`'s value, info and notes.
         """
         __tracebackhide__ = True
-        measured = self._measured
+        measured = self._on("distributed()")
         if measured.stack is None or measured.open_phase is not None:
             where = (
                 "while the test function runs" if measured.stack is None else f"outside phase {measured.open_phase!r}"
@@ -325,14 +367,15 @@ class GpuMem:
         __tracebackhide__ = True
         self._running("simulate_rank()")
         value = self._runner("simulate_rank").simulate(self, fn, world_size, rank=rank, args=args)
-        self._measured.add_simulated(world_size, rank)
+        self._on("simulate_rank()").add_simulated(world_size, rank)
         return value
 
     def _runner(self, method: str) -> WorldRunner:
         __tracebackhide__ = True
-        if self._measured.worlds is None:
+        worlds = self._on(f"{method}()").worlds
+        if worlds is None:
             raise GpuMemError(f"gpumem.{method}() runs ranks only for a meter given its worlds (the gpumem fixture)")
-        return self._measured.worlds
+        return worlds
 
     def check_gradients(
         self,
@@ -352,6 +395,8 @@ class GpuMem:
             atol: absolute tolerance, instead of the dtype's default.
         """
         __tracebackhide__ = True
+        if isinstance(self._measured, MeasurementOff):  # nothing to compare them with: no baseline is judged
+            return
         from pytest_gpumem.gradients.fingerprint import fingerprint
 
         stack = self._running("check_gradients()")
@@ -363,7 +408,7 @@ class GpuMem:
                 found = fingerprint(model_or_named_tensors)
             except (TypeError, ValueError) as exc:
                 raise GpuMemError(f"gpumem.check_gradients(): {exc}") from None
-        self._measured.keep_gradients(found, (rtol, atol))
+        self._on("check_gradients()").keep_gradients(found, (rtol, atol))
 
     def peak(self, name: str | None = None) -> int:
         """Peak bytes above the start of a phase, or of the whole call (so far, while the test runs).
@@ -373,7 +418,7 @@ class GpuMem:
                 the phases measured.
         """
         __tracebackhide__ = True
-        return self._measured.peak(name)
+        return self._on("peak()").peak(name)
 
     def result(self, name: str | None = None) -> PhaseResult:
         """What a phase measured, or the whole call (so far, while the test runs).
@@ -386,7 +431,7 @@ class GpuMem:
             The `PhaseResult`: peak, net and start bytes, and the reserved peak where the backend caches.
         """
         __tracebackhide__ = True
-        return self._measured.result(name)
+        return self._on("result()").result(name)
 
 
 @final
