@@ -1,6 +1,7 @@
 """A model of PyTorch's CUDA caching allocator, without torch: blocks, segments, pools and the settings of
-`PYTORCH_CUDA_ALLOC_CONF`, the cards' capacities, and byte sizes for people. Reading and replaying a
-card's memory snapshot is `cuda_allocator_model.snapshots`. Names are imported on first use.
+`PYTORCH_CUDA_ALLOC_CONF`, the cards' capacities, byte sizes for people and the byte axes of their charts.
+Reading and replaying a card's memory snapshot is `cuda_allocator_model.snapshots`. Names are imported on
+first use.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ if TYPE_CHECKING:
     from cuda_allocator_model.cards import cublas_workspace_bytes as cublas_workspace_bytes
     from cuda_allocator_model.cards import find_card as find_card
     from cuda_allocator_model.cards import parse_capacity as parse_capacity
+    from cuda_allocator_model.chart import PlotArea as PlotArea
+    from cuda_allocator_model.chart import byte_range as byte_range
+    from cuda_allocator_model.chart import byte_ticks as byte_ticks
+    from cuda_allocator_model.chart import nice_step as nice_step
     from cuda_allocator_model.errors import ModelError as ModelError
     from cuda_allocator_model.errors import exception_text as exception_text
     from cuda_allocator_model.model import CachingAllocatorModel as CachingAllocatorModel
@@ -53,17 +58,21 @@ _HOMES = {
     "MAX_TEXT": "cuda_allocator_model.sizes",
     "MIN_BLOCK": "cuda_allocator_model.settings",
     "ModelError": "cuda_allocator_model.errors",
+    "PlotArea": "cuda_allocator_model.chart",
     "exception_text": "cuda_allocator_model.errors",
     "SMALL_BUFFER": "cuda_allocator_model.settings",
     "Segment": "cuda_allocator_model.blocks",
     "ServedByModel": "cuda_allocator_model.trace",
     "UNLIMITED": "cuda_allocator_model.settings",
+    "byte_range": "cuda_allocator_model.chart",
+    "byte_ticks": "cuda_allocator_model.chart",
     "capacity_bytes": "cuda_allocator_model.cards",
     "cublas_workspace_bytes": "cuda_allocator_model.cards",
     "find_card": "cuda_allocator_model.cards",
     "format_size": "cuda_allocator_model.sizes",
     "integer_words": "cuda_allocator_model.sizes",
     "is_binary": "cuda_allocator_model.sizes",
+    "nice_step": "cuda_allocator_model.chart",
     "parse_capacity": "cuda_allocator_model.cards",
     "parse_size": "cuda_allocator_model.sizes",
     "shorten": "cuda_allocator_model.sizes",
@@ -86,8 +95,11 @@ __all__ = [
     "Capacity",
     "Card",
     "ModelError",
+    "PlotArea",
     "Segment",
     "ServedByModel",
+    "byte_range",
+    "byte_ticks",
     "capacity_bytes",
     "cublas_workspace_bytes",
     "exception_text",
@@ -95,6 +107,7 @@ __all__ = [
     "format_size",
     "integer_words",
     "is_binary",
+    "nice_step",
     "parse_capacity",
     "parse_size",
     "shorten",

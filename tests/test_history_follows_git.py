@@ -16,8 +16,8 @@ import pytest
 from test_history import FILE, baselines, git
 from test_history_html import page
 
+from cuda_allocator_model import byte_range
 from pytest_gpumem.cli import main
-from pytest_gpumem.history.page import byte_ticks
 
 KIB = 1024
 
@@ -423,7 +423,7 @@ def test_the_page_labels_the_largest_step_and_the_last_commit(tmp_path: Path) ->
 
 
 def test_a_change_of_a_few_bytes_is_not_drawn_as_a_cliff(tmp_path: Path) -> None:
-    low, high, _ = byte_ticks(56 * KIB, 56 * KIB + 20)
+    low, high, _ = byte_range(56 * KIB, 56 * KIB + 20)
     assert high - low >= (56 * KIB + 20) / 20
     repo = init(tmp_path / "repo")
     save(repo, {"t.py::test_a": 56 * KIB}, "start", 1)

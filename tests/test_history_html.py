@@ -13,7 +13,6 @@ import pytest
 from test_history import FILE, baselines, commit, creep, make_repo
 
 from pytest_gpumem.cli import main
-from pytest_gpumem.history.page import byte_ticks
 
 
 @pytest.fixture
@@ -98,11 +97,3 @@ def test_an_output_aimed_at_the_baseline_file_is_refused(
         f"pytest-gpumem history: error: {flag} {FILE} is the baseline file history reads; write the output elsewhere\n"
     ))  # fmt: skip
     assert (repo / FILE).read_bytes() == before
-
-
-def test_the_byte_axis_has_round_marks_a_step_outside_the_figures() -> None:
-    mib = 1 << 20
-    assert byte_ticks(8 * mib, 21 * mib // 2) == (7 * mib, 11 * mib, [(n * mib, f"{n} MiB") for n in range(7, 12)])
-    low, high, marks = byte_ticks(500, 540)  # 40 B apart: steps of 10 B, one below and one above
-    assert (low, high) == (490, 550) and [text for _, text in marks] == [f"{n} B" for n in range(490, 551, 10)]
-    assert byte_ticks(0, 3 * mib)[0] == 0  # never below 0

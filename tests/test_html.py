@@ -19,7 +19,7 @@ from builders import Reported
 
 from cuda_allocator_model.sizes import format_size
 from pytest_gpumem.backends.tracker.attribution import NO_MODULE
-from pytest_gpumem.report.html import byte_ticks, chart_texts, render
+from pytest_gpumem.report.html import chart_texts, render
 from pytest_gpumem.report.html_axis import event_axis, event_ticks
 from pytest_gpumem.results.advice import AS_IS, Advice, PhasePeak, Row
 from pytest_gpumem.results.categories import CATEGORIES as ATTRIBUTED
@@ -231,12 +231,6 @@ def test_a_phase_without_tensors_or_cells_still_renders() -> None:
     bare = PhaseExplanation(8, categories={}, modules={}, cells=[], tensors=[], peak_index=1, spans=[(0, 1)])
     page = render(replace(data, phases={"call": bare}))
     assert "largest tensors" not in page and "peak 8 B above its start" in page
-
-
-def test_the_byte_axis_steps_roundly_in_the_largest_unit_reached() -> None:
-    assert [label for _, label in byte_ticks(3 * MIB)] == ["0 MiB", "1 MiB", "2 MiB", "3 MiB"]
-    assert [label for _, label in byte_ticks(1000)] == ["0 B", "200 B", "400 B", "600 B", "800 B", "1000 B"]
-    assert [label for _, label in byte_ticks(2048)][:3] == ["0 KiB", "0.5 KiB", "1 KiB"]
 
 
 def test_the_event_axis_steps_roundly_in_whole_events() -> None:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from html import escape
 from typing import TYPE_CHECKING
 
+from cuda_allocator_model.chart import PlotArea
 from cuda_allocator_model.sizes import format_size
 
 if TYPE_CHECKING:
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 __all__ = ["final_page", "page"]
 
 WIDTH, HEIGHT, LEFT, BOTTOM, POINTS = 900, 320, 80, 24, 600
+_AREA = PlotArea(LEFT, WIDTH - 10, 10, HEIGHT - BOTTOM)
 COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 
 
@@ -63,7 +65,7 @@ def _chart(snapshot: Snapshot, replay: DeviceReplay) -> str:
     for name, limit in limits.items():
         y = _y(limit, top)
         parts.append(
-            f'<line x1="{LEFT}" x2="{WIDTH - 10}" y1="{y:.1f}" y2="{y:.1f}" stroke="#555" stroke-dasharray="1 3"/>'
+            f'<line x1="{LEFT}" x2="{_AREA.right}" y1="{y:.1f}" y2="{y:.1f}" stroke="#555" stroke-dasharray="1 3"/>'
         )
         parts.append(
             f'<text x="{LEFT + 4}" y="{y - 3:.1f}" font-size="11">{escape(name)}: {escape(format_size(limit))}</text>'
@@ -100,11 +102,11 @@ def _ran_out(o: WhatIf) -> str:
 
 
 def _x(i: int, count: int) -> float:
-    return LEFT + (WIDTH - LEFT - 10) * i / max(count - 1, 1)
+    return _AREA.x(i / max(count - 1, 1))
 
 
 def _y(v: int, top: int) -> float:
-    return 10 + (HEIGHT - BOTTOM - 10) * (1 - v / top)
+    return _AREA.y(v, 0, top)
 
 
 def page(snapshot: Snapshot, replays: Sequence[DeviceReplay]) -> str:

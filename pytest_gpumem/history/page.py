@@ -13,7 +13,6 @@ is the jinja2 template ``report/templates/history.html.j2``, the stylesheet ``re
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -21,22 +20,19 @@ from typing import Any
 
 import jinja2
 
-from cuda_allocator_model import format_size
+from cuda_allocator_model import PlotArea, byte_range, format_size
 from pytest_gpumem.history.git import Commit
 from pytest_gpumem.history.series import Gate, Series, Step, growth_text, signed
 from pytest_gpumem.history.table import groups, sparkline
 from pytest_gpumem.report import assets
-from pytest_gpumem.report.html_axis import nice_step
 
-__all__ = ["byte_ticks", "render"]
+__all__ = ["render"]
 
 WIDTH, HEIGHT = 400, 180  # a panel's viewBox: three side by side at 1280 px, about 1:1
 LEFT, RIGHT, TOP, BOTTOM = 66, 14, 10, 36
+_AREA = PlotArea(LEFT, WIDTH - RIGHT, TOP, HEIGHT - BOTTOM)
 LABEL_WIDTH, LABEL_SPACE = 60, 6  # a commit label (its date, 10 px, is the wider line) and the room between two
-_MIN_SPAN = 0.05
-"""The least a byte axis spans, as a share of its top figure: a change of a few bytes stays flat."""
 _PHASE_CLASSES = 8  # the stylesheet's line colours, c0 (the whole call) to c7, repeating past the last
-_UNITS = ((1024**4, "TiB"), (1024**3, "GiB"), (1024**2, "MiB"), (1024, "KiB"), (1, "B"))
 
 _Group = tuple[str, str, list[Series]]
 _Label = tuple[float, str, str, str, str]
@@ -124,7 +120,7 @@ def _chart(index: int, group: _Group, axis: dict[str, int], gate: Gate | None) -
     first, last = axis[commits[0].sha], axis[commits[-1].sha]
 
     def x(commit: Commit) -> float:
-        return LEFT + (axis[commit.sha] - first) / max(1, last - first) * (WIDTH - LEFT - RIGHT)
+        return _AREA.x((axis[commit.sha] - first) / max(1, last - first))
 
     over = [s.phase for s in members if gate is not None and gate.broke(s)]
     steady = [f"{s.phase} {format_size(s.latest)}" for s in members if not s.steps]
@@ -142,10 +138,10 @@ def _chart(index: int, group: _Group, axis: dict[str, int], gate: Gate | None) -
 def _panel(k: int, s: Series, x: Callable[[Commit], float]) -> dict[str, Any]:
     """One phase: its title and figures, its byte axis, its step line, and at each step a guide, a dot
     and the commit's label (where there is room)."""
-    low, high, marks = byte_ticks(min(p.value for p in s.points), max(p.value for p in s.points))
+    low, high, marks = byte_range(min(p.value for p in s.points), max(p.value for p in s.points))
 
     def y(value: float) -> float:
-        return TOP + (high - value) / (high - low) * (HEIGHT - TOP - BOTTOM)
+        return _AREA.y(value, low, high)
 
     points = s.points
     path = [f"M{x(points[0].commit):.1f} {y(points[0].value):.1f}"]
@@ -158,7 +154,7 @@ def _panel(k: int, s: Series, x: Callable[[Commit], float]) -> dict[str, Any]:
         "figures": f"{format_size(s.first)} -> {format_size(s.latest)} ({growth_text(s)}, {steps})",
         "width": WIDTH,
         "height": HEIGHT,
-        "plot": {"left": LEFT, "right": WIDTH - RIGHT, "top": TOP, "bottom": HEIGHT - BOTTOM},
+        "plot": {"left": _AREA.left, "right": _AREA.right, "top": _AREA.top, "bottom": _AREA.bottom},
         "yticks": [(round(y(mark), 1), text) for mark, text in marks],
         "path": "".join(path),
         "dots": [(round(x(st.commit), 1), round(y(st.after), 1), t) for st, t in zip(s.steps, titles, strict=True)],
@@ -225,18 +221,3 @@ def _change(s: Series, step: Step) -> str:
 
 def _changes(changes: list[tuple[Series, Step]]) -> str:
     return ", ".join(f"{s.phase} {signed(step.change)}" for s, step in changes)
-
-
-def byte_ticks(low: int, high: int) -> tuple[float, float, list[tuple[float, str]]]:
-    """The byte axis around ``low``..``high``, widened to span ``_MIN_SPAN`` of the top figure at least:
-    its ends, round values a step outside the figures (never below 0), and the marks between them (about
-    five), each labelled in the unit of the top."""
-    unit, name = next((size, text) for size, text in _UNITS if high >= size or size == 1)
-    widen = max(0.0, high * _MIN_SPAN - (high - low)) / 2
-    span = (high - low + 2 * widen) / unit or max(high / unit / 10, 1.0)
-    step = max(nice_step(span / 4), 1.0 if unit == 1 else 0.0)
-    bottom = max(0.0, (math.ceil((low - widen) / unit / step) - 1) * step)
-    top = (math.floor((high + widen) / unit / step) + 1) * step
-    decimals = max(0, -math.floor(math.log10(step)))
-    marks = [(bottom + i * step) * unit for i in range(round((top - bottom) / step) + 1)]
-    return bottom * unit, top * unit, [(mark, f"{mark / unit:.{decimals}f} {name}") for mark in marks]

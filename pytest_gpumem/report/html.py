@@ -19,9 +19,9 @@ from typing import Any
 
 import jinja2
 
-from cuda_allocator_model import format_size
+from cuda_allocator_model import byte_ticks, format_size
 from pytest_gpumem.report import assets
-from pytest_gpumem.report.html_axis import Axis, AxisSpan, event_axis, event_ticks, nice_step
+from pytest_gpumem.report.html_axis import Axis, AxisSpan, event_axis, event_ticks
 from pytest_gpumem.results.advice import AS_IS, Advice, Row
 from pytest_gpumem.results.explanation import Explanation, PhaseExplanation, Point, Tensor, UnmeasuredSpan
 
@@ -38,7 +38,6 @@ _Y_HEADROOM = 1.08  # the chart's top, over its peak
 _X_LABEL = "event in the test call (allocation, resize or free)"
 _X_FOLDED = "; grey: folded, measured by no phase"
 WHERE_CHARS, WHERE_PARTS = 40, 2  # a source path longer than this keeps its last parts in the tensors table
-_TICK_UNITS = ((1024, "KiB"), (1024**2, "MiB"), (1024**3, "GiB"), (1024**4, "TiB"))
 
 
 @dataclass(frozen=True)
@@ -192,25 +191,6 @@ def _tensor_text(explanation: Explanation, tensor: Tensor) -> str:
         f"[{shape}] {tensor.dtype} {format_size(tensor.size)} {explanation.label(tensor.category)}, "
         f"{tensor.op} at {tensor.where}{module}"
     )
-
-
-def byte_ticks(top: float) -> list[list[Any]]:
-    """The byte axis up to `top`: about five round steps in the largest binary unit `top` reaches."""
-    unit, name = 1, "B"
-    for size, unit_name in _TICK_UNITS:
-        if top >= size:
-            unit, name = size, unit_name
-    step = max(nice_step(top / unit / 5), 1 if unit == 1 else 0)
-    ticks: list[list[Any]] = []
-    value = 0.0
-    while value * unit <= top:
-        ticks.append([value * unit, f"{_short_number(round(value * 1000) / 1000)} {name}"])
-        value += step
-    return ticks
-
-
-def _short_number(value: float) -> str:
-    return str(int(value)) if value == int(value) else repr(value)
 
 
 # --- the tables

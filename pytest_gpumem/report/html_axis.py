@@ -8,11 +8,11 @@ the width it takes, in order) and draws the ticks chosen here."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cuda_allocator_model import nice_step
 from pytest_gpumem.results.explanation import UnmeasuredSpan
 
 _FOLD_SHARE = 0.08  # the most of the chart's width one folded span takes
@@ -114,10 +114,3 @@ def event_ticks(axis: Axis) -> list[list[Any]]:
         if axis.fold_at(event) is None and (not kept or axis.position(event) - axis.position(kept[-1]) >= _TICK_GAP):
             kept.append(event)
     return [[event, f"{event:,}"] for event in kept]
-
-
-def nice_step(raw: float) -> float:
-    """A round step (1, 2 or 5 times a power of ten) at least `raw`."""
-    power = 10.0 ** math.floor(math.log10(raw))
-    ratio = raw / power
-    return (1 if ratio <= 1 else 2 if ratio <= 2 else 5 if ratio <= 5 else 10) * power
