@@ -11,12 +11,12 @@ from builders import phase_result
 
 from pytest_gpumem.config import Options
 from pytest_gpumem.options import OPTIONS
+from pytest_gpumem.report.fitting import join_fitting
 from pytest_gpumem.report.ids import TestId, common_prefix, elide, shorten_id, shorten_ids
 from pytest_gpumem.report.markdown import markdown
 from pytest_gpumem.report.terminal import (
     cell_rank,
     fold_ranks,
-    join_fitting,
     largest_change,
     shared_phases,
     table_lines,

@@ -1,0 +1,175 @@
+"""A table fitted to a terminal's width: its columns (`Column`: a header and each row's parts), narrowed
+in a fixed order until the table fits (`fit`), and drawn as text (`render`). What the columns show is
+`report/terminal.py`'s.
+
+Widths are screen columns (`report/width.py`: 日本 takes four). Where the table is too wide, the test's
+name keeps its room longest: the ids lose their leading parts first ("…::test_x[a]"), then the budget and
+the cells of detail are cut and the budget left out, then the parameters are cut in the middle
+("test_x[bf1…2048]") and phases leave their own columns for the cell of the others; a function's name is
+never cut in the middle, only at its end where it alone does not fit (`fit` has the whole order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from pytest_gpumem.report.ids import TestFloors, elide_apart, shorten_ids
+from pytest_gpumem.report.width import display_width, flatten, pad, truncate
+
+_GAP = "  "
+_JOIN = " · "
+# how narrow a column may get, narrowed in this order (after the test ids' leading parts, `fit`), and at
+# the last resort ("phase": the long form's phase names, which are cut only then)
+_FLOORS = (("made of", 24), ("change", 16), ("other phases", 24), ("budget", 16))
+# only once what the peak is made of is left out: a composition cut to a dozen characters says nothing, and
+# neither does "+3 more" beside it
+_LOW_FLOORS = (("budget", 8), ("other phases", 8))
+_LAST_FLOORS = (("backend", 6), ("change", 8), ("phase", 16), ("test", 8), ("phase", 10), ("status", 10))
+_LEFT_OUT = ("made of", "budget", "other phases", "reserved")  # left out in this order where cutting them is not enough
+
+
+def join_fitting(parts: Sequence[str], width: int, rank: Sequence[int] | None = None) -> str:
+    """`parts` joined by " · ", as many as fit in `width` columns, then how many more there are ("+3
+    more"): each part taken in turn (their own order, or `rank`'s, lowest first) where it still fits, all
+    shown in their own order."""
+    if display_width(_JOIN.join(parts)) <= width:
+        return _JOIN.join(parts)
+    chosen: list[int] = []
+    for i in sorted(range(len(parts)), key=lambda i: i if rank is None else rank[i]):
+        if display_width(_shown(parts, [*chosen, i])) <= width:
+            chosen.append(i)
+    shown = _shown(parts, chosen)
+    return shown if display_width(shown) <= width else truncate(shown, width)
+
+
+def _shown(parts: Sequence[str], chosen: Sequence[int]) -> str:
+    return _JOIN.join([*(parts[i] for i in sorted(chosen)), f"+{len(parts) - len(chosen)} more"])
+
+
+@dataclass
+class Column:
+    """One column: a header and, for each row, its parts (one, or several joined by " · ")."""
+
+    header: str
+    cells: list[list[str]]
+    right: bool = False  # figures align right
+    ids: bool = False  # test ids: shortened by `shorten_ids`, the name kept whole
+    middle: bool = False  # cut in the middle (phase names, whose rank is at their end), kept apart
+    parts: bool = False  # cut between parts, saying how many more ("+3 more"), never inside one
+    rank: list[list[int]] | None = None  # for parts: which `join_fitting` shows first
+    key: str = ""  # what `shrink` calls it: the header, or "phase:NAME" for a phase's own column
+    brief: str = ""  # the header where the whole one does not fit ("others" for "other phases")
+    width: int = field(default=0)
+    _cache: tuple[int, list[str]] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.key = self.key or self.header
+        self.header = flatten(self.header)
+        self.cells = [[flatten(part) for part in cell] for cell in self.cells]
+        self.width = self.natural
+
+    @property
+    def natural(self) -> int:
+        return max([display_width(self.header), *(display_width(_JOIN.join(cell)) for cell in self.cells)])
+
+    def text(self, row: int) -> str:
+        parts = self.cells[row]
+        if self.parts:
+            return join_fitting(parts, self.width, None if self.rank is None else self.rank[row])
+        if self.ids or self.middle:
+            return self._shortened()[row]
+        return truncate(parts[0] if parts else "", self.width)
+
+    def shown_width(self) -> int:
+        """The columns what it shows at its width takes (a cell of phases may show less)."""
+        return max([display_width(self.head()), *(display_width(self.text(row)) for row in range(len(self.cells)))])
+
+    def _shortened(self) -> list[str]:
+        if self._cache is None or self._cache[0] != self.width:
+            texts = [cell[0] if cell else "" for cell in self.cells]
+            self._cache = self.width, (shorten_ids if self.ids else elide_apart)(texts, self.width)
+        return self._cache[1]
+
+    def head(self) -> str:
+        fits = self.brief and display_width(self.header) > self.width >= display_width(self.brief)
+        return self.brief if fits else truncate(self.header, self.width)
+
+
+def render(columns: Sequence[Column], rows: int) -> list[str]:
+    """The columns as pytest-benchmark-style text: headers, a rule, rows; cells two spaces apart."""
+
+    def line(cells: Sequence[str]) -> str:
+        return _GAP.join(pad(c, col.width, col.right) for c, col in zip(cells, columns, strict=True)).rstrip()
+
+    lines = [line([col.head() for col in columns]), _GAP.join("-" * col.width for col in columns)]
+    return lines + [line([col.text(row) for col in columns]) for row in range(rows)]
+
+
+def _total_width(columns: Sequence[Column]) -> int:
+    return sum(col.width for col in columns) + len(_GAP) * (len(columns) - 1)
+
+
+def shrink(columns: Sequence[Column], width: int, floors: Sequence[tuple[str, int]]) -> bool:
+    """Narrow the columns named in `floors` (in that order, each at most to its floor; a column may come
+    back with a lower floor) until the table fits in `width`; whether it does."""
+    for name, floor in floors:
+        excess = _total_width(columns) - width
+        if excess <= 0:
+            break
+        for col in columns:
+            if col.key == name and col.width > floor:
+                col.width -= min(excess, col.width - floor)
+    return _total_width(columns) <= width
+
+
+def fit(
+    build: Callable[[int], list[Column]], every: int, ids: Sequence[str], width: int | None
+) -> tuple[list[Column], list[str]]:
+    """The columns `build(shared)` makes (`shared` phases in their own columns, of `every`) fitted to
+    `width`, and the headers of those left out. Tried in this order until the table fits:
+
+    1. the test ids without their leading parts, their names and parameters whole; the cells of detail,
+       the change's phase name and the budget cut to their floors (`_FLOORS`);
+    2. what the peak is made of left out, the budget and the other phases cut further (`_LOW_FLOORS`);
+       then the budget left out;
+    3. for each count of phases in their own columns, from all of them down to none: the ids' parameters
+       whole, then cut in the middle to `ids.PARAMS_KEPT` columns (`TestFloors.kept`);
+    4. the parameters cut to `ids.PARAMS_LAST` columns; then the cell of other phases left out;
+    5. the last resort (`_LAST_FLOORS`): the function names cut at their end.
+
+    The room left goes back to the ids' names and parameters first, then to what was cut, then to the
+    ids' leading parts."""
+    if width is None:
+        return build(every), []
+    essential = [col for col in build(0) if col.key not in (*_LEFT_OUT, "test")]
+    test = TestFloors.of(ids, width - _total_width(essential) - len(_GAP))
+    counts = range(every, -1, -1)
+    tries = [(every, test.whole, 0), (every, test.whole, 1)]
+    tries += [*((n, floor, 2) for n in counts for floor in (test.whole, test.kept))]
+    tries += [*((n, test.named, 2) for n in counts), (0, test.named, 3)]
+    columns, left_out = build(0), []
+    for shared, floor, dropped in tries:
+        columns = build(shared)
+        left_out = [col.header for col in columns if col.key in _LEFT_OUT[:dropped]]
+        columns = [col for col in columns if col.header not in left_out]
+        floors = [*_FLOORS, *(_LOW_FLOORS if dropped else ())]
+        if shrink(columns, width, [("test", test.whole), *floors, ("test", floor)]):
+            return _room_given_back(columns, width, test.whole), left_out
+    shrink(columns, width, _LAST_FLOORS)
+    return _room_given_back(columns, width, test.whole), left_out
+
+
+def _room_given_back(columns: list[Column], width: int, whole: int) -> list[Column]:
+    """The test ids and the cell of other phases as wide as what they show; the room left back to the
+    ids up to `whole` (their names and parameters), then to what else was cut (each up to what it would
+    show whole), then to the ids' leading parts."""
+    for col in columns:
+        col.width = col.shown_width() if col.parts or col.ids else col.width
+    for n, key in enumerate(("test", "phase", "budget", "change", "other phases", "made of", "test")):
+        for col in columns:
+            if col.key == key and _total_width(columns) < width:
+                cap = min(col.natural, whole) if n == 0 else col.natural
+                col.width = max(col.width, min(cap, col.width + width - _total_width(columns)))
+                col.width = col.shown_width() if col.parts or col.ids else col.width
+    return columns
