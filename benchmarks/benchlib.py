@@ -26,7 +26,7 @@ from torch import nn
 from pytest_gpumem.backends.base import Backend
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.measure.measurement import Measurement
-from pytest_gpumem.measure.meter import measuring
+from pytest_gpumem.measure.measuring import measuring
 from pytest_gpumem.results import PhaseResult
 
 PHASES = ("forward", "backward")

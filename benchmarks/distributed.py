@@ -17,7 +17,8 @@ import benchlib
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.distributed.world import Worlds
 from pytest_gpumem.measure.measurement import Measurement
-from pytest_gpumem.measure.meter import GpuMem, measuring
+from pytest_gpumem.measure.measuring import measuring
+from pytest_gpumem.measure.meter import GpuMem
 from reference_losses.distributed import PHASES, STRATEGIES, expected, run_strategies, sizes
 
 WORLD_SIZES = (2, 4)

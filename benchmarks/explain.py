@@ -19,7 +19,7 @@ import torch
 from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.measure.measurement import Measurement
-from pytest_gpumem.measure.meter import measuring
+from pytest_gpumem.measure.measuring import measuring
 from pytest_gpumem.measure.record import CallRecord
 
 

@@ -23,7 +23,7 @@ from meta_7b import HandCount, Shape, build, parameter_count
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.measure.fit import BatchFit
 from pytest_gpumem.measure.measurement import Measurement
-from pytest_gpumem.measure.meter import measuring
+from pytest_gpumem.measure.measuring import measuring
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from cuda_allocator_model.cards import parse_capacity
 from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.measure.measurement import Measurement
-from pytest_gpumem.measure.meter import measuring
+from pytest_gpumem.measure.measuring import measuring
 
 Step = Callable[[int], None]
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"

@@ -32,7 +32,7 @@ from cuda_allocator_model.cards import cublas_workspace_bytes
 from cuda_allocator_model.sizes import format_size
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 from pytest_gpumem.measure.measurement import Measurement
-from pytest_gpumem.measure.meter import measuring
+from pytest_gpumem.measure.measuring import measuring
 from pytest_gpumem.results import PhaseResult
 
 

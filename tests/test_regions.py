@@ -11,7 +11,8 @@ import torch
 
 from pytest_gpumem import Backend, Counters, GpuMemError
 from pytest_gpumem.measure.measurement import Measurement
-from pytest_gpumem.measure.meter import GpuMem, measuring
+from pytest_gpumem.measure.measuring import measuring
+from pytest_gpumem.measure.meter import GpuMem
 
 
 class ScriptedAllocator(Backend):

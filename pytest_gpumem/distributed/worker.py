@@ -17,7 +17,7 @@ from pytest_gpumem.distributed.gloo import SettledBoundaries, wait_for_gloo_afte
 from pytest_gpumem.distributed.messages import Kind, Message, describe, done
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.measure.measurement import Measurement
-from pytest_gpumem.measure.meter import measuring
+from pytest_gpumem.measure.measuring import measuring
 from pytest_gpumem.results.ranks import RankResult, RankSpec
 
 if TYPE_CHECKING:
