@@ -20,7 +20,7 @@ import enum
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, TypeVar, Union, get_args, get_origin, get_type_hints, overload
 
 from cuda_allocator_model import MAX_BYTES
 from pytest_gpumem.results.checks import OffShape, first_difference, json_key, member, short
@@ -67,7 +67,8 @@ SIGNED = Spec(expected="an integer of bytes (negative where freed)", low=-MAX_BY
 @dataclass(frozen=True)
 class Wording:
     """How an error says where and what: templates with `{where}`, `{expected}`, `{value}`, `{key}` (`key`
-    written by `quote`), the path of a field (`where.key`) and of a mapping's key (`member`)."""
+    written by `quote`), the path of a field (`where.key`; `key` alone under the root, `""` or `top`), the
+    path of a mapping's key (`member`), and the error it raises."""
 
     wrong: str
     missing: str
@@ -75,24 +76,26 @@ class Wording:
     rewritten: str
     quote: Callable[[str], str]
     member: Callable[[str, str], str]
+    error: Callable[[str], ValueError] = OffShape
+    top: str = ""
 
     def field(self, where: str, key: str) -> str:
-        return f"{where}.{key}" if where else key
+        return f"{where}.{key}" if where and where != self.top else key
 
-    def refuse(self, where: str, expected: str, value: object) -> OffShape:
+    def refuse(self, where: str, expected: str, value: object) -> ValueError:
         return self._say(self.wrong, where, expected=expected, value=short(value))
 
-    def no_key(self, where: str, key: str) -> OffShape:
+    def no_key(self, where: str, key: str) -> ValueError:
         return self._say(self.missing, where, key=self.quote(key))
 
-    def unknown_key(self, where: str, key: str) -> OffShape:
+    def unknown_key(self, where: str, key: str) -> ValueError:
         return self._say(self.unknown, where, key=self.quote(key))
 
-    def not_as_written(self, where: str, value: object) -> OffShape:
+    def not_as_written(self, where: str, value: object) -> ValueError:
         return self._say(self.rewritten, where, value=short(value))
 
-    def _say(self, template: str, where: str, **words: str) -> OffShape:
-        return OffShape(template.format(where=where, **words).removeprefix(": "))
+    def _say(self, template: str, where: str, **words: str) -> ValueError:
+        return self.error(template.format(where=where, **words).removeprefix(": "))
 
 
 REPORT = Wording(
@@ -112,20 +115,28 @@ STORED = Wording(
     rewritten="{where}: not as pytest-gpumem writes it, got {value}",
     quote=repr,
     member=lambda where, key: f"{where}[{json_key(key)}]",
+    error=ValueError,
 )
-"""A baseline file's words: `identity: missing key 'device'`, `phases["forward"]: expected ..., got -1`."""
+"""A baseline file's words, a `ValueError` relative to the entry (the file's reader names the entry):
+`identity: missing key 'device'`, `phases["forward"]: expected ..., got -1`."""
 
 
-def encode(value: Any) -> Any:
-    """`value` (a dataclass, or any type `decode` reads) as JSON types: dicts, lists, strs, numbers, bools, None."""
-    return _writer(type(value))(value)
+def encode(value: Any, as_type: Any = None) -> Any:
+    """`value` (a dataclass, or of type `as_type`: any type `decode` reads) as JSON types: dicts, lists,
+    strs, numbers, bools, None."""
+    return _writer(type(value) if as_type is None else as_type)(value)
 
 
-def decode(cls: type[T], data: object, where: str, wording: Wording = REPORT) -> T:
-    """The `cls` that `data` is the JSON of, as `encode` writes it and nothing else; `OffShape` names the
-    JSON path (under `where`) of the first value that is not."""
-    value: T = _reader(cls)(data, where, wording)
-    found = first_difference(data, encode(value), where)
+@overload
+def decode(cls: type[T], data: object, where: str, wording: Wording = REPORT) -> T: ...
+@overload
+def decode(cls: object, data: object, where: str, wording: Wording = REPORT) -> Any: ...
+def decode(cls: Any, data: object, where: str, wording: Wording = REPORT) -> Any:
+    """The `cls` (a dataclass, or any type the codec reads) that `data` is the JSON of, as `encode` writes
+    it and nothing else; the wording's error (`OffShape`) names the JSON path (under `where`) of the first
+    value that is not."""
+    value = _reader(cls)(data, where, wording)
+    found = first_difference(data, encode(value, cls), where)
     if found is not None:
         raise wording.not_as_written(*found)
     return value
@@ -228,7 +239,7 @@ def _build(tp: Any, spec: Spec, phrase: str | None = None) -> tuple[Reader, Writ
     if tp in _SCALARS:
         return _scalar(tp, spec, phrase or _SCALARS[tp][1])
     if origin in (tuple, list):
-        return _sequence(origin, args, phrase or "a list")
+        return _sequence(origin, args, spec, phrase or "a list")
     if origin in (dict, Mapping):
         return _mapping(args[1], spec, phrase or "an object")
     raise TypeError(f"the JSON codec has no rule for {tp!r}")
@@ -360,13 +371,18 @@ def _nested(cls: type, phrase: str) -> tuple[Reader, Writer]:
     return read, write
 
 
-def _sequence(origin: Any, args: tuple[Any, ...], phrase: str) -> tuple[Reader, Writer]:
+def _sequence(origin: Any, args: tuple[Any, ...], spec: Spec, phrase: str) -> tuple[Reader, Writer]:
     fixed = origin is tuple and not (len(args) == 2 and args[1] is Ellipsis)
     parts = [_build(arg, Spec()) for arg in (args if fixed else args[:1])]
     make: Callable[[Any], Any] = tuple if origin is tuple else list
+    check = spec.check
 
     def read(value: Any, where: str, wording: Wording) -> Any:
-        if not isinstance(value, list) or (fixed and len(value) != len(parts)):
+        if (
+            not isinstance(value, list)
+            or (fixed and len(value) != len(parts))
+            or (check is not None and not check(value))
+        ):
             raise wording.refuse(where, phrase, value)
         readers = [p[0] for p in parts] if fixed else [parts[0][0]] * len(value)
         return make(r(item, f"{where}[{i}]", wording) for i, (r, item) in enumerate(zip(readers, value, strict=True)))
@@ -381,15 +397,15 @@ def _sequence(origin: Any, args: tuple[Any, ...], phrase: str) -> tuple[Reader, 
 
 def _mapping(value_type: Any, spec: Spec, phrase: str) -> tuple[Reader, Writer]:
     read_value, write_value = _build(value_type, Spec())
-    names, names_expected = spec.names, spec.names_expected
+    names, names_expected, check = spec.names, spec.names_expected, spec.check
 
     def read(value: Any, where: str, wording: Wording) -> Any:
-        if not isinstance(value, dict):
-            raise wording.refuse(where, phrase, value)
-        if names is not None:
+        if names is not None and isinstance(value, dict):
             bad = next((key for key in value if not names(key)), None)
             if bad is not None:
-                raise OffShape(f"{where}: {names_expected}, got {short(bad)}")
+                raise wording.error(f"{where}: {names_expected}, got {short(bad)}")
+        if not isinstance(value, dict) or (check is not None and not check(value)):
+            raise wording.refuse(where, phrase, value)
         return {key: read_value(item, wording.member(where, key), wording) for key, item in value.items()}
 
     def write(value: Any) -> Any:
