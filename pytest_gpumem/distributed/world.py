@@ -32,8 +32,6 @@ _MAX_WORLD = 64
 """The most ranks started (each is a process that imports torch); `simulate` estimates larger worlds."""
 
 _GROUP_MARGIN = 60.0  # seconds the group's own timeout is past the parent's limits
-
-
 _NAME_IN_FILES = 40  # characters of a world's name kept in its ranks' file names
 
 
@@ -48,7 +46,7 @@ class RankSnapshot:
     data: bytes | None
 
     def file_suffix(self) -> str:
-        """What follows the test's own file stem: `.ranks.rank0.pickle` (`rank00` in a world of 11 to 100), so
+        """What follows the test's own file stem: `.ranks.rank0.pickle` (`rank00` in a world of 11 or more), so
         that a world's files sort together and in rank order."""
         width = len(str(self.world_size - 1))
         return f".{self.world}.rank{self.rank:0{width}d}.pickle"
@@ -118,9 +116,7 @@ class Worlds:
             return
         world = file_name_of_world(name, {snapshot.world for snapshot in gathered})
         for rank in range(world_size):
-            path = rank_snapshot_path(folder, rank)
-            data = path.read_bytes() if path.is_file() else None
-            gathered.append(RankSnapshot(world, rank, world_size, data))
+            gathered.append(RankSnapshot(world, rank, world_size, _read(rank_snapshot_path(folder, rank))))
 
     def simulate(
         self,
@@ -153,6 +149,14 @@ class Worlds:
         finally:
             if dist.is_initialized():  # the function may have torn its group down itself
                 dist.destroy_process_group()
+
+
+def _read(path: Path) -> bytes | None:
+    """The file's bytes; None where the rank left none (its failure must not hide the world's own)."""
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
 
 
 def file_name_of_world(name: str, taken: Collection[str]) -> str:
