@@ -282,6 +282,7 @@ def test_a_distributed_tests_ranks_leave_a_file_each_and_its_notes_name_the_rank
     measured.worlds.snapshots.append(RankSnapshot("ranks-2", 0, 1, None))
     result = TestResult(item.nodeid, "tracker", "cpu", None, distributed=[{"world_size": 11}])
     assert files.write(item, measured, result, None) is None  # type: ignore[arg-type]
+    assert measured.worlds.snapshots == []  # the bytes are not kept past the test
     written = sorted((tmp_path / "snaps").iterdir())
     stem = "test_d.py_test_world-" + written[0].name.split("-")[1].split(".")[0]
     assert [(path.name.removeprefix(stem), path.read_bytes()) for path in written] == [

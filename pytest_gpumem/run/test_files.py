@@ -96,14 +96,12 @@ class TorchSnapshot(PerTestFile):
     def write(self, item: pytest.Item, measured: Measurement, result: TestResult, record: CallRecord) -> Path | None:
         """Every measured test's prediction as a torch memory snapshot, which memory_viz opens and
         `pytest-gpumem replay` reads (once: a later call of the judge finds nothing), and one per rank of
-        its worlds, each named in the report section; a test whose memory was all its ranks' has none of
-        its own."""
+        its worlds; a test whose process allocated nothing beside its ranks has none of its own."""
         recorded = item.stash.get(_RECORDED_KEY, None)
         if recorded is None:
             return None
         del item.stash[_RECORDED_KEY]
-        ranks = self._write_ranks(item, measured, result)
-        if not recorded.events and (ranks or result.distributed):
+        if self._write_ranks(item, measured, result) and not recorded.events:
             return None
         from pytest_gpumem.backends.tracker.torch_snapshot import snapshot_bytes, snapshot_of
 
@@ -115,10 +113,14 @@ class TorchSnapshot(PerTestFile):
     def _write_ranks(self, item: pytest.Item, measured: Measurement, result: TestResult) -> bool:
         """Each rank's snapshot beside the test's own, all named in one report section; the ranks that left
         none said in the test's notes, a line a world. Whether the test ran worlds whose ranks recorded."""
+        from pytest_gpumem.distributed.spawn import named_ranks
         from pytest_gpumem.distributed.world import Worlds
 
         worlds = measured.worlds
-        snapshots = worlds.snapshots if isinstance(worlds, Worlds) and worlds.snapshots else []
+        if not isinstance(worlds, Worlds) or not worlds.snapshots:
+            return False
+        snapshots = list(worlds.snapshots)
+        worlds.snapshots.clear()  # the bytes are not kept past the test
         stem, written, missing = file_stem(item.nodeid), [], defaultdict[str, list[int]](list)
         for snapshot in snapshots:
             if snapshot.data is None:
@@ -131,15 +133,11 @@ class TorchSnapshot(PerTestFile):
         if written:
             item.add_report_section("call", self.section, "\n".join(written))
         result.notes.extend(
-            f"{self.flag}: no snapshot of {_ranks(ranks)} of world {world!r}: ended before "
+            f"{self.flag}: no snapshot of {named_ranks(ranks)} of world {world!r}: ended before "
             f"{'it' if len(ranks) == 1 else 'they'} finished, or could not write one"
             for world, ranks in missing.items()
         )
-        return bool(snapshots)
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        return True
 
 
 TEST_FILES: Mapping[str, type[PerTestFile]] = {
