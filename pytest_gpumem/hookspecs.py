@@ -41,6 +41,10 @@ def pytest_gpumem_make_backend(config: pytest.Config, name: str) -> Backend | No
     The first non-None answer wins; pytest-gpumem's own implementation runs last and builds the
     built-in backends (auto, cuda, accelerator, tracker). Raise `pytest_gpumem.GpuMemError` with one
     line to say that the named backend cannot run on this machine.
+
+    Args:
+        config: the run's pytest config (its options, its plugins).
+        name: the backend `--gpumem-backend` (or the `gpumem_backend` ini key) names, `auto` by default.
     """
 
 
@@ -55,6 +59,10 @@ def pytest_gpumem_result(item: pytest.Item, result: TestResult) -> None:
     error does not change it. What the hook sets in `result` reaches the report, the JSON and the xdist
     controller; a hook that raises, sets a word that is no status, or leaves a value JSON cannot hold
     in `result` fails that one test in one line and its result stays as it was before the hook.
+
+    Args:
+        item: the measured test.
+        result: its result, as the report and `--gpumem-json` will show it; the hook may change it.
     """
 
 
@@ -69,4 +77,8 @@ def pytest_gpumem_session_results(config: pytest.Config, results: Sequence[TestR
     `--gpumem-markdown` and the baselines have been written, and before pytest's terminal summary (so a
     `pytest_terminal_summary` can show what this hook kept). `results` is empty when no test was
     measured. They are the report's results: treat them as read-only.
+
+    Args:
+        config: the run's pytest config.
+        results: every measured test's final result, in the order they finished.
     """

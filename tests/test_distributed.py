@@ -5,6 +5,7 @@ Spawning a world costs seconds, so each scenario shares one pytester run (exact 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -18,7 +19,10 @@ from typing import Any
 import pytest
 from builders import UNPLUGGED, Reported, phase_result
 
+from cuda_allocator_model.snapshots.read import read_snapshot
+from cuda_allocator_model.snapshots.replay import replay
 from pytest_gpumem.budget import budget_from_marker
+from pytest_gpumem.cli import main
 from pytest_gpumem.distributed.gloo import wait_for_gloo_idle
 from pytest_gpumem.distributed.messages import DistributedError, Kind, Message, describe, done
 from pytest_gpumem.distributed.spawn import Deadlines, Progress
@@ -33,6 +37,8 @@ from pytest_gpumem.measure.regions import mark_phase
 from pytest_gpumem.results import TestResult
 from pytest_gpumem.results.explanation import Cell, Explanation, PhaseExplanation, RanksExplanation, SampledTimeline
 from pytest_gpumem.results.ranks import RankResult, World, worst_call
+
+MiB = 1 << 20
 
 FAULTS = """
 import os, time
@@ -399,6 +405,7 @@ def adam_step(meter, name):
 
 def in_rank(rank, world_size, meter):
     adam_step(meter, "adam")
+    torch.ones(3 * 2**20 * (rank + 1))  # 12 MiB on rank 0, 24 MiB on rank 1: a large segment each
 
 def test_adam(gpumem):
     adam_step(gpumem, "parent")
@@ -407,15 +414,33 @@ def test_adam(gpumem):
 
 
 @pytest.mark.slow
-def test_every_rank_takes_the_code_paths_the_run_was_given(tracker: pytest.Pytester, reported: Reported) -> None:
+def test_every_rank_takes_the_code_paths_the_run_was_given_and_leaves_its_own_snapshot(
+    tracker: pytest.Pytester, reported: Reported, capsys: pytest.CaptureFixture[str]
+) -> None:
     tracker.makepyfile(PATHS)
     steps = {}
     for paths in ("cpu", "gpu"):
-        tracker.runpytest(f"--gpumem-paths={paths}", "--gpumem-json=out.json").assert_outcomes(passed=1)
+        options = ("--gpumem-round=cuda", "--gpumem-torch-snapshots=snaps", "--gpumem-json=out.json")
+        result = tracker.runpytest(f"--gpumem-paths={paths}", "-rA", *options)
+        result.assert_outcomes(passed=1)
         phases = reported()["test_adam"]["phases"]
         steps[paths] = phases["parent"]["peak_bytes"]
         assert phases["adam@rank0"]["peak_bytes"] == phases["adam@rank1"]["peak_bytes"] == steps[paths]
     assert steps["cpu"] != steps["gpu"]
+
+    own, *ranks = sorted((tracker.path / "snaps").iterdir())  # the gpu run's: the test's own, then its ranks'
+    stem = own.name.removesuffix(".pickle")
+    assert [path.name.removeprefix(stem) for path in ranks] == [".ranks.rank0.pickle", ".ranks.rank1.pickle"]
+    result.stdout.fnmatch_lines([f"memory snapshot of rank {rank}: {path}" for rank, path in enumerate(ranks)])
+    own_figures, *figures = [replay(read_snapshot(path)) for path in (own, *ranks)]
+    assert [(f.peak_allocated, f.peak_requested, f.peak_reserved) for f in figures] == [
+        (p["peak_bytes"], p["requested_peak_bytes"], p["reserved_peak_bytes"])
+        for p in (phases["ranks@rank0"], phases["ranks@rank1"])
+    ]
+    assert [f.peak_reserved for f in figures] == [14 * MiB, 26 * MiB]  # Adam's 2 MiB small segment, then 12 (r + 1)
+    assert own_figures.peak_reserved == 2 * MiB  # the test's own process: Adam's small segment alone
+    assert main(["replay", str(ranks[1])]) == 0
+    assert "peak reserved: card 26.0 MiB, model equal" in capsys.readouterr().out
 
 
 XDIST = """
@@ -894,3 +919,39 @@ def test_a_simulated_rank_may_tear_its_own_process_group_down(tracker: pytest.Py
         """
     )
     tracker.runpytest().assert_outcomes(passed=1)
+
+
+def keeps_12_mib(rank: int, world_size: int, meter: GpuMem, fail: bool) -> list[Any]:
+    import torch
+
+    kept = [torch.ones(1000), torch.ones(3 * 2**20)]  # 4,000 B: a 4,096 B block of a 2 MiB small segment; 12 MiB
+    if fail:
+        raise ValueError("bad batch")
+    return kept
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["returns", "raises"])
+def test_a_rank_leaves_a_snapshot_of_its_run_even_when_it_raises(tmp_path: Any, fail: bool) -> None:
+    from pytest_gpumem.distributed.worker import measure_rank, rank_backend, rank_snapshot_path
+    from pytest_gpumem.results.ranks import RankSpec
+
+    spec = RankSpec(
+        "t.py::test_a", 2, "gloo", "", "tracker", "cuda", "cpu", None, 1.0, 1.0, b"", snapshots=str(tmp_path)
+    )
+    with contextlib.nullcontext() if not fail else pytest.raises(ValueError, match="bad batch"):
+        call = measure_rank(1, spec, rank_backend(1, spec), keeps_12_mib, (fail,)).call
+    figures = replay(read_snapshot(rank_snapshot_path(str(tmp_path), 1)))
+    assert (figures.peak_allocated, figures.peak_reserved) == (12 * MiB + 4096, 14 * MiB)
+    if not fail:
+        assert (call.peak_bytes, call.reserved_peak_bytes) == (figures.peak_allocated, figures.peak_reserved)
+
+
+def test_a_worlds_files_are_named_by_its_name_made_safe_and_numbered_when_taken() -> None:
+    from pytest_gpumem.distributed.world import RankSnapshot, file_name_of_world
+
+    assert file_name_of_world("ranks", set()) == "ranks"
+    assert file_name_of_world("ranks", {"ranks", "ranks-2"}) == "ranks-3"
+    assert file_name_of_world("tp/dp step" + "x" * 50, set()) == "tp_dp_step" + "x" * 30
+    names = [RankSnapshot("ranks", rank, 11, b"").file_suffix() for rank in (10, 2, 0)]
+    assert names == [".ranks.rank10.pickle", ".ranks.rank02.pickle", ".ranks.rank00.pickle"]
+    assert RankSnapshot("ranks", 1, 2, b"").file_suffix() == ".ranks.rank1.pickle"

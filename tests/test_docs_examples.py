@@ -78,6 +78,7 @@ def glob(shown: str) -> str:
 # the whole reference suite; a search of batch sizes
 SLOW_PAGES = (
     "docs/guides/distributed.md",
+    "docs/guides/torch-snapshots.md",
     "docs/guides/advise.md",
     "docs/guides/reference-strategies.md",
     "docs/guides/fit.md",

@@ -255,21 +255,45 @@ def test_what_empty_cache_gives_back_replays_as_an_empty_cache(expandable: bool)
     assert again.peak_reserved == model.peak_reserved == 160 * MiB
 
 
-def test_a_distributed_tests_snapshot_is_not_written_empty_and_its_notes_say_why(tmp_path: Path) -> None:
+def test_a_distributed_tests_ranks_leave_a_file_each_and_its_notes_name_the_ranks_that_left_none(
+    tmp_path: Path,
+) -> None:
+    """A world of 11 ranks whose ranks 3 and 7 were ended before they wrote theirs, then a second world of the
+    same name: each rank's bytes in a file named by its world and rank; the test's own file, with nothing
+    recorded in its own process, is not written."""
     from types import SimpleNamespace
 
-    from pytest_gpumem.backends.tracker.ledger import StorageLedger
+    from pytest_gpumem.backends.tracker.backend import TrackerBackend
+    from pytest_gpumem.distributed.world import RankSnapshot, Worlds
+    from pytest_gpumem.measure.measurement import Measurement
     from pytest_gpumem.results import TestResult
     from pytest_gpumem.run.test_files import TorchSnapshot
 
+    sections: list[tuple[str, str, str]] = []
     item = SimpleNamespace(stash=pytest.Stash(), nodeid="test_d.py::test_world")
-    files = TorchSnapshot(tmp_path)
-    measured = SimpleNamespace(backend=SimpleNamespace(ledger=StorageLedger("cuda")))
+    item.add_report_section = lambda *section: sections.append(section)
+    files = TorchSnapshot(tmp_path / "snaps")
+    measured = Measurement(TrackerBackend("cuda"), item.nodeid, Worlds())
     assert files.begin(item, measured) is None  # type: ignore[arg-type]
-    result = TestResult("test_d.py::test_world", "tracker", "meta", None, distributed=[{"world_size": 2}])
+    assert isinstance(measured.worlds, Worlds) and measured.worlds.snapshots == []  # the ranks are asked to record
+    measured.worlds.snapshots.extend(
+        RankSnapshot("ranks", r, 11, None if r in (3, 7) else bytes([r])) for r in range(11)
+    )
+    measured.worlds.snapshots.append(RankSnapshot("ranks-2", 0, 1, None))
+    result = TestResult(item.nodeid, "tracker", "cpu", None, distributed=[{"world_size": 11}])
     assert files.write(item, measured, result, None) is None  # type: ignore[arg-type]
-    assert not list(tmp_path.iterdir())
+    assert measured.worlds.snapshots == []  # the bytes are not kept past the test
+    written = sorted((tmp_path / "snaps").iterdir())
+    stem = "test_d.py_test_world-" + written[0].name.split("-")[1].split(".")[0]
+    assert [(path.name.removeprefix(stem), path.read_bytes()) for path in written] == [
+        (f".ranks.rank{rank:02d}.pickle", bytes([rank])) for rank in range(11) if rank not in (3, 7)
+    ]
+    (section,) = sections
+    assert section[:2] == ("call", "gpumem torch snapshot")
+    assert section[2].splitlines()[1] == f"memory snapshot of rank 1: {written[1]}"
     assert result.notes == [
-        "--gpumem-torch-snapshots: no snapshot written: this test's memory is its distributed ranks', measured "
-        "in their own processes, and a snapshot holds the test's own process"
+        "--gpumem-torch-snapshots: no snapshot of ranks 3, 7 of world 'ranks': ended before they finished, or could "
+        "not write one",
+        "--gpumem-torch-snapshots: no snapshot of rank 0 of world 'ranks-2': ended before it finished, or could not "
+        "write one",
     ]

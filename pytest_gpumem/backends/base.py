@@ -94,7 +94,11 @@ class Backend(abc.ABC):
 
     def configure(self, settings: Settings) -> None:
         """Take `settings` for the next measurement (called before each one). By default: nothing kept,
-        so `caps_the_process`, `records_events` stay False and attribution() None."""
+        so `caps_the_process`, `records_events` stay False and attribution() None.
+
+        Args:
+            settings: what the next measurement asks for: a capacity, origins, events, explanations.
+        """
         return None
 
     def identity(self) -> DeviceIdentity | Mapping[str, Any]:
@@ -110,8 +114,12 @@ class Backend(abc.ABC):
         return None
 
     def held_to(self, capacity: int | None) -> contextlib.AbstractContextManager[None]:
-        """Within the block, an allocation past `capacity` bytes raises OutOfMemoryError (None: no capacity
-        holds), whatever was configured; only where `caps_a_block` says so."""
+        """Within the block, an allocation past `capacity` bytes raises OutOfMemoryError, whatever was
+        configured; only where `caps_a_block` says so.
+
+        Args:
+            capacity: bytes the block may allocate; None: no capacity holds.
+        """
         from pytest_gpumem.errors import GpuMemError
 
         raise GpuMemError(f"the {self.name} backend cannot hold a block to a capacity")
@@ -130,9 +138,12 @@ class Backend(abc.ABC):
         return None
 
     def start_afresh(self, state: object | None) -> None:
-        """Serve the next allocations from `state` (`allocator_state()`), as a fresh test that reached the
-        same point would: `gpumem.fit`'s loops each start there (None: the live storages placed anew, no
-        cache). Nothing where it cannot be set."""
+        """Serve the next allocations from `state`, as a fresh test that reached the same point would:
+        `gpumem.fit`'s loops each start there. Nothing where it cannot be set.
+
+        Args:
+            state: what `allocator_state()` returned; None: the live storages placed anew, no cache.
+        """
         return None
 
     def expandable_segments(self) -> contextlib.AbstractContextManager[None] | None:
@@ -141,11 +152,19 @@ class Backend(abc.ABC):
         return None
 
     def predict_card(self, card: str | None) -> None:
-        """Predict the card called `card` from now on (None: none named; see `cuda_allocator_model.cards`)."""
+        """Predict the card called `card` from now on.
+
+        Args:
+            card: a card's name, as `cuda_allocator_model.cards` knows it; None: none named.
+        """
         return None
 
     def predicting(self, card: str | None) -> contextlib.AbstractContextManager[None]:
-        """Within the block, predict `card`; then the card predicted before."""
+        """Within the block, predict `card`; then the card predicted before.
+
+        Args:
+            card: a card's name, as `predict_card` takes it; None: none named.
+        """
         return contextlib.nullcontext()
 
     def timeline(self) -> contextlib.AbstractContextManager[Callable[[], Timeline]] | None:
@@ -171,7 +190,11 @@ class Backend(abc.ABC):
         return {}
 
     def survivors(self, count: int) -> list[Survivor]:
-        """The `count` largest storages the call made that are still allocated, with what they hold."""
+        """The largest storages the call made that are still allocated, with what they hold.
+
+        Args:
+            count: how many to return at most, largest first.
+        """
         return []
 
     def notes(self) -> list[str]:

@@ -122,7 +122,7 @@ class Deadlines:
         say = self.say
         if self.joining and say is not None and now >= self.slow:
             self.say = None
-            joining = _ranks(self.progress.short_of(self.progress.ready))
+            joining = named_ranks(self.progress.short_of(self.progress.ready))
             say(f"gpumem: waiting for {joining} to start ({SLOW_START:g} s; each imports torch and the test module)")
         if now < self.deadline:
             return
@@ -130,7 +130,7 @@ class Deadlines:
             self._late_joining()
         late = self.progress.short_of(self.progress.done)
         raise DistributedError(
-            f"{_ranks(late)} did not finish within {self.limit:g} s (timeout=, --gpumem-dist-timeout); all ranks "
+            f"{named_ranks(late)} did not finish within {self.limit:g} s (timeout=, --gpumem-dist-timeout); all ranks "
             "were ended",
             late[0],
         )
@@ -140,11 +140,12 @@ class Deadlines:
         unloaded = progress.short_of(progress.loaded, progress.ready)
         if unloaded:
             raise DistributedError(
-                f"{_ranks(unloaded)} did not start within {self.join:g} s (still loading the function and its module)",
+                f"{named_ranks(unloaded)} did not start within {self.join:g} s (still loading the function and its "
+                "module)",
                 unloaded[0],
             )
         late = progress.short_of(progress.ready)
-        raise DistributedError(f"{_ranks(late)} did not form the process group within {self.join:g} s", late[0])
+        raise DistributedError(f"{named_ranks(late)} did not form the process group within {self.join:g} s", late[0])
 
 
 class _Waiter:
@@ -213,7 +214,8 @@ class _Waiter:
             raise DistributedError(_ended(rank, process), rank)
 
 
-def _ranks(ranks: list[int]) -> str:
+def named_ranks(ranks: list[int]) -> str:
+    """`rank 1`, or `ranks 0, 2`."""
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 

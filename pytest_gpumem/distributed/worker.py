@@ -10,12 +10,14 @@ import math
 import os
 import pickle
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from pytest_gpumem.advise.run import advise
 from pytest_gpumem.distributed.gloo import SettledBoundaries, wait_for_gloo_after_calls
 from pytest_gpumem.distributed.messages import Kind, Message, describe, done
 from pytest_gpumem.errors import GpuMemError
+from pytest_gpumem.files import replace_atomically
 from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.measure.measuring import measuring
 from pytest_gpumem.results.ranks import RankResult, RankSpec
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
     from multiprocessing.queues import Queue
 
     from pytest_gpumem.backends.base import Backend
+    from pytest_gpumem.backends.tracker.torch_snapshot import RecordedModel
     from pytest_gpumem.distributed.messages import Wire
 
 _IN_RANK = "GPUMEM_RANK_OF"  # set in a rank's environment (to the test's node id): ranks start no ranks
@@ -87,7 +90,7 @@ def _run(rank: int, spec: RankSpec, queue: Queue[Wire]) -> RankResult:
     queue.put(Message(Kind.READY, rank).to_wire())
     if spec.process_group == "gloo":
         wait_for_gloo_after_calls(dist)
-    return _measured(rank, spec, backend, fn, args)
+    return measure_rank(rank, spec, backend, fn, args)
 
 
 def _follow_torchrun(rank: int, world_size: int, nodeid: str) -> None:
@@ -144,17 +147,46 @@ class InRank:
         raise GpuMemError("gpumem.simulate_rank(): this process already has a process group; it cannot be simulated")
 
 
-def _measured(rank: int, spec: RankSpec, backend: Backend, fn: Any, args: tuple[Any, ...]) -> RankResult:
+def measure_rank(rank: int, spec: RankSpec, backend: Backend, fn: Any, args: tuple[Any, ...]) -> RankResult:
+    """Rank `rank`'s run of `fn`, measured on `backend` (and left as a torch memory snapshot where `spec` asks)."""
     boundaries = SettledBoundaries(backend)
     setattr(backend, "settle", boundaries)  # noqa: B010  (this rank's own backend, for its lifetime)
     measured = Measurement(backend, f"{spec.nodeid} rank {rank}", InRank(spec.nodeid))
     measured.hold_to(leak_check=False, explain=spec.explain)
-    with measuring(measured, advise) as call:
-        value = fn(rank, spec.world_size, call.meter, *args)
+    recorded: RecordedModel | None = None
+    try:
+        with measuring(measured, advise) as call:
+            recorded = _recorded(backend) if spec.snapshots is not None else None
+            value = fn(rank, spec.world_size, call.meter, *args)
+    finally:
+        if recorded is not None and spec.snapshots is not None:  # a rank that raised leaves one too
+            _leave_snapshot(recorded, rank_snapshot_path(spec.snapshots, rank))
     record = call.record
     notes = [*record.notes, *boundaries.notes()]
     phases = dict(record.phases)
     return RankResult(rank, record.call, phases, value, sendable_info(record.info), notes, record.explanation)
+
+
+def _recorded(backend: Backend) -> RecordedModel | None:
+    """The allocator's model of this rank's backend, recording a torch memory snapshot from here on."""
+    from pytest_gpumem.backends.tracker.torch_snapshot import record_backend
+
+    return record_backend(backend)
+
+
+def rank_snapshot_path(folder: str, rank: int) -> Path:
+    """Where rank `rank` leaves its torch memory snapshot, in the world's own temporary `folder`."""
+    return Path(folder, f"snapshot-{rank}.pickle")
+
+
+def _leave_snapshot(recorded: RecordedModel, path: Path) -> None:
+    """The rank's run as a torch memory snapshot, written whole or not at all (the parent may end the
+    rank at any moment once another has failed)."""
+    from pytest_gpumem.backends.tracker.torch_snapshot import snapshot_bytes, snapshot_of
+
+    data = snapshot_bytes(snapshot_of(recorded, os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")))
+    with contextlib.suppress(OSError):  # the test's outcome stands; the parent notes the rank left none
+        replace_atomically(path, data)
 
 
 def sendable_info(info: object) -> dict[str, Any]:

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import math
 import pickle
+import re
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cuda_allocator_model import shorten
 from pytest_gpumem.distributed.spawn import DEFAULT_TIMEOUT, MIN_JOIN_TIMEOUT, spawn
+from pytest_gpumem.distributed.worker import rank_snapshot_path
 from pytest_gpumem.errors import GpuMemError, one_line
 from pytest_gpumem.results import RANK_SEPARATOR
 from pytest_gpumem.results.ranks import RankResult, RankSpec, World
@@ -30,15 +32,35 @@ _MAX_WORLD = 64
 """The most ranks started (each is a process that imports torch); `simulate` estimates larger worlds."""
 
 _GROUP_MARGIN = 60.0  # seconds the group's own timeout is past the parent's limits
+_NAME_IN_FILES = 40  # characters of a world's name kept in its ranks' file names
+
+
+@dataclass(frozen=True)
+class RankSnapshot:
+    """One rank's torch memory snapshot (--gpumem-torch-snapshots): the pickle it left, or None where it left
+    none (ended before it finished, when another rank failed or time ran out)."""
+
+    world: str  # the world's name as file names may hold it, numbered from its second world in the test
+    rank: int
+    world_size: int
+    data: bytes | None
+
+    def file_suffix(self) -> str:
+        """What follows the test's own file stem: `.ranks.rank0.pickle` (`rank00` in a world of 11 or more), so
+        that a world's files sort together and in rank order."""
+        width = len(str(self.world_size - 1))
+        return f".{self.world}.rank{self.rank:0{width}d}.pickle"
 
 
 @dataclass(frozen=True)
 class Worlds:
     """Starts worlds for one test: `timeout` (--gpumem-dist-timeout) unless the call gives its own, and
-    `say` for a line to the terminal (the ranks slow to start), None when quiet."""
+    `say` for a line to the terminal (the ranks slow to start), None when quiet; `snapshots`, where given,
+    gathers each rank's torch memory snapshot, world after world (the ranks record none where it is None)."""
 
     timeout: float = DEFAULT_TIMEOUT
     say: Callable[[str], None] | None = None
+    snapshots: list[RankSnapshot] | None = None
 
     def run(
         self,
@@ -77,12 +99,24 @@ class Worlds:
                 explain=measured.explain,
                 paths=paths,
                 cublas_workspace=workspace,
+                snapshots=None if self.snapshots is None else folder,
             )
-            ranks = spawn(spec, limit, self.say)
+            try:
+                ranks = spawn(spec, limit, self.say)
+            finally:  # a failed world's ranks that finished, or raised, leave theirs too
+                self._gather_snapshots(folder, name, world_size)
         check_phase_names(ranks, name)
         measured.add_notes(f"rank {r.rank}: {note}" for r in ranks for note in r.notes)
         world = World(ranks, group, name)
         return World(ranks, group, name, explained(world))
+
+    def _gather_snapshots(self, folder: str, name: str, world_size: int) -> None:
+        gathered = self.snapshots
+        if gathered is None:
+            return
+        world = file_name_of_world(name, {snapshot.world for snapshot in gathered})
+        for rank in range(world_size):
+            gathered.append(RankSnapshot(world, rank, world_size, _read(rank_snapshot_path(folder, rank))))
 
     def simulate(
         self,
@@ -115,6 +149,25 @@ class Worlds:
         finally:
             if dist.is_initialized():  # the function may have torn its group down itself
                 dist.destroy_process_group()
+
+
+def _read(path: Path) -> bytes | None:
+    """The file's bytes; None where the rank left none (its failure must not hide the world's own)."""
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def file_name_of_world(name: str, taken: Collection[str]) -> str:
+    """A world's name as its ranks' file names hold it: safe characters, cut short, and numbered (`ranks-2`)
+    where an earlier world of the test took it."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:_NAME_IN_FILES]
+    number = 2
+    found = safe
+    while found in taken:
+        found, number = f"{safe}-{number}", number + 1
+    return found
 
 
 def check_call(fn: object, world_size: object, timeout: object, name: object) -> None:

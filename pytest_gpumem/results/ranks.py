@@ -30,6 +30,7 @@ class RankSpec:
     explain: bool = False  # record what each phase's peak is made of (the test is explained)
     paths: str | None = None  # the tracker's code paths (cpu or gpu; None: its default for the device)
     cublas_workspace: int | None = None  # bytes of each cuBLAS workspace the tracker models (a card's)
+    snapshots: str | None = None  # the folder where each rank leaves its torch memory snapshot; None: none
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
@@ -79,29 +80,28 @@ class TorchSnapshot(PerTestFile):
     flag, noun, section, label = "--gpumem-torch-snapshots", "snapshot", "gpumem torch snapshot", "memory snapshot"
 
     def begin(self, item: pytest.Item, measured: Measurement) -> str | None:
-        """Record the call's requests, frees and segments from here on, on the allocator's model."""
-        from pytest_gpumem.backends.tracker.ledger import StorageLedger
-        from pytest_gpumem.backends.tracker.torch_snapshot import record
+        """Record the call's requests, frees and segments from here on, on the allocator's model; each rank
+        of the test's `gpumem.distributed()` worlds records its own."""
+        from pytest_gpumem.backends.tracker.torch_snapshot import record_backend
+        from pytest_gpumem.distributed.world import Worlds
 
-        ledger = getattr(measured.backend, "ledger", None)
-        recorded = record(ledger) if isinstance(ledger, StorageLedger) else None
+        recorded = record_backend(measured.backend)
         if recorded is None:
             return f"{self.flag}: none written: no CUDA allocator model (--gpumem-round=cuda)"
         item.stash[_RECORDED_KEY] = recorded
+        if isinstance(measured.worlds, Worlds):
+            measured.run_worlds_with(replace(measured.worlds, snapshots=[]))
         return None
 
     def write(self, item: pytest.Item, measured: Measurement, result: TestResult, record: CallRecord) -> Path | None:
         """Every measured test's prediction as a torch memory snapshot, which memory_viz opens and
-        `pytest-gpumem replay` reads (once: a later call of the judge finds nothing)."""
+        `pytest-gpumem replay` reads (once: a later call of the judge finds nothing), and one per rank of
+        its worlds; a test whose process allocated nothing beside its ranks has none of its own."""
         recorded = item.stash.get(_RECORDED_KEY, None)
         if recorded is None:
             return None
         del item.stash[_RECORDED_KEY]
-        if result.distributed and not recorded.events:  # the ranks' memory was in their own processes
-            result.notes.append(
-                f"{self.flag}: no snapshot written: this test's memory is its distributed ranks', measured in "
-                "their own processes, and a snapshot holds the test's own process"
-            )
+        if self._write_ranks(item, measured, result) and not recorded.events:
             return None
         from pytest_gpumem.backends.tracker.torch_snapshot import snapshot_bytes, snapshot_of
 
@@ -109,6 +109,35 @@ class TorchSnapshot(PerTestFile):
         self.folder.mkdir(parents=True, exist_ok=True)
         replace_atomically(path, snapshot_bytes(snapshot_of(recorded, os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))))
         return path
+
+    def _write_ranks(self, item: pytest.Item, measured: Measurement, result: TestResult) -> bool:
+        """Each rank's snapshot beside the test's own, all named in one report section; the ranks that left
+        none said in the test's notes, a line a world. Whether the test ran worlds whose ranks recorded."""
+        from pytest_gpumem.distributed.spawn import named_ranks
+        from pytest_gpumem.distributed.world import Worlds
+
+        worlds = measured.worlds
+        if not isinstance(worlds, Worlds) or not worlds.snapshots:
+            return False
+        snapshots = list(worlds.snapshots)
+        worlds.snapshots.clear()  # the bytes are not kept past the test
+        stem, written, missing = file_stem(item.nodeid), [], defaultdict[str, list[int]](list)
+        for snapshot in snapshots:
+            if snapshot.data is None:
+                missing[snapshot.world].append(snapshot.rank)
+                continue
+            path = self.folder / f"{stem}{snapshot.file_suffix()}"
+            self.folder.mkdir(parents=True, exist_ok=True)
+            replace_atomically(path, snapshot.data)
+            written.append(f"{self.label} of rank {snapshot.rank}: {path}")
+        if written:
+            item.add_report_section("call", self.section, "\n".join(written))
+        result.notes.extend(
+            f"{self.flag}: no snapshot of {named_ranks(ranks)} of world {world!r}: ended before "
+            f"{'it' if len(ranks) == 1 else 'they'} finished, or could not write one"
+            for world, ranks in missing.items()
+        )
+        return True
 
 
 TEST_FILES: Mapping[str, type[PerTestFile]] = {

@@ -31,7 +31,7 @@ from cuda_allocator_model import (
 from pytest_gpumem.backends.tracker.ledger import StorageLedger
 from pytest_gpumem.backends.tracker.recording import op_name, user_line
 
-__all__ = ["RecordedModel", "record", "snapshot_bytes", "snapshot_of"]
+__all__ = ["RecordedModel", "record", "record_backend", "snapshot_bytes", "snapshot_of"]
 
 Frame = dict[str, Any]
 Run = tuple[int, int, bool, int]  # a mapped range: start, end, expandable, stream
@@ -210,6 +210,12 @@ def record(ledger: StorageLedger) -> RecordedModel | None:
     recorded.fraction_limit = model.fraction_limit
     ledger.model = recorded
     return recorded
+
+
+def record_backend(backend: object) -> RecordedModel | None:
+    """`record` on the backend's ledger; None for a backend without one (not the tracker) or without a model."""
+    ledger = getattr(backend, "ledger", None)
+    return record(ledger) if isinstance(ledger, StorageLedger) else None
 
 
 def snapshot_of(model: RecordedModel, alloc_conf: str = "") -> dict[str, Any]:

@@ -1,0 +1,414 @@
+"""One JSON codec for the frozen values pytest-gpumem writes and reads back, driven by their types.
+
+`encode(value)` gives a dataclass's JSON (keys are the field names, in field order); `decode(cls, data,
+where)` builds one from JSON and nothing else: a missing or unknown key, a value of another type or
+outside its field's range is one `OffShape` naming its JSON path (`tests[3].call.peak_bytes must be an
+integer of bytes, got '12'`), and every value decoded is encoded again and compared with what was read
+(the round trip). Types: ints, floats, strs, bools, `X | None`, `tuple[X, ...]` and fixed tuples, lists,
+`Mapping[str, X]`, enums (by value), `Any` (any JSON, taken as is) and nested dataclasses.
+
+A field says more of itself with `Annotated[T, Spec(...)]`: its JSON `key`, the words of what it must be
+(`expected`), a range (`low`, `high`), a `check` of the value, the one value `omit`ted from the JSON (and
+filled in where absent), a reader and writer of its own (`via`). The words of the errors are a `Wording`:
+`REPORT` (a `--gpumem-json` report's) or `STORED` (a baseline file's, as they have always been).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar, Union, get_args, get_origin, get_type_hints, overload
+
+from cuda_allocator_model import MAX_BYTES
+from pytest_gpumem.results.checks import OffShape, first_difference, json_key, member, short
+
+__all__ = ["BYTES", "REPORT", "SIGNED", "STORED", "Spec", "Wording", "decode", "encode"]
+
+T = TypeVar("T")
+Reader = Callable[[Any, str, "Wording"], Any]
+Writer = Callable[[Any], Any]
+
+
+class _Keep:
+    """No value is omitted from the JSON (`Spec.omit` unset)."""
+
+    def __repr__(self) -> str:
+        return "KEEP"
+
+
+KEEP: Any = _Keep()
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a field's type does not say: its JSON `key`, the words of what it must be, its range (`low` <=
+    value <= `high`), a `check` the value passes, the one value `omit`ted from the JSON (read back where
+    the key is absent), the keys a mapping allows (`names`, said by `names_expected`), or a reader and a
+    writer of its own (`via`: the reader gets the JSON value, its path and the wording)."""
+
+    key: str | None = None
+    expected: str | None = None
+    low: int | float | None = None
+    high: int | float | None = None
+    check: Callable[[Any], bool] | None = None
+    omit: Any = KEEP
+    names: Callable[[str], bool] | None = None
+    names_expected: str = ""
+    via: tuple[Reader, Writer] | None = None
+
+
+BYTES = Spec(expected="an integer of bytes", low=0, high=MAX_BYTES)
+SIGNED = Spec(expected="an integer of bytes (negative where freed)", low=-MAX_BYTES, high=MAX_BYTES)
+
+
+@dataclass(frozen=True)
+class Wording:
+    """How an error says where and what: templates with `{where}`, `{expected}`, `{value}`, `{key}` (`key`
+    written by `quote`), the path of a field (`where.key`; `key` alone under the root, `""` or `top`), the
+    path of a mapping's key (`member`), and the error it raises."""
+
+    wrong: str
+    missing: str
+    unknown: str
+    rewritten: str
+    quote: Callable[[str], str]
+    member: Callable[[str, str], str]
+    error: Callable[[str], ValueError] = OffShape
+    top: str = ""
+
+    def field(self, where: str, key: str) -> str:
+        return f"{where}.{key}" if where and where != self.top else key
+
+    def refuse(self, where: str, expected: str, value: object) -> ValueError:
+        return self._say(self.wrong, where, expected=expected, value=short(value))
+
+    def no_key(self, where: str, key: str) -> ValueError:
+        return self._say(self.missing, where, key=self.quote(key))
+
+    def unknown_key(self, where: str, key: str) -> ValueError:
+        return self._say(self.unknown, where, key=self.quote(key))
+
+    def not_as_written(self, where: str, value: object) -> ValueError:
+        return self._say(self.rewritten, where, value=short(value))
+
+    def _say(self, template: str, where: str, **words: str) -> ValueError:
+        return self.error(template.format(where=where, **words).removeprefix(": "))
+
+
+REPORT = Wording(
+    wrong="{where} must be {expected}, got {value}",
+    missing="{where} has no {key}",
+    unknown="{where} has an unknown key {key}",
+    rewritten="{where} is not as pytest-gpumem writes it, got {value}",
+    quote=json_key,
+    member=member,
+)
+"""A report's words: `tests[0].call has no "count"`, `tests[0].call.count must be ..., got '1'`."""
+
+STORED = Wording(
+    wrong="{where}: expected {expected}, got {value}",
+    missing="{where}: missing key {key}",
+    unknown="{where}: unknown key {key}",
+    rewritten="{where}: not as pytest-gpumem writes it, got {value}",
+    quote=repr,
+    member=lambda where, key: f"{where}[{json_key(key)}]",
+    error=ValueError,
+)
+"""A baseline file's words, a `ValueError` relative to the entry (the file's reader names the entry):
+`identity: missing key 'device'`, `phases["forward"]: expected ..., got -1`."""
+
+
+def encode(value: Any, as_type: Any = None) -> Any:
+    """`value` (a dataclass, or of type `as_type`: any type `decode` reads) as JSON types: dicts, lists,
+    strs, numbers, bools, None."""
+    return _writer(type(value) if as_type is None else as_type)(value)
+
+
+@overload
+def decode(cls: type[T], data: object, where: str, wording: Wording = REPORT) -> T: ...
+@overload
+def decode(cls: object, data: object, where: str, wording: Wording = REPORT) -> Any: ...
+def decode(cls: Any, data: object, where: str, wording: Wording = REPORT) -> Any:
+    """The `cls` (a dataclass, or any type the codec reads) that `data` is the JSON of, as `encode` writes
+    it and nothing else; the wording's error (`OffShape`) names the JSON path (under `where`) of the first
+    value that is not."""
+    value = _reader(cls)(data, where, wording)
+    found = first_difference(data, encode(value, cls), where)
+    if found is not None:
+        raise wording.not_as_written(*found)
+    return value
+
+
+# ----------------------------------------------------------------------------------------- the plans
+
+
+@dataclass(frozen=True)
+class _Field:
+    name: str
+    key: str
+    read: Reader
+    write: Writer
+    omit: Any
+    default: Callable[[], Any] | None
+
+
+@dataclass
+class _Plan:
+    fields: tuple[_Field, ...] = ()
+    keys: frozenset[str] = frozenset()
+    required: tuple[str, ...] = ()
+
+
+_PLANS: dict[type, _Plan] = {}
+
+
+def _plan(cls: type) -> _Plan:
+    """The fields of dataclass `cls` as JSON keys, their readers and writers (made once per class)."""
+    plan = _PLANS.get(cls)
+    if plan is None:
+        plan = _PLANS[cls] = _Plan()  # filled in below; a class that holds itself finds it
+        hints = get_type_hints(cls, include_extras=True)
+        made = tuple(_field(f, hints[f.name]) for f in dataclasses.fields(cls) if f.init)
+        plan.fields, plan.keys = made, frozenset(f.key for f in made)
+        plan.required = tuple(f.key for f in made if f.default is None)
+    return plan
+
+
+def _field(f: dataclasses.Field[Any], tp: Any) -> _Field:
+    spec = _spec_of(tp)
+    default: Callable[[], Any] | None = None
+    if spec.omit is not KEEP:
+        if f.default is not dataclasses.MISSING:
+            default = _constant(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory
+        else:
+            raise TypeError(f"{f.name}: a field omitted from the JSON needs a default")
+    read, write = _build(tp, Spec())
+    return _Field(f.name, spec.key or f.name, read, write, spec.omit, default)
+
+
+def _constant(value: Any) -> Callable[[], Any]:
+    return lambda: value
+
+
+def _spec_of(tp: Any) -> Spec:
+    if get_origin(tp) is Annotated:
+        return next((m for m in get_args(tp)[1:] if isinstance(m, Spec)), Spec())
+    return Spec()
+
+
+_MADE: dict[Any, tuple[Reader, Writer]] = {}
+
+
+def _made(tp: Any) -> tuple[Reader, Writer]:
+    made = _MADE.get(tp)
+    if made is None:
+        made = _MADE[tp] = _build(tp, Spec())
+    return made
+
+
+def _reader(tp: Any) -> Reader:
+    return _made(tp)[0]
+
+
+def _writer(tp: Any) -> Writer:
+    return _made(tp)[1]
+
+
+def _build(tp: Any, spec: Spec, phrase: str | None = None) -> tuple[Reader, Writer]:
+    """The reader and the writer of type `tp`; `phrase` is what a wrong value is told it must be."""
+    if get_origin(tp) is Annotated:
+        inner, *meta = get_args(tp)
+        spec = next((m for m in meta if isinstance(m, Spec)), spec)
+        return _build(inner, spec, phrase or spec.expected)
+    if spec.via is not None:
+        return spec.via
+    origin, args = get_origin(tp), get_args(tp)
+    if origin in (Union, types.UnionType):
+        return _optional(args, spec, phrase)
+    if tp is Any:
+        return _any, _any_out
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return _enum(tp, phrase)
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return _nested(tp, phrase or "an object")
+    if tp in _SCALARS:
+        return _scalar(tp, spec, phrase or _SCALARS[tp][1])
+    if origin in (tuple, list):
+        return _sequence(origin, args, spec, phrase or "a list")
+    if origin in (dict, Mapping):
+        return _mapping(args[1], spec, phrase or "an object")
+    raise TypeError(f"the JSON codec has no rule for {tp!r}")
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int
+
+
+def _is_number(value: object) -> bool:
+    return type(value) is int or type(value) is float
+
+
+_SCALARS: dict[Any, tuple[Callable[[object], bool], str]] = {
+    int: (_is_int, "an integer"),
+    float: (_is_number, "a number"),  # an integer stays one: it is written back as it was read
+    str: (lambda value: isinstance(value, str), "a string"),
+    bool: (lambda value: isinstance(value, bool), "true or false"),
+}
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _scalar(tp: Any, spec: Spec, phrase: str) -> tuple[Reader, Writer]:
+    is_kind = _SCALARS[tp][0]
+    low, high, check = spec.low, spec.high, spec.check
+
+    def read(value: Any, where: str, wording: Wording) -> Any:
+        if (
+            not is_kind(value)
+            or (low is not None and value < low)
+            or (high is not None and value > high)
+            or (check is not None and not check(value))
+        ):
+            raise wording.refuse(where, phrase, value)
+        return value
+
+    return read, _same
+
+
+def _any(value: Any, where: str, wording: Wording) -> Any:
+    return value
+
+
+def _any_out(value: Any) -> Any:
+    return value
+
+
+def _optional(args: tuple[Any, ...], spec: Spec, phrase: str | None) -> tuple[Reader, Writer]:
+    inner = [arg for arg in args if arg is not type(None)]
+    if len(inner) != 1 or len(args) != 2:
+        raise TypeError(f"the JSON codec reads only X | None of unions, not {args!r}")
+    words = phrase or f"{_phrase(inner[0], spec)} or null"
+    read_inner, write_inner = _build(inner[0], spec, words)
+
+    def read(value: Any, where: str, wording: Wording) -> Any:
+        return None if value is None else read_inner(value, where, wording)
+
+    def write(value: Any) -> Any:
+        return None if value is None else write_inner(value)
+
+    return read, write
+
+
+def _phrase(tp: Any, spec: Spec) -> str:
+    """What a value of `tp` must be, in words."""
+    if get_origin(tp) is Annotated:
+        inner, *meta = get_args(tp)
+        spec = next((m for m in meta if isinstance(m, Spec)), spec)
+        return spec.expected or _phrase(inner, spec)
+    if spec.expected is not None:
+        return spec.expected
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return _enum_phrase(tp)
+    if tp in _SCALARS:
+        return _SCALARS[tp][1]
+    return "a list" if get_origin(tp) in (tuple, list) else "an object"
+
+
+def _enum_phrase(tp: type[enum.Enum]) -> str:
+    return f"one of {', '.join(str(member.value) for member in tp)}"
+
+
+def _enum(tp: type[enum.Enum], phrase: str | None) -> tuple[Reader, Writer]:
+    by_value = {member.value: member for member in tp}
+    words = phrase or _enum_phrase(tp)
+
+    def read(value: Any, where: str, wording: Wording) -> Any:
+        if type(value) not in (str, int) or value not in by_value:
+            raise wording.refuse(where, words, value)
+        return by_value[value]
+
+    def write(value: Any) -> Any:
+        return value.value
+
+    return read, write
+
+
+def _nested(cls: type, phrase: str) -> tuple[Reader, Writer]:
+    def read(value: Any, where: str, wording: Wording) -> Any:
+        plan = _plan(cls)
+        if not isinstance(value, dict):
+            raise wording.refuse(where, phrase, value)
+        missing = next((key for key in plan.required if key not in value), None)
+        if missing is not None:
+            raise wording.no_key(where, missing)
+        unknown = next((key for key in value if key not in plan.keys), None)
+        if unknown is not None:
+            raise wording.unknown_key(where, str(unknown))
+        made = {}
+        for f in plan.fields:
+            if f.key in value:
+                made[f.name] = f.read(value[f.key], wording.field(where, f.key), wording)
+            else:
+                assert f.default is not None
+                made[f.name] = f.default()
+        return cls(**made)
+
+    def write(value: Any) -> Any:
+        out = {}
+        for f in _plan(cls).fields:
+            item = getattr(value, f.name)
+            if f.omit is KEEP or item != f.omit:
+                out[f.key] = f.write(item)
+        return out
+
+    return read, write
+
+
+def _sequence(origin: Any, args: tuple[Any, ...], spec: Spec, phrase: str) -> tuple[Reader, Writer]:
+    fixed = origin is tuple and not (len(args) == 2 and args[1] is Ellipsis)
+    parts = [_build(arg, Spec()) for arg in (args if fixed else args[:1])]
+    make: Callable[[Any], Any] = tuple if origin is tuple else list
+    check = spec.check
+
+    def read(value: Any, where: str, wording: Wording) -> Any:
+        if (
+            not isinstance(value, list)
+            or (fixed and len(value) != len(parts))
+            or (check is not None and not check(value))
+        ):
+            raise wording.refuse(where, phrase, value)
+        readers = [p[0] for p in parts] if fixed else [parts[0][0]] * len(value)
+        return make(r(item, f"{where}[{i}]", wording) for i, (r, item) in enumerate(zip(readers, value, strict=True)))
+
+    def write(value: Any) -> Any:
+        if fixed:
+            return [p[1](item) for p, item in zip(parts, value, strict=True)]
+        return [parts[0][1](item) for item in value]
+
+    return read, write
+
+
+def _mapping(value_type: Any, spec: Spec, phrase: str) -> tuple[Reader, Writer]:
+    read_value, write_value = _build(value_type, Spec())
+    names, names_expected, check = spec.names, spec.names_expected, spec.check
+
+    def read(value: Any, where: str, wording: Wording) -> Any:
+        if names is not None and isinstance(value, dict):
+            bad = next((key for key in value if not names(key)), None)
+            if bad is not None:
+                raise wording.error(f"{where}: {names_expected}, got {short(bad)}")
+        if not isinstance(value, dict) or (check is not None and not check(value)):
+            raise wording.refuse(where, phrase, value)
+        return {key: read_value(item, wording.member(where, key), wording) for key, item in value.items()}
+
+    def write(value: Any) -> Any:
+        return {key: write_value(item) for key, item in value.items()}
+
+    return read, write

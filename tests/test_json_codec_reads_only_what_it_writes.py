@@ -1,0 +1,199 @@
+"""The JSON codec: a frozen value's JSON from its types, read back strictly, every refusal one line with
+its JSON path and the value found there."""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import pytest
+
+from cuda_allocator_model import MAX_BYTES
+from pytest_gpumem.results.checks import OffShape
+from pytest_gpumem.results.codec import BYTES, REPORT, SIGNED, STORED, Spec, decode, encode
+
+
+class Color(str, enum.Enum):
+    RED = "red"
+    GREEN = "GREEN"
+
+
+@dataclass(frozen=True)
+class Phase:
+    peak_bytes: Annotated[int, BYTES]
+    net_bytes: Annotated[int, SIGNED]
+    rank: Annotated[int | None, Spec(omit=None, expected="a rank (0 or more)", low=0)] = None
+
+
+@dataclass(frozen=True)
+class Doc:
+    name: Annotated[str, Spec(expected="a non-empty string", check=bool)]
+    color: Color
+    phases: Mapping[str, Phase]
+    shape: tuple[int, ...] | None
+    span: Annotated[tuple[int, int], Spec(expected="[first, last]")]
+    ratio: float
+    done: bool
+    size: Annotated[int, Spec(key="bytes")]
+    reserved: Annotated[int, BYTES] | None = None
+    info: Any = None
+    notes: Annotated[tuple[str, ...], Spec(omit=())] = ()
+    tags: list[str] = field(default_factory=list)
+
+
+DOC = Doc(
+    name="t",
+    color=Color.GREEN,
+    phases={"forward": Phase(8, -4), "a-b": Phase(0, 0, rank=1)},
+    shape=(2, 3),
+    span=(0, 7),
+    ratio=0.5,
+    done=True,
+    size=12,
+    info={"free": [1, "form"]},
+    tags=["x"],
+)
+JSON = {
+    "name": "t",
+    "color": "GREEN",
+    "phases": {"forward": {"peak_bytes": 8, "net_bytes": -4}, "a-b": {"peak_bytes": 0, "net_bytes": 0, "rank": 1}},
+    "shape": [2, 3],
+    "span": [0, 7],
+    "ratio": 0.5,
+    "done": True,
+    "bytes": 12,
+    "reserved": None,
+    "info": {"free": [1, "form"]},
+    "tags": ["x"],
+}
+
+
+def test_a_value_is_written_as_its_fields_in_order_and_read_back_equal() -> None:
+    written = encode(DOC)
+    assert written == JSON
+    assert list(written) == list(JSON)
+    assert json.dumps(written)  # JSON types only: the enum's word, lists for tuples
+    assert decode(Doc, json.loads(json.dumps(written)), "doc") == DOC
+
+
+def test_an_omitted_value_is_read_back_from_its_absent_key() -> None:
+    with_notes = decode(Doc, {**JSON, "notes": ["n"]}, "doc")
+    assert with_notes.notes == ("n",)
+    assert encode(with_notes)["notes"] == ["n"]
+    assert "notes" not in encode(DOC)
+
+
+def _changed(path: tuple[str, ...], value: object) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(json.dumps(JSON))
+    *parents, last = path
+    node: dict[str, Any] = doc
+    for key in parents:
+        node = node[key]
+    if value is KeyError:
+        del node[last]
+    else:
+        node[last] = value
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        (("name",), KeyError, 'doc has no "name"'),
+        (("extra",), 1, 'doc has an unknown key "extra"'),
+        (("name",), "", "doc.name must be a non-empty string, got ''"),
+        (("color",), "green", "doc.color must be one of red, GREEN, got 'green'"),
+        (
+            ("phases", "forward", "peak_bytes"),
+            "8",
+            "doc.phases.forward.peak_bytes must be an integer of bytes, got '8'",
+        ),
+        (("phases", "forward", "peak_bytes"), -1, "doc.phases.forward.peak_bytes must be an integer of bytes, got -1"),
+        (
+            ("phases", "forward", "peak_bytes"),
+            MAX_BYTES + 1,
+            f"doc.phases.forward.peak_bytes must be an integer of bytes, got {MAX_BYTES + 1}",
+        ),
+        (
+            ("phases", "forward", "peak_bytes"),
+            True,
+            "doc.phases.forward.peak_bytes must be an integer of bytes, got True",
+        ),
+        (
+            ("phases", "forward", "net_bytes"),
+            1.0,
+            "doc.phases.forward.net_bytes must be an integer of bytes (negative where freed), got 1.0",
+        ),
+        (("phases", "a-b", "rank"), -1, 'doc.phases["a-b"].rank must be a rank (0 or more), got -1'),
+        (("phases", "a-b", "count"), 1, 'doc.phases["a-b"] has an unknown key "count"'),
+        (("phases",), [], "doc.phases must be an object, got []"),
+        (("shape",), [2, "3"], "doc.shape[1] must be an integer, got '3'"),
+        (("shape",), 6, "doc.shape must be a list or null, got 6"),
+        (("span",), [0, 1, 2], "doc.span must be [first, last], got [0, 1, 2]"),
+        (("ratio",), "0.5", "doc.ratio must be a number, got '0.5'"),
+        (("done",), 1, "doc.done must be true or false, got 1"),
+        (("bytes",), KeyError, 'doc has no "bytes"'),
+        (("reserved",), "x", "doc.reserved must be an integer of bytes or null, got 'x'"),
+        (("tags",), ["x", None], "doc.tags[1] must be a string, got None"),
+    ],
+)
+def test_a_value_not_as_written_is_refused_at_its_json_path(path: tuple[str, ...], value: object, message: str) -> None:
+    with pytest.raises(OffShape) as refused:
+        decode(Doc, _changed(path, value), "doc")
+    assert str(refused.value) == message
+
+
+def test_a_value_read_that_would_be_written_otherwise_is_refused_by_the_round_trip() -> None:
+    with pytest.raises(OffShape) as refused:
+        decode(Doc, _changed(("phases", "forward", "rank"), None), "doc")
+    assert str(refused.value) == (
+        "doc.phases.forward is not as pytest-gpumem writes it, got {'peak_bytes': 8, 'net_bytes': -4, 'rank': None}"
+    )
+    with pytest.raises(OffShape, match=r"^doc is not as pytest-gpumem writes it, got \{"):
+        decode(Doc, {**JSON, "notes": []}, "doc")
+
+
+def test_an_integer_read_where_a_number_goes_is_written_back_an_integer() -> None:
+    read = decode(Doc, {**JSON, "ratio": 2}, "doc")
+    assert read.ratio == 2 and type(encode(read)["ratio"]) is int
+
+
+@dataclass(frozen=True)
+class Stored:
+    device: Annotated[str, Spec(expected="a non-empty string", check=bool)]
+    phases: Annotated[
+        Mapping[str, Annotated[int, Spec(expected="an integer 0 <= n < 2**63 (bytes)", low=0, high=MAX_BYTES)]],
+        Spec(
+            expected="an object of phase name -> bytes",
+            names=bool,
+            names_expected="phase names must be non-empty strings",
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ([], "expected an object, got []"),
+        ({"phases": {}}, "missing key 'device'"),
+        ({"device": "d", "phases": {}, "x": 1}, "unknown key 'x'"),
+        ({"device": "", "phases": {}}, "device: expected a non-empty string, got ''"),
+        ({"device": "d", "phases": 3}, "phases: expected an object of phase name -> bytes, got 3"),
+        ({"device": "d", "phases": {"": 1}}, "phases: phase names must be non-empty strings, got ''"),
+        ({"device": "d", "phases": {"f": -1}}, 'phases["f"]: expected an integer 0 <= n < 2**63 (bytes), got -1'),
+    ],
+)
+def test_a_stored_value_says_what_is_wrong_in_the_baseline_files_words(data: object, message: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        decode(Stored, data, "", STORED)
+    assert str(refused.value) == message
+
+
+def test_the_two_wordings_name_a_nested_key_each_their_way() -> None:
+    assert str(STORED.no_key("identity", "device")) == "identity: missing key 'device'"
+    assert str(REPORT.no_key("tests[0]", "status")) == 'tests[0] has no "status"'
+    assert STORED.member("phases", "forward") == 'phases["forward"]'
+    assert REPORT.member("phases", "forward") == "phases.forward"
