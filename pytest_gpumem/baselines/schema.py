@@ -13,7 +13,7 @@ File schema (version 1)::
         "<test node id>": {
           "<identity key>": {
             "cuda": "12.8",                      # torch.version.cuda when recorded, or null
-            "gradients": {...},                  # optional: results.gradients.Fingerprint.to_json()
+            "gradients": {...},                  # optional: a results.gradients.Fingerprint
             "identity": {
               "backend": "cuda",                 # how memory was measured: cuda, xpu, mps, tracker, ...
               "capability": "9.0",               # CUDA compute capability, or null

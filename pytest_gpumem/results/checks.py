@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from json.encoder import encode_basestring
 from typing import Any
 
@@ -116,30 +117,51 @@ def texts(value: object, where: str) -> list[str]:
     return [text(item, f"{where}[{i}]") for i, item in enumerate(listed(value, where))]
 
 
-def first_difference(read: object, written: object, where: str) -> tuple[str, object] | None:
+def first_difference(
+    read: object, written: object, where: str, path: Callable[[str, str], str] | None = None
+) -> tuple[str, object] | None:
     """Where ``read`` (a report's value) and ``written`` (what the value read from it writes) first
-    differ, in type or value: the JSON path and the value read there; None where they are the same JSON.
-    Walked with a stack of its own: a value as deep as JSON is read is compared too."""
-    stack = [(read, written, where)]
+    differ, in type or value: the JSON path (a key's written by `path`, `member` unless given) and the value
+    read there; None where they are the same JSON.
+    Walked with a stack of its own: a value as deep as JSON is read is compared too. A node is `(read,
+    written, its parent's node, its key)`: the path is spelled only for the difference found."""
+    stack: list[_Node] = [(read, written, None, where)]
     while stack:
-        a, b, at = stack.pop()
-        if a is b:  # one value read as is (JSON taken whole), not walked again
-            continue
+        node = stack.pop()
+        a, b = node[0], node[1]
         if type(a) is not type(b):
-            return at, a
-        if isinstance(a, dict):
-            assert isinstance(b, dict)
+            return _spelled(node, path or member), a
+        if type(a) is dict:
             if a.keys() != b.keys():
-                return at, a
-            stack += reversed([(a[k], b[k], member(at, k)) for k in a])
-        elif isinstance(a, list):
-            assert isinstance(b, list)
+                return _spelled(node, path or member), a
+            stack += reversed([(x, b[k], node, k) for k, x in a.items() if not _same(x, b[k])])
+        elif type(a) is list:
             if len(a) != len(b):
-                return at, a
-            stack += reversed([(x, y, f"{at}[{i}]") for i, (x, y) in enumerate(zip(a, b, strict=True))])
+                return _spelled(node, path or member), a
+            stack += reversed([(x, y, node, i) for i, (x, y) in enumerate(zip(a, b, strict=True)) if not _same(x, y)])
         elif a != b:
-            return at, a
+            return _spelled(node, path or member), a
     return None
+
+
+_Node = tuple[Any, Any, Any, str | int]
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def _same(a: object, b: object) -> bool:
+    """The same JSON, seen without walking: one object (a value taken whole), or equal scalars of one type."""
+    return a is b or (type(a) is type(b) and type(a) in _SCALARS and a == b)
+
+
+def _spelled(node: _Node, path: Callable[[str, str], str]) -> str:
+    keys: list[str | int] = []
+    while node[2] is not None:
+        keys.append(node[3])
+        node = node[2]
+    at = str(node[3])
+    for key in reversed(keys):
+        at = f"{at}[{key}]" if isinstance(key, int) else path(at, key)
+    return at
 
 
 def member(where: str, key: str) -> str:

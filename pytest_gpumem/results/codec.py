@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import threading
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from typing import Annotated, Any, TypeVar, Union, get_args, get_origin, get_typ
 from cuda_allocator_model import MAX_BYTES
 from pytest_gpumem.results.checks import OffShape, first_difference, json_key, member, short
 
-__all__ = ["BYTES", "REPORT", "SIGNED", "STORED", "Spec", "Wording", "decode", "encode"]
+__all__ = ["BYTES", "REPORT", "SIGNED", "STORED", "Spec", "Wording", "decode", "encode", "validate"]
 
 T = TypeVar("T")
 Reader = Callable[[Any, str, "Wording"], Any]
@@ -82,6 +83,10 @@ class Wording:
     def field(self, where: str, key: str) -> str:
         return f"{where}.{key}" if where and where != self.top else key
 
+    def path(self, where: str, key: str) -> str:
+        """The path of `key` under `where`, a field's or a mapping's by the look of the key."""
+        return self.field(where, key) if key.isascii() and key.isidentifier() else self.member(where, key)
+
     def refuse(self, where: str, expected: str, value: object) -> ValueError:
         return self._say(self.wrong, where, expected=expected, value=short(value))
 
@@ -136,10 +141,26 @@ def decode(cls: Any, data: object, where: str, wording: Wording = REPORT) -> Any
     it and nothing else; the wording's error (`OffShape`) names the JSON path (under `where`) of the first
     value that is not."""
     value = _reader(cls)(data, where, wording)
-    found = first_difference(data, encode(value, cls), where)
+    found = first_difference(data, encode(value, cls), where, wording.path)
     if found is not None:
         raise wording.not_as_written(*found)
     return value
+
+
+def validate(value: Any, where: str, wording: Wording = STORED) -> None:
+    """Refuse a dataclass built in Python with a value its JSON could not hold, as `decode` would say it
+    (for a `__post_init__`; a nested dataclass is built again from its JSON, and so checks itself). A
+    value `decode` builds is not checked again: its reader has just checked each field."""
+    if getattr(_DECODING, "now", False):
+        return
+    for f in _plan(type(value)).fields:
+        at = wording.field(where, f.key)
+        item = getattr(value, f.name)
+        try:
+            written = f.write(item)
+        except (AttributeError, TypeError, ValueError):
+            raise wording.refuse(at, f.phrase, item) from None
+        f.read(written, at, wording)
 
 
 # ----------------------------------------------------------------------------------------- the plans
@@ -153,16 +174,19 @@ class _Field:
     write: Writer
     omit: Any
     default: Callable[[], Any] | None
+    phrase: str
 
 
 @dataclass
 class _Plan:
     fields: tuple[_Field, ...] = ()
     keys: frozenset[str] = frozenset()
-    required: tuple[str, ...] = ()
+    fields_required: tuple[str, ...] = ()
+    required: frozenset[str] = frozenset()
 
 
 _PLANS: dict[type, _Plan] = {}
+_DECODING = threading.local()  # `now`: a reader is building a value whose fields it has checked
 
 
 def _plan(cls: type) -> _Plan:
@@ -173,7 +197,8 @@ def _plan(cls: type) -> _Plan:
         hints = get_type_hints(cls, include_extras=True)
         made = tuple(_field(f, hints[f.name]) for f in dataclasses.fields(cls) if f.init)
         plan.fields, plan.keys = made, frozenset(f.key for f in made)
-        plan.required = tuple(f.key for f in made if f.default is None)
+        plan.fields_required = tuple(f.key for f in made if f.default is None)
+        plan.required = frozenset(plan.fields_required)
     return plan
 
 
@@ -188,7 +213,7 @@ def _field(f: dataclasses.Field[Any], tp: Any) -> _Field:
         else:
             raise TypeError(f"{f.name}: a field omitted from the JSON needs a default")
     read, write = _build(tp, Spec())
-    return _Field(f.name, spec.key or f.name, read, write, spec.omit, default)
+    return _Field(f.name, spec.key or f.name, read, write, spec.omit, default, _phrase(tp, Spec()))
 
 
 def _constant(value: Any) -> Callable[[], Any]:
@@ -343,22 +368,20 @@ def _enum(tp: type[enum.Enum], phrase: str | None) -> tuple[Reader, Writer]:
 def _nested(cls: type, phrase: str) -> tuple[Reader, Writer]:
     def read(value: Any, where: str, wording: Wording) -> Any:
         plan = _plan(cls)
-        if not isinstance(value, dict):
+        if type(value) is not dict:
             raise wording.refuse(where, phrase, value)
-        missing = next((key for key in plan.required if key not in value), None)
-        if missing is not None:
-            raise wording.no_key(where, missing)
-        unknown = next((key for key in value if key not in plan.keys), None)
-        if unknown is not None:
-            raise wording.unknown_key(where, str(unknown))
-        made = {}
-        for f in plan.fields:
-            if f.key in value:
-                made[f.name] = f.read(value[f.key], wording.field(where, f.key), wording)
-            else:
-                assert f.default is not None
-                made[f.name] = f.default()
-        return cls(**made)
+        if not (plan.keys.issuperset(value) and value.keys() >= plan.required):
+            raise _key_refused(plan, value, where, wording)
+        field = wording.field
+        made = {
+            f.name: f.read(value[f.key], field(where, f.key), wording) if f.key in value else f.default()  # type: ignore[misc]
+            for f in plan.fields
+        }
+        was, _DECODING.now = getattr(_DECODING, "now", False), True
+        try:
+            return cls(**made)
+        finally:
+            _DECODING.now = was
 
     def write(value: Any) -> Any:
         out = {}
@@ -369,6 +392,14 @@ def _nested(cls: type, phrase: str) -> tuple[Reader, Writer]:
         return out
 
     return read, write
+
+
+def _key_refused(plan: _Plan, value: dict[str, Any], where: str, wording: Wording) -> ValueError:
+    """The first missing key, else the first unknown one."""
+    missing = next((key for key in plan.fields_required if key not in value), None)
+    if missing is not None:
+        return wording.no_key(where, missing)
+    return wording.unknown_key(where, str(next(key for key in value if key not in plan.keys)))
 
 
 def _sequence(origin: Any, args: tuple[Any, ...], spec: Spec, phrase: str) -> tuple[Reader, Writer]:
@@ -384,8 +415,12 @@ def _sequence(origin: Any, args: tuple[Any, ...], spec: Spec, phrase: str) -> tu
             or (check is not None and not check(value))
         ):
             raise wording.refuse(where, phrase, value)
-        readers = [p[0] for p in parts] if fixed else [parts[0][0]] * len(value)
-        return make(r(item, f"{where}[{i}]", wording) for i, (r, item) in enumerate(zip(readers, value, strict=True)))
+        if fixed:
+            return make(
+                [p[0](item, f"{where}[{i}]", wording) for i, (p, item) in enumerate(zip(parts, value, strict=True))]
+            )
+        read_item = parts[0][0]
+        return make([read_item(item, f"{where}[{i}]", wording) for i, item in enumerate(value)])
 
     def write(value: Any) -> Any:
         if fixed:

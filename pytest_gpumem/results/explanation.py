@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from pytest_gpumem.results.checks import OffShape, fields, json_key, listed, member, refuse, text
+from pytest_gpumem.results.checks import OffShape, fields, json_key, listed, member, refuse, signed_bytes, text
+from pytest_gpumem.results.codec import Spec, Wording, encode
 
 _FORMAT = "pytest-gpumem explanation 1"
 
@@ -360,29 +361,59 @@ class RanksExplanation:
     call: PhaseExplanation | None
 
 
+def _signed_sizes(value: dict[str, Any]) -> bool:
+    return all(isinstance(k, str) and signed_bytes(v) for k, v in value.items())
+
+
+def _is_folded(value: dict[str, Any]) -> bool:
+    return all(isinstance(g, str) and signed_bytes(n) and n > 0 for g, n in value.items())
+
+
+def _is_cell(cell: object) -> bool:
+    return (
+        isinstance(cell, list)
+        and len(cell) == 3
+        and isinstance(cell[0], str)
+        and isinstance(cell[1], str)
+        and signed_bytes(cell[2])
+    )
+
+
+def _read_cells(value: Any, where: str, wording: Wording) -> list[Cell]:
+    if not isinstance(value, list) or not all(_is_cell(cell) for cell in value):
+        raise wording.refuse(where, "a list of [category, module, bytes]", value)
+    return [Cell(*cell) for cell in value]
+
+
+def _write_cells(cells: list[Cell]) -> list[list[Any]]:
+    return [[cell.category, cell.module, cell.size] for cell in cells]
+
+
 @dataclass(frozen=True)
 class PhaseComposition:
     """What a baseline keeps of a phase's explanation: the growth by category (sums to the peak, with
-    `unattributed`), the category x module-group parts, and how many blocks each folded group has (None in
-    compositions made before folding, which keep only their largest cells)."""
+    `unattributed`; a byte count may be negative, a phase that freed what was alive at its start), the
+    category x module-group parts (`[category, module, bytes]` each), and how many blocks each folded
+    group has (None in compositions made before folding, which keep only their largest cells)."""
 
-    categories: dict[str, int]
-    cells: list[Cell]
-    folded: dict[str, int] | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = {
-            "categories": dict(self.categories),
-            "cells": [[cell.category, cell.module, cell.size] for cell in self.cells],
-        }
-        if self.folded is not None:
-            data["folded"] = dict(self.folded)
-        return data
+    categories: Annotated[dict[str, int], Spec(expected="an object of category -> bytes", check=_signed_sizes)]
+    cells: Annotated[list[Cell], Spec(via=(_read_cells, _write_cells))]
+    folded: Annotated[
+        dict[str, int] | None, Spec(omit=None, expected="an object of module group -> blocks", check=_is_folded)
+    ] = None
 
 
 Composition = dict[str, PhaseComposition]
 """A test's composition: per phase name."""
 
+COMPOSITION = Spec(
+    expected="an object of phase name -> parts", names=bool, names_expected="phase names must be non-empty strings"
+)
+"""What a stored composition must be (`StoredComposition`, a baseline entry's `composition`)."""
+
+StoredComposition = Annotated[Composition, COMPOSITION]
+
 
 def composition_to_json(composition: Mapping[str, PhaseComposition]) -> dict[str, Any]:
-    return {name: phase.to_json() for name, phase in composition.items()}
+    written: dict[str, Any] = encode(dict(composition), Composition)
+    return written
