@@ -10,7 +10,8 @@ integer of bytes, got '12'`), and every value decoded is encoded again and compa
 A field says more of itself with `Annotated[T, Spec(...)]`: its JSON `key`, the words of what it must be
 (`expected`), a range (`low`, `high`), a `check` of the value, the one value `omit`ted from the JSON (and
 filled in where absent), a reader and writer of its own (`via`). The words of the errors are a `Wording`:
-`REPORT` (a `--gpumem-json` report's) or `STORED` (a baseline file's, as they have always been).
+`REPORT` (a `--gpumem-json` report's) or `STORED` (a baseline file's, as they have always been). A class
+whose JSON keys come in another order than its fields names that order in `__json_keys__`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Annotated, Any, TypeVar, Union, get_args, get_origin, get_typ
 from cuda_allocator_model import MAX_BYTES
 from pytest_gpumem.results.checks import OffShape, first_difference, json_key, member, short
 
-__all__ = ["BYTES", "REPORT", "SIGNED", "STORED", "Spec", "Wording", "decode", "encode", "validate"]
+__all__ = ["BYTES", "EMPTY", "REPORT", "SIGNED", "STORED", "Spec", "Wording", "decode", "encode", "validate"]
 
 T = TypeVar("T")
 Reader = Callable[[Any, str, "Wording"], Any]
@@ -41,14 +42,18 @@ class _Keep:
 
 
 KEEP: Any = _Keep()
+EMPTY: Any = _Keep()
+"""`Spec(omit=EMPTY)`: an empty list or mapping is omitted from the JSON."""
 
 
 @dataclass(frozen=True)
 class Spec:
     """What a field's type does not say: its JSON `key`, the words of what it must be, its range (`low` <=
     value <= `high`), a `check` the value passes, the one value `omit`ted from the JSON (read back where
-    the key is absent), the keys a mapping allows (`names`, said by `names_expected`), or a reader and a
-    writer of its own (`via`: the reader gets the JSON value, its path and the wording)."""
+    the key is absent), the keys a mapping allows (`names`, said by `names_expected`), a reader and a
+    writer of its own (`via`: the reader gets the JSON value, its path and the wording), or what a key
+    absent from an earlier version's JSON is read as (`absent`, a factory; the round trip still refuses
+    such a value at the end, but a wrong value beside it is named first)."""
 
     key: str | None = None
     expected: str | None = None
@@ -59,6 +64,7 @@ class Spec:
     names: Callable[[str], bool] | None = None
     names_expected: str = ""
     via: tuple[Reader, Writer] | None = None
+    absent: Callable[[], Any] | None = None
 
 
 BYTES = Spec(expected="an integer of bytes", low=0, high=MAX_BYTES)
@@ -196,6 +202,9 @@ def _plan(cls: type) -> _Plan:
         plan = _PLANS[cls] = _Plan()  # filled in below; a class that holds itself finds it
         hints = get_type_hints(cls, include_extras=True)
         made = tuple(_field(f, hints[f.name]) for f in dataclasses.fields(cls) if f.init)
+        order = cls.__dict__.get("__json_keys__")  # the keys' order where it is not the fields'
+        if order is not None:
+            made = tuple(sorted(made, key=lambda f: order.index(f.key)))
         plan.fields, plan.keys = made, frozenset(f.key for f in made)
         plan.fields_required = tuple(f.key for f in made if f.default is None)
         plan.required = frozenset(plan.fields_required)
@@ -212,6 +221,8 @@ def _field(f: dataclasses.Field[Any], tp: Any) -> _Field:
             default = f.default_factory
         else:
             raise TypeError(f"{f.name}: a field omitted from the JSON needs a default")
+    if spec.absent is not None:
+        default = spec.absent
     read, write = _build(tp, Spec())
     return _Field(f.name, spec.key or f.name, read, write, spec.omit, default, _phrase(tp, Spec()))
 
@@ -387,7 +398,7 @@ def _nested(cls: type, phrase: str) -> tuple[Reader, Writer]:
         out = {}
         for f in _plan(cls).fields:
             item = getattr(value, f.name)
-            if f.omit is KEEP or item != f.omit:
+            if f.omit is KEEP or (item if f.omit is EMPTY else item != f.omit):
                 out[f.key] = f.write(item)
         return out
 
