@@ -21,19 +21,6 @@ def signed_bytes(value: object) -> bool:
     return type(value) is int and -MAX_BYTES <= value <= MAX_BYTES
 
 
-def exact_keys(obj: object, where: str, keys: tuple[str, ...]) -> dict[str, Any]:
-    """``obj`` as an object with exactly ``keys``; a ``ValueError`` names the first missing or unknown one."""
-    if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected an object, got {short(obj)}")
-    for k in keys:
-        if k not in obj:
-            raise ValueError(f"{where}: missing key {k!r}")
-    for k in obj:
-        if k not in keys:
-            raise ValueError(f"{where}: unknown key {k!r}")
-    return obj
-
-
 def json_key(name: str) -> str:
     """A key as JSON writes it (quoted, escaped, non-ASCII kept)."""
     return encode_basestring(name)
@@ -90,20 +77,6 @@ def text(value: object, where: str, what: str = "a string") -> str:
     if not isinstance(value, str):
         raise refuse(where, what, value)
     return value
-
-
-def flag(value: object, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise refuse(where, "true or false", value)
-    return value
-
-
-def number(value: object, where: str) -> float:
-    """A JSON number (an integer too), never a bool or a string."""
-    if type(value) not in (int, float):
-        raise refuse(where, "a number", value)
-    assert isinstance(value, int | float)
-    return value  # an integer stays one: it is written back as it was read
 
 
 def listed(value: object, where: str) -> list[Any]:

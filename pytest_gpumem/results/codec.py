@@ -34,16 +34,8 @@ Reader = Callable[[Any, str, "Wording"], Any]
 Writer = Callable[[Any], Any]
 
 
-class _Keep:
-    """No value is omitted from the JSON (`Spec.omit` unset)."""
-
-    def __repr__(self) -> str:
-        return "KEEP"
-
-
-KEEP: Any = _Keep()
-EMPTY: Any = _Keep()
-"""`Spec(omit=EMPTY)`: an empty list or mapping is omitted from the JSON."""
+KEEP: Any = object()  # `Spec.omit` unset: no value is omitted from the JSON
+EMPTY: Any = object()  # `Spec(omit=EMPTY)`: an empty list or mapping is omitted from the JSON
 
 
 @dataclass(frozen=True)
@@ -135,7 +127,7 @@ STORED = Wording(
 def encode(value: Any, as_type: Any = None) -> Any:
     """`value` (a dataclass, or of type `as_type`: any type `decode` reads) as JSON types: dicts, lists,
     strs, numbers, bools, None."""
-    return _writer(type(value) if as_type is None else as_type)(value)
+    return _made(type(value) if as_type is None else as_type)[1](value)
 
 
 @overload
@@ -146,8 +138,8 @@ def decode(cls: Any, data: object, where: str, wording: Wording = REPORT) -> Any
     """The `cls` (a dataclass, or any type the codec reads) that `data` is the JSON of, as `encode` writes
     it and nothing else; the wording's error (`OffShape`) names the JSON path (under `where`) of the first
     value that is not."""
-    value = _reader(cls)(data, where, wording)
-    found = first_difference(data, encode(value, cls), where, wording.path)
+    value = _made(cls)[0](data, where, wording)
+    found = first_difference(data, _made(cls)[1](value), where, wording.path)
     if found is not None:
         raise wording.not_as_written(*found)
     return value
@@ -212,62 +204,50 @@ def _plan(cls: type) -> _Plan:
 
 
 def _field(f: dataclasses.Field[Any], tp: Any) -> _Field:
-    spec = _spec_of(tp)
-    default: Callable[[], Any] | None = None
-    if spec.omit is not KEEP:
-        if f.default is not dataclasses.MISSING:
-            default = _constant(f.default)
-        elif f.default_factory is not dataclasses.MISSING:
+    spec = _unwrap(tp, Spec())[1]
+    default: Callable[[], Any] | None = spec.absent
+    if spec.omit is not KEEP and default is None:
+        if f.default_factory is not dataclasses.MISSING:
             default = f.default_factory
+        elif f.default is not dataclasses.MISSING:
+            default = (lambda value: lambda: value)(f.default)
         else:
             raise TypeError(f"{f.name}: a field omitted from the JSON needs a default")
-    if spec.absent is not None:
-        default = spec.absent
     read, write = _build(tp, Spec())
     return _Field(f.name, spec.key or f.name, read, write, spec.omit, default, _phrase(tp, Spec()))
 
 
-def _constant(value: Any) -> Callable[[], Any]:
-    return lambda: value
-
-
-def _spec_of(tp: Any) -> Spec:
-    if get_origin(tp) is Annotated:
-        return next((m for m in get_args(tp)[1:] if isinstance(m, Spec)), Spec())
-    return Spec()
+def _unwrap(tp: Any, spec: Spec) -> tuple[Any, Spec]:
+    """`Annotated[T, Spec(...)]` as `(T, its Spec)`; any other type with `spec`."""
+    if get_origin(tp) is not Annotated:
+        return tp, spec
+    inner, *meta = get_args(tp)
+    return inner, next((m for m in meta if isinstance(m, Spec)), spec)
 
 
 _MADE: dict[Any, tuple[Reader, Writer]] = {}
 
 
 def _made(tp: Any) -> tuple[Reader, Writer]:
+    """The reader and the writer of `tp` (made once per type)."""
     made = _MADE.get(tp)
     if made is None:
         made = _MADE[tp] = _build(tp, Spec())
     return made
 
 
-def _reader(tp: Any) -> Reader:
-    return _made(tp)[0]
-
-
-def _writer(tp: Any) -> Writer:
-    return _made(tp)[1]
-
-
 def _build(tp: Any, spec: Spec, phrase: str | None = None) -> tuple[Reader, Writer]:
     """The reader and the writer of type `tp`; `phrase` is what a wrong value is told it must be."""
     if get_origin(tp) is Annotated:
-        inner, *meta = get_args(tp)
-        spec = next((m for m in meta if isinstance(m, Spec)), spec)
-        return _build(inner, spec, phrase or spec.expected)
+        tp, spec = _unwrap(tp, spec)
+        phrase = phrase or spec.expected
     if spec.via is not None:
         return spec.via
     origin, args = get_origin(tp), get_args(tp)
     if origin in (Union, types.UnionType):
         return _optional(args, spec, phrase)
     if tp is Any:
-        return _any, _any_out
+        return _as_is, _same
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return _enum(tp, phrase)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
@@ -281,23 +261,20 @@ def _build(tp: Any, spec: Spec, phrase: str | None = None) -> tuple[Reader, Writ
     raise TypeError(f"the JSON codec has no rule for {tp!r}")
 
 
-def _is_int(value: object) -> bool:
-    return type(value) is int
-
-
-def _is_number(value: object) -> bool:
-    return type(value) is int or type(value) is float
-
-
 _SCALARS: dict[Any, tuple[Callable[[object], bool], str]] = {
-    int: (_is_int, "an integer"),
-    float: (_is_number, "a number"),  # an integer stays one: it is written back as it was read
+    int: (lambda value: type(value) is int, "an integer"),
+    # an integer stays one: it is written back as it was read
+    float: (lambda value: type(value) is int or type(value) is float, "a number"),
     str: (lambda value: isinstance(value, str), "a string"),
     bool: (lambda value: isinstance(value, bool), "true or false"),
 }
 
 
 def _same(value: Any) -> Any:
+    return value
+
+
+def _as_is(value: Any, where: str, wording: Wording) -> Any:
     return value
 
 
@@ -316,14 +293,6 @@ def _scalar(tp: Any, spec: Spec, phrase: str) -> tuple[Reader, Writer]:
         return value
 
     return read, _same
-
-
-def _any(value: Any, where: str, wording: Wording) -> Any:
-    return value
-
-
-def _any_out(value: Any) -> Any:
-    return value
 
 
 def _optional(args: tuple[Any, ...], spec: Spec, phrase: str | None) -> tuple[Reader, Writer]:
@@ -345,9 +314,7 @@ def _optional(args: tuple[Any, ...], spec: Spec, phrase: str | None) -> tuple[Re
 def _phrase(tp: Any, spec: Spec) -> str:
     """What a value of `tp` must be, in words."""
     if get_origin(tp) is Annotated:
-        inner, *meta = get_args(tp)
-        spec = next((m for m in meta if isinstance(m, Spec)), spec)
-        return spec.expected or _phrase(inner, spec)
+        tp, spec = _unwrap(tp, spec)
     if spec.expected is not None:
         return spec.expected
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
