@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from pytest_gpumem.results.checks import OffShape, json_key, member, refuse, signed_bytes
-from pytest_gpumem.results.codec import EMPTY, Spec, Wording, decode, encode
+from pytest_gpumem.results.codec import EMPTY, Spec, Wording, decode, encode, read
 
 _FORMAT = "pytest-gpumem explanation 1"
 _TEXT = Spec(expected="a string")  # a string or null, said as a report always has
@@ -146,20 +146,18 @@ class PhaseExplanation:
             peak_bytes=_int(_needed(d, "peak_bytes", where), f"{where}.peak_bytes"),
             categories=_sizes(_needed(d, "categories", where), f"{where}.categories"),
             modules=_sizes(_needed(d, "modules", where), f"{where}.modules"),
-            cells=decode(list[Cell], _needed(d, "cells", where), f"{where}.cells"),
-            tensors=decode(list[Tensor], _needed(d, "tensors", where), f"{where}.tensors"),
+            cells=read(list[Cell], _needed(d, "cells", where), f"{where}.cells"),
+            tensors=read(list[Tensor], _needed(d, "tensors", where), f"{where}.tensors"),
             start_bytes=_int(d.get("start_bytes", 0), f"{where}.start_bytes"),
             live=None if live is None else _sizes(live, f"{where}.live"),
-            groups=None if groups is None else decode(list[Cell], groups, f"{where}.groups"),
+            groups=None if groups is None else read(list[Cell], groups, f"{where}.groups"),
             peak_index=_int_or_none(d.get("peak_index"), f"{where}.peak_index"),
-            spans=decode(list[_Span], d.get("spans", []), f"{where}.spans"),
+            spans=read(list[_Span], d.get("spans", []), f"{where}.spans"),
             entries=None if entries is None else _int(entries, f"{where}.entries"),
             unattributed_bytes=_int(d.get("unattributed_bytes", 0), f"{where}.unattributed_bytes"),
             rank=_int_or_none(d.get("rank"), f"{where}.rank"),
             rank_peak_index=_int_or_none(d.get("rank_peak_index"), f"{where}.rank_peak_index"),
-            reserved_at_peak=None
-            if reserved is None
-            else decode(ReservedAtPeak, reserved, f"{where}.reserved_at_peak"),
+            reserved_at_peak=None if reserved is None else read(ReservedAtPeak, reserved, f"{where}.reserved_at_peak"),
         )
 
 
@@ -185,12 +183,8 @@ class Point:
 
 
 def _read_point(value: Any, where: str, wording: Wording) -> Point:
-    index, sizes = decode(_POINT_JSON, value, where, wording)
+    index, sizes = read(_POINT_JSON, value, where, wording)
     return Point(index, sizes)
-
-
-def _reserved(value: Any, where: str) -> ReservedAtPeak:
-    return decode(ReservedAtPeak, value, where)
 
 
 _POINT_JSON = Annotated[tuple[int, list[int]], Spec(expected="[event index, [bytes per category]]")]
