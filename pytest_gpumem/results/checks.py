@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from json.encoder import encode_basestring
 from typing import Any
 
@@ -48,15 +49,7 @@ def refuse(where: str, expected: str, value: object) -> OffShape:
 
 def fields(obj: object, where: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, Any]:
     """``obj`` as an object with every ``required`` key, perhaps ``optional`` ones, and no other."""
-    if not isinstance(obj, dict):
-        raise refuse(where, "an object", obj)
-    missing = next((key for key in required if key not in obj), None)
-    if missing is not None:
-        raise OffShape(f"{where} has no {json_key(missing)}")
-    unknown = next((key for key in obj if key not in required and key not in optional), None)
-    if unknown is not None:
-        raise OffShape(f"{where} has an unknown key {json_key(str(unknown))}")
-    return obj
+    return exact_keys(obj, where, required, optional)
 
 
 def count(value: object, where: str, low: int = 0, what: str = "an integer of bytes") -> int:
@@ -140,3 +133,80 @@ def _spelled(node: _Node, path: Callable[[str, str], str]) -> str:
 def member(where: str, key: str) -> str:
     """The JSON path of `key` under `where`: `.key` where `key` is a name, else `["key"]`."""
     return f"{where}.{key}" if key.isascii() and key.isidentifier() else f"{where}[{json_key(key)}]"
+
+
+@dataclass(frozen=True)
+class Wording:
+    """How an error says where and what: templates with `{where}`, `{expected}`, `{value}`, `{key}` (`key`
+    written by `quote`), the path of a field (`where.key`; `key` alone under the root, `""` or `top`), the
+    path of a mapping's key (`member`), and the error it raises."""
+
+    wrong: str
+    missing: str
+    unknown: str
+    rewritten: str
+    quote: Callable[[str], str]
+    member: Callable[[str, str], str]
+    error: Callable[[str], ValueError] = OffShape
+    top: str = ""
+
+    def field(self, where: str, key: str) -> str:
+        return f"{where}.{key}" if where and where != self.top else key
+
+    def path(self, where: str, key: str) -> str:
+        """The path of `key` under `where`, a field's or a mapping's by the look of the key."""
+        return self.field(where, key) if key.isascii() and key.isidentifier() else self.member(where, key)
+
+    def refuse(self, where: str, expected: str, value: object) -> ValueError:
+        return self._say(self.wrong, where, expected=expected, value=short(value))
+
+    def no_key(self, where: str, key: str) -> ValueError:
+        return self._say(self.missing, where, key=self.quote(key))
+
+    def unknown_key(self, where: str, key: str) -> ValueError:
+        return self._say(self.unknown, where, key=self.quote(key))
+
+    def not_as_written(self, where: str, value: object) -> ValueError:
+        return self._say(self.rewritten, where, value=short(value))
+
+    def _say(self, template: str, where: str, **words: str) -> ValueError:
+        return self.error(template.format(where=where, **words).removeprefix(": "))
+
+
+REPORT = Wording(
+    wrong="{where} must be {expected}, got {value}",
+    missing="{where} has no {key}",
+    unknown="{where} has an unknown key {key}",
+    rewritten="{where} is not as pytest-gpumem writes it, got {value}",
+    quote=json_key,
+    member=member,
+)
+"""A report's words: `tests[0].call has no "count"`, `tests[0].call.count must be ..., got '1'`."""
+
+STORED = Wording(
+    wrong="{where}: expected {expected}, got {value}",
+    missing="{where}: missing key {key}",
+    unknown="{where}: unknown key {key}",
+    rewritten="{where}: not as pytest-gpumem writes it, got {value}",
+    quote=repr,
+    member=lambda where, key: f"{where}[{json_key(key)}]",
+    error=ValueError,
+)
+"""A baseline file's words, a `ValueError` relative to the entry (the file's reader names the entry):
+`identity: missing key 'device'`, `phases["forward"]: expected ..., got -1`."""
+
+
+def exact_keys(
+    value: object, where: str, required: tuple[str, ...], optional: tuple[str, ...] = (), wording: Wording = REPORT
+) -> dict[str, Any]:
+    """`value` as an object with every `required` key, perhaps `optional` ones, and no other; else the
+    wording's error naming the first missing key, or else the first unknown one."""
+    if type(value) is not dict:
+        raise wording.refuse(where, "an object", value)
+    missing = next((key for key in required if key not in value), None)
+    if missing is not None:
+        raise wording.no_key(where, missing)
+    unknown = next((key for key in value if key not in required and key not in optional), None)
+    if unknown is not None:
+        raise wording.unknown_key(where, str(unknown))
+    return value

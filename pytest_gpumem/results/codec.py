@@ -25,9 +25,22 @@ from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar, Union, get_args, get_origin, get_type_hints, overload
 
 from cuda_allocator_model import MAX_BYTES
-from pytest_gpumem.results.checks import OffShape, first_difference, json_key, member, short
+from pytest_gpumem.results.checks import REPORT, STORED, Wording, exact_keys, first_difference, short
 
-__all__ = ["BYTES", "EMPTY", "REPORT", "SIGNED", "STORED", "Spec", "Wording", "decode", "encode", "read", "validate"]
+__all__ = [
+    "BYTES",
+    "EMPTY",
+    "REPORT",
+    "SIGNED",
+    "STORED",
+    "Spec",
+    "Wording",
+    "decode",
+    "encode",
+    "exact_keys",
+    "read",
+    "validate",
+]
 
 T = TypeVar("T")
 Reader = Callable[[Any, str, "Wording"], Any]
@@ -61,67 +74,6 @@ class Spec:
 
 BYTES = Spec(expected="an integer of bytes", low=0, high=MAX_BYTES)
 SIGNED = Spec(expected="an integer of bytes (negative where freed)", low=-MAX_BYTES, high=MAX_BYTES)
-
-
-@dataclass(frozen=True)
-class Wording:
-    """How an error says where and what: templates with `{where}`, `{expected}`, `{value}`, `{key}` (`key`
-    written by `quote`), the path of a field (`where.key`; `key` alone under the root, `""` or `top`), the
-    path of a mapping's key (`member`), and the error it raises."""
-
-    wrong: str
-    missing: str
-    unknown: str
-    rewritten: str
-    quote: Callable[[str], str]
-    member: Callable[[str, str], str]
-    error: Callable[[str], ValueError] = OffShape
-    top: str = ""
-
-    def field(self, where: str, key: str) -> str:
-        return f"{where}.{key}" if where and where != self.top else key
-
-    def path(self, where: str, key: str) -> str:
-        """The path of `key` under `where`, a field's or a mapping's by the look of the key."""
-        return self.field(where, key) if key.isascii() and key.isidentifier() else self.member(where, key)
-
-    def refuse(self, where: str, expected: str, value: object) -> ValueError:
-        return self._say(self.wrong, where, expected=expected, value=short(value))
-
-    def no_key(self, where: str, key: str) -> ValueError:
-        return self._say(self.missing, where, key=self.quote(key))
-
-    def unknown_key(self, where: str, key: str) -> ValueError:
-        return self._say(self.unknown, where, key=self.quote(key))
-
-    def not_as_written(self, where: str, value: object) -> ValueError:
-        return self._say(self.rewritten, where, value=short(value))
-
-    def _say(self, template: str, where: str, **words: str) -> ValueError:
-        return self.error(template.format(where=where, **words).removeprefix(": "))
-
-
-REPORT = Wording(
-    wrong="{where} must be {expected}, got {value}",
-    missing="{where} has no {key}",
-    unknown="{where} has an unknown key {key}",
-    rewritten="{where} is not as pytest-gpumem writes it, got {value}",
-    quote=json_key,
-    member=member,
-)
-"""A report's words: `tests[0].call has no "count"`, `tests[0].call.count must be ..., got '1'`."""
-
-STORED = Wording(
-    wrong="{where}: expected {expected}, got {value}",
-    missing="{where}: missing key {key}",
-    unknown="{where}: unknown key {key}",
-    rewritten="{where}: not as pytest-gpumem writes it, got {value}",
-    quote=repr,
-    member=lambda where, key: f"{where}[{json_key(key)}]",
-    error=ValueError,
-)
-"""A baseline file's words, a `ValueError` relative to the entry (the file's reader names the entry):
-`identity: missing key 'device'`, `phases["forward"]: expected ..., got -1`."""
 
 
 def encode(value: Any, as_type: Any = None) -> Any:
@@ -355,7 +307,7 @@ def _nested(cls: type, phrase: str) -> tuple[Reader, Writer]:
         if type(value) is not dict:
             raise wording.refuse(where, phrase, value)
         if not (plan.keys.issuperset(value) and value.keys() >= plan.required):
-            raise _key_refused(plan, value, where, wording)
+            exact_keys(value, where, plan.fields_required, tuple(plan.keys), wording)
         field = wording.field
         made = {
             f.name: f.read(value[f.key], field(where, f.key), wording) if f.key in value else f.default()  # type: ignore[misc]
@@ -376,14 +328,6 @@ def _nested(cls: type, phrase: str) -> tuple[Reader, Writer]:
         return out
 
     return read, write
-
-
-def _key_refused(plan: _Plan, value: dict[str, Any], where: str, wording: Wording) -> ValueError:
-    """The first missing key, else the first unknown one."""
-    missing = next((key for key in plan.fields_required if key not in value), None)
-    if missing is not None:
-        return wording.no_key(where, missing)
-    return wording.unknown_key(where, str(next(key for key in value if key not in plan.keys)))
 
 
 def _sequence(origin: Any, args: tuple[Any, ...], spec: Spec, phrase: str) -> tuple[Reader, Writer]:
