@@ -15,38 +15,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from pytest_gpumem.results.checks import OffShape, json_key, member, refuse, signed_bytes
+from pytest_gpumem.results.checks import REPORT, member, signed_bytes
 from pytest_gpumem.results.codec import EMPTY, Spec, Wording, decode, encode, read
 
 _FORMAT = "pytest-gpumem explanation 1"
 _TEXT = Spec(expected="a string")  # a string or null, said as a report always has
 
 
-def _int(value: Any, where: str) -> int:
-    """An integer as JSON has it (a report edited by hand may hold "12" or true: refused, not converted)."""
-    if type(value) is not int:
-        raise refuse(where, "an integer", value)
-    return value
-
-
-def _int_or_none(value: Any, where: str) -> int | None:
-    return None if value is None else _int(value, where)
-
-
-def _object(data: Any, where: str) -> Mapping[str, Any]:
-    if not isinstance(data, Mapping):
-        raise refuse(where, "an object", data)
-    return data
-
-
-def _needed(data: Mapping[str, Any], key: str, where: str) -> Any:
-    if key not in data:
-        raise OffShape(f"{where} has no {json_key(key)}")
-    return data[key]
-
-
-def _sizes(data: Any, where: str) -> dict[str, int]:
-    return {key: _int(value, member(where, key)) for key, value in _object(data, where).items()}
+_NEEDED: Any = object()
+_INDEX = Annotated[int | None, Spec(expected="an integer")]
+_OBJECT = Spec(expected="an object")  # or null, said as a report always has
 
 
 @dataclass(frozen=True)
@@ -139,30 +117,38 @@ class PhaseExplanation:
     @classmethod
     def from_json(cls, data: Any, where: str = "phase") -> PhaseExplanation:
         """The phase `to_json` wrote, or one written before `live`, `groups`, `entries` or `reserved_at_peak`."""
-        d = _object(data, where)
-        groups, live, entries = d.get("groups"), d.get("live"), d.get("entries")
-        reserved = d.get("reserved_at_peak")
+        d = read(dict[str, Any], data, where)
+
+        def get(key: str, tp: Any, default: Any = _NEEDED) -> Any:
+            if key in d:
+                return read(tp, d[key], f"{where}.{key}")
+            if default is _NEEDED:
+                raise REPORT.no_key(where, key)
+            return default
+
         return cls(
-            peak_bytes=_int(_needed(d, "peak_bytes", where), f"{where}.peak_bytes"),
-            categories=_sizes(_needed(d, "categories", where), f"{where}.categories"),
-            modules=_sizes(_needed(d, "modules", where), f"{where}.modules"),
-            cells=read(list[Cell], _needed(d, "cells", where), f"{where}.cells"),
-            tensors=read(list[Tensor], _needed(d, "tensors", where), f"{where}.tensors"),
-            start_bytes=_int(d.get("start_bytes", 0), f"{where}.start_bytes"),
-            live=None if live is None else _sizes(live, f"{where}.live"),
-            groups=None if groups is None else read(list[Cell], groups, f"{where}.groups"),
-            peak_index=_int_or_none(d.get("peak_index"), f"{where}.peak_index"),
-            spans=read(list[_Span], d.get("spans", []), f"{where}.spans"),
-            entries=None if entries is None else _int(entries, f"{where}.entries"),
-            unattributed_bytes=_int(d.get("unattributed_bytes", 0), f"{where}.unattributed_bytes"),
-            rank=_int_or_none(d.get("rank"), f"{where}.rank"),
-            rank_peak_index=_int_or_none(d.get("rank_peak_index"), f"{where}.rank_peak_index"),
-            reserved_at_peak=None if reserved is None else read(ReservedAtPeak, reserved, f"{where}.reserved_at_peak"),
+            peak_bytes=get("peak_bytes", int),
+            categories=get("categories", dict[str, int]),
+            modules=get("modules", dict[str, int]),
+            cells=get("cells", list[Cell]),
+            tensors=get("tensors", list[Tensor]),
+            start_bytes=get("start_bytes", int, 0),
+            live=get("live", Annotated[dict[str, int] | None, _OBJECT], None),
+            groups=get("groups", Annotated[list[Cell] | None, Spec(expected="a list")], None),
+            peak_index=get("peak_index", _INDEX, None),
+            spans=get("spans", list[_Span], []),
+            entries=get("entries", _INDEX, None),
+            unattributed_bytes=get("unattributed_bytes", int, 0),
+            rank=get("rank", _INDEX, None),
+            rank_peak_index=get("rank_peak_index", _INDEX, None),
+            reserved_at_peak=get(
+                "reserved_at_peak", Annotated[ReservedAtPeak | None, Spec(expected="an object")], None
+            ),
         )
 
 
 def _read_phases(value: Any, where: str, wording: Wording) -> dict[str, PhaseExplanation]:
-    phases = _object(value, where)
+    phases = read(dict[str, Any], value, where, wording)
     return {name: PhaseExplanation.from_json(phase, member(where, name)) for name, phase in phases.items()}
 
 
