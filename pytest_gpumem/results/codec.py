@@ -11,7 +11,9 @@ A field says more of itself with `Annotated[T, Spec(...)]`: its JSON `key`, the 
 (`expected`), a range (`low`, `high`), a `check` of the value, the one value `omit`ted from the JSON (and
 filled in where absent), a reader and writer of its own (`via`). The words of the errors are a `Wording`:
 `REPORT` (a `--gpumem-json` report's) or `STORED` (a baseline file's, as they have always been). A class
-whose JSON keys come in another order than its fields names that order in `__json_keys__`.
+whose JSON keys come in another order than its fields names that order in `__json_keys__`. `read` is a
+decode without the round trip (for a part of a value checked whole), `validate` checks a value built in
+Python as its JSON would be read (for a `__post_init__`).
 """
 
 from __future__ import annotations
