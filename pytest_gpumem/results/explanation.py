@@ -117,7 +117,7 @@ class PhaseExplanation:
     @classmethod
     def from_json(cls, data: Any, where: str = "phase") -> PhaseExplanation:
         """The phase `to_json` wrote, or one written before `live`, `groups`, `entries` or `reserved_at_peak`."""
-        d = read(dict[str, Any], data, where)
+        d = read(_ANY_OBJECT, data, where)
 
         def get(key: str, tp: Any, default: Any = _NEEDED) -> Any:
             if key in d:
@@ -128,27 +128,35 @@ class PhaseExplanation:
 
         return cls(
             peak_bytes=get("peak_bytes", int),
-            categories=get("categories", dict[str, int]),
-            modules=get("modules", dict[str, int]),
-            cells=get("cells", list[Cell]),
-            tensors=get("tensors", list[Tensor]),
+            categories=get("categories", _SIZES),
+            modules=get("modules", _SIZES),
+            cells=get("cells", _CELLS),
+            tensors=get("tensors", _TENSORS),
             start_bytes=get("start_bytes", int, 0),
-            live=get("live", Annotated[dict[str, int] | None, _OBJECT], None),
-            groups=get("groups", Annotated[list[Cell] | None, Spec(expected="a list")], None),
+            live=get("live", _SIZES_OR_NONE, None),
+            groups=get("groups", _CELLS_OR_NONE, None),
             peak_index=get("peak_index", _INDEX, None),
-            spans=get("spans", list[_Span], []),
+            spans=get("spans", _SPANS, []),
             entries=get("entries", _INDEX, None),
             unattributed_bytes=get("unattributed_bytes", int, 0),
             rank=get("rank", _INDEX, None),
             rank_peak_index=get("rank_peak_index", _INDEX, None),
-            reserved_at_peak=get(
-                "reserved_at_peak", Annotated[ReservedAtPeak | None, Spec(expected="an object")], None
-            ),
+            reserved_at_peak=get("reserved_at_peak", _RESERVED_OR_NONE, None),
         )
 
 
+_SIZES = dict[str, int]
+_SIZES_OR_NONE = Annotated[dict[str, int] | None, _OBJECT]
+_CELLS = list[Cell]
+_CELLS_OR_NONE = Annotated[list[Cell] | None, Spec(expected="a list")]
+_TENSORS = list[Tensor]
+_SPANS = list[Annotated[tuple[int, int], Spec(expected="[first event, last event]")]]
+_RESERVED_OR_NONE = Annotated[ReservedAtPeak | None, _OBJECT]
+_ANY_OBJECT = dict[str, Any]
+
+
 def _read_phases(value: Any, where: str, wording: Wording) -> dict[str, PhaseExplanation]:
-    phases = read(dict[str, Any], value, where, wording)
+    phases = read(_ANY_OBJECT, value, where, wording)
     return {name: PhaseExplanation.from_json(phase, member(where, name)) for name, phase in phases.items()}
 
 
@@ -175,7 +183,6 @@ def _read_point(value: Any, where: str, wording: Wording) -> Point:
 
 _POINT_JSON = Annotated[tuple[int, list[int]], Spec(expected="[event index, [bytes per category]]")]
 _POINT = Spec(via=(_read_point, lambda point: [point.index, list(point.sizes)]))
-_Span = Annotated[tuple[int, int], Spec(expected="[first event, last event]")]
 
 
 @dataclass(frozen=True)
