@@ -26,6 +26,7 @@ from pytest_gpumem.history import command as history
 from pytest_gpumem.report.markdown import markdown_table
 from pytest_gpumem.results import Status, TestResult
 from pytest_gpumem.results.baseline import BaselineStatus, PhaseComparison, sound_composition
+from pytest_gpumem.results.codec import encode
 from pytest_gpumem.results.explanation import Composition
 from pytest_gpumem.results.report_file import REPORT_VERSION, MadeAt, ReportFile, read_report
 from pytest_gpumem.run.outputs import why, write_file
@@ -188,7 +189,7 @@ def _run_merge(args: argparse.Namespace) -> int:
     reports = [read_report(path) for path in args.reports]
     doc = _merge_reports(reports)
     made_at = _shared_commit(reports, args.output)
-    doc["commit"] = None if made_at is None else made_at.to_json()
+    doc["commit"] = encode(made_at, MadeAt | None)
     _write(args.output, json.dumps(doc, indent=2, sort_keys=True, allow_nan=False) + "\n")
     _say(f"merged {len(args.reports)} reports, {len(doc['tests'])} tests, into {args.output}")
     return 0

@@ -128,7 +128,7 @@ def test_a_permutation_keeps_norms_but_is_caught() -> None:
 def test_projections_are_compared_relative_to_the_norm() -> None:
     def fp(proj: tuple[float, ...], l2: float = 1.0) -> Fingerprint:
         stats = GradStats(l2=l2, l1=2.0, sum=0.5, max_abs=0.5, proj=proj)
-        return Fingerprint({"w": ParamFingerprint((4,), "float32", stats)}, method="m")
+        return Fingerprint(params={"w": ParamFingerprint((4,), "float32", stats)}, method="m")
 
     # a near-zero projection that doubles is noise relative to a unit-norm gradient
     assert compare_fingerprints(fp((1e-9, 0.7)), fp((2e-9, 0.7))).ok
@@ -156,7 +156,7 @@ def test_shape_and_dtype_changes_are_their_own_failures() -> None:
 
 def test_none_gradient_changes() -> None:
     with_grad = fingerprint({"w": torch.ones(3)}, of="value")
-    none = Fingerprint({"w": ParamFingerprint((3,), "float32", None)}, method=with_grad.method)
+    none = Fingerprint(params={"w": ParamFingerprint((3,), "float32", None)}, method=with_grad.method)
     assert compare_fingerprints(none, none).ok
     (gone,) = compare_fingerprints(with_grad, none).mismatches
     assert (gone.statistic, gone.message) == ("grad", "gradient 'w' is None (baseline has a gradient)")
@@ -207,7 +207,7 @@ def test_other_projection_method_skips_projections_with_a_note() -> None:
     g = torch.randn(8, 8, generator=torch.Generator().manual_seed(4))
     base = fingerprint({"w": g}, of="value")
     other = Fingerprint(
-        {
+        params={
             name: ParamFingerprint(p.shape, p.dtype, None if p.grad is None else _with_proj(p.grad, 123.0))
             for name, p in base.params.items()
         },
@@ -216,7 +216,7 @@ def test_other_projection_method_skips_projections_with_a_note() -> None:
     result = compare_fingerprints(base, other)
     assert result.ok and len(result.notes) == 1 and "projections not compared" in result.notes[0]
     scaled = Fingerprint(
-        {"w": ParamFingerprint((8, 8), "float32", _with_proj(_scaled(base.params["w"].grad, 2.0), 1.0))},
+        params={"w": ParamFingerprint((8, 8), "float32", _with_proj(_scaled(base.params["w"].grad, 2.0), 1.0))},
         method="other",
     )
     assert not compare_fingerprints(base, scaled).ok  # norms still compared

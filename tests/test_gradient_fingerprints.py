@@ -15,11 +15,17 @@ from torch import nn
 from pytest_gpumem.gradients import fingerprint as G
 from pytest_gpumem.gradients.fingerprint import fingerprint
 from pytest_gpumem.gradients.mismatches import compare_fingerprints
+from pytest_gpumem.results.codec import STORED, decode, encode
 from pytest_gpumem.results.gradients import Fingerprint, GradStats, ParamFingerprint
 
 
 def roundtrip(fp: Fingerprint) -> Fingerprint:
-    return Fingerprint.from_json(json.loads(json.dumps(fp.to_json(), allow_nan=False)))
+    return read(json.loads(json.dumps(encode(fp), allow_nan=False)))
+
+
+def read(obj: object) -> Fingerprint:
+    """A baseline entry's gradients, as the baseline file reads them."""
+    return decode(Fingerprint, obj, "gradients", STORED)
 
 
 # --------------------------------------------------------------------------------------- fingerprints
@@ -140,7 +146,7 @@ def test_non_finite_gradients_survive_json() -> None:
     inf_stats = fp.params["inf"].grad
     assert nan_stats is not None and math.isnan(nan_stats.l2) and math.isnan(nan_stats.max_abs)
     assert inf_stats is not None and inf_stats.max_abs == math.inf and inf_stats.l2 == math.inf
-    text = json.dumps(fp.to_json(), allow_nan=False)
+    text = json.dumps(encode(fp), allow_nan=False)
     assert '"nan"' in text and '"inf"' in text
     back = roundtrip(fp)
     assert compare_fingerprints(fp, back).ok  # same non-finite values: unchanged
@@ -202,14 +208,14 @@ W = ("params", "w")
 )
 def test_invalid_json_is_refused(obj: Any, message: str) -> None:
     with pytest.raises(ValueError) as info:
-        Fingerprint.from_json(obj)
+        read(obj)
     assert message in str(info.value)
 
 
 def test_valid_json_loads() -> None:
-    fp = Fingerprint.from_json(GOOD)
+    fp = read(GOOD)
     assert fp.params["w"] == ParamFingerprint((2,), "float32", GradStats(1.0, 1.5, 0.5, 1.0, (0.1, -0.2)))
-    assert Fingerprint.from_json(fp.to_json()) == fp
+    assert read(encode(fp)) == fp
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

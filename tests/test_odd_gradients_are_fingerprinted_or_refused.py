@@ -13,6 +13,7 @@ from builders import assert_one_line_failure, run, stored_gradients, strict_json
 
 from pytest_gpumem.gradients.fingerprint import fingerprint
 from pytest_gpumem.gradients.mismatches import compare_fingerprints
+from pytest_gpumem.results.codec import encode
 
 # ------------------------------------------------------------------------------- gradients as a dict
 
@@ -104,7 +105,7 @@ def test_norms_of_huge_and_tiny_float64_values_are_finite(value: float) -> None:
     assert stats is not None
     assert stats.l2 == pytest.approx(value * math.sqrt(1000), rel=1e-12)
     assert stats.max_abs == value
-    strict_json(json.dumps(fingerprint({"g": g}).to_json(), allow_nan=False))
+    strict_json(json.dumps(encode(fingerprint({"g": g})), allow_nan=False))
 
 
 @pytest.mark.parametrize(("dtype", "value"), [("float32", 1e30), ("float64", 1e200)])

@@ -13,7 +13,7 @@ File schema (version 1)::
         "<test node id>": {
           "<identity key>": {
             "cuda": "12.8",                      # torch.version.cuda when recorded, or null
-            "gradients": {...},                  # optional: results.gradients.Fingerprint.to_json()
+            "gradients": {...},                  # optional: a results.gradients.Fingerprint
             "identity": {
               "backend": "cuda",                 # how memory was measured: cuda, xpu, mps, tracker, ...
               "capability": "9.0",               # CUDA compute capability, or null
@@ -56,6 +56,7 @@ from pytest_gpumem.constants import DEFAULT_FILENAME
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.results.baseline import DeviceIdentity, Entry
 from pytest_gpumem.results.checks import json_key, short
+from pytest_gpumem.results.codec import STORED, decode, encode
 
 __all__ = [
     "SCHEMA",
@@ -116,7 +117,7 @@ class BaselineStore:
         key = entry.identity.key
         old = per_device.get(key)
         per_device[key] = entry
-        if old is not None and old.to_json() == entry.to_json():
+        if old is not None and encode(old) == encode(entry):
             return "unchanged"
         self.changes[nodeid, key] = entry
         return "added" if old is None else "updated"
@@ -137,17 +138,6 @@ class BaselineStore:
 
     def __len__(self) -> int:
         return sum(len(per_device) for per_device in self.entries.values())
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "schema": SCHEMA,
-            "version": VERSION,
-            "entries": {
-                nodeid: {key: entry.to_json() for key, entry in per_device.items()}
-                for nodeid, per_device in self.entries.items()
-                if per_device
-            },
-        }
 
 
 def loads(data: str | bytes, path: str | os.PathLike[str] = DEFAULT_FILENAME) -> BaselineStore:
@@ -296,7 +286,7 @@ def _entries_of(nodeid: str, per_device: dict[str, Any], fail: Callable[[str], B
     built: dict[str, Entry] = {}
     for key, value in per_device.items():
         try:
-            entry = Entry.from_json(value)
+            entry = decode(Entry, value, "", STORED)
         except ValueError as exc:
             raise fail(f"entries[{json_key(nodeid)}][{json_key(key)}]: {exc}") from None
         if entry.identity.key != key:
@@ -335,7 +325,16 @@ def _no_constant(name: str) -> Any:
 def dumps(store: BaselineStore) -> str:
     """The file content: JSON, indent 2, sorted keys, non-ASCII kept, trailing newline."""
     with paused_gc():
-        return json.dumps(store.to_json(), indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n"
+        document = {
+            "schema": SCHEMA,
+            "version": VERSION,
+            "entries": {
+                nodeid: {key: encode(entry) for key, entry in per_device.items()}
+                for nodeid, per_device in store.entries.items()
+                if per_device
+            },
+        }
+        return json.dumps(document, indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n"
 
 
 @contextlib.contextmanager

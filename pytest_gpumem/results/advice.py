@@ -15,7 +15,8 @@ from typing import Any
 from cuda_allocator_model import capacity_bytes as card_bytes
 from cuda_allocator_model import format_size, shorten
 from pytest_gpumem.errors import GpuMemError, first_line, from_the_model
-from pytest_gpumem.results.checks import OffShape, fields, first_difference, listed, short
+from pytest_gpumem.results.checks import OffShape, first_difference, listed, short
+from pytest_gpumem.results.codec import exact_keys
 
 AS_IS = "as-is"
 NOT_CHECKED = "not checked"
@@ -326,8 +327,8 @@ class Advice:
         value at or below `where` that is not as written: a missing field, a value of another type ("12"
         for 12)."""
         for i, row in enumerate(listed(data.get("rows"), f"{where}.rows")):
-            fields(row, f"{where}.rows[{i}]", ("name", "description", "strategies"), _ROW_KEYS)
-        fields(data, where, _ADVICE_KEYS)
+            exact_keys(row, f"{where}.rows[{i}]", ("name", "description", "strategies"), _ROW_KEYS)
+        exact_keys(data, where, _ADVICE_KEYS)
         try:
             advice = cls._read(data)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:

@@ -11,27 +11,13 @@ no pytest.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Any
+from typing import Annotated, Any
 
 from cuda_allocator_model import MAX_BYTES
-from pytest_gpumem.results.checks import (
-    check_bytes,
-    count,
-    exact_keys,
-    fields,
-    flag,
-    json_key,
-    listed,
-    number,
-    refuse,
-    short,
-    signed_bytes,
-    text,
-    texts,
-)
-from pytest_gpumem.results.explanation import Cell, Composition, PhaseComposition, composition_to_json
+from pytest_gpumem.results.codec import BYTES, STORED, Spec, decode, encode, validate
+from pytest_gpumem.results.explanation import COMPOSITION, Composition, StoredComposition
 from pytest_gpumem.results.gradients import Fingerprint
 
 __all__ = [
@@ -65,26 +51,28 @@ class BaselineStatus(str, Enum):
         return self.value
 
 
+_NAME = Spec(expected="a non-empty string", check=bool)
+_STORED_BYTES = Spec(expected="an integer 0 <= n < 2**63 (bytes)", low=0, high=MAX_BYTES)
+_VERSION = Spec(expected="a version string or null", check=bool)
+_PHASES = Spec(
+    expected="an object of phase name -> bytes", names=bool, names_expected="phase names must be non-empty strings"
+)
+_STORED_COMPOSITION = replace(COMPOSITION, omit=None)  # explain.growth.compact's
+
+
 @dataclass(frozen=True, slots=True)
 class DeviceIdentity:
     """What a baseline is valid for: the measuring backend and the device (for CUDA: capability, memory)."""
 
-    backend: str
-    device: str
-    capability: str | None = None
-    total_memory: int | None = None
+    backend: Annotated[str, _NAME]
+    device: Annotated[str, _NAME]
+    capability: Annotated[str | None, Spec(expected="a string like '9.0' or null", check=bool)] = None
+    total_memory: Annotated[int | None, _STORED_BYTES] = None
     key: str = field(init=False, repr=False, compare=False, default="")
     """The entry key: ``"cuda | NVIDIA H200 | cc 9.0 | 150754820096 B"``, ``"tracker | cpu"``."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.backend, str) or not self.backend:
-            raise ValueError(f"identity.backend: expected a non-empty string, got {short(self.backend)}")
-        if not isinstance(self.device, str) or not self.device:
-            raise ValueError(f"identity.device: expected a non-empty string, got {short(self.device)}")
-        if self.capability is not None and (not isinstance(self.capability, str) or not self.capability):
-            raise ValueError(f"identity.capability: expected a string like '9.0' or null, got {short(self.capability)}")
-        if self.total_memory is not None:
-            check_bytes(self.total_memory, "identity.total_memory")
+        validate(self, "identity")
         parts = [self.backend, self.device]
         if self.capability is not None:
             parts.append(f"cc {self.capability}")
@@ -92,18 +80,10 @@ class DeviceIdentity:
             parts.append(f"{self.total_memory} B")
         object.__setattr__(self, "key", " | ".join(parts))
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "backend": self.backend,
-            "device": self.device,
-            "capability": self.capability,
-            "total_memory": self.total_memory,
-        }
-
     @classmethod
     def from_json(cls, obj: object) -> DeviceIdentity:
-        d = exact_keys(obj, "identity", ("backend", "device", "capability", "total_memory"))
-        return cls(d["backend"], d["device"], d["capability"], d["total_memory"])
+        """A backend's identity as a mapping of its JSON keys (`run/regression.py`); `ValueError` names the key."""
+        return decode(cls, obj, "identity", STORED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,34 +109,16 @@ class Entry:
     """One baseline (or one measurement to compare or record): peaks in bytes for a test on a device."""
 
     identity: DeviceIdentity
-    peak_bytes: int
-    phases: Mapping[str, int]
-    torch: str | None
-    cuda: str | None
-    gradients: Fingerprint | None = None
-    composition: Composition | None = None  # per phase: what its peak was made of (explain.growth.compact)
+    peak_bytes: Annotated[int, _STORED_BYTES]
+    phases: Annotated[Mapping[str, Annotated[int, _STORED_BYTES]], _PHASES]
+    torch: Annotated[str | None, _VERSION]
+    cuda: Annotated[str | None, _VERSION]
+    gradients: Annotated[Fingerprint | None, Spec(omit=None, expected="an object")] = None
+    composition: Annotated[Composition | None, _STORED_COMPOSITION] = None  # per phase: what made its peak
 
     def __post_init__(self) -> None:
-        if not isinstance(self.identity, DeviceIdentity):
-            raise ValueError(f"identity: expected a DeviceIdentity, got {short(self.identity)}")
-        check_bytes(self.peak_bytes, "peak_bytes")
-        if not isinstance(self.phases, Mapping):
-            raise ValueError(f"phases: expected an object of phase name -> bytes, got {short(self.phases)}")
-        phases = dict(self.phases)
-        for name, value in phases.items():
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"phases: phase names must be non-empty strings, got {short(name)}")
-            if type(value) is not int or not 0 <= value <= MAX_BYTES:  # the name is formatted only when needed
-                check_bytes(value, f"phases[{json_key(name)}]")
-        object.__setattr__(self, "phases", phases)
-        for attr in ("torch", "cuda"):
-            value = getattr(self, attr)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"{attr}: expected a version string or null, got {short(value)}")
-        if self.gradients is not None and not isinstance(self.gradients, Fingerprint):
-            raise ValueError(f"gradients: expected a gradients.Fingerprint, got {short(self.gradients)}")
-        if self.composition is not None and not sound_composition(self.composition):
-            raise ValueError(f"composition: expected phase name -> PhaseComposition, got {short(self.composition)}")
+        validate(self, "")
+        object.__setattr__(self, "phases", dict(self.phases))
 
     @classmethod
     def measured(
@@ -176,148 +138,46 @@ class Entry:
         return Environment(self.torch, self.cuda)
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-able dict (the file's entry form; also what xdist workers send to the controller)."""
-        out: dict[str, Any] = {
-            "identity": self.identity.to_json(),
-            "peak_bytes": self.peak_bytes,
-            "phases": dict(self.phases),
-            "torch": self.torch,
-            "cuda": self.cuda,
-        }
-        if self.gradients is not None:
-            out["gradients"] = self.gradients.to_json()
-        if self.composition is not None:
-            out["composition"] = composition_to_json(self.composition)
+        """The file's entry form (also a report's `record`, and what xdist workers send to the controller)."""
+        out: dict[str, Any] = encode(self)
         return out
 
     @classmethod
     def from_json(cls, obj: object) -> Entry:
-        """Validate and build; ``ValueError`` says what is wrong, relative to the entry."""
-        if not isinstance(obj, dict):
-            raise ValueError(f"expected an object, got {short(obj)}")
-        for required in ("identity", "peak_bytes", "phases", "torch", "cuda"):
-            if required not in obj:
-                raise ValueError(f"missing key {required!r}")
-        for key in obj:
-            if key not in _ENTRY_KEYS:
-                raise ValueError(f"unknown key {key!r}")
-        if not isinstance(obj["phases"], dict):
-            raise ValueError(f"phases: expected an object of phase name -> bytes, got {short(obj['phases'])}")
-        grads, composition = obj.get("gradients"), obj.get("composition")
-        return cls(
-            identity=DeviceIdentity.from_json(obj["identity"]),
-            peak_bytes=obj["peak_bytes"],
-            phases=obj["phases"],
-            torch=obj["torch"],
-            cuda=obj["cuda"],
-            gradients=None if grads is None else Fingerprint.from_json(grads),
-            composition=None if composition is None else check_composition(composition),
-        )
-
-
-_ENTRY_KEYS = frozenset(("identity", "peak_bytes", "phases", "torch", "cuda", "gradients", "composition"))
+        """The entry `to_json` wrote; a `ValueError` says what is wrong, relative to the entry."""
+        return decode(cls, obj, "", STORED)
 
 
 def check_composition(obj: object) -> Composition:
-    """The typed form of a stored composition, ``{phase: {"categories": {name: bytes}, "cells": [[category,
-    module, bytes], ...], "folded": {group: blocks}}}`` ("folded" is absent in compositions made before
-    repeated blocks were folded); a byte count may be negative (a phase that freed what was alive at its
-    start). ``ValueError`` names what is wrong."""
-    if not isinstance(obj, Mapping):
-        raise ValueError(f"composition: expected an object of phase name -> parts, got {short(obj)}")
-    out: Composition = {}
-    for phase, parts in obj.items():
-        where = f"composition[{json_key(str(phase))}]"
-        if not isinstance(phase, str) or not phase:
-            raise ValueError(f"composition: phase names must be non-empty strings, got {short(phase)}")
-        folded = parts.get("folded") if isinstance(parts, dict) else None
-        parts = exact_keys(parts, where, ("categories", "cells", *(("folded",) if folded is not None else ())))
-        categories, cells = parts["categories"], parts["cells"]
-        if folded is not None and not _is_folded(folded):
-            raise ValueError(f"{where}.folded: expected an object of module group -> blocks, got {short(folded)}")
-        if not isinstance(categories, dict) or not all(
-            isinstance(k, str) and signed_bytes(v) for k, v in categories.items()
-        ):
-            raise ValueError(f"{where}.categories: expected an object of category -> bytes, got {short(categories)}")
-        if not isinstance(cells, list) or not all(_is_cell(cell) for cell in cells):
-            raise ValueError(f"{where}.cells: expected a list of [category, module, bytes], got {short(cells)}")
-        out[phase] = PhaseComposition(
-            dict(categories), [Cell(*cell) for cell in cells], None if folded is None else dict(folded)
-        )
-    return out
+    """The typed form of a stored composition (`Entry.composition`); `ValueError` names what is wrong."""
+    composition: Composition = decode(StoredComposition, obj, "composition", STORED)
+    return composition
 
 
 def sound_composition(composition: object) -> bool:
     """Whether a typed composition holds what ``check_composition`` accepts from a file."""
-    return isinstance(composition, dict) and all(
-        isinstance(phase, str) and phase and isinstance(parts, PhaseComposition) and _sound_parts(parts)
-        for phase, parts in composition.items()
-    )
-
-
-def _sound_parts(parts: PhaseComposition) -> bool:
-    return (
-        all(isinstance(k, str) and signed_bytes(v) for k, v in parts.categories.items())
-        and all(isinstance(c.category, str) and isinstance(c.module, str) and signed_bytes(c.size) for c in parts.cells)
-        and (parts.folded is None or _is_folded(parts.folded))
-    )
-
-
-def _is_folded(obj: object) -> bool:
-    return isinstance(obj, dict) and all(isinstance(g, str) and signed_bytes(n) and n > 0 for g, n in obj.items())
-
-
-def _is_cell(cell: object) -> bool:
-    return (
-        isinstance(cell, list)
-        and len(cell) == 3
-        and isinstance(cell[0], str)
-        and isinstance(cell[1], str)
-        and signed_bytes(cell[2])
-    )
+    try:
+        check_composition(encode(composition, Composition))
+    except (ValueError, TypeError, AttributeError):
+        return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
 class PhaseComparison:
     """One compared peak: ``phase`` is ``None`` for the whole call phase."""
 
-    phase: str | None
-    baseline: int | None
-    current: int | None
-    allowed: int | None
-    change_percent: float | None
+    phase: Annotated[str | None, Spec(expected="a phase's name or null")]
+    baseline: Annotated[int, BYTES] | None
+    current: Annotated[int, BYTES] | None
+    allowed: Annotated[int, BYTES] | None
+    change_percent: Annotated[float | None, Spec(expected="a number")]
     status: BaselineStatus
-    message: str | None = None
+    message: Annotated[str | None, Spec(expected="a string")] = None
 
     @property
     def label(self) -> str:
         return "call" if self.phase is None else self.phase
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "phase": self.phase,
-            "baseline": self.baseline,
-            "current": self.current,
-            "allowed": self.allowed,
-            "change_percent": self.change_percent,
-            "status": self.status,
-            "message": self.message,
-        }
-
-    @classmethod
-    def from_json(cls, obj: object, where: str = "comparison") -> PhaseComparison:
-        """What `to_json` wrote; `OffShape` names the JSON path of the first value it would not write."""
-        d = fields(obj, where, _COMPARISON_KEYS)
-        change = d["change_percent"]
-        return cls(
-            phase=None if d["phase"] is None else text(d["phase"], f"{where}.phase", "a phase's name or null"),
-            baseline=_bytes_or_none(d["baseline"], f"{where}.baseline"),
-            current=_bytes_or_none(d["current"], f"{where}.current"),
-            allowed=_bytes_or_none(d["allowed"], f"{where}.allowed"),
-            change_percent=None if change is None else number(change, f"{where}.change_percent"),
-            status=_word(d["status"], f"{where}.status"),
-            message=None if d["message"] is None else text(d["message"], f"{where}.message"),
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,12 +189,12 @@ class Verdict:
     gradients were compared. ``problems`` are the lines that made it fail (``failed``), ``notes`` inform.
     """
 
-    nodeid: str
+    nodeid: Annotated[str, Spec(expected="a node id")]
     status: BaselineStatus
     comparisons: tuple[PhaseComparison, ...]
     problems: tuple[str, ...]
     notes: tuple[str, ...]
-    gradient_status: BaselineStatus | None = None
+    gradient_status: Annotated[BaselineStatus | None, Spec(expected=f"one of {', '.join(BaselineStatus)}")] = None
     failed: bool = False
 
     @property
@@ -355,45 +215,11 @@ class Verdict:
         return "; ".join(self.problems)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "nodeid": self.nodeid,
-            "status": self.status,
-            "comparisons": [c.to_json() for c in self.comparisons],
-            "problems": list(self.problems),
-            "notes": list(self.notes),
-            "gradient_status": self.gradient_status,
-            "failed": self.failed,
-        }
+        """A test's `baseline` in the `--gpumem-json` report."""
+        written: dict[str, Any] = encode(self)
+        return written
 
     @classmethod
     def from_json(cls, obj: object, where: str = "baseline") -> Verdict:
         """What `to_json` wrote; `OffShape` names the JSON path of the first value it would not write."""
-        d = fields(obj, where, _VERDICT_KEYS)
-        comparisons = listed(d["comparisons"], f"{where}.comparisons")
-        gradients = d["gradient_status"]
-        return cls(
-            nodeid=text(d["nodeid"], f"{where}.nodeid", "a node id"),
-            status=_word(d["status"], f"{where}.status"),
-            comparisons=tuple(
-                PhaseComparison.from_json(c, f"{where}.comparisons[{i}]") for i, c in enumerate(comparisons)
-            ),
-            problems=tuple(texts(d["problems"], f"{where}.problems")),
-            notes=tuple(texts(d["notes"], f"{where}.notes")),
-            gradient_status=None if gradients is None else _word(gradients, f"{where}.gradient_status"),
-            failed=flag(d["failed"], f"{where}.failed"),
-        )
-
-
-_COMPARISON_KEYS = ("phase", "baseline", "current", "allowed", "change_percent", "status", "message")
-_VERDICT_KEYS = ("nodeid", "status", "comparisons", "problems", "notes", "gradient_status", "failed")
-_WORDS = {status.value: status for status in BaselineStatus}
-
-
-def _word(value: object, where: str) -> BaselineStatus:
-    if not isinstance(value, str) or value not in _WORDS:
-        raise refuse(where, f"one of {', '.join(_WORDS)}", value)
-    return _WORDS[value]
-
-
-def _bytes_or_none(value: object, where: str) -> int | None:
-    return None if value is None else count(value, where, what="an integer of bytes or null")
+        return decode(cls, obj, where)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from json.encoder import encode_basestring
 from typing import Any
 
@@ -18,19 +20,6 @@ def check_bytes(value: object, what: str) -> None:
 def signed_bytes(value: object) -> bool:
     """A byte difference: an int with ``-MAX_BYTES <= value <= MAX_BYTES``."""
     return type(value) is int and -MAX_BYTES <= value <= MAX_BYTES
-
-
-def exact_keys(obj: object, where: str, keys: tuple[str, ...]) -> dict[str, Any]:
-    """``obj`` as an object with exactly ``keys``; a ``ValueError`` names the first missing or unknown one."""
-    if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected an object, got {short(obj)}")
-    for k in keys:
-        if k not in obj:
-            raise ValueError(f"{where}: missing key {k!r}")
-    for k in obj:
-        if k not in keys:
-            raise ValueError(f"{where}: unknown key {k!r}")
-    return obj
 
 
 def json_key(name: str) -> str:
@@ -60,15 +49,7 @@ def refuse(where: str, expected: str, value: object) -> OffShape:
 
 def fields(obj: object, where: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, Any]:
     """``obj`` as an object with every ``required`` key, perhaps ``optional`` ones, and no other."""
-    if not isinstance(obj, dict):
-        raise refuse(where, "an object", obj)
-    missing = next((key for key in required if key not in obj), None)
-    if missing is not None:
-        raise OffShape(f"{where} has no {json_key(missing)}")
-    unknown = next((key for key in obj if key not in required and key not in optional), None)
-    if unknown is not None:
-        raise OffShape(f"{where} has an unknown key {json_key(str(unknown))}")
-    return obj
+    return exact_keys(obj, where, required, optional)
 
 
 def count(value: object, where: str, low: int = 0, what: str = "an integer of bytes") -> int:
@@ -91,20 +72,6 @@ def text(value: object, where: str, what: str = "a string") -> str:
     return value
 
 
-def flag(value: object, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise refuse(where, "true or false", value)
-    return value
-
-
-def number(value: object, where: str) -> float:
-    """A JSON number (an integer too), never a bool or a string."""
-    if type(value) not in (int, float):
-        raise refuse(where, "a number", value)
-    assert isinstance(value, int | float)
-    return value  # an integer stays one: it is written back as it was read
-
-
 def listed(value: object, where: str) -> list[Any]:
     if not isinstance(value, list):
         raise refuse(where, "a list", value)
@@ -116,32 +83,130 @@ def texts(value: object, where: str) -> list[str]:
     return [text(item, f"{where}[{i}]") for i, item in enumerate(listed(value, where))]
 
 
-def first_difference(read: object, written: object, where: str) -> tuple[str, object] | None:
+def first_difference(
+    read: object, written: object, where: str, path: Callable[[str, str], str] | None = None
+) -> tuple[str, object] | None:
     """Where ``read`` (a report's value) and ``written`` (what the value read from it writes) first
-    differ, in type or value: the JSON path and the value read there; None where they are the same JSON.
-    Walked with a stack of its own: a value as deep as JSON is read is compared too."""
-    stack = [(read, written, where)]
+    differ, in type or value: the JSON path (a key's written by `path`, `member` unless given) and the value
+    read there; None where they are the same JSON.
+    Walked with a stack of its own: a value as deep as JSON is read is compared too. A node is `(read,
+    written, its parent's node, its key)`: the path is spelled only for the difference found."""
+    stack: list[_Node] = [(read, written, None, where)]
     while stack:
-        a, b, at = stack.pop()
-        if a is b:  # one value read as is (JSON taken whole), not walked again
-            continue
+        node = stack.pop()
+        a, b = node[0], node[1]
         if type(a) is not type(b):
-            return at, a
-        if isinstance(a, dict):
-            assert isinstance(b, dict)
+            return _spelled(node, path or member), a
+        if type(a) is dict:
             if a.keys() != b.keys():
-                return at, a
-            stack += reversed([(a[k], b[k], member(at, k)) for k in a])
-        elif isinstance(a, list):
-            assert isinstance(b, list)
+                return _spelled(node, path or member), a
+            stack += reversed([(x, b[k], node, k) for k, x in a.items() if not _same(x, b[k])])
+        elif type(a) is list:
             if len(a) != len(b):
-                return at, a
-            stack += reversed([(x, y, f"{at}[{i}]") for i, (x, y) in enumerate(zip(a, b, strict=True))])
+                return _spelled(node, path or member), a
+            stack += reversed([(x, y, node, i) for i, (x, y) in enumerate(zip(a, b, strict=True)) if not _same(x, y)])
         elif a != b:
-            return at, a
+            return _spelled(node, path or member), a
     return None
+
+
+_Node = tuple[Any, Any, Any, str | int]
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def _same(a: object, b: object) -> bool:
+    """The same JSON, seen without walking: one object (a value taken whole), or equal scalars of one type."""
+    return a is b or (type(a) is type(b) and type(a) in _SCALARS and a == b)
+
+
+def _spelled(node: _Node, path: Callable[[str, str], str]) -> str:
+    keys: list[str | int] = []
+    while node[2] is not None:
+        keys.append(node[3])
+        node = node[2]
+    at = str(node[3])
+    for key in reversed(keys):
+        at = f"{at}[{key}]" if isinstance(key, int) else path(at, key)
+    return at
 
 
 def member(where: str, key: str) -> str:
     """The JSON path of `key` under `where`: `.key` where `key` is a name, else `["key"]`."""
     return f"{where}.{key}" if key.isascii() and key.isidentifier() else f"{where}[{json_key(key)}]"
+
+
+@dataclass(frozen=True)
+class Wording:
+    """How an error says where and what: templates with `{where}`, `{expected}`, `{value}`, `{key}` (`key`
+    written by `quote`), the path of a field (`where.key`; `key` alone under the root, `""` or `top`), the
+    path of a mapping's key (`member`), and the error it raises."""
+
+    wrong: str
+    missing: str
+    unknown: str
+    rewritten: str
+    quote: Callable[[str], str]
+    member: Callable[[str, str], str]
+    error: Callable[[str], ValueError] = OffShape
+    top: str = ""
+
+    def field(self, where: str, key: str) -> str:
+        return f"{where}.{key}" if where and where != self.top else key
+
+    def path(self, where: str, key: str) -> str:
+        """The path of `key` under `where`, a field's or a mapping's by the look of the key."""
+        return self.field(where, key) if key.isascii() and key.isidentifier() else self.member(where, key)
+
+    def refuse(self, where: str, expected: str, value: object) -> ValueError:
+        return self._say(self.wrong, where, expected=expected, value=short(value))
+
+    def no_key(self, where: str, key: str) -> ValueError:
+        return self._say(self.missing, where, key=self.quote(key))
+
+    def unknown_key(self, where: str, key: str) -> ValueError:
+        return self._say(self.unknown, where, key=self.quote(key))
+
+    def not_as_written(self, where: str, value: object) -> ValueError:
+        return self._say(self.rewritten, where, value=short(value))
+
+    def _say(self, template: str, where: str, **words: str) -> ValueError:
+        return self.error(template.format(where=where, **words).removeprefix(": "))
+
+
+REPORT = Wording(
+    wrong="{where} must be {expected}, got {value}",
+    missing="{where} has no {key}",
+    unknown="{where} has an unknown key {key}",
+    rewritten="{where} is not as pytest-gpumem writes it, got {value}",
+    quote=json_key,
+    member=member,
+)
+"""A report's words: `tests[0].call has no "count"`, `tests[0].call.count must be ..., got '1'`."""
+
+STORED = Wording(
+    wrong="{where}: expected {expected}, got {value}",
+    missing="{where}: missing key {key}",
+    unknown="{where}: unknown key {key}",
+    rewritten="{where}: not as pytest-gpumem writes it, got {value}",
+    quote=repr,
+    member=lambda where, key: f"{where}[{json_key(key)}]",
+    error=ValueError,
+)
+"""A baseline file's words, a `ValueError` relative to the entry (the file's reader names the entry):
+`identity: missing key 'device'`, `phases["forward"]: expected ..., got -1`."""
+
+
+def exact_keys(
+    value: object, where: str, required: tuple[str, ...], optional: tuple[str, ...] = (), wording: Wording = REPORT
+) -> dict[str, Any]:
+    """`value` as an object with every `required` key, perhaps `optional` ones, and no other; else the
+    wording's error naming the first missing key, or else the first unknown one."""
+    if type(value) is not dict:
+        raise wording.refuse(where, "an object", value)
+    missing = next((key for key in required if key not in value), None)
+    if missing is not None:
+        raise wording.no_key(where, missing)
+    unknown = next((key for key in value if key not in required and key not in optional), None)
+    if unknown is not None:
+        raise wording.unknown_key(where, str(unknown))
+    return value

@@ -10,44 +10,57 @@ integer of bytes, got '12'`), and every value decoded is encoded again and compa
 A field says more of itself with `Annotated[T, Spec(...)]`: its JSON `key`, the words of what it must be
 (`expected`), a range (`low`, `high`), a `check` of the value, the one value `omit`ted from the JSON (and
 filled in where absent), a reader and writer of its own (`via`). The words of the errors are a `Wording`:
-`REPORT` (a `--gpumem-json` report's) or `STORED` (a baseline file's, as they have always been).
+`REPORT` (a `--gpumem-json` report's) or `STORED` (a baseline file's, as they have always been). A class
+whose JSON keys come in another order than its fields names that order in `__json_keys__`. `read` is a
+decode without the round trip (for a part of a value checked whole), `validate` checks a value built in
+Python as its JSON would be read (for a `__post_init__`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import threading
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar, Union, get_args, get_origin, get_type_hints, overload
 
 from cuda_allocator_model import MAX_BYTES
-from pytest_gpumem.results.checks import OffShape, first_difference, json_key, member, short
+from pytest_gpumem.results.checks import REPORT, STORED, Wording, exact_keys, first_difference, short
 
-__all__ = ["BYTES", "REPORT", "SIGNED", "STORED", "Spec", "Wording", "decode", "encode"]
+__all__ = [
+    "BYTES",
+    "EMPTY",
+    "REPORT",
+    "SIGNED",
+    "STORED",
+    "Spec",
+    "Wording",
+    "decode",
+    "encode",
+    "exact_keys",
+    "read",
+    "validate",
+]
 
 T = TypeVar("T")
 Reader = Callable[[Any, str, "Wording"], Any]
 Writer = Callable[[Any], Any]
 
 
-class _Keep:
-    """No value is omitted from the JSON (`Spec.omit` unset)."""
-
-    def __repr__(self) -> str:
-        return "KEEP"
-
-
-KEEP: Any = _Keep()
+KEEP: Any = object()  # `Spec.omit` unset: no value is omitted from the JSON
+EMPTY: Any = object()  # `Spec(omit=EMPTY)`: an empty list or mapping is omitted from the JSON
 
 
 @dataclass(frozen=True)
 class Spec:
     """What a field's type does not say: its JSON `key`, the words of what it must be, its range (`low` <=
     value <= `high`), a `check` the value passes, the one value `omit`ted from the JSON (read back where
-    the key is absent), the keys a mapping allows (`names`, said by `names_expected`), or a reader and a
-    writer of its own (`via`: the reader gets the JSON value, its path and the wording)."""
+    the key is absent), the keys a mapping allows (`names`, said by `names_expected`), a reader and a
+    writer of its own (`via`: the reader gets the JSON value, its path and the wording), or what a key
+    absent from an earlier version's JSON is read as (`absent`, a factory; the round trip still refuses
+    such a value at the end, but a wrong value beside it is named first)."""
 
     key: str | None = None
     expected: str | None = None
@@ -58,73 +71,17 @@ class Spec:
     names: Callable[[str], bool] | None = None
     names_expected: str = ""
     via: tuple[Reader, Writer] | None = None
+    absent: Callable[[], Any] | None = None
 
 
 BYTES = Spec(expected="an integer of bytes", low=0, high=MAX_BYTES)
 SIGNED = Spec(expected="an integer of bytes (negative where freed)", low=-MAX_BYTES, high=MAX_BYTES)
 
 
-@dataclass(frozen=True)
-class Wording:
-    """How an error says where and what: templates with `{where}`, `{expected}`, `{value}`, `{key}` (`key`
-    written by `quote`), the path of a field (`where.key`; `key` alone under the root, `""` or `top`), the
-    path of a mapping's key (`member`), and the error it raises."""
-
-    wrong: str
-    missing: str
-    unknown: str
-    rewritten: str
-    quote: Callable[[str], str]
-    member: Callable[[str, str], str]
-    error: Callable[[str], ValueError] = OffShape
-    top: str = ""
-
-    def field(self, where: str, key: str) -> str:
-        return f"{where}.{key}" if where and where != self.top else key
-
-    def refuse(self, where: str, expected: str, value: object) -> ValueError:
-        return self._say(self.wrong, where, expected=expected, value=short(value))
-
-    def no_key(self, where: str, key: str) -> ValueError:
-        return self._say(self.missing, where, key=self.quote(key))
-
-    def unknown_key(self, where: str, key: str) -> ValueError:
-        return self._say(self.unknown, where, key=self.quote(key))
-
-    def not_as_written(self, where: str, value: object) -> ValueError:
-        return self._say(self.rewritten, where, value=short(value))
-
-    def _say(self, template: str, where: str, **words: str) -> ValueError:
-        return self.error(template.format(where=where, **words).removeprefix(": "))
-
-
-REPORT = Wording(
-    wrong="{where} must be {expected}, got {value}",
-    missing="{where} has no {key}",
-    unknown="{where} has an unknown key {key}",
-    rewritten="{where} is not as pytest-gpumem writes it, got {value}",
-    quote=json_key,
-    member=member,
-)
-"""A report's words: `tests[0].call has no "count"`, `tests[0].call.count must be ..., got '1'`."""
-
-STORED = Wording(
-    wrong="{where}: expected {expected}, got {value}",
-    missing="{where}: missing key {key}",
-    unknown="{where}: unknown key {key}",
-    rewritten="{where}: not as pytest-gpumem writes it, got {value}",
-    quote=repr,
-    member=lambda where, key: f"{where}[{json_key(key)}]",
-    error=ValueError,
-)
-"""A baseline file's words, a `ValueError` relative to the entry (the file's reader names the entry):
-`identity: missing key 'device'`, `phases["forward"]: expected ..., got -1`."""
-
-
 def encode(value: Any, as_type: Any = None) -> Any:
     """`value` (a dataclass, or of type `as_type`: any type `decode` reads) as JSON types: dicts, lists,
     strs, numbers, bools, None."""
-    return _writer(type(value) if as_type is None else as_type)(value)
+    return _made(type(value) if as_type is None else as_type)[1](value)
 
 
 @overload
@@ -135,11 +92,33 @@ def decode(cls: Any, data: object, where: str, wording: Wording = REPORT) -> Any
     """The `cls` (a dataclass, or any type the codec reads) that `data` is the JSON of, as `encode` writes
     it and nothing else; the wording's error (`OffShape`) names the JSON path (under `where`) of the first
     value that is not."""
-    value = _reader(cls)(data, where, wording)
-    found = first_difference(data, encode(value, cls), where)
+    value = _made(cls)[0](data, where, wording)
+    found = first_difference(data, _made(cls)[1](value), where, wording.path)
     if found is not None:
         raise wording.not_as_written(*found)
     return value
+
+
+def read(cls: Any, data: object, where: str, wording: Wording = REPORT) -> Any:
+    """`decode` without the round trip: for a reader of its own (`Spec.via`) or a part of a value whose
+    whole `decode` checks."""
+    return _made(cls)[0](data, where, wording)
+
+
+def validate(value: Any, where: str, wording: Wording = STORED) -> None:
+    """Refuse a dataclass built in Python with a value its JSON could not hold, as `decode` would say it
+    (for a `__post_init__`; a nested dataclass is built again from its JSON, and so checks itself). A
+    value `decode` builds is not checked again: its reader has just checked each field."""
+    if getattr(_DECODING, "now", False):
+        return
+    for f in _plan(type(value)).fields:
+        at = wording.field(where, f.key)
+        item = getattr(value, f.name)
+        try:
+            written = f.write(item)
+        except (AttributeError, TypeError, ValueError):
+            raise wording.refuse(at, f.phrase, item) from None
+        f.read(written, at, wording)
 
 
 # ----------------------------------------------------------------------------------------- the plans
@@ -153,16 +132,19 @@ class _Field:
     write: Writer
     omit: Any
     default: Callable[[], Any] | None
+    phrase: str
 
 
 @dataclass
 class _Plan:
     fields: tuple[_Field, ...] = ()
     keys: frozenset[str] = frozenset()
-    required: tuple[str, ...] = ()
+    fields_required: tuple[str, ...] = ()
+    required: frozenset[str] = frozenset()
 
 
 _PLANS: dict[type, _Plan] = {}
+_DECODING = threading.local()  # `now`: a reader is building a value whose fields it has checked
 
 
 def _plan(cls: type) -> _Plan:
@@ -172,66 +154,60 @@ def _plan(cls: type) -> _Plan:
         plan = _PLANS[cls] = _Plan()  # filled in below; a class that holds itself finds it
         hints = get_type_hints(cls, include_extras=True)
         made = tuple(_field(f, hints[f.name]) for f in dataclasses.fields(cls) if f.init)
+        order = cls.__dict__.get("__json_keys__")  # the keys' order where it is not the fields'
+        if order is not None:
+            made = tuple(sorted(made, key=lambda f: order.index(f.key)))
         plan.fields, plan.keys = made, frozenset(f.key for f in made)
-        plan.required = tuple(f.key for f in made if f.default is None)
+        plan.fields_required = tuple(f.key for f in made if f.default is None)
+        plan.required = frozenset(plan.fields_required)
     return plan
 
 
 def _field(f: dataclasses.Field[Any], tp: Any) -> _Field:
-    spec = _spec_of(tp)
-    default: Callable[[], Any] | None = None
-    if spec.omit is not KEEP:
-        if f.default is not dataclasses.MISSING:
-            default = _constant(f.default)
-        elif f.default_factory is not dataclasses.MISSING:
+    spec = _unwrap(tp, Spec())[1]
+    default: Callable[[], Any] | None = spec.absent
+    if spec.omit is not KEEP and default is None:
+        if f.default_factory is not dataclasses.MISSING:
             default = f.default_factory
+        elif f.default is not dataclasses.MISSING:
+            default = (lambda value: lambda: value)(f.default)
         else:
             raise TypeError(f"{f.name}: a field omitted from the JSON needs a default")
     read, write = _build(tp, Spec())
-    return _Field(f.name, spec.key or f.name, read, write, spec.omit, default)
+    return _Field(f.name, spec.key or f.name, read, write, spec.omit, default, _phrase(tp, Spec()))
 
 
-def _constant(value: Any) -> Callable[[], Any]:
-    return lambda: value
-
-
-def _spec_of(tp: Any) -> Spec:
-    if get_origin(tp) is Annotated:
-        return next((m for m in get_args(tp)[1:] if isinstance(m, Spec)), Spec())
-    return Spec()
+def _unwrap(tp: Any, spec: Spec) -> tuple[Any, Spec]:
+    """`Annotated[T, Spec(...)]` as `(T, its Spec)`; any other type with `spec`."""
+    if get_origin(tp) is not Annotated:
+        return tp, spec
+    inner, *meta = get_args(tp)
+    return inner, next((m for m in meta if isinstance(m, Spec)), spec)
 
 
 _MADE: dict[Any, tuple[Reader, Writer]] = {}
 
 
 def _made(tp: Any) -> tuple[Reader, Writer]:
+    """The reader and the writer of `tp` (made once per type)."""
     made = _MADE.get(tp)
     if made is None:
         made = _MADE[tp] = _build(tp, Spec())
     return made
 
 
-def _reader(tp: Any) -> Reader:
-    return _made(tp)[0]
-
-
-def _writer(tp: Any) -> Writer:
-    return _made(tp)[1]
-
-
 def _build(tp: Any, spec: Spec, phrase: str | None = None) -> tuple[Reader, Writer]:
     """The reader and the writer of type `tp`; `phrase` is what a wrong value is told it must be."""
     if get_origin(tp) is Annotated:
-        inner, *meta = get_args(tp)
-        spec = next((m for m in meta if isinstance(m, Spec)), spec)
-        return _build(inner, spec, phrase or spec.expected)
+        tp, spec = _unwrap(tp, spec)
+        phrase = phrase or spec.expected
     if spec.via is not None:
         return spec.via
     origin, args = get_origin(tp), get_args(tp)
     if origin in (Union, types.UnionType):
         return _optional(args, spec, phrase)
     if tp is Any:
-        return _any, _any_out
+        return _as_is, _same
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return _enum(tp, phrase)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
@@ -245,23 +221,20 @@ def _build(tp: Any, spec: Spec, phrase: str | None = None) -> tuple[Reader, Writ
     raise TypeError(f"the JSON codec has no rule for {tp!r}")
 
 
-def _is_int(value: object) -> bool:
-    return type(value) is int
-
-
-def _is_number(value: object) -> bool:
-    return type(value) is int or type(value) is float
-
-
 _SCALARS: dict[Any, tuple[Callable[[object], bool], str]] = {
-    int: (_is_int, "an integer"),
-    float: (_is_number, "a number"),  # an integer stays one: it is written back as it was read
+    int: (lambda value: type(value) is int, "an integer"),
+    # an integer stays one: it is written back as it was read
+    float: (lambda value: type(value) is int or type(value) is float, "a number"),
     str: (lambda value: isinstance(value, str), "a string"),
     bool: (lambda value: isinstance(value, bool), "true or false"),
 }
 
 
 def _same(value: Any) -> Any:
+    return value
+
+
+def _as_is(value: Any, where: str, wording: Wording) -> Any:
     return value
 
 
@@ -280,14 +253,6 @@ def _scalar(tp: Any, spec: Spec, phrase: str) -> tuple[Reader, Writer]:
         return value
 
     return read, _same
-
-
-def _any(value: Any, where: str, wording: Wording) -> Any:
-    return value
-
-
-def _any_out(value: Any) -> Any:
-    return value
 
 
 def _optional(args: tuple[Any, ...], spec: Spec, phrase: str | None) -> tuple[Reader, Writer]:
@@ -309,9 +274,7 @@ def _optional(args: tuple[Any, ...], spec: Spec, phrase: str | None) -> tuple[Re
 def _phrase(tp: Any, spec: Spec) -> str:
     """What a value of `tp` must be, in words."""
     if get_origin(tp) is Annotated:
-        inner, *meta = get_args(tp)
-        spec = next((m for m in meta if isinstance(m, Spec)), spec)
-        return spec.expected or _phrase(inner, spec)
+        tp, spec = _unwrap(tp, spec)
     if spec.expected is not None:
         return spec.expected
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
@@ -343,28 +306,26 @@ def _enum(tp: type[enum.Enum], phrase: str | None) -> tuple[Reader, Writer]:
 def _nested(cls: type, phrase: str) -> tuple[Reader, Writer]:
     def read(value: Any, where: str, wording: Wording) -> Any:
         plan = _plan(cls)
-        if not isinstance(value, dict):
+        if type(value) is not dict:
             raise wording.refuse(where, phrase, value)
-        missing = next((key for key in plan.required if key not in value), None)
-        if missing is not None:
-            raise wording.no_key(where, missing)
-        unknown = next((key for key in value if key not in plan.keys), None)
-        if unknown is not None:
-            raise wording.unknown_key(where, str(unknown))
-        made = {}
-        for f in plan.fields:
-            if f.key in value:
-                made[f.name] = f.read(value[f.key], wording.field(where, f.key), wording)
-            else:
-                assert f.default is not None
-                made[f.name] = f.default()
-        return cls(**made)
+        if not (plan.keys.issuperset(value) and value.keys() >= plan.required):
+            exact_keys(value, where, plan.fields_required, tuple(plan.keys), wording)
+        field = wording.field
+        made = {
+            f.name: f.read(value[f.key], field(where, f.key), wording) if f.key in value else f.default()  # type: ignore[misc]
+            for f in plan.fields
+        }
+        was, _DECODING.now = getattr(_DECODING, "now", False), True
+        try:
+            return cls(**made)
+        finally:
+            _DECODING.now = was
 
     def write(value: Any) -> Any:
         out = {}
         for f in _plan(cls).fields:
             item = getattr(value, f.name)
-            if f.omit is KEEP or item != f.omit:
+            if f.omit is KEEP or (item if f.omit is EMPTY else item != f.omit):
                 out[f.key] = f.write(item)
         return out
 
@@ -384,8 +345,12 @@ def _sequence(origin: Any, args: tuple[Any, ...], spec: Spec, phrase: str) -> tu
             or (check is not None and not check(value))
         ):
             raise wording.refuse(where, phrase, value)
-        readers = [p[0] for p in parts] if fixed else [parts[0][0]] * len(value)
-        return make(r(item, f"{where}[{i}]", wording) for i, (r, item) in enumerate(zip(readers, value, strict=True)))
+        if fixed:
+            return make(
+                [p[0](item, f"{where}[{i}]", wording) for i, (p, item) in enumerate(zip(parts, value, strict=True))]
+            )
+        read_item = parts[0][0]
+        return make([read_item(item, f"{where}[{i}]", wording) for i, item in enumerate(value)])
 
     def write(value: Any) -> Any:
         if fixed:

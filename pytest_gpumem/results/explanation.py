@@ -13,57 +13,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from pytest_gpumem.results.checks import OffShape, fields, json_key, listed, member, refuse, text
+from pytest_gpumem.results.checks import REPORT, member, signed_bytes
+from pytest_gpumem.results.codec import EMPTY, Spec, Wording, decode, encode, read
 
 _FORMAT = "pytest-gpumem explanation 1"
+_TEXT = Spec(expected="a string")  # a string or null, said as a report always has
 
 
-def _span(data: Any, where: str) -> tuple[int, int]:
-    if not isinstance(data, list) or len(data) != 2:
-        raise refuse(where, "[first event, last event]", data)
-    return _int(data[0], f"{where}[0]"), _int(data[1], f"{where}[1]")
-
-
-def _int(value: Any, where: str) -> int:
-    """An integer as JSON has it (a report edited by hand may hold "12" or true: refused, not converted)."""
-    if type(value) is not int:
-        raise refuse(where, "an integer", value)
-    return value
-
-
-def _str(value: Any, where: str) -> str:
-    return text(value, where)
-
-
-def _int_or_none(value: Any, where: str) -> int | None:
-    return None if value is None else _int(value, where)
-
-
-def _str_or_none(value: Any, where: str) -> str | None:
-    return None if value is None else _str(value, where)
-
-
-def _object(data: Any, where: str) -> Mapping[str, Any]:
-    if not isinstance(data, Mapping):
-        raise refuse(where, "an object", data)
-    return data
-
-
-def _needed(data: Mapping[str, Any], key: str, where: str) -> Any:
-    if key not in data:
-        raise OffShape(f"{where} has no {json_key(key)}")
-    return data[key]
-
-
-def _sizes(data: Any, where: str) -> dict[str, int]:
-    return {key: _int(value, member(where, key)) for key, value in _object(data, where).items()}
-
-
-def _each(data: Any, where: str) -> list[tuple[Any, str]]:
-    """The items of a JSON list with their paths."""
-    return [(item, f"{where}[{i}]") for i, item in enumerate(listed(data, where))]
+_NEEDED: Any = object()
+_INDEX = Annotated[int | None, Spec(expected="an integer")]
+_OBJECT = Spec(expected="an object")  # or null, said as a report always has
 
 
 @dataclass(frozen=True)
@@ -72,57 +33,20 @@ class Cell:
 
     category: str
     module: str
-    size: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"category": self.category, "module": self.module, "bytes": self.size}
-
-    @classmethod
-    def from_json(cls, data: Any, where: str = "cell") -> Cell:
-        d = fields(data, where, ("category", "module", "bytes"))
-        return cls(
-            _str(d["category"], f"{where}.category"),
-            _str(d["module"], f"{where}.module"),
-            _int(d["bytes"], f"{where}.bytes"),
-        )
+    size: Annotated[int, Spec(key="bytes")]
 
 
 @dataclass(frozen=True)
 class Tensor:
     """A storage alive at a phase's peak: its bytes, what made it and where, what it is used for."""
 
-    size: int
-    dtype: str | None
+    size: Annotated[int, Spec(key="bytes")]
+    dtype: Annotated[str | None, _TEXT]
     shape: tuple[int, ...] | None
     op: str
-    where: str | None
+    where: Annotated[str | None, _TEXT]
     module: str
     category: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "bytes": self.size,
-            "dtype": self.dtype,
-            "shape": None if self.shape is None else list(self.shape),
-            "op": self.op,
-            "where": self.where,
-            "module": self.module,
-            "category": self.category,
-        }
-
-    @classmethod
-    def from_json(cls, data: Any, where: str = "tensor") -> Tensor:
-        d = _object(data, where)
-        shape = d.get("shape")
-        return cls(
-            size=_int(_needed(d, "bytes", where), f"{where}.bytes"),
-            dtype=_str_or_none(d.get("dtype"), f"{where}.dtype"),
-            shape=None if shape is None else tuple(_int(size, at) for size, at in _each(shape, f"{where}.shape")),
-            op=_str(d.get("op", ""), f"{where}.op"),
-            where=_str_or_none(d.get("where"), f"{where}.where"),
-            module=_str(d.get("module", ""), f"{where}.module"),
-            category=_str(d.get("category", ""), f"{where}.category"),
-        )
 
 
 @dataclass(frozen=True)
@@ -131,22 +55,9 @@ class ReservedAtPeak:
     all of the call's), `unallocated` of it in no block, and `inactive_split` of that in free blocks of
     segments that still hold a live block (what no retry or `empty_cache()` can give back)."""
 
-    reserved: int
-    unallocated: int
-    inactive_split: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "reserved_bytes": self.reserved,
-            "unallocated_bytes": self.unallocated,
-            "inactive_split_bytes": self.inactive_split,
-        }
-
-    @classmethod
-    def from_json(cls, data: Any, where: str = "reserved_at_peak") -> ReservedAtPeak:
-        keys = ("reserved_bytes", "unallocated_bytes", "inactive_split_bytes")
-        d = fields(data, where, keys)
-        return cls(*(_int(d[key], f"{where}.{key}") for key in keys))
+    reserved: Annotated[int, Spec(key="reserved_bytes")]
+    unallocated: Annotated[int, Spec(key="unallocated_bytes")]
+    inactive_split: Annotated[int, Spec(key="inactive_split_bytes")]
 
 
 @dataclass(frozen=True)
@@ -180,14 +91,15 @@ class PhaseExplanation:
         return self.cells if self.groups is None else self.groups
 
     def to_json(self) -> dict[str, Any]:
+        """The phase's JSON: a rank's phase has no `peak_index`, and its `spans` and `rank_peak_index` last."""
         data: dict[str, Any] = {"categories": dict(self.categories)}
         if self.live is not None:
             data["live"] = dict(self.live)
         data["modules"] = dict(self.modules)
-        data["cells"] = [cell.to_json() for cell in self.cells]
+        data["cells"] = encode(self.cells, list[Cell])
         if self.groups is not None:
-            data["groups"] = [cell.to_json() for cell in self.groups]
-        data["tensors"] = [tensor.to_json() for tensor in self.tensors]
+            data["groups"] = encode(self.groups, list[Cell])
+        data["tensors"] = encode(self.tensors, list[Tensor])
         data["peak_bytes"] = self.peak_bytes
         data["start_bytes"] = self.start_bytes
         if self.rank is None:
@@ -197,35 +109,59 @@ class PhaseExplanation:
             data["entries"] = self.entries
         data["unattributed_bytes"] = self.unattributed_bytes
         if self.reserved_at_peak is not None:
-            data["reserved_at_peak"] = self.reserved_at_peak.to_json()
+            data["reserved_at_peak"] = encode(self.reserved_at_peak)
         if self.rank is not None:
             data.update(rank=self.rank, spans=[list(span) for span in self.spans], rank_peak_index=self.rank_peak_index)
         return data
 
     @classmethod
     def from_json(cls, data: Any, where: str = "phase") -> PhaseExplanation:
-        d = _object(data, where)
-        groups, live, entries = d.get("groups"), d.get("live"), d.get("entries")
-        reserved = d.get("reserved_at_peak")
+        """The phase `to_json` wrote, or one written before `live`, `groups`, `entries` or `reserved_at_peak`."""
+        d = read(_ANY_OBJECT, data, where)
+
+        def get(key: str, tp: Any, default: Any = _NEEDED) -> Any:
+            if key in d:
+                return read(tp, d[key], f"{where}.{key}")
+            if default is _NEEDED:
+                raise REPORT.no_key(where, key)
+            return default
+
         return cls(
-            peak_bytes=_int(_needed(d, "peak_bytes", where), f"{where}.peak_bytes"),
-            categories=_sizes(_needed(d, "categories", where), f"{where}.categories"),
-            modules=_sizes(_needed(d, "modules", where), f"{where}.modules"),
-            cells=[Cell.from_json(cell, at) for cell, at in _each(_needed(d, "cells", where), f"{where}.cells")],
-            tensors=[Tensor.from_json(t, at) for t, at in _each(_needed(d, "tensors", where), f"{where}.tensors")],
-            start_bytes=_int(d.get("start_bytes", 0), f"{where}.start_bytes"),
-            live=None if live is None else _sizes(live, f"{where}.live"),
-            groups=None if groups is None else [Cell.from_json(c, at) for c, at in _each(groups, f"{where}.groups")],
-            peak_index=_int_or_none(d.get("peak_index"), f"{where}.peak_index"),
-            spans=[_span(span, at) for span, at in _each(d.get("spans", []), f"{where}.spans")],
-            entries=None if entries is None else _int(entries, f"{where}.entries"),
-            unattributed_bytes=_int(d.get("unattributed_bytes", 0), f"{where}.unattributed_bytes"),
-            rank=_int_or_none(d.get("rank"), f"{where}.rank"),
-            rank_peak_index=_int_or_none(d.get("rank_peak_index"), f"{where}.rank_peak_index"),
-            reserved_at_peak=None
-            if reserved is None
-            else ReservedAtPeak.from_json(reserved, f"{where}.reserved_at_peak"),
+            peak_bytes=get("peak_bytes", int),
+            categories=get("categories", _SIZES),
+            modules=get("modules", _SIZES),
+            cells=get("cells", _CELLS),
+            tensors=get("tensors", _TENSORS),
+            start_bytes=get("start_bytes", int, 0),
+            live=get("live", _SIZES_OR_NONE, None),
+            groups=get("groups", _CELLS_OR_NONE, None),
+            peak_index=get("peak_index", _INDEX, None),
+            spans=get("spans", _SPANS, []),
+            entries=get("entries", _INDEX, None),
+            unattributed_bytes=get("unattributed_bytes", int, 0),
+            rank=get("rank", _INDEX, None),
+            rank_peak_index=get("rank_peak_index", _INDEX, None),
+            reserved_at_peak=get("reserved_at_peak", _RESERVED_OR_NONE, None),
         )
+
+
+_SIZES = dict[str, int]
+_SIZES_OR_NONE = Annotated[dict[str, int] | None, _OBJECT]
+_CELLS = list[Cell]
+_CELLS_OR_NONE = Annotated[list[Cell] | None, Spec(expected="a list")]
+_TENSORS = list[Tensor]
+_SPANS = list[Annotated[tuple[int, int], Spec(expected="[first event, last event]")]]
+_RESERVED_OR_NONE = Annotated[ReservedAtPeak | None, _OBJECT]
+_ANY_OBJECT = dict[str, Any]
+
+
+def _read_phases(value: Any, where: str, wording: Wording) -> dict[str, PhaseExplanation]:
+    phases = read(_ANY_OBJECT, value, where, wording)
+    return {name: PhaseExplanation.from_json(phase, member(where, name)) for name, phase in phases.items()}
+
+
+def _write_phases(phases: dict[str, PhaseExplanation]) -> dict[str, Any]:
+    return {name: phase.to_json() for name, phase in phases.items()}
 
 
 @dataclass(frozen=True)
@@ -235,19 +171,18 @@ class Point:
     index: int
     sizes: list[int]
 
-    def to_json(self) -> list[Any]:
-        return [self.index, list(self.sizes)]
-
-    @classmethod
-    def from_json(cls, data: Any, where: str = "point") -> Point:
-        if not isinstance(data, list) or len(data) != 2:
-            raise refuse(where, "[event index, [bytes per category]]", data)
-        index, sizes = data
-        return cls(_int(index, f"{where}[0]"), [_int(size, at) for size, at in _each(sizes, f"{where}[1]")])
-
     @property
     def total(self) -> int:
         return sum(self.sizes)
+
+
+def _read_point(value: Any, where: str, wording: Wording) -> Point:
+    index, sizes = read(_POINT_JSON, value, where, wording)
+    return Point(index, sizes)
+
+
+_POINT_JSON = Annotated[tuple[int, list[int]], Spec(expected="[event index, [bytes per category]]")]
+_POINT = Spec(via=(_read_point, lambda point: [point.index, list(point.sizes)]))
 
 
 @dataclass(frozen=True)
@@ -259,37 +194,26 @@ class UnmeasuredSpan:
     start: int
     end: int
 
-    def to_json(self) -> dict[str, Any]:
-        return {"by": self.by, "start": self.start, "end": self.end}
-
-    @classmethod
-    def from_json(cls, data: Any, where: str = "unmeasured") -> UnmeasuredSpan:
-        d = fields(data, where, ("by", "start", "end"))
-        return cls(_str(d["by"], f"{where}.by"), _int(d["start"], f"{where}.start"), _int(d["end"], f"{where}.end"))
-
 
 @dataclass(frozen=True)
 class SampledTimeline:
     """How many events the call had, the sampled moments a chart draws, and the spans not measured."""
 
     events: int
-    points: list[Point]
-    unmeasured: list[UnmeasuredSpan] = field(default_factory=list)
+    points: list[Annotated[Point, _POINT]]
+    unmeasured: Annotated[list[UnmeasuredSpan], Spec(omit=EMPTY)] = field(default_factory=list)
 
-    def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"events": self.events, "points": [point.to_json() for point in self.points]}
-        if self.unmeasured:
-            data["unmeasured"] = [span.to_json() for span in self.unmeasured]
-        return data
 
-    @classmethod
-    def from_json(cls, data: Any, where: str = "timeline") -> SampledTimeline:
-        d = _object(data, where)
-        return cls(
-            _int(d.get("events", 0), f"{where}.events"),
-            [Point.from_json(point, at) for point, at in _each(d.get("points", []), f"{where}.points")],
-            [UnmeasuredSpan.from_json(span, at) for span, at in _each(d.get("unmeasured", []), f"{where}.unmeasured")],
-        )
+def _unknown() -> str:
+    return "?"
+
+
+def _no_timeline() -> SampledTimeline:
+    return SampledTimeline(0, [])
+
+
+def _format() -> str:
+    return _FORMAT
 
 
 @dataclass(frozen=True)
@@ -298,14 +222,16 @@ class Explanation:
     are in stacking order with their `labels`; `folded` names each group of repeated blocks (`h.*`)
     with how many blocks it has (None in explanations made before folding)."""
 
-    nodeid: str
-    backend: str
-    categories: list[str]
-    labels: dict[str, str]
-    phases: dict[str, PhaseExplanation]
-    timeline: SampledTimeline
-    folded: dict[str, int] | None = None
-    format: str = _FORMAT
+    __json_keys__ = ("format", "nodeid", "backend", "categories", "labels", "folded", "phases", "timeline")
+
+    nodeid: Annotated[str, Spec(absent=str)]
+    backend: Annotated[str, Spec(absent=_unknown)]
+    categories: Annotated[list[str], Spec(absent=list)]
+    labels: Annotated[dict[str, str], Spec(absent=dict)]
+    phases: Annotated[dict[str, PhaseExplanation], Spec(via=(_read_phases, _write_phases))]
+    timeline: Annotated[SampledTimeline, Spec(absent=_no_timeline)]
+    folded: Annotated[dict[str, int] | None, Spec(omit=None)] = None
+    format: Annotated[str, Spec(absent=_format)] = _FORMAT
 
     def label(self, category: str) -> str:
         return self.labels.get(category, category)
@@ -315,38 +241,14 @@ class Explanation:
         return None if self.folded is None else self.folded.get(group)
 
     def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = {
-            "format": self.format,
-            "nodeid": self.nodeid,
-            "backend": self.backend,
-            "categories": list(self.categories),
-            "labels": dict(self.labels),
-        }
-        if self.folded is not None:
-            data["folded"] = dict(self.folded)
-        data["phases"] = {name: phase.to_json() for name, phase in self.phases.items()}
-        data["timeline"] = self.timeline.to_json()
-        return data
+        """A test's `explanation` in the report (`results/__init__.py`, `report/html.py` write it so)."""
+        written: dict[str, Any] = encode(self)
+        return written
 
     @classmethod
     def from_json(cls, data: Any, where: str = "explanation") -> Explanation:
-        d = _object(data, where)
-        folded = d.get("folded")
-        labels = _object(d.get("labels", {}), f"{where}.labels")
-        phases = _object(_needed(d, "phases", where), f"{where}.phases")
-        return cls(
-            nodeid=_str(d.get("nodeid", ""), f"{where}.nodeid"),
-            backend=_str(d.get("backend", "?"), f"{where}.backend"),
-            categories=[_str(c, at) for c, at in _each(d.get("categories", []), f"{where}.categories")],
-            labels={key: _str(value, member(f"{where}.labels", key)) for key, value in labels.items()},
-            phases={
-                name: PhaseExplanation.from_json(phase, member(f"{where}.phases", name))
-                for name, phase in phases.items()
-            },
-            timeline=SampledTimeline.from_json(d.get("timeline", {}), f"{where}.timeline"),
-            folded=None if folded is None else _sizes(folded, f"{where}.folded"),
-            format=_str(d.get("format", _FORMAT), f"{where}.format"),
-        )
+        """The explanation `to_json` wrote; `OffShape` names the first value that is not as written."""
+        return decode(cls, data, where)
 
 
 @dataclass(frozen=True)
@@ -360,29 +262,59 @@ class RanksExplanation:
     call: PhaseExplanation | None
 
 
+def _signed_sizes(value: dict[str, Any]) -> bool:
+    return all(isinstance(k, str) and signed_bytes(v) for k, v in value.items())
+
+
+def _is_folded(value: dict[str, Any]) -> bool:
+    return all(isinstance(g, str) and signed_bytes(n) and n > 0 for g, n in value.items())
+
+
+def _is_cell(cell: object) -> bool:
+    return (
+        isinstance(cell, list)
+        and len(cell) == 3
+        and isinstance(cell[0], str)
+        and isinstance(cell[1], str)
+        and signed_bytes(cell[2])
+    )
+
+
+def _read_cells(value: Any, where: str, wording: Wording) -> list[Cell]:
+    if not isinstance(value, list) or not all(_is_cell(cell) for cell in value):
+        raise wording.refuse(where, "a list of [category, module, bytes]", value)
+    return [Cell(*cell) for cell in value]
+
+
+def _write_cells(cells: list[Cell]) -> list[list[Any]]:
+    return [[cell.category, cell.module, cell.size] for cell in cells]
+
+
 @dataclass(frozen=True)
 class PhaseComposition:
     """What a baseline keeps of a phase's explanation: the growth by category (sums to the peak, with
-    `unattributed`), the category x module-group parts, and how many blocks each folded group has (None in
-    compositions made before folding, which keep only their largest cells)."""
+    `unattributed`; a byte count may be negative, a phase that freed what was alive at its start), the
+    category x module-group parts (`[category, module, bytes]` each), and how many blocks each folded
+    group has (None in compositions made before folding, which keep only their largest cells)."""
 
-    categories: dict[str, int]
-    cells: list[Cell]
-    folded: dict[str, int] | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = {
-            "categories": dict(self.categories),
-            "cells": [[cell.category, cell.module, cell.size] for cell in self.cells],
-        }
-        if self.folded is not None:
-            data["folded"] = dict(self.folded)
-        return data
+    categories: Annotated[dict[str, int], Spec(expected="an object of category -> bytes", check=_signed_sizes)]
+    cells: Annotated[list[Cell], Spec(via=(_read_cells, _write_cells))]
+    folded: Annotated[
+        dict[str, int] | None, Spec(omit=None, expected="an object of module group -> blocks", check=_is_folded)
+    ] = None
 
 
 Composition = dict[str, PhaseComposition]
 """A test's composition: per phase name."""
 
+COMPOSITION = Spec(
+    expected="an object of phase name -> parts", names=bool, names_expected="phase names must be non-empty strings"
+)
+"""What a stored composition must be (`StoredComposition`, a baseline entry's `composition`)."""
+
+StoredComposition = Annotated[Composition, COMPOSITION]
+
 
 def composition_to_json(composition: Mapping[str, PhaseComposition]) -> dict[str, Any]:
-    return {name: phase.to_json() for name, phase in composition.items()}
+    written: dict[str, Any] = encode(dict(composition), Composition)
+    return written

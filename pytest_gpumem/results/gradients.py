@@ -19,10 +19,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from cuda_allocator_model import MAX_BYTES
-from pytest_gpumem.results.checks import exact_keys, json_key, short
+from pytest_gpumem.results.checks import short
+from pytest_gpumem.results.codec import Spec, Wording
 
 __all__ = ["SUMMARY_WORST", "Fingerprint", "GradStats", "GradientComparison", "Mismatch", "ParamFingerprint"]
 
@@ -31,38 +32,41 @@ SUMMARY_WORST = 3
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
+def _float_from_json(value: Any, where: str, wording: Wording) -> float:
+    """A statistic: a number (an integer stays one: it is written back as read), or "nan", "inf", "-inf"."""
+    if type(value) is float or type(value) is int:
+        if math.isfinite(value if type(value) is float else 0.0) and abs(value) < _FLOAT_INT_LIMIT:
+            return value  # past the float range, JSON's 1e400 is read as inf
+        raise wording.error(
+            f'{where}: a number beyond the float range ({short(value)}); write "inf" or "-inf" if meant'
+        )
+    if isinstance(value, str) and value in _NONFINITE:
+        return _NONFINITE[value]
+    raise wording.refuse(where, 'a number (or "nan", "inf", "-inf")', value)
+
+
+def _float_to_json(x: float) -> float | str:
+    if math.isfinite(x):
+        return x
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+
+
+_STATISTIC = Spec(via=(_float_from_json, _float_to_json))
+
+
 @dataclass(frozen=True, slots=True)
 class GradStats:
     """The fingerprint of one gradient tensor (float64 statistics)."""
 
-    l2: float
-    l1: float
-    sum: float
-    max_abs: float
-    proj: tuple[float, ...]
+    l2: Annotated[float, _STATISTIC]
+    l1: Annotated[float, _STATISTIC]
+    sum: Annotated[float, _STATISTIC]
+    max_abs: Annotated[float, _STATISTIC]
+    proj: Annotated[tuple[Annotated[float, _STATISTIC], ...], Spec(expected="a non-empty list of numbers", check=bool)]
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "l2": _float_to_json(self.l2),
-            "l1": _float_to_json(self.l1),
-            "sum": _float_to_json(self.sum),
-            "max_abs": _float_to_json(self.max_abs),
-            "proj": [_float_to_json(p) for p in self.proj],
-        }
 
-    @classmethod
-    def from_json(cls, obj: object, where: str) -> GradStats:
-        d = exact_keys(obj, where, ("l2", "l1", "sum", "max_abs", "proj"))
-        proj = d["proj"]
-        if not isinstance(proj, list) or not proj:
-            raise ValueError(f"{where}.proj: expected a non-empty list of numbers, got {short(proj)}")
-        return cls(
-            l2=_float_from_json(d["l2"], f"{where}.l2"),
-            l1=_float_from_json(d["l1"], f"{where}.l1"),
-            sum=_float_from_json(d["sum"], f"{where}.sum"),
-            max_abs=_float_from_json(d["max_abs"], f"{where}.max_abs"),
-            proj=tuple(_float_from_json(p, f"{where}.proj[{i}]") for i, p in enumerate(proj)),
-        )
+def _shape(value: list[Any]) -> bool:
+    return all(type(s) is int and 0 <= s <= MAX_BYTES for s in value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,60 +76,18 @@ class ParamFingerprint:
     ``shape``/``dtype`` are ``None`` only for a ``None`` value passed with ``of="value"``.
     """
 
-    shape: tuple[int, ...] | None
-    dtype: str | None
-    grad: GradStats | None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "shape": None if self.shape is None else list(self.shape),
-            "dtype": self.dtype,
-            "grad": None if self.grad is None else self.grad.to_json(),
-        }
-
-    @classmethod
-    def from_json(cls, obj: object, where: str) -> ParamFingerprint:
-        d = exact_keys(obj, where, ("shape", "dtype", "grad"))
-        shape = d["shape"]
-        if shape is not None and (
-            not isinstance(shape, list) or not all(type(s) is int and 0 <= s <= MAX_BYTES for s in shape)
-        ):
-            raise ValueError(f"{where}.shape: expected a list of integers 0 <= n < 2**63 or null, got {short(shape)}")
-        dtype = d["dtype"]
-        if dtype is not None and (not isinstance(dtype, str) or not dtype):
-            raise ValueError(f"{where}.dtype: expected a dtype name or null, got {short(dtype)}")
-        grad = d["grad"]
-        return cls(
-            shape=None if shape is None else tuple(shape),
-            dtype=dtype,
-            grad=None if grad is None else GradStats.from_json(grad, f"{where}.grad"),
-        )
+    shape: Annotated[tuple[int, ...] | None, Spec(expected="a list of integers 0 <= n < 2**63 or null", check=_shape)]
+    dtype: Annotated[str | None, Spec(expected="a dtype name or null", check=bool)]
+    grad: Annotated[GradStats | None, Spec(expected="an object")]
 
 
 @dataclass(frozen=True, slots=True)
 class Fingerprint:
-    """Fingerprints of named gradients, plus the projection method that produced them."""
+    """Fingerprints of named gradients, plus the projection method that produced them (``"gradients"``
+    in a baseline entry, read and written by ``results.codec``)."""
 
+    method: Annotated[str, Spec(expected="a non-empty string", check=bool)]
     params: Mapping[str, ParamFingerprint]
-    method: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"method": self.method, "params": {k: v.to_json() for k, v in self.params.items()}}
-
-    @classmethod
-    def from_json(cls, obj: object, where: str = "gradients") -> Fingerprint:
-        """Validate and build; a ``ValueError`` names the offending location (``where`` is its prefix)."""
-        d = exact_keys(obj, where, ("method", "params"))
-        method = d["method"]
-        if not isinstance(method, str) or not method:
-            raise ValueError(f"{where}.method: expected a non-empty string, got {short(method)}")
-        params = d["params"]
-        if not isinstance(params, dict):
-            raise ValueError(f"{where}.params: expected an object, got {short(params)}")
-        out: dict[str, ParamFingerprint] = {}
-        for name, value in params.items():
-            out[name] = ParamFingerprint.from_json(value, f"{where}.params[{json_key(name)}]")
-        return cls(params=out, method=method)
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,26 +163,6 @@ class GradientComparison:
     @property
     def notes(self) -> tuple[str, ...]:
         return self.method_notes + self.details
-
-
-# ----------------------------------------------------------------------------------------- JSON helpers
-
-
-def _float_to_json(x: float) -> float | str:
-    if math.isfinite(x):
-        return x
-    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-
-
-def _float_from_json(v: object, where: str) -> float:
-    if type(v) is float or type(v) is int:
-        number = float(v) if type(v) is float or abs(v) < _FLOAT_INT_LIMIT else math.inf
-        if math.isfinite(number):
-            return number
-        raise ValueError(f'{where}: a number beyond the float range ({short(v)}); write "inf" or "-inf" if meant')
-    if isinstance(v, str) and v in _NONFINITE:
-        return _NONFINITE[v]
-    raise ValueError(f'{where}: expected a number (or "nan", "inf", "-inf"), got {short(v)}')
 
 
 _FLOAT_INT_LIMIT = 2**1024

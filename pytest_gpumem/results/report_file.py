@@ -6,30 +6,51 @@ is not (`old.json: tests[3].call.peak_bytes must be an integer of bytes, got '12
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pytest_gpumem.errors import GpuMemError, first_line
 from pytest_gpumem.results import TestResult
-from pytest_gpumem.results.checks import OffShape, fields, flag, json_key, listed, refuse, text
+from pytest_gpumem.results.checks import OffShape, json_key, refuse
+from pytest_gpumem.results.codec import REPORT, Spec, decode
 
 __all__ = ["MAX_REPORT_BYTES", "REPORT_VERSION", "MadeAt", "ReportFile", "read_report"]
 
 REPORT_VERSION = 1
 MAX_REPORT_BYTES = 256 * 1024 * 1024
-_KEYS = ("version", "backend", "device", "commit", "tests")
+
+
+def _is_sha(sha: str) -> bool:
+    return len(sha) in (40, 64) and all(c in "0123456789abcdef" for c in sha)
 
 
 @dataclass(frozen=True)
 class MadeAt:
     """The commit a report was made at, and whether the work tree had uncommitted changes."""
 
-    sha: str
+    sha: Annotated[str, Spec(expected="a full commit hash in lower-case hex", check=_is_sha)]
     dirty: bool
 
-    def to_json(self) -> dict[str, object]:
-        return {"sha": self.sha, "dirty": self.dirty}
+
+_NAME = Spec(expected="a name or null")
+
+
+@dataclass(frozen=True)
+class _Header:
+    """A report's document as its keys are read: the tests are each read by `TestResult`."""
+
+    version: Annotated[
+        int, Spec(expected=f"{REPORT_VERSION} (the report version this pytest-gpumem reads)", low=1, high=1)
+    ]
+    backend: Annotated[str | None, _NAME]
+    device: Annotated[str | None, _NAME]
+    commit: Annotated[MadeAt | None, Spec(expected='{"sha": a full commit hash, "dirty": true or false} or null')]
+    tests: list[Any]
+
+
+_TOP = replace(REPORT, top="report")
+"""A report's own keys are named from its root (`version`, `tests[3]`), its missing ones from `report`."""
 
 
 @dataclass(frozen=True)
@@ -81,31 +102,8 @@ def _constant(name: str) -> object:
 def _report(path: Path, doc: object) -> ReportFile:
     if not isinstance(doc, dict) or "tests" not in doc:
         raise GpuMemError(f"{path}: not a gpumem report (no list of tests; written by --gpumem-json?)")
-    d = fields(doc, "report", _KEYS)
-    if d["version"] != REPORT_VERSION or type(d["version"]) is not int:
-        raise refuse("version", f"{REPORT_VERSION} (the report version this pytest-gpumem reads)", d["version"])
-    return ReportFile(
-        path=path,
-        version=REPORT_VERSION,
-        backend=_name(d["backend"], "backend"),
-        device=_name(d["device"], "device"),
-        commit=None if d["commit"] is None else _made_at(d["commit"]),
-        tests=_tests(listed(d["tests"], "tests")),
-    )
-
-
-def _name(value: object, where: str) -> str | None:
-    return None if value is None else text(value, where, "a name or null")
-
-
-def _made_at(value: object) -> MadeAt:
-    if not isinstance(value, dict):
-        raise refuse("commit", '{"sha": a full commit hash, "dirty": true or false} or null', value)
-    d = fields(value, "commit", ("sha", "dirty"))
-    sha = d["sha"]
-    if not isinstance(sha, str) or len(sha) not in (40, 64) or any(c not in "0123456789abcdef" for c in sha):
-        raise refuse("commit.sha", "a full commit hash in lower-case hex", sha)
-    return MadeAt(sha, flag(d["dirty"], "commit.dirty"))
+    head = decode(_Header, doc, "report", _TOP)
+    return ReportFile(path, head.version, head.backend, head.device, head.commit, _tests(head.tests))
 
 
 def _tests(raw: list[Any]) -> tuple[TestResult, ...]:
