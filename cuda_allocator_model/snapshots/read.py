@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Final, NamedTuple, TypeVar
 
 from cuda_allocator_model.errors import ModelError, exception_text
-from cuda_allocator_model.settings import INTERVALS, AllocatorSettings
+from cuda_allocator_model.settings import DEFAULT_POOL, INTERVALS, AllocatorSettings, PoolId
 from cuda_allocator_model.snapshots import pickled
 from cuda_allocator_model.snapshots.pickled import Buffer
 
@@ -58,7 +58,6 @@ ACTIONS: Final = frozenset(
         "snapshot",
     }
 )
-DEFAULT_POOL: Final = (0, 0)
 MAX_SIZE: Final = 1 << 60  # bytes: what the allocator refuses outright (torch: 1 EiB), a fit may ask near it
 MAX_ADDRESS: Final = 1 << 64
 MAX_DEVICES: Final = 1 << 12
@@ -114,6 +113,7 @@ class Event(NamedTuple):
     compile_context: str | None = None
     user_metadata: str | None = None
     device_free: int | None = None
+    pool: PoolId = DEFAULT_POOL  # pool_id (torch >= 2.8 writes it on every entry): the pool it acted in
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,13 +355,17 @@ def _not_shared(lists: list[Any], where: str) -> None:
             raise _Refuse(f"{where}[{i}] is the very list of {where}[{seen[id(item)]}]: no snapshot's shape")
 
 
-def _pool(raw: Mapping[Any, Any], where: str) -> tuple[int, int]:
-    pool = raw.get("segment_pool_id", DEFAULT_POOL)
+def _pool(raw: Mapping[Any, Any], where: str, key: str = "segment_pool_id") -> PoolId:
+    pool = raw.get(key, DEFAULT_POOL)
     if pool is None:
         return DEFAULT_POOL
-    if not (isinstance(pool, (tuple, list)) and len(pool) == 2 and all(type(p) is int for p in pool)):
-        raise _Refuse(f"{where}: 'segment_pool_id' is {_a(_kind(pool))}, not a pair of whole numbers")
-    return (pool[0], pool[1])
+    if not (
+        isinstance(pool, (tuple, list))
+        and len(pool) == 2
+        and all(type(p) is int and 0 <= p < MAX_ADDRESS for p in pool)
+    ):
+        raise _Refuse(f"{where}: {key!r} is not a pair of whole numbers in [0, 2**64)")
+    return DEFAULT_POOL if pool[0] == pool[1] == 0 else (pool[0], pool[1])
 
 
 def _segment(raw: Mapping[Any, Any], where: str, frames: _Frames, budget: _Budget) -> SnapshotSegment:
@@ -447,14 +451,19 @@ def _trace(raw: object, where: str, frames: _Frames, budget: _Budget) -> tuple[E
     append = out.append
     # the loop's names bound here: a global's lookup per event and field costs as much as its check
     make, event, actions, top_address, top_size = tuple.__new__, Event, ACTIONS, MAX_ADDRESS, MAX_SIZE
+    default = DEFAULT_POOL
     for i, record in enumerate(records):
         get = record.get
         action, addr, size, stream = get("action"), get("addr", 0), get("size"), get("stream", 0)
         time_us, context, metadata = get("time_us"), get("compile_context"), get("user_metadata")
-        free, stack_raw = get("device_free"), get("frames", ())
+        free, stack_raw, pool = get("device_free"), get("frames", ()), get("pool_id", default)
         stack = known.get(id(stack_raw))
         if stack is None:  # a list of frames not seen before
             stack = frames.of(stack_raw, f"{where}[{i}]")
+        if pool is None or pool == default:
+            pool = default
+        elif not _a_pool(pool):
+            pool = None  # the checks below say what is wrong
         if (
             type(action) is str
             and action in actions
@@ -468,8 +477,9 @@ def _trace(raw: object, where: str, frames: _Frames, budget: _Budget) -> tuple[E
             and (context is None or (type(context) is str and context.isprintable()))
             and (metadata is None or (type(metadata) is str and metadata.isprintable()))
             and (free is None or (type(free) is int and 0 <= free < top_size))
+            and pool is not None
         ):  # tuple.__new__: Event's own __new__ is a Python function, one call more per event
-            append(make(event, (action, addr, size, stream, stack, time_us, context, metadata, free)))
+            append(make(event, (action, addr, size, stream, stack, time_us, context, metadata, free, pool)))
         else:
             append(_checked_event(record, f"{where}[{i}]", frames))
     return tuple(out)
@@ -489,6 +499,19 @@ def _checked_event(raw: Mapping[Any, Any], where: str, frames: _Frames) -> Event
         _text(raw, "compile_context", where, None),
         _text(raw, "user_metadata", where, None),
         _bounded(raw, "device_free", where, MAX_SIZE, None),
+        _pool(raw, where, "pool_id"),
+    )
+
+
+def _a_pool(value: object) -> bool:
+    """Whether `value` is a private pool's id as torch pickles it: a tuple of two whole numbers."""
+    return (
+        type(value) is tuple
+        and len(value) == 2
+        and type(value[0]) is int
+        and type(value[1]) is int
+        and 0 <= value[0] < MAX_ADDRESS
+        and 0 <= value[1] < MAX_ADDRESS
     )
 
 
