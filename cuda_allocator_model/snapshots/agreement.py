@@ -65,7 +65,7 @@ class Agreement:
     capacity: int | None  # derived from the oom event's device_free
     start: StartState
     first_mismatch: int | None  # the first request where decision, placement or reserved differ
-    pools: tuple[PoolAtEnd, ...] = ()  # each pool's reserved bytes at the end, the default pool first
+    pools: tuple[PoolAtEnd, ...] = ()  # where a private pool held memory: each pool's reserved bytes at the end
 
     @property
     def exact(self) -> bool:
@@ -111,13 +111,16 @@ def agree(snapshot: Snapshot, device: int = 0, settings: AllocatorSettings | Non
 
 
 def pools_at_end(snapshot: Snapshot, device: int, model: CachingAllocatorModel) -> tuple[PoolAtEnd, ...]:
-    """Each pool's reserved bytes at the end of the trace, on the card and in the model."""
+    """Each pool's reserved bytes at the end of the trace, on the card and in the model, the default pool
+    first; none where only the default pool held memory (its figures are the device's)."""
     card: dict[PoolId, int] = {}
     for s in snapshot.segments:
         if s.device == device:
             card[s.pool] = card.get(s.pool, 0) + s.total_size
     held = model.reserved_by_pool()
     pools = sorted(card.keys() | held.keys(), key=lambda pool: (pool != DEFAULT_POOL, pool))
+    if pools in ([], [DEFAULT_POOL]):
+        return ()
     return tuple(PoolAtEnd(pool, card.get(pool, 0), held.get(pool, 0)) for pool in pools)
 
 
