@@ -173,7 +173,8 @@ class _Replay:
 
     def serve(self, e: Event, pending: list[int]) -> None:
         model = self.model
-        self.pools.to(e.pool)
+        if e.pool is not self.pools.current:  # the default pool's entries share one tuple
+            self.pools.to(e.pool)
         invented = model.next_segment_address  # where a segment the card did not make goes
         if pending:
             model.place_next_segment(pending[0])

@@ -460,10 +460,11 @@ def _trace(raw: object, where: str, frames: _Frames, budget: _Budget) -> tuple[E
         stack = known.get(id(stack_raw))
         if stack is None:  # a list of frames not seen before
             stack = frames.of(stack_raw, f"{where}[{i}]")
-        if pool is None or pool == default:
-            pool = default
-        elif not _a_pool(pool):
-            pool = None  # the checks below say what is wrong
+        if pool is not default:  # written by newer torch, or absent
+            if pool is None or pool == default:
+                pool = default
+            elif not _a_pool(pool):
+                pool = None  # the checks below say what is wrong
         if (
             type(action) is str
             and action in actions

@@ -142,7 +142,8 @@ def replay(snapshot: Snapshot, device: int = 0) -> CardFigures:
             requested += event.size
             if requested > peak_requested:
                 peak_requested = requested
-            pools.to(event.pool)
+            if event.pool is not pools.current:
+                pools.to(event.pool)
             model.malloc(event.addr, event.size, event.stream)
             served.add(event.addr)
             if outside + model.allocated > peak_allocated:

@@ -90,7 +90,7 @@ def start_state(snapshot: Snapshot, device: int = 0) -> StartState:
     trace = snapshot.trace(device)
     plain: dict[int, StartSegment] = {}
     runs: dict[RunKey, list[Run]] = {}
-    live: dict[int, LiveBlock] = {}
+    live: dict[int, LiveBlock | Event] = {}  # an event freed it, where the walk back made it live
     for s in snapshot.segments:
         if s.device != device:
             continue
@@ -103,6 +103,7 @@ def start_state(snapshot: Snapshot, device: int = 0) -> StartState:
             if b.state.startswith("active"):
                 live[b.address] = LiveBlock(b.address, b.requested_size, s.stream, s.pool)
     conflicts = _walk_back(trace, plain, runs, live)
+    blocks = [b if isinstance(b, LiveBlock) else LiveBlock(b.addr, b.size, b.stream, b.pool) for b in live.values()]
     caveats = []
     if snapshot.overflowed:
         caveats.append("the ring buffer wrapped (trace_alloc_overflowed): its first events were dropped")
@@ -111,21 +112,21 @@ def start_state(snapshot: Snapshot, device: int = 0) -> StartState:
     if conflicts:
         caveats.append(f"{conflicts} events disagree with the final segments")
     max_split = snapshot.allocator_settings.max_split_size if snapshot.allocator_settings else None
-    oversize = sum(1 for b in live.values() if max_split is not None and b.requested >= max_split)
+    oversize = sum(1 for b in blocks if max_split is not None and b.requested >= max_split)
     if oversize:
         caveats.append(f"{oversize} live blocks of max_split_size or more: an unsplit remainder over 1 MiB is missed")
     segments = [*plain.values()]
     for (pool, small, stream), rs in runs.items():
         segments += [StartSegment(a, n, small, stream, True, pool) for a, n in rs]
     segments.sort(key=lambda s: s.address)
-    return StartState(tuple(segments), tuple(sorted(live.values(), key=lambda b: b.address)), tuple(caveats))
+    return StartState(tuple(segments), tuple(sorted(blocks, key=lambda b: b.address)), tuple(caveats))
 
 
 def _walk_back(
     trace: tuple[Event, ...],
     plain: dict[int, StartSegment],
     runs: dict[RunKey, list[Run]],
-    live: dict[int, LiveBlock],
+    live: dict[int, LiveBlock | Event],
 ) -> int:
     """Undo every event of `trace`, last first; the number of events that did not fit the state."""
     conflicts = 0
@@ -135,7 +136,7 @@ def _walk_back(
             conflicts += live.pop(e.addr, None) is None
         elif action == "free_completed":
             conflicts += e.addr in live
-            live[e.addr] = LiveBlock(e.addr, e.size, e.stream, e.pool)
+            live[e.addr] = e  # most are made not live again further back: a LiveBlock for those left only
         elif action == "segment_alloc":
             conflicts += plain.pop(e.addr, None) is None
         elif action == "segment_free":

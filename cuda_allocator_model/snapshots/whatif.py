@@ -139,7 +139,8 @@ class _Run:
         for e in trace:
             action = e.action
             if action == "alloc":
-                pools.to(e.pool)
+                if e.pool is not pools.current:
+                    pools.to(e.pool)
                 try:
                     model.malloc(e.addr, e.size, e.stream)
                 except AllocatorOutOfMemory:
