@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from cuda_allocator_model import DEFAULT_POOL, ModelError
-from cuda_allocator_model.model import AllocatorOutOfMemory, CachingAllocatorModel
+from cuda_allocator_model.model import AllocatorOutOfMemory, AllocatorSettings, CachingAllocatorModel
 from cuda_allocator_model.snapshots.agreement import PoolAtEnd, agree
 from cuda_allocator_model.snapshots.read import snapshot_from_bytes
 from pytest_gpumem.cli import main
@@ -170,6 +170,24 @@ def test_a_no_split_pool_hands_its_blocks_out_whole() -> None:
     # and 1000 B a 2 MiB small segment whole
     assert (m.malloc(2, 4 * MiB), m.malloc(3, 1000)) == (12 * MiB, 2 * MiB)
     assert (m.allocated, m.requested, m.reserved, m.inactive_split) == (14 * MiB, 4 * MiB + 1000, 14 * MiB, 0)
+    m.check_consistency()
+
+
+def test_with_expandable_segments_each_pool_maps_pages_of_its_own_segment() -> None:
+    # 8 MiB in A maps one 20 MiB page of A's segment; the default pool's 8 MiB cannot use the 12 MiB left in
+    # it and maps a page of its own segment (mixed: 20 MiB in all)
+    m = CachingAllocatorModel(AllocatorSettings.parse("expandable_segments:True"))
+    m.create_pool(A)
+    m.allocate_to_pool(A)
+    m.malloc(1, 8 * MiB)
+    m.allocate_to_pool(None)
+    m.malloc(2, 8 * MiB)
+    assert m.reserved_by_pool() == {DEFAULT_POOL: 20 * MiB, A: 20 * MiB}
+    m.free(1)
+    m.release_pool(A)
+    m.release_pool(A)  # the use_mem_pool, then the MemPool itself: A is no longer in use
+    m.empty_cache()  # A's page is unmapped and its segment dropped; the default pool's page holds a block
+    assert m.reserved_by_pool() == {DEFAULT_POOL: 20 * MiB}
     m.check_consistency()
 
 
