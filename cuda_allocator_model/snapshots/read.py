@@ -4,9 +4,9 @@ into typed, frozen records, without running any code a file names.
 The unpickler refuses every global (no class, no function, no reducer: a snapshot is plain dicts, lists,
 tuples, strings, numbers and booleans), so a file can only describe memory, never act. Every format since
 torch 2.0 reads: the keys a version added (`time_us`, `allocator_settings`, `external_annotations`,
-`compile_context`, `user_metadata`, `device_free`) are optional. Anything else (not a pickle, a cut file, a
-Git LFS pointer, a pickle with a global, a dict without a snapshot's shape) raises `ModelError` with one
-line naming the file and what was found.
+`compile_context`, `user_metadata`, `device_free`, `segment_pool_id`, `pool_id`) are optional. Anything
+else (not a pickle, a cut file, a Git LFS pointer, a pickle with a global, a dict without a snapshot's
+shape) raises `ModelError` with one line naming the file and what was found.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class Event(NamedTuple):
     compile_context: str | None = None
     user_metadata: str | None = None
     device_free: int | None = None
-    pool: PoolId = DEFAULT_POOL  # pool_id (torch >= 2.8 writes it on every entry): the pool it acted in
+    pool: PoolId = DEFAULT_POOL  # pool_id (torch 2.13 writes one on every entry): the pool it acted in
 
 
 @dataclass(frozen=True, slots=True)
