@@ -268,6 +268,8 @@ def text(snapshot: Snapshot, replays: Sequence[DeviceReplay]) -> str:
     lines = [snapshot.path, f"format {snapshot.tier}, {len(replays)} device(s) traced, allocator settings {conf}"]
     for r in replays:
         lines += _agreement_lines(r.agreement)
+        if r.agreement.pools and snapshot.pools_inferred:
+            lines.append("  the trace has no pool_id: each entry is in the pool of the segment that held its address")
         lines.append(f"what if (the {len(r.agreement.start.live)} requests live at the start on an empty cache):")
         lines += _table(r.agreement, r.outcomes)
         ignored = sorted({key for o in r.outcomes for key in o.ignored})
@@ -327,6 +329,7 @@ def json_text(snapshot: Snapshot, replays: Sequence[DeviceReplay]) -> str:
         "snapshot": snapshot.path,
         "format": snapshot.tier,
         "alloc_conf": snapshot.alloc_conf,
+        "pools_inferred": snapshot.pools_inferred,
         "devices": [
             {
                 "device": r.device,

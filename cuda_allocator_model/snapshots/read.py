@@ -18,6 +18,7 @@ import mmap
 import os
 import pickle
 import stat
+from bisect import bisect_right, insort
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,6 +140,7 @@ class Snapshot:
     tier: str  # the format's generation, T0 (<= 2.1) to T6 (>= 2.10): see `format_tier`
     overflowed: bool | None = None  # trace_alloc_overflowed, where recorded: the ring buffer wrapped
     max_entries: int | None = None  # trace_alloc_max_entries, where recorded
+    pools_inferred: bool = False  # the trace has no pool_id: its entries' pools are their segments' (`_with_pools`)
 
     def trace(self, device: int = 0) -> tuple[Event, ...]:
         """The events of `device` (empty when it recorded none)."""
@@ -338,13 +340,56 @@ def _snapshot(loaded: _Loaded, name: str) -> Snapshot:
     budget.spend(len(traces_raw), "'device_traces'")
     _not_shared(traces_raw, "device_traces")
     traces = tuple(_trace(t, f"device_traces[{d}]", frames, budget) for d, t in enumerate(traces_raw))
+    inferred = any(s.pool != DEFAULT_POOL for s in segments) and not any("pool_id" in e for t in traces_raw for e in t)
+    if inferred:
+        traces = tuple(_with_pools(trace, segments, d) for d, trace in enumerate(traces))
     settings, conf = _settings(raw.get("allocator_settings"))
     marks = _records(raw.get("external_annotations", []), "'external_annotations'", budget)
     annotations = tuple(_annotation(a, i) for i, a in enumerate(marks))
     tier = format_tier(raw, traces)
     overflowed = _field(raw, "trace_alloc_overflowed", bool, "the snapshot", None)
     max_entries = _field(raw, "trace_alloc_max_entries", int, "the snapshot", None)
-    return Snapshot(_printable(name), segments, traces, settings, conf, annotations, tier, overflowed, max_entries)
+    return Snapshot(
+        _printable(name), segments, traces, settings, conf, annotations, tier, overflowed, max_entries, inferred
+    )
+
+
+_MADE: Final = frozenset({"segment_alloc", "segment_map"})
+_GIVEN_BACK: Final = frozenset({"segment_free", "segment_unmap"})
+Held = tuple[int, int, PoolId]  # a segment (or mapped run) held then: start, end, pool
+
+
+def _with_pools(trace: tuple[Event, ...], segments: tuple[SnapshotSegment, ...], device: int) -> tuple[Event, ...]:
+    """The trace of a torch that wrote no `pool_id`, each entry in the pool of the segment holding its address
+    then: walked back from the final segments, a `segment_alloc`/`segment_map` takes its memory out and a
+    `segment_free`/`segment_unmap` puts it back, in the default pool (the trace does not say whose it was)
+    unless it adjoins mapped memory of an expandable segment of a private pool."""
+    held: list[Held] = sorted((s.address, s.address + s.total_size, s.pool) for s in segments if s.device == device)
+    out = list(trace)
+    for i in range(len(out) - 1, -1, -1):
+        e = out[i]
+        j = bisect_right(held, (e.addr, 1 << 64)) - 1
+        inside = j >= 0 and e.addr < held[j][1]
+        pool = held[j][2] if inside else DEFAULT_POOL
+        if e.action in _MADE and inside:
+            start, end, _ = held.pop(j)
+            for piece in ((start, e.addr, pool), (e.addr + e.size, end, pool)):
+                if piece[0] < piece[1]:
+                    insort(held, piece)
+        elif e.action in _GIVEN_BACK:
+            pool = _adjoining(held, e) if e.action == "segment_unmap" else DEFAULT_POOL
+            insort(held, (e.addr, e.addr + e.size, pool))
+        if pool != DEFAULT_POOL:
+            out[i] = e._replace(pool=pool)
+    return tuple(out)
+
+
+def _adjoining(held: list[Held], e: Event) -> PoolId:
+    """The pool of the mapped memory right before or after `e`'s pages, else the default pool."""
+    for start, end, pool in held:
+        if end == e.addr or start == e.addr + e.size:
+            return pool
+    return DEFAULT_POOL
 
 
 def _not_shared(lists: list[Any], where: str) -> None:

@@ -284,6 +284,24 @@ def test_a_trace_entrys_pool_id_is_read_and_a_bad_one_refused_in_one_line() -> N
     )
 
 
+def without_pool_ids(raw: dict[str, Any]) -> dict[str, Any]:
+    """The snapshot as a torch that wrote `segment_pool_id` but no `pool_id` per entry would have."""
+    traces = [[{k: v for k, v in e.items() if k != "pool_id"} for e in trace] for trace in raw["device_traces"]]
+    return {**raw, "device_traces": traces}
+
+
+def test_a_trace_without_pool_ids_takes_each_entrys_pool_from_the_segment_holding_it_then() -> None:
+    # LARGE is first the default pool's (used, freed, given back by empty_cache), then a segment of B's at the
+    # same address, which the final segments hold: walked back, the first five entries are the default pool's
+    d = DEFAULT_POOL
+    trace = [*used_and_freed(LARGE, d), emptied(LARGE, d), *used_and_freed(LARGE, B)]
+    raw = without_pool_ids({"segments": [cached(LARGE, B)], "device_traces": [trace]})
+    snap = snapshot_from_bytes(pickle.dumps(raw))
+    assert snap.pools_inferred and [e.pool for e in snap.trace()] == [d, d, d, d, d, B, B, B, B]
+    a = agree(snapshot_from_bytes(pickle.dumps(without_pool_ids(graph_and_default()))))
+    assert (a.decisions_matched, a.placements_matched, a.pools) == (2, 2, (PoolAtEnd(B, 12 * MiB, 12 * MiB),))
+
+
 def test_replay_says_each_pools_reserved_bytes_at_the_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path, report = tmp_path / "card.pickle", tmp_path / "pools.json"
     path.write_bytes(pickle.dumps(graph_and_default()))
