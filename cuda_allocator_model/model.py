@@ -282,9 +282,10 @@ class CachingAllocatorModel(NewMemory):
         self._large = self._default_large if private is None else private.large
 
     def delete_pool(self, pool: PoolId) -> None:
-        """The MemPool of id `pool` deleted (`~MemPool`: `releasePool`, then `emptyCache(pool)`): one user
-        fewer and, with none left, its cached segments released."""
+        """The MemPool of id `pool` deleted (`~MemPool`: `setUseOnOOM(false)`, `releasePool`, then
+        `emptyCache(pool)`): lent no more, one user fewer and, with none left, its cached segments released."""
         self.release_pool(pool)
+        self._pools[pool].use_on_oom = False
         self._release_cached_blocks(pool)
 
     def release_pool(self, pool: PoolId) -> None:
@@ -297,6 +298,8 @@ class CachingAllocatorModel(NewMemory):
 
     def _incref(self, pool: PoolId) -> PrivatePool:
         """create_or_incref_pool: the private pool `pool`, made in use once, or in use once more."""
+        if not (isinstance(pool, tuple) and len(pool) == 2 and all(type(part) is int for part in pool)):
+            raise ModelError(f"a pool's id is a pair of whole numbers such as (0, 1), not {pool!r:.40}")
         if pool == DEFAULT_POOL:
             raise ModelError(f"{DEFAULT_POOL!r} is the default pool, not a private one")
         private = self._pools.get(pool)

@@ -197,6 +197,7 @@ def test_with_expandable_segments_each_pool_maps_pages_of_its_own_segment() -> N
         (lambda m: m.allocate_to_pool(None), "allocate_to_pool(None): no allocation to a private pool is underway"),
         (lambda m: m.release_pool(A), "release_pool((0, 1)): no private pool of that id is in use"),
         (lambda m: m.create_pool(DEFAULT_POOL), "(0, 0) is the default pool, not a private one"),
+        (lambda m: m.allocate_to_pool("kv"), "a pool's id is a pair of whole numbers such as (0, 1), not 'kv'"),
     ],
 )
 def test_a_pool_call_torch_would_refuse_is_one_line(call: Any, message: str) -> None:
