@@ -18,7 +18,7 @@ import mmap
 import os
 import pickle
 import stat
-from bisect import bisect_right, insort
+from bisect import bisect_right
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -354,42 +354,27 @@ def _snapshot(loaded: _Loaded, name: str) -> Snapshot:
     )
 
 
-_MADE: Final = frozenset({"segment_alloc", "segment_map"})
-_GIVEN_BACK: Final = frozenset({"segment_free", "segment_unmap"})
-Held = tuple[int, int, PoolId]  # a segment (or mapped run) held then: start, end, pool
-
-
 def _with_pools(trace: tuple[Event, ...], segments: tuple[SnapshotSegment, ...], device: int) -> tuple[Event, ...]:
-    """The trace of a torch that wrote no `pool_id`, each entry in the pool of the segment holding its address
-    then: walked back from the final segments, a `segment_alloc`/`segment_map` takes its memory out and a
-    `segment_free`/`segment_unmap` puts it back, in the default pool (the trace does not say whose it was)
-    unless it adjoins mapped memory of an expandable segment of a private pool."""
-    held: list[Held] = sorted((s.address, s.address + s.total_size, s.pool) for s in segments if s.device == device)
+    """The trace of a torch that wrote no `pool_id`, each entry in the pool of the final segment holding its
+    address, from the segment's last `segment_alloc` on (before it, that memory was another segment's,
+    given back, whose pool the trace does not say: the default pool's). An expandable segment's address
+    space is its pool's throughout; its pages unmapped by the end are read as the default pool's."""
+    private = sorted((s.address, s.address + s.total_size, s.pool, s.is_expandable) for s in segments
+                     if s.device == device and s.pool != DEFAULT_POOL)  # fmt: skip
+    starts = [p[0] for p in private]
+    born = {start: 0 for start, _, _, expandable in private if not expandable}
+    for i, e in enumerate(trace):
+        if e.action == "segment_alloc" and e.addr in born:
+            born[e.addr] = i
     out = list(trace)
-    for i in range(len(out) - 1, -1, -1):
-        e = out[i]
-        j = bisect_right(held, (e.addr, 1 << 64)) - 1
-        inside = j >= 0 and e.addr < held[j][1]
-        pool = held[j][2] if inside else DEFAULT_POOL
-        if e.action in _MADE and inside:
-            start, end, _ = held.pop(j)
-            for piece in ((start, e.addr, pool), (e.addr + e.size, end, pool)):
-                if piece[0] < piece[1]:
-                    insort(held, piece)
-        elif e.action in _GIVEN_BACK:
-            pool = _adjoining(held, e) if e.action == "segment_unmap" else DEFAULT_POOL
-            insort(held, (e.addr, e.addr + e.size, pool))
-        if pool != DEFAULT_POOL:
+    for i, e in enumerate(trace):
+        j = bisect_right(starts, e.addr) - 1
+        if j < 0:
+            continue
+        start, end, pool, expandable = private[j]
+        if e.addr < end and (expandable or i >= born[start]):
             out[i] = e._replace(pool=pool)
     return tuple(out)
-
-
-def _adjoining(held: list[Held], e: Event) -> PoolId:
-    """The pool of the mapped memory right before or after `e`'s pages, else the default pool."""
-    for start, end, pool in held:
-        if end == e.addr or start == e.addr + e.size:
-            return pool
-    return DEFAULT_POOL
 
 
 def _not_shared(lists: list[Any], where: str) -> None:
