@@ -57,12 +57,13 @@ class Pool:
     """The small or the large pool (`BlockPool`) of the default pool or of a private one: its cached free
     blocks and (expandable segments) unmapped ranges, one sorted list per stream."""
 
-    __slots__ = ("blocks", "free", "no_split", "owner", "small", "unmapped", "unmapped_blocks")
+    __slots__ = ("blocks", "free", "no_split", "owner", "segments", "small", "unmapped", "unmapped_blocks")
 
     def __init__(self, small: bool, owner: PrivatePool | None = None) -> None:
         self.small = small
         self.owner = owner  # None: the default pool
         self.no_split = owner is not None and owner.no_split  # a block of it is handed out whole
+        self.segments = 0  # how many segments it holds
         self.free: dict[int, list[int]] = {}  # stream -> sorted keys of its mapped free blocks
         self.blocks: dict[int, Block] = {}  # key -> free block
         self.unmapped: dict[int, list[int]] = {}  # stream -> sorted addresses of its unmapped blocks
@@ -149,8 +150,10 @@ class AllocatorState:
         "_default_small",
         "_divided",
         "_expandable",
+        "_freeable",
         "_large",
         "_large_segment",
+        "_lenders",
         "_live",
         "_max_split",
         "_next_address",
@@ -190,6 +193,8 @@ class AllocatorState:
         self._default_small = self._small = Pool(small=True)  # _small, _large: where requests go now
         self._default_large = self._large = Pool(small=False)
         self._pools: dict[PoolId, PrivatePool] = {}  # graph_pools
+        self._freeable: dict[PoolId, PrivatePool] = {}  # graph_pools_freeable: those no longer in use
+        self._lenders: list[PrivatePool] = []  # use_on_oom_pools, in the order made
         self._routes: list[PrivatePool] = []  # captures_underway: the last one takes the requests
         self._live: dict[int, Block] = {}
         self._segments: dict[int, Segment] = {}  # by base address
@@ -214,7 +219,7 @@ class AllocatorState:
         block = Block(base, vsize, seg)
         block.mapped = not expandable
         seg.head = block
-        self._segments[base] = seg
+        self._add_segment(seg)
         pool.stream_list(stream)  # the stream's free list exists from its first segment on
         return block
 
@@ -249,11 +254,19 @@ class AllocatorState:
                 previous.next = block
             previous = block
             self._restore_piece(pool, block, piece, len(segment.pieces) > 1)
-        self._segments[segment.base] = seg
+        self._add_segment(seg)
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         self.peak_allocated = max(self.peak_allocated, self.allocated)
         self.peak_requested = max(self.peak_requested, self.requested)
         self.peak_inactive_split = max(self.peak_inactive_split, self.inactive_split)
+
+    def _add_segment(self, seg: Segment) -> None:
+        self._segments[seg.base] = seg
+        seg.pool.segments += 1
+
+    def _drop_segment(self, seg: Segment) -> None:
+        del self._segments[seg.base]
+        seg.pool.segments -= 1
 
     def _pool_of(self, pool_id: PoolId, small: bool) -> Pool:
         """The small or large pool of `pool_id` (a private pool not seen before is made, in use once)."""
@@ -295,7 +308,7 @@ class AllocatorState:
         if seg is None or block is None or seg.expandable or block.allocated or block.next is not None:
             return False
         seg.pool.remove(block)
-        del self._segments[address]
+        self._drop_segment(seg)
         self.reserved -= block.size
         return True
 
@@ -383,6 +396,12 @@ class AllocatorState:
             assert all(stream == sorted(stream) for stream in pool.free.values())
             assert set(keys) == free_keys.get(id(pool), set()) == set(pool.blocks)
             assert all(block.seg.pool is pool for block in pool.blocks.values())
+            assert pool.segments == sum(seg.pool is pool for seg in self._segments.values())
+        assert self._freeable == {p.id: p for p in self._pools.values() if p.use_count == 0}
+        lenders = [id(p) for p in self._lenders]
+        assert len(set(lenders)) == len(lenders) and set(lenders) == {
+            id(p) for p in self._pools.values() if p.use_on_oom
+        }
         assert allocated == self.allocated == sum(block.size for block in self._live.values())
         assert reserved == self.reserved and inactive == self.inactive_split
         assert self.requested == sum(block.requested for block in self._live.values())

@@ -264,7 +264,9 @@ class CachingAllocatorModel(NewMemory):
         """`torch.cuda.MemPool(use_on_oom=..., no_split=...)` whose id is `pool` (`createOrIncrefPool`,
         `setUseOnOOM`, `setNoSplit`): a private pool in use once; a pool that exists is in use once more."""
         private = self._incref(pool)
-        private.use_on_oom = private.use_on_oom or use_on_oom
+        if use_on_oom and not private.use_on_oom:
+            private.use_on_oom = True
+            self._lenders.append(private)
         if no_split:
             private.no_split = private.small.no_split = private.large.no_split = True
 
@@ -285,7 +287,10 @@ class CachingAllocatorModel(NewMemory):
         """The MemPool of id `pool` deleted (`~MemPool`: `setUseOnOOM(false)`, `releasePool`, then
         `emptyCache(pool)`): lent no more, one user fewer and, with none left, its cached segments released."""
         self.release_pool(pool)
-        self._pools[pool].use_on_oom = False
+        private = self._pools[pool]
+        if private.use_on_oom:
+            private.use_on_oom = False
+            self._lenders.remove(private)
         self._release_cached_blocks(pool)
 
     def release_pool(self, pool: PoolId) -> None:
@@ -295,6 +300,8 @@ class CachingAllocatorModel(NewMemory):
         if private is None or private.use_count == 0:
             raise ModelError(f"release_pool({pool!r}): no private pool of that id is in use")
         private.use_count -= 1
+        if private.use_count == 0:
+            self._freeable[pool] = private
 
     def _incref(self, pool: PoolId) -> PrivatePool:
         """create_or_incref_pool: the private pool `pool`, made in use once, or in use once more."""
@@ -307,6 +314,7 @@ class CachingAllocatorModel(NewMemory):
             private = self._pools[pool] = PrivatePool(pool)
         else:
             private.use_count += 1
+            self._freeable.pop(pool, None)
         return private
 
     def reserved_by_pool(self) -> dict[PoolId, int]:

@@ -92,7 +92,7 @@ class NewMemory(ExpandableSegments):
         """alloc_block, then the retries of malloc, then the out-of-memory error."""
         segment = self.allocation_size(size)
         block = self._alloc_block(pool, size, segment, stream)
-        if block is None and pool.owner is None and self._pools:
+        if block is None and pool.owner is None and self._lenders:
             block = self._from_pools_used_on_oom(pool.small, size, stream)
         if block is None and self._release_available_cached_blocks(pool, size, stream):
             block = self._alloc_block(pool, size, segment, stream)
@@ -140,9 +140,7 @@ class NewMemory(ExpandableSegments):
     def _from_pools_used_on_oom(self, small: bool, size: int, stream: int) -> Block | None:
         """try_mempool_fallback: the best cached block (get_free_block, expandable segments not searched) of
         the first MemPool made with use_on_oom that has one, taken out of its free list; else None."""
-        for private in self._pools.values():
-            if not private.use_on_oom:
-                continue
+        for private in self._lenders:
             pool = private.small if small else private.large
             free = pool.free.get(stream)
             if not free:
@@ -165,7 +163,7 @@ class NewMemory(ExpandableSegments):
         """cudaFree of a whole cached segment (release_block)."""
         assert block.prev is None and block.next is None, "only a whole cached segment is released"
         pool.remove(block)
-        del self._segments[block.seg.base]
+        self._drop_segment(block.seg)
         self.reserved -= block.size
 
     def _release_available_cached_blocks(self, pool: Pool, size: int, stream: int) -> bool:
@@ -201,11 +199,13 @@ class NewMemory(ExpandableSegments):
         if pool_id == DEFAULT_POOL and not self._routes:
             self._release_blocks(self._default_large)
             self._release_blocks(self._default_small)
-        for private in [p for p in self._pools.values() if p.use_count == 0 and pool_id in (DEFAULT_POOL, p.id)]:
+        for private in [p for p in self._freeable.values() if pool_id in (DEFAULT_POOL, p.id)]:
             self._release_blocks(private.small)
             self._release_blocks(private.large)
-            if not any(seg.pool.owner is private for seg in self._segments.values()):
-                del self._pools[private.id]
+            if not private.small.segments and not private.large.segments:  # forgotten, as torch erases it
+                del self._pools[private.id], self._freeable[private.id]
+                if private.use_on_oom:
+                    self._lenders.remove(private)
 
     def _release_blocks(self, pool: Pool) -> None:
         """release_blocks: every unsplit cached block of `pool` to the driver; free expandable pages unmapped."""
@@ -220,7 +220,7 @@ class NewMemory(ExpandableSegments):
                     kept.append(key)
                 elif block.prev is None and block.next is None:
                     del blocks[key]
-                    del self._segments[block.seg.base]
+                    self._drop_segment(block.seg)
                     self.reserved -= block.size
                 else:
                     kept.append(key)
@@ -229,4 +229,4 @@ class NewMemory(ExpandableSegments):
             self._unmap_block(pool, block)
             if block.prev is None and block.next is None and not block.mapped:
                 pool.remove_unmapped(block)
-                del self._segments[block.seg.base]  # release_expandable_segment
+                self._drop_segment(block.seg)  # release_expandable_segment

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cuda_allocator_model import DEFAULT_POOL, ModelError
 from cuda_allocator_model.model import AllocatorOutOfMemory, AllocatorSettings, CachingAllocatorModel
@@ -204,6 +206,57 @@ def test_a_pool_call_torch_would_refuse_is_one_line(call: Any, message: str) -> 
     with pytest.raises(ModelError) as error:
         call(CachingAllocatorModel())
     assert str(error.value) == message
+
+
+POOL_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("malloc"), st.integers(1, 48 * MiB)),
+        st.tuples(st.just("free"), st.integers(0, 63)),
+        st.tuples(st.sampled_from(["enter", "leave", "release", "delete", "empty"]), st.integers(0, 1)),
+    ),
+    max_size=120,
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(["", "expandable_segments:True", "max_split_size_mb:32"]), st.booleans(), POOL_OPS)
+def test_random_sequences_over_two_pools_keep_the_invariants(
+    conf: str, tight: bool, ops: list[tuple[str, int]]
+) -> None:
+    # MemPool A (lent on out-of-memory) and a graph's pool B, entered and left, released, deleted, emptied
+    # in any order torch allows; every block in a pool's lists is that pool's, each pool's reserved bytes
+    # add up to the device's
+    m = CachingAllocatorModel(AllocatorSettings.parse(conf or None), 96 * MiB if tight else None)
+    m.create_pool(A, use_on_oom=True)
+    users = {A: 1, B: 0}
+    routed: list[tuple[int, int]] = []
+    live: list[int] = []
+    for key, (op, value) in enumerate(ops):
+        pool = (A, B)[value % 2]
+        if op == "malloc":
+            try:
+                m.malloc(key, value)
+                live.append(key)
+            except AllocatorOutOfMemory:
+                pass
+        elif op == "free" and live:
+            m.free(live.pop(value % len(live)))
+        elif op == "enter":
+            m.allocate_to_pool(pool)
+            routed.append(pool)
+            users[pool] += 1
+        elif op == "leave" and routed:
+            m.allocate_to_pool(None)
+            if routed.pop() == A:  # use_mem_pool's exit releases; a capture's end does not
+                m.release_pool(A)
+                users[A] -= 1
+        elif op in ("release", "delete") and users[pool] > len([p for p in routed if p == pool]):
+            (m.delete_pool if op == "delete" and pool == A else m.release_pool)(pool)
+            users[pool] -= 1
+        elif op == "empty":
+            m.empty_cache()
+        m.check_consistency()
+        assert sum(m.reserved_by_pool().values()) == m.reserved
 
 
 # ------------------------------------------------------------------------------------ a replayed trace
