@@ -28,11 +28,13 @@ if TYPE_CHECKING:
     from cuda_allocator_model.errors import exception_text as exception_text
     from cuda_allocator_model.model import CachingAllocatorModel as CachingAllocatorModel
     from cuda_allocator_model.oom import AllocatorOutOfMemory as AllocatorOutOfMemory
+    from cuda_allocator_model.settings import DEFAULT_POOL as DEFAULT_POOL
     from cuda_allocator_model.settings import INTERVALS as INTERVALS
     from cuda_allocator_model.settings import MIN_BLOCK as MIN_BLOCK
     from cuda_allocator_model.settings import SMALL_BUFFER as SMALL_BUFFER
     from cuda_allocator_model.settings import UNLIMITED as UNLIMITED
     from cuda_allocator_model.settings import AllocatorSettings as AllocatorSettings
+    from cuda_allocator_model.settings import PoolId as PoolId
     from cuda_allocator_model.sizes import MAX_BYTES as MAX_BYTES
     from cuda_allocator_model.sizes import MAX_TEXT as MAX_TEXT
     from cuda_allocator_model.sizes import format_size as format_size
@@ -52,6 +54,7 @@ _HOMES = {
     "CUBLAS_WORKSPACE_DEFAULT": "cuda_allocator_model.cards",
     "CachingAllocatorModel": "cuda_allocator_model.model",
     "Capacity": "cuda_allocator_model.cards",
+    "DEFAULT_POOL": "cuda_allocator_model.settings",
     "Card": "cuda_allocator_model.cards",
     "INTERVALS": "cuda_allocator_model.settings",
     "MAX_BYTES": "cuda_allocator_model.sizes",
@@ -59,6 +62,7 @@ _HOMES = {
     "MIN_BLOCK": "cuda_allocator_model.settings",
     "ModelError": "cuda_allocator_model.errors",
     "PlotArea": "cuda_allocator_model.chart",
+    "PoolId": "cuda_allocator_model.settings",
     "exception_text": "cuda_allocator_model.errors",
     "SMALL_BUFFER": "cuda_allocator_model.settings",
     "Segment": "cuda_allocator_model.blocks",
@@ -81,6 +85,7 @@ _HOMES = {
 __all__ = [
     "CARDS",
     "CUBLAS_WORKSPACE_DEFAULT",
+    "DEFAULT_POOL",
     "INTERVALS",
     "MAX_BYTES",
     "MAX_TEXT",
@@ -96,6 +101,7 @@ __all__ = [
     "Card",
     "ModelError",
     "PlotArea",
+    "PoolId",
     "Segment",
     "ServedByModel",
     "byte_range",

@@ -1,4 +1,9 @@
-"""The allocator model's data: segments, blocks, the pools' free lists and counters; splits, merges, invariants."""
+"""The allocator model's data: segments, blocks, the pools' free lists and counters; splits, merges, invariants.
+
+Pools (`get_pool`, `PrivatePool`): the default pool is a small and a large `Pool`; each private pool (a
+`MemPool`, a CUDA graph's) has a small and a large `Pool` of its own. A segment belongs to one `Pool`, its
+blocks serve only that pool's requests, and its free blocks are in only that pool's lists.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ from bisect import bisect_left, insort
 from dataclasses import dataclass
 from typing import Final
 
-from cuda_allocator_model.settings import UNLIMITED, AllocatorSettings
+from cuda_allocator_model.settings import DEFAULT_POOL, UNLIMITED, AllocatorSettings, PoolId
 
 # A pool keeps one sorted list of free blocks per stream; a block's place in it is one int, (size,
 # address) in that order of significance (ints compare far faster than tuples): with the stream first,
@@ -18,12 +23,13 @@ SPARE_BLOCKS: Final = 256  # block objects kept for reuse: splits and merges com
 class Segment:
     """One cudaMalloc, or one expandable segment's address space."""
 
-    __slots__ = ("base", "expandable", "head", "page", "small", "stream", "vsize")
+    __slots__ = ("base", "expandable", "head", "page", "pool", "small", "stream", "vsize")
 
-    def __init__(self, base: int, vsize: int, small: bool, stream: int, expandable: bool, page: int) -> None:
+    def __init__(self, base: int, vsize: int, pool: Pool, stream: int, expandable: bool, page: int) -> None:
         self.base = base
         self.vsize = vsize
-        self.small = small
+        self.pool = pool  # the pool whose requests its blocks serve
+        self.small = pool.small
         self.stream = stream
         self.expandable = expandable
         self.page = page
@@ -48,13 +54,16 @@ class Block:
 
 
 class Pool:
-    """The small or the large pool: its cached free blocks and (expandable segments) unmapped ranges,
-    one sorted list per stream."""
+    """The small or the large pool (`BlockPool`) of the default pool or of a private one: its cached free
+    blocks and (expandable segments) unmapped ranges, one sorted list per stream."""
 
-    __slots__ = ("blocks", "free", "small", "unmapped", "unmapped_blocks")
+    __slots__ = ("blocks", "free", "no_split", "owner", "segments", "small", "unmapped", "unmapped_blocks")
 
-    def __init__(self, small: bool) -> None:
+    def __init__(self, small: bool, owner: PrivatePool | None = None) -> None:
         self.small = small
+        self.owner = owner  # None: the default pool
+        self.no_split = owner is not None and owner.no_split  # a block of it is handed out whole
+        self.segments = 0  # how many segments it holds
         self.free: dict[int, list[int]] = {}  # stream -> sorted keys of its mapped free blocks
         self.blocks: dict[int, Block] = {}  # key -> free block
         self.unmapped: dict[int, list[int]] = {}  # stream -> sorted addresses of its unmapped blocks
@@ -90,6 +99,23 @@ class Pool:
         del self.unmapped_blocks[block.addr]
 
 
+class PrivatePool:
+    """A `MemPool`'s or a CUDA graph's pool (`PrivatePool`): its own small and large pools; `use_count`
+    users (the MemPool object, each graph, each `use_mem_pool` underway); at 0 `empty_cache` may release its
+    cached segments. `use_on_oom`: its cached blocks serve a default-pool request that found no memory;
+    `no_split`: a block of it is never split."""
+
+    __slots__ = ("id", "large", "no_split", "small", "use_count", "use_on_oom")
+
+    def __init__(self, pool_id: PoolId, use_on_oom: bool = False, no_split: bool = False) -> None:
+        self.id = pool_id
+        self.use_count = 1
+        self.use_on_oom = use_on_oom
+        self.no_split = no_split
+        self.small = Pool(small=True, owner=self)
+        self.large = Pool(small=False, owner=self)
+
+
 @dataclass(frozen=True, slots=True)
 class RestoredPiece:
     """A block of a restored segment: live (`key` set), cached free, or unmapped address space."""
@@ -112,6 +138,7 @@ class RestoredSegment:
     expandable: bool
     page: int
     pieces: tuple[RestoredPiece, ...]
+    pool: PoolId = DEFAULT_POOL
 
 
 class AllocatorState:
@@ -119,15 +146,21 @@ class AllocatorState:
     and torch's counters (plain attributes, to be read, not written)."""
 
     __slots__ = (
+        "_default_large",
+        "_default_small",
         "_divided",
         "_expandable",
+        "_freeable",
         "_large",
         "_large_segment",
+        "_lenders",
         "_live",
         "_max_split",
         "_next_address",
         "_oversize",
+        "_pools",
         "_rounding",
+        "_routes",
         "_segments",
         "_small",
         "_spare",
@@ -157,8 +190,12 @@ class AllocatorState:
         self._large_segment = s.large_segment_size
         self._expandable = s.expandable_segments
         self._divided = bool(s.roundup_power2_divisions)
-        self._small = Pool(small=True)
-        self._large = Pool(small=False)
+        self._default_small = self._small = Pool(small=True)  # _small, _large: where requests go now
+        self._default_large = self._large = Pool(small=False)
+        self._pools: dict[PoolId, PrivatePool] = {}  # graph_pools
+        self._freeable: dict[PoolId, PrivatePool] = {}  # graph_pools_freeable: those no longer in use
+        self._lenders: list[PrivatePool] = []  # use_on_oom_pools, in the order made
+        self._routes: list[PrivatePool] = []  # captures_underway: the last one takes the requests
         self._live: dict[int, Block] = {}
         self._segments: dict[int, Segment] = {}  # by base address
         self._spare: list[Block] = []
@@ -178,11 +215,11 @@ class AllocatorState:
         """A segment of `vsize` bytes at the next addresses, as one block (mapped unless expandable)."""
         base = self._next_address
         self._next_address += vsize
-        seg = Segment(base, vsize, pool.small, stream, expandable, page)
+        seg = Segment(base, vsize, pool, stream, expandable, page)
         block = Block(base, vsize, seg)
         block.mapped = not expandable
         seg.head = block
-        self._segments[base] = seg
+        self._add_segment(seg)
         pool.stream_list(stream)  # the stream's free list exists from its first segment on
         return block
 
@@ -204,8 +241,8 @@ class AllocatorState:
 
     def restore_segment(self, segment: RestoredSegment) -> None:
         """Add a segment as a card held it (a trace's start): its pieces tile it, in address order."""
-        seg = Segment(segment.base, segment.vsize, segment.small, segment.stream, segment.expandable, segment.page)
-        pool = self._small if segment.small else self._large
+        pool = self._pool_of(segment.pool, segment.small)
+        seg = Segment(segment.base, segment.vsize, pool, segment.stream, segment.expandable, segment.page)
         pool.stream_list(segment.stream)
         previous: Block | None = None
         for piece in segment.pieces:
@@ -217,11 +254,34 @@ class AllocatorState:
                 previous.next = block
             previous = block
             self._restore_piece(pool, block, piece, len(segment.pieces) > 1)
-        self._segments[segment.base] = seg
+        self._add_segment(seg)
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         self.peak_allocated = max(self.peak_allocated, self.allocated)
         self.peak_requested = max(self.peak_requested, self.requested)
         self.peak_inactive_split = max(self.peak_inactive_split, self.inactive_split)
+
+    def _add_segment(self, seg: Segment) -> None:
+        self._segments[seg.base] = seg
+        seg.pool.segments += 1
+
+    def _drop_segment(self, seg: Segment) -> None:
+        del self._segments[seg.base]
+        seg.pool.segments -= 1
+
+    def _pool_of(self, pool_id: PoolId, small: bool) -> Pool:
+        """The small or large pool of `pool_id` (a private pool not seen before is made, in use once)."""
+        if pool_id == DEFAULT_POOL:
+            return self._default_small if small else self._default_large
+        private = self._pools.get(pool_id)
+        if private is None:
+            private = self._pools[pool_id] = PrivatePool(pool_id)
+        return private.small if small else private.large
+
+    def _all_pools(self) -> list[Pool]:
+        pools = [self._default_small, self._default_large]
+        for private in self._pools.values():
+            pools += (private.small, private.large)
+        return pools
 
     def _restore_piece(self, pool: Pool, block: Block, piece: RestoredPiece, split: bool) -> None:
         if piece.key is not None:
@@ -247,9 +307,8 @@ class AllocatorState:
         block = None if seg is None else seg.head
         if seg is None or block is None or seg.expandable or block.allocated or block.next is not None:
             return False
-        pool = self._small if seg.small else self._large
-        pool.remove(block)
-        del self._segments[address]
+        seg.pool.remove(block)
+        self._drop_segment(seg)
         self.reserved -= block.size
         return True
 
@@ -312,7 +371,7 @@ class AllocatorState:
         """Assert the model's own invariants (for tests): blocks tile each segment, no two free mapped
         neighbours, the free lists hold exactly the free mapped blocks, the counters are the sums they name."""
         allocated = reserved = inactive = 0
-        free_keys: dict[bool, set[int]] = {}
+        free_keys: dict[int, set[int]] = {}
         for seg in self._segments.values():
             block = seg.head
             assert block is not None and block.prev is None and block.addr == seg.base
@@ -325,17 +384,24 @@ class AllocatorState:
                     if block.allocated:
                         allocated += block.size
                     else:
-                        free_keys.setdefault(seg.small, set()).add(block.key)
+                        free_keys.setdefault(id(seg.pool), set()).add(block.key)
                         inactive += self._checked_free_block(block)
                 else:
                     assert not block.allocated and (block.addr - seg.base) % seg.page == 0
                 assert block.next is None or block.next.prev is block
                 block = block.next
             assert end == seg.base + seg.vsize
-        for pool in (self._small, self._large):
+        for pool in self._all_pools():
             keys = [key for stream in pool.free.values() for key in stream]
             assert all(stream == sorted(stream) for stream in pool.free.values())
-            assert set(keys) == free_keys.get(pool.small, set()) == set(pool.blocks)
+            assert set(keys) == free_keys.get(id(pool), set()) == set(pool.blocks)
+            assert all(block.seg.pool is pool for block in pool.blocks.values())
+            assert pool.segments == sum(seg.pool is pool for seg in self._segments.values())
+        assert self._freeable == {p.id: p for p in self._pools.values() if p.use_count == 0}
+        lenders = [id(p) for p in self._lenders]
+        assert len(set(lenders)) == len(lenders) and set(lenders) == {
+            id(p) for p in self._pools.values() if p.use_on_oom
+        }
         assert allocated == self.allocated == sum(block.size for block in self._live.values())
         assert reserved == self.reserved and inactive == self.inactive_split
         assert self.requested == sum(block.requested for block in self._live.values())

@@ -23,7 +23,14 @@ The rules, each with the function it follows:
   sizes under 1 MiB use the first) are above 1 and the size above `512 * d`: then it rounds up to the
   next of `d` equal steps between two powers of two (a power of two stays).
 * Pools (`get_pool`): a rounded size of at most 1 MiB uses the small pool, else the large one; each pool
-  keeps its own free blocks and segments.
+  keeps its own free blocks and segments. A private pool (`MemPool`, a CUDA graph's: `PrivatePool`) has a
+  small and a large pool of its own; requests go to the one whose allocation was begun last
+  (`beginAllocateToPool`, `use_mem_pool`, graph capture) until it ends (`endAllocateToPool`), else to the
+  default pool. A pool's blocks serve only its requests and a block is freed into its own pool.
+* `MemPool(use_on_oom=True)` (`try_mempool_fallback`): a default-pool request that found no cached block
+  and no new memory takes the best cached block of the first such pool that has one (pools in the order
+  made; torch's set has no order), before any cached memory is released; only blocks outside expandable
+  segments. `MemPool(no_split=True)` (`should_split`): a block of the pool is handed out whole.
 * New segment size (`get_allocation_size`): 2 MiB in the small pool; `large_segment_size` (20 MiB,
   `large_segment_size_mb`) below 10 MiB; else the size rounded up to 2 MiB.
 * Best fit (`get_free_block`): free blocks ordered by (stream, size, address); the first at least the
@@ -43,10 +50,10 @@ The rules, each with the function it follows:
 * New memory and the out-of-memory path (`malloc`, `alloc_block`, `release_available_cached_blocks`,
   `release_cached_blocks`): when no block fits, a new segment (or new pages) is asked for; it fails when
   it would take reserved memory past `capacity`. Then, only when `max_split_size` is set, the allocator
-  frees the smallest cached unsplit block of at least max(request, max_split_size) on the stream, or
-  else its largest oversize blocks until that much is freed, and asks again; then it frees every cached
-  unsplit block of both pools (and unmaps free pages of expandable segments) and asks a last time; then
-  it raises. `fraction_limit` models `torch.cuda.set_per_process_memory_fraction`: the request fails
+  frees the smallest cached unsplit block of at least max(request, max_split_size) on the stream in the
+  request's pool, or else its largest oversize blocks until that much is freed, and asks again; then,
+  unless an allocation to a private pool is underway, it does what `empty_cache()` does and asks a last
+  time; then it raises. `fraction_limit` models `torch.cuda.set_per_process_memory_fraction`: the request fails
   without asking when reserved + the new segment size would pass it (for expandable segments torch
   compares the segment size, not the pages it would map).
 * Expandable segments (`find_expandable_block`, `try_allocate_expandable_block`, `map_block`,
@@ -55,12 +62,17 @@ The rules, each with the function it follows:
   unmapped space, mapping just the pages it lacks; freeing unmaps nothing; `empty_cache()` and the
   out-of-memory retry unmap every whole free page, and drop a segment left with no mapped page.
 * `empty_cache()` (`emptyCache` -> `release_cached_blocks`): releases every segment with no live block
-  (and unmaps free pages).
+  (and unmaps free pages) of the default pool, unless an allocation to a private pool is underway, and of
+  every private pool no longer in use (`releasePool` took its use count to 0: the MemPool deleted, the
+  graph reset); such a pool left with no segment is forgotten. A MemPool's destructor
+  (`emptyCache(id)`, `delete_pool`) releases only its own pool's, once no longer in use.
 * A request of 0 bytes touches nothing (`allocate` skips `malloc` for size 0); one of 1 EiB or more
   fails at once ("Tried to allocate more than 1EB memory").
 
-Not modelled: cross-stream use (`record_stream`, events: a block is free as soon as it is freed), CUDA
-graph private pools and `MemPool`s, `garbage_collection_threshold` (acts only with a memory fraction),
+Not modelled: cross-stream use (`record_stream`, events: a block is free as soon as it is freed), a
+`MemPool` with an allocator of its own (its memory is that allocator's; torch turns expandable segments
+off for it), graph capture's reuse of freed blocks (`graph_capture_record_stream_reuse`), the checkpointed
+state of a graph's pool, `garbage_collection_threshold` (acts only with a memory fraction),
 `throw_on_cudamalloc_oom`, memory outside the allocator (context, NCCL, cuBLAS workspaces are the
 caller's), and the driver's choice of addresses: new segments here take increasing addresses, so when
 two free blocks of one size tie in different segments the older segment wins, where the driver's
@@ -89,12 +101,13 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 
-from cuda_allocator_model.blocks import Block
+from cuda_allocator_model.blocks import Block, PrivatePool
+from cuda_allocator_model.errors import ModelError
 from cuda_allocator_model.expandable import expandable_best_fit
 from cuda_allocator_model.oom import AllocatorOutOfMemory, NewMemory
-from cuda_allocator_model.settings import MIN_BLOCK, ONE_EXABYTE, AllocatorSettings
+from cuda_allocator_model.settings import DEFAULT_POOL, MIN_BLOCK, ONE_EXABYTE, AllocatorSettings, PoolId
 
-__all__ = ["AllocatorOutOfMemory", "AllocatorSettings", "CachingAllocatorModel"]
+__all__ = ["DEFAULT_POOL", "AllocatorOutOfMemory", "AllocatorSettings", "CachingAllocatorModel", "PoolId"]
 
 
 class CachingAllocatorModel(NewMemory):
@@ -105,7 +118,14 @@ class CachingAllocatorModel(NewMemory):
     `torch.cuda.empty_cache()`. `capacity` (mutable) is the reserved memory past which a new segment
     fails; `fraction_limit` models `torch.cuda.set_per_process_memory_fraction` (fraction x card memory).
     Counters (`allocated`, `reserved`, `requested`, `inactive_split`, their `peak_*`) are plain attributes,
-    to be read, not written.
+    to be read, not written; they count every pool, as torch's do.
+
+    Private pools, as torch drives them: `torch.cuda.MemPool(use_on_oom=u, no_split=n)` is
+    `create_pool(id, use_on_oom=u, no_split=n)`; `with torch.cuda.use_mem_pool(pool):` is
+    `allocate_to_pool(id)` ... `allocate_to_pool(None)`, `release_pool(id)`; deleting the MemPool is
+    `delete_pool(id)`. A CUDA graph's capture is `allocate_to_pool(id)` ...
+    `allocate_to_pool(None)` (its pool made there, in use by the graph), and `graph.reset()` is
+    `release_pool(id)`.
     """
 
     __slots__ = ()
@@ -148,9 +168,12 @@ class CachingAllocatorModel(NewMemory):
                     del pool.blocks[free.pop(i)]
         if block is None:
             block = self._new_memory(pool, size, stream)
+            pool = block.seg.pool  # a MemPool's used on out-of-memory may have served it
         # should_split, alloc_found_block
         rest = block.size - size
-        if rest >= 512 if (small or self._expandable) else (size < self._max_split and rest > 1048576):
+        if (rest >= 512 if (small or self._expandable) else (size < self._max_split and rest > 1048576)) and (
+            not pool.no_split
+        ):
             self._split(pool, block, size, rest)
         elif not block.seg.expandable and (block.prev is not None or block.next is not None):
             self.inactive_split -= block.size
@@ -185,7 +208,7 @@ class CachingAllocatorModel(NewMemory):
         block.allocated = False
         block.requested = 0
         seg = block.seg
-        pool = self._small if seg.small else self._large
+        pool = seg.pool
         free = pool.free[seg.stream]  # the block's segment was made for this stream: the list exists
         blocks = pool.blocks
         spare = self._spare
@@ -232,8 +255,81 @@ class CachingAllocatorModel(NewMemory):
                     self.peak_inactive_split = self.inactive_split
 
     def empty_cache(self) -> None:
-        """torch.cuda.empty_cache(): release every segment with no live block; unmap free expandable pages."""
-        self._release_cached_blocks()
+        """torch.cuda.empty_cache() (`emptyCache`): release every segment with no live block and unmap free
+        expandable pages, of the default pool (unless an allocation to a private pool is underway) and of
+        every private pool no longer in use."""
+        self._release_cached_blocks(DEFAULT_POOL)
+
+    def create_pool(self, pool: PoolId, *, use_on_oom: bool = False, no_split: bool = False) -> None:
+        """`torch.cuda.MemPool(use_on_oom=..., no_split=...)` whose id is `pool` (`createOrIncrefPool`,
+        `setUseOnOOM`, `setNoSplit`): a private pool in use once; a pool that exists is in use once more."""
+        private = self._incref(pool)
+        if use_on_oom and not private.use_on_oom:
+            private.use_on_oom = True
+            self._lenders.append(private)
+        if no_split:
+            private.no_split = private.small.no_split = private.large.no_split = True
+
+    def allocate_to_pool(self, pool: PoolId | None) -> None:
+        """Requests go to private pool `pool` from now on (`beginAllocateToPool`: made, or in use once more)
+        until `allocate_to_pool(None)` ends the allocation to the pool begun last (`endAllocateToPool`)."""
+        if pool is not None:
+            self._routes.append(self._incref(pool))
+        elif self._routes:
+            self._routes.pop()
+        else:
+            raise ModelError("allocate_to_pool(None): no allocation to a private pool is underway")
+        private = self._routes[-1] if self._routes else None
+        self._small = self._default_small if private is None else private.small
+        self._large = self._default_large if private is None else private.large
+
+    def delete_pool(self, pool: PoolId) -> None:
+        """The MemPool of id `pool` deleted (`~MemPool`: `setUseOnOOM(false)`, `releasePool`, then
+        `emptyCache(pool)`): lent no more, one user fewer and, with none left, its cached segments released."""
+        self.release_pool(pool)
+        private = self._pools[pool]
+        if private.use_on_oom:
+            private.use_on_oom = False
+            self._lenders.remove(private)
+        self._release_cached_blocks(pool)
+
+    def release_pool(self, pool: PoolId) -> None:
+        """One user of private pool `pool` fewer (`releasePool`: a MemPool deleted, a graph reset, a
+        `use_mem_pool` ended); with none left, `empty_cache` releases its cached segments."""
+        private = self._pools.get(pool)
+        if private is None or private.use_count == 0:
+            raise ModelError(f"release_pool({pool!r}): no private pool of that id is in use")
+        private.use_count -= 1
+        if private.use_count == 0:
+            self._freeable[pool] = private
+
+    def _incref(self, pool: PoolId) -> PrivatePool:
+        """create_or_incref_pool: the private pool `pool`, made in use once, or in use once more."""
+        if not (isinstance(pool, tuple) and len(pool) == 2 and all(type(part) is int for part in pool)):
+            raise ModelError(f"a pool's id is a pair of whole numbers such as (0, 1), not {pool!r:.40}")
+        if pool == DEFAULT_POOL:
+            raise ModelError(f"{DEFAULT_POOL!r} is the default pool, not a private one")
+        private = self._pools.get(pool)
+        if private is None:
+            private = self._pools[pool] = PrivatePool(pool)
+        else:
+            private.use_count += 1
+            self._freeable.pop(pool, None)
+        return private
+
+    def reserved_by_pool(self) -> dict[PoolId, int]:
+        """Reserved bytes (mapped) of each pool that holds a segment, the default pool first."""
+        out: dict[PoolId, int] = {}
+        for seg in self._segments.values():
+            owner = seg.pool.owner
+            pool = DEFAULT_POOL if owner is None else owner.id
+            mapped = 0
+            block = seg.head
+            while block is not None:
+                mapped += block.size if block.mapped else 0
+                block = block.next
+            out[pool] = out.get(pool, 0) + mapped
+        return dict(sorted(out.items(), key=lambda item: (item[0] != DEFAULT_POOL, item[0])))
 
     def reset_peak(self) -> None:
         """Every peak to its current value (torch.cuda.reset_peak_memory_stats)."""

@@ -7,11 +7,13 @@ from bisect import bisect_left
 from cuda_allocator_model.blocks import SIZE_SHIFT, Block, Pool
 from cuda_allocator_model.expandable import ExpandableSegments
 from cuda_allocator_model.settings import (
+    DEFAULT_POOL,
     MIN_LARGE_ALLOC,
     ONE_EXABYTE,
     ROUND_LARGE,
     SMALL_BUFFER,
     SMALL_SIZE,
+    PoolId,
 )
 from cuda_allocator_model.sizes import format_size
 
@@ -90,10 +92,12 @@ class NewMemory(ExpandableSegments):
         """alloc_block, then the retries of malloc, then the out-of-memory error."""
         segment = self.allocation_size(size)
         block = self._alloc_block(pool, size, segment, stream)
+        if block is None and pool.owner is None and self._lenders:
+            block = self._from_pools_used_on_oom(pool.small, size, stream)
         if block is None and self._release_available_cached_blocks(pool, size, stream):
             block = self._alloc_block(pool, size, segment, stream)
-        if block is None:
-            self._release_cached_blocks()
+        if block is None and not self._routes:  # no retry while an allocation to a private pool is underway
+            self._release_cached_blocks(DEFAULT_POOL)
             self.num_alloc_retries += 1
             block = self._alloc_block(pool, size, segment, stream)
         if block is None:
@@ -133,11 +137,33 @@ class NewMemory(ExpandableSegments):
             self.peak_reserved = self.reserved
         return block
 
+    def _from_pools_used_on_oom(self, small: bool, size: int, stream: int) -> Block | None:
+        """try_mempool_fallback: the best cached block (get_free_block, expandable segments not searched) of
+        the first MemPool made with use_on_oom that has one, taken out of its free list; else None."""
+        for private in self._lenders:
+            pool = private.small if small else private.large
+            free = pool.free.get(stream)
+            if not free:
+                continue
+            i = bisect_left(free, size << SIZE_SHIFT)
+            while i < len(free) and pool.blocks[free[i]].seg.expandable:
+                i += 1
+            if i == len(free):
+                continue
+            block = pool.blocks[free[i]]
+            if self._oversize and (
+                (block.size >= self._max_split) if size < self._max_split else (block.size >= size + self._rounding)
+            ):
+                continue
+            del pool.blocks[free.pop(i)]
+            return block
+        return None
+
     def _release_block(self, pool: Pool, block: Block) -> None:
         """cudaFree of a whole cached segment (release_block)."""
         assert block.prev is None and block.next is None, "only a whole cached segment is released"
         pool.remove(block)
-        del self._segments[block.seg.base]
+        self._drop_segment(block.seg)
         self.reserved -= block.size
 
     def _release_available_cached_blocks(self, pool: Pool, size: int, stream: int) -> bool:
@@ -166,27 +192,41 @@ class NewMemory(ExpandableSegments):
             i -= 1
         return released >= target
 
-    def _release_cached_blocks(self) -> None:
-        """release_cached_blocks: every unsplit cached block to the driver; free expandable pages unmapped."""
-        for pool in (self._large, self._small):
-            blocks = pool.blocks
-            to_unmap: list[Block] = []
-            for stream in sorted(pool.free):
-                kept: list[int] = []
-                for key in pool.free[stream]:
-                    block = blocks[key]
-                    if block.seg.expandable:
-                        to_unmap.append(block)
-                        kept.append(key)
-                    elif block.prev is None and block.next is None:
-                        del blocks[key]
-                        del self._segments[block.seg.base]
-                        self.reserved -= block.size
-                    else:
-                        kept.append(key)
-                pool.free[stream] = kept
-            for block in to_unmap:
-                self._unmap_block(pool, block)
-                if block.prev is None and block.next is None and not block.mapped:
-                    pool.remove_unmapped(block)
-                    del self._segments[block.seg.base]  # release_expandable_segment
+    def _release_cached_blocks(self, pool_id: PoolId) -> None:
+        """release_cached_blocks(pool_id): the default pool's cached segments (pool_id the default, no
+        allocation to a private pool underway), then those of each private pool no longer in use (only
+        `pool_id`'s when it names one); a private pool left with no segment is forgotten."""
+        if pool_id == DEFAULT_POOL and not self._routes:
+            self._release_blocks(self._default_large)
+            self._release_blocks(self._default_small)
+        for private in [p for p in self._freeable.values() if pool_id in (DEFAULT_POOL, p.id)]:
+            self._release_blocks(private.small)
+            self._release_blocks(private.large)
+            if not private.small.segments and not private.large.segments:  # forgotten, as torch erases it
+                del self._pools[private.id], self._freeable[private.id]
+                if private.use_on_oom:
+                    self._lenders.remove(private)
+
+    def _release_blocks(self, pool: Pool) -> None:
+        """release_blocks: every unsplit cached block of `pool` to the driver; free expandable pages unmapped."""
+        blocks = pool.blocks
+        to_unmap: list[Block] = []
+        for stream in sorted(pool.free):
+            kept: list[int] = []
+            for key in pool.free[stream]:
+                block = blocks[key]
+                if block.seg.expandable:
+                    to_unmap.append(block)
+                    kept.append(key)
+                elif block.prev is None and block.next is None:
+                    del blocks[key]
+                    self._drop_segment(block.seg)
+                    self.reserved -= block.size
+                else:
+                    kept.append(key)
+            pool.free[stream] = kept
+        for block in to_unmap:
+            self._unmap_block(pool, block)
+            if block.prev is None and block.next is None and not block.mapped:
+                pool.remove_unmapped(block)
+                self._drop_segment(block.seg)  # release_expandable_segment

@@ -20,7 +20,7 @@ from typing import Final
 from cuda_allocator_model.errors import ModelError
 from cuda_allocator_model.sizes import shorten
 
-__all__ = ["AllocatorSettings"]
+__all__ = ["DEFAULT_POOL", "AllocatorSettings", "PoolId"]
 
 MiB: Final = 1 << 20
 MIN_BLOCK: Final = 512  # kMinBlockSize
@@ -31,6 +31,8 @@ ROUND_LARGE: Final = 2 * MiB  # kRoundLarge
 _LARGE_SEGMENT: Final = 20 * MiB  # kLargeBuffer: the default large_segment_size
 INTERVALS: Final = 16  # kRoundUpPowerOfTwoIntervals: [1 MiB, 2 MiB) ... [32 GiB, ...)
 ONE_EXABYTE: Final = 1 << 60
+PoolId = tuple[int, int]  # MempoolId_t: (graph's id, 0) for a CUDA graph's pool, (0, n) for the n-th MemPool
+DEFAULT_POOL: Final[PoolId] = (0, 0)
 UNLIMITED: Final = (1 << 64) - 1  # SIZE_MAX: max_split_size when unset
 _MAX_MB: Final = UNLIMITED // MiB  # a size in MiB is clamped to it (max_allowed_split_size_mb)
 ENV: Final = "PYTORCH_CUDA_ALLOC_CONF"

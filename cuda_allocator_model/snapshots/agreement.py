@@ -9,6 +9,12 @@ when the driver runs short, which depends on what else used the device; the trac
 releases whose frames name `emptyCache` is one `empty_cache()` of the model (pages of expandable
 segments included).
 
+Pools are kept apart: each request is served in the pool its trace entry names (`pool_id`; the final
+segments' `segment_pool_id` for the start), so that a private pool's blocks serve only its requests. A
+private pool stays in use until an `emptyCache` release of the card names it: then the model lets it go
+as a deleted MemPool (`delete_pool`), and a run of such releases that begins in a private pool is that
+pool's `emptyCache(id)`, which leaves the default pool alone.
+
 Agreement, per request: the segment decision (a new segment, or a cached block), the placement (the
 address the request got) and reserved memory after it. An `oom` event is reproduced where the card's
 capacity can be derived: its reserved bytes then plus `device_free`, the driver's free memory.
@@ -16,18 +22,27 @@ capacity can be derived: its reserved bytes then plus `device_free`, the driver'
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cuda_allocator_model.model import AllocatorOutOfMemory, CachingAllocatorModel
-from cuda_allocator_model.settings import AllocatorSettings
+from cuda_allocator_model.settings import DEFAULT_POOL, AllocatorSettings, PoolId
 from cuda_allocator_model.snapshots.read import Event, Snapshot
-from cuda_allocator_model.snapshots.start import StartState, restore, start_state
+from cuda_allocator_model.snapshots.start import Pools, StartState, restore, start_state
 
-__all__ = ["Agreement", "agree", "derived_capacity", "emptied_by"]
+__all__ = ["Agreement", "PoolAtEnd", "agree", "derived_capacity", "emptied_by", "pools_at_end"]
 
 _GROW = frozenset({"segment_alloc", "segment_map"})
 _SHRINK = frozenset({"segment_free", "segment_unmap"})
 _INVENTED = 1 << 62  # where the model puts a segment the card did not make: above every card address
+
+
+@dataclass(frozen=True)
+class PoolAtEnd:
+    """One pool's reserved bytes when the snapshot was taken: the card's (its final segments) and the model's."""
+
+    pool: PoolId
+    card: int
+    model: int
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,7 @@ class Agreement:
     capacity: int | None  # derived from the oom event's device_free
     start: StartState
     first_mismatch: int | None  # the first request where decision, placement or reserved differ
+    pools: tuple[PoolAtEnd, ...] = ()  # where a private pool held memory: each pool's reserved bytes at the end
 
     @property
     def exact(self) -> bool:
@@ -59,6 +75,7 @@ class Agreement:
             and self.reserved_matched == self.requests
             and self.peak_reserved_card == self.peak_reserved_model
             and self.card_oom_at == self.model_oom_at
+            and all(p.card == p.model for p in self.pools)
         )
 
 
@@ -89,7 +106,22 @@ def agree(snapshot: Snapshot, device: int = 0, settings: AllocatorSettings | Non
     restore(model, start)
     model.place_next_segment(_INVENTED)
     model.capacity = derived_capacity(trace, start.reserved)
-    return _Replay(model, start).run(trace, device)
+    agreement = _Replay(model, start).run(trace, device)
+    return replace(agreement, pools=pools_at_end(snapshot, device, model))
+
+
+def pools_at_end(snapshot: Snapshot, device: int, model: CachingAllocatorModel) -> tuple[PoolAtEnd, ...]:
+    """Each pool's reserved bytes at the end of the trace, on the card and in the model, the default pool
+    first; none where only the default pool held memory (its figures are the device's)."""
+    card: dict[PoolId, int] = {}
+    for s in snapshot.segments:
+        if s.device == device:
+            card[s.pool] = card.get(s.pool, 0) + s.total_size
+    held = model.reserved_by_pool()
+    pools = sorted(card.keys() | held.keys(), key=lambda pool: (pool != DEFAULT_POOL, pool))
+    if pools in ([], [DEFAULT_POOL]):
+        return ()
+    return tuple(PoolAtEnd(pool, card.get(pool, 0), held.get(pool, 0)) for pool in pools)
 
 
 class _Replay:
@@ -97,6 +129,7 @@ class _Replay:
 
     def __init__(self, model: CachingAllocatorModel, start: StartState) -> None:
         self.model = model
+        self.pools = Pools(model, (s.pool for s in start.segments))
         self.start = start
         self.card_reserved = self.peak_card = start.reserved
         self.requests = self.decisions = self.new = self.placements = self.reserved = 0
@@ -114,9 +147,8 @@ class _Replay:
             action = e.action
             if action in _SHRINK and emptied_by(e):
                 self.card_reserved -= e.size
-                if not emptied:
-                    model.empty_cache()
-                    emptied = True
+                self.pools.emptied(e, emptied)
+                emptied = True
                 continue
             emptied = False
             if action == "alloc":
@@ -141,6 +173,8 @@ class _Replay:
 
     def serve(self, e: Event, pending: list[int]) -> None:
         model = self.model
+        if e.pool is not self.pools.current:  # the default pool's entries share one tuple
+            self.pools.to(e.pool)
         invented = model.next_segment_address  # where a segment the card did not make goes
         if pending:
             model.place_next_segment(pending[0])
@@ -187,6 +221,7 @@ class _Replay:
         if self.card_oom is None:
             self.card_oom = self.requests
         key = -1 - self.requests  # no card address: the request was never served
+        self.pools.to(e.pool)
         try:
             self.model.malloc(key, e.size, e.stream)
         except AllocatorOutOfMemory:

@@ -1,8 +1,9 @@
 """``pytest-gpumem replay SNAPSHOT``: a torch memory snapshot's trace replayed through the allocator's model,
 how far the model agrees with the card, and the user's what-ifs side by side.
 
-Agreement, per device: segment decisions, placements, reserved memory after each request, peak reserved
-and the out-of-memory event (where the card's capacity can be derived from it). What-ifs: every
+Agreement, per device: segment decisions, placements, reserved memory after each request, peak reserved,
+the out-of-memory event (where the card's capacity can be derived from it) and, where a private pool
+(MemPool, CUDA graph) held memory, each pool's reserved bytes at the end. What-ifs: every
 ``--alloc-conf`` (on top of the snapshot's own PYTORCH_CUDA_ALLOC_CONF) under every ``--capacity``: peak
 reserved, reserved but unallocated at that peak, and where it runs out. ``--json PATH`` writes every
 figure, ``--html PATH`` a page with reserved and allocated memory over the trace per what-if.
@@ -26,7 +27,7 @@ from cuda_allocator_model.sizes import format_size
 from cuda_allocator_model.snapshots import final
 from cuda_allocator_model.snapshots.agreement import Agreement, agree
 from cuda_allocator_model.snapshots.final import untraced
-from cuda_allocator_model.snapshots.read import DEFAULT_POOL, Snapshot, SnapshotSegment, read_snapshot
+from cuda_allocator_model.snapshots.read import Snapshot, read_snapshot
 from cuda_allocator_model.snapshots.start import StartState
 from cuda_allocator_model.snapshots.whatif import DeviceReplay, WhatIf, what_if
 
@@ -217,6 +218,9 @@ def _agreement_lines(a: Agreement) -> list[str]:
     lines += [f"  start not exact: {caveat}" for caveat in start.caveats]
     if a.first_mismatch is not None:
         lines.append(f"  first request that differs: {a.first_mismatch}")
+    if a.pools:
+        pools = (f"{final.pool_name(p.pool)} card {_size(p.card)}, model {_versus(p.card, p.model)}" for p in a.pools)
+        lines.append(f"  reserved at the end, pools kept apart: {'; '.join(pools)}")
     return lines
 
 
@@ -258,24 +262,14 @@ def _versus(card: int, model: int) -> str:
     return f"{_size(model)} ({sign}{_size(abs(model - card))}, {model - card:+,} B)"
 
 
-def _private_pools(snapshot: Snapshot, device: int) -> list[SnapshotSegment]:
-    """The final segments of `device` in a pool of their own (the model replays one pool per device)."""
-    return [s for s in snapshot.segments if s.device == device and s.pool != DEFAULT_POOL]
-
-
 def text(snapshot: Snapshot, replays: Sequence[DeviceReplay]) -> str:
     settings = snapshot.allocator_settings
     conf = "not recorded (torch < 2.3): defaults" if settings is None else (snapshot.alloc_conf or "defaults")
     lines = [snapshot.path, f"format {snapshot.tier}, {len(replays)} device(s) traced, allocator settings {conf}"]
     for r in replays:
         lines += _agreement_lines(r.agreement)
-        private = _private_pools(snapshot, r.device)
-        if private:
-            count, size = len(private), sum(s.total_size for s in private)
-            lines.append(
-                f"  not kept apart: {count} segments ({_size(size)}) of private pools (MemPool, CUDA graph) "
-                "are replayed as the default pool's"
-            )
+        if r.agreement.pools and snapshot.pools_inferred:
+            lines.append("  the trace has no pool_id: each entry is in the pool of the segment that held its address")
         lines.append(f"what if (the {len(r.agreement.start.live)} requests live at the start on an empty cache):")
         lines += _table(r.agreement, r.outcomes)
         ignored = sorted({key for o in r.outcomes for key in o.ignored})
@@ -305,6 +299,7 @@ def _agreement_json(a: Agreement) -> dict[str, Any]:
         "model_oom_at": a.model_oom_at,
         "capacity": a.capacity,
         "first_mismatch": a.first_mismatch,
+        "pools_at_end": [{"pool": list(p.pool), "card_reserved": p.card, "model_reserved": p.model} for p in a.pools],
         "start": {
             "empty": a.start.empty,
             "segments": len(a.start.segments),
@@ -334,10 +329,10 @@ def json_text(snapshot: Snapshot, replays: Sequence[DeviceReplay]) -> str:
         "snapshot": snapshot.path,
         "format": snapshot.tier,
         "alloc_conf": snapshot.alloc_conf,
+        "pools_inferred": snapshot.pools_inferred,
         "devices": [
             {
                 "device": r.device,
-                "private_pool_segments": len(_private_pools(snapshot, r.device)),
                 "agreement": _agreement_json(r.agreement),
                 "what_if": [_outcome_json(o) for o in r.outcomes],
             }

@@ -120,8 +120,10 @@ def start_of(snapshot: Snapshot, device: int) -> StartState:
     for s in snapshot.segments:
         if s.device != device:
             continue
-        segments.append(StartSegment(s.address, s.total_size, s.segment_type == "small", s.stream, s.is_expandable))
-        live += [LiveBlock(b.address, b.requested_size or b.size, s.stream) for b in s.blocks if b.state in _LIVE]
+        small = s.segment_type == "small"
+        segments.append(StartSegment(s.address, s.total_size, small, s.stream, s.is_expandable, s.pool))
+        held = [b for b in s.blocks if b.state in _LIVE]
+        live += [LiveBlock(b.address, b.requested_size or b.size, s.stream, s.pool) for b in held]
     segments.sort(key=lambda s: s.address)
     live.sort(key=lambda b: b.address)
     return StartState(tuple(segments), tuple(live))

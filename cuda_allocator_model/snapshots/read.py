@@ -4,9 +4,9 @@ into typed, frozen records, without running any code a file names.
 The unpickler refuses every global (no class, no function, no reducer: a snapshot is plain dicts, lists,
 tuples, strings, numbers and booleans), so a file can only describe memory, never act. Every format since
 torch 2.0 reads: the keys a version added (`time_us`, `allocator_settings`, `external_annotations`,
-`compile_context`, `user_metadata`, `device_free`) are optional. Anything else (not a pickle, a cut file, a
-Git LFS pointer, a pickle with a global, a dict without a snapshot's shape) raises `ModelError` with one
-line naming the file and what was found.
+`compile_context`, `user_metadata`, `device_free`, `segment_pool_id`, `pool_id`) are optional. Anything
+else (not a pickle, a cut file, a Git LFS pointer, a pickle with a global, a dict without a snapshot's
+shape) raises `ModelError` with one line naming the file and what was found.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ import mmap
 import os
 import pickle
 import stat
+from bisect import bisect_right
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, NamedTuple, TypeVar
 
 from cuda_allocator_model.errors import ModelError, exception_text
-from cuda_allocator_model.settings import INTERVALS, AllocatorSettings
+from cuda_allocator_model.settings import DEFAULT_POOL, INTERVALS, AllocatorSettings, PoolId
 from cuda_allocator_model.snapshots import pickled
 from cuda_allocator_model.snapshots.pickled import Buffer
 
@@ -58,7 +59,6 @@ ACTIONS: Final = frozenset(
         "snapshot",
     }
 )
-DEFAULT_POOL: Final = (0, 0)
 MAX_SIZE: Final = 1 << 60  # bytes: what the allocator refuses outright (torch: 1 EiB), a fit may ask near it
 MAX_ADDRESS: Final = 1 << 64
 MAX_DEVICES: Final = 1 << 12
@@ -114,6 +114,7 @@ class Event(NamedTuple):
     compile_context: str | None = None
     user_metadata: str | None = None
     device_free: int | None = None
+    pool: PoolId = DEFAULT_POOL  # pool_id (torch 2.13 writes one on every entry): the pool it acted in
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +140,7 @@ class Snapshot:
     tier: str  # the format's generation, T0 (<= 2.1) to T6 (>= 2.10): see `format_tier`
     overflowed: bool | None = None  # trace_alloc_overflowed, where recorded: the ring buffer wrapped
     max_entries: int | None = None  # trace_alloc_max_entries, where recorded
+    pools_inferred: bool = False  # the trace has no pool_id: its entries' pools are their segments' (`_with_pools`)
 
     def trace(self, device: int = 0) -> tuple[Event, ...]:
         """The events of `device` (empty when it recorded none)."""
@@ -338,13 +340,41 @@ def _snapshot(loaded: _Loaded, name: str) -> Snapshot:
     budget.spend(len(traces_raw), "'device_traces'")
     _not_shared(traces_raw, "device_traces")
     traces = tuple(_trace(t, f"device_traces[{d}]", frames, budget) for d, t in enumerate(traces_raw))
+    inferred = any(s.pool != DEFAULT_POOL for s in segments) and not any("pool_id" in e for t in traces_raw for e in t)
+    if inferred:
+        traces = tuple(_with_pools(trace, segments, d) for d, trace in enumerate(traces))
     settings, conf = _settings(raw.get("allocator_settings"))
     marks = _records(raw.get("external_annotations", []), "'external_annotations'", budget)
     annotations = tuple(_annotation(a, i) for i, a in enumerate(marks))
     tier = format_tier(raw, traces)
     overflowed = _field(raw, "trace_alloc_overflowed", bool, "the snapshot", None)
     max_entries = _field(raw, "trace_alloc_max_entries", int, "the snapshot", None)
-    return Snapshot(_printable(name), segments, traces, settings, conf, annotations, tier, overflowed, max_entries)
+    return Snapshot(
+        _printable(name), segments, traces, settings, conf, annotations, tier, overflowed, max_entries, inferred
+    )
+
+
+def _with_pools(trace: tuple[Event, ...], segments: tuple[SnapshotSegment, ...], device: int) -> tuple[Event, ...]:
+    """The trace of a torch that wrote no `pool_id`, each entry in the pool of the final segment holding its
+    address, from the segment's last `segment_alloc` on (before it, that memory was another segment's,
+    given back, whose pool the trace does not say: the default pool's). An expandable segment's address
+    space is its pool's throughout; its pages unmapped by the end are read as the default pool's."""
+    private = sorted((s.address, s.address + s.total_size, s.pool, s.is_expandable) for s in segments
+                     if s.device == device and s.pool != DEFAULT_POOL)  # fmt: skip
+    starts = [p[0] for p in private]
+    born = {start: 0 for start, _, _, expandable in private if not expandable}
+    for i, e in enumerate(trace):
+        if e.action == "segment_alloc" and e.addr in born:
+            born[e.addr] = i
+    out = list(trace)
+    for i, e in enumerate(trace):
+        j = bisect_right(starts, e.addr) - 1
+        if j < 0:
+            continue
+        start, end, pool, expandable = private[j]
+        if e.addr < end and (expandable or i >= born[start]):
+            out[i] = e._replace(pool=pool)
+    return tuple(out)
 
 
 def _not_shared(lists: list[Any], where: str) -> None:
@@ -355,13 +385,17 @@ def _not_shared(lists: list[Any], where: str) -> None:
             raise _Refuse(f"{where}[{i}] is the very list of {where}[{seen[id(item)]}]: no snapshot's shape")
 
 
-def _pool(raw: Mapping[Any, Any], where: str) -> tuple[int, int]:
-    pool = raw.get("segment_pool_id", DEFAULT_POOL)
+def _pool(raw: Mapping[Any, Any], where: str, key: str = "segment_pool_id") -> PoolId:
+    pool = raw.get(key, DEFAULT_POOL)
     if pool is None:
         return DEFAULT_POOL
-    if not (isinstance(pool, (tuple, list)) and len(pool) == 2 and all(type(p) is int for p in pool)):
-        raise _Refuse(f"{where}: 'segment_pool_id' is {_a(_kind(pool))}, not a pair of whole numbers")
-    return (pool[0], pool[1])
+    if not (
+        isinstance(pool, (tuple, list))
+        and len(pool) == 2
+        and all(type(p) is int and 0 <= p < MAX_ADDRESS for p in pool)
+    ):
+        raise _Refuse(f"{where}: {key!r} is not a pair of whole numbers in [0, 2**64)")
+    return DEFAULT_POOL if pool[0] == pool[1] == 0 else (pool[0], pool[1])
 
 
 def _segment(raw: Mapping[Any, Any], where: str, frames: _Frames, budget: _Budget) -> SnapshotSegment:
@@ -447,14 +481,20 @@ def _trace(raw: object, where: str, frames: _Frames, budget: _Budget) -> tuple[E
     append = out.append
     # the loop's names bound here: a global's lookup per event and field costs as much as its check
     make, event, actions, top_address, top_size = tuple.__new__, Event, ACTIONS, MAX_ADDRESS, MAX_SIZE
+    default = DEFAULT_POOL
     for i, record in enumerate(records):
         get = record.get
         action, addr, size, stream = get("action"), get("addr", 0), get("size"), get("stream", 0)
         time_us, context, metadata = get("time_us"), get("compile_context"), get("user_metadata")
-        free, stack_raw = get("device_free"), get("frames", ())
+        free, stack_raw, pool = get("device_free"), get("frames", ()), get("pool_id", default)
         stack = known.get(id(stack_raw))
         if stack is None:  # a list of frames not seen before
             stack = frames.of(stack_raw, f"{where}[{i}]")
+        if pool is not default:  # written by newer torch, or absent
+            if pool is None or pool == default:
+                pool = default
+            elif not _a_pool(pool):
+                pool = None  # the checks below say what is wrong
         if (
             type(action) is str
             and action in actions
@@ -468,8 +508,9 @@ def _trace(raw: object, where: str, frames: _Frames, budget: _Budget) -> tuple[E
             and (context is None or (type(context) is str and context.isprintable()))
             and (metadata is None or (type(metadata) is str and metadata.isprintable()))
             and (free is None or (type(free) is int and 0 <= free < top_size))
+            and pool is not None
         ):  # tuple.__new__: Event's own __new__ is a Python function, one call more per event
-            append(make(event, (action, addr, size, stream, stack, time_us, context, metadata, free)))
+            append(make(event, (action, addr, size, stream, stack, time_us, context, metadata, free, pool)))
         else:
             append(_checked_event(record, f"{where}[{i}]", frames))
     return tuple(out)
@@ -489,6 +530,19 @@ def _checked_event(raw: Mapping[Any, Any], where: str, frames: _Frames) -> Event
         _text(raw, "compile_context", where, None),
         _text(raw, "user_metadata", where, None),
         _bounded(raw, "device_free", where, MAX_SIZE, None),
+        _pool(raw, where, "pool_id"),
+    )
+
+
+def _a_pool(value: object) -> bool:
+    """Whether `value` is a private pool's id as torch pickles it: a tuple of two whole numbers."""
+    return (
+        type(value) is tuple
+        and len(value) == 2
+        and type(value[0]) is int
+        and type(value[1]) is int
+        and 0 <= value[0] < MAX_ADDRESS
+        and 0 <= value[1] < MAX_ADDRESS
     )
 
 

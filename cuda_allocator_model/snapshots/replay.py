@@ -7,7 +7,8 @@ sequence of requests, to hold a prediction against.
   on top of what the segments held when recording began (walked back from the final segments).
 * allocated: the allocator's blocks, which a trace does not give: the requests are fed, with their
   streams, to the caching allocator's model (`CachingAllocatorModel`, with the snapshot's allocator
-  settings), whose `allocated` counts blocks as the allocator rounds them. The model's own reserved
+  settings), each in the pool its entry names, whose `allocated` counts blocks as the allocator rounds
+  them. The model's own reserved
   bytes come with it: how close the model gets to the card from the card's own requests.
 
 A trace that starts warm (blocks live before recording: a wrapped ring buffer, a recording started after
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 from cuda_allocator_model.model import AllocatorSettings, CachingAllocatorModel
 from cuda_allocator_model.snapshots.read import Event, Snapshot
+from cuda_allocator_model.snapshots.start import Pools
 
 __all__ = ["CardFigures", "replay", "starts_empty"]
 
@@ -126,6 +128,7 @@ def replay(snapshot: Snapshot, device: int = 0) -> CardFigures:
     empty = starts_empty(trace)
     start = (0, 0, 0) if empty else _start_state(snapshot, trace, device)
     model = CachingAllocatorModel(snapshot.allocator_settings or AllocatorSettings())
+    pools = Pools(model)
     requested = peak_requested = start[0]
     outside = start[1]  # allocated bytes of blocks the model never served (live at the start)
     peak_allocated = outside
@@ -139,6 +142,8 @@ def replay(snapshot: Snapshot, device: int = 0) -> CardFigures:
             requested += event.size
             if requested > peak_requested:
                 peak_requested = requested
+            if event.pool is not pools.current:
+                pools.to(event.pool)
             model.malloc(event.addr, event.size, event.stream)
             served.add(event.addr)
             if outside + model.allocated > peak_allocated:

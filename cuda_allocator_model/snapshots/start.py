@@ -18,16 +18,18 @@ block followed by a gap (its unsplit remainder may be larger than 1 MiB).
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from cuda_allocator_model.blocks import RestoredPiece, RestoredSegment
 from cuda_allocator_model.model import CachingAllocatorModel
-from cuda_allocator_model.settings import SMALL_BUFFER, MiB
+from cuda_allocator_model.settings import DEFAULT_POOL, SMALL_BUFFER, MiB, PoolId
 from cuda_allocator_model.snapshots.read import Event, Snapshot
 
-__all__ = ["LiveBlock", "StartSegment", "StartState", "may_have_wrapped", "restore", "start_state"]
+__all__ = ["LiveBlock", "Pools", "StartSegment", "StartState", "may_have_wrapped", "restore", "start_state"]
 
 Run = tuple[int, int]  # (address, size) of mapped memory
+RunKey = tuple[PoolId, bool, int]  # an expandable segment's pool, small pool?, stream
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class LiveBlock:
     address: int
     requested: int
     stream: int
+    pool: PoolId = DEFAULT_POOL
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class StartSegment:
     small: bool
     stream: int
     expandable: bool
+    pool: PoolId = DEFAULT_POOL
 
 
 @dataclass(frozen=True)
@@ -85,20 +89,21 @@ def start_state(snapshot: Snapshot, device: int = 0) -> StartState:
     """The state of `device` when its recording began."""
     trace = snapshot.trace(device)
     plain: dict[int, StartSegment] = {}
-    runs: dict[tuple[bool, int], list[Run]] = {}
-    live: dict[int, LiveBlock] = {}
+    runs: dict[RunKey, list[Run]] = {}
+    live: dict[int, LiveBlock | Event] = {}  # an event freed it, where the walk back made it live
     for s in snapshot.segments:
         if s.device != device:
             continue
         small = s.segment_type == "small"
         if s.is_expandable:
-            runs.setdefault((small, s.stream), []).append((s.address, s.total_size))
+            runs.setdefault((s.pool, small, s.stream), []).append((s.address, s.total_size))
         else:
-            plain[s.address] = StartSegment(s.address, s.total_size, small, s.stream, False)
+            plain[s.address] = StartSegment(s.address, s.total_size, small, s.stream, False, s.pool)
         for b in s.blocks:
             if b.state.startswith("active"):
-                live[b.address] = LiveBlock(b.address, b.requested_size, s.stream)
+                live[b.address] = LiveBlock(b.address, b.requested_size, s.stream, s.pool)
     conflicts = _walk_back(trace, plain, runs, live)
+    blocks = [b if isinstance(b, LiveBlock) else LiveBlock(b.addr, b.size, b.stream, b.pool) for b in live.values()]
     caveats = []
     if snapshot.overflowed:
         caveats.append("the ring buffer wrapped (trace_alloc_overflowed): its first events were dropped")
@@ -107,20 +112,21 @@ def start_state(snapshot: Snapshot, device: int = 0) -> StartState:
     if conflicts:
         caveats.append(f"{conflicts} events disagree with the final segments")
     max_split = snapshot.allocator_settings.max_split_size if snapshot.allocator_settings else None
-    oversize = sum(1 for b in live.values() if max_split is not None and b.requested >= max_split)
+    oversize = sum(1 for b in blocks if max_split is not None and b.requested >= max_split)
     if oversize:
         caveats.append(f"{oversize} live blocks of max_split_size or more: an unsplit remainder over 1 MiB is missed")
     segments = [*plain.values()]
-    segments += [StartSegment(a, n, small, stream, True) for (small, stream), rs in runs.items() for a, n in rs]
+    for (pool, small, stream), rs in runs.items():
+        segments += [StartSegment(a, n, small, stream, True, pool) for a, n in rs]
     segments.sort(key=lambda s: s.address)
-    return StartState(tuple(segments), tuple(sorted(live.values(), key=lambda b: b.address)), tuple(caveats))
+    return StartState(tuple(segments), tuple(sorted(blocks, key=lambda b: b.address)), tuple(caveats))
 
 
 def _walk_back(
     trace: tuple[Event, ...],
     plain: dict[int, StartSegment],
-    runs: dict[tuple[bool, int], list[Run]],
-    live: dict[int, LiveBlock],
+    runs: dict[RunKey, list[Run]],
+    live: dict[int, LiveBlock | Event],
 ) -> int:
     """Undo every event of `trace`, last first; the number of events that did not fit the state."""
     conflicts = 0
@@ -130,11 +136,11 @@ def _walk_back(
             conflicts += live.pop(e.addr, None) is None
         elif action == "free_completed":
             conflicts += e.addr in live
-            live[e.addr] = LiveBlock(e.addr, e.size, e.stream)
+            live[e.addr] = e  # most are made not live again further back: a LiveBlock for those left only
         elif action == "segment_alloc":
             conflicts += plain.pop(e.addr, None) is None
         elif action == "segment_free":
-            plain[e.addr] = StartSegment(e.addr, e.size, e.size == SMALL_BUFFER, e.stream, False)
+            plain[e.addr] = StartSegment(e.addr, e.size, e.size == SMALL_BUFFER, e.stream, False, e.pool)
         elif action in ("segment_map", "segment_unmap"):
             key = _run_key(runs, e)
             rest = [piece for run in runs.get(key, []) for piece in _without(run, (e.addr, e.size))]
@@ -142,12 +148,12 @@ def _walk_back(
     return conflicts
 
 
-def _run_key(runs: dict[tuple[bool, int], list[Run]], e: Event) -> tuple[bool, int]:
-    """The (small pool?, stream) whose expandable segment holds `e`'s address."""
+def _run_key(runs: dict[RunKey, list[Run]], e: Event) -> RunKey:
+    """The (pool, small pool?, stream) whose expandable segment holds `e`'s address."""
     for key, rs in runs.items():
-        if key[1] == e.stream and any(a <= e.addr < a + n for a, n in rs):
+        if key[0] == e.pool and key[2] == e.stream and any(a <= e.addr < a + n for a, n in rs):
             return key
-    return (e.size <= SMALL_BUFFER and e.size % (2 * MiB) == 0 and e.size < 20 * MiB, e.stream)
+    return (e.pool, e.size <= SMALL_BUFFER and e.size % (2 * MiB) == 0 and e.size < 20 * MiB, e.stream)
 
 
 def _without(run: Run, cut: Run) -> list[Run]:
@@ -177,16 +183,17 @@ def _merged(runs: list[Run]) -> list[Run]:
 
 
 def restore(model: CachingAllocatorModel, state: StartState) -> None:
-    """Put `state` into a fresh `model`: its segments at their addresses, each live request under its address
-    as key. Expandable runs of one pool and stream become one segment (unmapped between and after them)."""
-    expandable: dict[tuple[bool, int], list[StartSegment]] = {}
+    """Put `state` into a fresh `model`: its segments at their addresses, in their pools, each live request
+    under its address as key. Expandable runs of one pool and stream become one segment (unmapped between
+    and after them)."""
+    expandable: dict[RunKey, list[StartSegment]] = {}
     for s in state.segments:
         if s.expandable:
-            expandable.setdefault((s.small, s.stream), []).append(s)
+            expandable.setdefault((s.pool, s.small, s.stream), []).append(s)
         else:
             model.restore_segment(_plain(model, s, _inside(state.live, s.address, s.size)))
-    for (small, stream), parts in expandable.items():
-        model.restore_segment(_expandable(model, small, stream, parts, state.live))
+    for key, parts in expandable.items():
+        model.restore_segment(_expandable(model, key, parts, state.live))
 
 
 def _inside(live: tuple[LiveBlock, ...], address: int, size: int) -> list[LiveBlock]:
@@ -207,7 +214,7 @@ def _plain(model: CachingAllocatorModel, s: StartSegment, blocks: list[LiveBlock
         _gap(pieces, b.address, s.address)
         pieces.append(RestoredPiece(b.address, size, b.address, b.requested))
     _gap(pieces, end, s.address)
-    return RestoredSegment(s.address, s.size, s.small, s.stream, False, s.size, tuple(pieces))
+    return RestoredSegment(s.address, s.size, s.small, s.stream, False, s.size, tuple(pieces), s.pool)
 
 
 def _gap(pieces: list[RestoredPiece], upto: int, base: int, mapped: bool = True) -> None:
@@ -218,8 +225,9 @@ def _gap(pieces: list[RestoredPiece], upto: int, base: int, mapped: bool = True)
 
 
 def _expandable(
-    model: CachingAllocatorModel, small: bool, stream: int, parts: list[StartSegment], live: tuple[LiveBlock, ...]
+    model: CachingAllocatorModel, key: RunKey, parts: list[StartSegment], live: tuple[LiveBlock, ...]
 ) -> RestoredSegment:
+    pool, small, stream = key
     page = SMALL_BUFFER if small else model.settings.large_segment_size
     base = parts[0].address
     end = parts[-1].address + parts[-1].size
@@ -232,4 +240,51 @@ def _expandable(
             pieces.append(RestoredPiece(b.address, model.round_size(b.requested), b.address, b.requested))
         _gap(pieces, part.address + part.size, base)
     _gap(pieces, base + vsize, base, mapped=False)
-    return RestoredSegment(base, vsize, small, stream, True, page, tuple(pieces))
+    return RestoredSegment(base, vsize, small, stream, True, page, tuple(pieces), pool)
+
+
+class Pools:
+    """Each request of a trace served in its own pool (`pool_id`), as under `torch.cuda.use_mem_pool` while
+    the trace's requests are a private pool's. A private pool is made when first seen and stays in use (a
+    trace does not say when a program let it go) until the card's `empty_cache` releases its segments:
+    then it is let go as a deleted MemPool is (`delete_pool`)."""
+
+    __slots__ = ("current", "known", "model")
+
+    def __init__(self, model: CachingAllocatorModel, known: Iterable[PoolId] = ()) -> None:
+        self.model = model
+        self.current = DEFAULT_POOL
+        self.known = {pool for pool in known if pool != DEFAULT_POOL}  # the model holds them, in use once
+
+    def to(self, pool: PoolId) -> None:
+        """Requests go to `pool` from now on."""
+        if pool == self.current:
+            return
+        model = self.model
+        if self.current != DEFAULT_POOL:
+            model.allocate_to_pool(None)
+            model.release_pool(self.current)
+        if pool != DEFAULT_POOL:
+            if pool not in self.known:
+                model.create_pool(pool)
+                self.known.add(pool)
+            model.allocate_to_pool(pool)
+        self.current = pool
+
+    def emptied(self, e: Event, within: bool) -> None:
+        """A release of the card's `empty_cache` (`within`: not the first of its run): the first of a run
+        empties the model's cache, unless it is a private pool's (that pool's own `emptyCache(id)`, which
+        leaves the default pool alone); a private pool it names is let go."""
+        if e.pool == DEFAULT_POOL:
+            if not within:
+                self.to(DEFAULT_POOL)
+                self.model.empty_cache()
+        else:
+            self.let_go(e.pool)
+
+    def let_go(self, pool: PoolId) -> None:
+        """The program let private pool `pool` go and emptied the cache: its cached segments are released."""
+        if pool in self.known:
+            self.to(DEFAULT_POOL)
+            self.model.delete_pool(pool)
+            self.known.discard(pool)

@@ -8,7 +8,8 @@ shows (`segment_free` events with an `emptyCache` frame) are made again; release
 its driver ran short are the model's own business under a capacity. An `oom` event of the card is
 asked again and given back when it is served; refused, it is where the what-if runs out, and the replay
 goes on as the program did (a fit's search, an out-of-memory handler). A request the card served that
-the what-if refuses ends it.
+the what-if refuses ends it. Each request is served in its own pool (`pool_id`), a private pool let go
+where the card's `empty_cache` released it (as `agreement` does).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from cuda_allocator_model.model import AllocatorOutOfMemory, CachingAllocatorMod
 from cuda_allocator_model.settings import AllocatorSettings
 from cuda_allocator_model.snapshots.agreement import Agreement, emptied_by
 from cuda_allocator_model.snapshots.read import Event, Frame, Snapshot
-from cuda_allocator_model.snapshots.start import StartState, start_state
+from cuda_allocator_model.snapshots.start import Pools, StartState, start_state
 
 __all__ = ["DeviceReplay", "OutOfMemoryAt", "WhatIf", "frames_user_frame", "user_frame", "what_if"]
 
@@ -104,6 +105,7 @@ def what_if(
 class _Run:
     def __init__(self, model: CachingAllocatorModel) -> None:
         self.model = model
+        self.pools = Pools(model)
         self.peak = self.unallocated = 0
         self.reserved: array[int] = array("q")
         self.allocated: array[int] = array("q")
@@ -118,6 +120,7 @@ class _Run:
 
     def prelude(self, start: StartState) -> OutOfMemoryAt | None:
         for block in start.live:
+            self.pools.to(block.pool)
             try:
                 self.model.malloc(block.address, block.requested, block.stream)
             except AllocatorOutOfMemory:
@@ -129,13 +132,15 @@ class _Run:
     def trace(self, trace: tuple[Event, ...]) -> OutOfMemoryAt | None:
         """The first request refused: one the card served ends the replay (what follows depended on it);
         one the card refused too (its `oom`) does not, as the program went on (a fit's search, a handler)."""
-        model = self.model
+        model, pools = self.model, self.pools
         first: OutOfMemoryAt | None = None
         index = 0
         emptied = False  # within a run of segment_free events that an empty_cache() made
         for e in trace:
             action = e.action
             if action == "alloc":
+                if e.pool is not pools.current:
+                    pools.to(e.pool)
                 try:
                     model.malloc(e.addr, e.size, e.stream)
                 except AllocatorOutOfMemory:
@@ -146,11 +151,12 @@ class _Run:
             elif action == "free_completed":
                 model.free(e.addr)
             elif action == "segment_free" or action == "segment_unmap":
-                if not emptied and emptied_by(e):
-                    model.empty_cache()
+                if emptied_by(e):
+                    pools.emptied(e, emptied)
                     emptied = True
                 continue
             elif action == "oom":
+                pools.to(e.pool)
                 try:
                     model.malloc(-1, e.size, e.stream)
                 except AllocatorOutOfMemory:

@@ -451,16 +451,3 @@ def test_a_card_that_ran_out_and_went_on_replays_under_its_own_capacity_to_its_p
     (what_if,) = json.loads(report.read_text())["devices"][0]["what_if"]
     assert (what_if["capacity"], what_if["peak_reserved"]) == ("the card's 22.0 MiB", 22 * MiB)
     assert what_if["out_of_memory"] == {"request": 1, "size": 1 << 53, "frame": "train.py:9 step"}
-
-
-def test_private_pools_the_replay_does_not_keep_apart_are_said(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    raw = raw_from_empty()
-    raw["segments"][1]["segment_pool_id"] = (1, 0)
-    report = tmp_path / "pools.json"
-    assert main(["replay", str(write(tmp_path, raw)), "--json", str(report)]) == 0
-    line = "  not kept apart: 1 segments (12.0 MiB) of private pools (MemPool, CUDA graph) are replayed as the default "
-    line += "pool's"
-    assert line in capsys.readouterr().out.splitlines()
-    assert json.loads(report.read_text())["devices"][0]["private_pool_segments"] == 1
