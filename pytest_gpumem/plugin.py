@@ -106,7 +106,7 @@ def pytest_gpumem_make_backend(config: pytest.Config, name: str) -> Backend | No
     return make_builtin(name, rounding, options.device, options.paths)
 
 
-def pytest_report_header(config: pytest.Config) -> str | None:
+def pytest_report_header(config: pytest.Config) -> str | list[str] | None:
     session = config.stash[SESSION_KEY]
     options = session.options
     if options.disabled:
@@ -145,14 +145,14 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
         return (yield)
 
 
-def pytest_report_collectionfinish(config: pytest.Config) -> str | None:
+def pytest_report_collectionfinish(config: pytest.Config) -> list[str] | None:
     session = config.stash[SESSION_KEY]
     if session.header_shown or not session.measuring:
         return None
     return _header(session)
 
 
-def _header(session: GpuMemSession) -> str:
+def _header(session: GpuMemSession) -> list[str]:
     try:
         return session.header()
     except ModelError as exc:

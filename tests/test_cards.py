@@ -96,7 +96,7 @@ def test_a_named_card_holds_a_prediction_to_its_memory_and_its_workspaces(tracke
     )
     result = tracker.runpytest("--gpumem-device=meta", "--gpumem-capacity=H100-80GB")
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["gpumem: tracker *; capacity H100-80GB (--gpumem-capacity): *"])
+    result.stdout.fnmatch_lines(["gpumem: tracker *", "  capacity H100-80GB (--gpumem-capacity): *"])
 
 
 def test_the_fit_says_what_a_card_judges_in_its_sentence() -> None:

@@ -224,7 +224,11 @@ def test_compiled_code_on_meta_is_predicted_unfused_and_the_report_says_so(
     result.assert_outcomes(passed=3, failed=1)  # fullgraph=True refuses a graph break, as unmeasured
     result.stdout.fnmatch_lines(["_* test_fullgraph_refuses_a_graph_break _*", "E * torch._dynamo.exc.Unsupported: *"])
     result.stdout.fnmatch_lines(
-        ["gpumem: tracker (*), device meta (*); compiled: Inductor's partition, unfused (an upper bound), other *"]
+        [
+            "gpumem: tracker (*)",
+            "  device meta (*)",
+            "  compiled: Inductor's partition, unfused (an upper bound), other *",
+        ]
     )
     result.stdout.fnmatch_lines([f"*test_mlp: {COMPILED_UNFUSED}"])  # the note, as a warning at the test
     tests = reported()

@@ -299,7 +299,8 @@ def test_capacity_option_and_header(tracker: pytest.Pytester) -> None:
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
-            "gpumem: tracker *; capacity 3999 (--gpumem-capacity): an allocation past it raises torch.OutOfMemoryError",
+            "gpumem: tracker (*), device cpu",
+            "  capacity 3999 (--gpumem-capacity): an allocation past it raises torch.OutOfMemoryError",
             "*out of memory in the call (tried to allocate 3.9 KiB) after a peak of 0 B: "
             "past the capacity 3999 (--gpumem-capacity)",
         ]

@@ -90,8 +90,10 @@ def test_header_identity_and_report_say_prediction(tracker: pytest.Pytester, rep
     result = tracker.runpytest("--gpumem-device=meta", "--gpumem-update", "--gpumem-json=out.json")
     result.stdout.fnmatch_lines(
         [
-            "gpumem: tracker (*), device meta (a prediction: sizes without data, nothing computed); compiled: "
-            "Inductor*s partition, unfused (an upper bound), other backends as chosen; a GPU*s code paths*"
+            "gpumem: tracker (storages created by ATen ops, served by a model of the CUDA caching allocator)",
+            "  device meta (a prediction: sizes without data, nothing computed)",
+            "  compiled: Inductor*s partition, unfused (an upper bound), other backends as chosen",
+            "  a GPU*s code paths*",
         ]
     )
     test = reported()["test_step"]

@@ -99,12 +99,13 @@ class GpuMemSession:
     def measuring(self) -> bool:
         return self.config.pluginmanager.has_plugin(JUDGE)
 
-    def header(self) -> str:
+    def header(self) -> list[str]:
+        """The session's header: what measures, and on what terms, in lines that fit a terminal."""
         self.header_shown = True
         spread = "" if self.options.devices is None else f"; xdist workers get one device each ({self._spread()})"
         capacity = self.options.capacity
         cap = "" if capacity is None else f"; capacity {capacity.written}: {self._capacity_means()}"
-        return f"gpumem: {self.backend().describe()}{spread}{cap}{self._no_traces()}"
+        return _lines(f"gpumem: {self.backend().describe()}{spread}{cap}{self._no_traces()}")
 
     def _no_traces(self) -> str:
         if self.options.snapshot_dir is None or self.backend().records_events:
@@ -228,3 +229,29 @@ class GpuMemSession:
             self.baseline_lines += slack_hint(self.results, self.baselines.options.slack)
         except ModelError as exc:
             self.problems.append(str(exc))
+
+
+def _lines(text: str, width: int = 100) -> list[str]:
+    """`text` on lines of at most `width` columns where it can be, cut only at a "; " or before ", device "
+    outside parentheses; each line after the first indented by two."""
+    lines = [""]
+    for joint, clause in _clauses(text):
+        if lines[-1] and len(lines[-1]) + len(joint) + len(clause) > width:
+            lines.append("  " + clause)
+        else:
+            lines[-1] += joint + clause
+    return lines
+
+
+def _clauses(text: str) -> list[tuple[str, str]]:
+    """`text` as (joint, clause) pairs, cut at each "; " and ", device " outside parentheses."""
+    pieces, depth, joint, start = [], 0, "", 0
+    for at, char in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        cut = next((sep for sep in ("; ", ", ") if depth == 0 and text.startswith(sep, at)), None)
+        if cut == ", " and not text.startswith(", device ", at):
+            cut = None
+        if cut is not None:
+            pieces.append((joint, text[start:at]))
+            joint, start = cut, at + len(cut)
+    return [*pieces, (joint, text[start:])]
