@@ -21,9 +21,10 @@ from builders import phase_result
 
 from pytest_gpumem.cli import main
 from pytest_gpumem.report.markdown import link_target, markdown
-from pytest_gpumem.results import TestResult, junit_properties
+from pytest_gpumem.results import TestResult
 from pytest_gpumem.results.baseline import BaselineStatus, PhaseComparison, Verdict
 from pytest_gpumem.run import outputs
+from pytest_gpumem.run.hand_over import junit_properties
 
 NO_SPACE = os.strerror(28)  # ENOSPC: "No space left on device", what /dev/full answers every write
 

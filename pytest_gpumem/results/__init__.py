@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
@@ -323,48 +322,3 @@ def _phases(value: object, where: str) -> dict[str, PhaseResult]:
 
 def _simulated(value: object, where: str) -> dict[str, int]:
     return {key: count(n, f"{where}.{key}", what="an integer") for key, n in _object(value, where).items()}
-
-
-def agree_with_pytest(result: TestResult, report: Any) -> None:
-    """Make `result` agree with pytest's verdict on the call (`report`): a test that failed for a reason
-    the measurement did not see (a unittest body, an xfail) is not `ok`, and only a test that passed
-    records its figures as a baseline."""
-    expected_failure = hasattr(report, "wasxfail")
-    if report.failed and result.status.passing:
-        result.status = Status.ERROR
-        result.message = _first_line(str(report.longreprtext)) or "the test failed"
-    elif expected_failure and report.skipped:
-        result.status = Status.XFAILED
-    elif expected_failure and result.status.passing:
-        result.status = Status.XPASS
-    if not report.passed or expected_failure:
-        result.baseline_entry = None
-
-
-def _first_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("E ")]
-    return (errors or lines or [""])[0].removeprefix("E ").strip()
-
-
-_NOT_XML = re.compile("[^\u0009\u000a\u000d\u0020-\u007e\u0080-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
-"""What XML 1.0 cannot carry (and DEL), as pytest's junitxml sees it: control characters, NUL, lone
-surrogates, U+FFFE and U+FFFF."""
-
-
-def _xml_text(text: str) -> str:
-    """`text` with each character XML cannot carry shown as `#xHH` (`#xHHHH` above 0xFF), every other
-    character kept: what pytest's junitxml does to a property's value but not to its name."""
-    return _NOT_XML.sub(lambda m: f"#x{ord(m.group()):02X}", text)
-
-
-def junit_properties(result: TestResult) -> list[tuple[str, str]]:
-    """What `--junitxml` shows of a measured test: its status and peaks in bytes, per phase (a phase's
-    name with what XML cannot carry written as `#xHH`, so that the run's XML stays readable)."""
-    properties = [("gpumem_status", result.status.value)]
-    if result.call is not None:
-        properties.append(("gpumem_peak_bytes", str(result.call.peak_bytes)))
-    properties += [
-        (_xml_text(f"gpumem_peak_bytes[{name}]"), str(phase.peak_bytes)) for name, phase in result.phases.items()
-    ]
-    return properties

@@ -5,6 +5,7 @@ on the report, and written as JUnit properties."""
 from __future__ import annotations
 
 import json
+import re
 import traceback
 
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from cuda_allocator_model import ModelError
 from pytest_gpumem.distributed.worker import json_problem  # pure, and pytest-free for the ranks
 from pytest_gpumem.errors import GpuMemError, one_line
-from pytest_gpumem.results import REPORT_ATTRIBUTE, Status, TestResult, agree_with_pytest, junit_properties
+from pytest_gpumem.results import REPORT_ATTRIBUTE, Status, TestResult
 
 
 def settle(item: pytest.Item, result: TestResult, report: pytest.TestReport) -> None:
@@ -95,3 +96,48 @@ def _fail_report(report: pytest.TestReport, line: str, trace: str | None) -> Non
         del report.wasxfail  # an xfail's report that failed for the hook is a failure, not an XPASS
     if trace is not None:
         report.sections.append(("Captured gpumem hook traceback call", trace))
+
+
+def agree_with_pytest(result: TestResult, report: pytest.TestReport) -> None:
+    """Make `result` agree with pytest's verdict on the call (`report`): a test that failed for a reason
+    the measurement did not see (a unittest body, an xfail) is not `ok`, and only a test that passed
+    records its figures as a baseline."""
+    expected_failure = hasattr(report, "wasxfail")
+    if report.failed and result.status.passing:
+        result.status = Status.ERROR
+        result.message = _first_line(str(report.longreprtext)) or "the test failed"
+    elif expected_failure and report.skipped:
+        result.status = Status.XFAILED
+    elif expected_failure and result.status.passing:
+        result.status = Status.XPASS
+    if not report.passed or expected_failure:
+        result.baseline_entry = None
+
+
+def _first_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("E ")]
+    return (errors or lines or [""])[0].removeprefix("E ").strip()
+
+
+_NOT_XML = re.compile("[^\u0009\u000a\u000d\u0020-\u007e\u0080-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+"""What XML 1.0 cannot carry (and DEL), as pytest's junitxml sees it: control characters, NUL, lone
+surrogates, U+FFFE and U+FFFF."""
+
+
+def _xml_text(text: str) -> str:
+    """`text` with each character XML cannot carry shown as `#xHH` (`#xHHHH` above 0xFF), every other
+    character kept: what pytest's junitxml does to a property's value but not to its name."""
+    return _NOT_XML.sub(lambda m: f"#x{ord(m.group()):02X}", text)
+
+
+def junit_properties(result: TestResult) -> list[tuple[str, str]]:
+    """What `--junitxml` shows of a measured test: its status and peaks in bytes, per phase (a phase's
+    name with what XML cannot carry written as `#xHH`, so that the run's XML stays readable)."""
+    properties = [("gpumem_status", result.status.value)]
+    if result.call is not None:
+        properties.append(("gpumem_peak_bytes", str(result.call.peak_bytes)))
+    properties += [
+        (_xml_text(f"gpumem_peak_bytes[{name}]"), str(phase.peak_bytes)) for name, phase in result.phases.items()
+    ]
+    return properties
