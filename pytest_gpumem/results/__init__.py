@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -84,6 +84,28 @@ class Status(str, Enum):
     def leaves_evidence(self) -> bool:
         """Whether the test leaves its memory trace in --gpumem-snapshot-dir."""
         return self in (Status.OUT_OF_MEMORY, Status.LEAKED, Status.OVER_BUDGET, Status.REGRESSED)
+
+
+PRECEDENCE = (
+    Status.OUT_OF_MEMORY,
+    Status.OVER_BUDGET,
+    Status.LEAKED,
+    Status.REGRESSED,
+    Status.GRADIENTS_CHANGED,
+    Status.MISSING_BASELINE,
+    Status.ERROR,
+    Status.XPASS,
+    Status.XFAILED,
+    Status.IMPROVED,
+    Status.NEW,
+    Status.OK,
+)
+"""The statuses, the worst first: of two that apply to a test, the earlier is its status."""
+
+
+def first_of(statuses: Iterable[Status]) -> Status:
+    """The worst of `statuses` (`PRECEDENCE`), OK when there is none."""
+    return min(statuses, key=PRECEDENCE.index, default=Status.OK)
 
 
 @dataclass(frozen=True)

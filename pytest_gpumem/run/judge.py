@@ -4,10 +4,9 @@ own), its baseline, and the result it leaves for the report, the hooks and the x
 from __future__ import annotations
 
 import dataclasses
-import json
 import warnings
-from collections.abc import Generator, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import Generator, Mapping, Sequence
+from typing import TYPE_CHECKING, NoReturn
 
 import pytest
 
@@ -21,13 +20,13 @@ from pytest_gpumem.measure.oom_and_leaks import (
     release_memory,
     uninitialized_in_ours,
 )
-from pytest_gpumem.measure.record import CallRecord
 from pytest_gpumem.measure.watch import Watch
-from pytest_gpumem.outcome import Outcome, judge, result_of
+from pytest_gpumem.outcome import Outcome, judge, out_of_memory, result_of, unmeasurable, unmeasured_result
+from pytest_gpumem.reasons import OutOfMemory, Raised, Reason, Unmeasurable
 from pytest_gpumem.report import failures
 from pytest_gpumem.report.advice_text import advice_section
-from pytest_gpumem.report.failures import FailureLine, out_of_memory_message
-from pytest_gpumem.results import PhaseResult, Status, TestResult
+from pytest_gpumem.report.failures import FailureLine
+from pytest_gpumem.results import PhaseResult, TestResult
 from pytest_gpumem.run import test_files
 from pytest_gpumem.run.hand_over import settle
 from pytest_gpumem.run.late_markers import device_too_late
@@ -37,6 +36,7 @@ from pytest_gpumem.run.session import JUDGE, MEASUREMENT_KEY, GpuMemSession
 if TYPE_CHECKING:
     from pytest_gpumem.config import Options
     from pytest_gpumem.measure.measurement import Measurement
+    from pytest_gpumem.measure.record import CallRecord
     from pytest_gpumem.run.regression import Judgement
 
 _RESULT_KEY = pytest.StashKey[TestResult]()  # the call's result, until its report is made
@@ -70,34 +70,11 @@ def _watch_of(options: Options, budget: Budget | None) -> Watch:
     return Watch.of(budget, options.capacity, options.leak, evidence=evidence, explain=options.explain)
 
 
-def within_slack(call: PhaseResult, phases: dict[str, PhaseResult], slack: int) -> bool:
+def within_slack(call: PhaseResult, phases: Mapping[str, PhaseResult], slack: int) -> bool:
     """Whether the test allocated something and every peak (the call's and each phase's) is at most `slack`
     bytes: a baseline could never fail it, as the slack alone allows that much over any baseline. (A test
     that allocates nothing is left to the comparison, which counts it in the run's summary.)"""
     return 0 < max(phase.peak_bytes for phase in [call, *phases.values()]) <= slack
-
-
-def _not_json(info: object) -> str | None:
-    """Why `info` cannot travel as JSON (to the report, the file, the xdist controller), or None."""
-    if not isinstance(info, dict):
-        return f"it was set to a {type(info).__name__}, not a dict"
-    try:
-        json.dumps(info, allow_nan=False)
-    except (TypeError, ValueError, RecursionError) as exc:
-        return str(exc)
-    return None
-
-
-def _plain_info(info: object) -> dict[str, Any]:
-    """`info` in plain JSON types (a torch.Size becomes a list, a numpy float a float), or a description."""
-    if _not_json(info) is None:
-        plain: dict[str, Any] = json.loads(json.dumps(info, allow_nan=False))
-        return plain
-    try:
-        text = repr(info)
-    except Exception:
-        text = f"<{type(info).__name__} whose repr raised>"
-    return {"unreadable": text[:1000]}
 
 
 def breakdown(call: PhaseResult, phases: dict[str, PhaseResult]) -> str:
@@ -122,14 +99,12 @@ def _expected(item: pytest.Item, exc: BaseException) -> bool:
     return raises is None or (isinstance(raises, (type, tuple)) and isinstance(exc, raises))
 
 
-def _memory_failure(
-    measured: Measurement, budget: Budget | None, exc: BaseException, capacity: Limit | None
-) -> tuple[Status, FailureLine] | None:
-    """(status, its line) for an error that is about memory, not the test's code."""
+def _memory_failure(measured: Measurement, exc: BaseException, capacity: Limit | None) -> Reason | None:
+    """Why the call stopped, for an error that is about memory or its measurement, not the test's code."""
     if is_out_of_memory(exc):
-        return Status.OUT_OF_MEMORY, out_of_memory_message(measured, budget, exc, capacity)
+        return out_of_memory(exc, capacity)
     meta = needs_real_values(exc, measured.device) or uninitialized_in_ours(exc)
-    return None if meta is None else (Status.ERROR, FailureLine(f"{measured.nodeid}: {meta}"))
+    return None if meta is None else Unmeasurable(measured.nodeid, meta)
 
 
 def _fail(message: str) -> NoReturn:
@@ -184,12 +159,12 @@ class Judge:
             watch = watch.explaining(session.baselines.explains(item.nodeid, measured.backend))
             watch.apply(measured.backend, measured)
         except ModelError as exc:
-            error = f"{item.nodeid}: {exc}"
+            refused = Unmeasurable(item.nodeid, str(exc))
         else:
             return (yield from self._measured(item, measured, budget, watch, asked))
-        result = TestResult(item.nodeid, session.backend_name, "", None, status=Status.ERROR, message=error)
-        self._keep(item, result)
-        _fail(error)
+        failure = failures.plain_line(refused)
+        self._keep(item, unmeasured_result(session.backend_name, refused, failure))
+        _fail(failure.line)
 
     def _measured(
         self, item: pytest.Item, measured: Measurement, budget: Budget | None, watch: Watch, asked: bool
@@ -200,29 +175,29 @@ class Judge:
         try:
             outcome = yield
         except ModelError as exc:
-            status, failure = Status.ERROR, FailureLine(f"{item.nodeid}: {exc}")
+            stopped: Reason = Unmeasurable(item.nodeid, str(exc))
         except (pytest.skip.Exception, pytest.xfail.Exception):
             measured.end()
             raise
         except BaseException as exc:
-            memory = _memory_failure(measured, budget, exc, watch.capacity)
+            memory = _memory_failure(measured, exc, watch.capacity)
             if memory is None:
                 try:
-                    self._finish(item, measured, budget, Status.ERROR, FailureLine(one_line(exc)))
+                    self._stopped(item, measured, budget, Raised(one_line(exc)))
                 finally:
                     measured.end_if_running()
                 raise
-            status, failure = memory
+            stopped = memory
             if _expected(item, exc):  # xfail(raises=...): the test behaves as it does unmeasured
-                self._finish(item, measured, budget, status, failure)
+                self._stopped(item, measured, budget, stopped)
                 raise
             exc.__traceback__ = None  # its frames hold the test's tensors
         else:
             self._judge(item, measured, budget, watch, asked)
             return outcome
-        if status == Status.OUT_OF_MEMORY:
+        if isinstance(stopped, OutOfMemory):
             release_memory()
-        record = self._finish(item, measured, budget, status, failure)
+        record, failure = self._stopped(item, measured, budget, stopped)
         detail = failure.section() + "\n" + breakdown(record.call, dict(record.phases))
         if detail:
             item.add_report_section("call", "gpumem", detail.removeprefix("\n"))
@@ -232,26 +207,18 @@ class Judge:
         self, item: pytest.Item, measured: Measurement, budget: Budget | None, watch: Watch, asked: bool
     ) -> None:
         record = measured.end()
-        bad_info = _not_json(record.info)
-        if bad_info:
-            message = f"gpumem.info must be a dict of JSON values (str, numbers, lists, dicts): {bad_info}"
-            self._error(item, record, budget, f"{item.nodeid}: {message}")
-        unopened = [] if budget is None else budget.unopened(record.phases)
-        if unopened:
-            opened = ", ".join(record.phases) or "none"
-            message = f"max_memory names phase {unopened[0]!r} that the test never opened (opened: {opened})"
-            self._error(item, record, budget, f"{item.nodeid}: {message}")
-        judgement = self._baseline(item, measured, budget, record.call, asked)
-        outcome = judge(record, budget, watch.leak, judgement)
-        status, failure = outcome.status, outcome.failure
-        if budget is not None or judgement is not None or status == Status.LEAKED or _has_detail(record):
+        refused = unmeasurable(record, budget)
+        judgement = None if refused is not None else self._baseline(item, measured, record, budget, asked)
+        outcome = judge(record, budget, watch.leak, judgement, refused)
+        failure = _line(outcome, record, budget)
+        if refused is None and (budget is not None or judgement is not None or outcome.reasons or _has_detail(record)):
             item.add_report_section("call", "gpumem", _section(record, judgement, failure))
-        self._finish(item, record, budget, status, failure, judgement)
+        self._finish(item, record, budget, outcome, failure, judgement)
         if failure is not None and failure.line:
             _fail(failure.line)
 
     def _baseline(
-        self, item: pytest.Item, measured: Measurement, budget: Budget | None, call: PhaseResult, asked: bool
+        self, item: pytest.Item, measured: Measurement, record: CallRecord, budget: Budget | None, asked: bool
     ) -> Judgement | None:
         """The test's comparison with its baseline, None without baselines. A test measured only for
         --gpumem-all whose peaks all stay within the slack needs none (also under --gpumem-strict), and
@@ -259,34 +226,36 @@ class Judge:
         baselines = self.session.baselines
         if not baselines.active:
             return None
-        if not asked and within_slack(call, measured.phases, baselines.options.slack):
+        if not asked and within_slack(record.call, record.phases, baselines.options.slack):
             return None
-        return baselines.judge(item.nodeid, measured, budget)
+        return baselines.judge(record, measured.backend, budget)
 
-    def _error(self, item: pytest.Item, record: CallRecord, budget: Budget | None, message: str) -> NoReturn:
-        """Record the test as an error and fail it with one line."""
-        self._finish(item, record, budget, Status.ERROR, FailureLine(message))
-        _fail(message)
+    def _stopped(
+        self, item: pytest.Item, measured: Measurement, budget: Budget | None, reason: Reason
+    ) -> tuple[CallRecord, FailureLine]:
+        """End the call that `reason` stopped and keep its result; its record and its line."""
+        record = measured.end()
+        outcome = judge(record, budget, None, None, reason)
+        failure = failures.failure_line(reason, record, budget)
+        self._finish(item, record, budget, outcome, failure)
+        return record, failure
 
     def _finish(
         self,
         item: pytest.Item,
-        ended: CallRecord | Measurement,
+        record: CallRecord,
         budget: Budget | None,
-        status: Status,
+        outcome: Outcome,
         failure: FailureLine | None,
         judgement: Judgement | None = None,
-    ) -> CallRecord:
-        """Keep the test's result and its files (ending its measurement first, when it still runs)."""
-        record = ended if isinstance(ended, CallRecord) else ended.end()
+    ) -> None:
+        """Keep the test's result and its files."""
         assignment = self.session.assignment
         worker_device = None if assignment is None else assignment.describe()
-        outcome = Outcome(status, failure)
-        result = result_of(record, outcome, budget, judgement, _plain_info(record.info), worker_device)
+        result = result_of(record, outcome, failure, budget, judgement, worker_device)
         self._write_files(item, result, record)
         self._keep(item, result)
         _warn_notes(item, list(record.notes))  # after: under `filterwarnings = error` a note fails the test here
-        return record
 
     def _keep(self, item: pytest.Item, result: TestResult) -> None:
         """The result joins the run's and waits for its report, where pytest's verdict settles it and the
@@ -323,6 +292,11 @@ class Judge:
             del item.stash[_RESULT_KEY]
             settle(item, result, report)
         return report
+
+
+def _line(outcome: Outcome, record: CallRecord, budget: Budget | None) -> FailureLine | None:
+    """The outcome's line, as `report/` phrases its first reason (None when it passes)."""
+    return None if outcome.reason is None else failures.failure_line(outcome.reason, record, budget)
 
 
 def _has_detail(record: CallRecord) -> bool:
