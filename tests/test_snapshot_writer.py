@@ -260,16 +260,15 @@ def test_a_distributed_tests_snapshot_is_not_written_empty_and_its_notes_say_why
 
     from pytest_gpumem.backends.tracker.ledger import StorageLedger
     from pytest_gpumem.results import TestResult
-    from pytest_gpumem.run.test_files import TorchSnapshot
+    from pytest_gpumem.run.test_files import NotWritten, TorchSnapshot
 
     item = SimpleNamespace(stash=pytest.Stash(), nodeid="test_d.py::test_world")
     files = TorchSnapshot(tmp_path)
     measured = SimpleNamespace(backend=SimpleNamespace(ledger=StorageLedger("cuda")))
     assert files.begin(item, measured) is None  # type: ignore[arg-type]
     result = TestResult("test_d.py::test_world", "tracker", "meta", None, distributed=[{"world_size": 2}])
-    assert files.write(item, measured, result, None) is None  # type: ignore[arg-type]
-    assert not list(tmp_path.iterdir())
-    assert result.notes == [
+    assert files.write(item, measured, result, None) == NotWritten(  # type: ignore[arg-type]
         "--gpumem-torch-snapshots: no snapshot written: this test's memory is its distributed ranks', measured "
         "in their own processes, and a snapshot holds the test's own process"
-    ]
+    )
+    assert not list(tmp_path.iterdir())

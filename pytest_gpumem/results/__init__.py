@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pytest_gpumem.errors import GpuMemError, first_line
@@ -167,9 +168,11 @@ class PhaseResult:
 _PHASE_KEYS = ("peak_bytes", "requested_peak_bytes", "reserved_peak_bytes", "net_bytes", "count")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TestResult:
-    """Everything measured for one test call, plus its budget and verdict.
+    """Everything measured for one test call, plus its budget and verdict: a value, never changed once
+    made (a change is a new result, `dataclasses.replace`); a `pytest_gpumem_result` hook is handed a copy
+    whose fields it may set, which then replaces the result (`run/hand_over.py`).
 
     `info` is the test's own `gpumem.info`; what pytest-gpumem measured on request has fields of its
     own: `fits` (each `gpumem.fit()`'s sentence), `advice` (the last `gpumem.advise()`), `distributed`
@@ -185,26 +188,32 @@ class TestResult:
     backend: str
     device: str
     call: PhaseResult | None
-    phases: dict[str, PhaseResult] = field(default_factory=dict)
+    phases: Mapping[str, PhaseResult] = field(default_factory=dict)  # read-only once made
     budget_limits: dict[str, Any] | None = None
     budget_text: str | None = None
     status: Status = Status.OK
     message: str | None = None
-    detail: list[str] = field(default_factory=list)  # what the one-line message left to the report section
-    info: dict[str, Any] = field(default_factory=dict)
+    detail: Sequence[str] = ()  # what the one-line message left to the report section (a tuple once made)
+    info: dict[str, Any] = field(default_factory=dict)  # the test's own, in JSON types
     verdict: Verdict | None = None
     baseline_entry: Entry | None = None
-    notes: list[str] = field(default_factory=list)
+    notes: Sequence[str] = ()
     worker_device: str | None = None  # under --gpumem-devices: which of the caller's devices a worker used
     explanation: Explanation | None = None  # what made each peak (pytest_gpumem.explain.composition), when asked for
     html_path: str | None = None  # the picture of an explained test (--gpumem-html)
-    fits: list[str] = field(default_factory=list)
+    fits: Sequence[str] = ()
     advice: Advice | None = None
-    distributed: list[dict[str, Any]] = field(default_factory=list)
-    simulated: list[dict[str, int]] = field(default_factory=list)
+    distributed: Sequence[dict[str, Any]] = ()
+    simulated: Sequence[dict[str, int]] = ()
 
-    def __setattr__(self, name: str, value: object) -> None:
-        super().__setattr__(name, Status.of(value) if name == "status" else value)
+    def __post_init__(self) -> None:
+        """The status as a `Status` (a word is one: what a hook may set), sequences as tuples and the phases
+        read-only, however they were given."""
+        setting = object.__setattr__  # the one place a result's fields are set: as it is made
+        setting(self, "status", Status.of(self.status))
+        setting(self, "phases", MappingProxyType(dict(self.phases)))
+        for name in ("detail", "notes", "fits", "distributed", "simulated"):
+            setting(self, name, tuple(getattr(self, name)))
 
     @property
     def peak_bytes(self) -> int | None:
@@ -223,18 +232,18 @@ class TestResult:
             "budget_text": self.budget_text,
             "status": self.status.value,
             "message": self.message,
-            "detail": self.detail,
+            "detail": list(self.detail),
             "info": self.info,
             "baseline": None if self.verdict is None else self.verdict.to_json(),
             "record": None if self.baseline_entry is None else self.baseline_entry.to_json(),
-            "notes": self.notes,
+            "notes": list(self.notes),
             "worker_device": self.worker_device,
             "explanation": None if self.explanation is None else self.explanation.to_json(),
             "html": self.html_path,
-            "fits": self.fits,
+            "fits": list(self.fits),
             "advice": None if self.advice is None else self.advice.to_json(),
-            "distributed": self.distributed,
-            "simulated": self.simulated,
+            "distributed": list(self.distributed),
+            "simulated": list(self.simulated),
         }
 
     @classmethod

@@ -28,7 +28,7 @@ from pytest_gpumem.report.advice_text import advice_section
 from pytest_gpumem.report.failures import FailureLine
 from pytest_gpumem.results import PhaseResult, TestResult
 from pytest_gpumem.run import test_files
-from pytest_gpumem.run.hand_over import settle
+from pytest_gpumem.run.hand_over import hand_over
 from pytest_gpumem.run.late_markers import device_too_late
 from pytest_gpumem.run.outputs import WRITE_ERRORS
 from pytest_gpumem.run.session import JUDGE, MEASUREMENT_KEY, GpuMemSession
@@ -253,8 +253,7 @@ class Judge:
         assignment = self.session.assignment
         worker_device = None if assignment is None else assignment.describe()
         result = result_of(record, outcome, failure, budget, judgement, worker_device)
-        self._write_files(item, result, record)
-        self._keep(item, result)
+        self._keep(item, self._write_files(item, result, record))
         _warn_notes(item, list(record.notes))  # after: under `filterwarnings = error` a note fails the test here
 
     def _keep(self, item: pytest.Item, result: TestResult) -> None:
@@ -269,28 +268,33 @@ class Judge:
             if problem is not None and problem not in self.session.problems:
                 self.session.problems.append(problem)
 
-    def _write_files(self, item: pytest.Item, result: TestResult, record: CallRecord) -> None:
-        """The files the options chose that the test leaves, each named in its report section; a write that
-        fails is said once at the end of the run, in one line, and the test's outcome stands."""
+    def _write_files(self, item: pytest.Item, result: TestResult, record: CallRecord) -> TestResult:
+        """The files the options chose that the test leaves, each named in its report section; the result
+        with what it keeps of them. A write that fails is said once at the end of the run, in one line, and
+        the test's outcome stands."""
         measured = self.session.measurement(item)
         for file in self.files:
             try:
-                path = file.write(item, measured, result, record)
+                written = file.write(item, measured, result, record)
             except WRITE_ERRORS as exc:
                 self.session.problems.append(f"{file.flag}: cannot write the {file.noun} of {item.nodeid}: {exc}")
                 continue
-            if path is not None:
-                file.keep(result, path, self.session.config.rootpath)
-                item.add_report_section("call", file.section, f"{file.label}: {path}")
+            if isinstance(written, test_files.NotWritten):
+                result = dataclasses.replace(result, notes=(*result.notes, written.why))
+            elif written is not None:
+                result = file.keep(result, written, self.session.config.rootpath)
+                item.add_report_section("call", file.section, f"{file.label}: {written}")
+        return result
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_makereport(self, item: pytest.Item) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-        """The call's report carries the measured test's settled result (`hand_over.settle`)."""
+        """The call's report carries the measured test's final result (`hand_over`), which replaces the one
+        the run kept when the call ended."""
         report = yield
         result = item.stash.get(_RESULT_KEY, None)
         if result is not None and report.when == "call":
             del item.stash[_RESULT_KEY]
-            settle(item, result, report)
+            self.session.add(hand_over(item, result, report))
         return report
 
 

@@ -5,6 +5,7 @@ test's report section."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -17,13 +18,23 @@ import pytest
 from pytest_gpumem.files import replace_atomically
 from pytest_gpumem.run.outputs import file_stem, shown_from, write_picture, write_trace
 
-__all__ = ["TEST_FILES", "PerTestFile", "Picture", "TorchSnapshot", "Trace", "chosen"]
+__all__ = ["TEST_FILES", "NotWritten", "PerTestFile", "Picture", "TorchSnapshot", "Trace", "Written", "chosen"]
 
 if TYPE_CHECKING:
     from pytest_gpumem.backends.tracker.torch_snapshot import RecordedModel
     from pytest_gpumem.measure.measurement import Measurement
     from pytest_gpumem.measure.record import CallRecord
     from pytest_gpumem.results import TestResult
+
+
+@dataclass(frozen=True)
+class NotWritten:
+    """Why a test that would leave a file leaves none: a note its result keeps."""
+
+    why: str
+
+
+Written = Path | NotWritten | None
 
 
 @dataclass(frozen=True)
@@ -41,31 +52,32 @@ class PerTestFile(ABC):
         return None
 
     @abstractmethod
-    def write(self, item: pytest.Item, measured: Measurement, result: TestResult, record: CallRecord) -> Path | None:
-        """Write the test's file; returns it, or None when the test leaves none."""
+    def write(self, item: pytest.Item, measured: Measurement, result: TestResult, record: CallRecord) -> Written:
+        """Write the test's file; returns it, None when the test leaves none, or why it is not written (a
+        note the test's result keeps)."""
 
-    def keep(self, result: TestResult, path: Path, root: Path) -> None:
-        """What the result keeps of the file written (nothing, but for the picture the report links)."""
-        return None
+    def keep(self, result: TestResult, path: Path, root: Path) -> TestResult:
+        """The result with what it keeps of the file written (nothing, but for the picture the report links)."""
+        return result
 
 
 class Picture(PerTestFile):
     flag, noun, section, label = "--gpumem-html", "picture", "gpumem picture", "memory over time"
 
-    def write(self, item: pytest.Item, measured: Measurement, result: TestResult, record: CallRecord) -> Path | None:
+    def write(self, item: pytest.Item, measured: Measurement, result: TestResult, record: CallRecord) -> Written:
         """The explained test's memory over time, and its advice, one self-contained page."""
         if result.explanation is None:
             return None
         return write_picture(self.folder, result.explanation, record.advice)
 
-    def keep(self, result: TestResult, path: Path, root: Path) -> None:
-        result.html_path = shown_from(path, root)
+    def keep(self, result: TestResult, path: Path, root: Path) -> TestResult:
+        return dataclasses.replace(result, html_path=shown_from(path, root))
 
 
 class Trace(PerTestFile):
     flag, noun, section, label = "--gpumem-snapshot-dir", "trace", "gpumem evidence", "memory trace"
 
-    def write(self, item: pytest.Item, measured: Measurement, result: TestResult, record: CallRecord) -> Path | None:
+    def write(self, item: pytest.Item, measured: Measurement, result: TestResult, record: CallRecord) -> Written:
         """The memory trace of a test that failed on memory."""
         if not result.status.leaves_evidence:
             return None
@@ -90,7 +102,7 @@ class TorchSnapshot(PerTestFile):
         item.stash[_RECORDED_KEY] = recorded
         return None
 
-    def write(self, item: pytest.Item, measured: Measurement, result: TestResult, record: CallRecord) -> Path | None:
+    def write(self, item: pytest.Item, measured: Measurement, result: TestResult, record: CallRecord) -> Written:
         """Every measured test's prediction as a torch memory snapshot, which memory_viz opens and
         `pytest-gpumem replay` reads (once: a later call of the judge finds nothing)."""
         recorded = item.stash.get(_RECORDED_KEY, None)
@@ -98,11 +110,10 @@ class TorchSnapshot(PerTestFile):
             return None
         del item.stash[_RECORDED_KEY]
         if result.distributed and not recorded.events:  # the ranks' memory was in their own processes
-            result.notes.append(
+            return NotWritten(
                 f"{self.flag}: no snapshot written: this test's memory is its distributed ranks', measured in "
                 "their own processes, and a snapshot holds the test's own process"
             )
-            return None
         from pytest_gpumem.backends.tracker.torch_snapshot import snapshot_bytes, snapshot_of
 
         path = self.folder / f"{file_stem(item.nodeid)}.pickle"
