@@ -39,7 +39,7 @@ def hand_over(item: pytest.Item, result: TestResult, report: pytest.TestReport) 
     return result
 
 
-class _Draft(TestResult):
+class ResultDraft(TestResult):
     """The copy of a result that a `pytest_gpumem_result` hook is handed: the hook may set its fields (a
     status as its word) and change its lists and dicts, and what it leaves becomes the result that
     replaces the original; the original is never changed."""
@@ -54,7 +54,7 @@ class _Draft(TestResult):
         object.__setattr__(self, name, Status.of(value) if name == "status" else value)
 
     @classmethod
-    def of(cls, result: TestResult) -> _Draft:
+    def of(cls, result: TestResult) -> ResultDraft:
         """A copy of `result` that shares nothing the hook can change (`info` is JSON: copied through it)."""
         values = {field.name: getattr(result, field.name) for field in dataclasses.fields(result)}
         return cls(**{**values, "info": json.loads(json.dumps(result.info))})
@@ -68,7 +68,7 @@ def _after_hook(item: pytest.Item, result: TestResult, report: pytest.TestReport
     text. A hook that raises or leaves what the report cannot hold fails this one test in one line (a test
     that failed on its own keeps its failure, the line beside it); the result stays what it was before the
     hook, and the run's other tests, its report and its files carry on."""
-    draft = _Draft.of(result)
+    draft = ResultDraft.of(result)
     try:
         item.config.hook.pytest_gpumem_result(item=item, result=draft)
         return _checked(draft)
@@ -98,7 +98,7 @@ def _hook_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
-def _checked(draft: _Draft) -> tuple[TestResult, str]:
+def _checked(draft: ResultDraft) -> tuple[TestResult, str]:
     """The result the hook left and its JSON text, or a `GpuMemError` saying what in it JSON (or the xdist
     controller, which reads it back) cannot hold."""
     if not isinstance(draft.info, dict):

@@ -20,7 +20,7 @@ from pytest_gpumem.measure.oom_and_leaks import (
     release_memory,
     uninitialized_in_ours,
 )
-from pytest_gpumem.measure.watch import Watch
+from pytest_gpumem.measure.terms import Terms
 from pytest_gpumem.outcome import Outcome, judge, out_of_memory, result_of, unmeasurable, unmeasured_result
 from pytest_gpumem.reasons import OutOfMemory, Raised, Reason, Unmeasurable
 from pytest_gpumem.report import failures
@@ -64,10 +64,10 @@ def _with_default(budget: Budget | None, default: Budget | None) -> Budget | Non
     return default if budget is None else dataclasses.replace(budget, total=default.total)
 
 
-def _watch_of(options: Options, budget: Budget | None) -> Watch:
-    """What the test is held to beyond its peaks, from its budget and the run's options."""
+def _terms_of(options: Options, budget: Budget | None) -> Terms:
+    """What the test runs on beyond its peaks, from its budget and the run's options."""
     evidence = options.snapshot_dir is not None
-    return Watch.of(budget, options.capacity, options.leak, evidence=evidence, explain=options.explain)
+    return Terms.of(budget, options.capacity, options.leak, evidence=evidence, explain=options.explain)
 
 
 def within_slack(call: PhaseResult, phases: Mapping[str, PhaseResult], slack: int) -> bool:
@@ -154,20 +154,20 @@ class Judge:
             late = device_too_late(item, measured)
             if late is not None:
                 raise GpuMemError(late)
-            watch = _watch_of(session.options, budget)
-            watch.predict_card(measured.backend)  # the identity its baseline is stored under names the card's
-            watch = watch.explaining(session.baselines.explains(item.nodeid, measured.backend))
-            watch.apply(measured.backend, measured)
+            terms = _terms_of(session.options, budget)
+            measured.backend.predict_card(terms.card)  # before the baseline is looked up: its identity names the card
+            terms = terms.explaining(session.baselines.explains(item.nodeid, measured.backend))
+            measured.set_up(terms)
         except ModelError as exc:
             refused = Unmeasurable(item.nodeid, str(exc))
         else:
-            return (yield from self._measured(item, measured, budget, watch, asked))
+            return (yield from self._measured(item, measured, budget, terms, asked))
         failure = failures.plain_line(refused)
         self._keep(item, unmeasured_result(session.backend_name, refused, failure))
         _fail(failure.line)
 
     def _measured(
-        self, item: pytest.Item, measured: Measurement, budget: Budget | None, watch: Watch, asked: bool
+        self, item: pytest.Item, measured: Measurement, budget: Budget | None, terms: Terms, asked: bool
     ) -> Generator[None, object, object]:
         __tracebackhide__ = True
         measured.begin()
@@ -180,7 +180,7 @@ class Judge:
             measured.end()
             raise
         except BaseException as exc:
-            memory = _memory_failure(measured, exc, watch.capacity)
+            memory = _memory_failure(measured, exc, terms.capacity)
             if memory is None:
                 try:
                     self._stopped(item, measured, budget, Raised(one_line(exc)))
@@ -193,7 +193,7 @@ class Judge:
                 raise
             exc.__traceback__ = None  # its frames hold the test's tensors
         else:
-            self._judge(item, measured, budget, watch, asked)
+            self._judge(item, measured, budget, terms, asked)
             return outcome
         if isinstance(stopped, OutOfMemory):
             release_memory()
@@ -204,12 +204,12 @@ class Judge:
         _fail(failure.line)
 
     def _judge(
-        self, item: pytest.Item, measured: Measurement, budget: Budget | None, watch: Watch, asked: bool
+        self, item: pytest.Item, measured: Measurement, budget: Budget | None, terms: Terms, asked: bool
     ) -> None:
         record = measured.end()
         refused = unmeasurable(record, budget)
         judgement = None if refused is not None else self._baseline(item, measured, record, budget, asked)
-        outcome = judge(record, budget, watch.leak, judgement, refused)
+        outcome = judge(record, budget, terms.leak, judgement, refused)
         failure = _line(outcome, record, budget)
         if refused is None and (budget is not None or judgement is not None or outcome.reasons or _has_detail(record)):
             item.add_report_section("call", "gpumem", _section(record, judgement, failure))
