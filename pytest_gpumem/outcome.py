@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from cuda_allocator_model import exception_text
+from pytest_gpumem.errors import one_line
+from pytest_gpumem.measure.oom_and_leaks import is_out_of_memory, needs_real_values, uninitialized_in_ours
 from pytest_gpumem.measure.regions import phase_left_by
 from pytest_gpumem.reasons import (
     AllocatorState,
@@ -147,6 +149,15 @@ def out_of_memory(exc: BaseException, capacity: Limit | None) -> OutOfMemory:
     error = getattr(exc, "allocator_error", None)
     state = None if error is None else AllocatorState(error.reserved, error.allocated, error.requested)
     return OutOfMemory(phase_left_by(exc), asked.group(1) if asked else None, capacity, state)
+
+
+def stopped_by(exc: BaseException, nodeid: str, device: object, capacity: Limit | None) -> Reason:
+    """Why a call stopped on `exc`: out of memory, a measurement that cannot go on (an op on the meta
+    device that needs real values, an uninitialized Lazy module met in our code), else the test's own error."""
+    if is_out_of_memory(exc):
+        return out_of_memory(exc, capacity)
+    unmeasured = needs_real_values(exc, device) or uninitialized_in_ours(exc)
+    return Raised(one_line(exc)) if unmeasured is None else Unmeasurable(nodeid, unmeasured)
 
 
 def with_pytest(status: Status, failed: bool, skipped: bool, expected_failure: bool) -> Status:

@@ -8,12 +8,13 @@ there anyway."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cuda_allocator_model import format_size
 from pytest_gpumem.explain.text import made_of, over_limit
+from pytest_gpumem.explain.text import section as explained
 from pytest_gpumem.reasons import (
     AllocatorState,
     Leaked,
@@ -24,11 +25,12 @@ from pytest_gpumem.reasons import (
     Regressed,
     Unmeasurable,
 )
-from pytest_gpumem.report.advice_text import advice_clause
+from pytest_gpumem.report.advice_text import advice_clause, advice_section
 
 if TYPE_CHECKING:
     from pytest_gpumem.budget import Budget, Limit
     from pytest_gpumem.measure.record import CallRecord
+    from pytest_gpumem.results import PhaseResult
 
 LINE_WIDTH = 200  # characters of a failure line: what reads at a glance, wrapped once at 120 columns
 _JOINERS = ("; ", ", ", ": ")
@@ -223,6 +225,30 @@ def leak_message(record: CallRecord, leak: Limit, net_bytes: int) -> FailureLine
     found = fit_line(head, [parts, largest], shown=[largest])
     by_module = () if holding is None else tuple(holding.by_module(format_size))
     return FailureLine(found.line, (*found.detail, *by_module))
+
+
+def breakdown(call: PhaseResult, phases: Mapping[str, PhaseResult]) -> str:
+    """The report section of a measured test: every phase and the whole call."""
+    lines = []
+    for phase in [*phases.values(), call]:
+        shown = phase.reserved_peak_bytes
+        reserved = "" if shown is None else f", reserved {format_size(shown)} in all"
+        lines.append(
+            f"{phase.name}: peak {format_size(phase.peak_bytes)} (requested {format_size(phase.requested_peak_bytes)}"
+            f"{reserved}), net {format_size(phase.net_bytes)}, entered {phase.count}x"
+        )
+    return "\n".join(lines)
+
+
+def report_section(record: CallRecord, verdict: Sequence[str], failure: FailureLine | None) -> str:
+    """The report section of a test that ran to the end: what its failure line left out, phases,
+    survivors, explanation, advice, the baseline's `verdict` lines, notes."""
+    section = failure.section().removeprefix("\n") + "\n" if failure is not None and failure.detail else ""
+    section += breakdown(record.call, record.phases) + survivors_section(record)
+    section += explained(record.explanation) + advice_section(record.advice)
+    if verdict:
+        section += "\n" + "\n".join(verdict)
+    return section + "".join(f"\nnote: {note}" for note in record.notes)
 
 
 def survivors_section(record: CallRecord) -> str:

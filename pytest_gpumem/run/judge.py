@@ -10,27 +10,19 @@ from typing import TYPE_CHECKING, NoReturn
 
 import pytest
 
-from cuda_allocator_model import ModelError, format_size
-from pytest_gpumem.budget import MARKER, Budget, Limit, all_of, budget_from_marker, closest_first
-from pytest_gpumem.errors import GpuMemError, GpuMemWarning, one_line
-from pytest_gpumem.explain.text import section as explained
-from pytest_gpumem.measure.oom_and_leaks import (
-    is_out_of_memory,
-    needs_real_values,
-    release_memory,
-    uninitialized_in_ours,
-)
+from cuda_allocator_model import ModelError
+from pytest_gpumem.budget import MARKER, Budget, all_of, budget_from_marker, closest_first
+from pytest_gpumem.errors import GpuMemError, GpuMemWarning
+from pytest_gpumem.measure.oom_and_leaks import release_memory
 from pytest_gpumem.measure.terms import Terms
-from pytest_gpumem.outcome import Outcome, judge, out_of_memory, result_of, unmeasurable, unmeasured_result
+from pytest_gpumem.outcome import Outcome, judge, result_of, stopped_by, unmeasurable, unmeasured_result
 from pytest_gpumem.reasons import OutOfMemory, Raised, Reason, Unmeasurable
 from pytest_gpumem.report import failures
-from pytest_gpumem.report.advice_text import advice_section
 from pytest_gpumem.report.failures import FailureLine
 from pytest_gpumem.results import PhaseResult, TestResult
 from pytest_gpumem.run import test_files
 from pytest_gpumem.run.hand_over import hand_over
 from pytest_gpumem.run.late_markers import device_too_late
-from pytest_gpumem.run.outputs import WRITE_ERRORS
 from pytest_gpumem.run.session import JUDGE, MEASUREMENT_KEY, GpuMemSession
 
 if TYPE_CHECKING:
@@ -77,19 +69,6 @@ def within_slack(call: PhaseResult, phases: Mapping[str, PhaseResult], slack: in
     return 0 < max(phase.peak_bytes for phase in [call, *phases.values()]) <= slack
 
 
-def breakdown(call: PhaseResult, phases: dict[str, PhaseResult]) -> str:
-    """The report section of a measured test: every phase and the whole call."""
-    lines = []
-    for phase in [*phases.values(), call]:
-        shown = phase.reserved_peak_bytes
-        reserved = "" if shown is None else f", reserved {format_size(shown)} in all"
-        lines.append(
-            f"{phase.name}: peak {format_size(phase.peak_bytes)} (requested {format_size(phase.requested_peak_bytes)}"
-            f"{reserved}), net {format_size(phase.net_bytes)}, entered {phase.count}x"
-        )
-    return "\n".join(lines)
-
-
 def _expected(item: pytest.Item, exc: BaseException) -> bool:
     """Whether an xfail marker expects this very exception (then pytest, not the plugin, judges it)."""
     mark = item.get_closest_marker("xfail")
@@ -97,14 +76,6 @@ def _expected(item: pytest.Item, exc: BaseException) -> bool:
         return False
     raises = mark.kwargs.get("raises")
     return raises is None or (isinstance(raises, (type, tuple)) and isinstance(exc, raises))
-
-
-def _memory_failure(measured: Measurement, exc: BaseException, capacity: Limit | None) -> Reason | None:
-    """Why the call stopped, for an error that is about memory or its measurement, not the test's code."""
-    if is_out_of_memory(exc):
-        return out_of_memory(exc, capacity)
-    meta = needs_real_values(exc, measured.device) or uninitialized_in_ours(exc)
-    return None if meta is None else Unmeasurable(measured.nodeid, meta)
 
 
 def _fail(message: str) -> NoReturn:
@@ -118,17 +89,6 @@ def _warn_notes(item: pytest.Item, notes: list[str]) -> None:
     path, line = item.location[0], (item.location[1] or 0) + 1
     for note in notes:
         warnings.warn_explicit(GpuMemWarning(f"{item.nodeid}: {note}"), GpuMemWarning, path, line)
-
-
-def _section(record: CallRecord, judgement: Judgement | None, failure: FailureLine | None) -> str:
-    """The report section of a test that ran to the end: what its failure line left out, phases,
-    survivors, explanation, advice, verdict."""
-    section = failure.section().removeprefix("\n") + "\n" if failure is not None and failure.detail else ""
-    section += breakdown(record.call, dict(record.phases)) + failures.survivors_section(record)
-    section += explained(record.explanation) + advice_section(record.advice)
-    if judgement is not None and judgement.verdict.messages:
-        section += "\n" + "\n".join(judgement.verdict.messages)
-    return section + "".join(f"\nnote: {note}" for note in record.notes)
 
 
 class Judge:
@@ -171,7 +131,7 @@ class Judge:
     ) -> Generator[None, object, object]:
         __tracebackhide__ = True
         measured.begin()
-        self._begin_files(item, measured)
+        test_files.begin(self.files, item, measured, self.session.problems)
         try:
             outcome = yield
         except ModelError as exc:
@@ -180,14 +140,13 @@ class Judge:
             measured.end()
             raise
         except BaseException as exc:
-            memory = _memory_failure(measured, exc, terms.capacity)
-            if memory is None:
+            stopped = stopped_by(exc, measured.nodeid, measured.device, terms.capacity)
+            if isinstance(stopped, Raised):  # the test's own error: pytest shows it, as unmeasured
                 try:
-                    self._stopped(item, measured, budget, Raised(one_line(exc)))
+                    self._stopped(item, measured, budget, stopped)
                 finally:
                     measured.end_if_running()
                 raise
-            stopped = memory
             if _expected(item, exc):  # xfail(raises=...): the test behaves as it does unmeasured
                 self._stopped(item, measured, budget, stopped)
                 raise
@@ -198,7 +157,7 @@ class Judge:
         if isinstance(stopped, OutOfMemory):
             release_memory()
         record, failure = self._stopped(item, measured, budget, stopped)
-        detail = failure.section() + "\n" + breakdown(record.call, dict(record.phases))
+        detail = failure.section() + "\n" + failures.breakdown(record.call, record.phases)
         if detail:
             item.add_report_section("call", "gpumem", detail.removeprefix("\n"))
         _fail(failure.line)
@@ -212,7 +171,8 @@ class Judge:
         outcome = judge(record, budget, terms.leak, judgement, refused)
         failure = _line(outcome, record, budget)
         if refused is None and (budget is not None or judgement is not None or outcome.reasons or _has_detail(record)):
-            item.add_report_section("call", "gpumem", _section(record, judgement, failure))
+            messages = () if judgement is None else judgement.verdict.messages
+            item.add_report_section("call", "gpumem", failures.report_section(record, messages, failure))
         self._finish(item, record, budget, outcome, failure, judgement)
         if failure is not None and failure.line:
             _fail(failure.line)
@@ -253,7 +213,10 @@ class Judge:
         assignment = self.session.assignment
         worker_device = None if assignment is None else assignment.describe()
         result = result_of(record, outcome, failure, budget, judgement, worker_device)
-        self._keep(item, self._write_files(item, result, record))
+        session = self.session
+        measured = session.measurement(item)
+        result = test_files.write(self.files, item, measured, result, record, session.config.rootpath, session.problems)
+        self._keep(item, result)
         _warn_notes(item, list(record.notes))  # after: under `filterwarnings = error` a note fails the test here
 
     def _keep(self, item: pytest.Item, result: TestResult) -> None:
@@ -261,30 +224,6 @@ class Judge:
         hook sees it (`pytest_runtest_makereport`)."""
         self.session.add(result)
         item.stash[_RESULT_KEY] = result
-
-    def _begin_files(self, item: pytest.Item, measured: Measurement) -> None:
-        for file in self.files:
-            problem = file.begin(item, measured)
-            if problem is not None and problem not in self.session.problems:
-                self.session.problems.append(problem)
-
-    def _write_files(self, item: pytest.Item, result: TestResult, record: CallRecord) -> TestResult:
-        """The files the options chose that the test leaves, each named in its report section; the result
-        with what it keeps of them. A write that fails is said once at the end of the run, in one line, and
-        the test's outcome stands."""
-        measured = self.session.measurement(item)
-        for file in self.files:
-            try:
-                written = file.write(item, measured, result, record)
-            except WRITE_ERRORS as exc:
-                self.session.problems.append(f"{file.flag}: cannot write the {file.noun} of {item.nodeid}: {exc}")
-                continue
-            if isinstance(written, test_files.NotWritten):
-                result = dataclasses.replace(result, notes=(*result.notes, written.why))
-            elif written is not None:
-                result = file.keep(result, written, self.session.config.rootpath)
-                item.add_report_section("call", file.section, f"{file.label}: {written}")
-        return result
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_makereport(self, item: pytest.Item) -> Generator[None, pytest.TestReport, pytest.TestReport]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, ClassVar
 import pytest
 
 from pytest_gpumem.files import replace_atomically
-from pytest_gpumem.run.outputs import file_stem, shown_from, write_picture, write_trace
+from pytest_gpumem.run.outputs import WRITE_ERRORS, file_stem, shown_from, write_picture, write_trace
 
 __all__ = ["TEST_FILES", "NotWritten", "PerTestFile", "Picture", "TorchSnapshot", "Trace", "Written", "chosen"]
 
@@ -128,6 +128,39 @@ TEST_FILES: Mapping[str, type[PerTestFile]] = {
     "torch_snapshots": TorchSnapshot,
 }
 """Each per-test file by the option field (of `config.Options`) that holds its folder, in the order written."""
+
+
+def begin(files: Sequence[PerTestFile], item: pytest.Item, measured: Measurement, problems: list[str]) -> None:
+    """Each file's start, as the call starts; why one cannot be written joins `problems` (once a run)."""
+    for file in files:
+        problem = file.begin(item, measured)
+        if problem is not None and problem not in problems:
+            problems.append(problem)
+
+
+def write(
+    files: Sequence[PerTestFile],
+    item: pytest.Item,
+    measured: Measurement,
+    result: TestResult,
+    record: CallRecord,
+    root: Path,
+    problems: list[str],
+) -> TestResult:
+    """The files the test leaves, each named in its report section; the result with what it keeps of them.
+    A write that fails joins `problems` (said once at the end of the run, in one line): the outcome stands."""
+    for file in files:
+        try:
+            written = file.write(item, measured, result, record)
+        except WRITE_ERRORS as exc:
+            problems.append(f"{file.flag}: cannot write the {file.noun} of {item.nodeid}: {exc}")
+            continue
+        if isinstance(written, NotWritten):
+            result = dataclasses.replace(result, notes=(*result.notes, written.why))
+        elif written is not None:
+            result = file.keep(result, written, root)
+            item.add_report_section("call", file.section, f"{file.label}: {written}")
+    return result
 
 
 def chosen(options: object) -> list[PerTestFile]:
