@@ -167,7 +167,7 @@ class Judge:
     ) -> None:
         record = measured.end()
         refused = unmeasurable(record, budget)
-        judgement = None if refused is not None else self._baseline(item, measured, record, budget, asked)
+        judgement = None if refused is not None else self._baseline(measured, record, budget, asked)
         outcome = judge(record, budget, terms.leak, judgement, refused)
         failure = _line(outcome, record, budget)
         if refused is None and (budget is not None or judgement is not None or outcome.reasons or _has_detail(record)):
@@ -178,7 +178,7 @@ class Judge:
             _fail(failure.line)
 
     def _baseline(
-        self, item: pytest.Item, measured: Measurement, record: CallRecord, budget: Budget | None, asked: bool
+        self, measured: Measurement, record: CallRecord, budget: Budget | None, asked: bool
     ) -> Judgement | None:
         """The test's comparison with its baseline, None without baselines. A test measured only for
         --gpumem-all whose peaks all stay within the slack needs none (also under --gpumem-strict), and
