@@ -321,3 +321,13 @@ def test_a_hook_changes_a_copy_and_the_result_it_leaves_replaces_the_original() 
         final.status = Status.OK  # type: ignore[misc]
     with pytest.raises(TypeError):
         final.phases["h"] = call  # type: ignore[index]
+
+
+def test_a_value_a_hook_leaves_that_is_no_list_is_kept_as_given_for_the_reading_back_to_refuse() -> None:
+    from pytest_gpumem import TestResult
+    from pytest_gpumem.results.checks import OffShape
+
+    result = TestResult("t.py::test_a", "tracker", "cpu", None, notes="abc")  # a str: not three notes
+    assert result.to_json()["notes"] == "abc"
+    with pytest.raises(OffShape, match=r"^result.notes must be a list, got 'abc'$"):
+        TestResult.from_json(result.to_json())

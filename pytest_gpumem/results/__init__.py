@@ -168,6 +168,15 @@ class PhaseResult:
 _PHASE_KEYS = ("peak_bytes", "requested_peak_bytes", "reserved_peak_bytes", "net_bytes", "count")
 
 
+_SEQUENCES = ("detail", "notes", "fits", "distributed", "simulated")
+"""The fields a result holds as tuples (JSON lists)."""
+
+
+def _listed(value: object) -> object:
+    """A tuple as the JSON list it is written as; anything else (a hook's) as it is."""
+    return list(value) if isinstance(value, tuple) else value
+
+
 @dataclass(frozen=True)
 class TestResult:
     """Everything measured for one test call, plus its budget and verdict: a value, never changed once
@@ -207,13 +216,15 @@ class TestResult:
     simulated: Sequence[dict[str, int]] = ()
 
     def __post_init__(self) -> None:
-        """The status as a `Status` (a word is one: what a hook may set), sequences as tuples and the phases
-        read-only, however they were given."""
+        """The status as a `Status` (a word is one: what a hook may set), lists as tuples and the phases
+        read-only. Anything else is left as given, for `to_json` and the reading back to refuse."""
         setting = object.__setattr__  # the one place a result's fields are set: as it is made
         setting(self, "status", Status.of(self.status))
-        setting(self, "phases", MappingProxyType(dict(self.phases)))
-        for name in ("detail", "notes", "fits", "distributed", "simulated"):
-            setting(self, name, tuple(getattr(self, name)))
+        if isinstance(self.phases, dict):
+            setting(self, "phases", MappingProxyType(dict(self.phases)))
+        for name in _SEQUENCES:
+            if isinstance(getattr(self, name), list):
+                setting(self, name, tuple(getattr(self, name)))
 
     @property
     def peak_bytes(self) -> int | None:
@@ -232,18 +243,18 @@ class TestResult:
             "budget_text": self.budget_text,
             "status": self.status.value,
             "message": self.message,
-            "detail": list(self.detail),
+            "detail": _listed(self.detail),
             "info": self.info,
             "baseline": None if self.verdict is None else self.verdict.to_json(),
             "record": None if self.baseline_entry is None else self.baseline_entry.to_json(),
-            "notes": list(self.notes),
+            "notes": _listed(self.notes),
             "worker_device": self.worker_device,
             "explanation": None if self.explanation is None else self.explanation.to_json(),
             "html": self.html_path,
-            "fits": list(self.fits),
+            "fits": _listed(self.fits),
             "advice": None if self.advice is None else self.advice.to_json(),
-            "distributed": list(self.distributed),
-            "simulated": list(self.simulated),
+            "distributed": _listed(self.distributed),
+            "simulated": _listed(self.simulated),
         }
 
     @classmethod
