@@ -168,10 +168,6 @@ class PhaseResult:
 _PHASE_KEYS = ("peak_bytes", "requested_peak_bytes", "reserved_peak_bytes", "net_bytes", "count")
 
 
-_SEQUENCES = ("detail", "notes", "fits", "distributed", "simulated")
-"""The fields a result holds as tuples (JSON lists)."""
-
-
 def _listed(value: object) -> object:
     """A tuple as the JSON list it is written as; anything else (a hook's) as it is."""
     return list(value) if isinstance(value, tuple) else value
@@ -222,9 +218,9 @@ class TestResult:
         setting(self, "status", Status.of(self.status))
         if isinstance(self.phases, dict):
             setting(self, "phases", MappingProxyType(dict(self.phases)))
-        for name in _SEQUENCES:
-            if isinstance(getattr(self, name), list):
-                setting(self, name, tuple(getattr(self, name)))
+        for name, value in list(vars(self).items()):
+            if isinstance(value, list):
+                setting(self, name, tuple(value))
 
     @property
     def peak_bytes(self) -> int | None:

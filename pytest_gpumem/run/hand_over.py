@@ -8,6 +8,7 @@ import dataclasses
 import json
 import re
 import traceback
+from types import MappingProxyType
 
 import pytest
 
@@ -46,9 +47,11 @@ class ResultDraft(TestResult):
 
     def __post_init__(self) -> None:
         setattr(self, "status", self.status)  # noqa: B010 (mypy sees TestResult's read-only fields)
-        setattr(self, "phases", dict(self.phases))  # noqa: B010
-        for name in ("detail", "notes", "fits", "distributed", "simulated"):
-            setattr(self, name, list(getattr(self, name)))
+        for name, value in vars(self).copy().items():  # the hook may change them in place, as before
+            if isinstance(value, tuple):
+                setattr(self, name, list(value))
+            elif isinstance(value, MappingProxyType):
+                setattr(self, name, dict(value))
 
     def __setattr__(self, name: str, value: object) -> None:
         object.__setattr__(self, name, Status.of(value) if name == "status" else value)
