@@ -5,8 +5,10 @@ result from the record and the outcome. Reasons are phrased by `report/failures.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -196,6 +198,27 @@ def _plain_info(info: object) -> dict[str, Any]:
     return {"unreadable": text[:1000]}
 
 
+_HELD_OTHERWISE: dict[str, Callable[[Any], object]] = {
+    "info": _plain_info,
+    "fits": lambda fits: [fit.describe() for fit in fits],
+    "simulated": lambda ranks: [rank.to_json() for rank in ranks],
+}
+"""The record's fields that a result holds in another form; every other field both have, it holds as the
+record does (a new one takes no line here)."""
+
+
+def _of_the_record(record: CallRecord) -> dict[str, Any]:
+    """The result's fields that the record gives: each it shares by name, and the worlds' summaries."""
+    mine = {field.name for field in dataclasses.fields(record)}
+    shared = [field.name for field in dataclasses.fields(TestResult) if field.name in mine]
+    kept = {name: _HELD_OTHERWISE.get(name, _as_is)(getattr(record, name)) for name in shared}
+    return {**kept, "distributed": [world.summary() for world in record.worlds]}
+
+
+def _as_is(value: object) -> object:
+    return value
+
+
 def result_of(
     record: CallRecord,
     outcome: Outcome,
@@ -207,26 +230,15 @@ def result_of(
     """The test's result, from its record, its outcome and the outcome's line (`failure`, as `report/`
     phrased its first reason)."""
     return TestResult(
-        nodeid=record.nodeid,
-        backend=record.backend,
-        device=record.device,
-        call=record.call,
-        phases=dict(record.phases),
+        **_of_the_record(record),
         budget_limits=None if budget is None else budget.to_json(),
         budget_text=None if budget is None else budget.describe(),
         status=outcome.status,
         message=None if failure is None else failure.line,
-        detail=[] if failure is None else list(failure.detail),
-        info=_plain_info(record.info),
+        detail=() if failure is None else failure.detail,
         verdict=None if compared is None else compared.verdict,
         baseline_entry=None if compared is None else compared.entry,
-        notes=list(record.notes),
         worker_device=worker_device,
-        explanation=record.explanation,
-        fits=[fit.describe() for fit in record.fits],
-        advice=record.advice,
-        distributed=[world.summary() for world in record.worlds],
-        simulated=[rank.to_json() for rank in record.simulated],
     )
 
 
