@@ -1,21 +1,37 @@
-"""Judging a measured call that ran to the end, without pytest: its record, its budget, its leak limit and
-its comparison with a baseline give its status and failure line (`judge`); the record and the outcome give
-the test's result (`result_of`), the one place one is built from a measurement."""
+"""Judging a measured test without pytest, the one place its status is decided: `judge` gives the status
+and the reasons of a call from its record, its budget, its leak limit and its baseline's comparison (or from
+what stopped it); `with_pytest` settles that status with pytest's verdict; `result_of` builds the test's
+result from the record and the outcome. Reasons are phrased by `report/failures.py`."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from pytest_gpumem.explain.text import made_of, over_limit
-from pytest_gpumem.report import failures
-from pytest_gpumem.report.advice_text import advice_clause
-from pytest_gpumem.report.failures import FailureLine, budget_line, leak_message
-from pytest_gpumem.results import Status, TestResult
+from cuda_allocator_model import exception_text
+from pytest_gpumem.errors import one_line
+from pytest_gpumem.measure.oom_and_leaks import is_out_of_memory, needs_real_values, uninitialized_in_ours
+from pytest_gpumem.measure.regions import phase_left_by
+from pytest_gpumem.reasons import (
+    AllocatorState,
+    Leaked,
+    OutOfMemory,
+    OverBudget,
+    Raised,
+    Reason,
+    Regressed,
+    Unmeasurable,
+)
+from pytest_gpumem.results import Status, TestResult, first_of
 
 if TYPE_CHECKING:
     from pytest_gpumem.budget import Budget, Limit
     from pytest_gpumem.measure.record import CallRecord
+    from pytest_gpumem.report.failures import FailureLine
     from pytest_gpumem.results.baseline import Entry, Verdict
 
 
@@ -33,34 +49,69 @@ class _Compared(Protocol):
 
 @dataclass(frozen=True)
 class Outcome:
-    """A measured test's status and its failure line (None when it passes)."""
+    """A measured test's status and why it failed (the first reason is its line; none when it passes)."""
 
     status: Status
-    failure: FailureLine | None = None
+    reasons: tuple[Reason, ...] = ()
 
     @property
-    def message(self) -> str | None:
-        return None if self.failure is None else self.failure.line
-
-    @property
-    def detail(self) -> tuple[str, ...]:
-        return () if self.failure is None else self.failure.detail
+    def reason(self) -> Reason | None:
+        return self.reasons[0] if self.reasons else None
 
 
-def judge(record: CallRecord, budget: Budget | None, leak: Limit | None, compared: _Compared | None) -> Outcome:
-    """The outcome of a call that ran to the end: over its budget first, then a leak past `leak`, then
-    its baseline's verdict; OK when none of them fails it."""
-    call, phases = record.call, record.phases
-    over = [] if budget is None else budget.violations(call, phases)
-    if over:
-        advised = advice_clause(record.advice, budget, call, phases)
-        made = made_of(record.explanation, over_limit(budget, call, phases)) if not advised else ""
-        return Outcome(Status.OVER_BUDGET, budget_line(over, made, advised))
-    if leak is not None and call.net_bytes > leak.bytes:
-        return Outcome(Status.LEAKED, leak_message(record, leak, call.net_bytes))
-    if compared is not None:
-        return Outcome(verdict_status(compared.verdict), _verdict_line(compared) if compared.fails else None)
-    return Outcome(Status.OK)
+_FAILS_AS = {
+    OverBudget: Status.OVER_BUDGET,
+    Leaked: Status.LEAKED,
+    OutOfMemory: Status.OUT_OF_MEMORY,
+    Unmeasurable: Status.ERROR,
+    Raised: Status.ERROR,
+}
+
+
+def status_of(reason: Reason) -> Status:
+    """The status a test fails with for `reason` (a baseline's, the one its verdict said)."""
+    return reason.status if isinstance(reason, Regressed) else _FAILS_AS[type(reason)]
+
+
+def judge(
+    record: CallRecord,
+    budget: Budget | None,
+    leak: Limit | None,
+    compared: _Compared | None,
+    stopped: Reason | None = None,
+) -> Outcome:
+    """The outcome of a measured call. A call `stopped` for a reason (out of memory, an error of its own or
+    of its measurement) fails for that reason alone; a call that ran to the end fails for each of its budget,
+    its leak limit and its baseline that it passed, in that order (the status of the first, `PRECEDENCE`'s
+    order), and is OK, NEW or IMPROVED when none fails it."""
+    if stopped is not None:
+        return Outcome(status_of(stopped), (stopped,))
+    verdict = None if compared is None else compared.verdict
+    found = [_over_budget(record, budget), _leaked(record, leak), _regressed(compared)]
+    reasons = tuple(reason for reason in found if reason is not None)
+    statuses = [status_of(reason) for reason in reasons]
+    statuses += [Status.OK] if verdict is None else [verdict_status(verdict)]
+    return Outcome(first_of(statuses), reasons)
+
+
+def _over_budget(record: CallRecord, budget: Budget | None) -> OverBudget | None:
+    over = [] if budget is None else budget.violations(record.call, record.phases)
+    return OverBudget(tuple(over)) if over else None
+
+
+def _leaked(record: CallRecord, leak: Limit | None) -> Leaked | None:
+    net = record.call.net_bytes
+    return Leaked(net, leak) if leak is not None and net > leak.bytes else None
+
+
+def _regressed(compared: _Compared | None) -> Regressed | None:
+    """The baseline's reason, when its comparison fails the test: its problems, and how to learn more."""
+    if compared is None or not compared.fails:
+        return None
+    message = compared.failure_message()
+    problems = compared.verdict.problems
+    how = message.removeprefix(compared.verdict.failure_message())
+    return Regressed(verdict_status(compared.verdict), problems, message, how)
 
 
 def verdict_status(verdict: Verdict) -> Status:
@@ -68,53 +119,130 @@ def verdict_status(verdict: Verdict) -> Status:
     ``MISSING BASELINE`` when it fails (``--gpumem-strict``, also for a phase or gradients without one)."""
     from pytest_gpumem.results.baseline import BaselineStatus
 
-    if verdict.status == BaselineStatus.REGRESSED:
-        return Status.REGRESSED
-    if verdict.gradient_status == BaselineStatus.CHANGED:
-        return Status.GRADIENTS_CHANGED
-    if verdict.failed:  # what else fails a verdict: something without a baseline, under strict
-        return Status.MISSING_BASELINE
-    if verdict.status == BaselineStatus.IMPROVED:
-        return Status.IMPROVED
-    return Status.NEW if verdict.status == BaselineStatus.NEW else Status.OK
+    said = [
+        (verdict.status == BaselineStatus.REGRESSED, Status.REGRESSED),
+        (verdict.gradient_status == BaselineStatus.CHANGED, Status.GRADIENTS_CHANGED),
+        (verdict.failed, Status.MISSING_BASELINE),  # what else fails a verdict: something without a baseline
+        (verdict.status == BaselineStatus.IMPROVED, Status.IMPROVED),
+        (verdict.status == BaselineStatus.NEW, Status.NEW),
+    ]
+    return first_of([status for applies, status in said if applies] + [Status.OK])
 
 
-def _verdict_line(compared: _Compared) -> FailureLine:
-    """The baseline's line: its first problem and how to learn what grew, the others as they fit."""
-    problems, message = compared.verdict.problems, compared.failure_message()
-    if not problems:
-        return FailureLine(message)
-    return failures.verdict_line(problems, message.removeprefix(compared.verdict.failure_message()))
+def unmeasurable(record: CallRecord, budget: Budget | None) -> Unmeasurable | None:
+    """Why a call that ran to the end cannot be judged: an info JSON cannot hold, or a budget on a phase
+    that the test never opened."""
+    bad_info = _not_json(record.info)
+    if bad_info:
+        why = f"gpumem.info must be a dict of JSON values (str, numbers, lists, dicts): {bad_info}"
+        return Unmeasurable(record.nodeid, why)
+    unopened = [] if budget is None else budget.unopened(record.phases)
+    if unopened:
+        opened = ", ".join(record.phases) or "none"
+        why = f"max_memory names phase {unopened[0]!r} that the test never opened (opened: {opened})"
+        return Unmeasurable(record.nodeid, why)
+    return None
+
+
+def out_of_memory(exc: BaseException, capacity: Limit | None) -> OutOfMemory:
+    """What an out-of-memory error says of itself: the phase it left, what it asked for, the allocator's
+    state (where the tracker models the CUDA allocator); `capacity` is the limit the test ran under."""
+    asked = re.search(r"[Tt]ried to allocate ([\d.,]+ ?[KMGTP]?i?B)", exception_text(exc))
+    error = getattr(exc, "allocator_error", None)
+    state = None if error is None else AllocatorState(error.reserved, error.allocated, error.requested)
+    return OutOfMemory(phase_left_by(exc), asked.group(1) if asked else None, capacity, state)
+
+
+def stopped_by(exc: BaseException, nodeid: str, device: object, capacity: Limit | None) -> Reason:
+    """Why a call stopped on `exc`: out of memory, a measurement that cannot go on (an op on the meta
+    device that needs real values, an uninitialized Lazy module met in our code), else the test's own error."""
+    if is_out_of_memory(exc):
+        return out_of_memory(exc, capacity)
+    unmeasured = needs_real_values(exc, device) or uninitialized_in_ours(exc)
+    return Raised(one_line(exc)) if unmeasured is None else Unmeasurable(nodeid, unmeasured)
+
+
+def with_pytest(status: Status, failed: bool, skipped: bool, expected_failure: bool) -> Status:
+    """The measured status settled with pytest's verdict on the call: a test that failed for a reason the
+    measurement did not see (a unittest body, a strict XPASS) is an error, an xfail that failed `xfailed`,
+    one that passed `XPASS`."""
+    if failed and status.passing:
+        return Status.ERROR
+    if expected_failure and skipped:
+        return Status.XFAILED
+    if expected_failure and status.passing:
+        return Status.XPASS
+    return status
+
+
+def _not_json(info: object) -> str | None:
+    """Why `info` cannot travel as JSON (to the report, the file, the xdist controller), or None."""
+    if not isinstance(info, dict):
+        return f"it was set to a {type(info).__name__}, not a dict"
+    try:
+        json.dumps(info, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        return str(exc)
+    return None
+
+
+def _plain_info(info: object) -> dict[str, Any]:
+    """`info` in plain JSON types (a torch.Size becomes a list, a numpy float a float), or a description."""
+    if _not_json(info) is None:
+        plain: dict[str, Any] = json.loads(json.dumps(info, allow_nan=False))
+        return plain
+    try:
+        text = repr(info)
+    except Exception:
+        text = f"<{type(info).__name__} whose repr raised>"
+    return {"unreadable": text[:1000]}
+
+
+_HELD_OTHERWISE: dict[str, Callable[[Any], object]] = {
+    "info": _plain_info,
+    "fits": lambda fits: [fit.describe() for fit in fits],
+    "simulated": lambda ranks: [rank.to_json() for rank in ranks],
+}
+"""The record's fields that a result holds in another form; every other field both have, it holds as the
+record does (a new one takes no line here)."""
+
+
+def _of_the_record(record: CallRecord) -> dict[str, Any]:
+    """The result's fields that the record gives: each it shares by name, and the worlds' summaries."""
+    mine = {field.name for field in dataclasses.fields(record)}
+    shared = [field.name for field in dataclasses.fields(TestResult) if field.name in mine]
+    kept = {name: _HELD_OTHERWISE.get(name, _as_is)(getattr(record, name)) for name in shared}
+    return {**kept, "distributed": [world.summary() for world in record.worlds]}
+
+
+def _as_is(value: object) -> object:
+    return value
 
 
 def result_of(
     record: CallRecord,
     outcome: Outcome,
+    failure: FailureLine | None,
     budget: Budget | None,
     compared: _Compared | None,
-    info: dict[str, object],
     worker_device: str | None,
 ) -> TestResult:
-    """The test's result, from its record and outcome (`info`: the record's, in plain JSON types)."""
+    """The test's result, from its record, its outcome and the outcome's line (`failure`, as `report/`
+    phrased its first reason)."""
     return TestResult(
-        nodeid=record.nodeid,
-        backend=record.backend,
-        device=record.device,
-        call=record.call,
-        phases=dict(record.phases),
+        **_of_the_record(record),
         budget_limits=None if budget is None else budget.to_json(),
         budget_text=None if budget is None else budget.describe(),
         status=outcome.status,
-        message=outcome.message,
-        detail=list(outcome.detail),
-        info=info,
+        message=None if failure is None else failure.line,
+        detail=() if failure is None else failure.detail,
         verdict=None if compared is None else compared.verdict,
         baseline_entry=None if compared is None else compared.entry,
-        notes=list(record.notes),
         worker_device=worker_device,
-        explanation=record.explanation,
-        fits=[fit.describe() for fit in record.fits],
-        advice=record.advice,
-        distributed=[world.summary() for world in record.worlds],
-        simulated=[rank.to_json() for rank in record.simulated],
     )
+
+
+def unmeasured_result(backend: str, reason: Unmeasurable, failure: FailureLine) -> TestResult:
+    """The result of a test whose call could not be measured at all (a value the allocator's model refused
+    before the call began): no figures, its line."""
+    return TestResult(reason.nodeid, backend, "", None, status=status_of(reason), message=failure.line)

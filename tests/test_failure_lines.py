@@ -8,11 +8,12 @@ import pytest
 from builders import Reported
 
 from pytest_gpumem.baselines.compare import Tolerance, compare
-from pytest_gpumem.budget import budget_from_marker
+from pytest_gpumem.budget import Budget, budget_from_marker
 from pytest_gpumem.measure.oom_and_leaks import Holding
 from pytest_gpumem.measure.record import CallRecord
-from pytest_gpumem.outcome import judge
-from pytest_gpumem.report.failures import LINE_WIDTH, budget_line, fit_line, verdict_line
+from pytest_gpumem.outcome import Outcome, judge
+from pytest_gpumem.reasons import AllocatorState, Leaked, OutOfMemory, OverBudget, Raised, Regressed
+from pytest_gpumem.report.failures import LINE_WIDTH, budget_line, failure_line, fit_line, verdict_line
 from pytest_gpumem.results import PhaseResult, Status
 from pytest_gpumem.results.baseline import DeviceIdentity, Entry, Environment
 from pytest_gpumem.run.regression import Judgement
@@ -265,30 +266,62 @@ def _against(stored: int, current: int) -> Judgement:
 HELD = budget_from_marker((1000,), {"leak": 100, "forward": 600})  # max_memory(1000, leak=100, forward=600)
 
 
+def _line(outcome: Outcome, record: CallRecord, budget: Budget | None = None) -> tuple[str, tuple[str, ...]]:
+    """The outcome's line and detail, as the report phrases its first reason."""
+    assert outcome.reason is not None
+    found = failure_line(outcome.reason, record, budget)
+    return found.line, found.detail
+
+
 def test_a_call_within_its_budget_its_leak_limit_and_its_baseline_passes() -> None:
     outcome = judge(_record(1000, 100, forward=600), HELD, HELD.leak, _against(1000, 1050))
-    assert (outcome.status, outcome.message, outcome.detail) == (Status.OK, None, ())
+    assert (outcome.status, outcome.reasons) == (Status.OK, ())
     assert judge(_record(5000, 5000), None, None, None).status == Status.OK  # held to nothing
 
 
 def test_the_budget_is_judged_before_a_leak_and_a_regression() -> None:
-    outcome = judge(_record(1001, 101, forward=601), HELD, HELD.leak, _against(1000, 1001 + 50))
+    record = _record(1001, 101, forward=601)
+    outcome = judge(record, HELD, HELD.leak, _against(1000, 1001 + 50))
     assert outcome.status == Status.OVER_BUDGET
+    assert [type(reason) for reason in outcome.reasons] == [OverBudget, Leaked, Regressed]  # the budget's first
     hint = " (see what made it with --gpumem-explain or max_memory(explain=True))"
     line = "call peak 1001 B exceeds max_memory 1000 B" + hint + "; forward peak 601 B exceeds max_memory forward=600 B"
-    assert (outcome.message, outcome.detail) == (line, ())
+    assert _line(outcome, record, HELD) == (line, ())
 
 
 def test_a_leak_is_judged_before_a_regression() -> None:
-    outcome = judge(_record(900, 101), HELD, HELD.leak, _against(800, 900))
-    assert (outcome.status, outcome.message) == (
-        Status.LEAKED,
-        "left 101 B allocated after the call (leak limit 100 B)",
-    )
+    record = _record(900, 101)
+    outcome = judge(record, HELD, HELD.leak, _against(800, 900))
+    assert HELD.leak is not None
+    assert (outcome.status, outcome.reason) == (Status.LEAKED, Leaked(101, HELD.leak))
+    assert _line(outcome, record, HELD) == ("left 101 B allocated after the call (leak limit 100 B)", ())
 
 
 def test_a_call_past_its_baseline_and_tolerance_regresses() -> None:
-    outcome = judge(_record(1051), None, None, _against(1000, 1051))  # 5% of 1000 B is 50 B
+    record = _record(1051)
+    outcome = judge(record, None, None, _against(1000, 1051))  # 5% of 1000 B is 50 B
     how = "to see what grew, record the baseline with its composition: pytest t.py::test_a --gpumem-update"
     line = f"call peak 1.0 KiB is 5.1% above baseline 1000 B (tolerance 5%) ({how})"
-    assert (outcome.status, outcome.message) == (Status.REGRESSED, line)
+    assert (outcome.status, _line(outcome, record)[0]) == (Status.REGRESSED, line)
+
+
+def test_a_call_stopped_out_of_memory_fails_for_that_alone_in_a_line_read_from_its_record() -> None:
+    held = budget_from_marker((1000,), {"capacity": "2 kB", "forward": 600})  # max_memory(1000, capacity=...)
+    record = _record(1500, 0, forward=700)  # over both limits too, but it never ended
+    oom = OutOfMemory("forward", "1.95 KiB", held.capacity, AllocatorState(2048, 1536, 2000))
+    outcome = judge(record, held, None, _against(1000, 1500), oom)
+    assert (outcome.status, outcome.reasons) == (Status.OUT_OF_MEMORY, (oom,))
+    line, detail = _line(outcome, record, held)
+    # 2,048 - 1,536 = 512 B reserved but unallocated cannot hold 2,000 B: no fragmentation
+    assert line == (
+        "out of memory in forward (tried to allocate 1.95 KiB) after a peak of 1.5 kB: past "
+        "max_memory(capacity='2 kB'); over its budget forward=600 B too, at 700 B"
+    )
+    held_then = "allocator when it ran out: 2.0 KiB reserved, 1.5 KiB allocated and 512 B reserved but unallocated"
+    assert detail == (held_then,)
+
+
+def test_a_call_that_raised_is_an_error_in_its_own_line() -> None:
+    outcome = judge(_record(5000), HELD, HELD.leak, None, Raised("ValueError: boom"))
+    assert outcome.status == Status.ERROR
+    assert _line(outcome, _record(5000)) == ("ValueError: boom", ())

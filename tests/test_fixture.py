@@ -304,15 +304,18 @@ def test_a_backend_identity_of_another_kind_is_refused_naming_the_backend(identi
     assert str(raised.value) == error
 
 
-def test_a_status_set_as_its_word_is_a_status() -> None:
+def test_a_status_given_as_its_word_is_a_status_and_a_result_is_never_changed() -> None:
+    import dataclasses
+
     from pytest_gpumem.errors import GpuMemError
     from pytest_gpumem.results import Status, TestResult
 
-    result = TestResult("t.py::t", "tracker", "cpu", None)
-    result.status = "OVER BUDGET"  # type: ignore[assignment]
+    result = dataclasses.replace(TestResult("t.py::t", "tracker", "cpu", None), status="OVER BUDGET")  # type: ignore[arg-type]
     assert result.status is Status.OVER_BUDGET and not result.status.passing
     with pytest.raises(GpuMemError, match=r"^result.status: 'over' is not a status \(one of: ok, NEW, "):
-        result.status = "over"  # type: ignore[assignment]
+        dataclasses.replace(result, status="over")  # type: ignore[arg-type]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        result.status = Status.OK  # type: ignore[misc]
     assert result.status is Status.OVER_BUDGET
 
 

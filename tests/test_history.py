@@ -288,8 +288,8 @@ def report(sha: str | None, peak: int, dirty: bool = False) -> str:
         DeviceIdentity("cuda", "NVIDIA H200", "9.0", 150754820096), peak, {"forward": peak // 2}, "2.13.0", "12.8"
     )
     phases = {"forward": PhaseResult("forward", peak // 2, peak // 2, None, 0)}
-    test = TestResult("t.py::test_grows", "cuda", "cuda:0", PhaseResult("call", peak, peak, None, 0), phases)
-    test.baseline_entry = record
+    call = PhaseResult("call", peak, peak, None, 0)
+    test = TestResult("t.py::test_grows", "cuda", "cuda:0", call, phases, baseline_entry=record)
     commit = None if sha is None else {"sha": sha, "dirty": dirty}
     doc = {"version": 1, "backend": "cuda", "device": "cuda:0", "commit": commit, "tests": [test.to_json()]}
     return json.dumps(doc)
@@ -352,8 +352,9 @@ def cpu_report(sha: str, peaks: dict[str, int]) -> str:
     tests = []
     for nodeid, peak in peaks.items():
         phases = {"forward": PhaseResult("forward", peak // 2, peak // 2, None, 0)}
-        test = TestResult(nodeid, "tracker", "cpu", PhaseResult("call", peak, peak, None, 0), phases)
-        test.baseline_entry = Entry(DeviceIdentity("tracker", "cpu"), peak, {"forward": peak // 2}, "2.13.0", None)
+        entry = Entry(DeviceIdentity("tracker", "cpu"), peak, {"forward": peak // 2}, "2.13.0", None)
+        call = PhaseResult("call", peak, peak, None, 0)
+        test = TestResult(nodeid, "tracker", "cpu", call, phases, baseline_entry=entry)
         tests.append(test.to_json())
     return json.dumps({"version": 1, "backend": "tracker", "device": "cpu", "commit": {"sha": sha, "dirty": False},
                        "tests": tests})  # fmt: skip

@@ -21,7 +21,7 @@ MODEL_PUBLIC = {MODEL.name, f"{MODEL.name}.snapshots"}  # where its public names
 LAYERS = (
     ("errors", "constants", "files", "private_torch"),
     ("results",),
-    ("budget",),
+    ("budget", "reasons"),
     ("backends",),
     ("gradients",),
     ("explain",),
@@ -42,6 +42,7 @@ WITHOUT_PYTEST = (
     "constants",
     "files",
     "results",
+    "reasons",
     "backends",
     "gradients",
     "explain",

@@ -339,3 +339,17 @@ def test_a_marker_added_where_it_cannot_take_effect_fails_its_test_in_one_line(
     alone = pytester.runpytest("-p", "no:randomly", "--gpumem-backend=tracker", "-k", "test_marked_by_a_fixture")
     alone.assert_outcomes(failed=1)
     alone.stdout.fnmatch_lines(["*call peak 4.0 KiB exceeds max_memory 1 KiB*"])
+
+
+def test_a_tests_own_capacity_leak_and_explain_come_before_the_runs_options() -> None:
+    from pytest_gpumem.backends.base import Settings
+    from pytest_gpumem.measure.terms import Terms
+
+    own, run = budget_from_marker((), {"capacity": "2 kB", "leak": 0}), budget_from_marker((), {"capacity": "1 MB"})
+    terms = Terms.of(own, run.capacity, None, evidence=False)
+    assert (terms.capacity, terms.leak, terms.card) == (own.capacity, own.leak, None)
+    assert terms.settings() == Settings(2000, origins=True, events=False, explain=False)  # a leak needs origins
+    carded = Terms.of(None, budget_from_marker((), {"capacity": "H100-80GB"}).capacity, None, evidence=True)
+    assert (carded.card, carded.settings().events, carded.settings().origins) == ("H100-80GB", True, True)
+    explained = Terms.of(budget_from_marker((), {"explain": True}), None, None, evidence=False)
+    assert explained.settings() == Settings(None, explain=True) and explained.explaining(False) is explained

@@ -237,3 +237,34 @@ def test_a_suite_that_fails_on_warnings_keeps_its_notes_as_warnings_by_ignoring_
     result = pytester.runpytest("--gpumem-device=meta", "--gpumem-json=out.json", "-p", "no:randomly")
     result.assert_outcomes(passed=1)
     assert reported()["test_conv"]["notes"][0].startswith("cuDNN workspaces counted at 0 B")
+
+
+@pytest.mark.parametrize(
+    ("measured", "failed", "skipped", "xfail", "settled"),
+    [
+        ("ok", True, False, False, "error"),  # a unittest body, a strict XPASS: pytest saw what we did not
+        ("OVER BUDGET", True, False, False, "OVER BUDGET"),  # ours: pytest failed it for our reason
+        ("NEW", False, False, False, "NEW"),
+        ("ok", False, True, True, "xfailed"),
+        ("OUT OF MEMORY", False, True, True, "xfailed"),  # xfail(raises=OutOfMemoryError)
+        ("IMPROVED", False, False, True, "XPASS"),
+    ],
+)
+def test_the_measured_status_is_settled_with_pytests_verdict(
+    measured: str, failed: bool, skipped: bool, xfail: bool, settled: str
+) -> None:
+    from pytest_gpumem.outcome import with_pytest
+    from pytest_gpumem.results import Status
+
+    assert with_pytest(Status(measured), failed, skipped, xfail) == Status(settled)
+
+
+def test_the_report_orders_its_rows_by_the_judges_precedence() -> None:
+    from pytest_gpumem.report.terminal import ordered
+    from pytest_gpumem.results import PRECEDENCE, Status, TestResult, first_of
+
+    results = [
+        TestResult(f"t.py::test_{n}", "tracker", "cpu", None, status=s) for n, s in enumerate(reversed(PRECEDENCE))
+    ]
+    assert [result.status for result in ordered(results)] == list(PRECEDENCE) == sorted(Status, key=PRECEDENCE.index)
+    assert (first_of([Status.NEW, Status.LEAKED, Status.REGRESSED]), first_of([])) == (Status.LEAKED, Status.OK)

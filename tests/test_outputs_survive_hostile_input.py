@@ -4,6 +4,7 @@ picture's Markdown link reads for any folder name, and two reports on one path a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -21,9 +22,10 @@ from builders import phase_result
 
 from pytest_gpumem.cli import main
 from pytest_gpumem.report.markdown import link_target, markdown
-from pytest_gpumem.results import TestResult, junit_properties
+from pytest_gpumem.results import TestResult
 from pytest_gpumem.results.baseline import BaselineStatus, PhaseComparison, Verdict
 from pytest_gpumem.run import outputs
+from pytest_gpumem.run.hand_over import junit_properties
 
 NO_SPACE = os.strerror(28)  # ENOSPC: "No space left on device", what /dev/full answers every write
 
@@ -283,8 +285,7 @@ def markdown_links(text: str) -> list[str]:
 
 @pytest.mark.parametrize("folder", FOLDERS)
 def test_a_picture_link_renders_as_a_link_to_the_picture(tmp_path: Path, folder: str) -> None:
-    result = result_with_phases("f")
-    result.html_path = f"{folder}/t.html"
+    result = dataclasses.replace(result_with_phases("f"), html_path=f"{folder}/t.html")
     text = markdown([result], False, tmp_path, tmp_path / "reports")
     (href,) = markdown_links(text)
     assert unquote(href) == f"../{folder}/t.html"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -392,10 +392,8 @@ def compared(*comparisons: tuple[str | None, int, float, BaselineStatus]) -> Ver
 
 
 def test_long_form_shows_each_phase_against_its_baseline() -> None:
-    result = strategy("dot")
-    result.verdict = compared(
-        (None, 40 * MIB, 0.0, BaselineStatus.OK), ("backward", 4 * MIB, 100.0, BaselineStatus.REGRESSED)
-    )
+    verdict = compared((None, 40 * MIB, 0.0, BaselineStatus.OK), ("backward", 4 * MIB, 100.0, BaselineStatus.REGRESSED))
+    result = replace(strategy("dot"), verdict=verdict)
     lines = table_lines([result], 120, long=True)
     assert lines[0].split() == ["test", "phase", "peak", "net", "baseline", "change", "status"]
     backward = next(line for line in lines if " backward " in line)
@@ -420,8 +418,7 @@ def test_long_markdown_has_a_row_per_phase() -> None:
 
 
 def test_markdown_links_pictures_from_its_own_folder(tmp_path: Path) -> None:
-    result = strategy("dot")
-    result.html_path = "pictures/dot.html"  # relative to the rootdir
+    result = replace(strategy("dot"), html_path="pictures/dot.html")  # relative to the rootdir
     text = markdown([result], root=tmp_path, folder=tmp_path / "reports" / "ci")
     assert "[picture](<../../pictures/dot.html>)" in text
     assert "[picture](<pictures/dot.html>)" in markdown([result], root=tmp_path, folder=tmp_path)
@@ -438,16 +435,16 @@ def test_fixed_columns_empty_in_every_row_are_left_out() -> None:
         "peak",
         "status",
     ]
-    budgeted.budget_text = "50 MiB"
-    budgeted.verdict = compared()  # NEW: a baseline run, nothing to compare with
+    budgeted = replace(budgeted, budget_text="50 MiB", verdict=compared())  # NEW: a baseline run, nothing compared
     assert "budget" in table_lines([plain, budgeted])[1] and "baseline" not in table_lines([plain, budgeted])[1]
 
 
 def test_one_compared_test_keeps_its_whole_id_at_80_columns() -> None:
     # 1250 float32 = 5,000 B = 4.9 KiB against a baseline of 4,000 B = 3.9 KiB: +25.0%
     made = phase_result("made", 5000)
-    result = TestResult("test_suite.py::test_alloc[a]", "tracker", "cpu", made, {"made": made}, status=Status.REGRESSED)
-    result.verdict = compared((None, 4000, 25.0, BaselineStatus.REGRESSED))
+    verdict = compared((None, 4000, 25.0, BaselineStatus.REGRESSED))
+    result = TestResult("test_suite.py::test_alloc[a]", "tracker", "cpu", made, {"made": made}, status=Status.REGRESSED,
+                        verdict=verdict)  # fmt: skip
     lines = table_lines([result], 80)
     assert lines[0].split() == ["test", "made", "call", "peak", "baseline", "change", "status"]
     assert lines[2].split() == [
@@ -500,13 +497,13 @@ def test_a_distributed_run_is_its_call_peak_and_agreeing_ranks_are_not_named() -
 def test_device_column_only_when_tests_differ() -> None:
     cpu, meta = strategy("a"), strategy("b")
     assert "device" not in table_lines([cpu, meta])[1] and "backend" not in table_lines([cpu, meta])[1]
-    meta.device = "meta"  # the same backend: only the device is said
+    meta = replace(meta, device="meta")  # the same backend: only the device is said
     assert table_lines([cpu, meta])[1].split()[:2] == ["test", "device"]
     assert table_lines([cpu, meta])[-1].split()[1] == "meta"
-    meta.backend = "cuda"  # both differ: both said
+    meta = replace(meta, backend="cuda")  # both differ: both said
     assert table_lines([cpu, meta])[1].split()[:2] == ["test", "backend"]
     assert "cuda meta" in table_lines([cpu, meta])[-1]
-    meta.device = "cpu"  # only the backend differs
+    meta = replace(meta, device="cpu")  # only the backend differs
     assert table_lines([cpu, meta])[-1].split()[1] == "cuda"
 
 
@@ -753,16 +750,19 @@ def test_the_change_shown_is_the_largest_regression_with_its_phase() -> None:
     result = strategy("dot")
     ok, regressed, improved = BaselineStatus.OK, BaselineStatus.REGRESSED, BaselineStatus.IMPROVED
     # the call +2% (within the tolerance); forward +3 MiB (+300%), backward +4 MiB (+100%): the most bytes
-    result.verdict = compared(
-        (None, 40 * MIB, 2.0, ok), ("forward", MIB, 300.0, regressed), ("backward", 4 * MIB, 100.0, regressed)
+    result = replace(
+        result,
+        verdict=compared(
+            (None, 40 * MIB, 2.0, ok), ("forward", MIB, 300.0, regressed), ("backward", 4 * MIB, 100.0, regressed)
+        ),
     )
     assert largest_change(result) == "+100.0% backward"
-    result.status = Status.REGRESSED
+    result = replace(result, status=Status.REGRESSED)
     row = next(line for line in table_lines([result], None) if "dot" in line)
     assert row.split()[-3:] == ["+100.0%", "backward", "REGRESSED"]
-    result.verdict = compared((None, 40 * MIB, -1.0, ok), ("forward", 4 * MIB, -50.0, improved))
+    result = replace(result, verdict=compared((None, 40 * MIB, -1.0, ok), ("forward", 4 * MIB, -50.0, improved)))
     assert largest_change(result) == "-50.0% forward"
-    result.verdict = compared((None, 40 * MIB, 2.0, ok), ("forward", 4 * MIB, 4.0, ok))
+    result = replace(result, verdict=compared((None, 40 * MIB, 2.0, ok), ("forward", 4 * MIB, 4.0, ok)))
     assert largest_change(result) == "+2.0%"  # nothing regressed or improved: the call's
 
 

@@ -296,3 +296,38 @@ def test_every_type_the_hooks_page_names_is_a_public_name() -> None:
     assert {"Status", "Verdict", "Entry", "Explanation", "Settings", "DeviceIdentity", "TestResult"} <= named
     assert sorted(named - set(pytest_gpumem.__all__)) == []
     assert [name for name in sorted(named) if not isinstance(getattr(pytest_gpumem, name), type)] == []
+
+
+def test_a_hook_changes_a_copy_and_the_result_it_leaves_replaces_the_original() -> None:
+    from dataclasses import FrozenInstanceError
+
+    from pytest_gpumem import PhaseResult, Status, TestResult
+    from pytest_gpumem.run.hand_over import ResultDraft
+
+    call = PhaseResult("call", 4000, 4000, None, 0)
+    original = TestResult("t.py::test_a", "tracker", "cpu", call, {"f": call}, info={"tags": ["a"]}, notes=["n"])
+    draft = ResultDraft.of(original)
+    draft.status = "LEAKED"  # type: ignore[misc, assignment]  # a word, as hooks set it
+    draft.info["tags"].append("b")
+    draft.notes.append("from the hook")  # type: ignore[attr-defined]
+    draft.phases["g"] = call  # type: ignore[index]
+    final = draft.final()
+    assert (original.status, original.info, original.notes) == (Status.OK, {"tags": ["a"]}, ("n",))
+    assert list(original.phases) == ["f"]
+    assert (type(final), final.status, final.info) == (TestResult, Status.LEAKED, {"tags": ["a", "b"]})
+    assert final.notes == ("n", "from the hook")
+    assert list(final.phases) == ["f", "g"]
+    with pytest.raises(FrozenInstanceError):
+        final.status = Status.OK  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        final.phases["h"] = call  # type: ignore[index]
+
+
+def test_a_value_a_hook_leaves_that_is_no_list_is_kept_as_given_for_the_reading_back_to_refuse() -> None:
+    from pytest_gpumem import TestResult
+    from pytest_gpumem.results.checks import OffShape
+
+    result = TestResult("t.py::test_a", "tracker", "cpu", None, notes="abc")  # a str: not three notes
+    assert result.to_json()["notes"] == "abc"
+    with pytest.raises(OffShape, match=r"^result.notes must be a list, got 'abc'$"):
+        TestResult.from_json(result.to_json())

@@ -267,7 +267,7 @@ def test_a_distributed_tests_ranks_leave_a_file_each_and_its_notes_name_the_rank
     from pytest_gpumem.distributed.world import RankSnapshot, Worlds
     from pytest_gpumem.measure.measurement import Measurement
     from pytest_gpumem.results import TestResult
-    from pytest_gpumem.run.test_files import TorchSnapshot
+    from pytest_gpumem.run.test_files import Noted, TorchSnapshot
 
     sections: list[tuple[str, str, str]] = []
     item = SimpleNamespace(stash=pytest.Stash(), nodeid="test_d.py::test_world")
@@ -281,7 +281,7 @@ def test_a_distributed_tests_ranks_leave_a_file_each_and_its_notes_name_the_rank
     )
     measured.worlds.snapshots.append(RankSnapshot("ranks-2", 0, 1, None))
     result = TestResult(item.nodeid, "tracker", "cpu", None, distributed=[{"world_size": 11}])
-    assert files.write(item, measured, result, None) is None  # type: ignore[arg-type]
+    noted = files.write(item, measured, result, None)  # type: ignore[arg-type]
     assert measured.worlds.snapshots == []  # the bytes are not kept past the test
     written = sorted((tmp_path / "snaps").iterdir())
     stem = "test_d.py_test_world-" + written[0].name.split("-")[1].split(".")[0]
@@ -291,9 +291,12 @@ def test_a_distributed_tests_ranks_leave_a_file_each_and_its_notes_name_the_rank
     (section,) = sections
     assert section[:2] == ("call", "gpumem torch snapshot")
     assert section[2].splitlines()[1] == f"memory snapshot of rank 1: {written[1]}"
-    assert result.notes == [
-        "--gpumem-torch-snapshots: no snapshot of ranks 3, 7 of world 'ranks': ended before they finished, or could "
-        "not write one",
-        "--gpumem-torch-snapshots: no snapshot of rank 0 of world 'ranks-2': ended before it finished, or could not "
-        "write one",
-    ]
+    assert noted == Noted(
+        None,
+        (
+            "--gpumem-torch-snapshots: no snapshot of ranks 3, 7 of world 'ranks': ended before they finished, "
+            "or could not write one",
+            "--gpumem-torch-snapshots: no snapshot of rank 0 of world 'ranks-2': ended before it finished, "
+            "or could not write one",
+        ),
+    )

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.backends.tracker.recording import Survivor
     from pytest_gpumem.backends.tracker.shadow import Shadow
     from pytest_gpumem.measure.fit import BatchFit
+    from pytest_gpumem.measure.terms import Terms
     from pytest_gpumem.results.advice import Advice
     from pytest_gpumem.results.explanation import Explanation, RanksExplanation
     from pytest_gpumem.results.gradients import Fingerprint
@@ -91,6 +92,15 @@ class Measurement:
         """What the next call is held to: a leak check (garbage collected before it ends, survivors kept)
         and an explanation of its peaks."""
         self.leak_check, self.explain = leak_check, explain
+
+    def set_up(self, terms: Terms) -> None:
+        """Set up the next call and the backend on `terms` (every measured test: nothing carries over), once
+        the card is predicted; a capacity is refused where the backend cannot hold the process to one."""
+        backend = self.backend
+        if terms.capacity is not None and not backend.caps_the_process:  # a test held to one must not run without
+            raise GpuMemError(f"capacity {terms.capacity.written}: the {backend.name} backend cannot set a capacity")
+        self.hold_to(leak_check=terms.leak is not None, explain=terms.explain)
+        backend.configure(terms.settings())
 
     def run_worlds_with(self, worlds: WorldRunner) -> None:
         """What runs gpumem.distributed() and gpumem.simulate_rank(), given where the fixture is made."""

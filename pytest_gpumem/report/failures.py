@@ -8,19 +8,29 @@ there anyway."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cuda_allocator_model import exception_text, format_size
-from pytest_gpumem.measure.regions import phase_left_by
-from pytest_gpumem.report.advice_text import advice_clause
+from cuda_allocator_model import format_size
+from pytest_gpumem.explain.text import made_of, over_limit
+from pytest_gpumem.explain.text import section as explained
+from pytest_gpumem.reasons import (
+    AllocatorState,
+    Leaked,
+    OutOfMemory,
+    OverBudget,
+    Raised,
+    Reason,
+    Regressed,
+    Unmeasurable,
+)
+from pytest_gpumem.report.advice_text import advice_clause, advice_section
 
 if TYPE_CHECKING:
     from pytest_gpumem.budget import Budget, Limit
-    from pytest_gpumem.measure.measurement import Measurement
     from pytest_gpumem.measure.record import CallRecord
+    from pytest_gpumem.results import PhaseResult
 
 LINE_WIDTH = 200  # characters of a failure line: what reads at a glance, wrapped once at 120 columns
 _JOINERS = ("; ", ", ", ": ")
@@ -104,35 +114,61 @@ def _shorter(grew: str) -> tuple[str, ...]:
     return grew, f": {groups[0]}{more}", f": {groups[0][:cut]}, ..."
 
 
-def out_of_memory_message(
-    measured: Measurement, budget: Budget | None, exc: BaseException, capacity: Limit | None = None
-) -> FailureLine:
+def failure_line(reason: Reason, record: CallRecord, budget: Budget | None) -> FailureLine:
+    """The one line of a test that failed for `reason`, and what its report section adds, read from the
+    call's `record`."""
+    if isinstance(reason, OverBudget):
+        return _over_budget_line(reason, record, budget)
+    if isinstance(reason, Leaked):
+        return leak_message(record, reason.limit, reason.net)
+    if isinstance(reason, OutOfMemory):
+        return out_of_memory_message(record, budget, reason)
+    return plain_line(reason)
+
+
+def plain_line(reason: Unmeasurable | Raised | Regressed) -> FailureLine:
+    """The line of a reason that needs no record (a test that could not be measured has none)."""
+    if isinstance(reason, Unmeasurable):
+        return FailureLine(f"{reason.nodeid}: {reason.why}")
+    if isinstance(reason, Raised):
+        return FailureLine(reason.line)
+    return verdict_line(reason.problems, reason.how) if reason.problems else FailureLine(reason.message)
+
+
+def _over_budget_line(reason: OverBudget, record: CallRecord, budget: Budget | None) -> FailureLine:
+    """The first limit exceeded, then the advice or what made the peak, then the other limits."""
+    call, phases = record.call, record.phases
+    advised = advice_clause(record.advice, budget, call, phases)
+    made = made_of(record.explanation, over_limit(budget, call, phases)) if not advised else ""
+    return budget_line(reason.violations, made, advised)
+
+
+def out_of_memory_message(record: CallRecord, budget: Budget | None, oom: OutOfMemory) -> FailureLine:
     """Where it ran out, what it asked for, the peak so far, and the limit it hit (the capacity the test
     ran under, or the device's own memory); then that it is a prediction (on meta), fragmentation when the
     allocator's model saw it, the budget when it was already over, and the advice. The allocator's state
     is a line of the section."""
-    phase = phase_left_by(exc)
-    where = f"in {phase}" if phase else "in the call"
-    asked = re.search(r"[Tt]ried to allocate ([\d.,]+ ?[KMGTP]?i?B)", exception_text(exc))
-    tried = f" (tried to allocate {asked.group(1)})" if asked else ""
+    where = f"in {oom.phase}" if oom.phase else "in the call"
+    tried = f" (tried to allocate {oom.tried})" if oom.tried else ""
+    capacity = oom.capacity
     limits = ": the device's memory ran out" if capacity is None else f": past {_capacity_hit(budget, capacity)}"
-    peak = format_size(measured.peak()) if capacity is None else capacity.fmt(measured.peak())
-    state, fragmented = _allocator_state(exc)
+    peak_bytes = record.call.peak_bytes
+    peak = format_size(peak_bytes) if capacity is None else capacity.fmt(peak_bytes)
+    state, fragmented = _allocator_state(oom.state)
     clauses = [
-        "; a prediction on meta" if str(measured.device) == "meta" else "",
+        "; a prediction on meta" if record.device == "meta" else "",
         fragmented,
-        _budget_over(budget, measured, phase),
-        advice_clause(measured.advice, budget, oom=True),
+        _budget_over(budget, record, oom.phase),
+        advice_clause(record.advice, budget, oom=True),
     ]
     found = fit_line(f"out of memory {where}{tried} after a peak of {peak}{limits}", clauses, shown=[fragmented])
     return FailureLine(found.line, (*found.detail, *state))
 
 
-def _allocator_state(exc: BaseException) -> tuple[tuple[str, ...], str]:
+def _allocator_state(error: AllocatorState | None) -> tuple[tuple[str, ...], str]:
     """Where the tracker models the CUDA allocator: the section's lines of what it held when the new
     segment did not fit, in CUDA's terms, and the line's clause when fragmentation is the cause (the
     reserved but unallocated bytes would hold the request, but no free block does)."""
-    error = getattr(exc, "allocator_error", None)
     if error is None:
         return (), ""
     free = error.reserved - error.allocated
@@ -159,37 +195,61 @@ def _capacity_hit(budget: Budget | None, capacity: Limit) -> str:
     return named if capacity.card is None else f"{named}, {format_size(capacity.bytes, binary=True)} usable"
 
 
-def _budget_over(budget: Budget | None, measured: Measurement, phase: str | None) -> str:
+def _budget_over(budget: Budget | None, record: CallRecord, phase: str | None) -> str:
     """'; over its budget 100 MB too, at 120.3 MB' when the peak so far already exceeded the limit on the
     phase it ran out in (or on the call)."""
     if budget is None:
         return ""
-    if phase is not None and phase in budget.phases and phase in measured.phases:
-        name, limit, peak = f"{phase}=", budget.phases[phase], measured.phases[phase].peak_bytes
+    if phase is not None and phase in budget.phases and phase in record.phases:
+        name, limit, peak = f"{phase}=", budget.phases[phase], record.phases[phase].peak_bytes
     elif budget.total is not None:
-        name, limit, peak = "", budget.total, measured.peak()
+        name, limit, peak = "", budget.total, record.call.peak_bytes
     else:
         return ""
     return "" if peak <= limit.bytes else f"; over its budget {name}{limit.written} too, at {limit.fmt(peak)}"
 
 
-def leak_message(measured: CallRecord, leak: Limit, net_bytes: int) -> FailureLine:
+def leak_message(record: CallRecord, leak: Limit, net_bytes: int) -> FailureLine:
     """How much the call left allocated, the limit, and who holds it; then what it is (parameters, saved
     for backward, ...) and the largest survivor. Every survivor is a line of the section, and so is what
     each module's tensors left."""
-    holding = measured.holding
+    holding = record.holding
     held = "" if holding is None or not holding.held() else f", {holding.held()}"
     parts: _Clause = ""
     if holding is not None and holding.kinds:
         what, size = holding.kinds[0]
         whole = f": {holding.parts(leak.fmt)}"
         parts = (whole, f": {what} {leak.fmt(size)}, ...") if len(holding.kinds) > 1 else whole
-    largest = f"; largest: {measured.survivors[0].describe(leak.fmt)}" if measured.survivors else ""
+    largest = f"; largest: {record.survivors[0].describe(leak.fmt)}" if record.survivors else ""
     head = f"left {leak.fmt(net_bytes)} allocated after the call (leak limit {leak.written}){held}"
     found = fit_line(head, [parts, largest], shown=[largest])
     by_module = () if holding is None else tuple(holding.by_module(format_size))
     return FailureLine(found.line, (*found.detail, *by_module))
 
 
-def survivors_section(measured: CallRecord) -> str:
-    return "".join(f"\nleft allocated: {survivor.describe()}" for survivor in measured.survivors)
+def breakdown(call: PhaseResult, phases: Mapping[str, PhaseResult]) -> str:
+    """The report section of a measured test: every phase and the whole call."""
+    lines = []
+    for phase in [*phases.values(), call]:
+        shown = phase.reserved_peak_bytes
+        reserved = "" if shown is None else f", reserved {format_size(shown)} in all"
+        lines.append(
+            f"{phase.name}: peak {format_size(phase.peak_bytes)} (requested {format_size(phase.requested_peak_bytes)}"
+            f"{reserved}), net {format_size(phase.net_bytes)}, entered {phase.count}x"
+        )
+    return "\n".join(lines)
+
+
+def report_section(record: CallRecord, verdict: Sequence[str], failure: FailureLine | None) -> str:
+    """The report section of a test that ran to the end: what its failure line left out, phases,
+    survivors, explanation, advice, the baseline's `verdict` lines, notes."""
+    section = failure.section().removeprefix("\n") + "\n" if failure is not None and failure.detail else ""
+    section += breakdown(record.call, record.phases) + survivors_section(record)
+    section += explained(record.explanation) + advice_section(record.advice)
+    if verdict:
+        section += "\n" + "\n".join(verdict)
+    return section + "".join(f"\nnote: {note}" for note in record.notes)
+
+
+def survivors_section(record: CallRecord) -> str:
+    return "".join(f"\nleft allocated: {survivor.describe()}" for survivor in record.survivors)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pytest_gpumem.errors import GpuMemError, first_line
@@ -87,6 +87,28 @@ class Status(str, Enum):
         return self in (Status.OUT_OF_MEMORY, Status.LEAKED, Status.OVER_BUDGET, Status.REGRESSED)
 
 
+PRECEDENCE = (
+    Status.OUT_OF_MEMORY,
+    Status.OVER_BUDGET,
+    Status.LEAKED,
+    Status.REGRESSED,
+    Status.GRADIENTS_CHANGED,
+    Status.MISSING_BASELINE,
+    Status.ERROR,
+    Status.XPASS,
+    Status.XFAILED,
+    Status.IMPROVED,
+    Status.NEW,
+    Status.OK,
+)
+"""The statuses, the worst first: of two that apply to a test, the earlier is its status."""
+
+
+def first_of(statuses: Iterable[Status]) -> Status:
+    """The worst of `statuses` (`PRECEDENCE`), OK when there is none."""
+    return min(statuses, key=PRECEDENCE.index, default=Status.OK)
+
+
 @dataclass(frozen=True)
 class PhaseResult:
     """Bytes of one phase, as the backend counts them, above what was allocated when it began.
@@ -146,9 +168,16 @@ class PhaseResult:
 _PHASE_KEYS = ("peak_bytes", "requested_peak_bytes", "reserved_peak_bytes", "net_bytes", "count")
 
 
-@dataclass
+def _listed(value: object) -> object:
+    """A tuple as the JSON list it is written as; anything else (a hook's) as it is."""
+    return list(value) if isinstance(value, tuple) else value
+
+
+@dataclass(frozen=True)
 class TestResult:
-    """Everything measured for one test call, plus its budget and verdict.
+    """Everything measured for one test call, plus its budget and verdict: a value, never changed once
+    made (a change is a new result, `dataclasses.replace`); a `pytest_gpumem_result` hook is handed a copy
+    whose fields it may set, which then replaces the result (`run/hand_over.py`).
 
     `info` is the test's own `gpumem.info`; what pytest-gpumem measured on request has fields of its
     own: `fits` (each `gpumem.fit()`'s sentence), `advice` (the last `gpumem.advise()`), `distributed`
@@ -164,26 +193,34 @@ class TestResult:
     backend: str
     device: str
     call: PhaseResult | None
-    phases: dict[str, PhaseResult] = field(default_factory=dict)
+    phases: Mapping[str, PhaseResult] = field(default_factory=dict)  # read-only once made
     budget_limits: dict[str, Any] | None = None
     budget_text: str | None = None
     status: Status = Status.OK
     message: str | None = None
-    detail: list[str] = field(default_factory=list)  # what the one-line message left to the report section
-    info: dict[str, Any] = field(default_factory=dict)
+    detail: Sequence[str] = ()  # what the one-line message left to the report section (a tuple once made)
+    info: dict[str, Any] = field(default_factory=dict)  # the test's own, in JSON types
     verdict: Verdict | None = None
     baseline_entry: Entry | None = None
-    notes: list[str] = field(default_factory=list)
+    notes: Sequence[str] = ()
     worker_device: str | None = None  # under --gpumem-devices: which of the caller's devices a worker used
     explanation: Explanation | None = None  # what made each peak (pytest_gpumem.explain.composition), when asked for
     html_path: str | None = None  # the picture of an explained test (--gpumem-html)
-    fits: list[str] = field(default_factory=list)
+    fits: Sequence[str] = ()
     advice: Advice | None = None
-    distributed: list[dict[str, Any]] = field(default_factory=list)
-    simulated: list[dict[str, int]] = field(default_factory=list)
+    distributed: Sequence[dict[str, Any]] = ()
+    simulated: Sequence[dict[str, int]] = ()
 
-    def __setattr__(self, name: str, value: object) -> None:
-        super().__setattr__(name, Status.of(value) if name == "status" else value)
+    def __post_init__(self) -> None:
+        """The status as a `Status` (a word is one: what a hook may set), lists as tuples and the phases
+        read-only. Anything else is left as given, for `to_json` and the reading back to refuse."""
+        setting = object.__setattr__  # the one place a result's fields are set: as it is made
+        setting(self, "status", Status.of(self.status))
+        if isinstance(self.phases, dict):
+            setting(self, "phases", MappingProxyType(dict(self.phases)))
+        for name, value in list(vars(self).items()):
+            if isinstance(value, list):
+                setting(self, name, tuple(value))
 
     @property
     def peak_bytes(self) -> int | None:
@@ -202,18 +239,18 @@ class TestResult:
             "budget_text": self.budget_text,
             "status": self.status.value,
             "message": self.message,
-            "detail": self.detail,
+            "detail": _listed(self.detail),
             "info": self.info,
             "baseline": None if self.verdict is None else self.verdict.to_json(),
             "record": None if self.baseline_entry is None else self.baseline_entry.to_json(),
-            "notes": self.notes,
+            "notes": _listed(self.notes),
             "worker_device": self.worker_device,
             "explanation": None if self.explanation is None else self.explanation.to_json(),
             "html": self.html_path,
-            "fits": self.fits,
+            "fits": _listed(self.fits),
             "advice": None if self.advice is None else self.advice.to_json(),
-            "distributed": self.distributed,
-            "simulated": self.simulated,
+            "distributed": _listed(self.distributed),
+            "simulated": _listed(self.simulated),
         }
 
     @classmethod
@@ -323,48 +360,3 @@ def _phases(value: object, where: str) -> dict[str, PhaseResult]:
 
 def _simulated(value: object, where: str) -> dict[str, int]:
     return {key: count(n, f"{where}.{key}", what="an integer") for key, n in _object(value, where).items()}
-
-
-def agree_with_pytest(result: TestResult, report: Any) -> None:
-    """Make `result` agree with pytest's verdict on the call (`report`): a test that failed for a reason
-    the measurement did not see (a unittest body, an xfail) is not `ok`, and only a test that passed
-    records its figures as a baseline."""
-    expected_failure = hasattr(report, "wasxfail")
-    if report.failed and result.status.passing:
-        result.status = Status.ERROR
-        result.message = _first_line(str(report.longreprtext)) or "the test failed"
-    elif expected_failure and report.skipped:
-        result.status = Status.XFAILED
-    elif expected_failure and result.status.passing:
-        result.status = Status.XPASS
-    if not report.passed or expected_failure:
-        result.baseline_entry = None
-
-
-def _first_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("E ")]
-    return (errors or lines or [""])[0].removeprefix("E ").strip()
-
-
-_NOT_XML = re.compile("[^\u0009\u000a\u000d\u0020-\u007e\u0080-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
-"""What XML 1.0 cannot carry (and DEL), as pytest's junitxml sees it: control characters, NUL, lone
-surrogates, U+FFFE and U+FFFF."""
-
-
-def _xml_text(text: str) -> str:
-    """`text` with each character XML cannot carry shown as `#xHH` (`#xHHHH` above 0xFF), every other
-    character kept: what pytest's junitxml does to a property's value but not to its name."""
-    return _NOT_XML.sub(lambda m: f"#x{ord(m.group()):02X}", text)
-
-
-def junit_properties(result: TestResult) -> list[tuple[str, str]]:
-    """What `--junitxml` shows of a measured test: its status and peaks in bytes, per phase (a phase's
-    name with what XML cannot carry written as `#xHH`, so that the run's XML stays readable)."""
-    properties = [("gpumem_status", result.status.value)]
-    if result.call is not None:
-        properties.append(("gpumem_peak_bytes", str(result.call.peak_bytes)))
-    properties += [
-        (_xml_text(f"gpumem_peak_bytes[{name}]"), str(phase.peak_bytes)) for name, phase in result.phases.items()
-    ]
-    return properties

@@ -1,59 +1,94 @@
 """A measured test's result handed over with its report: settled with pytest's verdict, shown to the
-`pytest_gpumem_result` hook (and rolled back when the hook breaks it), sent to the xdist controller as JSON text
-on the report, and written as JUnit properties."""
+`pytest_gpumem_result` hook as a copy that replaces it (unless the hook breaks it), sent to the xdist
+controller as JSON text on the report, and written as JUnit properties."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import traceback
+from types import MappingProxyType
 
 import pytest
 
 from cuda_allocator_model import ModelError
 from pytest_gpumem.distributed.worker import json_problem  # pure, and pytest-free for the ranks
 from pytest_gpumem.errors import GpuMemError, one_line
-from pytest_gpumem.results import REPORT_ATTRIBUTE, Status, TestResult, agree_with_pytest, junit_properties
+from pytest_gpumem.outcome import status_of, with_pytest
+from pytest_gpumem.reasons import Unmeasurable
+from pytest_gpumem.report.failures import plain_line
+from pytest_gpumem.results import REPORT_ATTRIBUTE, Status, TestResult
 
 
-def settle(item: pytest.Item, result: TestResult, report: pytest.TestReport) -> None:
-    """Settle the measured test's status with pytest's verdict, hand the final result to the hook, and
-    send it along with the report (JSON text in an attribute that xdist hands to the controller test
-    by test and --junitxml does not print; the JUnit properties are the short ones)."""
-    agree_with_pytest(result, report)
-    text = json.dumps(result.to_json(), allow_nan=False)
+def hand_over(item: pytest.Item, result: TestResult, report: pytest.TestReport) -> TestResult:
+    """The measured test's final result, which replaces `result` in the run's: its status settled with
+    pytest's verdict, then what the result hook made of it; sent along with the report (JSON text in an
+    attribute that xdist hands to the controller test by test and --junitxml does not print; the JUnit
+    properties are the short ones)."""
+    result = agree_with_pytest(result, report)
     if item.config.hook.pytest_gpumem_result.get_hookimpls():
-        text = _after_hook(item, result, report, text)
+        result, text = _after_hook(item, result, report)
+    else:
+        text = json.dumps(result.to_json(), allow_nan=False)
     setattr(report, REPORT_ATTRIBUTE, text)
     properties = junit_properties(result)
     report.user_properties += properties
     # the teardown report, which --junitxml reads, copies the item's; a rerun replaces them
     item.user_properties[:] = [p for p in item.user_properties if not str(p[0]).startswith("gpumem")]
     item.user_properties += properties
+    return result
 
 
-def _after_hook(item: pytest.Item, result: TestResult, report: pytest.TestReport, before: str) -> str:
-    """Call `pytest_gpumem_result` with the settled result and return the result's JSON text. A hook that
-    raises or leaves what the report cannot hold fails this one test in one line (a test that failed on
-    its own keeps its failure, the line beside it); the result goes back to what it was before the hook,
-    and the run's other tests, its report and its files carry on."""
+class ResultDraft(TestResult):
+    """The copy of a result that a `pytest_gpumem_result` hook is handed: the hook may set its fields (a
+    status as its word) and change its lists and dicts, and what it leaves becomes the result that
+    replaces the original; the original is never changed."""
+
+    def __post_init__(self) -> None:
+        setattr(self, "status", self.status)  # noqa: B010 (mypy sees TestResult's read-only fields)
+        for name, value in vars(self).copy().items():  # the hook may change them in place, as before
+            if isinstance(value, tuple):
+                setattr(self, name, list(value))
+            elif isinstance(value, MappingProxyType):
+                setattr(self, name, dict(value))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, Status.of(value) if name == "status" else value)
+
+    @classmethod
+    def of(cls, result: TestResult) -> ResultDraft:
+        """A copy of `result` that shares nothing the hook can change (`info` is JSON: copied through it)."""
+        values = {field.name: getattr(result, field.name) for field in dataclasses.fields(result)}
+        return cls(**{**values, "info": json.loads(json.dumps(result.info))})
+
+    def final(self) -> TestResult:
+        return TestResult(**{field.name: getattr(self, field.name) for field in dataclasses.fields(self)})
+
+
+def _after_hook(item: pytest.Item, result: TestResult, report: pytest.TestReport) -> tuple[TestResult, str]:
+    """Call `pytest_gpumem_result` with a copy of the settled result; the result it leaves, and its JSON
+    text. A hook that raises or leaves what the report cannot hold fails this one test in one line (a test
+    that failed on its own keeps its failure, the line beside it); the result stays what it was before the
+    hook, and the run's other tests, its report and its files carry on."""
+    draft = ResultDraft.of(result)
     try:
-        item.config.hook.pytest_gpumem_result(item=item, result=result)
-        return _checked(result)
+        item.config.hook.pytest_gpumem_result(item=item, result=draft)
+        return _checked(draft)
     except pytest.exit.Exception:
         raise
     except ModelError as exc:  # e.g. a status that is none of ours, or a value JSON cannot hold
-        problem, trace = f"{item.nodeid}: pytest_gpumem_result: {exc}", None
+        refused, trace = Unmeasurable(item.nodeid, f"pytest_gpumem_result: {exc}"), None
     except (Exception, pytest.fail.Exception, pytest.skip.Exception) as exc:
-        problem = f"{item.nodeid}: pytest_gpumem_result raised {one_line(exc)}"
+        refused = Unmeasurable(item.nodeid, f"pytest_gpumem_result raised {one_line(exc)}")
         trace = _hook_traceback(exc)
-    for name, value in vars(TestResult.from_json(json.loads(before))).items():
-        setattr(result, name, value)  # in place: the run's results hold this very object
+    problem = plain_line(refused).line
     if report.failed:  # failed on its own: pytest shows that failure, the hook's line beside it
         report.sections.append(("Captured gpumem hook call", problem if trace is None else f"{problem}\n{trace}"))
     else:
-        result.status, result.message, result.baseline_entry = Status.ERROR, problem, None
+        result = dataclasses.replace(result, status=status_of(refused), message=problem, baseline_entry=None)
         _fail_report(report, problem, trace)
-    return json.dumps(result.to_json(), allow_nan=False)
+    return result, json.dumps(result.to_json(), allow_nan=False)
 
 
 def _hook_traceback(exc: BaseException) -> str:
@@ -66,12 +101,13 @@ def _hook_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
-def _checked(result: TestResult) -> str:
-    """The result's JSON text, or a `GpuMemError` saying what in it JSON (or the xdist controller, which
-    reads it back) cannot hold."""
-    if not isinstance(result.info, dict):
-        raise GpuMemError(f"result.info was set to a {type(result.info).__name__}, not a dict")
+def _checked(draft: ResultDraft) -> tuple[TestResult, str]:
+    """The result the hook left and its JSON text, or a `GpuMemError` saying what in it JSON (or the xdist
+    controller, which reads it back) cannot hold."""
+    if not isinstance(draft.info, dict):
+        raise GpuMemError(f"result.info was set to a {type(draft.info).__name__}, not a dict")
     try:
+        result = draft.final()
         data = result.to_json()
     except Exception as exc:
         raise GpuMemError(f"the result cannot be written: {one_line(exc)}") from None
@@ -84,7 +120,7 @@ def _checked(result: TestResult) -> str:
         TestResult.from_json(json.loads(text))
     except Exception as exc:
         raise GpuMemError(f"the result cannot be read back from its JSON: {one_line(exc)}") from None
-    return text
+    return result, text
 
 
 def _fail_report(report: pytest.TestReport, line: str, trace: str | None) -> None:
@@ -95,3 +131,47 @@ def _fail_report(report: pytest.TestReport, line: str, trace: str | None) -> Non
         del report.wasxfail  # an xfail's report that failed for the hook is a failure, not an XPASS
     if trace is not None:
         report.sections.append(("Captured gpumem hook traceback call", trace))
+
+
+def agree_with_pytest(result: TestResult, report: pytest.TestReport) -> TestResult:
+    """`result` agreeing with pytest's verdict on the call (`report`): a test that failed for a reason the
+    measurement did not see (a unittest body, an xfail) is not `ok`, and only a test that passed records
+    its figures as a baseline."""
+    expected_failure = hasattr(report, "wasxfail")
+    status = with_pytest(result.status, report.failed, report.skipped, expected_failure)
+    message = result.message
+    if status != result.status and status == Status.ERROR:
+        message = _first_line(str(report.longreprtext)) or "the test failed"
+    entry = result.baseline_entry if report.passed and not expected_failure else None
+    if (status, message, entry) == (result.status, result.message, result.baseline_entry):
+        return result
+    return dataclasses.replace(result, status=status, message=message, baseline_entry=entry)
+
+
+def _first_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("E ")]
+    return (errors or lines or [""])[0].removeprefix("E ").strip()
+
+
+_NOT_XML = re.compile("[^\u0009\u000a\u000d\u0020-\u007e\u0080-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+"""What XML 1.0 cannot carry (and DEL), as pytest's junitxml sees it: control characters, NUL, lone
+surrogates, U+FFFE and U+FFFF."""
+
+
+def _xml_text(text: str) -> str:
+    """`text` with each character XML cannot carry shown as `#xHH` (`#xHHHH` above 0xFF), every other
+    character kept: what pytest's junitxml does to a property's value but not to its name."""
+    return _NOT_XML.sub(lambda m: f"#x{ord(m.group()):02X}", text)
+
+
+def junit_properties(result: TestResult) -> list[tuple[str, str]]:
+    """What `--junitxml` shows of a measured test: its status and peaks in bytes, per phase (a phase's
+    name with what XML cannot carry written as `#xHH`, so that the run's XML stays readable)."""
+    properties = [("gpumem_status", result.status.value)]
+    if result.call is not None:
+        properties.append(("gpumem_peak_bytes", str(result.call.peak_bytes)))
+    properties += [
+        (_xml_text(f"gpumem_peak_bytes[{name}]"), str(phase.peak_bytes)) for name, phase in result.phases.items()
+    ]
+    return properties

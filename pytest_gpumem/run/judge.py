@@ -4,39 +4,31 @@ own), its baseline, and the result it leaves for the report, the hooks and the x
 from __future__ import annotations
 
 import dataclasses
-import json
 import warnings
-from collections.abc import Generator, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import Generator, Mapping, Sequence
+from typing import TYPE_CHECKING, NoReturn
 
 import pytest
 
-from cuda_allocator_model import ModelError, format_size
-from pytest_gpumem.budget import MARKER, Budget, Limit, all_of, budget_from_marker, closest_first
-from pytest_gpumem.errors import GpuMemError, GpuMemWarning, one_line
-from pytest_gpumem.explain.text import section as explained
-from pytest_gpumem.measure.oom_and_leaks import (
-    is_out_of_memory,
-    needs_real_values,
-    release_memory,
-    uninitialized_in_ours,
-)
-from pytest_gpumem.measure.record import CallRecord
-from pytest_gpumem.measure.watch import Watch
-from pytest_gpumem.outcome import Outcome, judge, result_of
+from cuda_allocator_model import ModelError
+from pytest_gpumem.budget import MARKER, Budget, all_of, budget_from_marker, closest_first
+from pytest_gpumem.errors import GpuMemError, GpuMemWarning
+from pytest_gpumem.measure.oom_and_leaks import release_memory
+from pytest_gpumem.measure.terms import Terms
+from pytest_gpumem.outcome import Outcome, judge, result_of, stopped_by, unmeasurable, unmeasured_result
+from pytest_gpumem.reasons import OutOfMemory, Raised, Reason, Unmeasurable
 from pytest_gpumem.report import failures
-from pytest_gpumem.report.advice_text import advice_section
-from pytest_gpumem.report.failures import FailureLine, out_of_memory_message
-from pytest_gpumem.results import PhaseResult, Status, TestResult
+from pytest_gpumem.report.failures import FailureLine
+from pytest_gpumem.results import PhaseResult, TestResult
 from pytest_gpumem.run import test_files
-from pytest_gpumem.run.hand_over import settle
+from pytest_gpumem.run.hand_over import hand_over
 from pytest_gpumem.run.late_markers import device_too_late
-from pytest_gpumem.run.outputs import WRITE_ERRORS
 from pytest_gpumem.run.session import JUDGE, MEASUREMENT_KEY, GpuMemSession
 
 if TYPE_CHECKING:
     from pytest_gpumem.config import Options
     from pytest_gpumem.measure.measurement import Measurement
+    from pytest_gpumem.measure.record import CallRecord
     from pytest_gpumem.run.regression import Judgement
 
 _RESULT_KEY = pytest.StashKey[TestResult]()  # the call's result, until its report is made
@@ -64,53 +56,17 @@ def _with_default(budget: Budget | None, default: Budget | None) -> Budget | Non
     return default if budget is None else dataclasses.replace(budget, total=default.total)
 
 
-def _watch_of(options: Options, budget: Budget | None) -> Watch:
-    """What the test is held to beyond its peaks, from its budget and the run's options."""
+def _terms_of(options: Options, budget: Budget | None) -> Terms:
+    """What the test runs on beyond its peaks, from its budget and the run's options."""
     evidence = options.snapshot_dir is not None
-    return Watch.of(budget, options.capacity, options.leak, evidence=evidence, explain=options.explain)
+    return Terms.of(budget, options.capacity, options.leak, evidence=evidence, explain=options.explain)
 
 
-def within_slack(call: PhaseResult, phases: dict[str, PhaseResult], slack: int) -> bool:
+def within_slack(call: PhaseResult, phases: Mapping[str, PhaseResult], slack: int) -> bool:
     """Whether the test allocated something and every peak (the call's and each phase's) is at most `slack`
     bytes: a baseline could never fail it, as the slack alone allows that much over any baseline. (A test
     that allocates nothing is left to the comparison, which counts it in the run's summary.)"""
     return 0 < max(phase.peak_bytes for phase in [call, *phases.values()]) <= slack
-
-
-def _not_json(info: object) -> str | None:
-    """Why `info` cannot travel as JSON (to the report, the file, the xdist controller), or None."""
-    if not isinstance(info, dict):
-        return f"it was set to a {type(info).__name__}, not a dict"
-    try:
-        json.dumps(info, allow_nan=False)
-    except (TypeError, ValueError, RecursionError) as exc:
-        return str(exc)
-    return None
-
-
-def _plain_info(info: object) -> dict[str, Any]:
-    """`info` in plain JSON types (a torch.Size becomes a list, a numpy float a float), or a description."""
-    if _not_json(info) is None:
-        plain: dict[str, Any] = json.loads(json.dumps(info, allow_nan=False))
-        return plain
-    try:
-        text = repr(info)
-    except Exception:
-        text = f"<{type(info).__name__} whose repr raised>"
-    return {"unreadable": text[:1000]}
-
-
-def breakdown(call: PhaseResult, phases: dict[str, PhaseResult]) -> str:
-    """The report section of a measured test: every phase and the whole call."""
-    lines = []
-    for phase in [*phases.values(), call]:
-        shown = phase.reserved_peak_bytes
-        reserved = "" if shown is None else f", reserved {format_size(shown)} in all"
-        lines.append(
-            f"{phase.name}: peak {format_size(phase.peak_bytes)} (requested {format_size(phase.requested_peak_bytes)}"
-            f"{reserved}), net {format_size(phase.net_bytes)}, entered {phase.count}x"
-        )
-    return "\n".join(lines)
 
 
 def _expected(item: pytest.Item, exc: BaseException) -> bool:
@@ -120,16 +76,6 @@ def _expected(item: pytest.Item, exc: BaseException) -> bool:
         return False
     raises = mark.kwargs.get("raises")
     return raises is None or (isinstance(raises, (type, tuple)) and isinstance(exc, raises))
-
-
-def _memory_failure(
-    measured: Measurement, budget: Budget | None, exc: BaseException, capacity: Limit | None
-) -> tuple[Status, FailureLine] | None:
-    """(status, its line) for an error that is about memory, not the test's code."""
-    if is_out_of_memory(exc):
-        return Status.OUT_OF_MEMORY, out_of_memory_message(measured, budget, exc, capacity)
-    meta = needs_real_values(exc, measured.device) or uninitialized_in_ours(exc)
-    return None if meta is None else (Status.ERROR, FailureLine(f"{measured.nodeid}: {meta}"))
 
 
 def _fail(message: str) -> NoReturn:
@@ -143,17 +89,6 @@ def _warn_notes(item: pytest.Item, notes: list[str]) -> None:
     path, line = item.location[0], (item.location[1] or 0) + 1
     for note in notes:
         warnings.warn_explicit(GpuMemWarning(f"{item.nodeid}: {note}"), GpuMemWarning, path, line)
-
-
-def _section(record: CallRecord, judgement: Judgement | None, failure: FailureLine | None) -> str:
-    """The report section of a test that ran to the end: what its failure line left out, phases,
-    survivors, explanation, advice, verdict."""
-    section = failure.section().removeprefix("\n") + "\n" if failure is not None and failure.detail else ""
-    section += breakdown(record.call, dict(record.phases)) + failures.survivors_section(record)
-    section += explained(record.explanation) + advice_section(record.advice)
-    if judgement is not None and judgement.verdict.messages:
-        section += "\n" + "\n".join(judgement.verdict.messages)
-    return section + "".join(f"\nnote: {note}" for note in record.notes)
 
 
 class Judge:
@@ -179,79 +114,71 @@ class Judge:
             late = device_too_late(item, measured)
             if late is not None:
                 raise GpuMemError(late)
-            watch = _watch_of(session.options, budget)
-            watch.predict_card(measured.backend)  # the identity its baseline is stored under names the card's
-            watch = watch.explaining(session.baselines.explains(item.nodeid, measured.backend))
-            watch.apply(measured.backend, measured)
+            terms = _terms_of(session.options, budget)
+            measured.backend.predict_card(terms.card)  # before the baseline is looked up: its identity names the card
+            terms = terms.explaining(session.baselines.explains(item.nodeid, measured.backend))
+            measured.set_up(terms)
         except ModelError as exc:
-            error = f"{item.nodeid}: {exc}"
+            refused = Unmeasurable(item.nodeid, str(exc))
         else:
-            return (yield from self._measured(item, measured, budget, watch, asked))
-        result = TestResult(item.nodeid, session.backend_name, "", None, status=Status.ERROR, message=error)
-        self._keep(item, result)
-        _fail(error)
+            return (yield from self._measured(item, measured, budget, terms, asked))
+        failure = failures.plain_line(refused)
+        self._keep(item, unmeasured_result(session.backend_name, refused, failure))
+        _fail(failure.line)
 
     def _measured(
-        self, item: pytest.Item, measured: Measurement, budget: Budget | None, watch: Watch, asked: bool
+        self, item: pytest.Item, measured: Measurement, budget: Budget | None, terms: Terms, asked: bool
     ) -> Generator[None, object, object]:
         __tracebackhide__ = True
         measured.begin()
-        self._begin_files(item, measured)
+        test_files.begin(self.files, item, measured, self.session.problems)
         try:
             outcome = yield
         except ModelError as exc:
-            status, failure = Status.ERROR, FailureLine(f"{item.nodeid}: {exc}")
+            stopped: Reason = Unmeasurable(item.nodeid, str(exc))
         except (pytest.skip.Exception, pytest.xfail.Exception):
             measured.end()
             raise
         except BaseException as exc:
-            memory = _memory_failure(measured, budget, exc, watch.capacity)
-            if memory is None:
+            stopped = stopped_by(exc, measured.nodeid, measured.device, terms.capacity)
+            if isinstance(stopped, Raised):  # the test's own error: pytest shows it, as unmeasured
                 try:
-                    self._finish(item, measured, budget, Status.ERROR, FailureLine(one_line(exc)))
+                    self._stopped(item, measured, budget, stopped)
                 finally:
                     measured.end_if_running()
                 raise
-            status, failure = memory
             if _expected(item, exc):  # xfail(raises=...): the test behaves as it does unmeasured
-                self._finish(item, measured, budget, status, failure)
+                self._stopped(item, measured, budget, stopped)
                 raise
             exc.__traceback__ = None  # its frames hold the test's tensors
         else:
-            self._judge(item, measured, budget, watch, asked)
+            self._judge(item, measured, budget, terms, asked)
             return outcome
-        if status == Status.OUT_OF_MEMORY:
+        if isinstance(stopped, OutOfMemory):
             release_memory()
-        record = self._finish(item, measured, budget, status, failure)
-        detail = failure.section() + "\n" + breakdown(record.call, dict(record.phases))
+        record, failure = self._stopped(item, measured, budget, stopped)
+        detail = failure.section() + "\n" + failures.breakdown(record.call, record.phases)
         if detail:
             item.add_report_section("call", "gpumem", detail.removeprefix("\n"))
         _fail(failure.line)
 
     def _judge(
-        self, item: pytest.Item, measured: Measurement, budget: Budget | None, watch: Watch, asked: bool
+        self, item: pytest.Item, measured: Measurement, budget: Budget | None, terms: Terms, asked: bool
     ) -> None:
         record = measured.end()
-        bad_info = _not_json(record.info)
-        if bad_info:
-            message = f"gpumem.info must be a dict of JSON values (str, numbers, lists, dicts): {bad_info}"
-            self._error(item, record, budget, f"{item.nodeid}: {message}")
-        unopened = [] if budget is None else budget.unopened(record.phases)
-        if unopened:
-            opened = ", ".join(record.phases) or "none"
-            message = f"max_memory names phase {unopened[0]!r} that the test never opened (opened: {opened})"
-            self._error(item, record, budget, f"{item.nodeid}: {message}")
-        judgement = self._baseline(item, measured, budget, record.call, asked)
-        outcome = judge(record, budget, watch.leak, judgement)
-        status, failure = outcome.status, outcome.failure
-        if budget is not None or judgement is not None or status == Status.LEAKED or _has_detail(record):
-            item.add_report_section("call", "gpumem", _section(record, judgement, failure))
-        self._finish(item, record, budget, status, failure, judgement)
+        refused = unmeasurable(record, budget)
+        judgement = None if refused is not None else self._baseline(measured, record, budget, asked)
+        outcome = judge(record, budget, terms.leak, judgement, refused)
+        failure = _line(outcome, record, budget)
+        if refused is None and (budget is not None or judgement is not None or outcome.reasons or _has_detail(record)):
+            messages = () if judgement is None else judgement.verdict.messages
+            item.add_report_section("call", "gpumem", failures.report_section(record, messages, failure))
+        self._finish(item, record, budget, outcome, failure, judgement)
         if failure is not None and failure.line:
             _fail(failure.line)
 
     def _baseline(
-        self, item: pytest.Item, measured: Measurement, budget: Budget | None, call: PhaseResult, asked: bool
+        self, measured: Measurement, record: CallRecord, budget: Budget | None, asked: bool
     ) -> Judgement | None:
         """The test's comparison with its baseline, None without baselines. A test measured only for
         --gpumem-all whose peaks all stay within the slack needs none (also under --gpumem-strict), and
@@ -259,34 +186,38 @@ class Judge:
         baselines = self.session.baselines
         if not baselines.active:
             return None
-        if not asked and within_slack(call, measured.phases, baselines.options.slack):
+        if not asked and within_slack(record.call, record.phases, baselines.options.slack):
             return None
-        return baselines.judge(item.nodeid, measured, budget)
+        return baselines.judge(record, measured.backend, budget)
 
-    def _error(self, item: pytest.Item, record: CallRecord, budget: Budget | None, message: str) -> NoReturn:
-        """Record the test as an error and fail it with one line."""
-        self._finish(item, record, budget, Status.ERROR, FailureLine(message))
-        _fail(message)
+    def _stopped(
+        self, item: pytest.Item, measured: Measurement, budget: Budget | None, reason: Reason
+    ) -> tuple[CallRecord, FailureLine]:
+        """End the call that `reason` stopped and keep its result; its record and its line."""
+        record = measured.end()
+        outcome = judge(record, budget, None, None, reason)
+        failure = failures.failure_line(reason, record, budget)
+        self._finish(item, record, budget, outcome, failure)
+        return record, failure
 
     def _finish(
         self,
         item: pytest.Item,
-        ended: CallRecord | Measurement,
+        record: CallRecord,
         budget: Budget | None,
-        status: Status,
+        outcome: Outcome,
         failure: FailureLine | None,
         judgement: Judgement | None = None,
-    ) -> CallRecord:
-        """Keep the test's result and its files (ending its measurement first, when it still runs)."""
-        record = ended if isinstance(ended, CallRecord) else ended.end()
+    ) -> None:
+        """Keep the test's result and its files."""
         assignment = self.session.assignment
         worker_device = None if assignment is None else assignment.describe()
-        outcome = Outcome(status, failure)
-        result = result_of(record, outcome, budget, judgement, _plain_info(record.info), worker_device)
-        self._write_files(item, result, record)
+        result = result_of(record, outcome, failure, budget, judgement, worker_device)
+        session = self.session
+        measured = session.measurement(item)
+        result = test_files.write(self.files, item, measured, result, record, session.config.rootpath, session.problems)
         self._keep(item, result)
         _warn_notes(item, list(record.notes))  # after: under `filterwarnings = error` a note fails the test here
-        return record
 
     def _keep(self, item: pytest.Item, result: TestResult) -> None:
         """The result joins the run's and waits for its report, where pytest's verdict settles it and the
@@ -294,35 +225,21 @@ class Judge:
         self.session.add(result)
         item.stash[_RESULT_KEY] = result
 
-    def _begin_files(self, item: pytest.Item, measured: Measurement) -> None:
-        for file in self.files:
-            problem = file.begin(item, measured)
-            if problem is not None and problem not in self.session.problems:
-                self.session.problems.append(problem)
-
-    def _write_files(self, item: pytest.Item, result: TestResult, record: CallRecord) -> None:
-        """The files the options chose that the test leaves, each named in its report section; a write that
-        fails is said once at the end of the run, in one line, and the test's outcome stands."""
-        measured = self.session.measurement(item)
-        for file in self.files:
-            try:
-                path = file.write(item, measured, result, record)
-            except WRITE_ERRORS as exc:
-                self.session.problems.append(f"{file.flag}: cannot write the {file.noun} of {item.nodeid}: {exc}")
-                continue
-            if path is not None:
-                file.keep(result, path, self.session.config.rootpath)
-                item.add_report_section("call", file.section, f"{file.label}: {path}")
-
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_makereport(self, item: pytest.Item) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-        """The call's report carries the measured test's settled result (`hand_over.settle`)."""
+        """The call's report carries the measured test's final result (`hand_over`), which replaces the one
+        the run kept when the call ended."""
         report = yield
         result = item.stash.get(_RESULT_KEY, None)
         if result is not None and report.when == "call":
             del item.stash[_RESULT_KEY]
-            settle(item, result, report)
+            self.session.add(hand_over(item, result, report))
         return report
+
+
+def _line(outcome: Outcome, record: CallRecord, budget: Budget | None) -> FailureLine | None:
+    """The outcome's line, as `report/` phrases its first reason (None when it passes)."""
+    return None if outcome.reason is None else failures.failure_line(outcome.reason, record, budget)
 
 
 def _has_detail(record: CallRecord) -> bool:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.baselines.schema import BaselineStore
     from pytest_gpumem.baselines.update import UpdateSummary
     from pytest_gpumem.budget import Budget
-    from pytest_gpumem.measure.measurement import Measurement
+    from pytest_gpumem.measure.record import CallRecord
     from pytest_gpumem.results import TestResult
     from pytest_gpumem.results.baseline import DeviceIdentity, Entry, Verdict
 
@@ -177,7 +177,8 @@ class BaselineRun:
         under --gpumem-update, only those without one under --gpumem-update=new."""
         return self.options.update and (stored is None or not self.options.update_new_only)
 
-    def judge(self, nodeid: str, measured: Measurement, budget: Budget | None) -> Judgement:
+    def judge(self, record: CallRecord, backend: Backend, budget: Budget | None) -> Judgement:
+        """The comparison of the call `record` (measured on `backend`) with its stored baseline."""
         import torch
 
         from pytest_gpumem.baselines.compare import Tolerance, compare
@@ -186,17 +187,17 @@ class BaselineRun:
 
         assert self.store is not None, "judge() is called only when baselines are active"
 
-        call = measured.result()
         entry = Entry.measured(
-            identity_of(measured.backend),
+            identity_of(backend),
             Environment.from_torch(torch),
-            call.peak_bytes,
-            {name: phase.peak_bytes for name, phase in measured.phases.items()},
-            measured.gradients,
-            None if measured.explanation is None else compact(measured.explanation),
+            record.call.peak_bytes,
+            {name: phase.peak_bytes for name, phase in record.phases.items()},
+            record.gradients,
+            None if record.explanation is None else compact(record.explanation),
         )
         percent = self.options.tolerance if budget is None or budget.tolerance is None else budget.tolerance
-        rtol, atol = measured.gradient_tolerance
+        rtol, atol = record.gradient_tolerance
+        nodeid = record.nodeid
         stored = self.store.get(nodeid, entry.identity)
         # a test this run records is accepted as it is (what is missing, a regression); one it leaves as
         # stored (--gpumem-update=new) is judged as without the option

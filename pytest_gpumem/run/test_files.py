@@ -5,10 +5,11 @@ test's report section."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -16,15 +17,26 @@ from typing import TYPE_CHECKING, ClassVar
 import pytest
 
 from pytest_gpumem.files import replace_atomically
-from pytest_gpumem.run.outputs import file_stem, shown_from, write_picture, write_trace
+from pytest_gpumem.run.outputs import WRITE_ERRORS, file_stem, shown_from, write_picture, write_trace
 
-__all__ = ["TEST_FILES", "PerTestFile", "Picture", "TorchSnapshot", "Trace", "chosen"]
+__all__ = ["TEST_FILES", "Noted", "PerTestFile", "Picture", "TorchSnapshot", "Trace", "Written", "chosen"]
 
 if TYPE_CHECKING:
     from pytest_gpumem.backends.tracker.torch_snapshot import RecordedModel
     from pytest_gpumem.measure.measurement import Measurement
     from pytest_gpumem.measure.record import CallRecord
     from pytest_gpumem.results import TestResult
+
+
+@dataclass(frozen=True)
+class Noted:
+    """A test's file (`path`, None where it leaves none of its own) with the notes its result keeps."""
+
+    path: Path | None
+    notes: tuple[str, ...]
+
+
+Written = Path | Noted | None
 
 
 @dataclass(frozen=True)
@@ -42,31 +54,32 @@ class PerTestFile(ABC):
         return None
 
     @abstractmethod
-    def write(self, item: pytest.Item, measured: Measurement, result: TestResult, record: CallRecord) -> Path | None:
-        """Write the test's file; returns it, or None when the test leaves none."""
+    def write(self, item: pytest.Item, measured: Measurement, result: TestResult, record: CallRecord) -> Written:
+        """Write the test's file; returns it, None when the test leaves none, or it with notes (why a file is not
+        note the test's result keeps)."""
 
-    def keep(self, result: TestResult, path: Path, root: Path) -> None:
-        """What the result keeps of the file written (nothing, but for the picture the report links)."""
-        return None
+    def keep(self, result: TestResult, path: Path, root: Path) -> TestResult:
+        """The result with what it keeps of the file written (nothing, but for the picture the report links)."""
+        return result
 
 
 class Picture(PerTestFile):
     flag, noun, section, label = "--gpumem-html", "picture", "gpumem picture", "memory over time"
 
-    def write(self, item: pytest.Item, measured: Measurement, result: TestResult, record: CallRecord) -> Path | None:
+    def write(self, item: pytest.Item, measured: Measurement, result: TestResult, record: CallRecord) -> Written:
         """The explained test's memory over time, and its advice, one self-contained page."""
         if result.explanation is None:
             return None
         return write_picture(self.folder, result.explanation, record.advice)
 
-    def keep(self, result: TestResult, path: Path, root: Path) -> None:
-        result.html_path = shown_from(path, root)
+    def keep(self, result: TestResult, path: Path, root: Path) -> TestResult:
+        return dataclasses.replace(result, html_path=shown_from(path, root))
 
 
 class Trace(PerTestFile):
     flag, noun, section, label = "--gpumem-snapshot-dir", "trace", "gpumem evidence", "memory trace"
 
-    def write(self, item: pytest.Item, measured: Measurement, result: TestResult, record: CallRecord) -> Path | None:
+    def write(self, item: pytest.Item, measured: Measurement, result: TestResult, record: CallRecord) -> Written:
         """The memory trace of a test that failed on memory."""
         if not result.status.leaves_evidence:
             return None
@@ -93,7 +106,7 @@ class TorchSnapshot(PerTestFile):
             measured.run_worlds_with(replace(measured.worlds, snapshots=[]))
         return None
 
-    def write(self, item: pytest.Item, measured: Measurement, result: TestResult, record: CallRecord) -> Path | None:
+    def write(self, item: pytest.Item, measured: Measurement, result: TestResult, record: CallRecord) -> Written:
         """Every measured test's prediction as a torch memory snapshot, which memory_viz opens and
         `pytest-gpumem replay` reads (once: a later call of the judge finds nothing), and one per rank of
         its worlds; a test whose process allocated nothing beside its ranks has none of its own."""
@@ -101,8 +114,13 @@ class TorchSnapshot(PerTestFile):
         if recorded is None:
             return None
         del item.stash[_RECORDED_KEY]
-        if self._write_ranks(item, measured, result) and not recorded.events:
-            return None
+        ranks = self._write_ranks(item, measured)
+        if ranks is not None and not recorded.events:
+            return ranks
+        path = self._write_own(item, recorded)
+        return path if ranks is None else replace(ranks, path=path)
+
+    def _write_own(self, item: pytest.Item, recorded: RecordedModel) -> Path:
         from pytest_gpumem.backends.tracker.torch_snapshot import snapshot_bytes, snapshot_of
 
         path = self.folder / f"{file_stem(item.nodeid)}.pickle"
@@ -110,15 +128,15 @@ class TorchSnapshot(PerTestFile):
         replace_atomically(path, snapshot_bytes(snapshot_of(recorded, os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))))
         return path
 
-    def _write_ranks(self, item: pytest.Item, measured: Measurement, result: TestResult) -> bool:
+    def _write_ranks(self, item: pytest.Item, measured: Measurement) -> Noted | None:
         """Each rank's snapshot beside the test's own, all named in one report section; the ranks that left
-        none said in the test's notes, a line a world. Whether the test ran worlds whose ranks recorded."""
+        none said in notes, a line a world; None where the test ran no world whose ranks recorded."""
         from pytest_gpumem.distributed.spawn import named_ranks
         from pytest_gpumem.distributed.world import Worlds
 
         worlds = measured.worlds
         if not isinstance(worlds, Worlds) or not worlds.snapshots:
-            return False
+            return None
         snapshots = list(worlds.snapshots)
         worlds.snapshots.clear()  # the bytes are not kept past the test
         stem, written, missing = file_stem(item.nodeid), [], defaultdict[str, list[int]](list)
@@ -132,12 +150,14 @@ class TorchSnapshot(PerTestFile):
             written.append(f"{self.label} of rank {snapshot.rank}: {path}")
         if written:
             item.add_report_section("call", self.section, "\n".join(written))
-        result.notes.extend(
-            f"{self.flag}: no snapshot of {named_ranks(ranks)} of world {world!r}: ended before "
-            f"{'it' if len(ranks) == 1 else 'they'} finished, or could not write one"
-            for world, ranks in missing.items()
+        return Noted(
+            None,
+            tuple(
+                f"{self.flag}: no snapshot of {named_ranks(ranks)} of world {world!r}: ended before "
+                f"{'it' if len(ranks) == 1 else 'they'} finished, or could not write one"
+                for world, ranks in missing.items()
+            ),
         )
-        return True
 
 
 TEST_FILES: Mapping[str, type[PerTestFile]] = {
@@ -146,6 +166,40 @@ TEST_FILES: Mapping[str, type[PerTestFile]] = {
     "torch_snapshots": TorchSnapshot,
 }
 """Each per-test file by the option field (of `config.Options`) that holds its folder, in the order written."""
+
+
+def begin(files: Sequence[PerTestFile], item: pytest.Item, measured: Measurement, problems: list[str]) -> None:
+    """Each file's start, as the call starts; why one cannot be written joins `problems` (once a run)."""
+    for file in files:
+        problem = file.begin(item, measured)
+        if problem is not None and problem not in problems:
+            problems.append(problem)
+
+
+def write(
+    files: Sequence[PerTestFile],
+    item: pytest.Item,
+    measured: Measurement,
+    result: TestResult,
+    record: CallRecord,
+    root: Path,
+    problems: list[str],
+) -> TestResult:
+    """The files the test leaves, each named in its report section; the result with what it keeps of them.
+    A write that fails joins `problems` (said once at the end of the run, in one line): the outcome stands."""
+    for file in files:
+        try:
+            written = file.write(item, measured, result, record)
+        except WRITE_ERRORS as exc:
+            problems.append(f"{file.flag}: cannot write the {file.noun} of {item.nodeid}: {exc}")
+            continue
+        if isinstance(written, Noted):
+            result = dataclasses.replace(result, notes=(*result.notes, *written.notes))
+            written = written.path
+        if written is not None:
+            result = file.keep(result, written, root)
+            item.add_report_section("call", file.section, f"{file.label}: {written}")
+    return result
 
 
 def chosen(options: object) -> list[PerTestFile]:
