@@ -44,7 +44,10 @@ def test_what_a_backend_cannot_do_is_said_in_one_line(pytester: pytest.Pytester)
     result = pytester.runpytest("--gpumem-backend=plain", "--gpumem-snapshot-dir=snaps")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(
-        ["gpumem: *; --gpumem-snapshot-dir: the plain backend records no trace, none will be written"]
+        [
+            "gpumem: plain (a test double)",
+            "  --gpumem-snapshot-dir: the plain backend records no trace, none will be written",
+        ]
     )
     result.stdout.fnmatch_lines(["*capacity 1 KiB: the plain backend cannot set a capacity"])
 
