@@ -305,14 +305,34 @@ def test_a_hook_changes_a_copy_and_the_result_it_leaves_replaces_the_original() 
     from pytest_gpumem.run.hand_over import ResultDraft
 
     call = PhaseResult("call", 4000, 4000, None, 0)
-    original = TestResult("t.py::test_a", "tracker", "cpu", call, {"f": call}, info={"tags": ["a"]}, notes=["n"])
+    original = TestResult(
+        "t.py::test_a",
+        "tracker",
+        "cpu",
+        call,
+        {"f": call},
+        {"call": 1},
+        info={"tags": ["a"]},
+        notes=["n"],
+        distributed=[{"world_size": 2}],
+        simulated=[{"rank": 1}],
+    )
     draft = ResultDraft.of(original)
     draft.status = "LEAKED"  # type: ignore[misc, assignment]  # a word, as hooks set it
     draft.info["tags"].append("b")
+    assert draft.budget_limits is not None
+    draft.budget_limits["call"] = 2
+    draft.distributed[0]["world_size"] = 3
+    draft.simulated[0]["rank"] = 0
     draft.notes.append("from the hook")  # type: ignore[attr-defined]
     draft.phases["g"] = call  # type: ignore[index]
     final = draft.final()
     assert (original.status, original.info, original.notes) == (Status.OK, {"tags": ["a"]}, ("n",))
+    assert (original.budget_limits, original.distributed, original.simulated) == (
+        {"call": 1},
+        ({"world_size": 2},),
+        ({"rank": 1},),
+    )
     assert list(original.phases) == ["f"]
     assert (type(final), final.status, final.info) == (TestResult, Status.LEAKED, {"tags": ["a", "b"]})
     assert final.notes == ("n", "from the hook")
@@ -331,3 +351,23 @@ def test_a_value_a_hook_leaves_that_is_no_list_is_kept_as_given_for_the_reading_
     assert result.to_json()["notes"] == "abc"
     with pytest.raises(OffShape, match=r"^result.notes must be a list, got 'abc'$"):
         TestResult.from_json(result.to_json())
+
+
+def test_a_result_copies_pickles_and_turns_into_a_dict_as_a_value_does() -> None:
+    import copy
+    import dataclasses
+    import pickle
+
+    from pytest_gpumem import PhaseResult, TestResult
+
+    call = PhaseResult("call", 4000, 4000, None, 0)
+    result = TestResult("t.py::test_a", "tracker", "cpu", call, {"f": call}, notes=["n"])
+    assert pickle.loads(pickle.dumps(result)) == copy.deepcopy(result) == result
+    assert dataclasses.asdict(result)["phases"] == {"f": dataclasses.asdict(call)}
+
+
+def test_a_hooks_phases_of_the_wrong_type_are_named_as_the_hook_left_them() -> None:
+    from pytest_gpumem import TestResult
+
+    with pytest.raises(AttributeError, match="'list' object has no attribute 'items'"):
+        TestResult("t.py::test_a", "tracker", "cpu", None, []).to_json()  # type: ignore[arg-type]

@@ -260,13 +260,14 @@ def test_a_distributed_tests_ranks_leave_a_file_each_and_its_notes_name_the_rank
 ) -> None:
     """A world of 11 ranks whose ranks 3 and 7 were ended before they wrote theirs, then a second world of the
     same name: each rank's bytes in a file named by its world and rank; the test's own file, with nothing
-    recorded in its own process, is not written."""
+    recorded in its own process, is not written, and an earlier run's files of it and of rank 3 are gone."""
     from types import SimpleNamespace
 
     from pytest_gpumem.backends.tracker.backend import TrackerBackend
     from pytest_gpumem.distributed.world import RankSnapshot, Worlds
     from pytest_gpumem.measure.measurement import Measurement
     from pytest_gpumem.results import TestResult
+    from pytest_gpumem.run.outputs import file_stem
     from pytest_gpumem.run.test_files import Noted, TorchSnapshot
 
     sections: list[tuple[str, str, str]] = []
@@ -281,6 +282,10 @@ def test_a_distributed_tests_ranks_leave_a_file_each_and_its_notes_name_the_rank
     )
     measured.worlds.snapshots.append(RankSnapshot("ranks-2", 0, 1, None))
     result = TestResult(item.nodeid, "tracker", "cpu", None, distributed=[{"world_size": 11}])
+    stale = [tmp_path / "snaps" / f"{file_stem(item.nodeid)}{end}" for end in (".pickle", ".ranks.rank03.pickle")]
+    stale[0].parent.mkdir()
+    for path in stale:  # an earlier run's, when the test's process and rank 3 left files
+        path.write_bytes(b"old")
     noted = files.write(item, measured, result, None)  # type: ignore[arg-type]
     assert measured.worlds.snapshots == []  # the bytes are not kept past the test
     written = sorted((tmp_path / "snaps").iterdir())

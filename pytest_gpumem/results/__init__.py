@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from pytest_gpumem.errors import GpuMemError, first_line
 from pytest_gpumem.results.checks import (
@@ -168,6 +168,19 @@ class PhaseResult:
 _PHASE_KEYS = ("peak_bytes", "requested_peak_bytes", "reserved_peak_bytes", "net_bytes", "count")
 
 
+class Phases(dict[str, "PhaseResult"]):
+    """A result's phases by name: a dict that refuses changes once made (it copies, pickles and compares as a
+    dict, which a read-only view of one does not)."""
+
+    def _refuse(self, *args: object, **kwargs: object) -> NoReturn:
+        raise TypeError("a result's phases are read-only: dataclasses.replace(result, phases=...) makes a new one")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refuse
+
+    def __reduce__(self) -> tuple[type[Phases], tuple[dict[str, PhaseResult]]]:
+        return type(self), (dict(self),)
+
+
 def _listed(value: object) -> object:
     """A tuple as the JSON list it is written as; anything else (a hook's) as it is."""
     return list(value) if isinstance(value, tuple) else value
@@ -216,11 +229,11 @@ class TestResult:
         read-only. Anything else is left as given, for `to_json` and the reading back to refuse."""
         setting = object.__setattr__  # the one place a result's fields are set: as it is made
         setting(self, "status", Status.of(self.status))
-        if isinstance(self.phases, dict):
-            setting(self, "phases", MappingProxyType(dict(self.phases)))
-        for name, value in list(vars(self).items()):
-            if isinstance(value, list):
-                setting(self, name, tuple(value))
+        if isinstance(self.phases, Mapping) and not isinstance(self.phases, Phases):
+            setting(self, "phases", Phases(self.phases))
+        for name in _SEQUENCES:
+            if isinstance(getattr(self, name), list):
+                setting(self, name, tuple(getattr(self, name)))
 
     @property
     def peak_bytes(self) -> int | None:
@@ -298,6 +311,10 @@ class TestResult:
         )
         _same_as_written(d, result, where)
         return result
+
+
+_SEQUENCES = tuple(f.name for f in dataclasses.fields(TestResult) if str(f.type).startswith("Sequence["))
+"""TestResult's fields declared as sequences: a list given for one is kept as a tuple."""
 
 
 _RESULT_KEYS = tuple(TestResult("", "", "", None).to_json())

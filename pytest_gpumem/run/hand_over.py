@@ -8,7 +8,6 @@ import dataclasses
 import json
 import re
 import traceback
-from types import MappingProxyType
 
 import pytest
 
@@ -18,7 +17,7 @@ from pytest_gpumem.errors import GpuMemError, one_line
 from pytest_gpumem.outcome import status_of, with_pytest
 from pytest_gpumem.reasons import Unmeasurable
 from pytest_gpumem.report.failures import plain_line
-from pytest_gpumem.results import REPORT_ATTRIBUTE, Status, TestResult
+from pytest_gpumem.results import REPORT_ATTRIBUTE, Phases, Status, TestResult
 
 
 def hand_over(item: pytest.Item, result: TestResult, report: pytest.TestReport) -> TestResult:
@@ -40,6 +39,9 @@ def hand_over(item: pytest.Item, result: TestResult, report: pytest.TestReport) 
     return result
 
 
+_JSON_FIELDS = ("info", "budget_limits", "distributed", "simulated")  # a result's fields in JSON types
+
+
 class ResultDraft(TestResult):
     """The copy of a result that a `pytest_gpumem_result` hook is handed: the hook may set its fields (a
     status as its word) and change its lists and dicts, and what it leaves becomes the result that
@@ -50,7 +52,7 @@ class ResultDraft(TestResult):
         for name, value in vars(self).copy().items():  # the hook may change them in place, as before
             if isinstance(value, tuple):
                 setattr(self, name, list(value))
-            elif isinstance(value, MappingProxyType):
+            elif isinstance(value, Phases):
                 setattr(self, name, dict(value))
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -58,9 +60,10 @@ class ResultDraft(TestResult):
 
     @classmethod
     def of(cls, result: TestResult) -> ResultDraft:
-        """A copy of `result` that shares nothing the hook can change (`info` is JSON: copied through it)."""
+        """A copy of `result` that shares nothing the hook can change (what it holds in JSON types is copied
+        through JSON)."""
         values = {field.name: getattr(result, field.name) for field in dataclasses.fields(result)}
-        return cls(**{**values, "info": json.loads(json.dumps(result.info))})
+        return cls(**{**values, **{name: json.loads(json.dumps(values[name])) for name in _JSON_FIELDS}})
 
     def final(self) -> TestResult:
         return TestResult(**{field.name: getattr(self, field.name) for field in dataclasses.fields(self)})

@@ -116,6 +116,7 @@ class TorchSnapshot(PerTestFile):
         del item.stash[_RECORDED_KEY]
         ranks = self._write_ranks(item, measured)
         if ranks is not None and not recorded.events:
+            (self.folder / f"{file_stem(item.nodeid)}.pickle").unlink(missing_ok=True)  # an earlier run's
             return ranks
         path = self._write_own(item, recorded)
         return path if ranks is None else replace(ranks, path=path)
@@ -140,6 +141,7 @@ class TorchSnapshot(PerTestFile):
         snapshots = list(worlds.snapshots)
         worlds.snapshots.clear()  # the bytes are not kept past the test
         stem, written, missing = file_stem(item.nodeid), [], defaultdict[str, list[int]](list)
+        _forget_ranks(self.folder, stem)
         for snapshot in snapshots:
             if snapshot.data is None:
                 missing[snapshot.world].append(snapshot.rank)
@@ -158,6 +160,15 @@ class TorchSnapshot(PerTestFile):
                 for world, ranks in missing.items()
             ),
         )
+
+
+def _forget_ranks(folder: Path, stem: str) -> None:
+    """The ranks' snapshots an earlier run of the test left in `folder`: a rank that leaves none this run
+    leaves none at all."""
+    if folder.is_dir():
+        for path in folder.iterdir():
+            if path.name.startswith(f"{stem}.") and path.name.endswith(".pickle") and ".rank" in path.name:
+                path.unlink(missing_ok=True)
 
 
 TEST_FILES: Mapping[str, type[PerTestFile]] = {
