@@ -24,7 +24,7 @@ ROUNDED_KEPT: Final = 4096  # rounded request sizes kept (with power-of-two divi
 class Segment:
     """One cudaMalloc, or one expandable segment's address space."""
 
-    __slots__ = ("base", "expandable", "head", "page", "pool", "small", "stream", "vsize")
+    __slots__ = ("base", "blocks", "expandable", "free", "head", "page", "pool", "small", "stream", "vsize")
 
     def __init__(self, base: int, vsize: int, pool: Pool, stream: int, expandable: bool, page: int) -> None:
         self.base = base
@@ -32,6 +32,8 @@ class Segment:
         self.pool = pool  # the pool whose requests its blocks serve
         self.small = pool.small
         self.stream = stream
+        self.free = pool.stream_list(stream)  # its stream's free list in its pool: made with its first segment
+        self.blocks = pool.blocks
         self.expandable = expandable
         self.page = page
         self.head: Block | None = None  # the block at the lowest address
@@ -223,7 +225,6 @@ class AllocatorState:
         block.mapped = not expandable
         seg.head = block
         self._add_segment(seg)
-        pool.stream_list(stream)  # the stream's free list exists from its first segment on
         return block
 
     # ---------------------------------------------------------- replaying a card's trace (snapshots/)
@@ -246,7 +247,6 @@ class AllocatorState:
         """Add a segment as a card held it (a trace's start): its pieces tile it, in address order."""
         pool = self._pool_of(segment.pool, segment.small)
         seg = Segment(segment.base, segment.vsize, pool, segment.stream, segment.expandable, segment.page)
-        pool.stream_list(segment.stream)
         previous: Block | None = None
         for piece in segment.pieces:
             block = Block(piece.address, piece.size, seg)
@@ -346,6 +346,7 @@ class AllocatorState:
         for seg in self._segments.values():
             block = seg.head
             assert block is not None and block.prev is None and block.addr == seg.base
+            assert seg.free is seg.pool.free[seg.stream] and seg.blocks is seg.pool.blocks
             end = seg.base
             while block is not None:
                 assert block.addr == end and block.size > 0 and block.seg is seg

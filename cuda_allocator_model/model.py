@@ -172,7 +172,7 @@ class CachingAllocatorModel(NewMemory):
         if block is None:
             block = self._new_memory(pool, size, stream)
             pool = block.seg.pool  # a MemPool's used on out-of-memory may have served it
-            free = pool.free[stream]  # the block's list (the retries may have replaced the one above)
+            free = block.seg.free
         # should_split, alloc_found_block
         rest = block.size - size
         seg = block.seg
@@ -240,9 +240,8 @@ class CachingAllocatorModel(NewMemory):
         block.allocated = False
         block.requested = 0
         seg = block.seg
-        pool = seg.pool
-        free = pool.free[seg.stream]  # the block's segment was made for this stream: the list exists
-        blocks = pool.blocks
+        free = seg.free
+        blocks = seg.blocks
         whole = size  # the block's bytes with its free neighbours'
         spare = self._spare  # a merged neighbour's object, kept for a later split
         before = block.prev
