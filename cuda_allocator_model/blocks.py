@@ -1,4 +1,4 @@
-"""The allocator model's data: segments, blocks, the pools' free lists and counters; splits, merges, invariants.
+"""The allocator model's data: segments, blocks, the pools' free lists and counters; merges, invariants.
 
 Pools (`get_pool`, `PrivatePool`): the default pool is a small and a large `Pool`; each private pool (a
 `MemPool`, a CUDA graph's) has a small and a large `Pool` of its own. A segment belongs to one `Pool`, its
@@ -18,12 +18,13 @@ from cuda_allocator_model.settings import DEFAULT_POOL, UNLIMITED, AllocatorSett
 # torch's BlockComparatorSize order.
 SIZE_SHIFT: Final = 64
 SPARE_BLOCKS: Final = 256  # block objects kept for reuse: splits and merges come in pairs
+ROUNDED_KEPT: Final = 4096  # rounded request sizes kept (with power-of-two divisions), then cleared
 
 
 class Segment:
     """One cudaMalloc, or one expandable segment's address space."""
 
-    __slots__ = ("base", "expandable", "head", "page", "pool", "small", "stream", "vsize")
+    __slots__ = ("base", "blocks", "expandable", "free", "head", "page", "pool", "small", "stream", "vsize")
 
     def __init__(self, base: int, vsize: int, pool: Pool, stream: int, expandable: bool, page: int) -> None:
         self.base = base
@@ -31,6 +32,8 @@ class Segment:
         self.pool = pool  # the pool whose requests its blocks serve
         self.small = pool.small
         self.stream = stream
+        self.free = pool.stream_list(stream)  # its stream's free list in its pool: made with its first segment
+        self.blocks = pool.blocks
         self.expandable = expandable
         self.page = page
         self.head: Block | None = None  # the block at the lowest address
@@ -159,6 +162,7 @@ class AllocatorState:
         "_next_address",
         "_oversize",
         "_pools",
+        "_rounded",
         "_rounding",
         "_routes",
         "_segments",
@@ -190,6 +194,7 @@ class AllocatorState:
         self._large_segment = s.large_segment_size
         self._expandable = s.expandable_segments
         self._divided = bool(s.roundup_power2_divisions)
+        self._rounded: dict[int, int] = {}  # request -> its rounded size, with power-of-two divisions
         self._default_small = self._small = Pool(small=True)  # _small, _large: where requests go now
         self._default_large = self._large = Pool(small=False)
         self._pools: dict[PoolId, PrivatePool] = {}  # graph_pools
@@ -220,7 +225,6 @@ class AllocatorState:
         block.mapped = not expandable
         seg.head = block
         self._add_segment(seg)
-        pool.stream_list(stream)  # the stream's free list exists from its first segment on
         return block
 
     # ---------------------------------------------------------- replaying a card's trace (snapshots/)
@@ -243,7 +247,6 @@ class AllocatorState:
         """Add a segment as a card held it (a trace's start): its pieces tile it, in address order."""
         pool = self._pool_of(segment.pool, segment.small)
         seg = Segment(segment.base, segment.vsize, pool, segment.stream, segment.expandable, segment.page)
-        pool.stream_list(segment.stream)
         previous: Block | None = None
         for piece in segment.pieces:
             block = Block(piece.address, piece.size, seg)
@@ -312,38 +315,6 @@ class AllocatorState:
         self.reserved -= block.size
         return True
 
-    def _split(self, pool: Pool, block: Block, size: int, rest: int) -> None:
-        """Cut free block `block` (in no list) to `size`, its last `rest` bytes a free block after it
-        (alloc_found_block), and count what stays inactive split."""
-        seg = block.seg
-        already_split = block.prev is not None or block.next is not None
-        addr = block.addr + size
-        spare = self._spare
-        if spare:
-            remaining = spare.pop()
-            remaining.addr = addr
-            remaining.size = rest
-            remaining.seg = seg
-        else:
-            remaining = Block(addr, rest, seg)
-        following = block.next
-        remaining.prev = block
-        remaining.next = following
-        if following is not None:
-            following.prev = remaining
-        block.next = remaining
-        block.size = size
-        rkey = remaining.key = (rest << 64) | addr  # SIZE_SHIFT
-        insort(pool.free[seg.stream], rkey)
-        pool.blocks[rkey] = remaining
-        if not seg.expandable:
-            if already_split:
-                self.inactive_split -= size
-            else:
-                self.inactive_split += rest
-                if self.inactive_split > self.peak_inactive_split:
-                    self.peak_inactive_split = self.inactive_split
-
     def _try_merge(self, pool: Pool, dst: Block, src: Block | None) -> int:
         """Merge free neighbour `src` into `dst` (try_merge_blocks); the bytes taken in, or 0. `dst` is in
         no list while it changes."""
@@ -375,6 +346,7 @@ class AllocatorState:
         for seg in self._segments.values():
             block = seg.head
             assert block is not None and block.prev is None and block.addr == seg.base
+            assert seg.free is seg.pool.free[seg.stream] and seg.blocks is seg.pool.blocks
             end = seg.base
             while block is not None:
                 assert block.addr == end and block.size > 0 and block.seg is seg

@@ -91,8 +91,8 @@ both), prints sizes with two decimals ("16.00 MiB"; ours: `format_size`, "16.0 M
 the expandable-segments hint; ours gives it only when more than 20% of reserved memory is unallocated
 and expandable segments are off.
 
-Where the rules live: here `malloc` and `free` (request size, best fit, the split decision, merging: the
-hot path, written out), `blocks` (segments, blocks, pools, the split itself, the invariants),
+Where the rules live: here `malloc` and `free` (request size, best fit, the split, merging: the hot path,
+written out), `blocks` (segments, blocks, pools, the merges of expandable pages, the invariants),
 `oom` (new segments, the retries, the error), `expandable` (expandable segments),
 `settings` (the settings and constants).
 """
@@ -145,13 +145,16 @@ class CachingAllocatorModel(NewMemory):
         if nbytes <= 512:  # MIN_BLOCK
             size = 512
         elif self._divided:
-            size = self._round_divided(nbytes)
+            size = self._rounded.get(nbytes) or self._round_divided(nbytes)
         else:
-            size = (nbytes + 511) & ~511
+            size = (nbytes + 511) & -512
         small = size <= 1048576  # SMALL_SIZE
         pool = self._small if small else self._large
         # get_free_block: the best fit on the stream, within the max_split_size rules
-        free = pool.free.get(stream)
+        try:
+            free = pool.free[stream]
+        except KeyError:  # no segment on this stream yet
+            free = []
         block: Block | None = None
         if free:
             i = bisect_left(free, size << 64)  # SIZE_SHIFT
@@ -169,13 +172,42 @@ class CachingAllocatorModel(NewMemory):
         if block is None:
             block = self._new_memory(pool, size, stream)
             pool = block.seg.pool  # a MemPool's used on out-of-memory may have served it
+            free = block.seg.free
         # should_split, alloc_found_block
         rest = block.size - size
+        seg = block.seg
         if (rest >= 512 if (small or self._expandable) else (size < self._max_split and rest > 1048576)) and (
             not pool.no_split
         ):
-            self._split(pool, block, size, rest)
-        elif not block.seg.expandable and (block.prev is not None or block.next is not None):
+            # the split, written out: its last `rest` bytes a free block after it
+            before = block.prev is not None or block.next is not None
+            addr = block.addr + size
+            spare = self._spare
+            if spare:
+                remaining = spare.pop()
+                remaining.addr = addr
+                remaining.size = rest
+                remaining.seg = seg
+            else:
+                remaining = Block(addr, rest, seg)
+            following = block.next
+            remaining.prev = block
+            remaining.next = following
+            if following is not None:
+                following.prev = remaining
+            block.next = remaining
+            block.size = size
+            rkey = remaining.key = (rest << 64) | addr  # SIZE_SHIFT
+            insort(free, rkey)
+            pool.blocks[rkey] = remaining
+            if not seg.expandable:
+                if before:
+                    self.inactive_split -= size
+                else:
+                    self.inactive_split += rest
+                    if self.inactive_split > self.peak_inactive_split:
+                        self.peak_inactive_split = self.inactive_split
+        elif not seg.expandable and (block.prev is not None or block.next is not None):
             self.inactive_split -= block.size
         block.allocated = True
         block.requested = nbytes
@@ -208,51 +240,46 @@ class CachingAllocatorModel(NewMemory):
         block.allocated = False
         block.requested = 0
         seg = block.seg
-        pool = seg.pool
-        free = pool.free[seg.stream]  # the block's segment was made for this stream: the list exists
-        blocks = pool.blocks
-        spare = self._spare
-        merged = 0
+        free = seg.free
+        blocks = seg.blocks
+        whole = size  # the block's bytes with its free neighbours'
+        spare = self._spare  # a merged neighbour's object, kept for a later split
         before = block.prev
         if before is not None and not before.allocated and before.mapped:
             bkey = before.key
             del free[bisect_left(free, bkey)]
             del blocks[bkey]
             block.addr = before.addr
-            first = before.prev
-            block.prev = first
+            first = block.prev = before.prev
             if first is None:
                 seg.head = block
             else:
                 first.next = block
-            merged = before.size
+            whole += before.size
             if len(spare) < 256:  # SPARE_BLOCKS
-                before.prev = before.next = None
                 spare.append(before)
         after = block.next
         if after is not None and not after.allocated and after.mapped:
             akey = after.key
             del free[bisect_left(free, akey)]
             del blocks[akey]
-            last = after.next
-            block.next = last
+            last = block.next = after.next
             if last is not None:
                 last.prev = block
-            merged += after.size
+            whole += after.size
             if len(spare) < 256:  # SPARE_BLOCKS
-                after.prev = after.next = None
                 spare.append(after)
-        size += merged
-        block.size = size
-        fkey = block.key = (size << 64) | block.addr
+        block.size = whole
+        fkey = block.key = (whole << 64) | block.addr
         insort(free, fkey)
         blocks[fkey] = block
         if not seg.expandable:
-            change = size - merged if (block.prev is not None or block.next is not None) else -merged
-            if change:
-                self.inactive_split += change
-                if self.inactive_split > self.peak_inactive_split:
-                    self.peak_inactive_split = self.inactive_split
+            if block.prev is not None or block.next is not None:  # still split: the freed bytes are inactive now
+                inactive = self.inactive_split = self.inactive_split + size
+                if inactive > self.peak_inactive_split:
+                    self.peak_inactive_split = inactive
+            elif whole != size:  # the segment whole again: its merged neighbours were inactive
+                self.inactive_split -= whole - size
 
     def empty_cache(self) -> None:
         """torch.cuda.empty_cache() (`emptyCache`): release every segment with no live block and unmap free
@@ -367,6 +394,14 @@ class CachingAllocatorModel(NewMemory):
         return self._round_divided(nbytes) if self._divided else (nbytes + 511) & ~511
 
     def _round_divided(self, nbytes: int) -> int:
+        """round_size with power-of-two divisions, kept in `_rounded` (the settings' divisions never change)."""
+        rounded = self._rounded
+        if len(rounded) >= 4096:  # ROUNDED_KEPT
+            rounded.clear()
+        size = rounded[nbytes] = self._divided_size(nbytes)
+        return size
+
+    def _divided_size(self, nbytes: int) -> int:
         divisions = self.settings.divisions_for(nbytes)
         if divisions > 1 and nbytes > MIN_BLOCK * divisions:
             # roundup_power2_next_division

@@ -224,7 +224,7 @@ class NewMemory(ExpandableSegments):
                     self.reserved -= block.size
                 else:
                     kept.append(key)
-            pool.free[stream] = kept
+            pool.free[stream][:] = kept  # the same list: each segment of the stream holds it
         for block in to_unmap:
             self._unmap_block(pool, block)
             if block.prev is None and block.next is None and not block.mapped:

@@ -73,6 +73,17 @@ def test_roundup_power2_divisions_do_not_touch_requests_up_to_512_times_d() -> N
     assert m.malloc(1, 84 * MiB) == 96 * MiB  # and the block is that size: 84 MiB -> 96 MiB segment
 
 
+def test_divided_sizes_are_the_same_read_again_and_past_the_sizes_kept() -> None:
+    # [2, 4) MiB with d = 4: steps of 512 KiB. The model keeps the sizes it rounded (4,096 of them, then
+    # starts again): 4,200 requests, each served twice, round up to the next 512 KiB every time
+    m = model("roundup_power2_divisions:4")
+    step = 512 * KiB
+    for n in range(4200):
+        nbytes = 2 * MiB + 1 + 256 * n
+        expected = -(-nbytes // step) * step
+        assert (m.malloc(1, nbytes), m.malloc(1, nbytes)) == (expected, expected), nbytes
+
+
 def test_roundup_power2_divisions_per_interval() -> None:
     # [256:1,512:2,>:4]: intervals 0..8 ([1 MiB, 512 MiB)) 1, interval 9 ([512 MiB, 1 GiB)) 2, the rest 4
     m = model("roundup_power2_divisions:[256:1,512:2,>:4]")
