@@ -42,6 +42,11 @@ class OffShape(GpuMemError, ValueError):
     """A value read back that is not what pytest-gpumem writes there; the message names its JSON path."""
 
 
+class Unplaced(Exception):
+    """A refusal met while reading without paths (`where` None), which is fast: the reader reads again
+    with them, to say where."""
+
+
 def refuse(where: str, expected: str, value: object) -> OffShape:
     """`tests[3].call.peak_bytes must be an integer of bytes, got '12'`."""
     return OffShape(f"{where} must be {expected}, got {short(value)}")
@@ -157,19 +162,30 @@ class Wording:
         """The path of `key` under `where`, a field's or a mapping's by the look of the key."""
         return self.field(where, key) if key.isascii() and key.isidentifier() else self.member(where, key)
 
-    def refuse(self, where: str, expected: str, value: object) -> ValueError:
-        return self._say(self.wrong, where, expected=expected, value=short(value))
+    def refuse(self, where: str | None, expected: str, value: object) -> Exception:
+        return self._say(self.wrong, where, expected=expected, value=value)
 
-    def no_key(self, where: str, key: str) -> ValueError:
-        return self._say(self.missing, where, key=self.quote(key))
+    def no_key(self, where: str | None, key: str) -> Exception:
+        return self._say(self.missing, where, key=key)
 
-    def unknown_key(self, where: str, key: str) -> ValueError:
-        return self._say(self.unknown, where, key=self.quote(key))
+    def unknown_key(self, where: str | None, key: str) -> Exception:
+        return self._say(self.unknown, where, key=key)
 
-    def not_as_written(self, where: str, value: object) -> ValueError:
-        return self._say(self.rewritten, where, value=short(value))
+    def not_as_written(self, where: str, value: object) -> Exception:
+        return self._say(self.rewritten, where, value=value)
 
-    def _say(self, template: str, where: str, **words: str) -> ValueError:
+    def says(self, where: str | None, problem: str) -> Exception:
+        """`where: problem`, in this wording's error."""
+        return Unplaced() if where is None else self.error(f"{where}: {problem}")
+
+    def _say(self, template: str, where: str | None, **words: Any) -> Exception:
+        """The error, or `Unplaced` where there is no path (the words are made only for an error)."""
+        if where is None:
+            return Unplaced()
+        if "key" in words:
+            words["key"] = self.quote(words["key"])
+        if "value" in words:
+            words["value"] = short(words["value"])
         return self.error(template.format(where=where, **words).removeprefix(": "))
 
 
@@ -197,7 +213,11 @@ STORED = Wording(
 
 
 def exact_keys(
-    value: object, where: str, required: tuple[str, ...], optional: tuple[str, ...] = (), wording: Wording = REPORT
+    value: object,
+    where: str | None,
+    required: tuple[str, ...],
+    optional: tuple[str, ...] = (),
+    wording: Wording = REPORT,
 ) -> dict[str, Any]:
     """`value` as an object with every `required` key, perhaps `optional` ones, and no other; else the
     wording's error naming the first missing key, or else the first unknown one."""

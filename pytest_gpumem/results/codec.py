@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar, Union, get_args, get_origin, get_type_hints, overload
 
 from cuda_allocator_model import MAX_BYTES
-from pytest_gpumem.results.checks import REPORT, STORED, Wording, exact_keys, first_difference, short
+from pytest_gpumem.results.checks import REPORT, STORED, Unplaced, Wording, exact_keys, first_difference, short
 
 __all__ = [
     "BYTES",
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-Reader = Callable[[Any, str, "Wording"], Any]
+Reader = Callable[[Any, str | None, "Wording"], Any]
 Writer = Callable[[Any], Any]
 
 
@@ -81,7 +81,8 @@ SIGNED = Spec(expected="an integer of bytes (negative where freed)", low=-MAX_BY
 def encode(value: Any, as_type: Any = None) -> Any:
     """`value` (a dataclass, or of type `as_type`: any type `decode` reads) as JSON types: dicts, lists,
     strs, numbers, bools, None."""
-    return _made(type(value) if as_type is None else as_type)[1](value)
+    write = _made(type(value) if as_type is None else as_type)[1]
+    return value if write is None else write(value)
 
 
 @overload
@@ -91,18 +92,28 @@ def decode(cls: object, data: object, where: str, wording: Wording = REPORT) -> 
 def decode(cls: Any, data: object, where: str, wording: Wording = REPORT) -> Any:
     """The `cls` (a dataclass, or any type the codec reads) that `data` is the JSON of, as `encode` writes
     it and nothing else; the wording's error (`OffShape`) names the JSON path (under `where`) of the first
-    value that is not."""
-    value = _made(cls)[0](data, where, wording)
-    found = first_difference(data, _made(cls)[1](value), where, wording.path)
-    if found is not None:
-        raise wording.not_as_written(*found)
+    value that is not. The round trip compares with `==`: the codec's writers (and a `Spec.via`'s must)
+    give back each scalar they were given, so that no 1 is written back as 1.0 or true."""
+    value = read(cls, data, where, wording)
+    written = encode(value, cls)
+    if written != data:
+        found = first_difference(data, written, where, wording.path)
+        if found is not None:
+            raise wording.not_as_written(*found)
     return value
 
 
-def read(cls: Any, data: object, where: str, wording: Wording = REPORT) -> Any:
+def read(cls: Any, data: object, where: str | None, wording: Wording = REPORT) -> Any:
     """`decode` without the round trip: for a reader of its own (`Spec.via`) or a part of a value whose
-    whole `decode` checks."""
-    return _made(cls)[0](data, where, wording)
+    whole `decode` checks. Read first without paths (`where` None), which is fast; again with them only
+    to say where a value is refused."""
+    reader = _made(cls)[0]
+    if where is None:
+        return reader(data, None, wording)
+    try:
+        return reader(data, None, wording)
+    except Unplaced:
+        return reader(data, where, wording)
 
 
 def validate(value: Any, where: str, wording: Wording = STORED) -> None:
@@ -112,13 +123,15 @@ def validate(value: Any, where: str, wording: Wording = STORED) -> None:
     if getattr(_DECODING, "now", False):
         return
     for f in _plan(type(value)).fields:
-        at = wording.field(where, f.key)
         item = getattr(value, f.name)
         try:
-            written = f.write(item)
+            written = item if f.write is None else f.write(item)
         except (AttributeError, TypeError, ValueError):
-            raise wording.refuse(at, f.phrase, item) from None
-        f.read(written, at, wording)
+            raise wording.refuse(wording.field(where, f.key), f.phrase, item) from None
+        try:
+            f.read(written, None, wording)
+        except Unplaced:
+            f.read(written, wording.field(where, f.key), wording)
 
 
 # ----------------------------------------------------------------------------------------- the plans
@@ -129,7 +142,7 @@ class _Field:
     name: str
     key: str
     read: Reader
-    write: Writer
+    write: Writer | None  # None: written as it is
     omit: Any
     default: Callable[[], Any] | None
     phrase: str
@@ -141,6 +154,8 @@ class _Plan:
     keys: frozenset[str] = frozenset()
     fields_required: tuple[str, ...] = ()
     required: frozenset[str] = frozenset()
+    reading: tuple[tuple[str, str, Reader, Any], ...] = ()  # each field's name, key, reader and default
+    writing: tuple[tuple[str, str, Writer | None, Any], ...] = ()  # each field's name, key, writer and omit
 
 
 _PLANS: dict[type, _Plan] = {}
@@ -160,6 +175,8 @@ def _plan(cls: type) -> _Plan:
         plan.fields, plan.keys = made, frozenset(f.key for f in made)
         plan.fields_required = tuple(f.key for f in made if f.default is None)
         plan.required = frozenset(plan.fields_required)
+        plan.reading = tuple((f.name, f.key, f.read, f.default) for f in made)
+        plan.writing = tuple((f.name, f.key, f.write, f.omit) for f in made)
     return plan
 
 
@@ -185,10 +202,10 @@ def _unwrap(tp: Any, spec: Spec) -> tuple[Any, Spec]:
     return inner, next((m for m in meta if isinstance(m, Spec)), spec)
 
 
-_MADE: dict[Any, tuple[Reader, Writer]] = {}
+_MADE: dict[Any, tuple[Reader, Writer | None]] = {}
 
 
-def _made(tp: Any) -> tuple[Reader, Writer]:
+def _made(tp: Any) -> tuple[Reader, Writer | None]:
     """The reader and the writer of `tp` (made once per type)."""
     made = _MADE.get(tp)
     if made is None:
@@ -196,8 +213,9 @@ def _made(tp: Any) -> tuple[Reader, Writer]:
     return made
 
 
-def _build(tp: Any, spec: Spec, phrase: str | None = None) -> tuple[Reader, Writer]:
-    """The reader and the writer of type `tp`; `phrase` is what a wrong value is told it must be."""
+def _build(tp: Any, spec: Spec, phrase: str | None = None) -> tuple[Reader, Writer | None]:
+    """The reader and the writer (None: a value written as it is) of type `tp`; `phrase` is what a wrong
+    value is told it must be. A reader given no path (`where` None) raises `Unplaced` for a wrong value."""
     if get_origin(tp) is Annotated:
         tp, spec = _unwrap(tp, spec)
         phrase = phrase or spec.expected
@@ -207,7 +225,7 @@ def _build(tp: Any, spec: Spec, phrase: str | None = None) -> tuple[Reader, Writ
     if origin in (Union, types.UnionType):
         return _optional(args, spec, phrase)
     if tp is Any:
-        return _as_is, _same
+        return _as_is, None
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return _enum(tp, phrase)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
@@ -221,54 +239,49 @@ def _build(tp: Any, spec: Spec, phrase: str | None = None) -> tuple[Reader, Writ
     raise TypeError(f"the JSON codec has no rule for {tp!r}")
 
 
-_SCALARS: dict[Any, tuple[Callable[[object], bool], str]] = {
-    int: (lambda value: type(value) is int, "an integer"),
-    # an integer stays one: it is written back as it was read
-    float: (lambda value: type(value) is int or type(value) is float, "a number"),
-    str: (lambda value: isinstance(value, str), "a string"),
-    bool: (lambda value: isinstance(value, bool), "true or false"),
+_SCALARS: dict[Any, tuple[tuple[type, ...], str]] = {
+    int: ((int,), "an integer"),
+    float: ((float, int), "a number"),  # an integer stays one: it is written back as it was read
+    str: ((str,), "a string"),
+    bool: ((bool,), "true or false"),
 }
 
 
-def _same(value: Any) -> Any:
+def _as_is(value: Any, where: str | None, wording: Wording) -> Any:
     return value
 
 
-def _as_is(value: Any, where: str, wording: Wording) -> Any:
-    return value
-
-
-def _scalar(tp: Any, spec: Spec, phrase: str) -> tuple[Reader, Writer]:
-    is_kind = _SCALARS[tp][0]
+def _scalar(tp: Any, spec: Spec, phrase: str) -> tuple[Reader, None]:
+    kinds = _SCALARS[tp][0]
     low, high, check = spec.low, spec.high, spec.check
 
-    def read(value: Any, where: str, wording: Wording) -> Any:
+    def read(value: Any, where: str | None, wording: Wording) -> Any:
         if (
-            not is_kind(value)
-            or (low is not None and value < low)
-            or (high is not None and value > high)
-            or (check is not None and not check(value))
+            (type(value) in kinds or (tp is str and isinstance(value, str)))
+            and (low is None or low <= value)
+            and (high is None or value <= high)
+            and (check is None or check(value))
         ):
-            raise wording.refuse(where, phrase, value)
-        return value
+            return value
+        raise wording.refuse(where, phrase, value)
 
-    return read, _same
+    return read, None
 
 
-def _optional(args: tuple[Any, ...], spec: Spec, phrase: str | None) -> tuple[Reader, Writer]:
+def _optional(args: tuple[Any, ...], spec: Spec, phrase: str | None) -> tuple[Reader, Writer | None]:
     inner = [arg for arg in args if arg is not type(None)]
     if len(inner) != 1 or len(args) != 2:
         raise TypeError(f"the JSON codec reads only X | None of unions, not {args!r}")
     words = phrase or f"{_phrase(inner[0], spec)} or null"
     read_inner, write_inner = _build(inner[0], spec, words)
 
-    def read(value: Any, where: str, wording: Wording) -> Any:
+    def read(value: Any, where: str | None, wording: Wording) -> Any:
         return None if value is None else read_inner(value, where, wording)
 
     def write(value: Any) -> Any:
-        return None if value is None else write_inner(value)
+        return None if value is None else write_inner(value)  # type: ignore[misc]
 
-    return read, write
+    return read, None if write_inner is None else write
 
 
 def _phrase(tp: Any, spec: Spec) -> str:
@@ -292,7 +305,7 @@ def _enum(tp: type[enum.Enum], phrase: str | None) -> tuple[Reader, Writer]:
     by_value = {member.value: member for member in tp}
     words = phrase or _enum_phrase(tp)
 
-    def read(value: Any, where: str, wording: Wording) -> Any:
+    def read(value: Any, where: str | None, wording: Wording) -> Any:
         if type(value) not in (str, int) or value not in by_value:
             raise wording.refuse(where, words, value)
         return by_value[value]
@@ -304,17 +317,18 @@ def _enum(tp: type[enum.Enum], phrase: str | None) -> tuple[Reader, Writer]:
 
 
 def _nested(cls: type, phrase: str) -> tuple[Reader, Writer]:
-    def read(value: Any, where: str, wording: Wording) -> Any:
+    def read(value: Any, where: str | None, wording: Wording) -> Any:
         plan = _plan(cls)
         if type(value) is not dict:
             raise wording.refuse(where, phrase, value)
         if not (plan.keys.issuperset(value) and value.keys() >= plan.required):
             exact_keys(value, where, plan.fields_required, tuple(plan.keys), wording)
-        field = wording.field
-        made = {
-            f.name: f.read(value[f.key], field(where, f.key), wording) if f.key in value else f.default()  # type: ignore[misc]
-            for f in plan.fields
-        }
+        made = {}
+        for name, key, read_field, default in plan.reading:
+            if key in value:
+                made[name] = read_field(value[key], None if where is None else wording.field(where, key), wording)
+            else:
+                made[name] = default()
         was, _DECODING.now = getattr(_DECODING, "now", False), True
         try:
             return cls(**made)
@@ -323,39 +337,50 @@ def _nested(cls: type, phrase: str) -> tuple[Reader, Writer]:
 
     def write(value: Any) -> Any:
         out = {}
-        for f in _plan(cls).fields:
-            item = getattr(value, f.name)
-            if f.omit is KEEP or (item if f.omit is EMPTY else item != f.omit):
-                out[f.key] = f.write(item)
+        for name, key, write_field, omit in _plan(cls).writing:
+            item = getattr(value, name)
+            if omit is KEEP or (item if omit is EMPTY else item != omit):
+                out[key] = item if write_field is None else write_field(item)
         return out
 
     return read, write
 
 
 def _sequence(origin: Any, args: tuple[Any, ...], spec: Spec, phrase: str) -> tuple[Reader, Writer]:
-    fixed = origin is tuple and not (len(args) == 2 and args[1] is Ellipsis)
-    parts = [_build(arg, Spec()) for arg in (args if fixed else args[:1])]
+    if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+        return _fixed(args, spec, phrase)
+    read_item, write_item = _build(args[0], Spec())
     make: Callable[[Any], Any] = tuple if origin is tuple else list
     check = spec.check
 
-    def read(value: Any, where: str, wording: Wording) -> Any:
-        if (
-            not isinstance(value, list)
-            or (fixed and len(value) != len(parts))
-            or (check is not None and not check(value))
-        ):
+    def read(value: Any, where: str | None, wording: Wording) -> Any:
+        if not isinstance(value, list) or (check is not None and not check(value)):
             raise wording.refuse(where, phrase, value)
-        if fixed:
-            return make(
-                [p[0](item, f"{where}[{i}]", wording) for i, (p, item) in enumerate(zip(parts, value, strict=True))]
-            )
-        read_item = parts[0][0]
+        if where is None:
+            return make([read_item(item, None, wording) for item in value])
         return make([read_item(item, f"{where}[{i}]", wording) for i, item in enumerate(value)])
 
     def write(value: Any) -> Any:
-        if fixed:
-            return [p[1](item) for p, item in zip(parts, value, strict=True)]
-        return [parts[0][1](item) for item in value]
+        return list(value) if write_item is None else [write_item(item) for item in value]
+
+    return read, write
+
+
+def _fixed(args: tuple[Any, ...], spec: Spec, phrase: str) -> tuple[Reader, Writer]:
+    """A tuple of so many items, each of its own type."""
+    parts = [_build(arg, Spec()) for arg in args]
+    check = spec.check
+
+    def read(value: Any, where: str | None, wording: Wording) -> Any:
+        if not isinstance(value, list) or len(value) != len(parts) or (check is not None and not check(value)):
+            raise wording.refuse(where, phrase, value)
+        return tuple(
+            part[0](item, None if where is None else f"{where}[{i}]", wording)
+            for i, (part, item) in enumerate(zip(parts, value, strict=True))
+        )
+
+    def write(value: Any) -> Any:
+        return [item if part[1] is None else part[1](item) for part, item in zip(parts, value, strict=True)]
 
     return read, write
 
@@ -364,16 +389,18 @@ def _mapping(value_type: Any, spec: Spec, phrase: str) -> tuple[Reader, Writer]:
     read_value, write_value = _build(value_type, Spec())
     names, names_expected, check = spec.names, spec.names_expected, spec.check
 
-    def read(value: Any, where: str, wording: Wording) -> Any:
+    def read(value: Any, where: str | None, wording: Wording) -> Any:
         if names is not None and isinstance(value, dict):
             bad = next((key for key in value if not names(key)), None)
             if bad is not None:
-                raise wording.error(f"{where}: {names_expected}, got {short(bad)}")
+                raise wording.says(where, f"{names_expected}, got {short(bad)}")
         if not isinstance(value, dict) or (check is not None and not check(value)):
             raise wording.refuse(where, phrase, value)
+        if where is None:
+            return {key: read_value(item, None, wording) for key, item in value.items()}
         return {key: read_value(item, wording.member(where, key), wording) for key, item in value.items()}
 
     def write(value: Any) -> Any:
-        return {key: write_value(item) for key, item in value.items()}
+        return dict(value) if write_value is None else {key: write_value(item) for key, item in value.items()}
 
     return read, write

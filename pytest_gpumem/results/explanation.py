@@ -115,13 +115,14 @@ class PhaseExplanation:
         return data
 
     @classmethod
-    def from_json(cls, data: Any, where: str = "phase") -> PhaseExplanation:
-        """The phase `to_json` wrote, or one written before `live`, `groups`, `entries` or `reserved_at_peak`."""
+    def from_json(cls, data: Any, where: str | None = "phase") -> PhaseExplanation:
+        """The phase `to_json` wrote, or one written before `live`, `groups`, `entries` or `reserved_at_peak`
+        (`where` None: read without paths, `codec.read`'s first try)."""
         d = read(_ANY_OBJECT, data, where)
 
         def get(key: str, tp: Any, default: Any = _NEEDED) -> Any:
             if key in d:
-                return read(tp, d[key], f"{where}.{key}")
+                return read(tp, d[key], None if where is None else f"{where}.{key}")
             if default is _NEEDED:
                 raise REPORT.no_key(where, key)
             return default
@@ -155,9 +156,12 @@ _RESERVED_OR_NONE = Annotated[ReservedAtPeak | None, _OBJECT]
 _ANY_OBJECT = dict[str, Any]
 
 
-def _read_phases(value: Any, where: str, wording: Wording) -> dict[str, PhaseExplanation]:
+def _read_phases(value: Any, where: str | None, wording: Wording) -> dict[str, PhaseExplanation]:
     phases = read(_ANY_OBJECT, value, where, wording)
-    return {name: PhaseExplanation.from_json(phase, member(where, name)) for name, phase in phases.items()}
+    return {
+        name: PhaseExplanation.from_json(phase, None if where is None else member(where, name))
+        for name, phase in phases.items()
+    }
 
 
 def _write_phases(phases: dict[str, PhaseExplanation]) -> dict[str, Any]:
@@ -176,7 +180,7 @@ class Point:
         return sum(self.sizes)
 
 
-def _read_point(value: Any, where: str, wording: Wording) -> Point:
+def _read_point(value: Any, where: str | None, wording: Wording) -> Point:
     index, sizes = read(_POINT_JSON, value, where, wording)
     return Point(index, sizes)
 
@@ -280,7 +284,7 @@ def _is_cell(cell: object) -> bool:
     )
 
 
-def _read_cells(value: Any, where: str, wording: Wording) -> list[Cell]:
+def _read_cells(value: Any, where: str | None, wording: Wording) -> list[Cell]:
     if not isinstance(value, list) or not all(_is_cell(cell) for cell in value):
         raise wording.refuse(where, "a list of [category, module, bytes]", value)
     return [Cell(*cell) for cell in value]
