@@ -53,7 +53,7 @@ KEEP: Any = object()  # `Spec.omit` unset: no value is omitted from the JSON
 EMPTY: Any = object()  # `Spec(omit=EMPTY)`: an empty list or mapping is omitted from the JSON
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity: a type that holds one is a key of `_MADE`
 class Spec:
     """What a field's type does not say: its JSON `key`, the words of what it must be, its range (`low` <=
     value <= `high`), a `check` the value passes, the one value `omit`ted from the JSON (read back where
@@ -154,8 +154,9 @@ class _Plan:
     keys: frozenset[str] = frozenset()
     fields_required: tuple[str, ...] = ()
     required: frozenset[str] = frozenset()
-    reading: tuple[tuple[str, str, Reader, Any], ...] = ()  # each field's name, key, reader and default
+    reading: tuple[tuple[str, str, Reader, Any, Any], ...] = ()  # each field's name, key, reader, default, kinds
     writing: tuple[tuple[str, str, Writer | None, Any], ...] = ()  # each field's name, key, writer and omit
+    checks: bool = False  # the class has a `__post_init__`, which may `validate` it
 
 
 _PLANS: dict[type, _Plan] = {}
@@ -175,8 +176,9 @@ def _plan(cls: type) -> _Plan:
         plan.fields, plan.keys = made, frozenset(f.key for f in made)
         plan.fields_required = tuple(f.key for f in made if f.default is None)
         plan.required = frozenset(plan.fields_required)
-        plan.reading = tuple((f.name, f.key, f.read, f.default) for f in made)
+        plan.reading = tuple((f.name, f.key, f.read, f.default, _PLAIN.get(f.read, ())) for f in made)
         plan.writing = tuple((f.name, f.key, f.write, f.omit) for f in made)
+        plan.checks = hasattr(cls, "__post_init__")
     return plan
 
 
@@ -251,6 +253,12 @@ def _as_is(value: Any, where: str | None, wording: Wording) -> Any:
     return value
 
 
+_PLAIN: dict[Reader, tuple[type, ...]] = {}
+"""The readers of a scalar with no range or check, by the types they take as they are (a container
+tests them itself, for speed, and calls the reader only for another value, to refuse it or take a str's
+subclass)."""
+
+
 def _scalar(tp: Any, spec: Spec, phrase: str) -> tuple[Reader, None]:
     kinds = _SCALARS[tp][0]
     low, high, check = spec.low, spec.high, spec.check
@@ -265,6 +273,8 @@ def _scalar(tp: Any, spec: Spec, phrase: str) -> tuple[Reader, None]:
             return value
         raise wording.refuse(where, phrase, value)
 
+    if low is None and high is None and check is None:
+        _PLAIN[read] = kinds
     return read, None
 
 
@@ -317,18 +327,26 @@ def _enum(tp: type[enum.Enum], phrase: str | None) -> tuple[Reader, Writer]:
 
 
 def _nested(cls: type, phrase: str) -> tuple[Reader, Writer]:
+    plan = _Plan()  # the class's, once it is made (not before: a class may hold itself)
+
     def read(value: Any, where: str | None, wording: Wording) -> Any:
-        plan = _plan(cls)
+        nonlocal plan
+        if not plan.reading:
+            plan = _plan(cls)
         if type(value) is not dict:
             raise wording.refuse(where, phrase, value)
         if not (plan.keys.issuperset(value) and value.keys() >= plan.required):
             exact_keys(value, where, plan.fields_required, tuple(plan.keys), wording)
         made = {}
-        for name, key, read_field, default in plan.reading:
-            if key in value:
-                made[name] = read_field(value[key], None if where is None else wording.field(where, key), wording)
-            else:
+        for name, key, read_field, default, kinds in plan.reading:
+            if key not in value:
                 made[name] = default()
+            elif type(item := value[key]) in kinds:
+                made[name] = item
+            else:
+                made[name] = read_field(item, None if where is None else wording.field(where, key), wording)
+        if not plan.checks:
+            return cls(**made)
         was, _DECODING.now = getattr(_DECODING, "now", False), True
         try:
             return cls(**made)
@@ -336,8 +354,11 @@ def _nested(cls: type, phrase: str) -> tuple[Reader, Writer]:
             _DECODING.now = was
 
     def write(value: Any) -> Any:
+        nonlocal plan
+        if not plan.reading:
+            plan = _plan(cls)
         out = {}
-        for name, key, write_field, omit in _plan(cls).writing:
+        for name, key, write_field, omit in plan.writing:
             item = getattr(value, name)
             if omit is KEEP or (item if omit is EMPTY else item != omit):
                 out[key] = item if write_field is None else write_field(item)
@@ -350,6 +371,7 @@ def _sequence(origin: Any, args: tuple[Any, ...], spec: Spec, phrase: str) -> tu
     if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
         return _fixed(args, spec, phrase)
     read_item, write_item = _build(args[0], Spec())
+    kinds = _PLAIN.get(read_item)
     make: Callable[[Any], Any] = tuple if origin is tuple else list
     check = spec.check
 
@@ -357,6 +379,8 @@ def _sequence(origin: Any, args: tuple[Any, ...], spec: Spec, phrase: str) -> tu
         if not isinstance(value, list) or (check is not None and not check(value)):
             raise wording.refuse(where, phrase, value)
         if where is None:
+            if kinds and all(type(item) in kinds for item in value):
+                return make(value)
             return make([read_item(item, None, wording) for item in value])
         return make([read_item(item, f"{where}[{i}]", wording) for i, item in enumerate(value)])
 
@@ -369,14 +393,19 @@ def _sequence(origin: Any, args: tuple[Any, ...], spec: Spec, phrase: str) -> tu
 def _fixed(args: tuple[Any, ...], spec: Spec, phrase: str) -> tuple[Reader, Writer]:
     """A tuple of so many items, each of its own type."""
     parts = [_build(arg, Spec()) for arg in args]
+    readers = [part[0] for part in parts]
     check = spec.check
 
     def read(value: Any, where: str | None, wording: Wording) -> Any:
         if not isinstance(value, list) or len(value) != len(parts) or (check is not None and not check(value)):
             raise wording.refuse(where, phrase, value)
+        if where is None:
+            return tuple([read_item(item, None, wording) for read_item, item in zip(readers, value, strict=True)])
         return tuple(
-            part[0](item, None if where is None else f"{where}[{i}]", wording)
-            for i, (part, item) in enumerate(zip(parts, value, strict=True))
+            [
+                read_item(item, f"{where}[{i}]", wording)
+                for i, (read_item, item) in enumerate(zip(readers, value, strict=True))
+            ]
         )
 
     def write(value: Any) -> Any:
