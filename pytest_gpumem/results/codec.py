@@ -24,7 +24,7 @@ import threading
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, TypeVar, Union, get_args, get_origin, get_type_hints, overload
+from typing import Annotated, Any, NamedTuple, TypeVar, Union, get_args, get_origin, get_type_hints, overload
 
 from cuda_allocator_model import MAX_BYTES
 from pytest_gpumem.results.checks import REPORT, STORED, Unplaced, Wording, exact_keys, first_difference, short
@@ -137,25 +137,22 @@ def validate(value: Any, where: str, wording: Wording = STORED) -> None:
 # ----------------------------------------------------------------------------------------- the plans
 
 
-@dataclass(frozen=True)
-class _Field:
+class _Field(NamedTuple):
     name: str
     key: str
     read: Reader
     write: Writer | None  # None: written as it is
     omit: Any
-    default: Callable[[], Any] | None
+    default: Callable[[], Any] | None  # None: the key is required
+    kinds: tuple[type, ...]  # the types `read` takes as they are, which a class's reader tests itself
     phrase: str
 
 
 @dataclass
 class _Plan:
-    fields: tuple[_Field, ...] = ()
+    fields: tuple[_Field, ...] = ()  # in the order of their keys
     keys: frozenset[str] = frozenset()
-    fields_required: tuple[str, ...] = ()
     required: frozenset[str] = frozenset()
-    reading: tuple[tuple[str, str, Reader, Any, Any], ...] = ()  # each field's name, key, reader, default, kinds
-    writing: tuple[tuple[str, str, Writer | None, Any], ...] = ()  # each field's name, key, writer and omit
     checks: bool = False  # the class has a `__post_init__`, which may `validate` it
 
 
@@ -169,15 +166,12 @@ def _plan(cls: type) -> _Plan:
     if plan is None:
         plan = _PLANS[cls] = _Plan()  # filled in below; a class that holds itself finds it
         hints = get_type_hints(cls, include_extras=True)
-        made = tuple(_field(f, hints[f.name]) for f in dataclasses.fields(cls) if f.init)
+        made = [_field(f, hints[f.name]) for f in dataclasses.fields(cls) if f.init]
         order = cls.__dict__.get("__json_keys__")  # the keys' order where it is not the fields'
         if order is not None:
-            made = tuple(sorted(made, key=lambda f: order.index(f.key)))
-        plan.fields, plan.keys = made, frozenset(f.key for f in made)
-        plan.fields_required = tuple(f.key for f in made if f.default is None)
-        plan.required = frozenset(plan.fields_required)
-        plan.reading = tuple((f.name, f.key, f.read, f.default, _PLAIN.get(f.read, ())) for f in made)
-        plan.writing = tuple((f.name, f.key, f.write, f.omit) for f in made)
+            made.sort(key=lambda f: order.index(f.key))
+        plan.fields, plan.keys = tuple(made), frozenset(f.key for f in made)
+        plan.required = frozenset(f.key for f in made if f.default is None)
         plan.checks = hasattr(cls, "__post_init__")
     return plan
 
@@ -193,7 +187,8 @@ def _field(f: dataclasses.Field[Any], tp: Any) -> _Field:
         else:
             raise TypeError(f"{f.name}: a field omitted from the JSON needs a default")
     read, write = _build(tp, Spec())
-    return _Field(f.name, spec.key or f.name, read, write, spec.omit, default, _phrase(tp, Spec()))
+    kinds = _PLAIN.get(read, ())
+    return _Field(f.name, spec.key or f.name, read, write, spec.omit, default, kinds, _phrase(tp, Spec()))
 
 
 def _unwrap(tp: Any, spec: Spec) -> tuple[Any, Spec]:
@@ -226,18 +221,19 @@ def _build(tp: Any, spec: Spec, phrase: str | None = None) -> tuple[Reader, Writ
     origin, args = get_origin(tp), get_args(tp)
     if origin in (Union, types.UnionType):
         return _optional(args, spec, phrase)
+    phrase = phrase or _phrase(tp, spec)
     if tp is Any:
         return _as_is, None
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return _enum(tp, phrase)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        return _nested(tp, phrase or "an object")
+        return _nested(tp, phrase)
     if tp in _SCALARS:
-        return _scalar(tp, spec, phrase or _SCALARS[tp][1])
+        return _scalar(tp, spec, phrase)
     if origin in (tuple, list):
-        return _sequence(origin, args, spec, phrase or "a list")
+        return _sequence(origin, args, spec, phrase)
     if origin in (dict, Mapping):
-        return _mapping(args[1], spec, phrase or "an object")
+        return _mapping(args[1], spec, phrase)
     raise TypeError(f"the JSON codec has no rule for {tp!r}")
 
 
@@ -311,13 +307,12 @@ def _enum_phrase(tp: type[enum.Enum]) -> str:
     return f"one of {', '.join(str(member.value) for member in tp)}"
 
 
-def _enum(tp: type[enum.Enum], phrase: str | None) -> tuple[Reader, Writer]:
+def _enum(tp: type[enum.Enum], phrase: str) -> tuple[Reader, Writer]:
     by_value = {member.value: member for member in tp}
-    words = phrase or _enum_phrase(tp)
 
     def read(value: Any, where: str | None, wording: Wording) -> Any:
         if type(value) not in (str, int) or value not in by_value:
-            raise wording.refuse(where, words, value)
+            raise wording.refuse(where, phrase, value)
         return by_value[value]
 
     def write(value: Any) -> Any:
@@ -331,20 +326,21 @@ def _nested(cls: type, phrase: str) -> tuple[Reader, Writer]:
 
     def read(value: Any, where: str | None, wording: Wording) -> Any:
         nonlocal plan
-        if not plan.reading:
+        if not plan.fields:
             plan = _plan(cls)
         if type(value) is not dict:
             raise wording.refuse(where, phrase, value)
         if not (plan.keys.issuperset(value) and value.keys() >= plan.required):
-            exact_keys(value, where, plan.fields_required, tuple(plan.keys), wording)
+            required = tuple(f.key for f in plan.fields if f.default is None)
+            exact_keys(value, where, required, tuple(plan.keys), wording)
         made = {}
-        for name, key, read_field, default, kinds in plan.reading:
-            if key not in value:
-                made[name] = default()
-            elif type(item := value[key]) in kinds:
-                made[name] = item
+        for f in plan.fields:
+            if f.key not in value:
+                made[f.name] = f.default()  # type: ignore[misc]
+            elif type(item := value[f.key]) in f.kinds:
+                made[f.name] = item
             else:
-                made[name] = read_field(item, None if where is None else wording.field(where, key), wording)
+                made[f.name] = f.read(item, None if where is None else wording.field(where, f.key), wording)
         if not plan.checks:
             return cls(**made)
         was, _DECODING.now = getattr(_DECODING, "now", False), True
@@ -355,13 +351,13 @@ def _nested(cls: type, phrase: str) -> tuple[Reader, Writer]:
 
     def write(value: Any) -> Any:
         nonlocal plan
-        if not plan.reading:
+        if not plan.fields:
             plan = _plan(cls)
         out = {}
-        for name, key, write_field, omit in plan.writing:
-            item = getattr(value, name)
-            if omit is KEEP or (item if omit is EMPTY else item != omit):
-                out[key] = item if write_field is None else write_field(item)
+        for f in plan.fields:
+            item = getattr(value, f.name)
+            if f.omit is KEEP or (item if f.omit is EMPTY else item != f.omit):
+                out[f.key] = item if f.write is None else f.write(item)
         return out
 
     return read, write
