@@ -374,16 +374,22 @@ def _sequence(origin: Any, args: tuple[Any, ...], spec: Spec, phrase: str) -> tu
     def read(value: Any, where: str | None, wording: Wording) -> Any:
         if not isinstance(value, list) or (check is not None and not check(value)):
             raise wording.refuse(where, phrase, value)
-        if where is None:
-            if kinds and all(type(item) in kinds for item in value):
-                return make(value)
-            return make([read_item(item, None, wording) for item in value])
-        return make([read_item(item, f"{where}[{i}]", wording) for i, item in enumerate(value)])
+        if kinds and all(type(item) in kinds for item in value):
+            return make(value)
+        return make([read_item(item, _index(where, i), wording) for i, item in enumerate(value)])
 
     def write(value: Any) -> Any:
         return list(value) if write_item is None else [write_item(item) for item in value]
 
     return read, write
+
+
+def _index(where: str | None, i: int) -> str | None:
+    return None if where is None else f"{where}[{i}]"
+
+
+def _member(where: str | None, key: str, wording: Wording) -> str | None:
+    return None if where is None else wording.member(where, key)
 
 
 def _fixed(args: tuple[Any, ...], spec: Spec, phrase: str) -> tuple[Reader, Writer]:
@@ -395,14 +401,8 @@ def _fixed(args: tuple[Any, ...], spec: Spec, phrase: str) -> tuple[Reader, Writ
     def read(value: Any, where: str | None, wording: Wording) -> Any:
         if not isinstance(value, list) or len(value) != len(parts) or (check is not None and not check(value)):
             raise wording.refuse(where, phrase, value)
-        if where is None:
-            return tuple([read_item(item, None, wording) for read_item, item in zip(readers, value, strict=True)])
-        return tuple(
-            [
-                read_item(item, f"{where}[{i}]", wording)
-                for i, (read_item, item) in enumerate(zip(readers, value, strict=True))
-            ]
-        )
+        pairs = enumerate(zip(readers, value, strict=True))
+        return tuple([read_item(item, _index(where, i), wording) for i, (read_item, item) in pairs])
 
     def write(value: Any) -> Any:
         return [item if part[1] is None else part[1](item) for part, item in zip(parts, value, strict=True)]
@@ -412,6 +412,7 @@ def _fixed(args: tuple[Any, ...], spec: Spec, phrase: str) -> tuple[Reader, Writ
 
 def _mapping(value_type: Any, spec: Spec, phrase: str) -> tuple[Reader, Writer]:
     read_value, write_value = _build(value_type, Spec())
+    kinds = _PLAIN.get(read_value)
     names, names_expected, check = spec.names, spec.names_expected, spec.check
 
     def read(value: Any, where: str | None, wording: Wording) -> Any:
@@ -421,9 +422,9 @@ def _mapping(value_type: Any, spec: Spec, phrase: str) -> tuple[Reader, Writer]:
                 raise wording.says(where, f"{names_expected}, got {short(bad)}")
         if not isinstance(value, dict) or (check is not None and not check(value)):
             raise wording.refuse(where, phrase, value)
-        if where is None:
-            return {key: read_value(item, None, wording) for key, item in value.items()}
-        return {key: read_value(item, wording.member(where, key), wording) for key, item in value.items()}
+        if kinds and all(type(item) in kinds for item in value.values()):
+            return dict(value)
+        return {key: read_value(item, _member(where, key, wording), wording) for key, item in value.items()}
 
     def write(value: Any) -> Any:
         return dict(value) if write_value is None else {key: write_value(item) for key, item in value.items()}

@@ -11,7 +11,6 @@ without the timeline's `unmeasured` spans (before the page folded advise's runs)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -317,8 +316,3 @@ COMPOSITION = Spec(
 """What a stored composition must be (`StoredComposition`, a baseline entry's `composition`)."""
 
 StoredComposition = Annotated[Composition, COMPOSITION]
-
-
-def composition_to_json(composition: Mapping[str, PhaseComposition]) -> dict[str, Any]:
-    written: dict[str, Any] = encode(dict(composition), Composition)
-    return written
