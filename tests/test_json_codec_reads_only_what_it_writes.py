@@ -12,6 +12,7 @@ from typing import Annotated, Any
 import pytest
 
 from cuda_allocator_model import MAX_BYTES
+from pytest_gpumem.baselines.schema import BaselineError, dumps, loads
 from pytest_gpumem.results.checks import OffShape
 from pytest_gpumem.results.codec import BYTES, EMPTY, REPORT, SIGNED, STORED, Spec, decode, encode
 
@@ -225,3 +226,21 @@ def test_a_key_an_earlier_version_did_not_write_is_read_as_then_but_refused_by_t
     with pytest.raises(OffShape) as refused:
         decode(Ordered, {"version": 1}, "o")
     assert str(refused.value) == "o is not as pytest-gpumem writes it, got {'version': 1}"
+
+
+def test_a_stored_file_is_written_back_byte_for_byte_its_integers_floats_and_nan_as_they_were() -> None:
+    stats = {"l1": 1, "l2": 1.0, "max_abs": "nan", "proj": [0, -0.0, "inf"], "sum": 2.5}
+    entry = {
+        "composition": {"forward": {"categories": {"saved": -1}, "cells": [["saved", "h.*", 1]]}},
+        "cuda": None,
+        "gradients": {"method": "m", "params": {"w": {"dtype": "float32", "grad": stats, "shape": [2]}}},
+        "identity": {"backend": "tracker", "capability": None, "device": "cpu", "total_memory": None},
+        "peak_bytes": 8,
+        "phases": {"forward": 8},
+        "torch": "2.13.0",
+    }
+    document = {"entries": {"t.py::t": {"tracker | cpu": entry}}, "schema": "pytest-gpumem-baselines", "version": 1}
+    text = json.dumps(document, indent=2, sort_keys=True) + "\n"
+    assert dumps(loads(text)) == text
+    with pytest.raises(BaselineError, match=r"composition\.forward: not as pytest-gpumem writes it, got \{"):
+        loads(text.replace('"cells"', '"folded": null, "cells"'))

@@ -105,14 +105,18 @@ def decode(cls: Any, data: object, where: str, wording: Wording = REPORT) -> Any
 
 def read(cls: Any, data: object, where: str | None, wording: Wording = REPORT) -> Any:
     """`decode` without the round trip: for a reader of its own (`Spec.via`) or a part of a value whose
-    whole `decode` checks. Read first without paths (`where` None), which is fast; again with them only
-    to say where a value is refused."""
-    reader = _made(cls)[0]
-    if where is None:
-        return reader(data, None, wording)
+    whole `decode` checks."""
+    return _placed(_made(cls)[0], data, where, wording)
+
+
+def _placed(reader: Reader, data: object, where: str | None, wording: Wording) -> Any:
+    """`reader` on `data`, first without paths (`where` None), which is fast; again with them only to say
+    where a value is refused."""
     try:
         return reader(data, None, wording)
     except Unplaced:
+        if where is None:
+            raise
         return reader(data, where, wording)
 
 
@@ -128,10 +132,7 @@ def validate(value: Any, where: str, wording: Wording = STORED) -> None:
             written = item if f.write is None else f.write(item)
         except (AttributeError, TypeError, ValueError):
             raise wording.refuse(wording.field(where, f.key), f.phrase, item) from None
-        try:
-            f.read(written, None, wording)
-        except Unplaced:
-            f.read(written, wording.field(where, f.key), wording)
+        _placed(f.read, written, wording.field(where, f.key), wording)
 
 
 # ----------------------------------------------------------------------------------------- the plans
