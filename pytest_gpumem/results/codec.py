@@ -11,7 +11,10 @@ A field says more of itself with `Annotated[T, Spec(...)]`: its JSON `key`, the 
 (`expected`), a range (`low`, `high`), a `check` of the value, the one value `omit`ted from the JSON (and
 filled in where absent), a reader and writer of its own (`via`). The words of the errors are a `Wording`:
 `REPORT` (a `--gpumem-json` report's) or `STORED` (a baseline file's, as they have always been). A class
-whose JSON keys come in another order than its fields names that order in `__json_keys__`. `read` is a
+whose JSON keys come in another order than its fields names that order in `__json_keys__`; one whose
+reader leaves a key it does not know to the round trip of what holds it, takes an absent key as its
+field's default and says a missing one where it reaches it (as its hand-written reader did) sets
+`__json_open__`. `read` is a
 decode without the round trip (for a part of a value checked whole), `validate` checks a value built in
 Python as its JSON would be read (for a `__post_init__`).
 """
@@ -155,6 +158,7 @@ class _Plan:
     keys: frozenset[str] = frozenset()
     required: frozenset[str] = frozenset()
     checks: bool = False  # the class has a `__post_init__`, which may `validate` it
+    open: bool = False  # `__json_open__`
 
 
 _PLANS: dict[type, _Plan] = {}
@@ -167,7 +171,8 @@ def _plan(cls: type) -> _Plan:
     if plan is None:
         plan = _PLANS[cls] = _Plan()  # filled in below; a class that holds itself finds it
         hints = get_type_hints(cls, include_extras=True)
-        made = [_field(f, hints[f.name]) for f in dataclasses.fields(cls) if f.init]
+        plan.open = cls.__dict__.get("__json_open__", False)
+        made = [_field(f, hints[f.name], plan.open) for f in dataclasses.fields(cls) if f.init]
         order = cls.__dict__.get("__json_keys__")  # the keys' order where it is not the fields'
         if order is not None:
             made.sort(key=lambda f: order.index(f.key))
@@ -177,15 +182,15 @@ def _plan(cls: type) -> _Plan:
     return plan
 
 
-def _field(f: dataclasses.Field[Any], tp: Any) -> _Field:
+def _field(f: dataclasses.Field[Any], tp: Any, open_: bool) -> _Field:
     spec = _unwrap(tp, Spec())[1]
     default: Callable[[], Any] | None = spec.absent
-    if spec.omit is not KEEP and default is None:
+    if (spec.omit is not KEEP or open_) and default is None:
         if f.default_factory is not dataclasses.MISSING:
             default = f.default_factory
         elif f.default is not dataclasses.MISSING:
             default = (lambda value: lambda: value)(f.default)
-        else:
+        elif not open_:
             raise TypeError(f"{f.name}: a field omitted from the JSON needs a default")
     read, write = _build(tp, Spec())
     kinds = _PLAIN.get(read, ())
@@ -331,13 +336,15 @@ def _nested(cls: type, phrase: str) -> tuple[Reader, Writer]:
             plan = _plan(cls)
         if type(value) is not dict:
             raise wording.refuse(where, phrase, value)
-        if not (plan.keys.issuperset(value) and value.keys() >= plan.required):
+        if not (plan.open or (plan.keys.issuperset(value) and value.keys() >= plan.required)):
             required = tuple(f.key for f in plan.fields if f.default is None)
             exact_keys(value, where, required, tuple(plan.keys), wording)
         made = {}
         for f in plan.fields:
             if f.key not in value:
-                made[f.name] = f.default()  # type: ignore[misc]
+                if f.default is None:  # an open class's
+                    raise wording.no_key(where, f.key)
+                made[f.name] = f.default()
             elif type(item := value[f.key]) in f.kinds:
                 made[f.name] = item
             else:
