@@ -27,6 +27,7 @@ import threading
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Annotated, Any, NamedTuple, TypeVar, Union, get_args, get_origin, get_type_hints, overload
 
 from cuda_allocator_model import MAX_BYTES
@@ -159,6 +160,7 @@ class _Plan:
     required: frozenset[str] = frozenset()
     checks: bool = False  # the class has a `__post_init__`, which may `validate` it
     open: bool = False  # `__json_open__`
+    bare: bool = False  # an instance is its fields in a `__dict__` and nothing else: made without `__init__`
 
 
 _PLANS: dict[type, _Plan] = {}
@@ -179,6 +181,8 @@ def _plan(cls: type) -> _Plan:
         plan.fields, plan.keys = tuple(made), frozenset(f.key for f in made)
         plan.required = frozenset(f.key for f in made if f.default is None)
         plan.checks = hasattr(cls, "__post_init__")
+        everything = all(f.init for f in dataclasses.fields(cls))
+        plan.bare = everything and not plan.checks and "__slots__" not in cls.__dict__
     return plan
 
 
@@ -349,6 +353,10 @@ def _nested(cls: type, phrase: str) -> tuple[Reader, Writer]:
                 made[f.name] = item
             else:
                 made[f.name] = f.read(item, None if where is None else wording.field(where, f.key), wording)
+        if plan.bare:
+            new: Any = object.__new__(cls)
+            new.__dict__.update(made)
+            return new
         if not plan.checks:
             return cls(**made)
         was, _DECODING.now = getattr(_DECODING, "now", False), True
@@ -372,22 +380,33 @@ def _nested(cls: type, phrase: str) -> tuple[Reader, Writer]:
 
 
 def _sequence(origin: Any, args: tuple[Any, ...], spec: Spec, phrase: str) -> tuple[Reader, Writer]:
-    if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
-        return _fixed(args, spec, phrase)
-    read_item, write_item = _build(args[0], Spec())
-    kinds = _PLAIN.get(read_item)
+    """A list or tuple of items of one type, or a tuple of so many items, each of its own type."""
+    fixed = origin is tuple and not (len(args) == 2 and args[1] is Ellipsis)
+    parts = [_build(arg, Spec()) for arg in (args if fixed else args[:1])]
+    kinds = None if fixed else _PLAIN.get(parts[0][0])
     make: Callable[[Any], Any] = tuple if origin is tuple else list
     check = spec.check
 
     def read(value: Any, where: str | None, wording: Wording) -> Any:
-        if not isinstance(value, list) or (check is not None and not check(value)):
+        if (
+            not isinstance(value, list)
+            or (fixed and len(value) != len(parts))
+            or (check is not None and not check(value))
+        ):
             raise wording.refuse(where, phrase, value)
         if kinds and all(type(item) in kinds for item in value):
             return make(value)
-        return make([read_item(item, _index(where, i), wording) for i, item in enumerate(value)])
+        readers = [part[0] for part in parts] if fixed else repeat(parts[0][0])
+        pairs = enumerate(zip(readers, value, strict=False))  # as many readers as items, or one repeated
+        return make([read_item(item, _index(where, i), wording) for i, (read_item, item) in pairs])
 
     def write(value: Any) -> Any:
-        return list(value) if write_item is None else [write_item(item) for item in value]
+        if not fixed and parts[0][1] is None:
+            return list(value)
+        writers = [part[1] for part in parts] if fixed else repeat(parts[0][1])
+        return [
+            item if write_item is None else write_item(item) for write_item, item in zip(writers, value, strict=False)
+        ]
 
     return read, write
 
@@ -398,24 +417,6 @@ def _index(where: str | None, i: int) -> str | None:
 
 def _member(where: str | None, key: str, wording: Wording) -> str | None:
     return None if where is None else wording.member(where, key)
-
-
-def _fixed(args: tuple[Any, ...], spec: Spec, phrase: str) -> tuple[Reader, Writer]:
-    """A tuple of so many items, each of its own type."""
-    parts = [_build(arg, Spec()) for arg in args]
-    readers = [part[0] for part in parts]
-    check = spec.check
-
-    def read(value: Any, where: str | None, wording: Wording) -> Any:
-        if not isinstance(value, list) or len(value) != len(parts) or (check is not None and not check(value)):
-            raise wording.refuse(where, phrase, value)
-        pairs = enumerate(zip(readers, value, strict=True))
-        return tuple([read_item(item, _index(where, i), wording) for i, (read_item, item) in pairs])
-
-    def write(value: Any) -> Any:
-        return [item if part[1] is None else part[1](item) for part, item in zip(parts, value, strict=True)]
-
-    return read, write
 
 
 def _mapping(value_type: Any, spec: Spec, phrase: str) -> tuple[Reader, Writer]:
