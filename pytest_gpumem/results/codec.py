@@ -62,7 +62,9 @@ class Spec:
     """What a field's type does not say: its JSON `key`, the words of what it must be, its range (`low` <=
     value <= `high`), a `check` the value passes, the one value `omit`ted from the JSON (read back where
     the key is absent), the keys a mapping allows (`names`, said by `names_expected`), a reader and a
-    writer of its own (`via`: the reader gets the JSON value, its path and the wording), or what a key
+    writer of its own (`via`: the reader gets the JSON value, its path, None on the first read, where the
+    wording's errors are `Unplaced`, and the wording; the writer gives back each scalar the reader was
+    given, as the round trip's `==` needs), or what a key
     absent from an earlier version's JSON is read as (`absent`, a factory; the round trip still refuses
     such a value at the end, but a wrong value beside it is named first)."""
 
