@@ -1,9 +1,10 @@
 """What made each peak, as typed data: the explanation of a test call (per phase its peak, its growth by
 category and module, the largest tensors alive at it, when it ran; the call's timeline) and the compact
-composition a baseline stores. Each type has one to/from-JSON; the JSON is the report's `explanation`
-and the baseline's `composition`, in the shape and key order they have always had.
+composition a baseline stores. Each type declares its JSON for the codec (`results/codec.py`; a phase
+writes its own layout); the JSON is the report's `explanation` and the baseline's `composition`, in the
+shape and key order they have always had.
 
-`from_json` reads explanations made by earlier versions too: without `live` (before the page), without
+`Explanation.from_json` reads explanations made by earlier versions too: without `live` (before the page), without
 `groups` and `folded` (before repeated blocks were folded), without `entries` (before spans were capped),
 without the timeline's `unmeasured` spans (before the page folded advise's runs), without a phase's
 `reserved_at_peak` (before the allocator's model was explained).
@@ -113,12 +114,6 @@ class PhaseExplanation:
         if self.rank is not None:
             data.update(rank=self.rank, spans=[list(span) for span in self.spans], rank_peak_index=self.rank_peak_index)
         return data
-
-    @classmethod
-    def from_json(cls, data: Any, where: str = "phase") -> PhaseExplanation:
-        """The phase `to_json` wrote, or one written before `live`, `groups`, `entries` or `reserved_at_peak`."""
-        phase: PhaseExplanation = read(cls, data, where)
-        return phase
 
 
 def _read_phases(value: Any, where: str | None, wording: Wording) -> dict[str, PhaseExplanation]:
