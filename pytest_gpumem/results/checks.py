@@ -11,12 +11,6 @@ from cuda_allocator_model import MAX_BYTES, integer_words
 from pytest_gpumem.errors import GpuMemError
 
 
-def check_bytes(value: object, what: str) -> None:
-    """``ValueError`` unless ``value`` is an int byte count, ``0 <= value <= MAX_BYTES``."""
-    if type(value) is not int or not 0 <= value <= MAX_BYTES:
-        raise ValueError(f"{what}: expected an integer 0 <= n < 2**63 (bytes), got {short(value)}")
-
-
 def signed_bytes(value: object) -> bool:
     """A byte difference: an int with ``-MAX_BYTES <= value <= MAX_BYTES``."""
     return type(value) is int and -MAX_BYTES <= value <= MAX_BYTES

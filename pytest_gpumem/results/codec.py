@@ -39,6 +39,7 @@ __all__ = [
     "REPORT",
     "SIGNED",
     "STORED",
+    "STORED_BYTES",
     "Spec",
     "Wording",
     "decode",
@@ -81,6 +82,7 @@ class Spec:
 
 
 BYTES = Spec(expected="an integer of bytes", low=0, high=MAX_BYTES)
+STORED_BYTES = Spec(expected="an integer 0 <= n < 2**63 (bytes)", low=0, high=MAX_BYTES)  # a baseline file's words
 SIGNED = Spec(expected="an integer of bytes (negative where freed)", low=-MAX_BYTES, high=MAX_BYTES)
 
 
