@@ -164,6 +164,18 @@ class SampledTimeline:
     unmeasured: Annotated[list[UnmeasuredSpan], Spec(omit=EMPTY)] = field(default_factory=list)
 
 
+def _unknown() -> str:
+    return "?"
+
+
+def _no_timeline() -> SampledTimeline:
+    return SampledTimeline(0, [])
+
+
+def _format() -> str:
+    return _FORMAT
+
+
 @dataclass(frozen=True)
 class Explanation:
     """What made the peaks of one test call, phase by phase (`call` is the whole call). `categories`
@@ -173,13 +185,13 @@ class Explanation:
     __json_keys__ = ("format", "nodeid", "backend", "categories", "labels", "folded", "phases", "timeline")
 
     nodeid: Annotated[str, Spec(absent=str)]
-    backend: Annotated[str, Spec(absent=lambda: "?")]
+    backend: Annotated[str, Spec(absent=_unknown)]
     categories: Annotated[list[str], Spec(absent=list)]
     labels: Annotated[dict[str, str], Spec(absent=dict)]
     phases: Annotated[dict[str, PhaseExplanation], Spec(via=(_read_phases, _write_phases))]
-    timeline: Annotated[SampledTimeline, Spec(absent=lambda: SampledTimeline(0, []))]
+    timeline: Annotated[SampledTimeline, Spec(absent=_no_timeline)]
     folded: Annotated[dict[str, int] | None, Spec(omit=None)] = None
-    format: Annotated[str, Spec(absent=lambda: _FORMAT)] = _FORMAT
+    format: Annotated[str, Spec(absent=_format)] = _FORMAT
 
     def label(self, category: str) -> str:
         return self.labels.get(category, category)
