@@ -15,6 +15,7 @@ from cuda_allocator_model import MAX_BYTES
 from pytest_gpumem.baselines.schema import BaselineError, dumps, loads
 from pytest_gpumem.results.checks import OffShape
 from pytest_gpumem.results.codec import BYTES, EMPTY, REPORT, SIGNED, STORED, Spec, decode, encode
+from pytest_gpumem.results.explanation import Explanation, SampledTimeline
 
 
 class Color(str, enum.Enum):
@@ -244,3 +245,13 @@ def test_a_stored_file_is_written_back_byte_for_byte_its_integers_floats_and_nan
     assert dumps(loads(text)) == text
     with pytest.raises(BaselineError, match=r"composition\.forward: not as pytest-gpumem writes it, got \{"):
         loads(text.replace('"cells"', '"folded": null, "cells"'))
+
+
+def test_keys_an_earlier_explanation_did_not_write_are_read_so_that_a_wrong_value_beside_them_is_named() -> None:
+    written = Explanation("t.py::t", "tracker", [], {}, {}, SampledTimeline(0, [])).to_json()
+    earlier = {key: value for key, value in written.items() if key not in ("format", "backend", "timeline")}
+    with pytest.raises(OffShape) as refused:
+        Explanation.from_json({**earlier, "nodeid": 5})
+    assert str(refused.value) == "explanation.nodeid must be a string, got 5"
+    with pytest.raises(OffShape, match=r"^explanation is not as pytest-gpumem writes it, got \{'nodeid'"):
+        Explanation.from_json(earlier)
