@@ -374,9 +374,11 @@ def test_bad_tolerance_is_refused(bad: Any) -> None:
         C.Tolerance(bad, 0)
 
 
-def test_bad_slack_is_refused() -> None:
-    with pytest.raises(ValueError, match="slack"):
-        C.Tolerance(5, -1)
+@pytest.mark.parametrize(("bad", "echo"), [(-1, "-1"), ("1", "'1'"), (True, "True"), (2**63, str(2**63))])
+def test_bad_slack_is_refused(bad: object, echo: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        C.Tolerance(5, bad)  # type: ignore[arg-type]
+    assert str(refused.value) == f"slack: expected an integer 0 <= n < 2**63 (bytes), got {echo}"
 
 
 # ---------------------------------------------------------------------------------------- comparison

@@ -26,6 +26,7 @@ from pytest_gpumem.explain.growth import what_grew
 from pytest_gpumem.explain.text import describe
 from pytest_gpumem.measure.measurement import Measurement
 from pytest_gpumem.results.baseline import check_composition
+from pytest_gpumem.results.codec import read
 from pytest_gpumem.results.explanation import Explanation, PhaseExplanation
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "saved", "temporaries", "inputs")
@@ -404,7 +405,7 @@ def test_the_explanation_reads_back_to_the_same_json(run: Run) -> None:
     ranked = on_rank(forward, 1).to_json()
     assert ranked["rank"] == 1 and "peak_index" not in ranked
     assert (ranked["spans"], ranked["rank_peak_index"]) == ([], forward.peak_index)
-    assert PhaseExplanation.from_json(ranked) == on_rank(forward, 1)
+    assert read(PhaseExplanation, ranked, "phase") == on_rank(forward, 1)
 
 
 def test_report_markdown_and_pictures_carry_the_composition(run: Run) -> None:
@@ -1002,9 +1003,9 @@ def test_reserved_at_the_peak_reads_back_and_an_older_explanation_reads_without_
     assert written["reserved_at_peak"] == {
         "reserved_bytes": 22 * MIB, "unallocated_bytes": half_of_39, "inactive_split_bytes": half_of_39,
     }  # fmt: skip
-    assert PhaseExplanation.from_json(written) == phase
+    assert read(PhaseExplanation, written, "phase") == phase
     del written["reserved_at_peak"]
-    assert PhaseExplanation.from_json(written).reserved_at_peak is None
+    assert read(PhaseExplanation, written, "phase").reserved_at_peak is None
 
 
 def test_the_trace_gives_the_models_figures_at_any_moment() -> None:

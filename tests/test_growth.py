@@ -14,13 +14,13 @@ from pytest_gpumem.explain.composition import OTHER_MODULES, folded_cells
 from pytest_gpumem.explain.growth import compact
 from pytest_gpumem.explain.growth import what_grew as what_grew_typed
 from pytest_gpumem.results.baseline import check_composition
+from pytest_gpumem.results.codec import encode
 from pytest_gpumem.results.explanation import (
     Cell,
     Composition,
     Explanation,
     PhaseExplanation,
     SampledTimeline,
-    composition_to_json,
 )
 
 KIB = 1024
@@ -158,7 +158,7 @@ def test_compact_keeps_every_folded_part_and_the_store_reads_it_back() -> None:
     explanation = Explanation(
         "t.py::t", "tracker", [], {}, {"call": call}, SampledTimeline(0, []), {"h.*": 4, "unused.*": 2}
     )
-    stored = composition_to_json(compact(explanation))
+    stored = encode(compact(explanation), Composition)
     assert stored == {
         "call": {
             "categories": {"saved": 4096, "inputs": 8},

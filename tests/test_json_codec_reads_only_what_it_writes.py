@@ -12,8 +12,10 @@ from typing import Annotated, Any
 import pytest
 
 from cuda_allocator_model import MAX_BYTES
+from pytest_gpumem.baselines.schema import BaselineError, dumps, loads
 from pytest_gpumem.results.checks import OffShape
 from pytest_gpumem.results.codec import BYTES, EMPTY, REPORT, SIGNED, STORED, Spec, decode, encode
+from pytest_gpumem.results.explanation import Explanation, SampledTimeline
 
 
 class Color(str, enum.Enum):
@@ -225,3 +227,31 @@ def test_a_key_an_earlier_version_did_not_write_is_read_as_then_but_refused_by_t
     with pytest.raises(OffShape) as refused:
         decode(Ordered, {"version": 1}, "o")
     assert str(refused.value) == "o is not as pytest-gpumem writes it, got {'version': 1}"
+
+
+def test_a_stored_file_is_written_back_byte_for_byte_its_integers_floats_and_nan_as_they_were() -> None:
+    stats = {"l1": 1, "l2": 1.0, "max_abs": "nan", "proj": [0, -0.0, "inf"], "sum": 2.5}
+    entry = {
+        "composition": {"forward": {"categories": {"saved": -1}, "cells": [["saved", "h.*", 1]]}},
+        "cuda": None,
+        "gradients": {"method": "m", "params": {"w": {"dtype": "float32", "grad": stats, "shape": [2]}}},
+        "identity": {"backend": "tracker", "capability": None, "device": "cpu", "total_memory": None},
+        "peak_bytes": 8,
+        "phases": {"forward": 8},
+        "torch": "2.13.0",
+    }
+    document = {"entries": {"t.py::t": {"tracker | cpu": entry}}, "schema": "pytest-gpumem-baselines", "version": 1}
+    text = json.dumps(document, indent=2, sort_keys=True) + "\n"
+    assert dumps(loads(text)) == text
+    with pytest.raises(BaselineError, match=r"composition\.forward: not as pytest-gpumem writes it, got \{"):
+        loads(text.replace('"cells"', '"folded": null, "cells"'))
+
+
+def test_keys_an_earlier_explanation_did_not_write_are_read_so_that_a_wrong_value_beside_them_is_named() -> None:
+    written = Explanation("t.py::t", "tracker", [], {}, {}, SampledTimeline(0, [])).to_json()
+    earlier = {key: value for key, value in written.items() if key not in ("format", "backend", "timeline")}
+    with pytest.raises(OffShape) as refused:
+        Explanation.from_json({**earlier, "nodeid": 5})
+    assert str(refused.value) == "explanation.nodeid must be a string, got 5"
+    with pytest.raises(OffShape, match=r"^explanation is not as pytest-gpumem writes it, got \{'nodeid'"):
+        Explanation.from_json(earlier)

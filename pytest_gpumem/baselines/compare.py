@@ -23,13 +23,15 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
+from typing import Annotated
 
 from cuda_allocator_model import format_size
 from pytest_gpumem.baselines.schema import BaselineStore
 from pytest_gpumem.constants import DEFAULT_SLACK_BYTES, DEFAULT_TOLERANCE_PERCENT
 from pytest_gpumem.gradients.mismatches import compare_fingerprints
 from pytest_gpumem.results.baseline import BaselineStatus, DeviceIdentity, Entry, Environment, PhaseComparison, Verdict
-from pytest_gpumem.results.checks import check_bytes, short
+from pytest_gpumem.results.checks import short
+from pytest_gpumem.results.codec import STORED, STORED_BYTES, read
 from pytest_gpumem.results.explanation import Composition
 
 __all__ = [
@@ -65,7 +67,7 @@ class Tolerance:
             raise ValueError(f"tolerance must be a number of percent, got {short(self.percent)}")
         if not math.isfinite(self.percent) or self.percent < 0:
             raise ValueError(f"tolerance must be a finite percentage >= 0, got {self.percent!r}")
-        check_bytes(self.slack_bytes, "slack")
+        read(Annotated[int, STORED_BYTES], self.slack_bytes, "slack", STORED)
         ratio = _ratio(float(self.percent))
         object.__setattr__(self, "_num", ratio.numerator)
         object.__setattr__(self, "_den", ratio.denominator)

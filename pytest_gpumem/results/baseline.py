@@ -15,8 +15,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Annotated, Any
 
-from cuda_allocator_model import MAX_BYTES
-from pytest_gpumem.results.codec import BYTES, STORED, Spec, decode, encode, validate
+from pytest_gpumem.results.codec import BYTES, STORED, STORED_BYTES, Spec, decode, encode, validate
 from pytest_gpumem.results.explanation import COMPOSITION, Composition, StoredComposition
 from pytest_gpumem.results.gradients import Fingerprint
 
@@ -52,7 +51,6 @@ class BaselineStatus(str, Enum):
 
 
 _NAME = Spec(expected="a non-empty string", check=bool)
-_STORED_BYTES = Spec(expected="an integer 0 <= n < 2**63 (bytes)", low=0, high=MAX_BYTES)
 _VERSION = Spec(expected="a version string or null", check=bool)
 _PHASES = Spec(
     expected="an object of phase name -> bytes", names=bool, names_expected="phase names must be non-empty strings"
@@ -67,7 +65,7 @@ class DeviceIdentity:
     backend: Annotated[str, _NAME]
     device: Annotated[str, _NAME]
     capability: Annotated[str | None, Spec(expected="a string like '9.0' or null", check=bool)] = None
-    total_memory: Annotated[int | None, _STORED_BYTES] = None
+    total_memory: Annotated[int | None, STORED_BYTES] = None
     key: str = field(init=False, repr=False, compare=False, default="")
     """The entry key: ``"cuda | NVIDIA H200 | cc 9.0 | 150754820096 B"``, ``"tracker | cpu"``."""
 
@@ -109,8 +107,8 @@ class Entry:
     """One baseline (or one measurement to compare or record): peaks in bytes for a test on a device."""
 
     identity: DeviceIdentity
-    peak_bytes: Annotated[int, _STORED_BYTES]
-    phases: Annotated[Mapping[str, Annotated[int, _STORED_BYTES]], _PHASES]
+    peak_bytes: Annotated[int, STORED_BYTES]
+    phases: Annotated[Mapping[str, Annotated[int, STORED_BYTES]], _PHASES]
     torch: Annotated[str | None, _VERSION]
     cuda: Annotated[str | None, _VERSION]
     gradients: Annotated[Fingerprint | None, Spec(omit=None, expected="an object")] = None

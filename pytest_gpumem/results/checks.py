@@ -11,12 +11,6 @@ from cuda_allocator_model import MAX_BYTES, integer_words
 from pytest_gpumem.errors import GpuMemError
 
 
-def check_bytes(value: object, what: str) -> None:
-    """``ValueError`` unless ``value`` is an int byte count, ``0 <= value <= MAX_BYTES``."""
-    if type(value) is not int or not 0 <= value <= MAX_BYTES:
-        raise ValueError(f"{what}: expected an integer 0 <= n < 2**63 (bytes), got {short(value)}")
-
-
 def signed_bytes(value: object) -> bool:
     """A byte difference: an int with ``-MAX_BYTES <= value <= MAX_BYTES``."""
     return type(value) is int and -MAX_BYTES <= value <= MAX_BYTES
@@ -40,6 +34,11 @@ def short(value: object, limit: int = 60) -> str:
 
 class OffShape(GpuMemError, ValueError):
     """A value read back that is not what pytest-gpumem writes there; the message names its JSON path."""
+
+
+class Unplaced(Exception):
+    """A refusal met while reading without paths (`where` None), which is fast: the reader reads again
+    with them, to say where."""
 
 
 def refuse(where: str, expected: str, value: object) -> OffShape:
@@ -157,19 +156,30 @@ class Wording:
         """The path of `key` under `where`, a field's or a mapping's by the look of the key."""
         return self.field(where, key) if key.isascii() and key.isidentifier() else self.member(where, key)
 
-    def refuse(self, where: str, expected: str, value: object) -> ValueError:
-        return self._say(self.wrong, where, expected=expected, value=short(value))
+    def refuse(self, where: str | None, expected: str, value: object) -> Exception:
+        return self._say(self.wrong, where, expected=expected, value=value)
 
-    def no_key(self, where: str, key: str) -> ValueError:
-        return self._say(self.missing, where, key=self.quote(key))
+    def no_key(self, where: str | None, key: str) -> Exception:
+        return self._say(self.missing, where, key=key)
 
-    def unknown_key(self, where: str, key: str) -> ValueError:
-        return self._say(self.unknown, where, key=self.quote(key))
+    def unknown_key(self, where: str | None, key: str) -> Exception:
+        return self._say(self.unknown, where, key=key)
 
-    def not_as_written(self, where: str, value: object) -> ValueError:
-        return self._say(self.rewritten, where, value=short(value))
+    def not_as_written(self, where: str, value: object) -> Exception:
+        return self._say(self.rewritten, where, value=value)
 
-    def _say(self, template: str, where: str, **words: str) -> ValueError:
+    def says(self, where: str | None, problem: str) -> Exception:
+        """`where: problem`, in this wording's error."""
+        return Unplaced() if where is None else self.error(f"{where}: {problem}")
+
+    def _say(self, template: str, where: str | None, **words: Any) -> Exception:
+        """The error, or `Unplaced` where there is no path (the words are made only for an error)."""
+        if where is None:
+            return Unplaced()
+        if "key" in words:
+            words["key"] = self.quote(words["key"])
+        if "value" in words:
+            words["value"] = short(words["value"])
         return self.error(template.format(where=where, **words).removeprefix(": "))
 
 
@@ -197,7 +207,11 @@ STORED = Wording(
 
 
 def exact_keys(
-    value: object, where: str, required: tuple[str, ...], optional: tuple[str, ...] = (), wording: Wording = REPORT
+    value: object,
+    where: str | None,
+    required: tuple[str, ...],
+    optional: tuple[str, ...] = (),
+    wording: Wording = REPORT,
 ) -> dict[str, Any]:
     """`value` as an object with every `required` key, perhaps `optional` ones, and no other; else the
     wording's error naming the first missing key, or else the first unknown one."""

@@ -11,7 +11,10 @@ A field says more of itself with `Annotated[T, Spec(...)]`: its JSON `key`, the 
 (`expected`), a range (`low`, `high`), a `check` of the value, the one value `omit`ted from the JSON (and
 filled in where absent), a reader and writer of its own (`via`). The words of the errors are a `Wording`:
 `REPORT` (a `--gpumem-json` report's) or `STORED` (a baseline file's, as they have always been). A class
-whose JSON keys come in another order than its fields names that order in `__json_keys__`. `read` is a
+whose JSON keys come in another order than its fields names that order in `__json_keys__`; one whose
+reader leaves a key it does not know to the round trip of what holds it, takes an absent key as its
+field's default and says a missing one where it reaches it (as its hand-written reader did) sets
+`__json_open__`. `read` is a
 decode without the round trip (for a part of a value checked whole), `validate` checks a value built in
 Python as its JSON would be read (for a `__post_init__`).
 """
@@ -24,10 +27,11 @@ import threading
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, TypeVar, Union, get_args, get_origin, get_type_hints, overload
+from itertools import repeat
+from typing import Annotated, Any, NamedTuple, TypeVar, Union, get_args, get_origin, get_type_hints, overload
 
 from cuda_allocator_model import MAX_BYTES
-from pytest_gpumem.results.checks import REPORT, STORED, Wording, exact_keys, first_difference, short
+from pytest_gpumem.results.checks import REPORT, STORED, Unplaced, Wording, exact_keys, first_difference, short
 
 __all__ = [
     "BYTES",
@@ -35,6 +39,7 @@ __all__ = [
     "REPORT",
     "SIGNED",
     "STORED",
+    "STORED_BYTES",
     "Spec",
     "Wording",
     "decode",
@@ -45,7 +50,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-Reader = Callable[[Any, str, "Wording"], Any]
+Reader = Callable[[Any, str | None, "Wording"], Any]
 Writer = Callable[[Any], Any]
 
 
@@ -53,12 +58,14 @@ KEEP: Any = object()  # `Spec.omit` unset: no value is omitted from the JSON
 EMPTY: Any = object()  # `Spec(omit=EMPTY)`: an empty list or mapping is omitted from the JSON
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity: a type that holds one is a key of `_MADE`
 class Spec:
     """What a field's type does not say: its JSON `key`, the words of what it must be, its range (`low` <=
     value <= `high`), a `check` the value passes, the one value `omit`ted from the JSON (read back where
     the key is absent), the keys a mapping allows (`names`, said by `names_expected`), a reader and a
-    writer of its own (`via`: the reader gets the JSON value, its path and the wording), or what a key
+    writer of its own (`via`: the reader gets the JSON value, its path, None on the first read, where the
+    wording's errors are `Unplaced`, and the wording; the writer gives back each scalar the reader was
+    given, as the round trip's `==` needs), or what a key
     absent from an earlier version's JSON is read as (`absent`, a factory; the round trip still refuses
     such a value at the end, but a wrong value beside it is named first)."""
 
@@ -75,13 +82,15 @@ class Spec:
 
 
 BYTES = Spec(expected="an integer of bytes", low=0, high=MAX_BYTES)
+STORED_BYTES = Spec(expected="an integer 0 <= n < 2**63 (bytes)", low=0, high=MAX_BYTES)  # a baseline file's words
 SIGNED = Spec(expected="an integer of bytes (negative where freed)", low=-MAX_BYTES, high=MAX_BYTES)
 
 
 def encode(value: Any, as_type: Any = None) -> Any:
     """`value` (a dataclass, or of type `as_type`: any type `decode` reads) as JSON types: dicts, lists,
     strs, numbers, bools, None."""
-    return _made(type(value) if as_type is None else as_type)[1](value)
+    write = _made(type(value) if as_type is None else as_type)[1]
+    return value if write is None else write(value)
 
 
 @overload
@@ -91,18 +100,32 @@ def decode(cls: object, data: object, where: str, wording: Wording = REPORT) -> 
 def decode(cls: Any, data: object, where: str, wording: Wording = REPORT) -> Any:
     """The `cls` (a dataclass, or any type the codec reads) that `data` is the JSON of, as `encode` writes
     it and nothing else; the wording's error (`OffShape`) names the JSON path (under `where`) of the first
-    value that is not."""
-    value = _made(cls)[0](data, where, wording)
-    found = first_difference(data, _made(cls)[1](value), where, wording.path)
-    if found is not None:
-        raise wording.not_as_written(*found)
+    value that is not. The round trip compares with `==`: the codec's writers (and a `Spec.via`'s must)
+    give back each scalar they were given, so that no 1 is written back as 1.0 or true."""
+    value = read(cls, data, where, wording)
+    written = encode(value, cls)
+    if written != data:
+        found = first_difference(data, written, where, wording.path)
+        if found is not None:
+            raise wording.not_as_written(*found)
     return value
 
 
-def read(cls: Any, data: object, where: str, wording: Wording = REPORT) -> Any:
+def read(cls: Any, data: object, where: str | None, wording: Wording = REPORT) -> Any:
     """`decode` without the round trip: for a reader of its own (`Spec.via`) or a part of a value whose
     whole `decode` checks."""
-    return _made(cls)[0](data, where, wording)
+    return _placed(_made(cls)[0], data, where, wording)
+
+
+def _placed(reader: Reader, data: object, where: str | None, wording: Wording) -> Any:
+    """`reader` on `data`, first without paths (`where` None), which is fast; again with them only to say
+    where a value is refused."""
+    try:
+        return reader(data, None, wording)
+    except Unplaced:
+        if where is None:
+            raise
+        return reader(data, where, wording)
 
 
 def validate(value: Any, where: str, wording: Wording = STORED) -> None:
@@ -112,35 +135,36 @@ def validate(value: Any, where: str, wording: Wording = STORED) -> None:
     if getattr(_DECODING, "now", False):
         return
     for f in _plan(type(value)).fields:
-        at = wording.field(where, f.key)
         item = getattr(value, f.name)
         try:
-            written = f.write(item)
+            written = item if f.write is None else f.write(item)
         except (AttributeError, TypeError, ValueError):
-            raise wording.refuse(at, f.phrase, item) from None
-        f.read(written, at, wording)
+            raise wording.refuse(wording.field(where, f.key), f.phrase, item) from None
+        _placed(f.read, written, wording.field(where, f.key), wording)
 
 
 # ----------------------------------------------------------------------------------------- the plans
 
 
-@dataclass(frozen=True)
-class _Field:
+class _Field(NamedTuple):
     name: str
     key: str
     read: Reader
-    write: Writer
+    write: Writer | None  # None: written as it is
     omit: Any
-    default: Callable[[], Any] | None
+    default: Callable[[], Any] | None  # None: the key is required
+    kinds: tuple[type, ...]  # the types `read` takes as they are, which a class's reader tests itself
     phrase: str
 
 
 @dataclass
 class _Plan:
-    fields: tuple[_Field, ...] = ()
+    fields: tuple[_Field, ...] = ()  # in the order of their keys
     keys: frozenset[str] = frozenset()
-    fields_required: tuple[str, ...] = ()
     required: frozenset[str] = frozenset()
+    checks: bool = False  # the class has a `__post_init__`, which may `validate` it
+    open: bool = False  # `__json_open__`
+    bare: bool = False  # an instance is its fields in a `__dict__` and nothing else: made without `__init__`
 
 
 _PLANS: dict[type, _Plan] = {}
@@ -153,28 +177,32 @@ def _plan(cls: type) -> _Plan:
     if plan is None:
         plan = _PLANS[cls] = _Plan()  # filled in below; a class that holds itself finds it
         hints = get_type_hints(cls, include_extras=True)
-        made = tuple(_field(f, hints[f.name]) for f in dataclasses.fields(cls) if f.init)
+        plan.open = cls.__dict__.get("__json_open__", False)
+        made = [_field(f, hints[f.name], plan.open) for f in dataclasses.fields(cls) if f.init]
         order = cls.__dict__.get("__json_keys__")  # the keys' order where it is not the fields'
         if order is not None:
-            made = tuple(sorted(made, key=lambda f: order.index(f.key)))
-        plan.fields, plan.keys = made, frozenset(f.key for f in made)
-        plan.fields_required = tuple(f.key for f in made if f.default is None)
-        plan.required = frozenset(plan.fields_required)
+            made.sort(key=lambda f: order.index(f.key))
+        plan.fields, plan.keys = tuple(made), frozenset(f.key for f in made)
+        plan.required = frozenset(f.key for f in made if f.default is None)
+        plan.checks = hasattr(cls, "__post_init__")
+        everything = all(f.init for f in dataclasses.fields(cls))
+        plan.bare = everything and not plan.checks and "__slots__" not in cls.__dict__
     return plan
 
 
-def _field(f: dataclasses.Field[Any], tp: Any) -> _Field:
+def _field(f: dataclasses.Field[Any], tp: Any, open_: bool) -> _Field:
     spec = _unwrap(tp, Spec())[1]
     default: Callable[[], Any] | None = spec.absent
-    if spec.omit is not KEEP and default is None:
+    if (spec.omit is not KEEP or open_) and default is None:
         if f.default_factory is not dataclasses.MISSING:
             default = f.default_factory
         elif f.default is not dataclasses.MISSING:
             default = (lambda value: lambda: value)(f.default)
-        else:
+        elif not open_:
             raise TypeError(f"{f.name}: a field omitted from the JSON needs a default")
     read, write = _build(tp, Spec())
-    return _Field(f.name, spec.key or f.name, read, write, spec.omit, default, _phrase(tp, Spec()))
+    kinds = _PLAIN.get(read, ())
+    return _Field(f.name, spec.key or f.name, read, write, spec.omit, default, kinds, _phrase(tp, Spec()))
 
 
 def _unwrap(tp: Any, spec: Spec) -> tuple[Any, Spec]:
@@ -185,10 +213,10 @@ def _unwrap(tp: Any, spec: Spec) -> tuple[Any, Spec]:
     return inner, next((m for m in meta if isinstance(m, Spec)), spec)
 
 
-_MADE: dict[Any, tuple[Reader, Writer]] = {}
+_MADE: dict[Any, tuple[Reader, Writer | None]] = {}
 
 
-def _made(tp: Any) -> tuple[Reader, Writer]:
+def _made(tp: Any) -> tuple[Reader, Writer | None]:
     """The reader and the writer of `tp` (made once per type)."""
     made = _MADE.get(tp)
     if made is None:
@@ -196,8 +224,9 @@ def _made(tp: Any) -> tuple[Reader, Writer]:
     return made
 
 
-def _build(tp: Any, spec: Spec, phrase: str | None = None) -> tuple[Reader, Writer]:
-    """The reader and the writer of type `tp`; `phrase` is what a wrong value is told it must be."""
+def _build(tp: Any, spec: Spec, phrase: str | None = None) -> tuple[Reader, Writer | None]:
+    """The reader and the writer (None: a value written as it is) of type `tp`; `phrase` is what a wrong
+    value is told it must be. A reader given no path (`where` None) raises `Unplaced` for a wrong value."""
     if get_origin(tp) is Annotated:
         tp, spec = _unwrap(tp, spec)
         phrase = phrase or spec.expected
@@ -206,69 +235,73 @@ def _build(tp: Any, spec: Spec, phrase: str | None = None) -> tuple[Reader, Writ
     origin, args = get_origin(tp), get_args(tp)
     if origin in (Union, types.UnionType):
         return _optional(args, spec, phrase)
+    phrase = phrase or _phrase(tp, spec)
     if tp is Any:
-        return _as_is, _same
+        return _as_is, None
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return _enum(tp, phrase)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        return _nested(tp, phrase or "an object")
+        return _nested(tp, phrase)
     if tp in _SCALARS:
-        return _scalar(tp, spec, phrase or _SCALARS[tp][1])
+        return _scalar(tp, spec, phrase)
     if origin in (tuple, list):
-        return _sequence(origin, args, spec, phrase or "a list")
+        return _sequence(origin, args, spec, phrase)
     if origin in (dict, Mapping):
-        return _mapping(args[1], spec, phrase or "an object")
+        return _mapping(args[1], spec, phrase)
     raise TypeError(f"the JSON codec has no rule for {tp!r}")
 
 
-_SCALARS: dict[Any, tuple[Callable[[object], bool], str]] = {
-    int: (lambda value: type(value) is int, "an integer"),
-    # an integer stays one: it is written back as it was read
-    float: (lambda value: type(value) is int or type(value) is float, "a number"),
-    str: (lambda value: isinstance(value, str), "a string"),
-    bool: (lambda value: isinstance(value, bool), "true or false"),
+_SCALARS: dict[Any, tuple[tuple[type, ...], str]] = {
+    int: ((int,), "an integer"),
+    float: ((float, int), "a number"),  # an integer stays one: it is written back as it was read
+    str: ((str,), "a string"),
+    bool: ((bool,), "true or false"),
 }
 
 
-def _same(value: Any) -> Any:
+def _as_is(value: Any, where: str | None, wording: Wording) -> Any:
     return value
 
 
-def _as_is(value: Any, where: str, wording: Wording) -> Any:
-    return value
+_PLAIN: dict[Reader, tuple[type, ...]] = {}
+"""The readers of a scalar with no range or check, by the types they take as they are (a container
+tests them itself, for speed, and calls the reader only for another value, to refuse it or take a str's
+subclass)."""
 
 
-def _scalar(tp: Any, spec: Spec, phrase: str) -> tuple[Reader, Writer]:
-    is_kind = _SCALARS[tp][0]
+def _scalar(tp: Any, spec: Spec, phrase: str) -> tuple[Reader, None]:
+    kinds = _SCALARS[tp][0]
     low, high, check = spec.low, spec.high, spec.check
 
-    def read(value: Any, where: str, wording: Wording) -> Any:
+    def read(value: Any, where: str | None, wording: Wording) -> Any:
         if (
-            not is_kind(value)
-            or (low is not None and value < low)
-            or (high is not None and value > high)
-            or (check is not None and not check(value))
+            (type(value) in kinds or (tp is str and isinstance(value, str)))
+            and (low is None or low <= value)
+            and (high is None or value <= high)
+            and (check is None or check(value))
         ):
-            raise wording.refuse(where, phrase, value)
-        return value
+            return value
+        raise wording.refuse(where, phrase, value)
 
-    return read, _same
+    if low is None and high is None and check is None:
+        _PLAIN[read] = kinds
+    return read, None
 
 
-def _optional(args: tuple[Any, ...], spec: Spec, phrase: str | None) -> tuple[Reader, Writer]:
+def _optional(args: tuple[Any, ...], spec: Spec, phrase: str | None) -> tuple[Reader, Writer | None]:
     inner = [arg for arg in args if arg is not type(None)]
     if len(inner) != 1 or len(args) != 2:
         raise TypeError(f"the JSON codec reads only X | None of unions, not {args!r}")
     words = phrase or f"{_phrase(inner[0], spec)} or null"
     read_inner, write_inner = _build(inner[0], spec, words)
 
-    def read(value: Any, where: str, wording: Wording) -> Any:
+    def read(value: Any, where: str | None, wording: Wording) -> Any:
         return None if value is None else read_inner(value, where, wording)
 
     def write(value: Any) -> Any:
-        return None if value is None else write_inner(value)
+        return None if value is None else write_inner(value)  # type: ignore[misc]
 
-    return read, write
+    return read, None if write_inner is None else write
 
 
 def _phrase(tp: Any, spec: Spec) -> str:
@@ -288,13 +321,12 @@ def _enum_phrase(tp: type[enum.Enum]) -> str:
     return f"one of {', '.join(str(member.value) for member in tp)}"
 
 
-def _enum(tp: type[enum.Enum], phrase: str | None) -> tuple[Reader, Writer]:
+def _enum(tp: type[enum.Enum], phrase: str) -> tuple[Reader, Writer]:
     by_value = {member.value: member for member in tp}
-    words = phrase or _enum_phrase(tp)
 
-    def read(value: Any, where: str, wording: Wording) -> Any:
+    def read(value: Any, where: str | None, wording: Wording) -> Any:
         if type(value) not in (str, int) or value not in by_value:
-            raise wording.refuse(where, words, value)
+            raise wording.refuse(where, phrase, value)
         return by_value[value]
 
     def write(value: Any) -> Any:
@@ -304,17 +336,33 @@ def _enum(tp: type[enum.Enum], phrase: str | None) -> tuple[Reader, Writer]:
 
 
 def _nested(cls: type, phrase: str) -> tuple[Reader, Writer]:
-    def read(value: Any, where: str, wording: Wording) -> Any:
-        plan = _plan(cls)
+    plan = _Plan()  # the class's, once it is made (not before: a class may hold itself)
+
+    def read(value: Any, where: str | None, wording: Wording) -> Any:
+        nonlocal plan
+        if not plan.fields:
+            plan = _plan(cls)
         if type(value) is not dict:
             raise wording.refuse(where, phrase, value)
-        if not (plan.keys.issuperset(value) and value.keys() >= plan.required):
-            exact_keys(value, where, plan.fields_required, tuple(plan.keys), wording)
-        field = wording.field
-        made = {
-            f.name: f.read(value[f.key], field(where, f.key), wording) if f.key in value else f.default()  # type: ignore[misc]
-            for f in plan.fields
-        }
+        if not (plan.open or (plan.keys.issuperset(value) and value.keys() >= plan.required)):
+            required = tuple(f.key for f in plan.fields if f.default is None)
+            exact_keys(value, where, required, tuple(plan.keys), wording)
+        made = {}
+        for f in plan.fields:
+            if f.key not in value:
+                if f.default is None:  # an open class's
+                    raise wording.no_key(where, f.key)
+                made[f.name] = f.default()
+            elif type(item := value[f.key]) in f.kinds:
+                made[f.name] = item
+            else:
+                made[f.name] = f.read(item, None if where is None else wording.field(where, f.key), wording)
+        if plan.bare:
+            new: Any = object.__new__(cls)
+            new.__dict__.update(made)
+            return new
+        if not plan.checks:
+            return cls(**made)
         was, _DECODING.now = getattr(_DECODING, "now", False), True
         try:
             return cls(**made)
@@ -322,58 +370,76 @@ def _nested(cls: type, phrase: str) -> tuple[Reader, Writer]:
             _DECODING.now = was
 
     def write(value: Any) -> Any:
+        nonlocal plan
+        if not plan.fields:
+            plan = _plan(cls)
         out = {}
-        for f in _plan(cls).fields:
+        for f in plan.fields:
             item = getattr(value, f.name)
             if f.omit is KEEP or (item if f.omit is EMPTY else item != f.omit):
-                out[f.key] = f.write(item)
+                out[f.key] = item if f.write is None else f.write(item)
         return out
 
     return read, write
 
 
 def _sequence(origin: Any, args: tuple[Any, ...], spec: Spec, phrase: str) -> tuple[Reader, Writer]:
+    """A list or tuple of items of one type, or a tuple of so many items, each of its own type."""
     fixed = origin is tuple and not (len(args) == 2 and args[1] is Ellipsis)
     parts = [_build(arg, Spec()) for arg in (args if fixed else args[:1])]
+    kinds = None if fixed else _PLAIN.get(parts[0][0])
     make: Callable[[Any], Any] = tuple if origin is tuple else list
     check = spec.check
 
-    def read(value: Any, where: str, wording: Wording) -> Any:
+    def read(value: Any, where: str | None, wording: Wording) -> Any:
         if (
             not isinstance(value, list)
             or (fixed and len(value) != len(parts))
             or (check is not None and not check(value))
         ):
             raise wording.refuse(where, phrase, value)
-        if fixed:
-            return make(
-                [p[0](item, f"{where}[{i}]", wording) for i, (p, item) in enumerate(zip(parts, value, strict=True))]
-            )
-        read_item = parts[0][0]
-        return make([read_item(item, f"{where}[{i}]", wording) for i, item in enumerate(value)])
+        if kinds and all(type(item) in kinds for item in value):
+            return make(value)
+        readers = [part[0] for part in parts] if fixed else repeat(parts[0][0])
+        pairs = enumerate(zip(readers, value, strict=False))  # as many readers as items, or one repeated
+        return make([read_item(item, _index(where, i), wording) for i, (read_item, item) in pairs])
 
     def write(value: Any) -> Any:
-        if fixed:
-            return [p[1](item) for p, item in zip(parts, value, strict=True)]
-        return [parts[0][1](item) for item in value]
+        if not fixed and parts[0][1] is None:
+            return list(value)
+        writers = [part[1] for part in parts] if fixed else repeat(parts[0][1])
+        return [
+            item if write_item is None else write_item(item) for write_item, item in zip(writers, value, strict=False)
+        ]
 
     return read, write
 
 
+def _index(where: str | None, i: int) -> str | None:
+    return None if where is None else f"{where}[{i}]"
+
+
+def _member(where: str | None, key: str, wording: Wording) -> str | None:
+    return None if where is None else wording.member(where, key)
+
+
 def _mapping(value_type: Any, spec: Spec, phrase: str) -> tuple[Reader, Writer]:
     read_value, write_value = _build(value_type, Spec())
+    kinds = _PLAIN.get(read_value)
     names, names_expected, check = spec.names, spec.names_expected, spec.check
 
-    def read(value: Any, where: str, wording: Wording) -> Any:
+    def read(value: Any, where: str | None, wording: Wording) -> Any:
         if names is not None and isinstance(value, dict):
             bad = next((key for key in value if not names(key)), None)
             if bad is not None:
-                raise wording.error(f"{where}: {names_expected}, got {short(bad)}")
+                raise wording.says(where, f"{names_expected}, got {short(bad)}")
         if not isinstance(value, dict) or (check is not None and not check(value)):
             raise wording.refuse(where, phrase, value)
-        return {key: read_value(item, wording.member(where, key), wording) for key, item in value.items()}
+        if kinds and all(type(item) in kinds for item in value.values()):
+            return dict(value)
+        return {key: read_value(item, _member(where, key, wording), wording) for key, item in value.items()}
 
     def write(value: Any) -> Any:
-        return {key: write_value(item) for key, item in value.items()}
+        return dict(value) if write_value is None else {key: write_value(item) for key, item in value.items()}
 
     return read, write

@@ -1,9 +1,10 @@
 """What made each peak, as typed data: the explanation of a test call (per phase its peak, its growth by
 category and module, the largest tensors alive at it, when it ran; the call's timeline) and the compact
-composition a baseline stores. Each type has one to/from-JSON; the JSON is the report's `explanation`
-and the baseline's `composition`, in the shape and key order they have always had.
+composition a baseline stores. Each type declares its JSON for the codec (`results/codec.py`; a phase
+writes its own layout); the JSON is the report's `explanation` and the baseline's `composition`, in the
+shape and key order they have always had.
 
-`from_json` reads explanations made by earlier versions too: without `live` (before the page), without
+`Explanation.from_json` reads explanations made by earlier versions too: without `live` (before the page), without
 `groups` and `folded` (before repeated blocks were folded), without `entries` (before spans were capped),
 without the timeline's `unmeasured` spans (before the page folded advise's runs), without a phase's
 `reserved_at_peak` (before the allocator's model was explained).
@@ -11,18 +12,16 @@ without the timeline's `unmeasured` spans (before the page folded advise's runs)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from pytest_gpumem.results.checks import REPORT, member, signed_bytes
+from pytest_gpumem.results.checks import signed_bytes
 from pytest_gpumem.results.codec import EMPTY, Spec, Wording, decode, encode, read
 
 _FORMAT = "pytest-gpumem explanation 1"
 _TEXT = Spec(expected="a string")  # a string or null, said as a report always has
 
 
-_NEEDED: Any = object()
 _INDEX = Annotated[int | None, Spec(expected="an integer")]
 _OBJECT = Spec(expected="an object")  # or null, said as a report always has
 
@@ -68,21 +67,23 @@ class PhaseExplanation:
     set) has no spans on the test's timeline; `rank_peak_index` is where its peak was on the rank's own.
     `reserved_at_peak` is there where the allocator's model served the call (`--gpumem-round=cuda`)."""
 
+    __json_open__ = True  # read as written before `live`, `groups`, `entries` or `reserved_at_peak`
+
     peak_bytes: int
     categories: dict[str, int]
     modules: dict[str, int]
     cells: list[Cell]
     tensors: list[Tensor]
     start_bytes: int = 0
-    live: dict[str, int] | None = None
-    groups: list[Cell] | None = None
-    peak_index: int | None = None
-    spans: list[tuple[int, int]] = field(default_factory=list)
-    entries: int | None = None
+    live: Annotated[dict[str, int] | None, _OBJECT] = None
+    groups: Annotated[list[Cell] | None, Spec(expected="a list")] = None
+    peak_index: _INDEX = None
+    spans: list[Annotated[tuple[int, int], Spec(expected="[first event, last event]")]] = field(default_factory=list)
+    entries: _INDEX = None
     unattributed_bytes: int = 0
-    rank: int | None = None
-    rank_peak_index: int | None = None
-    reserved_at_peak: ReservedAtPeak | None = None
+    rank: _INDEX = None
+    rank_peak_index: _INDEX = None
+    reserved_at_peak: Annotated[ReservedAtPeak | None, _OBJECT] = None
 
     @property
     def parts(self) -> list[Cell]:
@@ -114,50 +115,9 @@ class PhaseExplanation:
             data.update(rank=self.rank, spans=[list(span) for span in self.spans], rank_peak_index=self.rank_peak_index)
         return data
 
-    @classmethod
-    def from_json(cls, data: Any, where: str = "phase") -> PhaseExplanation:
-        """The phase `to_json` wrote, or one written before `live`, `groups`, `entries` or `reserved_at_peak`."""
-        d = read(_ANY_OBJECT, data, where)
 
-        def get(key: str, tp: Any, default: Any = _NEEDED) -> Any:
-            if key in d:
-                return read(tp, d[key], f"{where}.{key}")
-            if default is _NEEDED:
-                raise REPORT.no_key(where, key)
-            return default
-
-        return cls(
-            peak_bytes=get("peak_bytes", int),
-            categories=get("categories", _SIZES),
-            modules=get("modules", _SIZES),
-            cells=get("cells", _CELLS),
-            tensors=get("tensors", _TENSORS),
-            start_bytes=get("start_bytes", int, 0),
-            live=get("live", _SIZES_OR_NONE, None),
-            groups=get("groups", _CELLS_OR_NONE, None),
-            peak_index=get("peak_index", _INDEX, None),
-            spans=get("spans", _SPANS, []),
-            entries=get("entries", _INDEX, None),
-            unattributed_bytes=get("unattributed_bytes", int, 0),
-            rank=get("rank", _INDEX, None),
-            rank_peak_index=get("rank_peak_index", _INDEX, None),
-            reserved_at_peak=get("reserved_at_peak", _RESERVED_OR_NONE, None),
-        )
-
-
-_SIZES = dict[str, int]
-_SIZES_OR_NONE = Annotated[dict[str, int] | None, _OBJECT]
-_CELLS = list[Cell]
-_CELLS_OR_NONE = Annotated[list[Cell] | None, Spec(expected="a list")]
-_TENSORS = list[Tensor]
-_SPANS = list[Annotated[tuple[int, int], Spec(expected="[first event, last event]")]]
-_RESERVED_OR_NONE = Annotated[ReservedAtPeak | None, _OBJECT]
-_ANY_OBJECT = dict[str, Any]
-
-
-def _read_phases(value: Any, where: str, wording: Wording) -> dict[str, PhaseExplanation]:
-    phases = read(_ANY_OBJECT, value, where, wording)
-    return {name: PhaseExplanation.from_json(phase, member(where, name)) for name, phase in phases.items()}
+def _read_phases(value: Any, where: str | None, wording: Wording) -> dict[str, PhaseExplanation]:
+    return read(dict[str, PhaseExplanation], value, where, wording)  # type: ignore[no-any-return]
 
 
 def _write_phases(phases: dict[str, PhaseExplanation]) -> dict[str, Any]:
@@ -176,7 +136,7 @@ class Point:
         return sum(self.sizes)
 
 
-def _read_point(value: Any, where: str, wording: Wording) -> Point:
+def _read_point(value: Any, where: str | None, wording: Wording) -> Point:
     index, sizes = read(_POINT_JSON, value, where, wording)
     return Point(index, sizes)
 
@@ -280,7 +240,7 @@ def _is_cell(cell: object) -> bool:
     )
 
 
-def _read_cells(value: Any, where: str, wording: Wording) -> list[Cell]:
+def _read_cells(value: Any, where: str | None, wording: Wording) -> list[Cell]:
     if not isinstance(value, list) or not all(_is_cell(cell) for cell in value):
         raise wording.refuse(where, "a list of [category, module, bytes]", value)
     return [Cell(*cell) for cell in value]
@@ -313,8 +273,3 @@ COMPOSITION = Spec(
 """What a stored composition must be (`StoredComposition`, a baseline entry's `composition`)."""
 
 StoredComposition = Annotated[Composition, COMPOSITION]
-
-
-def composition_to_json(composition: Mapping[str, PhaseComposition]) -> dict[str, Any]:
-    written: dict[str, Any] = encode(dict(composition), Composition)
-    return written

@@ -32,14 +32,12 @@ SUMMARY_WORST = 3
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
-def _float_from_json(value: Any, where: str, wording: Wording) -> float:
+def _float_from_json(value: Any, where: str | None, wording: Wording) -> float:
     """A statistic: a number (an integer stays one: it is written back as read), or "nan", "inf", "-inf"."""
     if type(value) is float or type(value) is int:
         if math.isfinite(value if type(value) is float else 0.0) and abs(value) < _FLOAT_INT_LIMIT:
             return value  # past the float range, JSON's 1e400 is read as inf
-        raise wording.error(
-            f'{where}: a number beyond the float range ({short(value)}); write "inf" or "-inf" if meant'
-        )
+        raise wording.says(where, f'a number beyond the float range ({short(value)}); write "inf" or "-inf" if meant')
     if isinstance(value, str) and value in _NONFINITE:
         return _NONFINITE[value]
     raise wording.refuse(where, 'a number (or "nan", "inf", "-inf")', value)
