@@ -122,7 +122,9 @@ def _temporaries_unmodelled() -> Iterator[None]:
     """The ops that may take kernel temporaries go the slow way, but their model is not run."""
     original = getattr(tracker_mode, _RECORD)
 
-    def during_only(ledger: Any, func: Any, args: Any, kwargs: Any, during: Callable[[], None] | None = None) -> None:
+    def during_only(
+        ledger: Any, func: Any, args: Any, kwargs: Any, during: Callable[[], None] | None = None, **_: Any
+    ) -> None:
         if during is not None:
             during()
 
