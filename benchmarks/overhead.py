@@ -1,16 +1,18 @@
 """Overhead: what measuring costs.
 
     python benchmarks/overhead.py [--json PATH] [--rounds 15] [--threads N] [--skip-suites] [--cpu-time]
-                                  [--against DIR]
+                                  [--against DIR] [--only net|tiny]
 
 1. One forward+backward step, untracked vs the tracker (and with the CUDA allocator's model,
    `--gpumem-round=cuda`) vs MemTracker vs the profiler with profile_memory=True, on the Net (Linear
    1024->2048->1024, batch 64) and on a tiny Linear(64) (batch 8). Every round runs each candidate once,
    in turn (interleaved, so drift hits all alike); each candidate enters its tool, runs `inner` steps and
    leaves it (setup and teardown included), after a full garbage collection (untimed: `benchlib.interleaved`);
-   the ratio is the median time over the median untracked time. `--cpu-time` times the main thread's CPU
-   time instead of wall time (on the CPU, backward runs on the calling thread), and the pytest runs below
-   in their CPU time (user and system): a machine shared with other work disturbs it far less.
+   the ratio is the median time over the median untracked time, and the median of each round's ratio
+   (a run over the untracked run of its round: steadier where the machine's load drifts between rounds).
+   `--cpu-time` times the main thread's CPU time instead of wall time (on the CPU, backward runs on the
+   calling thread), and the pytest runs below in their CPU time (user and system): a machine shared with
+   other work disturbs it far less. `--only net` runs the Net alone (more rounds in the same time).
 2. The plugin idle (installed, no flags, no markers) on a generated suite of 2,000 trivial tests vs
    `-p no:gpumem`: median wall time of subprocess pytest runs (-q -p no:cacheprovider), interleaved. Every
    run reads its modules' bytecode from one temporary cache (`PYTHONPYCACHEPREFIX`) that the warm-up run
@@ -120,10 +122,14 @@ def candidates(model: nn.Module, x: torch.Tensor, inner: int) -> dict[str, Calla
 STEPS = (("net", "Net b64", 3), ("tiny", "Linear(64) b8", 200))
 
 
-def step_overheads(rounds: int, against: Path | None = None) -> tuple[list[list[str]], dict[str, Any]]:
+def step_overheads(
+    rounds: int, against: Path | None = None, only: str | None = None
+) -> tuple[list[list[str]], dict[str, Any]]:
     rows: list[list[str]] = []
     data: dict[str, Any] = {}
     for kind, label, inner in STEPS:
+        if only is not None and kind != only:
+            continue
         model, x = make_model(kind)
         runs = candidates(model, x, inner)
         served = None if against is None else _Served(against, kind)
@@ -139,7 +145,8 @@ def step_overheads(rounds: int, against: Path | None = None) -> tuple[list[list[
             base = times["untracked" if against is None or "@" not in name else f"untracked @{against}"]
             med = benchlib.median(t)
             ratio, ratio_min = med / benchlib.median(base), min(t) / min(base)
-            rows.append([label, name, f"{med * 1e6:,.0f}", f"{ratio:.3f}", f"{ratio_min:.3f}"])
+            paired = benchlib.median([mine / theirs for mine, theirs in zip(t, base, strict=True)])
+            rows.append([label, name, f"{med * 1e6:,.0f}", f"{ratio:.3f}", f"{ratio_min:.3f}", f"{paired:.3f}"])
     return rows, data
 
 
@@ -275,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-suites", action="store_true", help="only the per-step comparison")
     p.add_argument("--cpu-time", action="store_true", help="steps timed in the thread's CPU time, not wall time")
     p.add_argument("--against", type=Path, default=None, metavar="DIR", help="also time the package of checkout DIR")
+    p.add_argument("--only", choices=[kind for kind, _, _ in STEPS], help="only this step (implies --skip-suites)")
     p.add_argument("--serve", choices=[kind for kind, _, _ in STEPS], help=argparse.SUPPRESS)
     args: argparse.Namespace = p.parse_args(argv)
     if args.against is not None and not (args.against / "pytest_gpumem" / "__init__.py").is_file():
@@ -288,14 +296,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         return serve(args.serve)
     data: dict[str, Any] = {}
-    rows, data["step"] = step_overheads(args.rounds, args.against)
+    rows, data["step"] = step_overheads(args.rounds, args.against, args.only)
     benchlib.show(
         f"forward+backward step, {torch.get_num_threads()} threads, {args.rounds} interleaved rounds, "
         + ("CPU time" if args.cpu_time else "wall time"),
-        ["model", "tool", "median µs/step", "ratio (medians)", "ratio (minima)"],
+        ["model", "tool", "median µs/step", "ratio (medians)", "ratio (minima)", "ratio (median of each round's)"],
         rows,
+        ["each round's ratio: a run over the untracked run of the same round (drift between rounds cancels)"],
     )
-    if not args.skip_suites:
+    if not args.skip_suites and args.only is None:
         rows, data["idle"] = idle_overhead(args.runs, args.against)
         benchlib.show("plugin idle vs disabled (subprocess pytest)", ["suite", "run", "median s", "ratio"], rows)
         cost_rows, data["measured"] = [], {}
