@@ -12,9 +12,10 @@ from cuda_allocator_model import ModelError
 from pytest_gpumem import hookspecs
 from pytest_gpumem.budget import MARKER, MARKER_SIGNATURE
 from pytest_gpumem.config import add_options, read_options
+from pytest_gpumem.run.late_markers import refuse_late_markers
 from pytest_gpumem.run.regression import BaselineRun
 from pytest_gpumem.run.session import BASELINES, MEASUREMENT_KEY, REGISTERED, XDIST, GpuMemSession
-from pytest_gpumem.run.xdist import worker_id
+from pytest_gpumem.run.xdist import distributes, worker_id
 
 if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
@@ -81,7 +82,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(session.baselines, BASELINES)
     if options.backend_given:
         _header(session)
-    if config.pluginmanager.hasplugin("xdist"):
+    if distributes(config):
         from pytest_gpumem.run.xdist import XdistResults
 
         config.pluginmanager.register(XdistResults(session.add), XDIST)
@@ -127,22 +128,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
-    """A fixture may mark its test with max_memory: measure calls from then on, when nothing else did."""
+    """A fixture may mark its test with max_memory: measure calls from then on, when nothing else did; from
+    then on, a max_memory marker added inside the test function fails it (one hook a test: the idle path)."""
     yield
     session = item.config.stash[SESSION_KEY]
-    if not session.options.disabled and not session.measuring and _measures(item):
+    if session.options.disabled:
+        return
+    refuse_late_markers(item)
+    if not session.measuring and _measures(item):
         _measure_calls(session)
-
-
-@pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
-    __tracebackhide__ = True
-    if item.config.stash[SESSION_KEY].options.disabled:
-        return (yield)
-    from pytest_gpumem.run.late_markers import markers_refused
-
-    with markers_refused(item):
-        return (yield)
 
 
 def pytest_report_collectionfinish(config: pytest.Config) -> list[str] | None:

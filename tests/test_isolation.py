@@ -131,5 +131,6 @@ def test_the_plugins_a_run_registers_leave_with_it(pytester: pytest.Pytester) ->
     )
     pytester.makepyfile("def test_one(gpumem):\n    pass\n")
     pytester.runpytest("-p", "xdist", "--gpumem-update=all").assert_outcomes(passed=1)
-    assert (pytester.path / "during.txt").read_text() == "gpumem-session gpumem-baselines gpumem-xdist"
+    # xdist's hand-over is registered only on the controller of a distributed run (test_xdist.py), not here
+    assert (pytester.path / "during.txt").read_text() == "gpumem-session gpumem-baselines"
     assert (pytester.path / "after.txt").read_text() == ""

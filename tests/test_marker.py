@@ -339,6 +339,9 @@ def test_a_marker_added_where_it_cannot_take_effect_fails_its_test_in_one_line(
     alone = pytester.runpytest("-p", "no:randomly", "--gpumem-backend=tracker", "-k", "test_marked_by_a_fixture")
     alone.assert_outcomes(failed=1)
     alone.stdout.fnmatch_lines(["*call peak 4.0 KiB exceeds max_memory 1 KiB*"])
+    idle = pytester.runpytest("-p", "no:randomly", "-k", "test_in_body and not measured")  # nothing measures
+    idle.assert_outcomes(failed=1)
+    idle.stdout.fnmatch_lines(["*::test_in_body: max_memory added inside the test function, after its call began*"])
 
 
 def test_a_tests_own_capacity_leak_and_explain_come_before_the_runs_options() -> None:

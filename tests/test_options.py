@@ -222,12 +222,11 @@ IDLE = {
     "hookspecs",
     "options",
     "plugin",
-    "results",
     "run",
     "sizes",
     "values",
 }
-IDLE |= {"run.regression", "run.session", "run.xdist", "results.checks"}
+IDLE |= {"run.regression", "run.session", "run.xdist"}  # not the results: read where a test was measured
 IDLE |= {"report", "report.writers"}  # the writers' table: a report must not overwrite the baselines
 IDLE |= {"run.late_markers"}  # a max_memory marker added too late fails its test, also in a run that measures nothing
 

@@ -4,8 +4,7 @@ marked before), or after the gpumem fixture was made on another device than the 
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from contextlib import contextmanager
+import os
 from typing import TYPE_CHECKING
 
 import pytest
@@ -22,28 +21,36 @@ def _name(marker: str | pytest.MarkDecorator) -> str:
     return marker if isinstance(marker, str) else marker.name
 
 
-@contextmanager
-def markers_refused(item: pytest.Item) -> Generator[None, None, None]:
-    """While `item`'s test function runs, adding a max_memory marker to it fails the test at once (a meta
-    marker added there would otherwise leave a real-size model running for real on the CPU)."""
-    __tracebackhide__ = True
-    add_marker = item.add_marker
+class _RefusingLateMarkers:
+    """A set-up test's `add_marker`: a max_memory marker added while its call runs fails the test at once (a
+    meta marker added there would otherwise leave a real-size model running for real on the CPU)."""
 
-    def refusing(marker: str | pytest.MarkDecorator, append: bool = True) -> None:
+    __slots__ = ("add_marker", "nodeid")
+
+    def __init__(self, item: pytest.Item) -> None:
+        self.add_marker = item.add_marker
+        self.nodeid = item.nodeid
+
+    def __call__(self, marker: str | pytest.MarkDecorator, append: bool = True) -> None:
         __tracebackhide__ = True
-        if _name(marker) == MARKER:
+        if _name(marker) == MARKER and _calling():
             pytest.fail(
-                f"{item.nodeid}: max_memory added inside the test function, after its call began: "
+                f"{self.nodeid}: max_memory added inside the test function, after its call began: "
                 f"it would be ignored; {_WHERE}",
                 pytrace=False,
             )
-        add_marker(marker, append)
+        self.add_marker(marker, append)
 
-    item.add_marker = refusing  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del item.add_marker
+
+def _calling() -> bool:
+    """Whether a test's call runs (pytest's own word for the phase, as the gpumem fixture reads it)."""
+    return os.environ.get("PYTEST_CURRENT_TEST", "").endswith(" (call)")
+
+
+def refuse_late_markers(item: pytest.Item) -> None:
+    """From the end of `item`'s setup on, a max_memory marker added to it while its call runs fails the test."""
+    if not isinstance(item.add_marker, _RefusingLateMarkers):  # a rerun's setup: refused already
+        item.add_marker = _RefusingLateMarkers(item)  # type: ignore[method-assign]
 
 
 def marked_meta(item: pytest.Item) -> bool:

@@ -12,7 +12,6 @@ import pytest
 
 from cuda_allocator_model import ModelError
 from pytest_gpumem.errors import GpuMemError
-from pytest_gpumem.results import Status
 from pytest_gpumem.run.late_markers import marked_meta
 from pytest_gpumem.run.regression import BaselineRun, partial_run, selection_flags, slack_hint
 from pytest_gpumem.run.xdist import worker_id
@@ -217,6 +216,8 @@ class GpuMemSession:
             reporter.write_line(f"gpumem: removing the baselines that no test used from {where}")
 
     def _finish_baselines(self, session: pytest.Session, exitstatus: int) -> None:
+        from pytest_gpumem.results import Status
+
         if exitstatus == pytest.ExitCode.INTERRUPTED:
             self.baseline_lines.append(f"run interrupted: {self.baselines.options.path} left as it was")
             return

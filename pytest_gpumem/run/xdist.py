@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_gpumem.results import REPORT_ATTRIBUTE, TestResult
-
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+    from pytest_gpumem.results import TestResult
 
 
 def worker_id(config: pytest.Config) -> str | None:
@@ -23,8 +23,16 @@ def worker_id(config: pytest.Config) -> str | None:
     return None if found is None else str(found)
 
 
+def distributes(config: pytest.Config) -> bool:
+    """Whether this process is the controller of an xdist run (`-n N`, `--dist` with `--tx`): the only one
+    whose reports carry the workers' results (pytest-xdist's own test for a distributed run)."""
+    if not config.pluginmanager.hasplugin("xdist") or worker_id(config) is not None:
+        return False
+    return config.getoption("dist", "no") != "no" and bool(config.getoption("tx", None))
+
+
 class XdistResults:
-    """Registered only when pytest-xdist is installed; collects the results that workers' reports carry."""
+    """Registered only on an xdist controller (`distributes`); collects the results that workers' reports carry."""
 
     def __init__(self, add: Callable[[TestResult], None]) -> None:
         self.add = add
@@ -32,6 +40,8 @@ class XdistResults:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when != "call" or getattr(report, "node", None) is None:  # local: serial run, or a worker
             return
+        from pytest_gpumem.results import REPORT_ATTRIBUTE, TestResult
+
         carried = getattr(report, REPORT_ATTRIBUTE, None)
         if isinstance(carried, str):
             self.add(TestResult.from_json(json.loads(carried)))

@@ -75,6 +75,7 @@ _INTEGRAL = frozenset(("bool", "uint8", "int8", "int16", "int32", "int64"))
 _INT32_MAX = 2**31 - 1
 _WARP = 32
 _FAKE_TENSOR = private_torch.fake_tensor_class()
+_TENSOR = torch.Tensor
 _is_wrapper_subclass = private_torch.wrapper_subclass_test()
 _SEMAPHORE = 4  # sizeof(int)
 _CUB_SINGLE_TILE_SCRATCH = 1  # what cub asks for a sort that fits one tile (and for an empty request)
@@ -575,8 +576,11 @@ def record(
         if name in cudnn.LABELS:
             ledger.note_bound(cudnn.bound(name, args, kwargs or {}))
             cudnn.lay_out_on_meta(name, args, kwargs or {}, out)
-    if sizes:
-        ledger.out, ledger.op = None, f"{kind} ({name})"
+    if not sizes:  # most calls: nothing held, only `during` run
+        if during is not None:
+            during()
+        return
+    ledger.out, ledger.op = None, f"{kind} ({name})"
     ledger.transient(sizes, during)
 
 
@@ -586,7 +590,9 @@ _SIZES_KEPT = 4096
 
 def _sizes(func: object, name: str, args: Sequence[Any], kwargs: dict[str, Any] | None, card: Card | None) -> list[int]:
     """`temporaries`, computed once for each op, card and layout of its arguments."""
-    key = (func, card, *map(_signature, args), *((k, _signature(v)) for k, v in (kwargs or {}).items()))
+    key = (func, card, *map(_signature, args))
+    if kwargs:
+        key += tuple((k, _signature(v)) for k, v in kwargs.items())
     try:
         return _SIZES[key]
     except KeyError:
@@ -601,8 +607,8 @@ def _sizes(func: object, name: str, args: Sequence[Any], kwargs: dict[str, Any] 
 
 def _signature(value: Any) -> Any:
     """What the temporaries depend on: a tensor's shape, strides, offset and dtype; other values as they are."""
-    if isinstance(value, torch.Tensor):
-        return (tuple(value.shape), value.stride(), value.storage_offset(), value.dtype)
+    if isinstance(value, _TENSOR):
+        return (value.shape, value.stride(), value.storage_offset(), value.dtype)  # a torch.Size is a tuple
     if isinstance(value, list):
         return tuple(map(_signature, value))
     return value

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from cuda_allocator_model import (
     CUBLAS_WORKSPACE_DEFAULT,
@@ -295,7 +295,8 @@ class StorageLedger:
             counted = self._malloc(key, requested)
         else:
             counted = requested if self.exact else self.round(requested)
-            self._check_capacity(counted)
+            if self._capacity is not None:
+                self._check_capacity(counted)
         ref = _StorageRef(storage, self._on_free)
         ref.key, ref.requested, ref.counted, ref.base, ref.origin = key, requested, counted, base, None
         self.live[key] = ref
@@ -316,8 +317,7 @@ class StorageLedger:
         if self.requested > self.peak_requested:
             self.peak_requested = self.requested
 
-    def _freed(self, ref: weakref.ref[Any]) -> None:
-        assert isinstance(ref, _StorageRef)
+    def _freed(self, ref: _StorageRef) -> None:
         # A storage key is reused once freed: only the reference that is still recorded counts.
         if self.live.get(ref.key) is ref:
             del self.live[ref.key]

@@ -160,10 +160,11 @@ _FAKE_TENSOR = private_torch.fake_tensor_class()
 _is_wrapper_subclass = private_torch.wrapper_subclass_test()
 _PLANS: dict[Any, tuple[int, Any]] = {}  # each op overload's plan, decided on its first call
 # ops whose outputs are nothing (_PASS) or one fresh tensor (_SINGLE): (counts its output, the op's kernel,
-# when the fast path may not take it: _ON_GPU, _IN_BACKWARD or both, 0 for never)
+# when the fast path may not take it: _ON_GPU, _IN_BACKWARD, _WORKSPACE or a union, 0 for never)
 _FAST: dict[Any, tuple[bool, Callable[..., Any], int]] = {}
-_ON_GPU = 1  # a cuBLAS op or one with kernel temporaries: slow only where the ledger predicts a GPU
+_ON_GPU = 1  # an op with kernel temporaries: slow only where the ledger predicts a GPU
 _IN_BACKWARD = 2  # a candidate of `unmoded`: slow only while the autograd engine runs
+_WORKSPACE = 4  # a cuBLAS op: slow only while its handle has no workspace of the ledger's size
 _STRIDED = torch.strided
 
 
@@ -202,7 +203,9 @@ def _make_fast(func: Any, plan: tuple[int, Any]) -> None:
     kind, outputs, when = plan[0], plan, 0
     if kind == _TWIN:
         outputs, when = plan[1], _IN_BACKWARD | (_ON_GPU if modelled(func) else 0)
-    elif kind in (_BLAS, _TEMPS):
+    elif kind == _BLAS:
+        outputs, when = plan[1], _WORKSPACE | (_ON_GPU if modelled(func) else 0)
+    elif kind == _TEMPS:
         outputs, when = plan[1], _ON_GPU
     if outputs[0] in (_PASS, _SINGLE):
         _FAST[func] = (outputs[0] == _SINGLE, private_torch.op_kernel(func), when)
@@ -217,7 +220,11 @@ def _workspace_due(ledger: StorageLedger) -> object | None:
 
 def _slow(when: int, ledger: StorageLedger) -> bool:
     """Whether an op with these conditions (`_make_fast`) takes the slow path now."""
-    return bool(when & _ON_GPU and ledger.wants_temporaries) or bool(when & _IN_BACKWARD and _graph_task() != -1)
+    return (
+        bool(when & _ON_GPU and ledger.wants_temporaries)
+        or bool(when & _IN_BACKWARD and _graph_task() != -1)
+        or bool(when & _WORKSPACE and ledger.wants_workspaces and _workspace_due(ledger) is not None)
+    )
 
 
 class _StorageTrackingMode(DynamoWrapperOff, TorchDispatchMode):  # type: ignore[no-untyped-call]

@@ -140,11 +140,19 @@ def _runs() -> list[_Run]:
 def hooked(roots: Sequence[Any]) -> contextlib.AbstractContextManager[None]:
     """Within the block (one run of the autograd engine from `roots`, tensors or gradient edges), the
     nodes reachable from them tell this thread's `in_place_twin` where backward is."""
+    if _engine_replaced():
+        return _UNCHANGED
+    try:
+        graph = _graph(roots)
+    except (RuntimeError, TypeError, AttributeError):
+        return _UNCHANGED
+    _, _, joined, twins = graph
+    if not joined and not twins:  # nothing in this graph runs differently without a mode
+        # a run this one is nested in (a backward inside its hooks) must not judge this one's ops
+        return _Hooked(_UNHOOKED, []) if getattr(_LOCAL, "runs", None) else _UNCHANGED
     run = _Run()
-    handles = None if _engine_replaced() else _hook_graph(roots, run)
-    if handles is None:
-        return contextlib.nullcontext()
-    return _Hooked(run if handles else _UNHOOKED, handles)
+    handles = _hook_graph(graph, run)
+    return _UNCHANGED if handles is None else _Hooked(run, handles)
 
 
 class _Hooked:
@@ -171,9 +179,11 @@ class _Hooked:
 _UNHOOKED = _Run()
 """The run of a graph where nothing runs differently without a mode: no hook moves it from its start
 (no node, nothing produced), so one serves every such run on every thread."""
+_UNCHANGED = contextlib.nullcontext()
+"""A run that needs no hooks and hides no other run (or whose graph refused a hook)."""
 
 
-def _hook_graph(roots: Sequence[Any], run: _Run) -> list[Any] | None:
+def _hook_graph(graph: _Graph, run: _Run) -> list[Any] | None:
     """The handles of the hooks put on the graph, or None where a node refuses one (none is left).
 
     Post-hooks on the nodes whose outputs meet another gradient in a buffer and on those of `_TWINS`;
@@ -181,7 +191,7 @@ def _hook_graph(roots: Sequence[Any], run: _Run) -> list[Any] | None:
     of them starts). `AccumulateGrad` nodes, which outlive a backward, get none."""
     handles: list[Any] = []
     try:
-        _add_hooks(_graph(roots), run, handles)
+        _add_hooks(graph, run, handles)
     except (RuntimeError, TypeError, AttributeError):
         for handle in handles:
             handle.remove()
@@ -190,9 +200,7 @@ def _hook_graph(roots: Sequence[Any], run: _Run) -> list[Any] | None:
 
 
 def _add_hooks(graph: _Graph, run: _Run, handles: list[Any]) -> None:
-    nodes, feeds, joined = graph
-    if not joined and not any(_is_twin_node(node) for node, _ in nodes.values()):
-        return  # nothing in this graph runs differently without a mode
+    nodes, feeds, joined, _ = graph
     starting: dict[int, Any] = {}
     for node, edges in nodes.values():
         consumers = [edge for edge in edges if edge[0] is not None]
@@ -209,7 +217,7 @@ def _add_hooks(graph: _Graph, run: _Run, handles: list[Any]) -> None:
 
 
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
-_Graph = tuple[dict[int, tuple[Any, Any]], dict[tuple[int, int], int], bool]
+_Graph = tuple[dict[int, tuple[Any, Any]], dict[tuple[int, int], int], bool, bool]
 _TWIN_TYPES: dict[type, bool] = {}  # each node class: whether it is one of `_TWINS` (its name is its class's)
 
 
@@ -224,31 +232,37 @@ def _is_twin_node(node: Any) -> bool:
 def _graph(roots: Sequence[Any]) -> _Graph:
     """The graph's nodes reachable from `roots`, each once, with the edges (consumer, input) they send
     gradients along (`next_functions`), by the id of the node (held, so the id stays its own); how many
-    edges end in each buffer slot (consumer's id, input); and whether any slot takes more than one. The
-    slots are counted only where some node is reached twice (a tree's nodes are reached once each)."""
+    edges end in each buffer slot (consumer's id, input); whether any slot takes more than one; and whether
+    any node is one of `_TWINS`. The slots are counted only where some node is reached twice (a tree's
+    nodes are reached once each)."""
     nodes: dict[int, tuple[Any, Any]] = {}
-    twice = False
+    twice = twins = False
+    known = _TWIN_TYPES
     roots = roots if isinstance(roots, (list, tuple)) else (roots,)
     pending = [node for node in map(_root_node, roots) if node is not None]
     while pending:
         node = pending.pop()
-        if id(node) in nodes:
+        key = id(node)
+        if key in nodes:
             twice = True
             continue
         edges = node.next_functions
-        nodes[id(node)] = (node, edges)
+        nodes[key] = (node, edges)
+        if not twins:
+            found = known.get(type(node))
+            twins = _is_twin_node(node) if found is None else found
         for consumer, _ in edges:
             if consumer is not None:
                 pending.append(consumer)
     feeds: dict[tuple[int, int], int] = {}
     if not twice:
-        return nodes, feeds, False
+        return nodes, feeds, False, twins
     for _, edges in nodes.values():
         for consumer, slot in edges:
             if consumer is not None:
                 edge = (id(consumer), slot)
                 feeds[edge] = feeds.get(edge, 0) + 1
-    return nodes, feeds, any(count > 1 for count in feeds.values())
+    return nodes, feeds, any(count > 1 for count in feeds.values()), twins
 
 
 def _root_node(root: Any) -> Any:
