@@ -280,7 +280,7 @@ class TrackerBackend(Backend):
         if self.paths == "cpu":
             attention = ", math attention (S x S weights)" if meta else ""
             return f"; the CPU's code paths: single-tensor optimizers{attention} (--gpumem-paths=gpu for a GPU's)"
-        attention = ", fused attention (flash, efficient)" if meta else ""
+        attention = ", fused attention" if meta else ""
         return (
             f"; a GPU's code paths: foreach optimizers{attention}, CUDA's autocast (--gpumem-paths=cpu for the CPU's)"
         )
