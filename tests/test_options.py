@@ -227,7 +227,7 @@ IDLE = {
     "sizes",
     "values",
 }
-IDLE |= {"run.regression", "run.session", "run.xdist", "results.checks"}
+IDLE |= {"run.regression", "run.session", "run.xdist", "results.checks", "results.codec"}
 IDLE |= {"report", "report.writers"}  # the writers' table: a report must not overwrite the baselines
 IDLE |= {"run.late_markers"}  # a max_memory marker added too late fails its test, also in a run that measures nothing
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
+from cuda_allocator_model import MAX_BYTES
 from pytest_gpumem.errors import GpuMemError, first_line
 from pytest_gpumem.results.checks import (
     OffShape,
@@ -19,10 +20,10 @@ from pytest_gpumem.results.checks import (
     member,
     refuse,
     short,
-    signed,
     text,
     texts,
 )
+from pytest_gpumem.results.codec import BYTES, SIGNED, Spec, encode, read
 
 if TYPE_CHECKING:  # imported where a result is read back (start-up needs neither)
     from pytest_gpumem.results.advice import Advice
@@ -109,6 +110,9 @@ def first_of(statuses: Iterable[Status]) -> Status:
     return min(statuses, key=PRECEDENCE.index, default=Status.OK)
 
 
+_NAMED = Spec(outside=True, absent=lambda: "call")
+
+
 @dataclass(frozen=True)
 class PhaseResult:
     """Bytes of one phase, as the backend counts them, above what was allocated when it began.
@@ -120,13 +124,14 @@ class PhaseResult:
     `count`: how many times the phase was entered (peaks are the maximum over entries).
     """
 
-    name: str
-    peak_bytes: int
-    requested_peak_bytes: int
-    reserved_peak_bytes: int | None
-    net_bytes: int
-    count: int = 1
-    rank: int | None = None  # the distributed rank these figures are from (the worst one for a maximum)
+    name: Annotated[str, _NAMED]  # the key the figures sit under: read back, "call" until its reader names it
+    peak_bytes: Annotated[int, BYTES]
+    requested_peak_bytes: Annotated[int, BYTES]
+    reserved_peak_bytes: Annotated[int | None, BYTES]
+    net_bytes: Annotated[int, SIGNED]
+    count: Annotated[int, Spec(expected="a count of entries (1 or more)", low=1, high=MAX_BYTES)] = 1
+    # the distributed rank these figures are from (the worst one for a maximum)
+    rank: Annotated[int | None, Spec(expected="a rank (0 or more)", low=0, high=MAX_BYTES, omit=None)] = None
 
     def merged(self, later: PhaseResult) -> PhaseResult:
         reserved = [r for r in (self.reserved_peak_bytes, later.reserved_peak_bytes) if r is not None]
@@ -143,29 +148,13 @@ class PhaseResult:
     @classmethod
     def from_json(cls, name: str, data: object, where: str) -> PhaseResult:
         """The figures `to_json` wrote for phase `name`; `OffShape` names the first that is not a count."""
-        d = fields(data, where, _PHASE_KEYS, ("rank",))
-        reserved = d["reserved_peak_bytes"]
-        rank = d.get("rank")
-        return cls(
-            name=name,
-            peak_bytes=count(d["peak_bytes"], f"{where}.peak_bytes"),
-            requested_peak_bytes=count(d["requested_peak_bytes"], f"{where}.requested_peak_bytes"),
-            reserved_peak_bytes=None if reserved is None else count(reserved, f"{where}.reserved_peak_bytes"),
-            net_bytes=signed(d["net_bytes"], f"{where}.net_bytes"),
-            count=count(d["count"], f"{where}.count", 1, "a count of entries (1 or more)"),
-            rank=None if rank is None else count(rank, f"{where}.rank", what="a rank (0 or more)"),
-        )
+        phase: PhaseResult = read(cls, data, where)
+        return replace(phase, name=name)
 
     def to_json(self) -> dict[str, Any]:
         """The phase's figures as the report writes them (its name is the key they sit under)."""
-        data = asdict(self)
-        del data["name"]
-        if self.rank is None:
-            del data["rank"]
-        return data
-
-
-_PHASE_KEYS = ("peak_bytes", "requested_peak_bytes", "reserved_peak_bytes", "net_bytes", "count")
+        written: dict[str, Any] = encode(self)
+        return written
 
 
 class Phases(dict[str, "PhaseResult"]):
