@@ -15,7 +15,8 @@ whose JSON keys come in another order than its fields names that order in `__jso
 reader leaves a key it does not know to the round trip of what holds it, takes an absent key as its
 field's default and says a missing one where it reaches it (as its hand-written reader did) sets
 `__json_open__`; one that writes a property as a key of its JSON names it in `__json_derived__` (read as
-anything: the round trip refuses a value the property would not give). `read` is a
+anything: the round trip refuses a value the property would not give); one whose annotations name types it
+imports only when it is read gives them in `__json_names__()`. `read` is a
 decode without the round trip (for a part of a value checked whole), `validate` checks a value built in
 Python as its JSON would be read (for a `__post_init__`).
 """
@@ -181,7 +182,8 @@ def _plan(cls: type) -> _Plan:
     plan = _PLANS.get(cls)
     if plan is None:
         plan = _PLANS[cls] = _Plan()  # filled in below; a class that holds itself finds it
-        hints = get_type_hints(cls, include_extras=True)
+        late = getattr(cls, "__json_names__", None)  # the types its annotations name, imported late
+        hints = get_type_hints(cls, localns=None if late is None else late(), include_extras=True)
         plan.open = cls.__dict__.get("__json_open__", False)
         specs = {f.name: _unwrap(hints[f.name], Spec())[1] for f in dataclasses.fields(cls) if f.init}
         plan.outside = tuple((name, s.absent or str) for name, s in specs.items() if s.outside)
