@@ -162,6 +162,7 @@ def _listed(value: object) -> object:
 
 
 def _read_phases(value: Any, where: str | None, wording: Wording) -> dict[str, PhaseResult]:
+    """Phases by name, each named by the key it sits under (`PHASES`, a field's spec)."""
     if not isinstance(value, dict):
         raise wording.refuse(where, "an object", value)
     phases = {}
@@ -173,7 +174,7 @@ def _read_phases(value: Any, where: str | None, wording: Wording) -> dict[str, P
     return phases
 
 
-_PHASES = Spec(via=(_read_phases, lambda phases: {name: phase.to_json() for name, phase in phases.items()}))
+PHASES = Spec(via=(_read_phases, lambda phases: {name: phase.to_json() for name, phase in phases.items()}))
 
 
 def _read_simulated(value: Any, where: str | None, wording: Wording) -> list[dict[str, int]]:
@@ -274,7 +275,7 @@ class TestResult:
     backend: Annotated[str, Spec(expected="a backend's name")]
     device: Annotated[str, Spec(expected="a device's name")]
     call: Annotated[PhaseResult | None, _OBJECT]
-    phases: Annotated[Mapping[str, PhaseResult], _PHASES] = field(default_factory=dict)  # read-only once made
+    phases: Annotated[Mapping[str, PhaseResult], PHASES] = field(default_factory=dict)  # read-only once made
     budget_limits: Annotated[dict[str, Any] | None, Spec(key="budget", expected="an object")] = None
     budget_text: str | None = None
     status: Annotated[Status, _STATUS] = Status.OK
