@@ -131,12 +131,6 @@ class PhaseResult:
             rank=later.rank if later.peak_bytes > self.peak_bytes else self.rank,
         )
 
-    @classmethod
-    def from_json(cls, name: str, data: object, where: str) -> PhaseResult:
-        """The figures `to_json` wrote for phase `name`; `OffShape` names the first that is not a count."""
-        phase: PhaseResult = read(cls, data, where)
-        return replace(phase, name=name)
-
     def to_json(self) -> dict[str, Any]:
         """The phase's figures as the report writes them (its name is the key they sit under)."""
         written: dict[str, Any] = encode(self)
@@ -175,6 +169,8 @@ def _read_phases(value: Any, where: str | None, wording: Wording) -> dict[str, P
 
 
 PHASES = Spec(via=(_read_phases, lambda phases: {name: phase.to_json() for name, phase in phases.items()}))
+"""A field of phases by name (a result's, a rank's): each written by its `to_json`, which a hook's value of
+another type is told it lacks."""
 
 
 def _read_simulated(value: Any, where: str | None, wording: Wording) -> list[dict[str, int]]:
