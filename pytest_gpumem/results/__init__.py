@@ -207,6 +207,12 @@ def _whole(read_whole: Callable[[Any, str], Any], key: str | None = None) -> Spe
     return Spec(key=key, via=(read_it, _json_of))
 
 
+def _verdict(value: Any, where: str) -> Verdict:
+    from pytest_gpumem.results.baseline import Verdict
+
+    return Verdict.from_json(value, where)
+
+
 def _entry(value: Any, where: str) -> Entry:
     from pytest_gpumem.results.baseline import Entry
 
@@ -278,7 +284,7 @@ class TestResult:
     message: str | None = None
     detail: Sequence[str] = ()  # what the one-line message left to the report section (a tuple once made)
     info: dict[str, Any] = field(default_factory=dict)  # the test's own, in JSON types
-    verdict: Annotated[Verdict | None, Spec(key="baseline", expected="an object")] = None
+    verdict: Annotated[Verdict | None, _whole(_verdict, "baseline")] = None
     baseline_entry: Annotated[Entry | None, _whole(_entry, "record")] = None
     notes: Sequence[str] = ()
     worker_device: str | None = None  # under --gpumem-devices: which of the caller's devices a worker used
