@@ -318,6 +318,7 @@ def test_a_hook_changes_a_copy_and_the_result_it_leaves_replaces_the_original() 
         simulated=[{"rank": 1}],
     )
     draft = ResultDraft.of(original)
+    assert json.dumps(draft.to_json()) == json.dumps(original.to_json())  # the hook sees the report's entry
     draft.status = "LEAKED"  # type: ignore[misc, assignment]  # a word, as hooks set it
     draft.info["tags"].append("b")
     assert draft.budget_limits is not None
