@@ -4,8 +4,8 @@
 where)` builds one from JSON and nothing else: a missing or unknown key, a value of another type or
 outside its field's range is one `OffShape` naming its JSON path (`tests[3].call.peak_bytes must be an
 integer of bytes, got '12'`), and every value decoded is encoded again and compared with what was read
-(the round trip). Types: ints, floats, strs, bools, `X | None`, `tuple[X, ...]` (`Sequence[X]` is read as
-one) and fixed tuples, lists, `Mapping[str, X]`, enums (by value), `Any` (any JSON, taken as is) and nested dataclasses.
+(the round trip). Types: ints, floats, strs, bools, `X | None`, `tuple[X, ...]` (`Sequence[X]` too) and
+fixed tuples, lists, `Mapping[str, X]`, enums (by value), `Any` (any JSON, taken as is) and nested dataclasses.
 
 A field says more of itself with `Annotated[T, Spec(...)]`: its JSON `key`, the words of what it must be
 (`expected`), a range (`low`, `high`), a `check` of the value, the one value `omit`ted from the JSON (and
@@ -14,11 +14,10 @@ filled in where absent), a reader and writer of its own (`via`). The words of th
 whose JSON keys come in another order than its fields names that order in `__json_keys__`; one whose
 reader leaves a key it does not know to the round trip of what holds it, takes an absent key as its
 field's default and says a missing one where it reaches it (as its hand-written reader did) sets
-`__json_open__`; one that writes a property as a key of its JSON names it in `__json_derived__` (read as
-anything: the round trip refuses a value the property would not give); one whose annotations name types it
-imports only when it is read gives them in `__json_names__()`. `read` is a
-decode without the round trip (for a part of a value checked whole), `validate` checks a value built in
-Python as its JSON would be read (for a `__post_init__`).
+`__json_open__`; one that writes a property as a key names it in `__json_derived__` (read as anything, the
+round trip refuses a value the property would not give); the types its annotations name that it imports late
+are given by `__json_names__()`. `read` is a decode without the round trip (for a part of a value checked
+whole), `validate` checks a value built in Python as its JSON would be read (for a `__post_init__`).
 """
 
 from __future__ import annotations
@@ -185,9 +184,9 @@ def _plan(cls: type) -> _Plan:
         late = getattr(cls, "__json_names__", None)  # the types its annotations name, imported late
         hints = get_type_hints(cls, localns=None if late is None else late(), include_extras=True)
         plan.open = cls.__dict__.get("__json_open__", False)
-        specs = {f.name: _unwrap(hints[f.name], Spec())[1] for f in dataclasses.fields(cls) if f.init}
-        plan.outside = tuple((name, s.absent or str) for name, s in specs.items() if s.outside)
-        made = [_field(f, hints[f.name], plan.open) for f in dataclasses.fields(cls) if _inside(specs, f.name)]
+        fields = [(f, _unwrap(hints[f.name], Spec())[1]) for f in dataclasses.fields(cls) if f.init]
+        plan.outside = tuple((f.name, spec.absent or str) for f, spec in fields if spec.outside)
+        made = [_field(f, hints[f.name], plan.open) for f, spec in fields if not spec.outside]
         plan.derived = cls.__dict__.get("__json_derived__", ())
         made += [_Field(name, name, _as_is, None, KEEP, None, (), "") for name in plan.derived]
         order = cls.__dict__.get("__json_keys__")  # the keys' order where it is not the fields'
@@ -199,10 +198,6 @@ def _plan(cls: type) -> _Plan:
         everything = all(f.init for f in dataclasses.fields(cls))
         plan.bare = everything and not plan.checks and "__slots__" not in cls.__dict__
     return plan
-
-
-def _inside(specs: dict[str, Spec], name: str) -> bool:
-    return name in specs and not specs[name].outside
 
 
 def _field(f: dataclasses.Field[Any], tp: Any, open_: bool) -> _Field:
