@@ -1,5 +1,6 @@
 """The JSON codec's speed: a baseline file of 2,000 entries read (`baselines.schema.loads`) and written
-(`dumps`), an explanation of 20 phases and 400 points read (`Explanation.from_json`) and written, here
+(`dumps`), an explanation of 20 phases and 400 points read (`Explanation.from_json`) and written, a
+`--gpumem-json` report of 2,000 results read (`read_report`), here
 and, with `--against DIR`, in another checkout of the package (its `pytest_gpumem` and
 `cuda_allocator_model`, e.g. `git archive 8981745 pytest_gpumem cuda_allocator_model | tar -x -C DIR`).
 
@@ -28,7 +29,9 @@ from typing import Any
 ENTRIES = 2_000
 PHASES = 20
 POINTS = 400
-CASES = ("baseline loads", "baseline dumps", "explanation read", "explanation write")  # the latter two x10
+RESULTS = 2_000
+CASES = ("baseline loads", "baseline dumps", "explanation read", "explanation write", "report read")
+# the explanation's two x10
 
 
 # ---------------------------------------------------------------------------------------- the inputs
@@ -116,6 +119,49 @@ def explanation_json() -> str:
     return json.dumps(explanation.to_json())
 
 
+def report_json() -> str:
+    """A report of 2,000 results: each with its call and 2 phases (one a rank's), a budget, notes and
+    detail; every other one compared with its baseline (2 peaks) and recorded, every tenth simulated."""
+    from pytest_gpumem.results import PhaseResult, Status, TestResult
+    from pytest_gpumem.results.baseline import BaselineStatus, DeviceIdentity, Entry, PhaseComparison, Verdict
+
+    card = DeviceIdentity("tracker", "cpu")
+    tests = []
+    for i in range(RESULTS):
+        nodeid = f"tests/test_models.py::test_step[case{i:04d}]"
+        call = PhaseResult("call", 3_000_000 + i, 2_990_000 + i, 4_194_304, 512)
+        phases = {
+            "forward": PhaseResult("forward", 1_000_000 + i, 999_000 + i, None, 4096, count=2),
+            "backward@rank1": PhaseResult("backward@rank1", 2_000_000 + i, 1_999_000, None, -4096, rank=1),
+        }
+        verdict = entry = None
+        if i % 2 == 0:
+            compared = (
+                PhaseComparison(None, 3_000_000, 3_000_000 + i, 3_150_000, i / 30_000, BaselineStatus.OK),
+                PhaseComparison("forward", 1_000_000, 1_000_000 + i, 1_050_000, i / 10_000, BaselineStatus.OK),
+            )
+            verdict = Verdict(nodeid, BaselineStatus.OK, compared, (), ("a note",))
+            entry = Entry(card, 3_000_000 + i, {"forward": 1_000_000 + i}, "2.13.0", None)
+        result = TestResult(
+            nodeid,
+            "tracker",
+            "cpu",
+            call,
+            phases,
+            budget_limits={"call": 4_000_000, "forward": None},
+            budget_text="4 MB",
+            status=Status.OK,
+            detail=("line one", "line two"),
+            info={"batch": i, "tags": ["a", "b"]},
+            verdict=verdict,
+            baseline_entry=entry,
+            notes=("tracker: counted",),
+            simulated=({"world_size": 8, "rank": i % 8},) if i % 10 == 0 else (),
+        )
+        tests.append(result.to_json())
+    return json.dumps({"version": 1, "backend": "tracker", "device": "cpu", "commit": None, "tests": tests})
+
+
 # ---------------------------------------------------------------------------------------- a worker
 
 
@@ -123,6 +169,7 @@ def worker(folder: Path) -> None:
     """Answer each case named on stdin with the seconds one call of it took (the inputs under `folder`)."""
     from pytest_gpumem.baselines.schema import dumps, loads
     from pytest_gpumem.results.explanation import Explanation
+    from pytest_gpumem.results.report_file import read_report
 
     text = (folder / "baselines.json").read_text(encoding="utf-8")
     data = json.loads((folder / "explanation.json").read_text(encoding="utf-8"))
@@ -132,7 +179,9 @@ def worker(folder: Path) -> None:
         "baseline dumps": lambda: dumps(store),
         "explanation read": lambda: [Explanation.from_json(data) for _ in range(10)],
         "explanation write": lambda: [explanation.to_json() for _ in range(10)],
+        "report read": lambda: read_report(folder / "report.json"),
     }
+    assert len(read_report(folder / "report.json").tests) == RESULTS, "the report does not read here"
     assert dumps(store) == text and explanation.to_json() == data, "the inputs do not round-trip here"
     for line in sys.stdin:
         call = calls[line.strip()]
@@ -182,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(tmp)
         (folder / "baselines.json").write_text(baseline_text(), encoding="utf-8")
         (folder / "explanation.json").write_text(explanation_json(), encoding="utf-8")
+        (folder / "report.json").write_text(report_json(), encoding="utf-8")
         sides = {"here": Side(folder, None)}
         if args.against is not None:
             sides["against"] = Side(folder, args.against.resolve())

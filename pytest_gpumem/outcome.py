@@ -27,6 +27,7 @@ from pytest_gpumem.reasons import (
     Unmeasurable,
 )
 from pytest_gpumem.results import Status, TestResult, first_of
+from pytest_gpumem.results.codec import encode
 
 if TYPE_CHECKING:
     from pytest_gpumem.budget import Budget, Limit
@@ -201,7 +202,7 @@ def _plain_info(info: object) -> dict[str, Any]:
 _HELD_OTHERWISE: dict[str, Callable[[Any], object]] = {
     "info": _plain_info,
     "fits": lambda fits: [fit.describe() for fit in fits],
-    "simulated": lambda ranks: [rank.to_json() for rank in ranks],
+    "simulated": lambda ranks: [encode(rank) for rank in ranks],
 }
 """The record's fields that a result holds in another form; every other field both have, it holds as the
 record does (a new one takes no line here)."""

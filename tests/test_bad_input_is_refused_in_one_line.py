@@ -229,6 +229,7 @@ BAD_REPORTS = [
     ("newline", report_text({**TEST, "nodeid": "t::a\nb"}), "tests[0].nodeid must be printable text"),
     ("duplicate key", report_text(TEST).replace('"version": 1', '"version": 1, "version": 1'), 'duplicate key "ver'),
     ("NaN", report_text(TEST).replace('"peak_bytes": 50', '"peak_bytes": NaN'), "NaN is not a valid JSON number"),
+    ("1e999", report_text({**TEST, "info": {"x": "inf"}}).replace('"inf"', "1e999"), "'1e999' is out of range of a"),
     ("nesting", '{"tests": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
     ("5000 digits", report_text(TEST).replace("100", "9" * 5000), "cannot read a gpumem report: Exceeds the limit"),
     ("twice", report_text(TEST, entry(peak=1)), 'tests[1]: "t::a" appears twice with different figures'),

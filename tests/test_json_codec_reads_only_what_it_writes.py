@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import pytest
 
@@ -255,3 +255,43 @@ def test_keys_an_earlier_explanation_did_not_write_are_read_so_that_a_wrong_valu
     assert str(refused.value) == "explanation.nodeid must be a string, got 5"
     with pytest.raises(OffShape, match=r"^explanation is not as pytest-gpumem writes it, got \{'nodeid'"):
         Explanation.from_json(earlier)
+
+
+def _total(row: Row) -> int:
+    return sum(row.sizes)
+
+
+if TYPE_CHECKING:
+    Late = Phase
+
+
+def _late() -> dict[str, Any]:
+    return {"Late": Phase}  # a type the annotations name that the module imports only when it reads
+
+
+@dataclass(frozen=True)
+class Row:
+    __json_keys__ = ("label", "total", "sizes", "phase")
+    __json_derived__ = ("total",)
+    __json_names__ = staticmethod(_late)
+
+    label: Annotated[str, Spec(outside=True, absent=lambda: "unread")]
+    sizes: Sequence[int]
+    phase: Late | None = None
+
+    @property
+    def total(self) -> int:
+        return _total(self)
+
+
+def test_a_field_outside_the_json_is_not_written_and_a_derived_key_is_read_by_the_round_trip() -> None:
+    written = encode(Row("kept by its reader", [3, 4], Phase(8, -4)))
+    assert written == {"total": 7, "sizes": [3, 4], "phase": {"peak_bytes": 8, "net_bytes": -4}}
+    assert list(written) == ["total", "sizes", "phase"]
+    assert decode(Row, written, "row") == Row("unread", (3, 4), Phase(8, -4))  # a sequence read as a tuple
+    with pytest.raises(OffShape) as refused:
+        decode(Row, {**written, "total": 8}, "row")
+    assert str(refused.value) == "row.total is not as pytest-gpumem writes it, got 8"
+    with pytest.raises(OffShape) as refused:
+        decode(Row, {"sizes": [3]}, "row")
+    assert str(refused.value) == 'row has no "total"'

@@ -318,6 +318,7 @@ def test_a_hook_changes_a_copy_and_the_result_it_leaves_replaces_the_original() 
         simulated=[{"rank": 1}],
     )
     draft = ResultDraft.of(original)
+    assert json.dumps(draft.to_json()) == json.dumps(original.to_json())  # the hook sees the report's entry
     draft.status = "LEAKED"  # type: ignore[misc, assignment]  # a word, as hooks set it
     draft.info["tags"].append("b")
     assert draft.budget_limits is not None
@@ -371,3 +372,12 @@ def test_a_hooks_phases_of_the_wrong_type_are_named_as_the_hook_left_them() -> N
 
     with pytest.raises(AttributeError, match="'list' object has no attribute 'items'"):
         TestResult("t.py::test_a", "tracker", "cpu", None, []).to_json()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["verdict", "baseline_entry", "explanation", "advice"])
+def test_a_hooks_dict_where_a_value_goes_is_named_as_lacking_its_writer(name: str) -> None:
+    from pytest_gpumem import TestResult
+
+    odd: dict[str, Any] = {name: {"a": 1}}
+    with pytest.raises(AttributeError, match=r"^'dict' object has no attribute 'to_json'$"):
+        TestResult("t.py::test_a", "tracker", "cpu", None, **odd).to_json()

@@ -25,9 +25,6 @@ class SimulatedRank:
     world_size: int
     rank: int
 
-    def to_json(self) -> dict[str, int]:
-        return {"world_size": self.world_size, "rank": self.rank}
-
 
 @dataclass(frozen=True)
 class CallRecord:

@@ -3,33 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
+from cuda_allocator_model import MAX_BYTES
 from pytest_gpumem.errors import GpuMemError, first_line
-from pytest_gpumem.results.checks import (
-    OffShape,
-    count,
-    fields,
-    first_difference,
-    listed,
-    member,
-    refuse,
-    short,
-    signed,
-    text,
-    texts,
-)
+from pytest_gpumem.results.checks import OffShape, Unplaced, refuse
+from pytest_gpumem.results.codec import BYTES, SIGNED, Spec, Wording, decode, encode, read
 
 if TYPE_CHECKING:  # imported where a result is read back (start-up needs neither)
     from pytest_gpumem.results.advice import Advice
     from pytest_gpumem.results.baseline import Entry, Verdict
     from pytest_gpumem.results.explanation import Explanation
-
-T = TypeVar("T")
 
 REPORT_ATTRIBUTE = "gpumem_result"  # the test report's attribute that carries its result (JSON text) to xdist
 RANK_SEPARATOR = "@rank"  # a distributed test's per-rank phases are named `phase@rankN`
@@ -109,6 +96,9 @@ def first_of(statuses: Iterable[Status]) -> Status:
     return min(statuses, key=PRECEDENCE.index, default=Status.OK)
 
 
+_NAMED = Spec(outside=True, absent=lambda: "call")
+
+
 @dataclass(frozen=True)
 class PhaseResult:
     """Bytes of one phase, as the backend counts them, above what was allocated when it began.
@@ -120,13 +110,14 @@ class PhaseResult:
     `count`: how many times the phase was entered (peaks are the maximum over entries).
     """
 
-    name: str
-    peak_bytes: int
-    requested_peak_bytes: int
-    reserved_peak_bytes: int | None
-    net_bytes: int
-    count: int = 1
-    rank: int | None = None  # the distributed rank these figures are from (the worst one for a maximum)
+    name: Annotated[str, _NAMED]  # the key the figures sit under: read back, "call" until its reader names it
+    peak_bytes: Annotated[int, BYTES]
+    requested_peak_bytes: Annotated[int, BYTES]
+    reserved_peak_bytes: Annotated[int | None, BYTES]
+    net_bytes: Annotated[int, SIGNED]
+    count: Annotated[int, Spec(expected="a count of entries (1 or more)", low=1, high=MAX_BYTES)] = 1
+    # the distributed rank these figures are from (the worst one for a maximum)
+    rank: Annotated[int | None, Spec(expected="a rank (0 or more)", low=0, high=MAX_BYTES, omit=None)] = None
 
     def merged(self, later: PhaseResult) -> PhaseResult:
         reserved = [r for r in (self.reserved_peak_bytes, later.reserved_peak_bytes) if r is not None]
@@ -140,32 +131,10 @@ class PhaseResult:
             rank=later.rank if later.peak_bytes > self.peak_bytes else self.rank,
         )
 
-    @classmethod
-    def from_json(cls, name: str, data: object, where: str) -> PhaseResult:
-        """The figures `to_json` wrote for phase `name`; `OffShape` names the first that is not a count."""
-        d = fields(data, where, _PHASE_KEYS, ("rank",))
-        reserved = d["reserved_peak_bytes"]
-        rank = d.get("rank")
-        return cls(
-            name=name,
-            peak_bytes=count(d["peak_bytes"], f"{where}.peak_bytes"),
-            requested_peak_bytes=count(d["requested_peak_bytes"], f"{where}.requested_peak_bytes"),
-            reserved_peak_bytes=None if reserved is None else count(reserved, f"{where}.reserved_peak_bytes"),
-            net_bytes=signed(d["net_bytes"], f"{where}.net_bytes"),
-            count=count(d["count"], f"{where}.count", 1, "a count of entries (1 or more)"),
-            rank=None if rank is None else count(rank, f"{where}.rank", what="a rank (0 or more)"),
-        )
-
     def to_json(self) -> dict[str, Any]:
         """The phase's figures as the report writes them (its name is the key they sit under)."""
-        data = asdict(self)
-        del data["name"]
-        if self.rank is None:
-            del data["rank"]
-        return data
-
-
-_PHASE_KEYS = ("peak_bytes", "requested_peak_bytes", "reserved_peak_bytes", "net_bytes", "count")
+        written: dict[str, Any] = encode(self)
+        return written
 
 
 class Phases(dict[str, "PhaseResult"]):
@@ -186,6 +155,101 @@ def _listed(value: object) -> object:
     return list(value) if isinstance(value, tuple) else value
 
 
+def _read_phases(value: Any, where: str | None, wording: Wording) -> dict[str, PhaseResult]:
+    """Phases by name, each named by the key it sits under (`PHASES`, a field's spec)."""
+    if not isinstance(value, dict):
+        raise wording.refuse(where, "an object", value)
+    phases = {}
+    for name, phase in value.items():
+        if not name:
+            raise Unplaced() if where is None else OffShape(f"{where} has a phase with no name")
+        figures: PhaseResult = read(PhaseResult, phase, None if where is None else wording.member(where, name), wording)
+        phases[name] = replace(figures, name=name)
+    return phases
+
+
+PHASES = Spec(via=(_read_phases, lambda phases: {name: phase.to_json() for name, phase in phases.items()}))
+"""A field of phases by name (a result's, a rank's): each written by its `to_json`, which a hook's value of
+another type is told it lacks."""
+
+
+def _read_simulated(value: Any, where: str | None, wording: Wording) -> list[dict[str, int]]:
+    """Each simulated world's figures (a key's path is `.key`, whatever the key, as it always was)."""
+    if not isinstance(value, list):
+        raise wording.refuse(where, "a list", value)
+    for i, world in enumerate(value):
+        at = None if where is None else f"{where}[{i}]"
+        if not isinstance(world, dict):
+            raise wording.refuse(at, "an object", world)
+        for key, n in world.items():
+            if type(n) is not int or not 0 <= n <= MAX_BYTES:
+                raise wording.refuse(None if at is None else f"{at}.{key}", "an integer", n)
+    return value
+
+
+def _whole(read_whole: Callable[[Any, str], Any], key: str | None = None) -> Spec:
+    """A value or null, the value read by a reader of its own, its round trip first (where the result's
+    reader reaches it, as it always was) and written by its `to_json`: whatever the reader raises for a
+    value not shaped as written is said at the value's path (`OffShape` names the path itself)."""
+
+    def read_it(value: Any, where: str | None, wording: Wording) -> Any:
+        if value is None:
+            return None
+        try:
+            return read_whole(value, where or "")
+        except OffShape:
+            if where is None:
+                raise Unplaced() from None
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            raise Unplaced() if where is None else OffShape(f"{where}: {first_line(exc)}") from None
+
+    return Spec(key=key, via=(read_it, _json_of))
+
+
+def _verdict(value: Any, where: str) -> Verdict:
+    from pytest_gpumem.results.baseline import Verdict
+
+    return Verdict.from_json(value, where)
+
+
+def _entry(value: Any, where: str) -> Entry:
+    from pytest_gpumem.results.baseline import Entry
+
+    return Entry.from_json(value)
+
+
+def _explanation(value: Any, where: str) -> Explanation:
+    from pytest_gpumem.results.explanation import Explanation
+
+    return Explanation.from_json(value, where)
+
+
+def _advice(value: Any, where: str) -> Advice:
+    from pytest_gpumem.results.advice import Advice
+
+    if not isinstance(value, dict):
+        raise refuse(where, "an object", value)
+    return Advice.from_json(value, where)
+
+
+def _json_of(value: Any) -> Any:
+    return None if value is None else value.to_json()
+
+
+_OBJECT = Spec(expected="an object")  # or null, said as a report always has
+_STATUS = Spec(expected="a status word as the report writes it ('ok', 'REGRESSED', ...)")
+
+
+def _late_names() -> dict[str, Any]:
+    """The types a result's annotations name that are imported only when a result is written or read."""
+    from pytest_gpumem.results.advice import Advice
+    from pytest_gpumem.results.baseline import Entry, Verdict
+    from pytest_gpumem.results.explanation import Explanation
+
+    return {"Advice": Advice, "Entry": Entry, "Verdict": Verdict, "Explanation": Explanation}
+
+
 @dataclass(frozen=True)
 class TestResult:
     """Everything measured for one test call, plus its budget and verdict: a value, never changed once
@@ -201,28 +265,36 @@ class TestResult:
     """
 
     __test__ = False  # not a test class, despite its name
+    __json_keys__ = (
+        *("nodeid", "backend", "device", "peak_bytes", "call", "phases", "budget", "budget_text", "status"),
+        *("message", "detail", "info", "baseline", "record", "notes", "worker_device", "explanation", "html"),
+        *("fits", "advice", "distributed", "simulated"),
+    )
+    __json_derived__ = ("peak_bytes",)
+    __json_names__ = staticmethod(_late_names)
 
-    nodeid: str
-    backend: str
-    device: str
-    call: PhaseResult | None
-    phases: Mapping[str, PhaseResult] = field(default_factory=dict)  # read-only once made
-    budget_limits: dict[str, Any] | None = None
+    nodeid: Annotated[str, Spec(expected="a node id", check=bool)]
+    backend: Annotated[str, Spec(expected="a backend's name")]
+    device: Annotated[str, Spec(expected="a device's name")]
+    call: Annotated[PhaseResult | None, _OBJECT]
+    phases: Annotated[Mapping[str, PhaseResult], PHASES] = field(default_factory=dict)  # read-only once made
+    budget_limits: Annotated[dict[str, Any] | None, Spec(key="budget", expected="an object")] = None
     budget_text: str | None = None
-    status: Status = Status.OK
+    status: Annotated[Status, _STATUS] = Status.OK
     message: str | None = None
     detail: Sequence[str] = ()  # what the one-line message left to the report section (a tuple once made)
     info: dict[str, Any] = field(default_factory=dict)  # the test's own, in JSON types
-    verdict: Verdict | None = None
-    baseline_entry: Entry | None = None
+    verdict: Annotated[Verdict | None, _whole(_verdict, "baseline")] = None
+    baseline_entry: Annotated[Entry | None, _whole(_entry, "record")] = None
     notes: Sequence[str] = ()
     worker_device: str | None = None  # under --gpumem-devices: which of the caller's devices a worker used
-    explanation: Explanation | None = None  # what made each peak (pytest_gpumem.explain.composition), when asked for
-    html_path: str | None = None  # the picture of an explained test (--gpumem-html)
+    # what made each peak (pytest_gpumem.explain.composition), when asked for
+    explanation: Annotated[Explanation | None, _whole(_explanation)] = None
+    html_path: Annotated[str | None, Spec(key="html")] = None  # the picture of an explained test (--gpumem-html)
     fits: Sequence[str] = ()
-    advice: Advice | None = None
+    advice: Annotated[Advice | None, _whole(_advice)] = None
     distributed: Sequence[dict[str, Any]] = ()
-    simulated: Sequence[dict[str, int]] = ()
+    simulated: Annotated[Sequence[dict[str, int]], Spec(via=(_read_simulated, _listed))] = ()
 
     def __post_init__(self) -> None:
         """The status as a `Status` (a word is one: what a hook may set), lists as tuples and the phases
@@ -240,140 +312,17 @@ class TestResult:
         return None if self.call is None else self.call.peak_bytes
 
     def to_json(self) -> dict[str, Any]:
-        """The test's entry in the `--gpumem-json` report."""
-        return {
-            "nodeid": self.nodeid,
-            "backend": self.backend,
-            "device": self.device,
-            "peak_bytes": self.peak_bytes,
-            "call": None if self.call is None else self.call.to_json(),
-            "phases": {name: phase.to_json() for name, phase in self.phases.items()},
-            "budget": self.budget_limits,
-            "budget_text": self.budget_text,
-            "status": self.status.value,
-            "message": self.message,
-            "detail": _listed(self.detail),
-            "info": self.info,
-            "baseline": None if self.verdict is None else self.verdict.to_json(),
-            "record": None if self.baseline_entry is None else self.baseline_entry.to_json(),
-            "notes": _listed(self.notes),
-            "worker_device": self.worker_device,
-            "explanation": None if self.explanation is None else self.explanation.to_json(),
-            "html": self.html_path,
-            "fits": _listed(self.fits),
-            "advice": None if self.advice is None else self.advice.to_json(),
-            "distributed": _listed(self.distributed),
-            "simulated": _listed(self.simulated),
-        }
+        """The test's entry in the `--gpumem-json` report (a value a hook left of another type as it is), the
+        same for the copy a hook is handed (a subclass)."""
+        written: dict[str, Any] = encode(self, TestResult)
+        return written
 
     @classmethod
     def from_json(cls, data: object, where: str = "result") -> TestResult:
         """The result a report's entry holds, as `to_json` writes it and nothing else: `OffShape` names the
         JSON path of the first value that is not (under `where`, the entry's own path)."""
-        from pytest_gpumem.results.advice import Advice
-        from pytest_gpumem.results.baseline import Entry, Verdict
-        from pytest_gpumem.results.explanation import Explanation
-
-        d = fields(data, where, _RESULT_KEYS)
-
-        def maybe(key: str, read: Callable[[Any, str], T]) -> T | None:
-            return None if d[key] is None else _nested(read, d[key], f"{where}.{key}")
-
-        call = None if d["call"] is None else PhaseResult.from_json("call", d["call"], f"{where}.call")
-        result = cls(
-            nodeid=text(d["nodeid"], f"{where}.nodeid", "a node id") or _empty(f"{where}.nodeid"),
-            backend=text(d["backend"], f"{where}.backend", "a backend's name"),
-            device=text(d["device"], f"{where}.device", "a device's name"),
-            call=call,
-            phases=_phases(d["phases"], f"{where}.phases"),
-            budget_limits=None if d["budget"] is None else _object(d["budget"], f"{where}.budget"),
-            budget_text=_text_or_none(d["budget_text"], f"{where}.budget_text"),
-            status=_status(d["status"], f"{where}.status"),
-            message=_text_or_none(d["message"], f"{where}.message"),
-            detail=texts(d["detail"], f"{where}.detail"),
-            info=_object(d["info"], f"{where}.info"),
-            verdict=maybe("baseline", lambda v, w: Verdict.from_json(v, w)),
-            baseline_entry=maybe("record", lambda v, _: Entry.from_json(v)),
-            notes=texts(d["notes"], f"{where}.notes"),
-            worker_device=_text_or_none(d["worker_device"], f"{where}.worker_device"),
-            explanation=maybe("explanation", lambda v, w: Explanation.from_json(v, w)),
-            html_path=_text_or_none(d["html"], f"{where}.html"),
-            fits=texts(d["fits"], f"{where}.fits"),
-            advice=maybe("advice", lambda v, w: Advice.from_json(_object(v, w), w)),
-            distributed=[
-                _object(w, f"{where}.distributed[{i}]")
-                for i, w in enumerate(listed(d["distributed"], f"{where}.distributed"))
-            ],
-            simulated=[
-                _simulated(s, f"{where}.simulated[{i}]")
-                for i, s in enumerate(listed(d["simulated"], f"{where}.simulated"))
-            ],
-        )
-        _same_as_written(d, result, where)
-        return result
+        return decode(cls, data, where)
 
 
-_SEQUENCES = tuple(f.name for f in dataclasses.fields(TestResult) if str(f.type).startswith("Sequence["))
+_SEQUENCES = tuple(f.name for f in dataclasses.fields(TestResult) if "Sequence[" in str(f.type).split(",")[0])
 """TestResult's fields declared as sequences: a list given for one is kept as a tuple."""
-
-
-_RESULT_KEYS = tuple(TestResult("", "", "", None).to_json())
-"""The keys of a report's entry: all of them, always."""
-
-
-def _nested(read: Callable[[Any, str], T], value: object, where: str) -> T:
-    """`read(value, where)`; whatever it raises for a value not shaped as written becomes `OffShape` at
-    `where` (a reader that names the path itself raises `OffShape` already)."""
-    try:
-        return read(value, where)
-    except OffShape:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
-        raise OffShape(f"{where}: {first_line(exc)}") from None
-
-
-def _same_as_written(read: dict[str, Any], result: TestResult, where: str) -> None:
-    """Refuse an entry that its result would write otherwise: a value cast on the way in ("12" for 12),
-    a `peak_bytes` that is not the call's, a default filled in."""
-    written = json.loads(json.dumps(result.to_json(), allow_nan=False))
-    found = first_difference(read, written, where)
-    if found is not None:
-        raise OffShape(f"{found[0]} is not as pytest-gpumem writes it, got {short(found[1])}")
-
-
-def _empty(where: str) -> str:
-    raise OffShape(f"{where} must be a node id, got ''")
-
-
-def _text_or_none(value: object, where: str) -> str | None:
-    return None if value is None else text(value, where, "a string or null")
-
-
-def _object(value: object, where: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise refuse(where, "an object", value)
-    return value
-
-
-def _status(value: object, where: str) -> Status:
-    if not isinstance(value, str) or value not in _STATUS_WORDS:
-        raise refuse(where, "a status word as the report writes it ('ok', 'REGRESSED', ...)", value)
-    return Status(value)
-
-
-_STATUS_WORDS = frozenset(status.value for status in Status)
-
-
-def _phases(value: object, where: str) -> dict[str, PhaseResult]:
-    phases = _object(value, where)
-    out: dict[str, PhaseResult] = {}
-    for name, phase in phases.items():
-        at = member(where, name)
-        if not name:
-            raise OffShape(f"{where} has a phase with no name")
-        out[name] = PhaseResult.from_json(name, phase, at)
-    return out
-
-
-def _simulated(value: object, where: str) -> dict[str, int]:
-    return {key: count(n, f"{where}.{key}", what="an integer") for key, n in _object(value, where).items()}

@@ -46,40 +46,10 @@ def refuse(where: str, expected: str, value: object) -> OffShape:
     return OffShape(f"{where} must be {expected}, got {short(value)}")
 
 
-def fields(obj: object, where: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, Any]:
-    """``obj`` as an object with every ``required`` key, perhaps ``optional`` ones, and no other."""
-    return exact_keys(obj, where, required, optional)
-
-
-def count(value: object, where: str, low: int = 0, what: str = "an integer of bytes") -> int:
-    """An integer ``low <= value <= MAX_BYTES`` (``what`` says what it counts); no bool, float or string."""
-    if type(value) is not int or not low <= value <= MAX_BYTES:
-        raise refuse(where, what, value)
-    return value
-
-
-def signed(value: object, where: str) -> int:
-    if not signed_bytes(value):
-        raise refuse(where, "an integer of bytes (negative where freed)", value)
-    assert isinstance(value, int)
-    return value
-
-
-def text(value: object, where: str, what: str = "a string") -> str:
-    if not isinstance(value, str):
-        raise refuse(where, what, value)
-    return value
-
-
 def listed(value: object, where: str) -> list[Any]:
     if not isinstance(value, list):
         raise refuse(where, "a list", value)
     return value
-
-
-def texts(value: object, where: str) -> list[str]:
-    """A list of strings, each checked (the bad one named by its index)."""
-    return [text(item, f"{where}[{i}]") for i, item in enumerate(listed(value, where))]
 
 
 def first_difference(

@@ -4,8 +4,8 @@
 where)` builds one from JSON and nothing else: a missing or unknown key, a value of another type or
 outside its field's range is one `OffShape` naming its JSON path (`tests[3].call.peak_bytes must be an
 integer of bytes, got '12'`), and every value decoded is encoded again and compared with what was read
-(the round trip). Types: ints, floats, strs, bools, `X | None`, `tuple[X, ...]` and fixed tuples, lists,
-`Mapping[str, X]`, enums (by value), `Any` (any JSON, taken as is) and nested dataclasses.
+(the round trip). Types: ints, floats, strs, bools, `X | None`, `tuple[X, ...]` (`Sequence[X]` too) and
+fixed tuples, lists, `Mapping[str, X]`, enums (by value), `Any` (any JSON, taken as is) and nested dataclasses.
 
 A field says more of itself with `Annotated[T, Spec(...)]`: its JSON `key`, the words of what it must be
 (`expected`), a range (`low`, `high`), a `check` of the value, the one value `omit`ted from the JSON (and
@@ -14,9 +14,10 @@ filled in where absent), a reader and writer of its own (`via`). The words of th
 whose JSON keys come in another order than its fields names that order in `__json_keys__`; one whose
 reader leaves a key it does not know to the round trip of what holds it, takes an absent key as its
 field's default and says a missing one where it reaches it (as its hand-written reader did) sets
-`__json_open__`. `read` is a
-decode without the round trip (for a part of a value checked whole), `validate` checks a value built in
-Python as its JSON would be read (for a `__post_init__`).
+`__json_open__`; one that writes a property as a key names it in `__json_derived__` (read as anything, the
+round trip refuses a value the property would not give); the types its annotations name that it imports late
+are given by `__json_names__()`. `read` is a decode without the round trip (for a part of a value checked
+whole), `validate` checks a value built in Python as its JSON would be read (for a `__post_init__`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import dataclasses
 import enum
 import threading
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Annotated, Any, NamedTuple, TypeVar, Union, get_args, get_origin, get_type_hints, overload
@@ -67,7 +68,8 @@ class Spec:
     wording's errors are `Unplaced`, and the wording; the writer gives back each scalar the reader was
     given, as the round trip's `==` needs), or what a key
     absent from an earlier version's JSON is read as (`absent`, a factory; the round trip still refuses
-    such a value at the end, but a wrong value beside it is named first)."""
+    such a value at the end, but a wrong value beside it is named first). A field `outside` the JSON (the
+    key its value sits under, which what reads it sets) is never written and read as `absent` gives it."""
 
     key: str | None = None
     expected: str | None = None
@@ -79,6 +81,7 @@ class Spec:
     names_expected: str = ""
     via: tuple[Reader, Writer] | None = None
     absent: Callable[[], Any] | None = None
+    outside: bool = False
 
 
 BYTES = Spec(expected="an integer of bytes", low=0, high=MAX_BYTES)
@@ -164,6 +167,8 @@ class _Plan:
     required: frozenset[str] = frozenset()
     checks: bool = False  # the class has a `__post_init__`, which may `validate` it
     open: bool = False  # `__json_open__`
+    outside: tuple[tuple[str, Callable[[], Any]], ...] = ()  # the fields not in the JSON, and what they read as
+    derived: tuple[str, ...] = ()  # `__json_derived__`: keys written from a property, read by the round trip
     bare: bool = False  # an instance is its fields in a `__dict__` and nothing else: made without `__init__`
 
 
@@ -176,9 +181,14 @@ def _plan(cls: type) -> _Plan:
     plan = _PLANS.get(cls)
     if plan is None:
         plan = _PLANS[cls] = _Plan()  # filled in below; a class that holds itself finds it
-        hints = get_type_hints(cls, include_extras=True)
+        late = getattr(cls, "__json_names__", None)  # the types its annotations name, imported late
+        hints = get_type_hints(cls, localns=None if late is None else late(), include_extras=True)
         plan.open = cls.__dict__.get("__json_open__", False)
-        made = [_field(f, hints[f.name], plan.open) for f in dataclasses.fields(cls) if f.init]
+        fields = [(f, _unwrap(hints[f.name], Spec())[1]) for f in dataclasses.fields(cls) if f.init]
+        plan.outside = tuple((f.name, spec.absent or str) for f, spec in fields if spec.outside)
+        made = [_field(f, hints[f.name], plan.open) for f, spec in fields if not spec.outside]
+        plan.derived = cls.__dict__.get("__json_derived__", ())
+        made += [_Field(name, name, _as_is, None, KEEP, None, (), "") for name in plan.derived]
         order = cls.__dict__.get("__json_keys__")  # the keys' order where it is not the fields'
         if order is not None:
             made.sort(key=lambda f: order.index(f.key))
@@ -244,7 +254,7 @@ def _build(tp: Any, spec: Spec, phrase: str | None = None) -> tuple[Reader, Writ
         return _nested(tp, phrase)
     if tp in _SCALARS:
         return _scalar(tp, spec, phrase)
-    if origin in (tuple, list):
+    if origin in (tuple, list, Sequence):
         return _sequence(origin, args, spec, phrase)
     if origin in (dict, Mapping):
         return _mapping(args[1], spec, phrase)
@@ -314,7 +324,7 @@ def _phrase(tp: Any, spec: Spec) -> str:
         return _enum_phrase(tp)
     if tp in _SCALARS:
         return _SCALARS[tp][1]
-    return "a list" if get_origin(tp) in (tuple, list) else "an object"
+    return "a list" if get_origin(tp) in (tuple, list, Sequence) else "an object"
 
 
 def _enum_phrase(tp: type[enum.Enum]) -> str:
@@ -357,6 +367,10 @@ def _nested(cls: type, phrase: str) -> tuple[Reader, Writer]:
                 made[f.name] = item
             else:
                 made[f.name] = f.read(item, None if where is None else wording.field(where, f.key), wording)
+        for name in plan.derived:
+            del made[name]
+        for name, absent in plan.outside:
+            made[name] = absent()
         if plan.bare:
             new: Any = object.__new__(cls)
             new.__dict__.update(made)
@@ -388,7 +402,7 @@ def _sequence(origin: Any, args: tuple[Any, ...], spec: Spec, phrase: str) -> tu
     fixed = origin is tuple and not (len(args) == 2 and args[1] is Ellipsis)
     parts = [_build(arg, Spec()) for arg in (args if fixed else args[:1])]
     kinds = None if fixed else _PLAIN.get(parts[0][0])
-    make: Callable[[Any], Any] = tuple if origin is tuple else list
+    make: Callable[[Any], Any] = list if origin is list else tuple
     check = spec.check
 
     def read(value: Any, where: str | None, wording: Wording) -> Any:
@@ -405,6 +419,8 @@ def _sequence(origin: Any, args: tuple[Any, ...], spec: Spec, phrase: str) -> tu
         return make([read_item(item, _index(where, i), wording) for i, (read_item, item) in pairs])
 
     def write(value: Any) -> Any:
+        if not isinstance(value, (list, tuple)):
+            return value  # not a sequence (a hook's): written as it is, for the reading back to refuse
         if not fixed and parts[0][1] is None:
             return list(value)
         writers = [part[1] for part in parts] if fixed else repeat(parts[0][1])
@@ -440,6 +456,8 @@ def _mapping(value_type: Any, spec: Spec, phrase: str) -> tuple[Reader, Writer]:
         return {key: read_value(item, _member(where, key, wording), wording) for key, item in value.items()}
 
     def write(value: Any) -> Any:
+        if not isinstance(value, Mapping):
+            return value  # a hook's: written as it is, for the reading back to refuse
         return dict(value) if write_value is None else {key: write_value(item) for key, item in value.items()}
 
     return read, write

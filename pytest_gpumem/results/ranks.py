@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Annotated, Any
 
 from cuda_allocator_model import format_size
-from pytest_gpumem.results import PhaseResult, rank_phase
+from pytest_gpumem.results import PHASES, PhaseResult, rank_phase
+from pytest_gpumem.results.codec import Spec, decode, encode
 from pytest_gpumem.results.explanation import Explanation, RanksExplanation
 
 
@@ -39,34 +39,21 @@ class RankResult:
 
     rank: int
     call: PhaseResult
-    phases: dict[str, PhaseResult]
-    value: Any = None
+    phases: Annotated[dict[str, PhaseResult], PHASES]
+    value: Annotated[Any, Spec(outside=True, absent=lambda: None)] = None  # travels pickled, beside the JSON
     info: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     explanation: Explanation | None = None  # the rank's own (explain.composition.explain), when the test is explained
 
     def to_json(self) -> dict[str, Any]:
         """Everything but `value` (the function's own object, which travels pickled)."""
-        return {
-            "rank": self.rank,
-            "call": self.call.to_json(),
-            "phases": {name: phase.to_json() for name, phase in self.phases.items()},
-            "info": self.info,
-            "notes": self.notes,
-            "explanation": None if self.explanation is None else self.explanation.to_json(),
-        }
+        written: dict[str, Any] = encode(self)
+        return written
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any], value: Any = None) -> RankResult:
-        return cls(
-            rank=data["rank"],
-            call=PhaseResult(name="call", **data["call"]),
-            phases={name: PhaseResult(name=name, **phase) for name, phase in data["phases"].items()},
-            value=value,
-            info=dict(data["info"]),
-            notes=list(data["notes"]),
-            explanation=None if data["explanation"] is None else Explanation.from_json(data["explanation"]),
-        )
+    def from_json(cls, data: object, value: Any = None) -> RankResult:
+        """What `to_json` wrote, with the `value` that travelled beside it; `OffShape` names what is not."""
+        return replace(decode(cls, data, "rank result"), value=value)
 
 
 @dataclass(frozen=True)

@@ -6,13 +6,14 @@ is not (`old.json: tests[3].call.peak_bytes must be an integer of bytes, got '12
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 
 from pytest_gpumem.errors import GpuMemError, first_line
 from pytest_gpumem.results import TestResult
-from pytest_gpumem.results.checks import OffShape, json_key, refuse
+from pytest_gpumem.results.checks import OffShape, json_key, refuse, short
 from pytest_gpumem.results.codec import REPORT, Spec, decode
 
 __all__ = ["MAX_REPORT_BYTES", "REPORT_VERSION", "MadeAt", "ReportFile", "read_report"]
@@ -82,7 +83,8 @@ def _document(path: Path) -> object:
             raise GpuMemError(f"{path}: not a file")
         if path.stat().st_size > MAX_REPORT_BYTES:
             raise GpuMemError(f"{path}: too large for a gpumem report (limit {MAX_REPORT_BYTES >> 20} MiB)")
-        return json.loads(path.read_bytes().decode("utf-8-sig"), object_pairs_hook=_unique, parse_constant=_constant)
+        text = path.read_bytes().decode("utf-8-sig")
+        return json.loads(text, object_pairs_hook=_unique, parse_constant=_constant, parse_float=_finite)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise GpuMemError(f"{path}: cannot read a gpumem report: {first_line(exc)}") from None
 
@@ -97,6 +99,14 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _constant(name: str) -> object:
     raise ValueError(f"{name} is not a valid JSON number")
+
+
+def _finite(text: str) -> float:
+    """A number the report's writer could have written (it writes no infinity: `1e999`)."""
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"{short(text)} is out of range of a JSON number")
+    return number
 
 
 def _report(path: Path, doc: object) -> ReportFile:
