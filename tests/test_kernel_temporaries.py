@@ -17,18 +17,13 @@ import torch
 from cuda_allocator_model.cards import find_card
 from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
-from pytest_gpumem.backends.tracker.kernel_temporaries import (
-    DEFAULT_GPU,
-    Gpu,
-    Layout,
+from pytest_gpumem.backends.tracker.kernel_layout import DEFAULT_GPU, Gpu, Layout
+from pytest_gpumem.backends.tracker.kernel_ops import (
     bmm_temporaries,
     embedding_backward_temporaries,
     index_put_temporaries,
-    label,
-    modelled,
-    record,
-    temporaries,
 )
+from pytest_gpumem.backends.tracker.kernel_temporaries import label, modelled, record, temporaries
 from pytest_gpumem.backends.tracker.ledger import StorageLedger
 from pytest_gpumem.backends.tracker.recording import Recorder
 
