@@ -17,22 +17,17 @@ what the host can give is refused before it runs.
 
 from __future__ import annotations
 
-import inspect
-import math
-import operator
-import weakref
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, replace
-from fractions import Fraction
-from typing import Any
+from dataclasses import replace
 
 from cuda_allocator_model import format_size, parse_capacity, shorten
 from pytest_gpumem.backends.base import Backend
 from pytest_gpumem.backends.timeline import Timeline
 from pytest_gpumem.errors import GpuMemError, from_the_model
-from pytest_gpumem.measure.fit import LOOP_STEPS, MAX_BATCH, BatchFit, Check, Found, Measure, Sample, integers
+from pytest_gpumem.measure.fit import LOOP_STEPS, MAX_BATCH, BatchFit, Found, Measure, integers
+from pytest_gpumem.measure.fit_arguments import check_sizes, check_step, check_tolerance
+from pytest_gpumem.measure.fit_growth import growth_of
+from pytest_gpumem.measure.fit_runs import Fit, bound
 from pytest_gpumem.measure.host import HOST_SHARE, host_available
 from pytest_gpumem.measure.lines import Lines, fit_lines
 
@@ -48,201 +43,6 @@ DEFAULT_SLACK = 4096
 _FLAT_REACH = 1024
 """How many times the largest size given a step whose peak does not grow is sampled up to, before it is
 refused: tensors the meter does not count (on another device) must not be made at billions of rows."""
-
-
-class _Optimizers:
-    """The torch optimizers the fit's runs step that had no state when the fit first stepped them: that
-    state is the fit's, and a loop forgets it first, to make it again among its own activations."""
-
-    def __init__(self) -> None:
-        self.seen: weakref.WeakSet[Any] = weakref.WeakSet()
-        self.made: weakref.WeakSet[Any] = weakref.WeakSet()
-
-    def stepped(self, optimizer: Any, args: object, kwargs: object) -> None:
-        if optimizer not in self.seen:
-            self.seen.add(optimizer)
-            if not optimizer.state:
-                self.made.add(optimizer)
-
-    def forget_state(self) -> None:
-        for optimizer in list(self.made):
-            optimizer.state = defaultdict(dict)
-
-    def watching(self) -> AbstractContextManager[Any]:
-        """`stepped` hooked while the handle is used as a context (torch's handle removes it on exit)."""
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        return register_optimizer_step_pre_hook(self.stepped)
-
-
-class _Gradients:
-    """The parameters of the modules the fit's runs call that had no gradient when first called: a loop
-    that ran out of memory in backward leaves them gradients a fresh test's loop would not start with."""
-
-    def __init__(self) -> None:
-        self.seen: set[int] = set()  # by id: a tensor's == compares its values
-        self.bare: list[weakref.ref[Any]] = []
-
-    def called(self, module: Any, args: object) -> None:
-        for param in module.parameters(recurse=False):
-            if id(param) not in self.seen:
-                self.seen.add(id(param))
-                if param.grad is None:
-                    self.bare.append(weakref.ref(param))
-
-    def forget(self) -> None:
-        for ref in self.bare:
-            param = ref()
-            if param is not None:
-                param.grad = None
-
-    def watching(self) -> AbstractContextManager[Any]:
-        """`called` hooked while the handle is used as a context (torch's handle removes it on exit)."""
-        from torch.nn.modules.module import register_module_forward_pre_hook
-
-        return register_module_forward_pre_hook(self.called)
-
-
-@dataclass(frozen=True)
-class _Growth:
-    """What the sampled sizes say of larger ones, to guess the answer and bound what a run asks of the
-    host: each of a run's peak and its largest single allocation extrapolated to n as the higher of the
-    line through the two largest sampled sizes and the polynomial through the three largest (a step that
-    makes n x n tensors grows as n squared: a line through its peaks would put a run at terabytes)."""
-
-    sizes: tuple[int, ...]  # the sampled sizes, ascending and distinct
-    peaks: tuple[int, ...]  # the peak at each
-    allocations: tuple[int, ...]  # the largest single allocation at each (its peak's rise where not recorded)
-
-    def peak(self, n: int, curve: bool = True) -> int:
-        return _extrapolate(self.sizes, self.peaks, n, curve)
-
-    def asks(self, n: int, capacity: int) -> int:
-        """Bytes a run of size n held to `capacity` may take: its peak, or the capacity and the
-        allocation that passes it (the tracker raises once the allocation is made)."""
-        return min(self.peak(n), capacity + _extrapolate(self.sizes, self.allocations, n))
-
-    def reach(self, capacity: int, curve: bool = True) -> int:
-        """The largest size whose extrapolated peak is within the capacity (1 to MAX_BATCH); `curve=False`:
-        by the line alone (reserved bytes, whose segments make any three sizes a curve)."""
-        good, bad = 0, 1
-        while bad < MAX_BATCH and self.peak(bad, curve) <= capacity:
-            good, bad = bad, min(2 * bad, MAX_BATCH)
-        if self.peak(bad, curve) <= capacity:
-            return MAX_BATCH
-        while bad - good > 1:
-            middle = (good + bad) // 2
-            good, bad = (middle, bad) if self.peak(middle, curve) <= capacity else (good, middle)
-        return max(good, 1)
-
-
-def _extrapolate(sizes: Sequence[int], values: Sequence[int], n: int, curve: bool = True) -> int:
-    """The higher of the line through the last two (size, value) points and (with `curve`) the polynomial
-    through the last three, at n, in whole bytes (a single point: its value)."""
-    if len(sizes) < 2:
-        return values[-1]
-    (a, b), (ya, yb) = sizes[-2:], values[-2:]
-    line = Fraction(yb) + Fraction(yb - ya, b - a) * (n - b)
-    if not curve:
-        return max(math.ceil(line), 0)
-    points = list(zip(sizes[-3:], values[-3:], strict=True))
-    polynomial = sum(
-        (Fraction(y) * math.prod(Fraction(n - x, xi - x) for x, _ in points if x != xi) for xi, y in points),
-        Fraction(0),
-    )
-    return max(math.ceil(max(line, polynomial)), 0)
-
-
-@dataclass
-class _Fit:
-    """One fit under way: the step, how to measure it, the capacity and the runs made so far."""
-
-    step: Callable[[int], object]
-    measure: Measure
-    capacity: int
-    runs_refused: str | None  # why runs at the sizes the capacity allows cannot be made here; None: they can
-    backend: Backend | None = None
-    host: int | None = None  # bytes of the host's a run may take beyond what was live (the CPU); None: no limit
-    optimizers: _Optimizers = field(default_factory=_Optimizers)
-    gradients: _Gradients = field(default_factory=_Gradients)
-    growth: _Growth | None = None
-    warm_up: int = 0  # bytes the first run left allocated
-    over: int = MAX_BATCH + 1  # a size whose step alone, held to the capacity, did not fit
-    allowed: int = 0  # bytes a size may leave allocated, and a line may miss by
-    given: int = 0  # the largest size the caller gave
-    sizes: list[int] = field(default_factory=list)
-    samples: list[Sample] = field(default_factory=list)
-    checks: list[Check] = field(default_factory=list)
-    known: dict[int, Check] = field(default_factory=dict)  # the loop run at each size, by size
-    began: object | None = None  # the allocator's state when the fit began, each loop's start
-    warmed: bool = False  # whether the fit began on a warm-up's cache (`_warmed`)
-
-    def sample(
-        self, n: int, limit: int | None = None, steps: int = 1, done: list[int] | None = None, loop: bool = False
-    ) -> Sample:
-        """A run of `steps` steps of size n: a sample on an allocator with no segment cached by other sizes,
-        a `loop` on the allocator as `forget` left it (as the fit began)."""
-        __tracebackhide__ = True
-        if self.backend is not None and not loop:
-            self.backend.empty_cache()
-        sample = _check_sample(self.measure(_bound(self.step, n, steps, done), limit), n)
-        if sample.out_of_memory and limit is None:
-            raise GpuMemError(f"fit: the step ran out of memory at size {n:,}, after {format_size(sample.peak)}")
-        return sample
-
-    def fits(self, n: int) -> bool:
-        """Whether `LOOP_STEPS` steps of size n in a row run held to the capacity, from the state the fit
-        began with: a loop's later steps start on the cache its earlier ones left, and the optimizer state
-        its first step makes lies among that step's activations."""
-        __tracebackhide__ = True
-        known = self.known.get(n)
-        if known is not None:
-            return known.fits(self.capacity)
-        self._host_allows(n)
-        self.forget()
-        done = [0]
-        sample = self.sample(n, self.capacity, LOOP_STEPS, done, loop=True)
-        steps = done[0] + sample.out_of_memory
-        check = Check(n, sample.peak, sample.out_of_memory, sample.held, sample.place(), steps)
-        self.checks.append(check)
-        self.known[n] = check
-        return check.fits(self.capacity)
-
-    def forget(self) -> None:
-        """Free what the fit's first run made and kept (optimizer state, cuBLAS workspaces), for a loop's
-        first step to make again among its activations, and serve the loop from the allocator's state when
-        the fit began (none of the cache its earlier runs left), as a fresh test that runs the loop there."""
-        self.optimizers.forget_state()
-        self.gradients.forget()
-        if self.backend is not None:
-            if self.warm_up:
-                self.backend.clear_workspaces()
-            self.backend.start_afresh(self.began)
-
-    def _host_allows(self, n: int) -> None:
-        __tracebackhide__ = True
-        growth = self.growth
-        if self.host is None or growth is None:
-            return
-        asks = growth.asks(n, self.capacity) - self.samples[0].start
-        if asks > self.host:
-            raise GpuMemError(
-                f"fit: a run of size {n:,} would take about {format_size(asks)} of the host's memory (the sampled "
-                f"sizes extrapolated), more than the {format_size(self.host)} its runs may take ({HOST_SHARE:.0%} of "
-                "what it has available): fit on the meta device, whose runs allocate nothing"
-            )
-
-    def result(self, base: BatchFit, answer: int | None, peak: int, **found: object) -> BatchFit:
-        return replace(
-            base,
-            sizes=tuple(self.sizes),
-            peaks=tuple(s.peak for s in self.samples),
-            left=tuple(s.left for s in self.samples),
-            checks=tuple(self.checks),
-            largest=answer,
-            peak_bytes=peak,
-            **found,  # type: ignore[arg-type]
-        )
 
 
 def fit_peaks(
@@ -267,14 +67,14 @@ def fit_peaks(
     the step keeps memory from one size to the next, and where the answer needs runs that cannot be made.
     """
     __tracebackhide__ = True
-    _check_step(step)
-    checked = _check_sizes(sizes)
+    check_step(step)
+    checked = check_sizes(sizes)
     with from_the_model():
         judged = parse_capacity(capacity, FIT_CAPACITY)
-    _check_tolerance(tolerance, slack)
+    check_tolerance(tolerance, slack)
     if not isinstance(confirm, bool):
         raise GpuMemError(f"fit confirm= must be True or False, got {shorten(confirm)}")
-    fit = _Fit(step, measure, judged.bytes, runs_refused, backend, given=max(checked))
+    fit = Fit(step, measure, judged.bytes, runs_refused, backend, given=max(checked))
     fit.began = None if backend is None else backend.allocator_state()
     fit.warmed = _warmed(backend, fit.began)
     with fit.optimizers.watching(), fit.gradients.watching():
@@ -305,12 +105,12 @@ def _warmed(backend: Backend | None, began: object | None) -> bool:
     return reserved is not None and placed is not None and reserved > placed
 
 
-def _answered(fit: _Fit, base: BatchFit, confirm: bool) -> BatchFit:
+def _answered(fit: Fit, base: BatchFit, confirm: bool) -> BatchFit:
     __tracebackhide__ = True
     lines, note = _lines(fit)
     while lines is not None and not lines.grows:
         lines, note = _sample_larger(fit)
-    fit.growth = _growth(fit)
+    fit.growth = growth_of(fit.sizes, fit.samples)
     if lines is None:
         guess = fit.growth.reach(fit.capacity, curve=not base.reserved)
         return _searched(fit, base, note, min(guess, fit.over - 1))
@@ -326,30 +126,7 @@ def _host(backend: Backend | None) -> int | None:
     return None if available is None else int(available * HOST_SHARE)
 
 
-def _growth(fit: _Fit) -> _Growth:
-    """The sampled sizes' peaks and largest allocations, the largest run of each size kept."""
-    by_size: dict[int, Sample] = {}
-    for n, sample in zip(fit.sizes, fit.samples, strict=True):
-        if n not in by_size or sample.peak > by_size[n].peak:
-            by_size[n] = sample
-    sizes = sorted(by_size)
-    peaks = tuple(by_size[n].peak for n in sizes)
-    allocations = tuple(_largest_allocation(by_size[n]) for n in sizes)
-    rises = tuple(by_size[n].peak - by_size[n].start for n in sizes)
-    single = rises if None in allocations else allocations
-    return _Growth(tuple(sizes), peaks, tuple(int(a or 0) for a in single))
-
-
-def _largest_allocation(sample: Sample) -> int | None:
-    """The largest rise of the sample's timeline from one event to the next (None without one)."""
-    timeline = sample.timeline
-    if timeline is None or not len(timeline):
-        return None
-    before = (sample.start, *timeline.allocated[:-1])
-    return max(after - earlier for earlier, after in zip(before, timeline.allocated, strict=True))
-
-
-def _warm_up(fit: _Fit) -> int:
+def _warm_up(fit: Fit) -> int:
     """Run the first size again when it left state behind (optimizer state, caches, the cuBLAS workspaces
     of its first matmuls), and always where the peaks are of reserved bytes (its next run starts on the
     cache and the workspaces the first left); refuse a step that keeps memory from one size to the next.
@@ -370,7 +147,7 @@ def _warm_up(fit: _Fit) -> int:
     return first if again else 0
 
 
-def _lines(fit: _Fit) -> tuple[Lines | None, str]:
+def _lines(fit: Fit) -> tuple[Lines | None, str]:
     """The lines through the timelines of the sizes that make the largest size's ops, and which sizes make
     others; None and why, where they cannot answer."""
     timelines: list[Timeline] = []
@@ -399,7 +176,7 @@ def _differ(timelines: Sequence[Timeline], sizes: Sequence[int], other: int, lar
     return f"size {sizes[other]:,} takes other ops than {sizes[largest]:,} from event {i:,}: {ops[0]} for {ops[1]}"
 
 
-def _sample_larger(fit: _Fit) -> tuple[Lines | None, str]:
+def _sample_larger(fit: Fit) -> tuple[Lines | None, str]:
     """No event grew with n over the sizes sampled: sample twice the largest, held to the capacity."""
     __tracebackhide__ = True
     largest = max(fit.sizes)
@@ -423,7 +200,7 @@ def _sample_larger(fit: _Fit) -> tuple[Lines | None, str]:
     return _lines(fit)
 
 
-def _from_lines(fit: _Fit, base: BatchFit, lines: Lines, confirm: bool) -> BatchFit:
+def _from_lines(fit: Fit, base: BatchFit, lines: Lines, confirm: bool) -> BatchFit:
     """The lines' answer, shown by loops at it and the next size; searched from it where they disagree."""
     __tracebackhide__ = True
     answer = lines.largest_within(fit.capacity)
@@ -449,14 +226,14 @@ def _from_lines(fit: _Fit, base: BatchFit, lines: Lines, confirm: bool) -> Batch
     return _with_expandable(fit, fit.result(found, answer, peak, at=at, confirmed=True))
 
 
-def _searched(fit: _Fit, base: BatchFit, why: str, guess: int) -> BatchFit:
+def _searched(fit: Fit, base: BatchFit, why: str, guess: int) -> BatchFit:
     __tracebackhide__ = True
     if fit.runs_refused is not None:
         raise GpuMemError(f"fit: {why}, so the answer must be searched with real runs, but {fit.runs_refused}")
     return _with_expandable(fit, _shown(fit, base, _search(fit, guess), why))
 
 
-def _search(fit: _Fit, guess: int) -> int | None:
+def _search(fit: Fit, guess: int) -> int | None:
     """The largest size whose loop ran with the next size's running out, bracketed from `guess` (see
     `_bracket`), then bisected; None when batch 1 runs out."""
     __tracebackhide__ = True
@@ -467,7 +244,7 @@ def _search(fit: _Fit, guess: int) -> int | None:
     return good or None
 
 
-def _bracket(fit: _Fit, guess: int) -> tuple[int, int | None]:
+def _bracket(fit: Fit, guess: int) -> tuple[int, int | None]:
     """A size that fits (0: none does) and a larger one that does not (None: MAX_BATCH fits): from a guess
     that fits, up by 1, 2, 4... sizes; from one that does not, its size less 1, then the largest sampled
     size whose step fitted alone and the next (a guess off by more than one), then down by 1, 2, 4...
@@ -496,13 +273,13 @@ def _bracket(fit: _Fit, guess: int) -> tuple[int, int | None]:
     return 0, 1
 
 
-def _shown(fit: _Fit, base: BatchFit, answer: int | None, why: str) -> BatchFit:
+def _shown(fit: Fit, base: BatchFit, answer: int | None, why: str) -> BatchFit:
     """The searched answer with the peak of its loop (batch 1's, where it ran out)."""
     check = fit.known[1 if answer is None else answer]
     return fit.result(base, answer, check.peak, at=check.at, found=Found.SEARCH, confirmed=True, note=why)
 
 
-def _with_expandable(fit: _Fit, found: BatchFit) -> BatchFit:
+def _with_expandable(fit: Fit, found: BatchFit) -> BatchFit:
     """The answer with expandable segments too, where the backend serves reserved bytes without them."""
     __tracebackhide__ = True
     backend = fit.backend
@@ -525,84 +302,11 @@ def _with_expandable(fit: _Fit, found: BatchFit) -> BatchFit:
         fit.checks, fit.known, fit.began = checks, known, began
 
 
-def _fresh_start(fit: _Fit, backend: Backend) -> object | None:
+def _fresh_start(fit: Fit, backend: Backend) -> object | None:
     """The allocator's state a fresh process serving with these settings has where the fit began: what is
     live placed anew in the order it was made, then, where the fit began on a warm-up's cache, a step of the
     first size (the warm-up, run again: its cache is what the loops start on)."""
     __tracebackhide__ = True
     if fit.warmed:
-        fit.measure(_bound(fit.step, fit.sizes[0], 1, None), None)
+        fit.measure(bound(fit.step, fit.sizes[0], 1, None), None)
     return backend.allocator_state()
-
-
-def _bound(step: Callable[[int], object], n: int, steps: int, done: list[int] | None) -> Callable[[], object]:
-    """`step(n)`, `steps` times in a row (each step's value dropped before the next, as in a loop; the
-    last one's returned), counting those that returned in `done`."""
-
-    def run() -> object:
-        __tracebackhide__ = True
-        value: object = None
-        for _ in range(steps):
-            value = None
-            value = step(n)
-            if done is not None:
-                done[0] += 1
-        return value
-
-    return run
-
-
-def _check_step(step: object) -> None:
-    """A step is called as step(n): refuse, in one line, what cannot be (a signature torch or C code does not
-    tell is taken as it is)."""
-    if not callable(step):
-        raise GpuMemError(f"fit step must be a function of the batch size, called as step(n), got {shorten(step)}")
-    try:
-        signature = inspect.signature(step)
-    except (TypeError, ValueError):
-        return
-    try:
-        signature.bind(1)
-    except TypeError:
-        name = getattr(step, "__qualname__", type(step).__name__)
-        raise GpuMemError(
-            f"fit step must take the batch size as its one argument, called as step(n); {name}{signature} cannot be"
-        ) from None
-
-
-def _check_sizes(sizes: object) -> list[int]:
-    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
-        raise GpuMemError(f"fit sizes must be a list of positive integers, got {shorten(sizes)}")
-    values: list[object] = list(sizes)
-    checked = []
-    for n in values:
-        try:
-            if isinstance(n, bool):
-                raise TypeError
-            size = operator.index(n)  # type: ignore[arg-type]  # int, numpy and torch integers
-        except TypeError:
-            raise GpuMemError(f"fit sizes must be positive integers, got {shorten(n)} in {shorten(values)}") from None
-        if size <= 0 or size > MAX_BATCH:
-            raise GpuMemError(
-                f"fit sizes must be integers from 1 to {MAX_BATCH:,}, got {shorten(size, 32)} in {shorten(values)}"
-            )
-        checked.append(size)
-    if len(set(checked)) < 2:
-        raise GpuMemError(f"fit needs at least 2 distinct sizes (3 to check the lines), got {shorten(values)}")
-    return checked
-
-
-def _check_sample(sample: object, n: int) -> Sample:
-    if not isinstance(sample, Sample):
-        raise GpuMemError(f"fit: measuring size {n:,} must give a Sample, got {shorten(sample)}")
-    for value in (sample.start, sample.peak, sample.end):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise GpuMemError(f"fit: the measured bytes at size {n:,} must be ints >= 0, got {shorten(value)}")
-    return sample
-
-
-def _check_tolerance(tolerance: float, slack: int) -> None:
-    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < float("inf"):
-        raise GpuMemError(f"fit tolerance must be a finite number >= 0, got {shorten(tolerance)}")
-    if isinstance(slack, bool) or not isinstance(slack, int) or slack < 0:
-        raise GpuMemError(f"fit slack must be an int >= 0 (bytes), got {shorten(slack)}")
