@@ -18,12 +18,12 @@ from torch import nn
 
 from pytest_gpumem import private_torch
 from pytest_gpumem.backends.tracker import compiled
-from pytest_gpumem.backends.tracker.backend import (
+from pytest_gpumem.backends.tracker.backend import TrackerBackend
+from pytest_gpumem.backends.tracker.compiled_notes import (
     COMPILED_CUDA_GRAPHS,
     COMPILED_EAGERLY,
     COMPILED_FOR_CPU,
     COMPILED_UNFUSED,
-    TrackerBackend,
     compiled_as_chosen_note,
 )
 

@@ -14,7 +14,8 @@ from builders import Reported
 
 from cuda_allocator_model.cards import CUBLAS_WORKSPACE_DEFAULT as WORKSPACE
 from pytest_gpumem.backends import make_builtin
-from pytest_gpumem.backends.tracker.backend import COMPILED_UNFUSED, TrackerBackend
+from pytest_gpumem.backends.tracker.backend import TrackerBackend
+from pytest_gpumem.backends.tracker.compiled_notes import COMPILED_UNFUSED
 from pytest_gpumem.backends.tracker.meta_errors import cannot_run_on_meta
 from pytest_gpumem.errors import GpuMemError
 

@@ -8,11 +8,8 @@ cannot see, and on request a recorder of origins and events (`recording`) or an 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import os
-import sys
-import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +23,8 @@ from cuda_allocator_model import (
 from pytest_gpumem.backends.base import Backend, Counters, Settings
 from pytest_gpumem.backends.timeline import Timeline, TimelineRecorder
 from pytest_gpumem.backends.tracker import cudnn
+from pytest_gpumem.backends.tracker.allocator_state import AllocatorState, copied
+from pytest_gpumem.backends.tracker.compiled_notes import compiled_note, fake_outputs_note
 from pytest_gpumem.backends.tracker.ledger import StorageLedger
 from pytest_gpumem.backends.tracker.mode import leave, mode_class
 from pytest_gpumem.backends.tracker.patches import Patches
@@ -44,55 +43,6 @@ def _out_of_memory() -> type[Exception]:
     import torch
 
     return torch.OutOfMemoryError
-
-
-def _fake_outputs_note(count: int) -> list[str]:
-    if not count:
-        return []
-    return [
-        f"{count} op outputs were fake tensors (FakeTensorMode): they hold no memory and were not counted; "
-        "the figures are what the test's real tensors used"
-    ]
-
-
-COMPILED_UNFUSED = (
-    "compiled: Inductor's partition run unfused, not its CUDA plan: an upper bound (fusion only drops buffers)"
-)
-"""The note of a prediction in which compiled functions ran (`Patches.unfused_compiled`)."""
-COMPILED_EAGERLY = (
-    "compiled: ran eagerly where torch's partition on meta lost a gradient: not a bound (--gpumem-round=cuda gives one)"
-)
-"""The note of a prediction on meta in which a compiled graph ran eagerly (`compiled`)."""
-COMPILED_FOR_CPU = "compiled: Inductor's plan for the CPU ran (compiled before the call), not a card's: no bound"
-"""The note of a prediction in which compiled programs made buffers (`patches.count_compiled_allocations`):
-compiled before the measurement and reached without Dynamo (a compiled forward's backward)."""
-
-
-COMPILED_CUDA_GRAPHS = (
-    "compiled: Inductor's partition run unfused, not its CUDA graphs (a private pool, copies of the inputs): no bound"
-)
-"""The note of a prediction in which a function compiled for CUDA graphs ran (`mode="reduce-overhead"`)."""
-
-
-def compiled_as_chosen_note(names: set[str]) -> str:
-    """The note of a prediction in which functions compiled by other compilers than Inductor ran."""
-    chosen = ", ".join(sorted(names))
-    return f"compiled: the chosen backend ({chosen}) ran as on this device, not a card's plan: no bound"
-
-
-def _compiled_note(patches: Patches | None, buffers: int) -> list[str]:
-    """Where a card is predicted, what the figures of compiled code are: Inductor's partition unfused (no
-    bound where Inductor would run CUDA graphs), eager where torch lost a gradient, other compilers as
-    chosen, or the CPU's Inductor plan."""
-    if patches is None:
-        return [COMPILED_FOR_CPU] if buffers else []
-    notes = [compiled_as_chosen_note(patches.compiled_as_chosen)] if patches.compiled_as_chosen else []
-    notes += [COMPILED_FOR_CPU] if buffers else []
-    if patches.compiled_eagerly:
-        return [COMPILED_EAGERLY, *notes]
-    if patches.compiled_cuda_graphs:
-        return [COMPILED_CUDA_GRAPHS, *notes]
-    return [COMPILED_UNFUSED, *notes] if patches.compiled_unfused else notes
 
 
 def _default_paths(rounding: str, device: str) -> str:
@@ -115,43 +65,6 @@ def stop_counting(mode: Any, ledger: StorageLedger, undo: Callable[[], None] = l
         undo()
         ledger.forget()
         ledger.recorder = None
-
-
-def _copied(model: Any) -> Any:
-    """A deep copy of the allocator model, made on a thread of its own with a deep stack: its blocks are
-    linked lists, which `copy.deepcopy` follows one recursive call after another."""
-    copies: list[Any] = []
-
-    def run() -> None:
-        limit = sys.getrecursionlimit()
-        sys.setrecursionlimit(max(limit, _COPY_DEPTH))
-        try:
-            copies.append(copy.deepcopy(model))
-        finally:
-            sys.setrecursionlimit(limit)
-
-    stack = threading.stack_size(_COPY_STACK)
-    try:
-        worker = threading.Thread(target=run, name="gpumem-allocator-copy")
-        worker.start()
-    finally:
-        threading.stack_size(stack)
-    worker.join()
-    if not copies:
-        raise RuntimeError("the allocator model could not be copied")
-    return copies[0]
-
-
-_COPY_DEPTH = 2_000_000  # Python frames: some ten per block of the model
-_COPY_STACK = 1 << 30  # bytes of the copying thread's stack (reserved, not used until needed)
-
-
-@dataclasses.dataclass(frozen=True)
-class _AllocatorState:
-    """The allocator model at one moment and the bytes each live storage was counted with then."""
-
-    model: Any
-    counted: dict[int, int]
 
 
 class TrackerBackend(Backend):
@@ -321,9 +234,9 @@ class TrackerBackend(Backend):
     def _undo_patches(self) -> None:
         if self._patches is not None:
             self._patches.undo()
-        self._notes += _fake_outputs_note(self.ledger.fake_outputs) + cudnn.notes(self.ledger.bounds)
+        self._notes += fake_outputs_note(self.ledger.fake_outputs) + cudnn.notes(self.ledger.bounds)
         if self._predicting:
-            self._notes += _compiled_note(self._patches, self.ledger.compiled_buffers)
+            self._notes += compiled_note(self._patches, self.ledger.compiled_buffers)
 
     @property
     def capacity(self) -> int | None:
@@ -369,7 +282,7 @@ class TrackerBackend(Backend):
         model = self.ledger.model
         if model is None:
             return None
-        return _AllocatorState(_copied(model), {key: ref.counted for key, ref in self.ledger.live.items()})
+        return AllocatorState(copied(model), {key: ref.counted for key, ref in self.ledger.live.items()})
 
     def start_afresh(self, state: object | None) -> None:
         """The allocator model as `state` holds it (its peaks kept), where the storages live now were all live
@@ -378,12 +291,12 @@ class TrackerBackend(Backend):
         ledger, model = self.ledger, self.ledger.model
         if model is None:
             return
-        kept = isinstance(state, _AllocatorState) and ledger.live.keys() <= state.counted.keys()
+        kept = isinstance(state, AllocatorState) and ledger.live.keys() <= state.counted.keys()
         if not kept or state.model.settings != ledger.settings:  # type: ignore[union-attr]
             self._place_anew(ledger.settings)
             return
-        assert isinstance(state, _AllocatorState)
-        restored = _copied(state.model)
+        assert isinstance(state, AllocatorState)
+        restored = copied(state.model)
         for key in state.counted.keys() - ledger.live.keys():
             restored.free(key)
         for key, ref in ledger.live.items():
