@@ -18,7 +18,7 @@ import pytest
 from builders import Reported
 
 from cuda_allocator_model.sizes import format_size
-from pytest_gpumem.backends.tracker.attribution import NO_MODULE
+from pytest_gpumem.backends.tracker.allocation import NO_MODULE
 from pytest_gpumem.report.html import chart_texts, render
 from pytest_gpumem.report.html_axis import event_axis, event_ticks
 from pytest_gpumem.results.advice import AS_IS, Advice, PhasePeak, Row

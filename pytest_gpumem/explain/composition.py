@@ -15,7 +15,8 @@ from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, TypeVar
 
-from pytest_gpumem.backends.tracker.attribution import Allocation, Attributor, RegionSpan
+from pytest_gpumem.backends.tracker.allocation import Allocation, RegionSpan
+from pytest_gpumem.backends.tracker.attribution import Attributor
 from pytest_gpumem.explain.blocks import fold, repeated_blocks
 from pytest_gpumem.results import RANK_SEPARATOR, rank_phase
 from pytest_gpumem.results.categories import CATEGORIES, LABELS

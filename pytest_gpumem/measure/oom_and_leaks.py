@@ -243,7 +243,7 @@ def _kinds(torch: Any, tensors: Mapping[int, list[Any]], roots: list[Any]) -> di
 def _totals(live: Mapping[int, tuple[int, Any]], kind: Mapping[int, str]) -> tuple[dict[str, int], list[Any]]:
     """Bytes by what they are (the explainer's category where the tensors do not show it), and by what
     and the module that made them."""
-    from pytest_gpumem.backends.tracker.attribution import Allocation
+    from pytest_gpumem.backends.tracker.allocation import Allocation
     from pytest_gpumem.results.categories import LABELS
 
     totals: dict[str, int] = {}

@@ -32,10 +32,10 @@ import warnings
 import weakref
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from cuda_allocator_model import AllocatorTrace, ServedByModel
+from pytest_gpumem.backends.tracker.allocation import NO_MODULE, Allocation, RegionSpan
 from pytest_gpumem.backends.tracker.graph import (
     ACCUMULATE_GRAD_SEQUENCE,
     autograd_nodes,
@@ -54,15 +54,11 @@ from pytest_gpumem.private_torch import (
     node_sequence_nr,
     op_schema,
 )
-from pytest_gpumem.results.categories import CATEGORIES
 
 if TYPE_CHECKING:
     import torch
 
-# which use wins when a storage has several: an input the graph saves stays an input
-_RANK = {category: rank for rank, category in enumerate((*CATEGORIES[:3], "inputs", "saved", "temporaries"))}
 _COMPILE_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
-NO_MODULE = "(outside modules)"
 _STEP_MODULE = "(optimizer step)"
 MAX_EVENTS = 4_000_000
 """The most allocations, resizes and frees an explanation follows (16 B each, 24 B with the allocator's
@@ -88,44 +84,6 @@ def _contained(hook: _Hook) -> _Hook:
                 self.problems.append(f"{hook.__name__.strip('_')}: {one_line(exc)}")
 
     return cast(_Hook, contained)
-
-
-@dataclass(eq=False, slots=True)
-class Allocation(Origin):
-    """A storage the call made: where it came from, and (settled as the test runs) what it is for."""
-
-    id: int = 0
-    module: str = NO_MODULE
-    category: str = "temporaries"
-    shape: tuple[int, ...] | None = None
-    dtype: str | None = None
-    unsaved_at: int = -1  # the event after which no graph saves it any more (-1: saved to the end, or never)
-
-    def mark(self, category: str) -> None:
-        """A use was seen; the most specific one wins (a parameter saved for backward is a parameter)."""
-        if _RANK[category] < _RANK[self.category]:
-            self.category = category
-
-    def category_at(self, moment: int) -> str:
-        """What it was for after event `moment`: saved for backward until its graphs released it, then what
-        made it (only a temporary ranks below saved)."""
-        if self.category == "saved" and 0 <= self.unsaved_at <= moment:
-            return "temporaries"
-        return self.category
-
-    @property
-    def category_now(self) -> str:
-        """What it is for after the last event recorded."""
-        return self.category_at(sys.maxsize)
-
-
-@dataclass(frozen=True)
-class RegionSpan:
-    """One entry into a measured region (the call or a phase): the event indices it spans."""
-
-    name: str
-    start: int
-    end: int
 
 
 class Attributor(Recorder):
