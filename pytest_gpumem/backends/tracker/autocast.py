@@ -30,11 +30,10 @@ measured test that makes a CUDA autocast region.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpumem.backends.tracker.autocast_lists import (
@@ -48,9 +47,15 @@ from pytest_gpumem.backends.tracker.autocast_lists import (
     LOWER_PRECISION_FP,
     PROMOTE,
 )
+from pytest_gpumem.backends.tracker.autocast_patches import (
+    cpu_as_cuda,
+    cuda_amp_available,
+    meta_as_cuda,
+    meta_available,
+    stepping_on_meta,
+)
 from pytest_gpumem.backends.tracker.graph import tensors_in
 from pytest_gpumem.private_torch import (
-    amp_availability,
     checkpoint_autocast_state,
     checkpoint_device_type,
     cuda_autocast_key_included,
@@ -108,15 +113,15 @@ class CudaAutocast:
         replace(torch, "clear_autocast_cache", self._clearing(torch.clear_autocast_cache))
         if self.device_type == "meta":
             scaler, step = scaler_step()
-            replace(scaler, step, _stepping_on_meta(getattr(scaler, step)))
-            available = _meta_available(autocast_mode.is_autocast_available)
+            replace(scaler, step, stepping_on_meta(getattr(scaler, step)))
+            available = meta_available(autocast_mode.is_autocast_available)
             replace(autocast_mode, "is_autocast_available", available)
             replace(torch.amp, "is_autocast_available", available)
         checkpoint, state = checkpoint_autocast_state()
-        replace(checkpoint, state, _meta_as_cuda(getattr(checkpoint, state)))
+        replace(checkpoint, state, meta_as_cuda(getattr(checkpoint, state)))
         if self.device_type == "cpu":
             checkpoint, device = checkpoint_device_type()
-            replace(checkpoint, device, _cpu_as_cuda(getattr(checkpoint, device)))
+            replace(checkpoint, device, cpu_as_cuda(getattr(checkpoint, device)))
         self._included_before = cuda_autocast_key_included()
         self._enabled_before = torch.is_autocast_enabled("cuda")
         self._nesting_before = _nesting()
@@ -153,7 +158,7 @@ class CudaAutocast:
                 original(autocast, device_type, *args, **kwargs)
                 return
             emulation.register_kernels()
-            with _cuda_amp_available():
+            with cuda_amp_available():
                 original(autocast, device_type, *args, **kwargs)
 
         return __init__
@@ -164,7 +169,7 @@ class CudaAutocast:
             if device != "cuda":
                 original(scaler, device, *args, **kwargs)
                 return
-            with _cuda_amp_available():
+            with cuda_amp_available():
                 original(scaler, device, *args, **kwargs)
 
         return __init__
@@ -388,64 +393,3 @@ def _with_defaults(op: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
 def _banned(*args: Any, **kwargs: Any) -> Any:
     __tracebackhide__ = True  # raised where a card's autocast raises it: in the test's call
     raise RuntimeError(BANNED_MESSAGE)
-
-
-@contextlib.contextmanager
-def _cuda_amp_available() -> Iterator[None]:
-    """Within the block, autocast and GradScaler find CUDA's AMP available and bf16 supported (as on an
-    Ampere or later card)."""
-    import torch
-
-    common, name = amp_availability()
-    saved = getattr(common, name), torch.cuda.is_bf16_supported
-    setattr(common, name, lambda: False)
-    torch.cuda.is_bf16_supported = lambda *args, **kwargs: True
-    try:
-        yield
-    finally:
-        setattr(common, name, saved[0])
-        torch.cuda.is_bf16_supported = saved[1]
-
-
-def _meta_available(original: Callable[[str], bool]) -> Callable[[str], bool]:
-    @functools.wraps(original)
-    def is_autocast_available(device_type: str) -> bool:
-        return device_type == "meta" or original(device_type)
-
-    return is_autocast_available
-
-
-def _meta_as_cuda(original: Callable[..., Any]) -> Callable[..., Any]:
-    """checkpoint's autocast state of meta inputs: CUDA's (torch has none for meta)."""
-
-    @functools.wraps(original)
-    def get_autocast_kwargs(device_type: str = "cuda") -> Any:
-        return original("cuda" if device_type == "meta" else device_type)
-
-    return get_autocast_kwargs
-
-
-def _cpu_as_cuda(original: Callable[..., str]) -> Callable[..., str]:
-    """checkpoint's device of CPU inputs that stand for the GPU's: CUDA (its autocast state is saved and
-    restored for the recompute; no CUDA RNG state exists to save)."""
-
-    @functools.wraps(original)
-    def infer_device_type(*args: Any) -> str:
-        found = original(*args)
-        return "cuda" if found == "cpu" else found
-
-    return infer_device_type
-
-
-def _stepping_on_meta(original: Callable[..., Any]) -> Callable[..., Any]:
-    """GradScaler's step on meta: no gradient can be read as inf there, so the optimizer steps."""
-    import torch
-
-    @functools.wraps(original)
-    def _maybe_opt_step(scaler: Any, optimizer: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        found = state["found_inf_per_device"].values()
-        if any(isinstance(f, torch.Tensor) and f.device.type == "meta" for f in found):
-            return optimizer.step(*args, **kwargs)
-        return original(scaler, optimizer, state, *args, **kwargs)
-
-    return _maybe_opt_step
