@@ -12,7 +12,7 @@ from pytest_gpumem.measure.fit import MAX_BATCH, Sample
 
 
 @dataclass(frozen=True)
-class Growth:
+class SampledGrowth:
     """What the sampled sizes say of larger ones, to guess the answer and bound what a run asks of the
     host: each of a run's peak and its largest single allocation extrapolated to n as the higher of the
     line through the two largest sampled sizes and the polynomial through the three largest (a step that
@@ -61,7 +61,7 @@ def _extrapolate(sizes: Sequence[int], values: Sequence[int], n: int, curve: boo
     return max(math.ceil(max(line, polynomial)), 0)
 
 
-def growth_of(sizes_run: Sequence[int], samples: Sequence[Sample]) -> Growth:
+def growth_of(sizes_run: Sequence[int], samples: Sequence[Sample]) -> SampledGrowth:
     """The sampled sizes' peaks and largest allocations, the largest run of each size kept."""
     by_size: dict[int, Sample] = {}
     for n, sample in zip(sizes_run, samples, strict=True):
@@ -72,7 +72,7 @@ def growth_of(sizes_run: Sequence[int], samples: Sequence[Sample]) -> Growth:
     allocations = tuple(_largest_allocation(by_size[n]) for n in sizes)
     rises = tuple(by_size[n].peak - by_size[n].start for n in sizes)
     single = rises if None in allocations else allocations
-    return Growth(tuple(sizes), peaks, tuple(int(a or 0) for a in single))
+    return SampledGrowth(tuple(sizes), peaks, tuple(int(a or 0) for a in single))
 
 
 def _largest_allocation(sample: Sample) -> int | None:

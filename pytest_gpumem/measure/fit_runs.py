@@ -15,7 +15,7 @@ from pytest_gpumem.backends.base import Backend
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.measure.fit import LOOP_STEPS, MAX_BATCH, BatchFit, Check, Measure, Sample
 from pytest_gpumem.measure.fit_arguments import check_sample
-from pytest_gpumem.measure.fit_growth import Growth
+from pytest_gpumem.measure.fit_growth import SampledGrowth
 from pytest_gpumem.measure.host import HOST_SHARE
 
 
@@ -84,7 +84,7 @@ class Fit:
     host: int | None = None  # bytes of the host's a run may take beyond what was live (the CPU); None: no limit
     optimizers: Optimizers = field(default_factory=Optimizers)
     gradients: Gradients = field(default_factory=Gradients)
-    growth: Growth | None = None
+    growth: SampledGrowth | None = None
     warm_up: int = 0  # bytes the first run left allocated
     over: int = MAX_BATCH + 1  # a size whose step alone, held to the capacity, did not fit
     allowed: int = 0  # bytes a size may leave allocated, and a line may miss by
@@ -104,7 +104,7 @@ class Fit:
         __tracebackhide__ = True
         if self.backend is not None and not loop:
             self.backend.empty_cache()
-        sample = check_sample(self.measure(bound(self.step, n, steps, done), limit), n)
+        sample = check_sample(self.measure(bound_step(self.step, n, steps, done), limit), n)
         if sample.out_of_memory and limit is None:
             raise GpuMemError(f"fit: the step ran out of memory at size {n:,}, after {format_size(sample.peak)}")
         return sample
@@ -164,7 +164,7 @@ class Fit:
         )
 
 
-def bound(step: Callable[[int], object], n: int, steps: int, done: list[int] | None) -> Callable[[], object]:
+def bound_step(step: Callable[[int], object], n: int, steps: int, done: list[int] | None) -> Callable[[], object]:
     """`step(n)`, `steps` times in a row (each step's value dropped before the next, as in a loop; the
     last one's returned), counting those that returned in `done`."""
 

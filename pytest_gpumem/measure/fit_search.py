@@ -27,7 +27,7 @@ from pytest_gpumem.errors import GpuMemError, from_the_model
 from pytest_gpumem.measure.fit import LOOP_STEPS, MAX_BATCH, BatchFit, Found, Measure, integers
 from pytest_gpumem.measure.fit_arguments import check_sizes, check_step, check_tolerance
 from pytest_gpumem.measure.fit_growth import growth_of
-from pytest_gpumem.measure.fit_runs import Fit, bound
+from pytest_gpumem.measure.fit_runs import Fit, bound_step
 from pytest_gpumem.measure.host import HOST_SHARE, host_available
 from pytest_gpumem.measure.lines import Lines, fit_lines
 
@@ -308,5 +308,5 @@ def _fresh_start(fit: Fit, backend: Backend) -> object | None:
     first size (the warm-up, run again: its cache is what the loops start on)."""
     __tracebackhide__ = True
     if fit.warmed:
-        fit.measure(bound(fit.step, fit.sizes[0], 1, None), None)
+        fit.measure(bound_step(fit.step, fit.sizes[0], 1, None), None)
     return backend.allocator_state()

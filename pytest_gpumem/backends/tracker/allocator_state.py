@@ -40,7 +40,7 @@ _COPY_STACK = 1 << 30  # bytes of the copying thread's stack (reserved, not used
 
 
 @dataclasses.dataclass(frozen=True)
-class AllocatorState:
+class SavedAllocator:
     """The allocator model at one moment and the bytes each live storage was counted with then."""
 
     model: Any

@@ -23,7 +23,7 @@ from cuda_allocator_model import (
 from pytest_gpumem.backends.base import Backend, Counters, Settings
 from pytest_gpumem.backends.timeline import Timeline, TimelineRecorder
 from pytest_gpumem.backends.tracker import cudnn
-from pytest_gpumem.backends.tracker.allocator_state import AllocatorState, copied
+from pytest_gpumem.backends.tracker.allocator_state import SavedAllocator, copied
 from pytest_gpumem.backends.tracker.compiled_notes import compiled_note, fake_outputs_note
 from pytest_gpumem.backends.tracker.ledger import StorageLedger
 from pytest_gpumem.backends.tracker.mode import leave, mode_class
@@ -282,7 +282,7 @@ class TrackerBackend(Backend):
         model = self.ledger.model
         if model is None:
             return None
-        return AllocatorState(copied(model), {key: ref.counted for key, ref in self.ledger.live.items()})
+        return SavedAllocator(copied(model), {key: ref.counted for key, ref in self.ledger.live.items()})
 
     def start_afresh(self, state: object | None) -> None:
         """The allocator model as `state` holds it (its peaks kept), where the storages live now were all live
@@ -291,11 +291,11 @@ class TrackerBackend(Backend):
         ledger, model = self.ledger, self.ledger.model
         if model is None:
             return
-        kept = isinstance(state, AllocatorState) and ledger.live.keys() <= state.counted.keys()
+        kept = isinstance(state, SavedAllocator) and ledger.live.keys() <= state.counted.keys()
         if not kept or state.model.settings != ledger.settings:  # type: ignore[union-attr]
             self._place_anew(ledger.settings)
             return
-        assert isinstance(state, AllocatorState)
+        assert isinstance(state, SavedAllocator)
         restored = copied(state.model)
         for key in state.counted.keys() - ledger.live.keys():
             restored.free(key)
