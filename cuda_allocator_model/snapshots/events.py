@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from cuda_allocator_model.settings import DEFAULT_POOL, PoolId
+from cuda_allocator_model.constants import DEFAULT_POOL, PoolId
 from cuda_allocator_model.snapshots.fields import (
     Budget,
     Refuse,

@@ -16,8 +16,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
+from cuda_allocator_model.constants import DEFAULT_POOL, INTERVALS
 from cuda_allocator_model.errors import ModelError
-from cuda_allocator_model.settings import DEFAULT_POOL, INTERVALS, AllocatorSettings
+from cuda_allocator_model.settings import AllocatorSettings
 from cuda_allocator_model.snapshots.events import Frames, read_pool, read_trace
 from cuda_allocator_model.snapshots.fields import (
     Budget,

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final, NamedTuple
 
-from cuda_allocator_model.settings import DEFAULT_POOL, AllocatorSettings, PoolId
+from cuda_allocator_model.constants import DEFAULT_POOL, PoolId
+from cuda_allocator_model.settings import AllocatorSettings
 
 __all__ = [
     "ACTIONS",
