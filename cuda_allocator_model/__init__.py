@@ -24,17 +24,17 @@ if TYPE_CHECKING:
     from cuda_allocator_model.chart import byte_range as byte_range
     from cuda_allocator_model.chart import byte_ticks as byte_ticks
     from cuda_allocator_model.chart import nice_step as nice_step
+    from cuda_allocator_model.constants import DEFAULT_POOL as DEFAULT_POOL
+    from cuda_allocator_model.constants import INTERVALS as INTERVALS
+    from cuda_allocator_model.constants import MIN_BLOCK as MIN_BLOCK
+    from cuda_allocator_model.constants import SMALL_BUFFER as SMALL_BUFFER
+    from cuda_allocator_model.constants import UNLIMITED as UNLIMITED
+    from cuda_allocator_model.constants import PoolId as PoolId
     from cuda_allocator_model.errors import ModelError as ModelError
     from cuda_allocator_model.errors import exception_text as exception_text
     from cuda_allocator_model.model import CachingAllocatorModel as CachingAllocatorModel
     from cuda_allocator_model.oom import AllocatorOutOfMemory as AllocatorOutOfMemory
-    from cuda_allocator_model.settings import DEFAULT_POOL as DEFAULT_POOL
-    from cuda_allocator_model.settings import INTERVALS as INTERVALS
-    from cuda_allocator_model.settings import MIN_BLOCK as MIN_BLOCK
-    from cuda_allocator_model.settings import SMALL_BUFFER as SMALL_BUFFER
-    from cuda_allocator_model.settings import UNLIMITED as UNLIMITED
     from cuda_allocator_model.settings import AllocatorSettings as AllocatorSettings
-    from cuda_allocator_model.settings import PoolId as PoolId
     from cuda_allocator_model.sizes import MAX_BYTES as MAX_BYTES
     from cuda_allocator_model.sizes import MAX_TEXT as MAX_TEXT
     from cuda_allocator_model.sizes import format_size as format_size
@@ -54,20 +54,20 @@ _HOMES = {
     "CUBLAS_WORKSPACE_DEFAULT": "cuda_allocator_model.cards",
     "CachingAllocatorModel": "cuda_allocator_model.model",
     "Capacity": "cuda_allocator_model.cards",
-    "DEFAULT_POOL": "cuda_allocator_model.settings",
+    "DEFAULT_POOL": "cuda_allocator_model.constants",
     "Card": "cuda_allocator_model.cards",
-    "INTERVALS": "cuda_allocator_model.settings",
+    "INTERVALS": "cuda_allocator_model.constants",
     "MAX_BYTES": "cuda_allocator_model.sizes",
     "MAX_TEXT": "cuda_allocator_model.sizes",
-    "MIN_BLOCK": "cuda_allocator_model.settings",
+    "MIN_BLOCK": "cuda_allocator_model.constants",
     "ModelError": "cuda_allocator_model.errors",
     "PlotArea": "cuda_allocator_model.chart",
-    "PoolId": "cuda_allocator_model.settings",
+    "PoolId": "cuda_allocator_model.constants",
     "exception_text": "cuda_allocator_model.errors",
-    "SMALL_BUFFER": "cuda_allocator_model.settings",
+    "SMALL_BUFFER": "cuda_allocator_model.constants",
     "Segment": "cuda_allocator_model.blocks",
     "ServedByModel": "cuda_allocator_model.trace",
-    "UNLIMITED": "cuda_allocator_model.settings",
+    "UNLIMITED": "cuda_allocator_model.constants",
     "byte_range": "cuda_allocator_model.chart",
     "byte_ticks": "cuda_allocator_model.chart",
     "capacity_bytes": "cuda_allocator_model.cards",

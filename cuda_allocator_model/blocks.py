@@ -11,7 +11,8 @@ from bisect import bisect_left, insort
 from dataclasses import dataclass
 from typing import Final
 
-from cuda_allocator_model.settings import DEFAULT_POOL, UNLIMITED, AllocatorSettings, PoolId
+from cuda_allocator_model.constants import DEFAULT_POOL, UNLIMITED, PoolId
+from cuda_allocator_model.settings import AllocatorSettings
 
 # A pool keeps one sorted list of free blocks per stream; a block's place in it is one int, (size,
 # address) in that order of significance (ints compare far faster than tuples): with the stream first,

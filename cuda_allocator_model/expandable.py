@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cuda_allocator_model.blocks import AllocatorState, Block, Pool
-from cuda_allocator_model.settings import SMALL_BUFFER
+from cuda_allocator_model.constants import SMALL_BUFFER
 
 
 class ExpandableSegments(AllocatorState):

@@ -102,10 +102,11 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 
 from cuda_allocator_model.blocks import Block, PrivatePool
+from cuda_allocator_model.constants import DEFAULT_POOL, MIN_BLOCK, ONE_EXABYTE, PoolId
 from cuda_allocator_model.errors import ModelError
 from cuda_allocator_model.expandable import expandable_best_fit
 from cuda_allocator_model.oom import AllocatorOutOfMemory, NewMemory
-from cuda_allocator_model.settings import DEFAULT_POOL, MIN_BLOCK, ONE_EXABYTE, AllocatorSettings, PoolId
+from cuda_allocator_model.settings import AllocatorSettings
 
 __all__ = ["DEFAULT_POOL", "AllocatorOutOfMemory", "AllocatorSettings", "CachingAllocatorModel", "PoolId"]
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 from bisect import bisect_left
 
 from cuda_allocator_model.blocks import SIZE_SHIFT, Block, Pool
-from cuda_allocator_model.expandable import ExpandableSegments
-from cuda_allocator_model.settings import (
+from cuda_allocator_model.constants import (
     DEFAULT_POOL,
     MIN_LARGE_ALLOC,
     ONE_EXABYTE,
@@ -15,6 +14,7 @@ from cuda_allocator_model.settings import (
     SMALL_SIZE,
     PoolId,
 )
+from cuda_allocator_model.expandable import ExpandableSegments
 from cuda_allocator_model.sizes import format_size
 
 

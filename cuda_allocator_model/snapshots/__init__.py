@@ -14,13 +14,13 @@ if TYPE_CHECKING:
     from cuda_allocator_model.snapshots.agreement import agree as agree
     from cuda_allocator_model.snapshots.command import add_parser as add_replay_parser
     from cuda_allocator_model.snapshots.command import run as run_replay
-    from cuda_allocator_model.snapshots.read import Event as Event
-    from cuda_allocator_model.snapshots.read import Frame as Frame
-    from cuda_allocator_model.snapshots.read import Snapshot as Snapshot
-    from cuda_allocator_model.snapshots.read import SnapshotBlock as SnapshotBlock
-    from cuda_allocator_model.snapshots.read import SnapshotSegment as SnapshotSegment
     from cuda_allocator_model.snapshots.read import read_snapshot as read_snapshot
     from cuda_allocator_model.snapshots.read import snapshot_from_bytes as snapshot_from_bytes
+    from cuda_allocator_model.snapshots.records import Event as Event
+    from cuda_allocator_model.snapshots.records import Frame as Frame
+    from cuda_allocator_model.snapshots.records import Snapshot as Snapshot
+    from cuda_allocator_model.snapshots.records import SnapshotBlock as SnapshotBlock
+    from cuda_allocator_model.snapshots.records import SnapshotSegment as SnapshotSegment
     from cuda_allocator_model.snapshots.replay import CardFigures as CardFigures
     from cuda_allocator_model.snapshots.replay import replay as card_figures
     from cuda_allocator_model.snapshots.start import StartState as StartState
@@ -33,11 +33,11 @@ _HOMES = {
     "Agreement": "cuda_allocator_model.snapshots.agreement",
     "CardFigures": "cuda_allocator_model.snapshots.replay",
     "DeviceReplay": "cuda_allocator_model.snapshots.whatif",
-    "Event": "cuda_allocator_model.snapshots.read",
-    "Frame": "cuda_allocator_model.snapshots.read",
-    "Snapshot": "cuda_allocator_model.snapshots.read",
-    "SnapshotBlock": "cuda_allocator_model.snapshots.read",
-    "SnapshotSegment": "cuda_allocator_model.snapshots.read",
+    "Event": "cuda_allocator_model.snapshots.records",
+    "Frame": "cuda_allocator_model.snapshots.records",
+    "Snapshot": "cuda_allocator_model.snapshots.records",
+    "SnapshotBlock": "cuda_allocator_model.snapshots.records",
+    "SnapshotSegment": "cuda_allocator_model.snapshots.records",
     "StartState": "cuda_allocator_model.snapshots.start",
     "WhatIf": "cuda_allocator_model.snapshots.whatif",
     "add_replay_parser": "cuda_allocator_model.snapshots.command:add_parser",

@@ -23,8 +23,10 @@ from typing import Any, Final
 from cuda_allocator_model.errors import ModelError
 from cuda_allocator_model.sizes import format_size
 from cuda_allocator_model.snapshots.align import MAX_EDITS, align
-from cuda_allocator_model.snapshots.read import Event, Snapshot, collector_paused, read_snapshot
+from cuda_allocator_model.snapshots.read import read_snapshot
+from cuda_allocator_model.snapshots.records import Event, Snapshot
 from cuda_allocator_model.snapshots.replay import CardFigures, replay
+from cuda_allocator_model.snapshots.unpickle import collector_paused
 
 __all__ = ["Alignment", "Difference", "Peaks", "Request", "compare", "render", "run_against", "to_json"]
 

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from cuda_allocator_model.constants import DEFAULT_POOL, PoolId
 from cuda_allocator_model.model import AllocatorOutOfMemory, CachingAllocatorModel
-from cuda_allocator_model.settings import DEFAULT_POOL, AllocatorSettings, PoolId
-from cuda_allocator_model.snapshots.read import Event, Snapshot
+from cuda_allocator_model.settings import AllocatorSettings
+from cuda_allocator_model.snapshots.records import Event, Snapshot
 from cuda_allocator_model.snapshots.start import Pools, StartState, restore, start_state
 
 __all__ = ["Agreement", "PoolAtEnd", "agree", "derived_capacity", "emptied_by", "pools_at_end"]

@@ -27,7 +27,8 @@ from cuda_allocator_model.sizes import format_size
 from cuda_allocator_model.snapshots import final
 from cuda_allocator_model.snapshots.agreement import Agreement, agree
 from cuda_allocator_model.snapshots.final import untraced
-from cuda_allocator_model.snapshots.read import Snapshot, read_snapshot
+from cuda_allocator_model.snapshots.read import read_snapshot
+from cuda_allocator_model.snapshots.records import Snapshot
 from cuda_allocator_model.snapshots.start import StartState
 from cuda_allocator_model.snapshots.whatif import DeviceReplay, WhatIf, what_if
 

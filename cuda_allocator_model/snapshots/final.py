@@ -18,8 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cuda_allocator_model.constants import DEFAULT_POOL
 from cuda_allocator_model.sizes import format_size
-from cuda_allocator_model.snapshots.read import DEFAULT_POOL, Snapshot, SnapshotSegment
+from cuda_allocator_model.snapshots.records import Snapshot, SnapshotSegment
 from cuda_allocator_model.snapshots.start import LiveBlock, StartSegment, StartState
 from cuda_allocator_model.snapshots.whatif import frames_user_frame
 

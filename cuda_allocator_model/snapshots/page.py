@@ -13,7 +13,7 @@ from cuda_allocator_model.chart import PlotArea
 from cuda_allocator_model.sizes import format_size
 
 if TYPE_CHECKING:
-    from cuda_allocator_model.snapshots.read import Snapshot
+    from cuda_allocator_model.snapshots.records import Snapshot
     from cuda_allocator_model.snapshots.whatif import DeviceReplay, WhatIf
 
 __all__ = ["final_page", "page"]

@@ -22,7 +22,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 
 from cuda_allocator_model.model import AllocatorSettings, CachingAllocatorModel
-from cuda_allocator_model.snapshots.read import Event, Snapshot
+from cuda_allocator_model.snapshots.records import Event, Snapshot
 from cuda_allocator_model.snapshots.start import Pools
 
 __all__ = ["CardFigures", "replay", "starts_empty"]

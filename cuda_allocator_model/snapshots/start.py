@@ -22,9 +22,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from cuda_allocator_model.blocks import RestoredPiece, RestoredSegment
+from cuda_allocator_model.constants import DEFAULT_POOL, SMALL_BUFFER, MiB, PoolId
 from cuda_allocator_model.model import CachingAllocatorModel
-from cuda_allocator_model.settings import DEFAULT_POOL, SMALL_BUFFER, MiB, PoolId
-from cuda_allocator_model.snapshots.read import Event, Snapshot
+from cuda_allocator_model.snapshots.records import Event, Snapshot
 
 __all__ = ["LiveBlock", "Pools", "StartSegment", "StartState", "may_have_wrapped", "restore", "start_state"]
 

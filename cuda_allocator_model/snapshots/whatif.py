@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from cuda_allocator_model.model import AllocatorOutOfMemory, CachingAllocatorModel
 from cuda_allocator_model.settings import AllocatorSettings
 from cuda_allocator_model.snapshots.agreement import Agreement, emptied_by
-from cuda_allocator_model.snapshots.read import Event, Frame, Snapshot
+from cuda_allocator_model.snapshots.records import Event, Frame, Snapshot
 from cuda_allocator_model.snapshots.start import Pools, StartState, start_state
 
 __all__ = ["DeviceReplay", "OutOfMemoryAt", "WhatIf", "frames_user_frame", "user_frame", "what_if"]
