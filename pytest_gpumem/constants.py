@@ -7,4 +7,5 @@ PATHS = ("cpu", "gpu")  # whose code paths the tracker runs: the CPU's, or a GPU
 DEFAULT_FILENAME = "gpumem-baselines.json"
 DEFAULT_TOLERANCE_PERCENT = 5.0
 DEFAULT_SLACK_BYTES = 1 << 20
+WORKSPACES_AT_ZERO = "cuDNN workspaces counted at 0 B"  # how the tracker's note on them begins
 DEFAULT_DIST_TIMEOUT = 120.0  # seconds the ranks may run the function, once all have joined the process group

@@ -267,7 +267,7 @@ def test_a_conv_test_on_meta_says_which_convolutions_a_card_may_exceed(
 ) -> None:
     tracker.makepyfile(
         """
-        import torch
+        import pytest, torch
 
         def test_conv(gpumem):
             conv = torch.nn.Conv2d(4, 8, 3, padding=1, bias=False).to(gpumem.device)
@@ -275,9 +275,20 @@ def test_a_conv_test_on_meta_says_which_convolutions_a_card_may_exceed(
             with gpumem.phase("forward"):
                 y = conv(x)  # its output 16,384 B and the input's copy 8,192 B
             del y
+
+        @pytest.mark.max_memory(forward="16 KiB")
+        def test_conv_over(gpumem):
+            test_conv(gpumem)
         """
     )
-    tracker.runpytest("--gpumem-device=meta", "--gpumem-json=out.json").assert_outcomes(passed=1)
+    result = tracker.runpytest("--gpumem-device=meta", "--gpumem-json=out.json")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(  # the failing figure says it is low by what a card's algorithm adds
+        [
+            "forward peak 24.0 KiB exceeds max_memory forward=16 KiB, "
+            "with cuDNN workspaces counted at 0 B (see what made it*"
+        ]
+    )
     test = reported()["test_conv"]
     assert test["phases"]["forward"]["peak_bytes"] == 16384 + 8192
     assert [note.split(":")[0] for note in test["notes"]] == [

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cuda_allocator_model import format_size
+from pytest_gpumem.constants import WORKSPACES_AT_ZERO
 from pytest_gpumem.explain.text import made_of, over_limit
 from pytest_gpumem.explain.text import section as explained
 from pytest_gpumem.reasons import (
@@ -76,10 +77,11 @@ def _bare(clause: str) -> str:
     return text[1:-1] if text.startswith("(") and text.endswith(")") else text
 
 
-def budget_line(violations: Sequence[str], made: str, advised: str) -> FailureLine:
-    """The first limit exceeded, then what its peak is made of (or how to see it), the advice, and the
-    other limits exceeded."""
-    return fit_line(violations[0], [made, advised, *(f"; {v}" for v in violations[1:])])
+def budget_line(violations: Sequence[str], made: str, advised: str, low: bool = False) -> FailureLine:
+    """The first limit exceeded (and that its figure is low by what was counted at 0 B, where `low`), then
+    what its peak is made of (or how to see it), the advice, and the other limits exceeded."""
+    bound = [f", with {WORKSPACES_AT_ZERO}"] if low else []
+    return fit_line(violations[0], [*bound, made, advised, *(f"; {v}" for v in violations[1:])])
 
 
 def verdict_line(problems: Sequence[str], how: str) -> FailureLine:
@@ -140,7 +142,8 @@ def _over_budget_line(reason: OverBudget, record: CallRecord, budget: Budget | N
     call, phases = record.call, record.phases
     advised = advice_clause(record.advice, budget, call, phases)
     made = made_of(record.explanation, over_limit(budget, call, phases)) if not advised else ""
-    return budget_line(reason.violations, made, advised)
+    low = any(note.startswith(WORKSPACES_AT_ZERO) for note in record.notes)
+    return budget_line(reason.violations, made, advised, low)
 
 
 def out_of_memory_message(record: CallRecord, budget: Budget | None, oom: OutOfMemory) -> FailureLine:

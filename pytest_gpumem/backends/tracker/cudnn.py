@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from pytest_gpumem.backends.tracker.recording import op_arg
+from pytest_gpumem.constants import WORKSPACES_AT_ZERO
 
 CONVOLUTION = "aten.convolution.default"
 CONVOLUTION_BACKWARD = "aten.convolution_backward.default"
@@ -301,7 +302,7 @@ def notes(bounds: dict[tuple[str, str], int]) -> list[str]:
     if workspaces:
         named = ", ".join(f"{text} x{calls}" for text, calls in sorted(workspaces.items()))
         found.append(
-            f"cuDNN workspaces counted at 0 B in {_calls(sum(workspaces.values()))} ({named}): their size is the "
+            f"{WORKSPACES_AT_ZERO} in {_calls(sum(workspaces.values()))} ({named}): their size is the "
             "card's algorithm choice (heuristics or cudnn.benchmark), torch falls back to a smaller one when the "
             "allocator refuses, and a card with room holds more at those ops"
         )
