@@ -12,7 +12,7 @@ from cuda_allocator_model import ModelError
 from pytest_gpumem import hookspecs
 from pytest_gpumem.budget import MARKER, MARKER_SIGNATURE
 from pytest_gpumem.config import add_options, read_options
-from pytest_gpumem.run.late_markers import refuse_late_markers
+from pytest_gpumem.run.late_markers import calling, refuse_late_markers
 from pytest_gpumem.run.regression import BaselineRun
 from pytest_gpumem.run.session import BASELINES, MEASUREMENT_KEY, REGISTERED, XDIST, GpuMemSession
 from pytest_gpumem.run.xdist import distributes, worker_id
@@ -171,7 +171,7 @@ def gpumem(request: pytest.FixtureRequest) -> GpuMem:
         from pytest_gpumem.run.unmeasured import unmeasured
 
         return unmeasured(request.node.nodeid, session.backend)
-    if os.environ.get("PYTEST_CURRENT_TEST", "").endswith("(call)"):
+    if calling():
         pytest.fail(
             f"{request.node.nodeid}: request the gpumem fixture as a test argument or from a fixture; "
             "asked for inside the test function, its call can no longer be measured",

@@ -6,7 +6,6 @@ ranks. The test author's side is `pytest_gpumem.measure.meter.GpuMem`, made on i
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pytest_gpumem.backends.base import Backend, collect_garbage
@@ -14,7 +13,7 @@ from pytest_gpumem.errors import GpuMemError, one_line
 from pytest_gpumem.measure.oom_and_leaks import Holding, leak_holding
 from pytest_gpumem.measure.record import CallRecord, SimulatedRank
 from pytest_gpumem.measure.regions import RegionStack
-from pytest_gpumem.results import PhaseResult
+from pytest_gpumem.results import PhaseResult, Phases
 from pytest_gpumem.results.ranks import World, worst_call
 
 if TYPE_CHECKING:
@@ -248,7 +247,7 @@ class Measurement:
             backend=self.backend.name,
             device=str(self.device),
             call=call,
-            phases=MappingProxyType(dict(self._results)),
+            phases=Phases(self._results),
             notes=tuple(self._notes),
             survivors=survivors,
             holding=holding,

@@ -33,7 +33,7 @@ class _RefusingLateMarkers:
 
     def __call__(self, marker: str | pytest.MarkDecorator, append: bool = True) -> None:
         __tracebackhide__ = True
-        if _name(marker) == MARKER and _calling():
+        if _name(marker) == MARKER and calling():
             pytest.fail(
                 f"{self.nodeid}: max_memory added inside the test function, after its call began: "
                 f"it would be ignored; {_WHERE}",
@@ -42,7 +42,7 @@ class _RefusingLateMarkers:
         self.add_marker(marker, append)
 
 
-def _calling() -> bool:
+def calling() -> bool:
     """Whether a test's call runs (pytest's own word for the phase, as the gpumem fixture reads it)."""
     return os.environ.get("PYTEST_CURRENT_TEST", "").endswith(" (call)")
 
