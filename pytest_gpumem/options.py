@@ -14,6 +14,7 @@ from pytest_gpumem.constants import (
     DEFAULT_SLACK_BYTES,
     DEFAULT_TOLERANCE_PERCENT,
 )
+from pytest_gpumem.report.writers import WRITERS, Writer
 from pytest_gpumem.values import (
     backend_name,
     capacity,
@@ -53,6 +54,8 @@ class Option:
     place: Callable[[Path], Path] | None = None
     """For a file or folder: checks (or makes) it, given relative to the invocation folder, its ini twin
     relative to the rootdir."""
+    writer: type[Writer] | None = None
+    """For an end-of-run file: the writer its path is given to (`Options.writers` holds those asked for)."""
 
     @property
     def dest(self) -> str:
@@ -78,6 +81,13 @@ def switch(flag: str, field: str, help: str) -> Option:
 def file(flag: str, field: str, help: str, shown_default: str = "none") -> Option:
     """A file to write (its folder must exist)."""
     return Option(flag, field, help, metavar="PATH", shown_default=shown_default, place=file_to_write)
+
+
+def written(writer: type[Writer]) -> Option:
+    """The option of an end-of-run file, as its writer declares it (report/writers.py)."""
+    return Option(
+        writer.flag, "writers", writer.help, metavar="PATH", shown_default="none", place=file_to_write, writer=writer
+    )
 
 
 def folder(flag: str, field: str, help: str) -> Option:
@@ -108,8 +118,7 @@ OPTIONS: tuple[Option, ...] = (
         "auto",
     ),
     switch("--gpumem-report", "report", "print a table of every measured test at the end."),
-    file("--gpumem-json", "json_path", "write every measured test's figures to PATH as JSON."),
-    file("--gpumem-markdown", "markdown_path", "write the report table to PATH as Markdown (CI step summaries)."),
+    *map(written, WRITERS),
     file("--gpumem-baseline-file", "path", "stored baselines to compare with.", f"{DEFAULT_FILENAME} in the rootdir"),
     Option(
         "--gpumem-update",

@@ -157,9 +157,7 @@ class GpuMemSession:
         """At the end of the run: workers hand their results over; the controller writes the files."""
         if worker_id(self.config) is not None:
             return  # each result went to the controller with its test's report
-        from pytest_gpumem.report.writers import chosen
-
-        writers = chosen(self.options)
+        writers = self.options.writers
         if writers or self.baselines.active:
             self._write_files(session, exitstatus, writers)
         try:
