@@ -15,6 +15,7 @@ import pytest
 
 from pytest_gpumem.budget import Budget, Limit
 from pytest_gpumem.constants import (
+    COLUMNS,
     DEFAULT_DIST_TIMEOUT,
     DEFAULT_FILENAME,
 )
@@ -31,6 +32,8 @@ class Options:
     rounding: str
     report: bool
     writers: tuple[Writer, ...] = ()  # the end-of-run files asked for, in the order of `WRITERS`
+    columns: tuple[str, ...] = COLUMNS  # the report table's, in its order
+    id_form: str = "short"  # the report table's test ids: short (without their common prefix) or long
     measure_all: bool = False
     disabled: bool = False  # --gpumem-disable: nothing is measured or judged
     default_budget: Budget | None = None
@@ -204,6 +207,7 @@ def read_options(config: pytest.Config) -> tuple[Options, BaselineOptions]:
             read["writers"] += (option.writer(value),)
     _give_back_test_paths(config)  # `pytest --gpumem-update test_x.py`: test_x.py is a test path
     read["path"] = read["path"] or config.rootpath / DEFAULT_FILENAME
+    read["columns"] = read["columns"] or COLUMNS
     backend_given = config.getoption("gpumem_backend") is not None or config.getini("gpumem_backend") != "auto"
     options = Options(backend_given=backend_given, **_fields_of(Options, read))
     baseline = BaselineOptions(**_fields_of(BaselineOptions, read))

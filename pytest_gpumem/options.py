@@ -9,6 +9,7 @@ from pathlib import Path
 
 from cuda_allocator_model import format_size
 from pytest_gpumem.constants import (
+    COLUMNS,
     DEFAULT_DIST_TIMEOUT,
     DEFAULT_FILENAME,
     DEFAULT_SLACK_BYTES,
@@ -19,11 +20,13 @@ from pytest_gpumem.values import (
     backend_name,
     capacity,
     code_paths,
+    columns,
     default_budget,
     device_name,
     devices_spec,
     file_to_write,
     folder_to_make,
+    id_form,
     leak,
     rounding,
     seconds,
@@ -118,6 +121,25 @@ OPTIONS: tuple[Option, ...] = (
         "auto",
     ),
     switch("--gpumem-report", "report", "print a table of every measured test at the end."),
+    Option(
+        "--gpumem-columns",
+        "columns",
+        f"the report table's columns, of {', '.join(COLUMNS)} (in the table's order whatever the order given); "
+        "the test is always shown, and a column only where the tests have something to show in it.",
+        columns,
+        "LIST",
+        "all",
+    ),
+    Option(
+        "--gpumem-name",
+        "id_form",
+        "the report table's test ids: short leaves out the start that all share (a line above the table names "
+        "it), long shows them whole; either is cut where the terminal is too narrow.",
+        id_form,
+        "short|long",
+        "short",
+        "short",
+    ),
     *map(written, WRITERS),
     file("--gpumem-baseline-file", "path", "stored baselines to compare with.", f"{DEFAULT_FILENAME} in the rootdir"),
     Option(

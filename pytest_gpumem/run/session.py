@@ -151,7 +151,7 @@ class GpuMemSession:
             return ["no test was measured (use the gpumem fixture or @pytest.mark.max_memory)"]
         from pytest_gpumem.report.terminal import table_lines
 
-        return table_lines(self.results, width, long)
+        return table_lines(self.results, width, long, self.options.columns, self.options.id_form)
 
     def finish(self, session: pytest.Session, exitstatus: int) -> None:
         """At the end of the run: workers hand their results over; the controller writes the files."""
