@@ -38,8 +38,7 @@ def columns(value: str) -> tuple[str, ...]:
     names = [name.strip() for name in value.split(",")]
     wrong = next((name for name in names if name not in COLUMNS), None)
     if wrong is not None:
-        said = shorten(wrong) if wrong == value else f"{shorten(wrong)} in {shorten(value)}"
-        raise argparse.ArgumentTypeError(f"invalid column {said} (a comma-separated list of {', '.join(COLUMNS)})")
+        raise argparse.ArgumentTypeError(f"invalid column {shorten(wrong)} (choose from {', '.join(COLUMNS)})")
     return tuple(name for name in COLUMNS if name in names)
 
 

@@ -106,9 +106,9 @@ def test_any_choice_fits_the_width(width: int) -> None:
 @pytest.mark.parametrize(
     ("parse", "value", "message"),
     [
-        (values.columns, "pk", "invalid column 'pk' (a comma-separated list of " + ", ".join(COLUMNS) + ")"),
-        (values.columns, "peak,pk", "invalid column 'pk' in 'peak,pk' (a comma-separated list of device, *"),
-        (values.columns, "", "invalid column '' (a comma-separated list of device, *"),
+        (values.columns, "pk", "invalid column 'pk' (choose from " + ", ".join(COLUMNS) + ")"),
+        (values.columns, "peak, pk", "invalid column 'pk' (choose from device, *"),
+        (values.columns, "", "invalid column '' (choose from device, *"),
         (values.id_form, "medium", "invalid id form 'medium' (choose from short, long)"),
     ],
 )
@@ -132,7 +132,7 @@ def test_gpumem_columns_chooses_the_report_tables_columns(tracker: pytest.Pytest
     tracker.makeini("[pytest]\ngpumem_backend = tracker\ngpumem_columns = peak,sttaus\n")
     refused = tracker.runpytest("--gpumem-report")
     assert refused.ret == pytest.ExitCode.USAGE_ERROR
-    refused.stderr.fnmatch_lines(["ERROR: ini option gpumem_columns: invalid column 'sttaus' in 'peak,sttaus' (*)"])
+    refused.stderr.fnmatch_lines(["ERROR: ini option gpumem_columns: invalid column 'sttaus' (choose from *)"])
 
 
 def test_gpumem_name_long_shows_whole_test_ids(tracker: pytest.Pytester) -> None:
