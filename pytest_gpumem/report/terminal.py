@@ -5,7 +5,8 @@ The short form has fixed columns (test, call peak, baseline, change, budget, sta
 row left out), a column for each phase that most tests share, and one cell for every other phase
 ("forward 4.0 MiB · backward 8.0 MiB", the largest where not all fit); per-rank phases (`phase@rankN`)
 fold into the worst rank ("28.0 MiB @rank1", no rank where all ranks agree). The long form has one row
-per test and phase.
+per test and phase. Each form's columns are a table of small functions (`_SHORT`, `_LONG`), each under the
+name `--gpumem-columns` chooses it by (constants.COLUMNS).
 
 Widths are screen columns; how the table is fitted to a terminal's is `report/fitting.py`'s.
 """
@@ -270,20 +271,20 @@ _ALWAYS = ("test", "picture")  # shown whatever the columns chosen (the picture 
 
 @dataclass(frozen=True)
 class _LongRow:
-    """A row of the long form: a test's whole call (`name` None), or one of its phases."""
+    """A row of the long form: a test's whole call (`name` None), or one of its phases, with its figures
+    and its baseline, change and verdict cells."""
 
     result: TestResult
     shown: str  # the test's id as shown
     name: str | None
     links: Callable[[str], str] | None
+    phase: PhaseResult | None
+    compared: tuple[str, str, str]
 
-    @property
-    def phase(self) -> PhaseResult | None:
-        return self.result.call if self.name is None else self.result.phases[self.name]
-
-    @property
-    def compared(self) -> tuple[str, str, str]:
-        return _baseline(self.result, self.name)
+    @classmethod
+    def of(cls, result: TestResult, shown: str, name: str | None, links: Callable[[str], str] | None) -> _LongRow:
+        phase = result.call if name is None else result.phases[name]
+        return cls(result, shown, name, links, phase, _baseline(result, name))
 
 
 def _long_peak(row: _LongRow) -> str:
@@ -329,7 +330,7 @@ def long_columns(
     names = ids or [r.nodeid for r in results]
     phases = "phases" in columns
     rows = [
-        _LongRow(r, shown, name, links)
+        _LongRow.of(r, shown, name, links)
         for r, shown in zip(results, names, strict=True)
         for name in (None, *(r.phases if phases else ()))
     ]
