@@ -15,10 +15,12 @@ import pytest
 
 from pytest_gpumem.budget import Budget, Limit
 from pytest_gpumem.constants import (
+    COLUMNS,
     DEFAULT_DIST_TIMEOUT,
     DEFAULT_FILENAME,
 )
 from pytest_gpumem.options import OPTIONS, Option
+from pytest_gpumem.report.writers import Writer
 
 
 @dataclass(frozen=True)
@@ -29,8 +31,9 @@ class Options:
     backend_given: bool
     rounding: str
     report: bool
-    json_path: Path | None
-    markdown_path: Path | None
+    writers: tuple[Writer, ...] = ()  # the end-of-run files asked for, in the order of `WRITERS`
+    columns: tuple[str, ...] = COLUMNS  # the report table's, in its order
+    id_form: str = "short"  # the report table's test ids: short (without their common prefix) or long
     measure_all: bool = False
     disabled: bool = False  # --gpumem-disable: nothing is measured or judged
     default_budget: Budget | None = None
@@ -195,9 +198,16 @@ def _place(config: pytest.Config, option: Option, place: Callable[[Path], Path])
 
 
 def read_options(config: pytest.Config) -> tuple[Options, BaselineOptions]:
-    read = {option.field: _read(config, option) for option in OPTIONS}
+    read: dict[str, Any] = {"writers": ()}
+    for option in OPTIONS:  # in their order: the first bad value is the one said
+        value = _read(config, option)
+        if option.writer is None:
+            read[option.field] = value
+        elif value is not None:
+            read["writers"] += (option.writer(value),)
     _give_back_test_paths(config)  # `pytest --gpumem-update test_x.py`: test_x.py is a test path
     read["path"] = read["path"] or config.rootpath / DEFAULT_FILENAME
+    read["columns"] = read["columns"] or COLUMNS
     backend_given = config.getoption("gpumem_backend") is not None or config.getini("gpumem_backend") != "auto"
     options = Options(backend_given=backend_given, **_fields_of(Options, read))
     baseline = BaselineOptions(**_fields_of(BaselineOptions, read))
@@ -222,13 +232,11 @@ def _refuse_overwriting_baselines(options: Options, baseline_path: Path) -> None
     """A report written over the baseline file, or one report over another, would destroy it."""
     from itertools import combinations
 
-    from pytest_gpumem.report.writers import chosen
-
-    for writer in chosen(options):
+    for writer in options.writers:
         if _same_file(writer.path, baseline_path):
             said = f"{writer.flag}={writer.path}"
             raise pytest.UsageError(f"{said}: that is the baseline file; write the report elsewhere")
-    for one, other in combinations(chosen(options), 2):
+    for one, other in combinations(options.writers, 2):
         if _same_file(one.path, other.path):
             said = f"{one.flag}={one.path} and {other.flag}={other.path}"
             raise pytest.UsageError(f"{said} are one file; give each report its own")

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 ROUNDINGS = ("auto", "none", "cuda")  # auto: cuda on meta (a prediction of a GPU), none on cpu
 PATHS = ("cpu", "gpu")  # whose code paths the tracker runs: the CPU's, or a GPU's (foreach, fused attention)
+COLUMNS = ("device", "phases", "peak", "reserved", "net", "baseline", "change", "budget", "status", "made-of")
+"""The report table's columns a user may choose (--gpumem-columns), in the table's order; the test is always shown."""
+ID_FORMS = ("short", "long")  # the report table's test ids: without the prefix they all share, or whole
 DEFAULT_FILENAME = "gpumem-baselines.json"
 DEFAULT_TOLERANCE_PERCENT = 5.0
 DEFAULT_SLACK_BYTES = 1 << 20

@@ -9,20 +9,24 @@ from pathlib import Path
 
 from cuda_allocator_model import format_size
 from pytest_gpumem.constants import (
+    COLUMNS,
     DEFAULT_DIST_TIMEOUT,
     DEFAULT_FILENAME,
     DEFAULT_SLACK_BYTES,
     DEFAULT_TOLERANCE_PERCENT,
 )
+from pytest_gpumem.report.writers import WRITERS, Writer
 from pytest_gpumem.values import (
     backend_name,
     capacity,
     code_paths,
+    columns,
     default_budget,
     device_name,
     devices_spec,
     file_to_write,
     folder_to_make,
+    id_form,
     leak,
     rounding,
     seconds,
@@ -53,6 +57,8 @@ class Option:
     place: Callable[[Path], Path] | None = None
     """For a file or folder: checks (or makes) it, given relative to the invocation folder, its ini twin
     relative to the rootdir."""
+    writer: type[Writer] | None = None
+    """For an end-of-run file: the writer its path is given to (`Options.writers` holds those asked for)."""
 
     @property
     def dest(self) -> str:
@@ -78,6 +84,13 @@ def switch(flag: str, field: str, help: str) -> Option:
 def file(flag: str, field: str, help: str, shown_default: str = "none") -> Option:
     """A file to write (its folder must exist)."""
     return Option(flag, field, help, metavar="PATH", shown_default=shown_default, place=file_to_write)
+
+
+def written(writer: type[Writer]) -> Option:
+    """The option of an end-of-run file, as its writer declares it (report/writers.py)."""
+    return Option(
+        writer.flag, "writers", writer.help, metavar="PATH", shown_default="none", place=file_to_write, writer=writer
+    )
 
 
 def folder(flag: str, field: str, help: str) -> Option:
@@ -108,8 +121,26 @@ OPTIONS: tuple[Option, ...] = (
         "auto",
     ),
     switch("--gpumem-report", "report", "print a table of every measured test at the end."),
-    file("--gpumem-json", "json_path", "write every measured test's figures to PATH as JSON."),
-    file("--gpumem-markdown", "markdown_path", "write the report table to PATH as Markdown (CI step summaries)."),
+    Option(
+        "--gpumem-columns",
+        "columns",
+        f"the report table's columns, of {', '.join(COLUMNS)} (in the table's order whatever the order given); "
+        "the test is always shown, and a column only where the tests have something to show in it.",
+        columns,
+        "LIST",
+        "all",
+    ),
+    Option(
+        "--gpumem-name",
+        "id_form",
+        "the report table's test ids: short leaves out the start that all share (a line above the table names "
+        "it), long shows them whole; either is cut where the terminal is too narrow.",
+        id_form,
+        "short|long",
+        "short",
+        "short",
+    ),
+    *map(written, WRITERS),
     file("--gpumem-baseline-file", "path", "stored baselines to compare with.", f"{DEFAULT_FILENAME} in the rootdir"),
     Option(
         "--gpumem-update",

@@ -112,7 +112,8 @@ def pytest_report_header(config: pytest.Config) -> str | list[str] | None:
     options = session.options
     if options.disabled:
         return "gpumem: off (--gpumem-disable): tests run unmeasured; no budget, leak or baseline is judged"
-    if options.backend_given or options.report or options.json_path or session.baselines.active:
+    said = any(writer.names_backend for writer in options.writers)  # the JSON report records the backend
+    if options.backend_given or options.report or said or session.baselines.active:
         return _header(session)
     return None
 

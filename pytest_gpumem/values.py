@@ -12,6 +12,8 @@ from pathlib import Path
 from cuda_allocator_model import MAX_TEXT, ModelError, parse_size, shorten
 from pytest_gpumem.budget import Budget, Limit, budget_from_marker, capacity_limit
 from pytest_gpumem.constants import (
+    COLUMNS,
+    ID_FORMS,
     PATHS,
     ROUNDINGS,
 )
@@ -29,6 +31,21 @@ def rounding(value: str) -> str:
     if value not in ROUNDINGS:
         raise argparse.ArgumentTypeError(f"invalid rounding {shorten(value)} (choose from {', '.join(ROUNDINGS)})")
     return value
+
+
+def columns(value: str) -> tuple[str, ...]:
+    """A comma-separated list of the report table's columns, in the table's order (--gpumem-columns)."""
+    names = [name.strip() for name in value.split(",")]
+    wrong = next((name for name in names if name not in COLUMNS), None)
+    if wrong is not None:
+        raise argparse.ArgumentTypeError(f"invalid column {shorten(wrong)} (choose from {', '.join(COLUMNS)})")
+    return tuple(name for name in COLUMNS if name in names)
+
+
+def id_form(value: str) -> str:
+    if value.strip() not in ID_FORMS:
+        raise argparse.ArgumentTypeError(f"invalid id form {shorten(value)} (choose from {', '.join(ID_FORMS)})")
+    return value.strip()
 
 
 def code_paths(value: str) -> str:

@@ -686,11 +686,12 @@ def test_the_end_of_the_run_says_what_it_writes_unless_quiet(tracker: pytest.Pyt
     assert not [line for line in quiet.outlines if line.startswith(("gpumem: writing", "gpumem: updating"))]
 
 
-def test_each_end_of_run_file_is_chosen_by_the_path_option_that_names_it() -> None:
-    files = {option.field: option.flag for option in OPTIONS if option.metavar == "PATH"}
-    assert {field: files.get(field) for field in WRITERS} == {field: w.flag for field, w in WRITERS.items()}
-    assert set(WRITERS) <= {field.name for field in fields(Options)}
-    assert [writer.flag for writer in WRITERS.values()] == ["--gpumem-json", "--gpumem-markdown"]  # written in order
+def test_each_end_of_run_file_is_asked_for_by_the_option_its_writer_declares() -> None:
+    rows = [option for option in OPTIONS if option.writer is not None]
+    assert [(row.flag, row.help, row.writer) for row in rows] == [(w.flag, w.help, w) for w in WRITERS]
+    assert {(row.field, row.metavar, row.ini) for row in rows} == {("writers", "PATH", row.dest) for row in rows}
+    assert "writers" in {field.name for field in fields(Options)}
+    assert [writer.flag for writer in WRITERS] == ["--gpumem-json", "--gpumem-markdown"]  # written in order
 
 
 def test_each_file_a_test_leaves_is_chosen_by_the_folder_option_that_names_it() -> None:

@@ -5,18 +5,21 @@ The short form has fixed columns (test, call peak, baseline, change, budget, sta
 row left out), a column for each phase that most tests share, and one cell for every other phase
 ("forward 4.0 MiB · backward 8.0 MiB", the largest where not all fit); per-rank phases (`phase@rankN`)
 fold into the worst rank ("28.0 MiB @rank1", no rank where all ranks agree). The long form has one row
-per test and phase.
+per test and phase. Each form's columns are a table of small functions (`_SHORT`, `_LONG`), each under the
+name `--gpumem-columns` chooses it by (constants.COLUMNS).
 
 Widths are screen columns; how the table is fitted to a terminal's is `report/fitting.py`'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
+from itertools import chain
 
 from cuda_allocator_model import format_size
 from pytest_gpumem.baselines.compare import change_text
+from pytest_gpumem.constants import COLUMNS
 from pytest_gpumem.explain.text import summary
 from pytest_gpumem.report.fitting import Column, fit, render
 from pytest_gpumem.report.ids import common_prefix, elide
@@ -171,13 +174,15 @@ class _ShortRows:
 
 def short_columns(
     results: Sequence[TestResult], shared: int | None = None, ids: Sequence[str] | None = None,
-    links: Callable[[str], str] | None = None,
+    links: Callable[[str], str] | None = None, columns: Collection[str] = COLUMNS,
 ) -> list[Column]:  # fmt: skip
     """The short form's columns, with the first `shared` of the shared phases (all by default) in their
     own columns and the others in one cell; `links` makes Markdown links of the pictures. Each column is
-    made by one of `_SHORT`, in the table's order; a fixed column empty in every row is left out."""
+    made by one of `_SHORT`, in the table's order, where `columns` names it (the test and the picture
+    always); a fixed column empty in every row is left out."""
     rows = _ShortRows.of(results, shared, ids, links)
-    return [col for make in _SHORT for col in make(rows) if col.header not in _OPTIONAL or any(map(any, col.cells))]
+    made = [make(rows) for name, make in _SHORT if name in columns or name in _ALWAYS]
+    return [col for col in chain.from_iterable(made) if col.header not in _OPTIONAL or any(map(any, col.cells))]
 
 
 def _test_column(rows: _ShortRows) -> list[Column]:
@@ -196,26 +201,31 @@ def _own_phase_columns(rows: _ShortRows) -> list[Column]:
     ]
 
 
-def _call_columns(rows: _ShortRows) -> list[Column]:
-    """The call's peak, and its reserved peak where every test has one (else -v shows it)."""
-    columns = [Column("call peak", [[_peak_cell(call)] for call in rows.calls], right=True)]
-    if all(call is not None and call.reserved_peak_bytes is not None for call in rows.calls):
-        columns.append(Column("reserved", [[_reserved(call)] for call in rows.calls], right=True))
-    return columns
+def _peak_column(rows: _ShortRows) -> list[Column]:
+    return [Column("call peak", [[_peak_cell(call)] for call in rows.calls], right=True)]
 
 
-def _baseline_columns(rows: _ShortRows) -> list[Column]:
-    return [
-        Column("baseline", [[_baseline(r, None)[0]] for r in rows.results], right=True),
-        Column("change", [[largest_change(r)] for r in rows.results], right=True),
-    ]
+def _reserved_column(rows: _ShortRows) -> list[Column]:
+    """The call's reserved peak where every test has one (else -v shows it)."""
+    if any(call is None or call.reserved_peak_bytes is None for call in rows.calls):
+        return []
+    return [Column("reserved", [[_reserved(call)] for call in rows.calls], right=True)]
 
 
-def _budget_and_status_columns(rows: _ShortRows) -> list[Column]:
-    return [
-        Column("budget", [[r.budget_text or ""] for r in rows.results]),
-        Column("status", [[r.status] for r in rows.results]),
-    ]
+def _baseline_column(rows: _ShortRows) -> list[Column]:
+    return [Column("baseline", [[_baseline(r, None)[0]] for r in rows.results], right=True)]
+
+
+def _change_column(rows: _ShortRows) -> list[Column]:
+    return [Column("change", [[largest_change(r)] for r in rows.results], right=True)]
+
+
+def _budget_column(rows: _ShortRows) -> list[Column]:
+    return [Column("budget", [[r.budget_text or ""] for r in rows.results])]
+
+
+def _status_column(rows: _ShortRows) -> list[Column]:
+    return [Column("status", [[r.status] for r in rows.results])]
 
 
 def _other_phases_column(rows: _ShortRows) -> list[Column]:
@@ -241,54 +251,95 @@ def _picture_column(rows: _ShortRows) -> list[Column]:
     return [Column("picture", [[f"[picture](<{links(r.html_path)}>)" if r.html_path else ""] for r in rows.results])]
 
 
-_SHORT: tuple[Callable[[_ShortRows], list[Column]], ...] = (
-    _test_column,
-    _device_column,
-    _own_phase_columns,
-    _call_columns,
-    _baseline_columns,
-    _budget_and_status_columns,
-    _other_phases_column,
-    _made_of_column,
-    _picture_column,
+_SHORT: tuple[tuple[str, Callable[[_ShortRows], list[Column]]], ...] = (
+    ("test", _test_column),
+    ("device", _device_column),
+    ("phases", _own_phase_columns),
+    ("peak", _peak_column),
+    ("reserved", _reserved_column),
+    ("baseline", _baseline_column),
+    ("change", _change_column),
+    ("budget", _budget_column),
+    ("status", _status_column),
+    ("phases", _other_phases_column),
+    ("made-of", _made_of_column),
+    ("picture", _picture_column),
 )
-"""The short form's columns, in the table's order."""
+"""The short form's columns, in the table's order, by the name `--gpumem-columns` gives them (constants.COLUMNS)."""
+_ALWAYS = ("test", "picture")  # shown whatever the columns chosen (the picture only in Markdown, which shows all)
+
+
+@dataclass(frozen=True)
+class _LongRow:
+    """A row of the long form: a test's whole call (`name` None), or one of its phases, with its figures
+    and its baseline, change and verdict cells."""
+
+    result: TestResult
+    shown: str  # the test's id as shown
+    name: str | None
+    links: Callable[[str], str] | None
+    phase: PhaseResult | None
+    compared: tuple[str, str, str]
+
+    @classmethod
+    def of(cls, result: TestResult, shown: str, name: str | None, links: Callable[[str], str] | None) -> _LongRow:
+        phase = result.call if name is None else result.phases[name]
+        return cls(result, shown, name, links, phase, _baseline(result, name))
+
+
+def _long_peak(row: _LongRow) -> str:
+    """A rank's own phase without its rank again ("fwd@rank1": "28.0 MiB"), any other with it."""
+    ranked = row.name is not None and split_rank(row.name)[1] is not None
+    return format_size(row.phase.peak_bytes) if ranked and row.phase else _peak_cell(row.phase)
+
+
+def _long_made_of(row: _LongRow) -> str:
+    explanation = row.result.explanation
+    return "" if explanation is None else summary(explanation, row.name or "call")
+
+
+def _long_picture(row: _LongRow) -> str:
+    html, links = row.result.html_path, row.links
+    return f"[picture](<{links(html)}>)" if links and html and row.name is None else ""
+
+
+_LONG: tuple[tuple[str, str, Callable[[_LongRow], str]], ...] = (
+    ("test", "test", lambda row: row.shown if row.name is None else ""),
+    ("phases", "phase", lambda row: row.name or "call"),
+    ("peak", "peak", _long_peak),
+    ("reserved", "reserved", lambda row: _reserved(row.phase)),
+    ("net", "net", lambda row: _net(row.phase)),
+    ("baseline", "baseline", lambda row: row.compared[0]),
+    ("change", "change", lambda row: row.compared[1]),
+    ("budget", "budget", lambda row: (row.result.budget_text or "") if row.name is None else ""),
+    ("status", "status", lambda row: row.result.status if row.name is None else row.compared[2]),
+    ("made-of", "made of", _long_made_of),
+    ("picture", "picture", _long_picture),
+)
+"""The long form's columns, in the table's order: the name `--gpumem-columns` gives each, its header, its cell."""
+_LONG_OPTIONAL = frozenset(("reserved", "baseline", "change", "budget", "made of", "picture"))  # left out when empty
+_FIGURES = frozenset(("peak", "reserved", "net", "baseline", "change"))  # aligned right
 
 
 def long_columns(
-    results: Sequence[TestResult], ids: Sequence[str] | None = None, links: Callable[[str], str] | None = None
-) -> tuple[list[Column], int]:
-    """The long form: for each test a row for the whole call, then one for each phase (ranks apart)."""
+    results: Sequence[TestResult], ids: Sequence[str] | None = None, links: Callable[[str], str] | None = None,
+    columns: Collection[str] = COLUMNS,
+) -> tuple[list[Column], int]:  # fmt: skip
+    """The long form: for each test a row for the whole call, then one for each phase (ranks apart) where
+    `columns` has the phases; a column for each of `_LONG` that `columns` names (the test always)."""
     names = ids or [r.nodeid for r in results]
-    rows: list[dict[str, str]] = []
-    for nodeid, r in zip(names, results, strict=True):
-        base, change, _ = _baseline(r, None)
-        rows.append(
-            {"test": nodeid, "phase": "call", "peak": _peak_cell(r.call), "reserved": _reserved(r.call),
-             "net": _net(r.call), "baseline": base,
-             "change": change, "budget": r.budget_text or "", "status": r.status,
-             "made of": summary(r.explanation) if r.explanation else "",
-             "picture": f"[picture](<{links(r.html_path)}>)" if links and r.html_path else ""}
-        )  # fmt: skip
-        for name, phase in r.phases.items():
-            base, change, verdict = _baseline(r, name)
-            made = summary(r.explanation, name) if r.explanation else ""
-            peak = format_size(phase.peak_bytes) if split_rank(name)[1] is not None else _peak_cell(phase)
-            rows.append(
-                {"test": "", "phase": name, "peak": peak, "reserved": _reserved(phase), "net": _net(phase),
-                 "baseline": base,
-                 "change": change, "status": verdict, "made of": made}
-            )  # fmt: skip
-    headers = ["test", "phase", "peak", "reserved", "net", "baseline", "change", "budget", "status", "made of"]
-    headers.append("picture")
-    optional = {"reserved", "baseline", "change", "budget", "made of", "picture"}
-    figures = {"peak", "reserved", "net", "baseline", "change"}
-    columns = [
-        Column(h, [[row.get(h, "")] for row in rows], right=h in figures, ids=h == "test", middle=h == "phase", key=h)
-        for h in headers
-        if h not in optional or any(row.get(h) for row in rows)
+    phases = "phases" in columns
+    rows = [
+        _LongRow.of(r, shown, name, links)
+        for r, shown in zip(results, names, strict=True)
+        for name in (None, *(r.phases if phases else ()))
     ]
-    return columns, len(rows)
+    made = [(header, [cell(row) for row in rows]) for name, header, cell in _LONG if name in columns or name in _ALWAYS]
+    return [
+        Column(h, [[c] for c in cells], right=h in _FIGURES, ids=h == "test", middle=h == "phase", key=h)
+        for h, cells in made
+        if h not in _LONG_OPTIONAL or any(cells)
+    ], len(rows)
 
 
 def _reserved(phase: PhaseResult | None) -> str:
@@ -305,20 +356,25 @@ def table(results: Sequence[TestResult], width: int | None = DEFAULT_WIDTH, long
     return "\n".join(table_lines(results, width, long))
 
 
-def table_lines(results: Sequence[TestResult], width: int | None = DEFAULT_WIDTH, long: bool = False) -> list[str]:
-    """The table's lines, each at most `width` screen columns (no limit for None), the worst status first."""
+def table_lines(
+    results: Sequence[TestResult], width: int | None = DEFAULT_WIDTH, long: bool = False,
+    columns: Collection[str] = COLUMNS, id_form: str = "short",
+) -> list[str]:  # fmt: skip
+    """The table's lines, each at most `width` screen columns (no limit for None), the worst status first:
+    `columns` (constants.COLUMNS) beside the test's id, without the prefix all share (`id_form` short,
+    said above the table) or whole (long)."""
     results = ordered(results)
-    prefix, ids = _ids(results, shorten=True)
+    prefix, ids = _ids(results, shorten=id_form == "short")
     caption = [_caption(prefix, width)] if prefix else []
     if long:
-        count = long_columns(results, ids)[1]
-        columns, left_out = fit(lambda _: long_columns(results, ids)[0], 0, ids, width)
+        count = long_columns(results, ids, columns=columns)[1]
+        shown, left_out = fit(lambda _: long_columns(results, ids, columns=columns)[0], 0, ids, width)
     else:
-        every = len(shared_phases([fold_ranks(r.phases) for r in results]))
-        columns, left_out = fit(lambda shared: short_columns(results, shared, ids), every, ids, width)
+        every = len(shared_phases([fold_ranks(r.phases) for r in results])) if "phases" in columns else 0
+        shown, left_out = fit(lambda shared: short_columns(results, shared, ids, columns=columns), every, ids, width)
         count = len(results)
     said = f"left out to fit {width} columns: {', '.join(left_out)}"
-    return caption + render(columns, count) + ([truncate(said, width or len(said))] if left_out else [])
+    return caption + render(shown, count) + ([truncate(said, width or len(said))] if left_out else [])
 
 
 def _caption(prefix: str, width: int | None) -> str:

@@ -1,17 +1,18 @@
-"""The files the end of a run writes, one small class each, and `WRITERS`, the table that names the option
-field choosing each. A new report format is a `Writer` here and a line in the table; the session writes
-whichever the options chose, in the table's order."""
+"""The files the end of a run writes, one small class each, in `WRITERS`. Each declares its own option (its
+flag and help; the path is its value): a new report format is a `Writer` here and a line in the table, and
+the option table (options.py), the options read (config.py) and the session follow from it. The session
+writes whichever the options chose, in the table's order."""
 
 from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-__all__ = ["WRITERS", "JsonReport", "MarkdownReport", "RunInfo", "Writer", "chosen"]
+__all__ = ["WRITERS", "JsonReport", "MarkdownReport", "RunInfo", "Writer"]
 
 if TYPE_CHECKING:
     from pytest_gpumem.results import TestResult
@@ -30,10 +31,14 @@ class RunInfo:
 
 @dataclass(frozen=True)
 class Writer(ABC):
-    """One file written at the end of a run, to `path`, given by the option `flag`."""
+    """One file written at the end of a run, to `path`, given by the option `flag` (its ini twin is the flag
+    without its dashes: gpumem_json) whose help is `help`."""
 
     path: Path
     flag: ClassVar[str]
+    help: ClassVar[str]
+    names_backend: ClassVar[bool] = False
+    """Whether asking for it makes the run's header name the backend (the file records it)."""
 
     @abstractmethod
     def text(self, results: Sequence[TestResult], run: RunInfo) -> str:
@@ -42,6 +47,8 @@ class Writer(ABC):
 
 class JsonReport(Writer):
     flag = "--gpumem-json"
+    help = "write every measured test's figures to PATH as JSON."
+    names_backend = True
 
     def text(self, results: Sequence[TestResult], run: RunInfo) -> str:
         """The JSON report: the run's backend and device (those of its first result when it made none),
@@ -57,6 +64,7 @@ class JsonReport(Writer):
 
 class MarkdownReport(Writer):
     flag = "--gpumem-markdown"
+    help = "write the report table to PATH as Markdown (CI step summaries)."
 
     def text(self, results: Sequence[TestResult], run: RunInfo) -> str:
         """The Markdown summary, its links relative to the file's folder."""
@@ -65,11 +73,5 @@ class MarkdownReport(Writer):
         return markdown(results, run.long, run.root, self.path.parent, run.record)
 
 
-WRITERS: Mapping[str, type[Writer]] = {"json_path": JsonReport, "markdown_path": MarkdownReport}
-"""Each end-of-run file by the option field (of `config.Options`) that holds its path, in the order written."""
-
-
-def chosen(options: object) -> list[Writer]:
-    """The files `options` (a `config.Options`) ask for: each writer whose field holds a path, in table order."""
-    paths = ((writer, getattr(options, field)) for field, writer in WRITERS.items())
-    return [writer(path) for writer, path in paths if path is not None]
+WRITERS: tuple[type[Writer], ...] = (JsonReport, MarkdownReport)
+"""Each end-of-run file, in the order written (and of their options in `pytest --help`)."""

@@ -151,15 +151,13 @@ class GpuMemSession:
             return ["no test was measured (use the gpumem fixture or @pytest.mark.max_memory)"]
         from pytest_gpumem.report.terminal import table_lines
 
-        return table_lines(self.results, width, long)
+        return table_lines(self.results, width, long, self.options.columns, self.options.id_form)
 
     def finish(self, session: pytest.Session, exitstatus: int) -> None:
         """At the end of the run: workers hand their results over; the controller writes the files."""
         if worker_id(self.config) is not None:
             return  # each result went to the controller with its test's report
-        from pytest_gpumem.report.writers import chosen
-
-        writers = chosen(self.options)
+        writers = self.options.writers
         if writers or self.baselines.active:
             self._write_files(session, exitstatus, writers)
         try:
