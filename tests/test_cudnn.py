@@ -201,9 +201,25 @@ def test_only_cudnns_channels_last_batch_norm_backward_is_noted() -> None:
 def test_the_notes_name_the_ops_and_count_their_calls() -> None:
     bounds = {(cudnn.WORKSPACE, f"{CONV} 3x3"): 16, (cudnn.WORKSPACE, f"{CONV} 7x7"): 1, (cudnn.SAVED_COPY, BN): 2}
     workspaces, copies = cudnn.notes(bounds)
-    assert workspaces.startswith(f"cuDNN workspaces counted at 0 B in 17 calls ({CONV} 3x3 x16, {CONV} 7x7 x1)")
+    assert workspaces == (
+        "cuDNN workspaces counted at 0 B in 17 calls (conv 3x3 x16, conv 7x7 x1): a card's vary by algorithm"
+    )
     assert copies.startswith("2 calls of batch norm on non-contiguous inputs")
     assert cudnn.notes({}) == []
+
+
+def test_the_workspace_note_names_the_most_called_ops_that_fit_its_width() -> None:
+    """A ResNet's step: 6 kinds of call, 40 calls; those the width leaves out are counted."""
+    shapes = {"1x1": 3, "3x3": 16, "7x7": 1}
+    bounds = {(cudnn.WORKSPACE, f"{op} {shape}"): n for op in (CONV, CONV_BACKWARD) for shape, n in shapes.items()}
+    (note,) = cudnn.notes(bounds)
+    assert note == (
+        "cuDNN workspaces counted at 0 B in 40 calls (conv 3x3 x16, conv backward 3x3 x16, 4 more): "
+        "a card's vary by algorithm"
+    )
+    assert len(note) <= cudnn.NOTE_WIDTH
+    (alone,) = cudnn.notes({(cudnn.WORKSPACE, f"{BN_BACKWARD} channels-last"): 1})
+    assert alone.startswith("cuDNN workspaces counted at 0 B in 1 call (batch norm backward channels-last x1)")
     assert label(CONV) == "convolution copies and cuDNN workspace"
 
 
@@ -227,7 +243,7 @@ def test_end_to_end_the_copy_is_held_with_the_output_and_the_notes_name_the_op()
     finally:
         backend.stop()
     (note,) = backend.notes()
-    assert note.startswith(f"cuDNN workspaces counted at 0 B in 1 call ({CONV} 3x3 x1)")
+    assert note.startswith("cuDNN workspaces counted at 0 B in 1 call (conv 3x3 x1)")
 
 
 def test_on_meta_a_channels_last_convolution_keeps_its_layout_and_the_next_copies_nothing() -> None:
@@ -291,9 +307,7 @@ def test_a_conv_test_on_meta_says_which_convolutions_a_card_may_exceed(
     )
     test = reported()["test_conv"]
     assert test["phases"]["forward"]["peak_bytes"] == 16384 + 8192
-    assert [note.split(":")[0] for note in test["notes"]] == [
-        f"cuDNN workspaces counted at 0 B in 1 call ({CONV} 3x3 x1)"
-    ]
+    assert [note.split(":")[0] for note in test["notes"]] == ["cuDNN workspaces counted at 0 B in 1 call (conv 3x3 x1)"]
 
 
 # --- the cards: what the shared conv traces show ---

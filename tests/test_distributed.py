@@ -443,6 +443,40 @@ def test_every_rank_takes_the_code_paths_the_run_was_given_and_leaves_its_own_sn
     assert "peak reserved: card 26.0 MiB, model equal" in capsys.readouterr().out
 
 
+LOST_SNAPSHOT = """
+import os
+
+import pytest
+
+from pytest_gpumem.errors import GpuMemError
+
+
+def one_exits(rank, world_size, meter):
+    if rank == 1:
+        os._exit(3)
+
+
+def test_caught(gpumem):
+    with pytest.raises(GpuMemError, match="rank 1 exited with code 3"):
+        gpumem.distributed(one_exits, 2)
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_that_leaves_no_torch_snapshot_is_warned_at_its_test(tracker: pytest.Pytester) -> None:
+    """The test passes (it expects the rank's failure); the ranks without a snapshot are named in a warning at
+    the test, beside the notes of its JSON."""
+    tracker.makepyfile(test_lost=LOST_SNAPSHOT)
+    result = tracker.runpytest("--gpumem-round=cuda", "--gpumem-torch-snapshots=snaps")
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*test_lost.py:*: GpuMemWarning: test_lost.py::test_caught: --gpumem-torch-snapshots: no snapshot of "
+            "rank*1 of world 'ranks': ended before *finished, or could not write one",
+        ]
+    )
+
+
 XDIST = """
 import torch
 

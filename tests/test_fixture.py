@@ -45,6 +45,9 @@ def test_the_fixture_reads_the_call_its_phases_device_and_backend(tracker: pytes
 
 
 PHASE_ERRORS = """
+import os
+from unittest import mock
+
 import pytest
 
 def test_nest(gpumem):
@@ -73,6 +76,10 @@ def test_phase_in_setup(early):
 def test_in_body(request):
     request.getfixturevalue("gpumem")
 
+def test_in_body_without_environment(request):
+    with mock.patch.dict(os.environ, clear=True):  # PYTEST_CURRENT_TEST too
+        request.getfixturevalue("gpumem")
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -1, "tight"])
 def test_gradient_tolerance(gpumem, value):
     import torch
@@ -86,7 +93,7 @@ def test_gradient_tolerance(gpumem, value):
 def test_misuse_of_the_fixture_fails_that_test_in_one_line(tracker: pytest.Pytester) -> None:
     tracker.makepyfile(PHASE_ERRORS)
     result = tracker.runpytest("-p", "no:randomly")
-    result.assert_outcomes(failed=10, errors=1)
+    result.assert_outcomes(failed=11, errors=1)
     result.stdout.fnmatch_lines(
         [
             "*gpumem.phase('setup') works only while the test function of *test_phase_in_setup runs",
@@ -96,6 +103,7 @@ def test_misuse_of_the_fixture_fails_that_test_in_one_line(tracker: pytest.Pytes
             "*gpumem.phase() needs a non-empty name other than 'call', got 3",
             "*gpumem has no phase 'backward' in *test_unknown_phase_read (phases measured: forward)",
             "*::test_in_body: request the gpumem fixture as a test argument or from a fixture; asked for inside*",
+            "*::test_in_body_without_environment: request the gpumem fixture as a test argument or from a fixture*",
             *["*gpumem.check_gradients(rtol=...) must be a finite number >= 0, got *"] * 4,
         ]
     )

@@ -281,11 +281,14 @@ def test_marker_registered_with_every_argument_it_takes(pytester: pytest.Pyteste
 def test_a_marker_added_where_it_cannot_take_effect_fails_its_test_in_one_line(
     pytester: pytest.Pytester, reported: Reported
 ) -> None:
-    """Inside the test function (the call already runs, unmeasured or as marked before) and, for meta, after
-    the gpumem fixture was made on the CPU; from a fixture before gpumem, a marker takes effect, also in a
-    run where no other test measures."""
+    """Inside the test function (the call already runs, unmeasured or as marked before; also once the test
+    cleared os.environ) and, for meta, after the gpumem fixture was made on the CPU; from a fixture before
+    gpumem, a marker takes effect, also in a run where no other test measures."""
     pytester.makepyfile(
         """
+        import os
+        from unittest import mock
+
         import pytest, torch
 
         def test_in_body(request):
@@ -295,6 +298,10 @@ def test_a_marker_added_where_it_cannot_take_effect_fails_its_test_in_one_line(
         def test_in_body_measured(request, gpumem):
             request.applymarker(pytest.mark.max_memory("1 MiB"))
             torch.zeros(1024, 1024)
+
+        def test_in_body_without_environment(request):
+            with mock.patch.dict(os.environ, clear=True):  # PYTEST_CURRENT_TEST too
+                request.node.add_marker(pytest.mark.max_memory("1 MiB"))
 
         def test_other_marker_in_body(request):
             request.node.add_marker("slow")
@@ -320,13 +327,14 @@ def test_a_marker_added_where_it_cannot_take_effect_fails_its_test_in_one_line(
         """
     )
     result = pytester.runpytest("-p", "no:randomly", "--gpumem-backend=tracker", "--gpumem-json=out.json")
-    result.assert_outcomes(passed=1, failed=5)
+    result.assert_outcomes(passed=1, failed=6)
     result.stdout.fnmatch_lines(
         [
             "*::test_in_body: max_memory added inside the test function, after its call began: it would be "
             "ignored; put it on the test (a decorator, pytestmark or pytest.param(..., marks=...)) or add it "
             "from a fixture",
             "*::test_in_body_measured: max_memory added inside the test function*",
+            "*::test_in_body_without_environment: max_memory added inside the test function*",
             "*::test_meta_after_gpumem: max_memory(device='meta') was added after the gpumem fixture was made on "
             "cpu: the test would run on cpu; put it on the test*from a fixture that runs before gpumem",
             "*call peak 4.0 MiB exceeds max_memory 1 MiB*",
@@ -340,8 +348,10 @@ def test_a_marker_added_where_it_cannot_take_effect_fails_its_test_in_one_line(
     alone.assert_outcomes(failed=1)
     alone.stdout.fnmatch_lines(["*call peak 4.0 KiB exceeds max_memory 1 KiB*"])
     idle = pytester.runpytest("-p", "no:randomly", "-k", "test_in_body and not measured")  # nothing measures
-    idle.assert_outcomes(failed=1)
-    idle.stdout.fnmatch_lines(["*::test_in_body: max_memory added inside the test function, after its call began*"])
+    idle.assert_outcomes(failed=2)
+    idle.stdout.fnmatch_lines(
+        [f"*::test_in_body{end}: max_memory added inside the test function*" for end in ("", "_without_environment")]
+    )
 
 
 def test_a_tests_own_capacity_leak_and_explain_come_before_the_runs_options() -> None:

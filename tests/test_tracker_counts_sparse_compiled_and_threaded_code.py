@@ -324,3 +324,23 @@ def test_fake_tensors_are_not_memory() -> None:
         "the figures are what the test's real tensors used"
     ]
     del real, big
+
+
+def test_the_trackers_own_copy_of_the_allocator_is_no_thread_of_the_test() -> None:
+    """A fit on meta copies the allocator's model on a thread of the tracker's own: no note blames the test;
+    a thread the test starts in the same call is still named."""
+    import threading
+
+    from pytest_gpumem.backends.tracker.allocator_state import copied
+    from pytest_gpumem.backends.tracker.backend import TrackerBackend
+
+    backend = TrackerBackend(device="meta")
+    backend.start()
+    try:
+        assert copied([1, [2]]) == [1, [2]]
+        side = threading.Thread(target=lambda: None, name="side")
+        side.start()
+        side.join()
+    finally:
+        backend.stop()
+    assert [note.split(" run without")[0] for note in backend.notes()] == ["threads started inside the call (side)"]

@@ -217,7 +217,7 @@ class Judge:
         measured = session.measurement(item)
         result = test_files.write(self.files, item, measured, result, record, session.config.rootpath, session.problems)
         self._keep(item, result)
-        _warn_notes(item, list(record.notes))  # after: under `filterwarnings = error` a note fails the test here
+        _warn_notes(item, list(result.notes))  # with the files' notes; after: `filterwarnings = error` fails here
 
     def _keep(self, item: pytest.Item, result: TestResult) -> None:
         """The result joins the run's and waits for its report, where pytest's verdict settles it and the

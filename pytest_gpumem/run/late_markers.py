@@ -4,7 +4,8 @@ marked before), or after the gpumem fixture was made on another device than the 
 
 from __future__ import annotations
 
-import os
+from collections.abc import Generator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import pytest
@@ -14,6 +15,7 @@ from pytest_gpumem.budget import MARKER
 if TYPE_CHECKING:
     from pytest_gpumem.measure.measurement import Measurement
 
+_CALLING: pytest.StashKey[bool] = pytest.StashKey()
 _WHERE = "put it on the test (a decorator, pytestmark or pytest.param(..., marks=...)) or add it from a fixture"
 
 
@@ -25,15 +27,16 @@ class _RefusingLateMarkers:
     """A set-up test's `add_marker`: a max_memory marker added while its call runs fails the test at once (a
     meta marker added there would otherwise leave a real-size model running for real on the CPU)."""
 
-    __slots__ = ("add_marker", "nodeid")
+    __slots__ = ("add_marker", "nodeid", "stash")
 
     def __init__(self, item: pytest.Item) -> None:
         self.add_marker = item.add_marker
         self.nodeid = item.nodeid
+        self.stash = item.stash
 
     def __call__(self, marker: str | pytest.MarkDecorator, append: bool = True) -> None:
         __tracebackhide__ = True
-        if _name(marker) == MARKER and calling():
+        if _name(marker) == MARKER and self.stash.get(_CALLING, False):
             pytest.fail(
                 f"{self.nodeid}: max_memory added inside the test function, after its call began: "
                 f"it would be ignored; {_WHERE}",
@@ -42,9 +45,20 @@ class _RefusingLateMarkers:
         self.add_marker(marker, append)
 
 
-def calling() -> bool:
-    """Whether a test's call runs (pytest's own word for the phase, as the gpumem fixture reads it)."""
-    return os.environ.get("PYTEST_CURRENT_TEST", "").endswith(" (call)")
+@contextmanager
+def call_of(item: pytest.Item) -> Generator[None, None, None]:
+    """Within it, `item`'s call runs (the plugin's wrapper of pytest_runtest_call: a test that clears
+    os.environ, and with it PYTEST_CURRENT_TEST, does not end it)."""
+    item.stash[_CALLING] = True
+    try:
+        yield
+    finally:
+        del item.stash[_CALLING]
+
+
+def calling(item: pytest.Item) -> bool:
+    """Whether `item`'s call runs."""
+    return item.stash.get(_CALLING, False)
 
 
 def refuse_late_markers(item: pytest.Item) -> None:

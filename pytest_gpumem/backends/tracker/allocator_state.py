@@ -9,6 +9,8 @@ import sys
 import threading
 from typing import Any
 
+COPY_THREAD = "gpumem-allocator-copy"  # the tracker's own thread: not one the test started
+
 
 def copied(model: Any) -> Any:
     """A deep copy of the allocator model, made on a thread of its own with a deep stack: its blocks are
@@ -25,7 +27,7 @@ def copied(model: Any) -> Any:
 
     stack = threading.stack_size(_COPY_STACK)
     try:
-        worker = threading.Thread(target=run, name="gpumem-allocator-copy")
+        worker = threading.Thread(target=run, name=COPY_THREAD)
         worker.start()
     finally:
         threading.stack_size(stack)

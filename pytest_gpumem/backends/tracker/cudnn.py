@@ -296,23 +296,50 @@ def _batch_norm_bound(name: str, args: Sequence[Any], kwargs: dict[str, Any]) ->
 
 def notes(bounds: dict[tuple[str, str], int]) -> list[str]:
     """The sentences naming the ops whose figures are not a card's to the byte (`bounds`: what `bound` gave
-    -> calls), one per kind."""
+    -> calls), one per kind, each within `NOTE_WIDTH` columns."""
     found = []
     workspaces = {text: calls for (kind, text), calls in bounds.items() if kind == WORKSPACE}
     if workspaces:
-        named = ", ".join(f"{text} x{calls}" for text, calls in sorted(workspaces.items()))
-        found.append(
-            f"{WORKSPACES_AT_ZERO} in {_calls(sum(workspaces.values()))} ({named}): their size is the "
-            "card's algorithm choice (heuristics or cudnn.benchmark), torch falls back to a smaller one when the "
-            "allocator refuses, and a card with room holds more at those ops"
-        )
+        found.append(_workspaces_note(workspaces))
     copies = sum(calls for (kind, _), calls in bounds.items() if kind == SAVED_COPY)
     if copies:
         found.append(
             f"{_calls(copies)} of batch norm on non-contiguous inputs: a card's cuDNN saves a contiguous copy for "
-            "backward where the CPU saves the input, so where the input is also kept elsewhere a card holds both"
+            "backward, the CPU the input"
         )
     return found
+
+
+NOTE_WIDTH = 120
+_WORKSPACES_END = "): a card's vary by algorithm"
+_SHORT = {
+    CONVOLUTION: "conv",
+    CONVOLUTION_BACKWARD: "conv backward",
+    BATCH_NORM: "batch norm",
+    BATCH_NORM_BACKWARD: "batch norm backward",
+}
+
+
+def _workspaces_note(workspaces: dict[str, int]) -> str:
+    """The ops whose cuDNN workspace counted 0 B, the most called first, as many as the width holds."""
+    begin = f"{WORKSPACES_AT_ZERO} in {_calls(sum(workspaces.values()))} ("
+    room = NOTE_WIDTH - len(begin) - len(_WORKSPACES_END)
+    named = [f"{_short(text)} x{calls}" for text, calls in sorted(workspaces.items(), key=lambda kv: (-kv[1], kv[0]))]
+    shown = len(named)
+    while shown > 1 and len(_listed(named, shown)) > room:
+        shown -= 1
+    return begin + _listed(named, shown) + _WORKSPACES_END
+
+
+def _listed(named: list[str], shown: int) -> str:
+    more = [f"{len(named) - shown} more"] if shown < len(named) else []
+    return ", ".join(named[:shown] + more)
+
+
+def _short(text: str) -> str:
+    """An op's text with the op in short words: `conv backward 3x3` for `aten.convolution_backward.default 3x3`."""
+    op, _, rest = text.partition(" ")
+    return f"{_SHORT.get(op, op)} {rest}".rstrip()
 
 
 def _calls(count: int) -> str:

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpumem import private_torch
+from pytest_gpumem.backends.tracker.allocator_state import COPY_THREAD
 from pytest_gpumem.backends.tracker.ledger import StorageLedger
 
 if TYPE_CHECKING:
@@ -402,8 +403,9 @@ class Patches:
 
         def first_event(frame: Any, event: str, arg: Any) -> None:
             sys.setprofile(previous)
-            if not _compiling(measured_thread):
-                started.append(threading.current_thread().name)
+            name = threading.current_thread().name
+            if not _compiling(measured_thread) and name != COPY_THREAD:
+                started.append(name)
 
         threading.setprofile(first_event)
         self._undo.append(lambda: threading.setprofile(previous))
