@@ -12,7 +12,7 @@ from cuda_allocator_model import ModelError
 from pytest_gpumem import hookspecs
 from pytest_gpumem.budget import MARKER, MARKER_SIGNATURE
 from pytest_gpumem.config import add_options, read_options
-from pytest_gpumem.run.late_markers import call_of, calling, refuse_late_markers
+from pytest_gpumem.run.late_markers import calling, refuse_late_markers
 from pytest_gpumem.run.regression import BaselineRun
 from pytest_gpumem.run.session import BASELINES, MEASUREMENT_KEY, REGISTERED, XDIST, GpuMemSession
 from pytest_gpumem.run.xdist import distributes, worker_id
@@ -138,14 +138,6 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
     refuse_late_markers(item)
     if not session.measuring and _measures(item):
         _measure_calls(session)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
-    """While the test function runs: the gpumem fixture asked for, or a max_memory marker added, fails it."""
-    __tracebackhide__ = True
-    with call_of(item):
-        return (yield)
 
 
 def pytest_report_collectionfinish(config: pytest.Config) -> list[str] | None:

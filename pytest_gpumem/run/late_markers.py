@@ -4,8 +4,7 @@ marked before), or after the gpumem fixture was made on another device than the 
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from contextlib import contextmanager
+import os
 from typing import TYPE_CHECKING
 
 import pytest
@@ -15,7 +14,7 @@ from pytest_gpumem.budget import MARKER
 if TYPE_CHECKING:
     from pytest_gpumem.measure.measurement import Measurement
 
-_CALLING: pytest.StashKey[bool] = pytest.StashKey()
+_SET_UP: pytest.StashKey[bool] = pytest.StashKey()
 _WHERE = "put it on the test (a decorator, pytestmark or pytest.param(..., marks=...)) or add it from a fixture"
 
 
@@ -36,7 +35,7 @@ class _RefusingLateMarkers:
 
     def __call__(self, marker: str | pytest.MarkDecorator, append: bool = True) -> None:
         __tracebackhide__ = True
-        if _name(marker) == MARKER and self.stash.get(_CALLING, False):
+        if _name(marker) == MARKER and _calling(self.stash):
             pytest.fail(
                 f"{self.nodeid}: max_memory added inside the test function, after its call began: "
                 f"it would be ignored; {_WHERE}",
@@ -45,24 +44,19 @@ class _RefusingLateMarkers:
         self.add_marker(marker, append)
 
 
-@contextmanager
-def call_of(item: pytest.Item) -> Generator[None, None, None]:
-    """Within it, `item`'s call runs (the plugin's wrapper of pytest_runtest_call: a test that clears
-    os.environ, and with it PYTEST_CURRENT_TEST, does not end it)."""
-    item.stash[_CALLING] = True
-    try:
-        yield
-    finally:
-        del item.stash[_CALLING]
-
-
 def calling(item: pytest.Item) -> bool:
-    """Whether `item`'s call runs."""
-    return item.stash.get(_CALLING, False)
+    """Whether `item`'s call runs: its setup has ended and pytest does not say its teardown began (the stash
+    holds the first, so that a test that clears os.environ, and with it PYTEST_CURRENT_TEST, keeps it)."""
+    return _calling(item.stash)
+
+
+def _calling(stash: pytest.Stash) -> bool:
+    return stash.get(_SET_UP, False) and not os.environ.get("PYTEST_CURRENT_TEST", "").endswith(" (teardown)")
 
 
 def refuse_late_markers(item: pytest.Item) -> None:
     """From the end of `item`'s setup on, a max_memory marker added to it while its call runs fails the test."""
+    item.stash[_SET_UP] = True
     if not isinstance(item.add_marker, _RefusingLateMarkers):  # a rerun's setup: refused already
         item.add_marker = _RefusingLateMarkers(item)  # type: ignore[method-assign]
 
