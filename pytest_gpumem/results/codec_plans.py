@@ -160,6 +160,8 @@ def _nested(cls: type, phrase: str) -> tuple[Reader, Writer]:
                 made[f.name] = f.default()
             elif type(item := value[f.key]) in f.kinds:
                 made[f.name] = item
+            elif item is None and f.omit is None:  # never written: the key would be left out
+                raise wording.refuse(None if where is None else wording.field(where, f.key), f.phrase, item)
             else:
                 made[f.name] = f.read(item, None if where is None else wording.field(where, f.key), wording)
         for name in plan.derived:
