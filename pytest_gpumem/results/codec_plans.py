@@ -73,8 +73,8 @@ def plan_of(cls: type) -> _Plan:
 
 def _field(f: dataclasses.Field[Any], tp: Any, open_: bool) -> _Field:
     spec = unwrap(tp, Spec())[1]
-    default: Callable[[], Any] | None = spec.absent
-    if (spec.omit is not KEEP or open_) and default is None:
+    default: Callable[[], Any] | None = None
+    if spec.omit is not KEEP or open_:
         if f.default_factory is not dataclasses.MISSING:
             default = f.default_factory
         elif f.default is not dataclasses.MISSING:
