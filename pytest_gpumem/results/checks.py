@@ -46,12 +46,6 @@ def refuse(where: str, expected: str, value: object) -> OffShape:
     return OffShape(f"{where} must be {expected}, got {short(value)}")
 
 
-def listed(value: object, where: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise refuse(where, "a list", value)
-    return value
-
-
 def first_difference(
     read: object, written: object, where: str, path: Callable[[str, str], str] | None = None
 ) -> tuple[str, object] | None:
