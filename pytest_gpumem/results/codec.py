@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, TypeVar, overload
 
-from pytest_gpumem.results.checks import REPORT, STORED, Unplaced, Wording, exact_keys, first_difference
+from pytest_gpumem.results.checks import REPORT, STORED, Unplaced, Wording, first_difference
 from pytest_gpumem.results.codec_plans import DECODING, made_for, plan_of
 from pytest_gpumem.results.codec_spec import BYTES, EMPTY, SIGNED, STORED_BYTES, Reader, Spec
 
@@ -40,7 +40,6 @@ __all__ = [
     "Wording",
     "decode",
     "encode",
-    "exact_keys",
     "read",
     "validate",
 ]

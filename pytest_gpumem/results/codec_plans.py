@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Annotated, Any, NamedTuple, Union, get_args, get_origin, get_type_hints
 
-from pytest_gpumem.results.checks import Wording, exact_keys, short
+from pytest_gpumem.results.checks import Wording, short, wrong_keys
 from pytest_gpumem.results.codec_scalars import PLAIN, SCALARS, as_is, enum_rule, phrase_of, scalar_rule
 from pytest_gpumem.results.codec_spec import EMPTY, KEEP, Reader, Spec, Writer, unwrap
 
@@ -151,7 +151,7 @@ def _nested(cls: type, phrase: str) -> tuple[Reader, Writer]:
             raise wording.refuse(where, phrase, value)
         if not (plan.open or (plan.keys.issuperset(value) and value.keys() >= plan.required)):
             required = tuple(f.key for f in plan.fields if f.default is None)
-            exact_keys(value, where, required, tuple(plan.keys), wording)
+            raise wrong_keys(value, where, required, plan.keys, wording)
         made = {}
         for f in plan.fields:
             if f.key not in value:
