@@ -7,6 +7,7 @@ first use.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -113,6 +114,7 @@ __all__ = [
     "format_size",
     "integer_words",
     "is_binary",
+    "lazy_names",
     "nice_step",
     "parse_capacity",
     "parse_size",
@@ -120,7 +122,18 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        return getattr(importlib.import_module(_HOMES[name]), name)
-    raise AttributeError(f"module 'cuda_allocator_model' has no attribute {name!r}")
+def lazy_names(package: str, homes: Mapping[str, str]) -> Callable[[str], Any]:
+    """A package's `__getattr__` that imports each of its public names on first use from its home in
+    `homes` (`"module"`, or `"module:attribute"` for a name the module has under another)."""
+
+    def __getattr__(name: str) -> Any:
+        home = homes.get(name)
+        if home is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        module, _, attribute = home.partition(":")
+        return getattr(importlib.import_module(module), attribute or name)
+
+    return __getattr__
+
+
+__getattr__ = lazy_names(__name__, _HOMES)

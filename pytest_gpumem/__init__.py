@@ -5,8 +5,9 @@ pytest loads this package's plugin in every run, so the public names below are i
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from cuda_allocator_model import lazy_names
 
 if TYPE_CHECKING:
     from cuda_allocator_model import format_size as format_size
@@ -61,7 +62,4 @@ __version__ = "0.1.0"
 __all__ = sorted(_HOMES)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        return getattr(importlib.import_module(_HOMES[name]), name)
-    raise AttributeError(f"module 'pytest_gpumem' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _HOMES)

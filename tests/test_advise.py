@@ -519,16 +519,31 @@ def test_advice_not_as_advise_writes_it_is_refused_naming_the_first_value() -> N
         "conflicts": [],
     }
     assert Advice.from_json(written).rows[0].skipped == "no optimizer"
-    with pytest.raises(OffShape, match=r"^advice\.live_bytes is not as pytest-gpumem writes it, got '8'$"):
+    with pytest.raises(OffShape, match=r"^advice\.live_bytes must be an integer, got '8'$"):
         Advice.from_json({**written, "live_bytes": "8"})
     with pytest.raises(OffShape, match=r"^advice\.rows\[0\] has an unknown key \"extra\"$"):
         Advice.from_json({**written, "rows": [{**row, "extra": 1}]})
-    with pytest.raises(OffShape, match=r"^advice\.rows\[0\] is not as pytest-gpumem writes it, got "):
+    with pytest.raises(OffShape, match=r"^advice\.rows\[0\]\.seconds must be a number, got None$"):
         Advice.from_json({**written, "rows": [{**row, "seconds": None}]})
     with pytest.raises(OffShape, match=r"^advice\.rows must be a list, got None$"):
-        Advice.from_json({"live_bytes": 8})
+        Advice.from_json({**written, "rows": None})
     with pytest.raises(OffShape, match=r"^advice has no \"capacity\"$"):
         Advice.from_json({k: v for k, v in written.items() if k != "capacity"})
+
+
+def test_an_advice_figure_it_derives_is_read_only_as_it_would_write_it() -> None:
+    """A measured row's absolute peak is what was live at the step's start (8 B) + its peak (100 B)."""
+    advice = Advice((Row(AS_IS, "", (), peak_bytes=100, phases=(PhasePeak("forward", 60, 70),)),), None, 8, "t", "cpu")
+    written = advice.to_json()
+    assert written["rows"][0]["absolute_peak_bytes"] == 108 and written["rows"][0]["absolute_phases"] == {"forward": 78}
+    assert Advice.from_json(written) == advice
+    row = written["rows"][0]
+    with pytest.raises(
+        OffShape, match=r"^advice\.rows\[0\]\.absolute_peak_bytes is not as pytest-gpumem writes it, got 100$"
+    ):
+        Advice.from_json({**written, "rows": [{**row, "absolute_peak_bytes": 100}]})
+    with pytest.raises(OffShape, match=r"^advice\.rows\[0\] has no \"calls\"$"):
+        Advice.from_json({**written, "rows": [{k: v for k, v in row.items() if k != "calls"}]})
 
 
 def test_every_run_is_timed_and_the_report_says_where_the_time_went() -> None:

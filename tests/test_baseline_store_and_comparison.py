@@ -280,6 +280,12 @@ G = ("entries", "tests/test_b.py::test_two[bf16-ünïcode]", H200.key, "gradient
 BAD_FILES.update(
     {
         "gradients-not-object": (mutated(_set(*G, [])), "gradients: expected an object"),
+        "gradients-null": (
+            mutated(_set(*G, None)),
+            'entries["tests/test_b.py::test_two[bf16-ünïcode]"]["cuda | NVIDIA H200 | cc 9.0 | 150754820096 B"]: '
+            "gradients: expected an object, got None",
+        ),
+        "composition-null": (mutated(_set(*E, "composition", None)), "composition: expected an object of phase name"),
         "gradients-bad-stat": (
             mutated(_set(*G, "params", "fc.weight", "grad", "l2", "big")),
             'gradients.params["fc.weight"].grad.l2: expected a number',

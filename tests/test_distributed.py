@@ -624,7 +624,16 @@ def _entry(peak: int, module: str, index: int) -> PhaseExplanation:
     """A phase of a rank's explanation whose peak is one module's activations."""
     cell = Cell("saved", module, peak)
     return PhaseExplanation(
-        peak, {"saved": peak}, {module: peak}, [cell], [], groups=[cell], peak_index=index, spans=[(index, index + 1)]
+        peak,
+        {"saved": peak},
+        {module: peak},
+        [cell],
+        [],
+        live={"saved": peak},
+        entries=1,
+        groups=[cell],
+        peak_index=index,
+        spans=[(index, index + 1)],
     )
 
 

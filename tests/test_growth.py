@@ -154,7 +154,7 @@ def test_growth_outside_every_listed_part_names_the_category() -> None:
 
 def test_compact_keeps_every_folded_part_and_the_store_reads_it_back() -> None:
     groups = [Cell("saved", "h.*", 4096), Cell("inputs", "x", 8)]
-    call = PhaseExplanation(4104, {"saved": 4096, "inputs": 8}, {}, [], [], groups=groups)
+    call = PhaseExplanation(4104, {"saved": 4096, "inputs": 8}, {}, [], [], live={}, entries=1, groups=groups)
     explanation = Explanation(
         "t.py::t", "tracker", [], {}, {"call": call}, SampledTimeline(0, []), {"h.*": 4, "unused.*": 2}
     )

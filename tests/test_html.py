@@ -76,6 +76,8 @@ def phase(peak: int, index: int, spans: list[tuple[int, int]], growth: dict[str,
             Cell("temporaries", NO_MODULE, growth.get("temporaries", 0)),
         ],
         tensors=[TENSOR],
+        live=growth,
+        entries=len(spans),
         peak_index=index,
         spans=spans,
     )
@@ -229,7 +231,7 @@ def test_markup_in_every_name_stays_text_and_a_bare_storage_renders() -> None:
 
 def test_a_phase_without_tensors_or_cells_still_renders() -> None:
     data = explanation([[0, [0] * 6], [1, [0, 0, 0, 0, 8, 0]]], 1)
-    bare = PhaseExplanation(8, categories={}, modules={}, cells=[], tensors=[], peak_index=1, spans=[(0, 1)])
+    bare = PhaseExplanation(8, {}, {}, [], [], live={}, entries=1, peak_index=1, spans=[(0, 1)])
     page = render(replace(data, phases={"call": bare}))
     assert "largest tensors" not in page and "peak 8 B above its start" in page
 

@@ -332,9 +332,8 @@ OFF_SHAPE = [
     (lambda t: t["baseline"]["comparisons"][0].update(status="BAD"), "tests[0].baseline.comparisons[0].status "
      "must be one of ok, REGRESSED, IMPROVED, NEW, MISSING, CHANGED, got 'BAD'"),
     (lambda t: t.update(record={"identity": {}}), "tests[0].record: missing key 'peak_bytes'"),
-    (lambda t: t.update(explanation={"phases": {"call": {"peak_bytes": "1"}}}),
-     "tests[0].explanation.phases.call.peak_bytes must be an integer, got '1'"),
-    (lambda t: t.update(advice={"rows": 3}), "tests[0].advice.rows must be a list, got 3"),
+    (lambda t: t.update(explanation={"phases": {"call": {"peak_bytes": "1"}}}), 'tests[0].explanation has no "format"'),
+    (lambda t: t.update(advice={"rows": 3}), 'tests[0].advice has no "capacity"'),
 ]  # fmt: skip
 
 

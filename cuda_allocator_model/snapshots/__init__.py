@@ -5,8 +5,9 @@ replayed through the allocator's model: the card's figures (`card_figures`), its
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from cuda_allocator_model import lazy_names
 
 if TYPE_CHECKING:
     from cuda_allocator_model.snapshots.against import run_against as run_against
@@ -74,8 +75,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        module, _, attribute = _HOMES[name].partition(":")
-        return getattr(importlib.import_module(module), attribute or name)
-    raise AttributeError(f"module 'cuda_allocator_model.snapshots' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _HOMES)

@@ -280,12 +280,12 @@ def _in_percent(stored: int, current: int) -> bool:
     return stored > 0 and abs(current - stored) <= _PERCENT_UP_TO * stored
 
 
-def change_text(stored: int, current: int, fmt: _SizeFormatter = format_size) -> str:
+def change_text(stored: int, current: int) -> str:
     """A change as the report's and `pytest-gpumem compare`'s change column show it: '+25.6%', '-3.0%', or
     in bytes where a percent would say nothing ('+8.0 MiB' over a baseline of 8 B, `_in_percent`)."""
     if _in_percent(stored, current):
         return f"{(current - stored) * 100 / stored:+.1f}%"
-    return ("+" if current >= stored else "") + fmt(current - stored)
+    return ("+" if current >= stored else "") + format_size(current - stored)
 
 
 def _amount(stored: int, current: int, tolerance: float, fmt: _SizeFormatter) -> str:

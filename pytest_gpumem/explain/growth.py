@@ -3,7 +3,7 @@ between a stored composition and a current one, in a few words for a regression'
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from cuda_allocator_model import format_size
@@ -79,10 +79,10 @@ class Growth:
         return sorted(((g, t) for g, t in totals if t > 0), key=lambda gt: (-gt[1], gt[0]))
 
 
-def _describe_growth(grew: Growth, count: int = _TOP_GROWN, fmt: Callable[[int], str] = format_size) -> str:
-    """The `count` groups that grew most, then the others new in the peak and those no longer in it by name."""
-    ranked = grew.ranked()[:count]
-    parts = [f"{g} +{fmt(total)}{_blocks_note(grew, g)}{_by_category(grew.groups[g], fmt)}" for g, total in ranked]
+def _describe_growth(grew: Growth) -> str:
+    """The `_TOP_GROWN` groups that grew most, then the others new in the peak and those no longer in it by name."""
+    ranked = grew.ranked()[:_TOP_GROWN]
+    parts = [f"{g} +{format_size(total)}{_blocks_note(grew, g)}{_by_category(grew.groups[g])}" for g, total in ranked]
     shown = {group for group, _ in ranked}
     added = [group for group in grew.added if group not in shown]
     if added:
@@ -101,7 +101,7 @@ def _blocks_note(grew: Growth, group: str) -> str:
     return f" ({now} blocks, was {was})" if was is not None and was != now else f" ({now} blocks)"
 
 
-def _by_category(parts: Mapping[str, int], fmt: Callable[[int], str], shown: int = 3) -> str:
+def _by_category(parts: Mapping[str, int], shown: int = 3) -> str:
     """A group's change by category, largest change first, shrunk parts too (when the peak moves to another
     moment, saved activations can grow while gradients shrink): the parts shown add up to the group's
     change, the ones past `shown` summed as "the rest"."""
@@ -112,11 +112,11 @@ def _by_category(parts: Mapping[str, int], fmt: Callable[[int], str], shown: int
     rest = sum(b for b, _ in changed[shown:])
     if rest:
         listed.append(("the rest", rest))
-    return ": " + ", ".join(f"{label} {_signed(b, fmt)}" for label, b in listed)
+    return ": " + ", ".join(f"{label} {_signed(b)}" for label, b in listed)
 
 
-def _signed(size: int, fmt: Callable[[int], str]) -> str:
-    return f"+{fmt(size)}" if size >= 0 else f"-{fmt(-size)}"
+def _signed(size: int) -> str:
+    return f"+{format_size(size)}" if size >= 0 else f"-{format_size(-size)}"
 
 
 def _names(groups: Sequence[str], shown: int = 3) -> str:

@@ -6,17 +6,16 @@ importing it.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from cuda_allocator_model import capacity_bytes as card_bytes
 from cuda_allocator_model import format_size, shorten
-from pytest_gpumem.errors import GpuMemError, first_line, from_the_model
-from pytest_gpumem.results.checks import OffShape, first_difference, listed, short
-from pytest_gpumem.results.codec import exact_keys
+from pytest_gpumem.errors import GpuMemError, from_the_model
+from pytest_gpumem.results.checks import first_difference
+from pytest_gpumem.results.codec import REPORT, Spec, Wording, encode, read
 
 AS_IS = "as-is"
 NOT_CHECKED = "not checked"
@@ -89,67 +88,6 @@ class Row:
         was = next((p.step_peak for p in base.phases if p.name == phase), None)
         now = next((p.step_peak for p in self.phases if p.name == phase), None)
         return was is None or now is None or now < was
-
-    def to_json(self, live: int = 0) -> dict[str, Any]:
-        data: dict[str, Any] = {"name": self.name, "description": self.description, "strategies": list(self.strategies)}
-        if self.seconds is not None:
-            data["seconds"] = round(self.seconds, 3)
-        if self.skipped is not None:
-            data["skipped"] = self.skipped
-            return data
-        assert self.peak_bytes is not None
-        data.update(
-            absolute_peak_bytes=live + self.peak_bytes,
-            peak_bytes=self.peak_bytes,
-            peak_phase=self.peak_phase,
-            phases={p.name: p.peak_bytes for p in self.phases},
-            absolute_phases={p.name: live + p.step_peak for p in self.phases},
-            saving_bytes=self.saving_bytes,
-            flops=self.flops,
-            extra_flops=self.extra_flops,
-            calls=self.calls,
-            extra_calls=self.extra_calls,
-            gradients=self.gradients,
-            gradients_equal=self.gradients_equal,
-            fits=self.fits,
-            reserved_peak_bytes=self.reserved_bytes,
-            precision=self.precision,
-        )
-        return data
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any], live: int = 0) -> Row:
-        """The row `to_json(live)` wrote (each phase's step peak read back from its absolute peak), as far as
-        its values have the types written (`Advice.from_json` refuses any other)."""
-        name, description = str(data["name"]), str(data.get("description", ""))
-        strategies = tuple(str(part) for part in data.get("strategies", []))
-        seconds = None if data.get("seconds") is None else float(data["seconds"])
-        if data.get("skipped") is not None:
-            return cls(name, description, strategies, skipped=str(data["skipped"]), seconds=seconds)
-        precision = data.get("precision")
-        absolute: Mapping[str, Any] = data.get("absolute_phases", {})
-        phases = tuple(
-            PhasePeak(str(phase), int(peak), int(absolute[phase]) - live if phase in absolute else None)
-            for phase, peak in data.get("phases", {}).items()
-        )
-        return cls(
-            name,
-            description,
-            strategies,
-            peak_bytes=int(data["peak_bytes"]),
-            phases=phases,
-            saving_bytes=_int_or_none(data.get("saving_bytes")),
-            flops=_int_or_none(data.get("flops")),
-            extra_flops=_int_or_none(data.get("extra_flops")),
-            calls=_int_or_none(data.get("calls")),
-            extra_calls=_int_or_none(data.get("extra_calls")),
-            gradients=str(data.get("gradients", NOT_CHECKED)),
-            gradients_equal=_bool_or_none(data.get("gradients_equal")),
-            fits=_bool_or_none(data.get("fits")),
-            reserved_bytes=_int_or_none(data.get("reserved_peak_bytes")),
-            precision=None if precision is None else str(precision),
-            seconds=seconds,
-        )
 
 
 def capacity_bytes(value: object, where: str) -> int:
@@ -310,63 +248,137 @@ class Advice:
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "capacity": self.capacity,
-            "live_bytes": self.live_bytes,
-            "resident_bytes": self.resident_bytes,
-            "backend": self.backend,
-            "device": self.device,
-            "seconds": round(self.seconds, 3),
-            "rows": [row.to_json(self.live_bytes) for row in self.rows],
-            "conflicts": list(self.conflicts),
-        }
+        """The advice as a report holds it: each measured row's absolute peaks beside its own."""
+        rows = tuple(_stored_row(row, self.live_bytes) for row in self.rows)
+        stored = _StoredAdvice(
+            self.capacity, self.live_bytes, self.resident_bytes, self.backend, self.device, round(self.seconds, 3),
+            rows, self.conflicts,
+        )  # fmt: skip
+        written: dict[str, Any] = encode(stored)
+        return written
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any], where: str = "advice") -> Advice:
+    def from_json(cls, data: object, where: str = "advice") -> Advice:
         """The advice `to_json` wrote (a test's `advice` in the report); raises `OffShape` naming the first
-        value at or below `where` that is not as written: a missing field, a value of another type ("12"
-        for 12)."""
-        for i, row in enumerate(listed(data.get("rows"), f"{where}.rows")):
-            exact_keys(row, f"{where}.rows[{i}]", ("name", "description", "strategies"), _ROW_KEYS)
-        exact_keys(data, where, _ADVICE_KEYS)
-        try:
-            advice = cls._read(data)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise OffShape(f"{where}: not advice as pytest-gpumem writes it: {first_line(exc)}") from None
-        found = first_difference(data, json.loads(json.dumps(advice.to_json(), allow_nan=False)), where)
+        value at or below `where` that is not as written: a missing or unknown key, a value of another type,
+        a figure the advice would not write (an absolute peak that is not the start plus the row's)."""
+        stored: _StoredAdvice = read(_StoredAdvice, data, where)
+        live = stored.live_bytes
+        rows = tuple(_row_of(row, live) for row in stored.rows)
+        advice = cls(
+            rows, stored.capacity, live, stored.backend, stored.device, stored.resident_bytes, stored.conflicts,
+            stored.seconds,
+        )  # fmt: skip
+        found = first_difference(data, advice.to_json(), where)
         if found is not None:
-            raise OffShape(f"{found[0]} is not as pytest-gpumem writes it, got {short(found[1])}")
+            raise REPORT.not_as_written(*found)
         return advice
 
-    @classmethod
-    def _read(cls, data: Mapping[str, Any]) -> Advice:
-        live, capacity = int(data.get("live_bytes") or 0), data.get("capacity")
-        return cls(
-            rows=tuple(Row.from_json(row, live) for row in data["rows"]),
-            capacity=None if capacity is None else int(capacity),
-            live_bytes=live,
-            backend=str(data.get("backend", "?")),
-            device=str(data.get("device", "?")),
-            resident_bytes=int(data.get("resident_bytes") or 0),
-            conflicts=tuple(str(text) for text in data.get("conflicts", [])),
-            seconds=float(data.get("seconds") or 0.0),
-        )
+
+@dataclass(frozen=True)
+class _StoredRow:
+    """The keys every row of an advice's JSON starts with."""
+
+    name: str
+    description: str
+    strategies: tuple[str, ...]
+    seconds: Annotated[float | None, Spec(omit=None)] = None
 
 
-_ADVICE_KEYS = ("capacity", "live_bytes", "resident_bytes", "backend", "device", "seconds", "rows", "conflicts")
-_ROW_KEYS = (*Row("", "", (), peak_bytes=0, seconds=0.0).to_json(), "skipped")
+@dataclass(frozen=True, kw_only=True)
+class _SkippedRow(_StoredRow):
+    skipped: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class _MeasuredRow(_StoredRow):
+    """A measured row's JSON: its peaks, and the absolute ones (what was live at the step's start + them)."""
+
+    absolute_peak_bytes: int
+    peak_bytes: int
+    peak_phase: str | None
+    phases: Mapping[str, int]
+    absolute_phases: Mapping[str, int]
+    saving_bytes: int | None
+    flops: int | None
+    extra_flops: int | None
+    calls: int | None
+    extra_calls: int | None
+    gradients: str
+    gradients_equal: bool | None
+    fits: bool | None
+    reserved_peak_bytes: int | None
+    precision: str | None
+
+
+def _read_row(value: Any, where: str | None, wording: Wording) -> _StoredRow:
+    skipped = isinstance(value, dict) and "skipped" in value
+    return read(_SkippedRow if skipped else _MeasuredRow, value, where, wording)  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class _StoredAdvice:
+    capacity: int | None
+    live_bytes: int
+    resident_bytes: int
+    backend: str
+    device: str
+    seconds: float
+    rows: tuple[Annotated[_StoredRow, Spec(via=(_read_row, encode))], ...]
+    conflicts: tuple[str, ...]
+
+
+_SAME = (
+    "saving_bytes",
+    "flops",
+    "extra_flops",
+    "calls",
+    "extra_calls",
+    "gradients",
+    "gradients_equal",
+    "fits",
+    "precision",
+)
+"""A measured row's fields written under their own names, as they are."""
+
+
+def _stored_row(row: Row, live: int) -> _StoredRow:
+    head = (row.name, row.description, row.strategies, None if row.seconds is None else round(row.seconds, 3))
+    if row.skipped is not None:
+        return _SkippedRow(*head, skipped=row.skipped)
+    assert row.peak_bytes is not None
+    return _MeasuredRow(
+        *head,
+        absolute_peak_bytes=live + row.peak_bytes,
+        peak_bytes=row.peak_bytes,
+        peak_phase=row.peak_phase,
+        phases={p.name: p.peak_bytes for p in row.phases},
+        absolute_phases={p.name: live + p.step_peak for p in row.phases},
+        reserved_peak_bytes=row.reserved_bytes,
+        **{key: getattr(row, key) for key in _SAME},
+    )
+
+
+def _row_of(stored: _StoredRow, live: int) -> Row:
+    """The row `stored` is the JSON of (a phase's step peak read back from its absolute peak)."""
+    head = (stored.name, stored.description, stored.strategies)
+    if isinstance(stored, _SkippedRow):
+        return Row(*head, skipped=stored.skipped, seconds=stored.seconds)
+    assert isinstance(stored, _MeasuredRow)
+    absolute = stored.absolute_phases
+    return Row(
+        *head,
+        peak_bytes=stored.peak_bytes,
+        phases=tuple(PhasePeak(name, peak, absolute[name] - live if name in absolute else None)
+                     for name, peak in stored.phases.items()),
+        reserved_bytes=stored.reserved_peak_bytes,
+        seconds=stored.seconds,
+        **{key: getattr(stored, key) for key in _SAME},
+    )  # fmt: skip
 
 
 def _flops(extra: int, base: int | None, unit: str) -> str:
     return f"{extra / base:+.0%} {unit}" if base else f"{extra:+,} FLOPs"
-
-
-def _int_or_none(value: Any) -> int | None:
-    return None if value is None else int(value)
-
-
-def _bool_or_none(value: Any) -> bool | None:
-    return None if value is None else bool(value)
 
 
 def _moved(observed: int, base: Row, row: Row, region: str) -> int:

@@ -46,12 +46,6 @@ def refuse(where: str, expected: str, value: object) -> OffShape:
     return OffShape(f"{where} must be {expected}, got {short(value)}")
 
 
-def listed(value: object, where: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise refuse(where, "a list", value)
-    return value
-
-
 def first_difference(
     read: object, written: object, where: str, path: Callable[[str, str], str] | None = None
 ) -> tuple[str, object] | None:
@@ -176,21 +170,12 @@ STORED = Wording(
 `identity: missing key 'device'`, `phases["forward"]: expected ..., got -1`."""
 
 
-def exact_keys(
-    value: object,
-    where: str | None,
-    required: tuple[str, ...],
-    optional: tuple[str, ...] = (),
-    wording: Wording = REPORT,
-) -> dict[str, Any]:
-    """`value` as an object with every `required` key, perhaps `optional` ones, and no other; else the
-    wording's error naming the first missing key, or else the first unknown one."""
-    if type(value) is not dict:
-        raise wording.refuse(where, "an object", value)
+def wrong_keys(
+    value: dict[str, Any], where: str | None, required: tuple[str, ...], allowed: frozenset[str], wording: Wording
+) -> Exception:
+    """The one exact-keys check's error, for an object whose keys are not every `required` one and perhaps
+    others `allowed`: the wording's naming the first missing key, else the first unknown one."""
     missing = next((key for key in required if key not in value), None)
     if missing is not None:
-        raise wording.no_key(where, missing)
-    unknown = next((key for key in value if key not in required and key not in optional), None)
-    if unknown is not None:
-        raise wording.unknown_key(where, str(unknown))
-    return value
+        return wording.no_key(where, missing)
+    return wording.unknown_key(where, str(next(key for key in value if key not in allowed)))

@@ -9,22 +9,23 @@ fixed tuples, lists, `Mapping[str, X]`, enums (by value), `Any` (any JSON, taken
 
 A field says more of itself with `Annotated[T, Spec(...)]`: its JSON `key`, the words of what it must be
 (`expected`), a range (`low`, `high`), a `check` of the value, the one value `omit`ted from the JSON (and
-filled in where absent), a reader and writer of its own (`via`). The words of the errors are a `Wording`:
-`REPORT` (a `--gpumem-json` report's) or `STORED` (a baseline file's, as they have always been). A class
-whose JSON keys come in another order than its fields names that order in `__json_keys__`; one whose
-reader leaves a key it does not know to the round trip of what holds it, takes an absent key as its
-field's default and says a missing one where it reaches it (as its hand-written reader did) sets
-`__json_open__`; one that writes a property as a key names it in `__json_derived__` (read as anything, the
-round trip refuses a value the property would not give); the types its annotations name that it imports late
-are given by `__json_names__()`. `read` is a decode without the round trip (for a part of a value checked
-whole), `validate` checks a value built in Python as its JSON would be read (for a `__post_init__`).
+filled in where absent; a null where null is omitted is refused at its key), a reader and writer of its own
+(`via`). The words of the errors are a `Wording`: `REPORT` (a `--gpumem-json` report's) or `STORED` (a
+baseline file's, as they have always been). A class whose JSON keys come in another order than its fields
+names that order in `__json_keys__`; one whose reader leaves a key it does not know to the round trip of what
+holds it, takes an absent key as its field's default and says a missing one where it reaches it (as its
+hand-written reader did) sets `__json_open__`; one that writes a property as a key names it in
+`__json_derived__` (read as anything, the round trip refuses a value the property would not give); the types
+its annotations name that it imports late are given by `__json_names__()`. `read` is a decode without the
+round trip (for a part of a value checked whole), `validate` checks a value built in Python as its JSON would
+be read (for a `__post_init__`).
 """
 
 from __future__ import annotations
 
 from typing import Any, TypeVar, overload
 
-from pytest_gpumem.results.checks import REPORT, STORED, Unplaced, Wording, exact_keys, first_difference
+from pytest_gpumem.results.checks import REPORT, STORED, Unplaced, Wording, first_difference
 from pytest_gpumem.results.codec_plans import DECODING, made_for, plan_of
 from pytest_gpumem.results.codec_spec import BYTES, EMPTY, SIGNED, STORED_BYTES, Reader, Spec
 
@@ -39,7 +40,6 @@ __all__ = [
     "Wording",
     "decode",
     "encode",
-    "exact_keys",
     "read",
     "validate",
 ]

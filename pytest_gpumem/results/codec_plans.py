@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Annotated, Any, NamedTuple, Union, get_args, get_origin, get_type_hints
 
-from pytest_gpumem.results.checks import Wording, exact_keys, short
+from pytest_gpumem.results.checks import Wording, short, wrong_keys
 from pytest_gpumem.results.codec_scalars import PLAIN, SCALARS, as_is, enum_rule, phrase_of, scalar_rule
 from pytest_gpumem.results.codec_spec import EMPTY, KEEP, Reader, Spec, Writer, unwrap
 
@@ -73,8 +73,8 @@ def plan_of(cls: type) -> _Plan:
 
 def _field(f: dataclasses.Field[Any], tp: Any, open_: bool) -> _Field:
     spec = unwrap(tp, Spec())[1]
-    default: Callable[[], Any] | None = spec.absent
-    if (spec.omit is not KEEP or open_) and default is None:
+    default: Callable[[], Any] | None = None
+    if spec.omit is not KEEP or open_:
         if f.default_factory is not dataclasses.MISSING:
             default = f.default_factory
         elif f.default is not dataclasses.MISSING:
@@ -151,7 +151,7 @@ def _nested(cls: type, phrase: str) -> tuple[Reader, Writer]:
             raise wording.refuse(where, phrase, value)
         if not (plan.open or (plan.keys.issuperset(value) and value.keys() >= plan.required)):
             required = tuple(f.key for f in plan.fields if f.default is None)
-            exact_keys(value, where, required, tuple(plan.keys), wording)
+            raise wrong_keys(value, where, required, plan.keys, wording)
         made = {}
         for f in plan.fields:
             if f.key not in value:
@@ -160,6 +160,8 @@ def _nested(cls: type, phrase: str) -> tuple[Reader, Writer]:
                 made[f.name] = f.default()
             elif type(item := value[f.key]) in f.kinds:
                 made[f.name] = item
+            elif item is None and f.omit is None:  # never written: the key would be left out
+                raise wording.refuse(None if where is None else wording.field(where, f.key), f.phrase, item)
             else:
                 made[f.name] = f.read(item, None if where is None else wording.field(where, f.key), wording)
         for name in plan.derived:

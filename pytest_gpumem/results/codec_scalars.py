@@ -4,8 +4,9 @@ and the words of what a value of a type must be."""
 from __future__ import annotations
 
 import enum
+import types
 from collections.abc import Sequence
-from typing import Annotated, Any, get_origin
+from typing import Annotated, Any, Union, get_args, get_origin
 
 from pytest_gpumem.results.checks import Wording
 from pytest_gpumem.results.codec_spec import Reader, Spec, Writer, unwrap
@@ -56,6 +57,8 @@ def phrase_of(tp: Any, spec: Spec) -> str:
         tp, spec = unwrap(tp, spec)
     if spec.expected is not None:
         return spec.expected
+    if get_origin(tp) in (Union, types.UnionType):  # X | None: what a value other than null must be
+        return phrase_of(next(arg for arg in get_args(tp) if arg is not type(None)), spec)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return _enum_phrase(tp)
     if tp in SCALARS:

@@ -27,10 +27,8 @@ class Spec:
     the key is absent), the keys a mapping allows (`names`, said by `names_expected`), a reader and a
     writer of its own (`via`: the reader gets the JSON value, its path, None on the first read, where the
     wording's errors are `Unplaced`, and the wording; the writer gives back each scalar the reader was
-    given, as the round trip's `==` needs), or what a key
-    absent from an earlier version's JSON is read as (`absent`, a factory; the round trip still refuses
-    such a value at the end, but a wrong value beside it is named first). A field `outside` the JSON (the
-    key its value sits under, which what reads it sets) is never written and read as `absent` gives it."""
+    given, as the round trip's `==` needs). A field `outside` the JSON (the key its value sits under, which
+    what reads it sets) is never written and read as `absent` (a factory) gives it."""
 
     key: str | None = None
     expected: str | None = None

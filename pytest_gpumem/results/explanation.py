@@ -4,10 +4,9 @@ composition a baseline stores. Each type declares its JSON for the codec (`resul
 writes its own layout); the JSON is the report's `explanation` and the baseline's `composition`, in the
 shape and key order they have always had.
 
-`Explanation.from_json` reads explanations made by earlier versions too: without `live` (before the page), without
-`groups` and `folded` (before repeated blocks were folded), without `entries` (before spans were capped),
-without the timeline's `unmeasured` spans (before the page folded advise's runs), without a phase's
-`reserved_at_peak` (before the allocator's model was explained).
+`Explanation.from_json` reads explanations made by earlier versions too (0.1.0's): without `groups` and `folded`
+(before repeated blocks were folded), without the timeline's `unmeasured` spans (before the page folded advise's
+runs), without a phase's `reserved_at_peak` (before the allocator's model was explained).
 """
 
 from __future__ import annotations
@@ -67,19 +66,19 @@ class PhaseExplanation:
     set) has no spans on the test's timeline; `rank_peak_index` is where its peak was on the rank's own.
     `reserved_at_peak` is there where the allocator's model served the call (`--gpumem-round=cuda`)."""
 
-    __json_open__ = True  # read as written before `live`, `groups`, `entries` or `reserved_at_peak`
+    __json_open__ = True  # read as written before `groups` or `reserved_at_peak`, and a rank's phase
 
     peak_bytes: int
     categories: dict[str, int]
     modules: dict[str, int]
     cells: list[Cell]
     tensors: list[Tensor]
+    live: dict[str, int] = field(kw_only=True)
+    entries: int = field(kw_only=True)  # how many times the phase was entered (`spans` holds the first ones)
     start_bytes: int = 0
-    live: Annotated[dict[str, int] | None, _OBJECT] = None
     groups: Annotated[list[Cell] | None, Spec(expected="a list")] = None
     peak_index: _INDEX = None
     spans: list[Annotated[tuple[int, int], Spec(expected="[first event, last event]")]] = field(default_factory=list)
-    entries: _INDEX = None
     unattributed_bytes: int = 0
     rank: _INDEX = None
     rank_peak_index: _INDEX = None
@@ -93,9 +92,7 @@ class PhaseExplanation:
 
     def to_json(self) -> dict[str, Any]:
         """The phase's JSON: a rank's phase has no `peak_index`, and its `spans` and `rank_peak_index` last."""
-        data: dict[str, Any] = {"categories": dict(self.categories)}
-        if self.live is not None:
-            data["live"] = dict(self.live)
+        data: dict[str, Any] = {"categories": dict(self.categories), "live": dict(self.live)}
         data["modules"] = dict(self.modules)
         data["cells"] = encode(self.cells, list[Cell])
         if self.groups is not None:
@@ -106,8 +103,7 @@ class PhaseExplanation:
         if self.rank is None:
             data["peak_index"] = self.peak_index
             data["spans"] = [list(span) for span in self.spans]
-        if self.entries is not None:
-            data["entries"] = self.entries
+        data["entries"] = self.entries
         data["unattributed_bytes"] = self.unattributed_bytes
         if self.reserved_at_peak is not None:
             data["reserved_at_peak"] = encode(self.reserved_at_peak)
@@ -164,18 +160,6 @@ class SampledTimeline:
     unmeasured: Annotated[list[UnmeasuredSpan], Spec(omit=EMPTY)] = field(default_factory=list)
 
 
-def _unknown() -> str:
-    return "?"
-
-
-def _no_timeline() -> SampledTimeline:
-    return SampledTimeline(0, [])
-
-
-def _format() -> str:
-    return _FORMAT
-
-
 @dataclass(frozen=True)
 class Explanation:
     """What made the peaks of one test call, phase by phase (`call` is the whole call). `categories`
@@ -184,14 +168,14 @@ class Explanation:
 
     __json_keys__ = ("format", "nodeid", "backend", "categories", "labels", "folded", "phases", "timeline")
 
-    nodeid: Annotated[str, Spec(absent=str)]
-    backend: Annotated[str, Spec(absent=_unknown)]
-    categories: Annotated[list[str], Spec(absent=list)]
-    labels: Annotated[dict[str, str], Spec(absent=dict)]
+    nodeid: str
+    backend: str
+    categories: list[str]
+    labels: dict[str, str]
     phases: Annotated[dict[str, PhaseExplanation], Spec(via=(_read_phases, _write_phases))]
-    timeline: Annotated[SampledTimeline, Spec(absent=_no_timeline)]
+    timeline: SampledTimeline
     folded: Annotated[dict[str, int] | None, Spec(omit=None)] = None
-    format: Annotated[str, Spec(absent=_format)] = _FORMAT
+    format: str = _FORMAT
 
     def label(self, category: str) -> str:
         return self.labels.get(category, category)

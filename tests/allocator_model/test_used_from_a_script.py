@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from cuda_allocator_model import lazy_names
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "allocator_model_script.py"
 LOADED = (  # the example run as a script, then which of the three it imported
@@ -25,3 +30,10 @@ def test_the_example_script_serves_requests_as_a_card_would_without_torch_or_pyt
     assert lines[2].startswith("capacity 40 MiB: CUDA out of memory (allocator model). Tried to allocate 20.0 MiB.")
     assert "24.0 MiB is reserved by PyTorch" in lines[2]
     assert lines[-1] == "[]"
+
+
+def test_a_lazy_public_name_is_imported_from_its_home_and_an_unknown_one_names_the_package() -> None:
+    find = lazy_names("pkg", {"dumps": "json", "read": "json:loads"})
+    assert find("dumps") is json.dumps and find("read") is json.loads
+    with pytest.raises(AttributeError, match=r"^module 'pkg' has no attribute 'dump'$"):
+        find("dump")
