@@ -63,17 +63,15 @@ class Column:
     key: str = ""  # what `shrink` calls it: the header, or "phase:NAME" for a phase's own column
     brief: str = ""  # the header where the whole one does not fit ("others" for "other phases")
     width: int = field(default=0)
+    natural: int = field(default=0, init=False)  # the width that shows every cell whole
     _cache: tuple[int, list[str]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.key = self.key or self.header
         self.header = flatten(self.header)
         self.cells = [[flatten(part) for part in cell] for cell in self.cells]
+        self.natural = max([display_width(self.header), *(display_width(_JOIN.join(cell)) for cell in self.cells)])
         self.width = self.natural
-
-    @property
-    def natural(self) -> int:
-        return max([display_width(self.header), *(display_width(_JOIN.join(cell)) for cell in self.cells)])
 
     def text(self, row: int) -> str:
         parts = self.cells[row]
@@ -147,17 +145,18 @@ def fit(
     A table whose ids end narrower than `ids.least_width` is not taken. With all of `_LEFT_OUT` left out,
     a table takes about 51 columns at the least in the long form and 39 in the short (8 of ids, a peak
     with its rank, the status and the phase names cut to 10): below that it is wider than `width`, its
-    figures never cut. The room left goes back to the ids' names and parameters first, then to what was cut, then to the
-    ids' leading parts."""
+    figures never cut. The room left goes back to the ids' names and parameters first, then to what was
+    cut, then to the ids' leading parts."""
     if width is None:
         return build(every), []
     columns: list[Column] = []
     left_out: list[str] = []
     least = least_width(ids)
+    fresh = _Built(build)
     for level, last in _LEVELS:
-        test = _test_floors(build(0), ids, width, level, least)
+        test = _test_floors(fresh(0), ids, width, level, least)
         for shared, floor, dropped in _tries(every, test, level, last):
-            columns, left_out = _without(build(shared), dropped)
+            columns, left_out = _without(fresh(shared), dropped)
             floors = [*_FLOORS, *(_LOW_FLOORS if dropped else ())]
             if shrink(columns, width, [("test", test.whole), *floors, ("test", floor)]):
                 columns = _room_given_back(columns, width, test.whole)
@@ -166,6 +165,21 @@ def fit(
         if last and shrink(columns, width, _LAST_FLOORS) and _ids_readable(columns, least):
             break
     return _room_given_back(columns, width, test.whole), left_out
+
+
+class _Built:
+    """`build(shared)` made once for each `shared`, given again at its natural widths (a try narrows them)."""
+
+    def __init__(self, build: Callable[[int], list[Column]]) -> None:
+        self.build = build
+        self.made: dict[int, list[Column]] = {}
+
+    def __call__(self, shared: int) -> list[Column]:
+        if shared not in self.made:
+            self.made[shared] = self.build(shared)
+        for col in self.made[shared]:
+            col.width = col.natural
+        return list(self.made[shared])
 
 
 def _ids_readable(columns: Sequence[Column], least: int) -> bool:
