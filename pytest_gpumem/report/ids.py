@@ -15,6 +15,7 @@ from pytest_gpumem.report.width import ELLIPSIS, cut, display_width, truncate
 
 PARAMS_KEPT = 10  # columns of a test's parameters kept before a phase leaves its column ("[bf1…2048]")
 PARAMS_LAST = 5  # and at the last resort ("[b…8]")
+ID_LEAST = 8  # columns of its name and parameters an id keeps at the least ("test_a_…", "t[s…x]")
 
 
 def elide(text: str, width: int) -> str:
@@ -151,7 +152,7 @@ class TestFloors:
     `PARAMS_KEPT` columns where the ids stay apart (before a phase leaves its column); `named`, the names
     whole and a few columns of their parameters (at the last resort, before names are cut). A name longer
     than `room` (what the table has for the test column at the last resort) is cut at its end whatever
-    the column's width: it counts for none of these."""
+    the column's width: it counts for none of these. None is under `least` (`least_width`)."""
 
     __test__ = False  # not a test class for pytest
 
@@ -160,13 +161,13 @@ class TestFloors:
     named: int
 
     @classmethod
-    def of(cls, ids: Sequence[str], room: int | None = None) -> TestFloors:
+    def of(cls, ids: Sequence[str], room: int | None = None, least: int = 0) -> TestFloors:
         counted = [
             nodeid for nodeid in ids if nodeid and (room is None or display_width(TestId.of(nodeid).name) <= room)
         ]
         parts = [TestId.of(nodeid) for nodeid in counted]
         if not parts:
-            return cls(*(3 * [max(room or 0, 0)]))
+            return cls(*(3 * [max(room or 0, least)]))
         whole = max(display_width(p.rest) for p in parts)
 
         def floor(params: int) -> int:
@@ -175,4 +176,10 @@ class TestFloors:
         kept, named = floor(PARAMS_KEPT), floor(PARAMS_LAST)
         step, distinct = max(1, (whole - kept) // 8), len(set(counted))
         kept = next((w for w in range(kept, whole, step) if len(set(shorten_ids(counted, w))) == distinct), whole)
-        return cls(whole, kept, named)
+        return cls(max(whole, least), max(kept, least), max(named, least))
+
+
+def least_width(ids: Sequence[str]) -> int:
+    """How narrow the test column may get at all: `ID_LEAST` columns, or the widest id's name and
+    parameters where narrower ("…::t" needs one)."""
+    return min(ID_LEAST, max((display_width(TestId.of(nodeid).rest) for nodeid in ids), default=0))
