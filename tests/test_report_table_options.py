@@ -31,7 +31,7 @@ def two_tests() -> list[TestResult]:
     explained (8 KiB of parameters, 4 of temporaries); test_b: 40 KiB, over a 20 KiB baseline (+100.0%), on
     meta."""
     mib = 2048 * KIB
-    made = PhaseExplanation(12 * KIB, {"parameters": 8 * KIB, "temporaries": 4 * KIB}, {}, [], [])
+    made = PhaseExplanation(12 * KIB, {"parameters": 8 * KIB, "temporaries": 4 * KIB}, {}, [], [], live={}, entries=1)
     explanation = Explanation("tests/test_m.py::test_a", "tracker", [], {}, {"call": made}, SampledTimeline(0, []))
     a = TestResult(
         "tests/test_m.py::test_a", "tracker", "cpu", phase("call", 12, mib),
