@@ -29,7 +29,7 @@ def _listed(value: object) -> object:
     return list(value) if isinstance(value, tuple) else value
 
 
-def _read_simulated(value: Any, where: str | None, wording: Wording) -> list[dict[str, int]]:
+def _read_simulated(value: Any, where: str | None, wording: Wording) -> tuple[dict[str, int], ...]:
     """Each simulated world's figures (a key's path is `.key`, whatever the key, as it always was)."""
     if not isinstance(value, list):
         raise wording.refuse(where, "a list", value)
@@ -40,7 +40,7 @@ def _read_simulated(value: Any, where: str | None, wording: Wording) -> list[dic
         for key, n in world.items():
             if type(n) is not int or not 0 <= n <= MAX_BYTES:
                 raise wording.refuse(None if at is None else f"{at}.{key}", "an integer", n)
-    return value
+    return tuple(value)
 
 
 def _whole(read_whole: Callable[[Any, str], Any], key: str | None = None) -> Spec:
@@ -177,6 +177,18 @@ class BudgetView:
 _NONE = Phases()
 
 
+def _built(cls: type, values: dict[str, Any]) -> Any:
+    return cls(**values)
+
+
+def _bare(cls: type, values: dict[str, Any]) -> Any:
+    """A value of `cls` of `values` that the codec has read, each already as the value holds it (made
+    without `__init__`, which would check and convert them again)."""
+    value: Any = object.__new__(cls)
+    value.__dict__.update(values)
+    return value
+
+
 @dataclass(frozen=True)
 class TestResult:
     """Everything measured for one test call, plus its budget and verdict: a value, never changed once
@@ -213,14 +225,22 @@ class TestResult:
         **named: Any,
     ) -> TestResult:
         """A result from its fields by their names in the report (`status=`, `budget_text=`, `fits=`, ...)."""
+        unknown = named.keys() - _WHERE.keys()
+        if unknown:
+            raise TypeError(f"a TestResult has no field {min(unknown)!r}")
         given = {"nodeid": nodeid, "backend": backend, "device": device, "call": call, "phases": phases, **named}
-        parts: dict[str, dict[str, Any]] = {part: {} for part in _CLASSES}
-        for name, value in given.items():
-            if name not in _WHERE:
-                raise TypeError(f"a TestResult has no field {name!r}")
-            part, inner = _WHERE[name]
-            parts[part][inner] = value
-        return cls(**{part: _PARTS[part](**parts[part]) for part in _PARTS}, **parts[""])
+        return cls._made(given)
+
+    @classmethod
+    def _made(cls, given: Mapping[str, Any], build: Callable[[type, dict[str, Any]], Any] = _built) -> TestResult:
+        """A result from fields by their names in the report, each a field of a result, its parts and itself
+        made by `build`."""
+        parts = {
+            part: build(made, {inner: given[name] for name, inner in names if name in given})
+            for part, made, names in _BY_PART
+        }
+        made: TestResult = build(cls, {**parts, **{inner: given[name] for name, inner in _OWN if name in given}})
+        return made
 
     def named(self) -> dict[str, Any]:
         """Every field by its name in the report, as `of` takes them."""
@@ -316,7 +336,8 @@ class TestResult:
     def from_json(cls, data: object, where: str = "result") -> TestResult:
         """The result a report's entry holds, as `to_json` writes it and nothing else: `OffShape` names the
         JSON path of the first value that is not (under `where`, the entry's own path)."""
-        return cls.of(**vars(decode(_entry_layout(), data, where)))
+        read = vars(decode(_entry_layout(), data, where))  # every value as a result holds it, but its phases
+        return cls._made({**read, "phases": Phases(read["phases"])}, _bare)
 
 
 _PARTS: dict[str, type] = {"record": WrittenRecord, "outcome": Outcome, "budget": BudgetView}
@@ -330,6 +351,10 @@ _WHERE = {
 }
 """Each field of a result by its name in the report and the JSON layout: (its part, its name there; "" the
 result's own)."""
+_BY_PART = [
+    (part, made, [(n, inner) for n, (p, inner) in _WHERE.items() if p == part]) for part, made in _PARTS.items()
+]
+_OWN = [(name, inner) for name, (part, inner) in _WHERE.items() if not part]
 
 _PUBLISHED = (
     *("nodeid", "backend", "device", "peak_bytes", "call", "phases", "budget", "budget_text", "status"),
