@@ -327,6 +327,11 @@ def test_a_hook_changes_a_copy_and_the_result_it_leaves_replaces_the_original() 
     draft.simulated[0]["rank"] = 0
     draft.notes.append("from the hook")  # type: ignore[attr-defined]
     draft.phases["g"] = call  # type: ignore[index]
+    assert (draft.outcome.status, draft.record.notes, draft.budget.limits) == (
+        Status.LEAKED,
+        ("n", "from the hook"),
+        {"call": 2},
+    )
     final = draft.final()
     assert (original.status, original.info, original.notes) == (Status.OK, {"tags": ["a"]}, ("n",))
     assert (original.budget_limits, original.distributed, original.simulated) == (

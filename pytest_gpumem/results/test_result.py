@@ -106,11 +106,25 @@ def _late_names() -> dict[str, Any]:
     return {"Advice": Advice, "Entry": Entry, "Verdict": Verdict, "Explanation": Explanation}
 
 
-def _tuples(value: object, *names: str) -> None:
-    """`value`'s fields `names` given as lists kept as tuples (the one place they are set: as it is made)."""
-    for name in names:
+def _tuples(value: WrittenRecord | Outcome) -> None:
+    """`value`'s fields declared as sequences, given as lists, kept as tuples (the one place they are set:
+    as it is made)."""
+    for name in _sequences(type(value)):
         if isinstance(getattr(value, name), list):
             object.__setattr__(value, name, tuple(getattr(value, name)))
+
+
+_SEQUENCES: dict[type, tuple[str, ...]] = {}
+
+
+def _sequences(cls: type) -> tuple[str, ...]:
+    """The fields of dataclass `cls` declared as sequences (found once per class)."""
+    found = _SEQUENCES.get(cls)
+    if found is None:
+        found = _SEQUENCES[cls] = tuple(
+            f.name for f in dataclasses.fields(cls) if "Sequence[" in str(f.type).split(",")[0]
+        )
+    return found
 
 
 @dataclass(frozen=True)
@@ -144,7 +158,7 @@ class WrittenRecord:
         the reading back to refuse."""
         if isinstance(self.phases, Mapping) and not isinstance(self.phases, Phases):
             object.__setattr__(self, "phases", Phases(self.phases))
-        _tuples(self, "notes", "fits", "distributed", "simulated")
+        _tuples(self)
 
     @property
     def peak_bytes(self) -> int | None:
@@ -163,7 +177,7 @@ class Outcome:
     def __post_init__(self) -> None:
         """The status as a `Status` (a word is one: what a hook may set), the detail a tuple."""
         object.__setattr__(self, "status", Status.of(self.status))
-        _tuples(self, "detail")
+        _tuples(self)
 
 
 @dataclass(frozen=True)
