@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
-from typing import TYPE_CHECKING, Annotated, Any, get_type_hints
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Generic, TypeVar, get_type_hints, overload
 
 from cuda_allocator_model import MAX_BYTES
 from pytest_gpumem.errors import first_line
@@ -189,6 +189,27 @@ class BudgetView:
 
 
 _NONE = Phases()
+T = TypeVar("T")
+
+
+class _ByName(Generic[T]):
+    """A field of one of a result's parts read by its name in the report (`result.status` is
+    `result.outcome.status`), or one of the result's own under another name (`part` "")."""
+
+    def __init__(self, part: str, inner: str = "") -> None:
+        self.part, self.inner = part, inner
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.inner = self.inner or name
+
+    @overload
+    def __get__(self, result: None, owner: type) -> _ByName[T]: ...
+    @overload
+    def __get__(self, result: object, owner: type) -> T: ...
+    def __get__(self, result: object, owner: type) -> Any:
+        if result is None:
+            return self
+        return getattr(getattr(result, self.part) if self.part else result, self.inner)
 
 
 def _built(cls: type, values: dict[str, Any]) -> Any:
@@ -266,81 +287,25 @@ class TestResult:
         return TestResult.of(**{**self.named(), **named})
 
     # each field of the parts by its name in the report, as results were read before they had parts
-    @property
-    def nodeid(self) -> str:
-        return self.record.nodeid
-
-    @property
-    def backend(self) -> str:
-        return self.record.backend
-
-    @property
-    def device(self) -> str:
-        return self.record.device
-
-    @property
-    def call(self) -> PhaseResult | None:
-        return self.record.call
-
-    @property
-    def phases(self) -> Mapping[str, PhaseResult]:
-        return self.record.phases
-
-    @property
-    def notes(self) -> Sequence[str]:
-        return self.record.notes
-
-    @property
-    def info(self) -> dict[str, Any]:
-        return self.record.info
-
-    @property
-    def explanation(self) -> Explanation | None:
-        return self.record.explanation
-
-    @property
-    def fits(self) -> Sequence[str]:
-        return self.record.fits
-
-    @property
-    def advice(self) -> Advice | None:
-        return self.record.advice
-
-    @property
-    def distributed(self) -> Sequence[dict[str, Any]]:
-        return self.record.distributed
-
-    @property
-    def simulated(self) -> Sequence[dict[str, int]]:
-        return self.record.simulated
-
-    @property
-    def status(self) -> Status:
-        return self.outcome.status
-
-    @property
-    def message(self) -> str | None:
-        return self.outcome.message
-
-    @property
-    def detail(self) -> Sequence[str]:
-        return self.outcome.detail
-
-    @property
-    def budget_limits(self) -> dict[str, Any] | None:
-        return self.budget.limits
-
-    @property
-    def budget_text(self) -> str | None:
-        return self.budget.text
-
-    @property
-    def baseline_entry(self) -> Entry | None:
-        return self.entry
-
-    @property
-    def peak_bytes(self) -> int | None:
-        return self.record.peak_bytes
+    nodeid: ClassVar[_ByName[str]] = _ByName("record")
+    backend: ClassVar[_ByName[str]] = _ByName("record")
+    device: ClassVar[_ByName[str]] = _ByName("record")
+    call: ClassVar[_ByName[PhaseResult | None]] = _ByName("record")
+    phases: ClassVar[_ByName[Mapping[str, PhaseResult]]] = _ByName("record")
+    notes: ClassVar[_ByName[Sequence[str]]] = _ByName("record")
+    info: ClassVar[_ByName[dict[str, Any]]] = _ByName("record")
+    explanation: ClassVar[_ByName[Explanation | None]] = _ByName("record")
+    fits: ClassVar[_ByName[Sequence[str]]] = _ByName("record")
+    advice: ClassVar[_ByName[Advice | None]] = _ByName("record")
+    distributed: ClassVar[_ByName[Sequence[dict[str, Any]]]] = _ByName("record")
+    simulated: ClassVar[_ByName[Sequence[dict[str, int]]]] = _ByName("record")
+    status: ClassVar[_ByName[Status]] = _ByName("outcome")
+    message: ClassVar[_ByName[str | None]] = _ByName("outcome")
+    detail: ClassVar[_ByName[Sequence[str]]] = _ByName("outcome")
+    budget_limits: ClassVar[_ByName[dict[str, Any] | None]] = _ByName("budget", "limits")
+    budget_text: ClassVar[_ByName[str | None]] = _ByName("budget", "text")
+    baseline_entry: ClassVar[_ByName[Entry | None]] = _ByName("", "entry")
+    peak_bytes: ClassVar[_ByName[int | None]] = _ByName("record")
 
     def to_json(self) -> dict[str, Any]:
         """The test's entry in the `--gpumem-json` report (a value a hook left of another type as it is)."""
@@ -365,6 +330,8 @@ _WHERE = {
 }
 """Each field of a result by its name in the report and the JSON layout: (its part, its name there; "" the
 result's own)."""
+REPORT_NAMES = tuple(_WHERE)
+"""Every field of a result's parts (and its own) by its name in the report."""
 _BY_PART = [
     (part, made, [(n, inner) for n, (p, inner) in _WHERE.items() if p == part]) for part, made in _PARTS.items()
 ]

@@ -4,6 +4,7 @@ controller as JSON text on the report, and written as JUnit properties."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import traceback
@@ -18,6 +19,7 @@ from pytest_gpumem.outcome import status_of, with_pytest
 from pytest_gpumem.reasons import Unmeasurable
 from pytest_gpumem.report.failures import plain_line
 from pytest_gpumem.results import REPORT_ATTRIBUTE, Phases, Status, TestResult
+from pytest_gpumem.results.test_result import REPORT_NAMES
 
 
 def hand_over(item: pytest.Item, result: TestResult, report: pytest.TestReport) -> TestResult:
@@ -64,7 +66,7 @@ class ResultDraft(TestResult):
             if name in _JSON_FIELDS:
                 named[name] = json.loads(json.dumps(value))
             elif isinstance(value, tuple):
-                named[name] = list(value)
+                named[name] = list(copy.deepcopy(value))
             elif isinstance(value, Phases):
                 named[name] = dict(value)
         return cls(named)
@@ -74,11 +76,6 @@ class ResultDraft(TestResult):
 
     def final(self) -> TestResult:
         return TestResult.of(**self._named)
-
-    @property
-    def peak_bytes(self) -> int | None:
-        call = self._named["call"]
-        return None if call is None else call.peak_bytes
 
 
 def _draft_field(name: str) -> property:
@@ -95,10 +92,16 @@ def _draft_part(name: str) -> property:
     return property(lambda draft: getattr(draft.final(), name))
 
 
-for _name in TestResult.of("", "", "", None).named():
+def _draft_peak(draft: ResultDraft) -> int | None:
+    call = draft._named["call"]
+    return None if call is None else call.peak_bytes
+
+
+for _name in REPORT_NAMES:
     setattr(ResultDraft, _name, _draft_field(_name))
 for _name in ("record", "outcome", "budget", "entry"):
     setattr(ResultDraft, _name, _draft_part(_name))
+setattr(ResultDraft, "peak_bytes", property(_draft_peak))  # noqa: B010 (the result's is a part's)
 
 
 def _after_hook(item: pytest.Item, result: TestResult, report: pytest.TestReport) -> tuple[TestResult, str]:
