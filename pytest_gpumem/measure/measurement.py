@@ -16,6 +16,7 @@ from pytest_gpumem.measure.record import CallRecord
 from pytest_gpumem.measure.regions import RegionStack
 from pytest_gpumem.results import PhaseResult, Phases
 from pytest_gpumem.results.ranks import World, worst_call
+from pytest_gpumem.results.test_result import default_of
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +35,7 @@ Evidence = tuple[tuple["Survivor", ...], Holding | None, Trace]  # survivors, wh
 
 _MADE_AT_END = ("phases", "notes", "info", "explanation", "survivors", "holding", "trace")  # by `end()`
 _FOUND: dict[str, Callable[[], Any]] = {
-    f.name: f.default_factory if f.default_factory is not MISSING else (lambda value: lambda: value)(f.default)
+    f.name: default_of(f)
     for f in fields(CallRecord)
     if (f.default is not MISSING or f.default_factory is not MISSING) and f.name not in _MADE_AT_END
 }

@@ -353,7 +353,7 @@ def _entry_layout() -> type:
     hints = {part: get_type_hints(cls, localns=_late_names(), include_extras=True) for part, cls in _CLASSES.items()}
     fields = {part: {f.name: f for f in dataclasses.fields(cls)} for part, cls in _CLASSES.items()}
     made = [
-        (name, hints[part][inner], field(default_factory=_default_of(fields[part][inner])))
+        (name, hints[part][inner], field(default_factory=default_of(fields[part][inner])))
         for name, (part, inner) in _WHERE.items()
     ]
     keys = [unwrap(tp, Spec())[1].key or name for name, tp, _ in made]
@@ -362,7 +362,8 @@ def _entry_layout() -> type:
     return dataclasses.make_dataclass("TestResult", made, namespace=namespace, frozen=True)
 
 
-def _default_of(f: dataclasses.Field[Any]) -> Callable[[], Any]:
+def default_of(f: dataclasses.Field[Any]) -> Callable[[], Any]:
+    """What makes field `f`'s default (None where it has none)."""
     if f.default_factory is not dataclasses.MISSING:
         return f.default_factory
     value = None if f.default is dataclasses.MISSING else f.default
