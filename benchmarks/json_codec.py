@@ -142,7 +142,7 @@ def report_json() -> str:
             )
             verdict = Verdict(nodeid, BaselineStatus.OK, compared, (), ("a note",))
             entry = Entry(card, 3_000_000 + i, {"forward": 1_000_000 + i}, "2.13.0", None)
-        result = TestResult(
+        result = TestResult.of(
             nodeid,
             "tracker",
             "cpu",

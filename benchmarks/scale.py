@@ -29,7 +29,7 @@ def synthetic_results(count: int) -> list[TestResult]:
                   enumerate(PHASE_NAMES)}  # fmt: skip
         call = PhaseResult("call", (i + 1) * 16384, (i + 1) * 16000, None, 4)
         nodeid = f"tests/test_module_{i // 100}.py::test_case[{i}]"
-        results.append(TestResult(nodeid, "tracker", "cpu", call, phases, budget_text="1 GiB"))
+        results.append(TestResult.of(nodeid, "tracker", "cpu", call, phases, budget_text="1 GiB"))
     return results
 
 

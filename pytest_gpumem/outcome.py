@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -26,8 +25,7 @@ from pytest_gpumem.reasons import (
     Regressed,
     Unmeasurable,
 )
-from pytest_gpumem.results import Status, TestResult, first_of
-from pytest_gpumem.results.codec import encode
+from pytest_gpumem.results import BudgetView, Outcome, Status, TestResult, WrittenRecord, first_of
 
 if TYPE_CHECKING:
     from pytest_gpumem.budget import Budget, Limit
@@ -49,7 +47,7 @@ class _Compared(Protocol):
 
 
 @dataclass(frozen=True)
-class Outcome:
+class Judged:
     """A measured test's status and why it failed (the first reason is its line; none when it passes)."""
 
     status: Status
@@ -80,19 +78,19 @@ def judge(
     leak: Limit | None,
     compared: _Compared | None,
     stopped: Reason | None = None,
-) -> Outcome:
+) -> Judged:
     """The outcome of a measured call. A call `stopped` for a reason (out of memory, an error of its own or
     of its measurement) fails for that reason alone; a call that ran to the end fails for each of its budget,
     its leak limit and its baseline that it passed, in that order (the status of the first, `PRECEDENCE`'s
     order), and is OK, NEW or IMPROVED when none fails it."""
     if stopped is not None:
-        return Outcome(status_of(stopped), (stopped,))
+        return Judged(status_of(stopped), (stopped,))
     verdict = None if compared is None else compared.verdict
     found = [_over_budget(record, budget), _leaked(record, leak), _regressed(compared)]
     reasons = tuple(reason for reason in found if reason is not None)
     statuses = [status_of(reason) for reason in reasons]
     statuses += [Status.OK] if verdict is None else [verdict_status(verdict)]
-    return Outcome(first_of(statuses), reasons)
+    return Judged(first_of(statuses), reasons)
 
 
 def _over_budget(record: CallRecord, budget: Budget | None) -> OverBudget | None:
@@ -199,46 +197,29 @@ def _plain_info(info: object) -> dict[str, Any]:
     return {"unreadable": text[:1000]}
 
 
-_HELD_OTHERWISE: dict[str, Callable[[Any], object]] = {
-    "info": _plain_info,
-    "fits": lambda fits: [fit.describe() for fit in fits],
-    "simulated": lambda ranks: [encode(rank) for rank in ranks],
-}
-"""The record's fields that a result holds in another form; every other field both have, it holds as the
-record does (a new one takes no line here)."""
-
-
-def _of_the_record(record: CallRecord) -> dict[str, Any]:
-    """The result's fields that the record gives: each it shares by name, and the worlds' summaries."""
-    mine = {field.name for field in dataclasses.fields(record)}
-    shared = [field.name for field in dataclasses.fields(TestResult) if field.name in mine]
-    kept = {name: _HELD_OTHERWISE.get(name, _as_is)(getattr(record, name)) for name in shared}
-    return {**kept, "distributed": [world.summary() for world in record.worlds]}
-
-
-def _as_is(value: object) -> object:
-    return value
+def written(record: CallRecord) -> WrittenRecord:
+    """What the result holds of `record`: every field its report writes, as the record holds it, but the
+    test's `info`, in plain JSON types (a field added to `WrittenRecord` takes no line here)."""
+    kept = {field.name: getattr(record, field.name) for field in dataclasses.fields(WrittenRecord)}
+    return WrittenRecord(**{**kept, "info": _plain_info(record.info)})
 
 
 def result_of(
     record: CallRecord,
-    outcome: Outcome,
+    judged: Judged,
     failure: FailureLine | None,
     budget: Budget | None,
     compared: _Compared | None,
     worker_device: str | None,
 ) -> TestResult:
-    """The test's result, from its record, its outcome and the outcome's line (`failure`, as `report/`
-    phrased its first reason)."""
+    """The test's result, from its record, how it was judged and the line of its first reason (`failure`,
+    as `report/` phrased it)."""
     return TestResult(
-        **_of_the_record(record),
-        budget_limits=None if budget is None else budget.to_json(),
-        budget_text=None if budget is None else budget.describe(),
-        status=outcome.status,
-        message=None if failure is None else failure.line,
-        detail=() if failure is None else failure.detail,
+        written(record),
+        Outcome(judged.status, None if failure is None else failure.line, () if failure is None else failure.detail),
+        BudgetView() if budget is None else BudgetView(budget.to_json(), budget.describe()),
         verdict=None if compared is None else compared.verdict,
-        baseline_entry=None if compared is None else compared.entry,
+        entry=None if compared is None else compared.entry,
         worker_device=worker_device,
     )
 
@@ -246,4 +227,4 @@ def result_of(
 def unmeasured_result(backend: str, reason: Unmeasurable, failure: FailureLine) -> TestResult:
     """The result of a test whose call could not be measured at all (a value the allocator's model refused
     before the call began): no figures, its line."""
-    return TestResult(reason.nodeid, backend, "", None, status=status_of(reason), message=failure.line)
+    return TestResult.of(reason.nodeid, backend, "", None, status=status_of(reason), message=failure.line)

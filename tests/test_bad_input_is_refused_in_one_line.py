@@ -26,7 +26,7 @@ from pytest_gpumem.results import Status, TestResult
 
 def hostile_result() -> TestResult:
     phases = {name: phase_result(name, 1024) for name in ("fwd|bwd", "two\nlines")}
-    return TestResult(
+    return TestResult.of(
         "test_x.py::test_it[a|b]",
         "tracker",
         "cpu",
@@ -208,7 +208,7 @@ def test_a_hostile_option_value_is_one_short_line(parse: str, value: str, proble
 
 def entry(nodeid: str = "t::a", peak: int = 100) -> dict[str, Any]:
     """A test's entry as --gpumem-json writes it: a call that peaked at `peak` bytes, a phase "f" at 50."""
-    return TestResult(nodeid, "tracker", "cpu", phase_result("call", peak), {"f": phase_result("f", 50)}).to_json()
+    return TestResult.of(nodeid, "tracker", "cpu", phase_result("call", peak), {"f": phase_result("f", 50)}).to_json()
 
 
 TEST = entry()

@@ -172,7 +172,7 @@ OTHER = "1f3e2d10c9b8a7f6e5d4c3b2a1f0e9d8c7b6a5f4"
 
 def _shard(path: Path, nodeid: str, commit: object) -> Path:
     """A one-test report as --gpumem-json writes it, made at ``commit``."""
-    test = TestResult(nodeid, "tracker", "cpu", PhaseResult("call", 4000, 4000, None, 0)).to_json()
+    test = TestResult.of(nodeid, "tracker", "cpu", PhaseResult("call", 4000, 4000, None, 0)).to_json()
     doc = {"version": 1, "backend": "tracker", "device": "cpu", "commit": commit, "tests": [test]}
     path.write_text(json.dumps(doc), encoding="utf-8")
     return path
@@ -237,7 +237,9 @@ def test_the_example_workflow_uses_real_options(pytester: pytest.Pytester) -> No
 
 
 def one_test_report(path: Path, status: str, peak: int, backend: str = "tracker") -> Path:
-    test = TestResult("t.py::test_a", backend, "cpu", PhaseResult("call", peak, peak, None, 0), status=Status(status))
+    test = TestResult.of(
+        "t.py::test_a", backend, "cpu", PhaseResult("call", peak, peak, None, 0), status=Status(status)
+    )
     doc = {"version": 1, "backend": backend, "device": "cpu", "commit": None, "tests": [test.to_json()]}
     path.write_text(json.dumps(doc), encoding="utf-8")
     return path

@@ -605,7 +605,7 @@ def test_the_call_is_the_worst_device() -> None:
 def test_rank_travels_in_json_only_when_set() -> None:
     plain, ranked = phase_result("fwd", 10), phase_result("fwd", 10, rank=3)
     assert "rank" not in plain.to_json()
-    result = TestResult("t", "tracker", "cpu", plain, phases={"fwd": ranked})
+    result = TestResult.of("t", "tracker", "cpu", plain, phases={"fwd": ranked})
     assert TestResult.from_json(json.loads(json.dumps(result.to_json()))).phases["fwd"] == ranked
     assert ranked.merged(phase_result("fwd", 20, rank=1)).rank == 1
     assert ranked.merged(phase_result("fwd", 5, rank=1)).rank == 3

@@ -11,7 +11,7 @@ from pytest_gpumem.baselines.compare import Tolerance, compare
 from pytest_gpumem.budget import Budget, budget_from_marker
 from pytest_gpumem.measure.oom_and_leaks import Holding
 from pytest_gpumem.measure.record import CallRecord
-from pytest_gpumem.outcome import Outcome, judge
+from pytest_gpumem.outcome import Judged, judge
 from pytest_gpumem.reasons import AllocatorState, Leaked, OutOfMemory, OverBudget, Raised, Regressed
 from pytest_gpumem.report.failures import LINE_WIDTH, budget_line, failure_line, fit_line, verdict_line
 from pytest_gpumem.results import PhaseResult, Status
@@ -266,7 +266,7 @@ def _against(stored: int, current: int) -> Judgement:
 HELD = budget_from_marker((1000,), {"leak": 100, "forward": 600})  # max_memory(1000, leak=100, forward=600)
 
 
-def _line(outcome: Outcome, record: CallRecord, budget: Budget | None = None) -> tuple[str, tuple[str, ...]]:
+def _line(outcome: Judged, record: CallRecord, budget: Budget | None = None) -> tuple[str, tuple[str, ...]]:
     """The outcome's line and detail, as the report phrases its first reason."""
     assert outcome.reason is not None
     found = failure_line(outcome.reason, record, budget)

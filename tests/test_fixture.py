@@ -318,10 +318,10 @@ def test_a_status_given_as_its_word_is_a_status_and_a_result_is_never_changed() 
     from pytest_gpumem.errors import GpuMemError
     from pytest_gpumem.results import Status, TestResult
 
-    result = dataclasses.replace(TestResult("t.py::t", "tracker", "cpu", None), status="OVER BUDGET")  # type: ignore[arg-type]
+    result = TestResult.of("t.py::t", "tracker", "cpu", None).replaced(status="OVER BUDGET")
     assert result.status is Status.OVER_BUDGET and not result.status.passing
     with pytest.raises(GpuMemError, match=r"^result.status: 'over' is not a status \(one of: ok, NEW, "):
-        dataclasses.replace(result, status="over")  # type: ignore[arg-type]
+        result.replaced(status="over")
     with pytest.raises(dataclasses.FrozenInstanceError):
         result.status = Status.OK  # type: ignore[misc]
     assert result.status is Status.OVER_BUDGET

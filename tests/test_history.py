@@ -289,7 +289,7 @@ def report(sha: str | None, peak: int, dirty: bool = False) -> str:
     )
     phases = {"forward": PhaseResult("forward", peak // 2, peak // 2, None, 0)}
     call = PhaseResult("call", peak, peak, None, 0)
-    test = TestResult("t.py::test_grows", "cuda", "cuda:0", call, phases, baseline_entry=record)
+    test = TestResult.of("t.py::test_grows", "cuda", "cuda:0", call, phases, baseline_entry=record)
     commit = None if sha is None else {"sha": sha, "dirty": dirty}
     doc = {"version": 1, "backend": "cuda", "device": "cuda:0", "commit": commit, "tests": [test.to_json()]}
     return json.dumps(doc)
@@ -354,7 +354,7 @@ def cpu_report(sha: str, peaks: dict[str, int]) -> str:
         phases = {"forward": PhaseResult("forward", peak // 2, peak // 2, None, 0)}
         entry = Entry(DeviceIdentity("tracker", "cpu"), peak, {"forward": peak // 2}, "2.13.0", None)
         call = PhaseResult("call", peak, peak, None, 0)
-        test = TestResult(nodeid, "tracker", "cpu", call, phases, baseline_entry=entry)
+        test = TestResult.of(nodeid, "tracker", "cpu", call, phases, baseline_entry=entry)
         tests.append(test.to_json())
     return json.dumps({"version": 1, "backend": "tracker", "device": "cpu", "commit": {"sha": sha, "dirty": False},
                        "tests": tests})  # fmt: skip
@@ -391,7 +391,7 @@ def test_reports_of_other_figures_are_said_on_the_committed_offenders_line() -> 
     assert line.endswith("; in the reports 100 B -> 300 B")
 
 
-ENTRY = TestResult("t.py::x", "cuda", "cuda:0", PhaseResult("call", 1, 1, None, 0)).to_json()
+ENTRY = TestResult.of("t.py::x", "cuda", "cuda:0", PhaseResult("call", 1, 1, None, 0)).to_json()
 AT = {"sha": "SHA", "dirty": False}
 
 

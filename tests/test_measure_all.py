@@ -82,7 +82,7 @@ def test_counts_line_orders_the_worst_first() -> None:
     from pytest_gpumem.results import Status, TestResult
 
     statuses = [Status(s) for s in ("ok", "NEW", "REGRESSED", "error", "ok", "xfailed")]
-    results = [TestResult(f"t{i}", "tracker", "cpu", None, status=s) for i, s in enumerate(statuses)]
+    results = [TestResult.of(f"t{i}", "tracker", "cpu", None, status=s) for i, s in enumerate(statuses)]
     assert counts_line(results) == "6 measured: 1 regressed, 1 unmeasurable or failed, 1 new, 2 ok, 1 xfailed"
     assert counts_line([]) == "no test measured"
 

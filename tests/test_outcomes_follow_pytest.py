@@ -264,7 +264,7 @@ def test_the_report_orders_its_rows_by_the_judges_precedence() -> None:
     from pytest_gpumem.results import PRECEDENCE, Status, TestResult, first_of
 
     results = [
-        TestResult(f"t.py::test_{n}", "tracker", "cpu", None, status=s) for n, s in enumerate(reversed(PRECEDENCE))
+        TestResult.of(f"t.py::test_{n}", "tracker", "cpu", None, status=s) for n, s in enumerate(reversed(PRECEDENCE))
     ]
     assert [result.status for result in ordered(results)] == list(PRECEDENCE) == sorted(Status, key=PRECEDENCE.index)
     assert (first_of([Status.NEW, Status.LEAKED, Status.REGRESSED]), first_of([])) == (Status.LEAKED, Status.OK)

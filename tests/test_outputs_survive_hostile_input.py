@@ -76,7 +76,7 @@ HOSTILE_PHASES = [
 
 def result_with_phases(*names: str) -> TestResult:
     phases = {name: phase_result(name, 64) for name in names}
-    return TestResult("t.py::test_a", "tracker", "cpu", phase_result("call", 128), phases)
+    return TestResult.of("t.py::test_a", "tracker", "cpu", phase_result("call", 128), phases)
 
 
 def test_junit_properties_write_what_xml_cannot_carry_as_pytest_does_and_keep_the_rest() -> None:
@@ -114,7 +114,7 @@ def test_junit_xml_of_hostile_phase_names_parses_and_keeps_every_other_character
 
 # --------------------------------------------------------------------- writes that fail, in the CLI
 
-TEST = TestResult("t::a", "tracker", "cpu", phase_result("call", 100), {"f": phase_result("f", 50)}).to_json()
+TEST = TestResult.of("t::a", "tracker", "cpu", phase_result("call", 100), {"f": phase_result("f", 50)}).to_json()
 REPORT = json.dumps({"version": 1, "backend": "tracker", "device": "cpu", "commit": None, "tests": [TEST]})
 
 

@@ -204,3 +204,21 @@ def test_a_test_opening_a_rank_phase_name_fails_in_one_line(tracker: pytest.Pyte
         ]
     )
     result.stdout.no_fnmatch_line("*Traceback*")
+
+
+def test_what_the_measuring_code_finds_joins_the_record_by_its_field_name() -> None:
+    fake = ScriptedAllocator()
+    with measuring(Measurement(fake, "t")) as call:
+        measured = call.meter._measured
+        assert isinstance(measured, Measurement) and measured.found("fits") == ()
+        measured.add(fits="batch 8 fits")
+        measured.add(fits="batch 16 fits")  # a field of several: added to
+        measured.keep(gradient_tolerance=(0.1, None))
+        measured.keep(gradient_tolerance=(None, 0.5))  # any other: replaced
+        with pytest.raises(TypeError, match=r"^a call's record has no field 'fit'$"):
+            measured.add(fit="x")
+        with pytest.raises(TypeError, match=r"^a call's record has no field 'advise'$"):
+            measured.keep(advise=None)
+    assert (call.record.fits, call.record.gradient_tolerance, call.record.advice) == (
+        ("batch 8 fits", "batch 16 fits"), (None, 0.5), None,
+    )  # fmt: skip

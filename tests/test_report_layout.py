@@ -37,7 +37,7 @@ def phase(name: str, mib: float, rank: int | None = None) -> PhaseResult:
 def strategy(name: str, test: str = "test_training_strategy") -> TestResult:
     phases = {p.name: p for p in (phase("forward", 4), phase("backward", 8), phase("total", 8))}
     nodeid = f"reference_losses/test_strategies.py::{test}[{name}]"
-    return TestResult(nodeid, "tracker", "cpu", phase("call", 40), phases)
+    return TestResult.of(nodeid, "tracker", "cpu", phase("call", 40), phases)
 
 
 def distributed(world: int = 2) -> TestResult:
@@ -47,7 +47,7 @@ def distributed(world: int = 2) -> TestResult:
     worst = [phase(f"ddp.{p}", 16 if p == "setup" else 16 + 12 * (world - 1), 0 if p == "setup" else world - 1)
              for p in ("setup", "forward", "backward", "step")]  # fmt: skip
     phases = {p.name: p for p in per_rank + worst}
-    return TestResult(
+    return TestResult.of(
         "reference_losses/test_distributed.py::test_data_parallel[2]", "tracker", "cpu", phase("call", 128), phases
     )
 
@@ -270,7 +270,7 @@ def mixed_devices() -> list[TestResult]:
     ) -> TestResult:
         phases = {p.name: p for p in (phase("forward", mib[0]), phase("backward", mib[1]))}
         nodeid = f"tests/models/test_llama_memory.py::{name}"
-        return TestResult(nodeid, "tracker", device, phase("call", sum(mib)), phases, budget_text=budget)
+        return TestResult.of(nodeid, "tracker", device, phase("call", sum(mib)), phases, budget_text=budget)
 
     return [
         test("test_forward_backward[bf16-seq2048]"),
@@ -341,7 +341,7 @@ def hostile_suite(phases: int) -> list[TestResult]:
     names = [f"phase_{i}_日本" if i % 3 else f"p{i}[red]" for i in range(phases)]
     budget = "forward=1 GiB, capacity 80 GiB"
     return [
-        TestResult(nodeid, "tracker", "meta" if i % 2 else "cpu", phase("call", 64 * (i + 1)),
+        TestResult.of(nodeid, "tracker", "meta" if i % 2 else "cpu", phase("call", 64 * (i + 1)),
                    {name: phase(name, j + i) for j, name in enumerate(names)}, budget_text=budget)
         for i, nodeid in enumerate(ids)
     ]  # fmt: skip
@@ -435,7 +435,7 @@ def test_fixed_columns_empty_in_every_row_are_left_out() -> None:
         "peak",
         "status",
     ]
-    budgeted = replace(budgeted, budget_text="50 MiB", verdict=compared())  # NEW: a baseline run, nothing compared
+    budgeted = budgeted.replaced(budget_text="50 MiB", verdict=compared())  # NEW: a baseline run, nothing compared
     assert "budget" in table_lines([plain, budgeted])[1] and "baseline" not in table_lines([plain, budgeted])[1]
 
 
@@ -443,8 +443,8 @@ def test_one_compared_test_keeps_its_whole_id_at_80_columns() -> None:
     # 1250 float32 = 5,000 B = 4.9 KiB against a baseline of 4,000 B = 3.9 KiB: +25.0%
     made = phase_result("made", 5000)
     verdict = compared((None, 4000, 25.0, BaselineStatus.REGRESSED))
-    result = TestResult("test_suite.py::test_alloc[a]", "tracker", "cpu", made, {"made": made}, status=Status.REGRESSED,
-                        verdict=verdict)  # fmt: skip
+    result = TestResult.of("test_suite.py::test_alloc[a]", "tracker", "cpu", made, {"made": made},
+                           status=Status.REGRESSED, verdict=verdict)  # fmt: skip
     lines = table_lines([result], 80)
     assert lines[0].split() == ["test", "made", "call", "peak", "baseline", "change", "status"]
     assert lines[2].split() == [
@@ -462,7 +462,11 @@ def test_one_compared_test_keeps_its_whole_id_at_80_columns() -> None:
 
 def test_per_rank_phases_fold_into_their_phase_column() -> None:
     ranks = {p.name: p for p in (phase("forward@rank0", 3, 0), phase("forward@rank1", 5, 1), phase("load@rank0", 1, 0))}
-    results = [strategy("a"), strategy("b"), TestResult("t.py::test_ranks", "tracker", "cpu", phase("call", 9), ranks)]
+    results = [
+        strategy("a"),
+        strategy("b"),
+        TestResult.of("t.py::test_ranks", "tracker", "cpu", phase("call", 9), ranks),
+    ]
     head, _, *rows = table_lines(results, 120)  # no common prefix, no caption
     assert head.split()[:2] == ["test", "forward"]
     assert rows[-1].split()[:4] == ["t.py::test_ranks", "5.0", "MiB", "@rank1"]  # rank 1's, the worst
@@ -479,7 +483,7 @@ def world(peaks: dict[str, list[float]]) -> TestResult:
         worst = max(range(len(by_rank)), key=lambda r: (by_rank[r], -r))
         phases[name] = phase(name, by_rank[worst], worst)
     run = phases["ranks"]
-    return TestResult("t.py::test_world", "tracker", "cpu", phase("call", run.peak_bytes / MIB, run.rank), phases)
+    return TestResult.of("t.py::test_world", "tracker", "cpu", phase("call", run.peak_bytes / MIB, run.rank), phases)
 
 
 def test_a_distributed_run_is_its_call_peak_and_agreeing_ranks_are_not_named() -> None:
@@ -497,13 +501,13 @@ def test_a_distributed_run_is_its_call_peak_and_agreeing_ranks_are_not_named() -
 def test_device_column_only_when_tests_differ() -> None:
     cpu, meta = strategy("a"), strategy("b")
     assert "device" not in table_lines([cpu, meta])[1] and "backend" not in table_lines([cpu, meta])[1]
-    meta = replace(meta, device="meta")  # the same backend: only the device is said
+    meta = meta.replaced(device="meta")  # the same backend: only the device is said
     assert table_lines([cpu, meta])[1].split()[:2] == ["test", "device"]
     assert table_lines([cpu, meta])[-1].split()[1] == "meta"
-    meta = replace(meta, backend="cuda")  # both differ: both said
+    meta = meta.replaced(backend="cuda")  # both differ: both said
     assert table_lines([cpu, meta])[1].split()[:2] == ["test", "backend"]
     assert "cuda meta" in table_lines([cpu, meta])[-1]
-    meta = replace(meta, device="cpu")  # only the backend differs
+    meta = meta.replaced(device="cpu")  # only the backend differs
     assert table_lines([cpu, meta])[-1].split()[1] == "cuda"
 
 
@@ -701,7 +705,7 @@ def test_each_file_a_test_leaves_is_chosen_by_the_folder_option_that_names_it() 
 
 
 def test_the_json_report_names_the_first_result_s_backend_when_the_run_made_none(tmp_path: Path) -> None:
-    result = TestResult("test_a.py::test_a", "tracker", "meta", phase("call", 1), {})
+    result = TestResult.of("test_a.py::test_a", "tracker", "meta", phase("call", 1), {})
     made_none, made_cuda = RunInfo(None, None, tmp_path, False, None), RunInfo("cuda", "cuda:0", tmp_path, False, None)
     for run, named in ((made_none, ["tracker", "meta"]), (made_cuda, ["cuda", "cuda:0"])):
         doc = json.loads(JsonReport(tmp_path / "r.json").text([result], run))
@@ -742,7 +746,9 @@ def test_a_japanese_name_with_unicode_parameter_ids_fits_80_columns(
 
 def test_rows_go_by_status_the_failures_first_then_by_test_id() -> None:
     statuses = {"c": Status.OK, "a": Status.NEW, "b": Status.OK, "d": Status.REGRESSED, "e": Status.OVER_BUDGET}
-    results = [TestResult(f"t.py::test_{n}", "tracker", "cpu", phase("call", 1), status=s) for n, s in statuses.items()]
+    results = [
+        TestResult.of(f"t.py::test_{n}", "tracker", "cpu", phase("call", 1), status=s) for n, s in statuses.items()
+    ]
     rows = [line.split()[0] for line in table_lines(results, 120)[3:]]  # a caption, the header, the rule
     assert rows == ["test_e", "test_d", "test_a", "test_b", "test_c"]  # in xdist's order: c, a, b, d, e
 
@@ -758,12 +764,12 @@ def test_the_change_shown_is_the_largest_regression_with_its_phase() -> None:
         ),
     )
     assert largest_change(result) == "+100.0% backward"
-    result = replace(result, status=Status.REGRESSED)
+    result = result.replaced(status=Status.REGRESSED)
     row = next(line for line in table_lines([result], None) if "dot" in line)
     assert row.split()[-3:] == ["+100.0%", "backward", "REGRESSED"]
-    result = replace(result, verdict=compared((None, 40 * MIB, -1.0, ok), ("forward", 4 * MIB, -50.0, improved)))
+    result = result.replaced(verdict=compared((None, 40 * MIB, -1.0, ok), ("forward", 4 * MIB, -50.0, improved)))
     assert largest_change(result) == "-50.0% forward"
-    result = replace(result, verdict=compared((None, 40 * MIB, 2.0, ok), ("forward", 4 * MIB, 4.0, ok)))
+    result = result.replaced(verdict=compared((None, 40 * MIB, 2.0, ok), ("forward", 4 * MIB, 4.0, ok)))
     assert largest_change(result) == "+2.0%"  # nothing regressed or improved: the call's
 
 

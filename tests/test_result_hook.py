@@ -305,19 +305,19 @@ def test_a_hook_changes_a_copy_and_the_result_it_leaves_replaces_the_original() 
     from pytest_gpumem.run.hand_over import ResultDraft
 
     call = PhaseResult("call", 4000, 4000, None, 0)
-    original = TestResult(
+    original = TestResult.of(
         "t.py::test_a",
         "tracker",
         "cpu",
         call,
         {"f": call},
-        {"call": 1},
+        budget_limits={"call": 1},
         info={"tags": ["a"]},
         notes=["n"],
         distributed=[{"world_size": 2}],
         simulated=[{"rank": 1}],
     )
-    draft = ResultDraft.of(original)
+    draft = ResultDraft.copy_of(original)
     assert json.dumps(draft.to_json()) == json.dumps(original.to_json())  # the hook sees the report's entry
     draft.status = "LEAKED"  # type: ignore[misc, assignment]  # a word, as hooks set it
     draft.info["tags"].append("b")
@@ -327,6 +327,11 @@ def test_a_hook_changes_a_copy_and_the_result_it_leaves_replaces_the_original() 
     draft.simulated[0]["rank"] = 0
     draft.notes.append("from the hook")  # type: ignore[attr-defined]
     draft.phases["g"] = call  # type: ignore[index]
+    assert (draft.outcome.status, draft.record.notes, draft.budget.limits) == (
+        Status.LEAKED,
+        ("n", "from the hook"),
+        {"call": 2},
+    )
     final = draft.final()
     assert (original.status, original.info, original.notes) == (Status.OK, {"tags": ["a"]}, ("n",))
     assert (original.budget_limits, original.distributed, original.simulated) == (
@@ -348,7 +353,7 @@ def test_a_value_a_hook_leaves_that_is_no_list_is_kept_as_given_for_the_reading_
     from pytest_gpumem import TestResult
     from pytest_gpumem.results.checks import OffShape
 
-    result = TestResult("t.py::test_a", "tracker", "cpu", None, notes="abc")  # a str: not three notes
+    result = TestResult.of("t.py::test_a", "tracker", "cpu", None, notes="abc")  # a str: not three notes
     assert result.to_json()["notes"] == "abc"
     with pytest.raises(OffShape, match=r"^result.notes must be a list, got 'abc'$"):
         TestResult.from_json(result.to_json())
@@ -362,16 +367,16 @@ def test_a_result_copies_pickles_and_turns_into_a_dict_as_a_value_does() -> None
     from pytest_gpumem import PhaseResult, TestResult
 
     call = PhaseResult("call", 4000, 4000, None, 0)
-    result = TestResult("t.py::test_a", "tracker", "cpu", call, {"f": call}, notes=["n"])
+    result = TestResult.of("t.py::test_a", "tracker", "cpu", call, {"f": call}, notes=["n"])
     assert pickle.loads(pickle.dumps(result)) == copy.deepcopy(result) == result
-    assert dataclasses.asdict(result)["phases"] == {"f": dataclasses.asdict(call)}
+    assert dataclasses.asdict(result)["record"]["phases"] == {"f": dataclasses.asdict(call)}
 
 
 def test_a_hooks_phases_of_the_wrong_type_are_named_as_the_hook_left_them() -> None:
     from pytest_gpumem import TestResult
 
     with pytest.raises(AttributeError, match="'list' object has no attribute 'items'"):
-        TestResult("t.py::test_a", "tracker", "cpu", None, []).to_json()  # type: ignore[arg-type]
+        TestResult.of("t.py::test_a", "tracker", "cpu", None, []).to_json()  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("name", ["verdict", "baseline_entry", "explanation", "advice"])
@@ -380,4 +385,4 @@ def test_a_hooks_dict_where_a_value_goes_is_named_as_lacking_its_writer(name: st
 
     odd: dict[str, Any] = {name: {"a": 1}}
     with pytest.raises(AttributeError, match=r"^'dict' object has no attribute 'to_json'$"):
-        TestResult("t.py::test_a", "tracker", "cpu", None, **odd).to_json()
+        TestResult.of("t.py::test_a", "tracker", "cpu", None, **odd).to_json()

@@ -281,7 +281,7 @@ def test_a_distributed_tests_ranks_leave_a_file_each_and_its_notes_name_the_rank
         RankSnapshot("ranks", r, 11, None if r in (3, 7) else bytes([r])) for r in range(11)
     )
     measured.worlds.snapshots.append(RankSnapshot("ranks-2", 0, 1, None))
-    result = TestResult(item.nodeid, "tracker", "cpu", None, distributed=[{"world_size": 11}])
+    result = TestResult.of(item.nodeid, "tracker", "cpu", None, distributed=[{"world_size": 11}])
     stale = [tmp_path / "snaps" / f"{file_stem(item.nodeid)}{end}" for end in (".pickle", ".ranks.rank03.pickle")]
     stale[0].parent.mkdir()
     for path in stale:  # an earlier run's, when the test's process and rank 3 left files

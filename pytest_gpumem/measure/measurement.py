@@ -6,15 +6,17 @@ ranks. The test author's side is `pytest_gpumem.measure.meter.GpuMem`, made on i
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import MISSING, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pytest_gpumem.backends.base import Backend, collect_garbage
 from pytest_gpumem.errors import GpuMemError, one_line
 from pytest_gpumem.measure.oom_and_leaks import Holding, leak_holding
-from pytest_gpumem.measure.record import CallRecord, SimulatedRank
+from pytest_gpumem.measure.record import CallRecord
 from pytest_gpumem.measure.regions import RegionStack
 from pytest_gpumem.results import PhaseResult, Phases
 from pytest_gpumem.results.ranks import World, worst_call
+from pytest_gpumem.results.test_result import default_of
 
 if TYPE_CHECKING:
     import torch
@@ -22,16 +24,22 @@ if TYPE_CHECKING:
     from pytest_gpumem.backends.tracker.attribution import Attributor
     from pytest_gpumem.backends.tracker.recording import Survivor
     from pytest_gpumem.backends.tracker.shadow import Shadow
-    from pytest_gpumem.measure.fit import BatchFit
     from pytest_gpumem.measure.terms import Terms
-    from pytest_gpumem.results.advice import Advice
     from pytest_gpumem.results.explanation import Explanation, RanksExplanation
-    from pytest_gpumem.results.gradients import Fingerprint
 
 CALL = "call"
 _SURVIVORS_SHOWN = 10
 Trace = Mapping[str, Any] | None
 Evidence = tuple[tuple["Survivor", ...], Holding | None, Trace]  # survivors, who holds them, the trace
+
+
+_MADE_AT_END = ("phases", "notes", "info", "explanation", "survivors", "holding", "trace")  # by `end()`
+_FOUND: dict[str, Callable[[], Any]] = {
+    f.name: default_of(f)
+    for f in fields(CallRecord)
+    if (f.default is not MISSING or f.default_factory is not MISSING) and f.name not in _MADE_AT_END
+}
+"""The record's fields that the measuring code may find (`Measurement.add`, `keep`), with their defaults."""
 
 
 class WorldRunner(Protocol):
@@ -75,16 +83,11 @@ class Measurement:
         """What a call measures, from nothing."""
         self._results: dict[str, PhaseResult] = {}
         self._call: PhaseResult | None = None
-        self._fits: list[BatchFit] = []  # each fit's phases are its own: the second's are "fit#2[i]"
+        self._found: dict[str, Any] = {}  # the record's fields the measuring code found (`add`, `keep`)
         self._ranks_call: PhaseResult | None = None  # the worst rank's whole run, of gpumem.distributed()
         self._ranks_explained: RanksExplanation | None = None  # their explanations (World.explained)
         self._shadow: Shadow | None = None
         self._notes: list[str] = []
-        self._gradients: Fingerprint | None = None
-        self._gradient_tolerance: tuple[float | None, float | None] = (None, None)
-        self._advice: Advice | None = None  # the last gpumem.advise() of the call
-        self._worlds: list[World] = []  # each gpumem.distributed() world
-        self._simulated: list[SimulatedRank] = []
         self._explanation: Explanation | None = None
 
     def hold_to(self, *, leak_check: bool, explain: bool) -> None:
@@ -108,34 +111,24 @@ class Measurement:
     def add_notes(self, notes: Iterable[str]) -> None:
         self._notes.extend(notes)
 
-    def next_fit_label(self, name: str) -> str:
-        """The phase prefix of the call's next fit: `name`, then `name#2`, ... (each fit's phases its own)."""
-        count = len(self._fits) + 1
-        return name if count == 1 else f"{name}#{count}"
+    def add(self, **found: object) -> None:
+        """Add what the measuring code found to the record's fields of several (tuples) by their names:
+        `add(fits=sentence)`."""
+        for name, value in found.items():
+            self._found[name] = (*self.found(name), value)
 
-    def add_fit(self, fit: BatchFit) -> None:
-        self._fits.append(fit)
+    def keep(self, **found: object) -> None:
+        """Set the record's fields by their names to what the measuring code found: `keep(advice=advice)`."""
+        unknown = found.keys() - _FOUND.keys()
+        if unknown:
+            raise TypeError(f"a call's record has no field {min(unknown)!r}")
+        self._found.update(found)
 
-    def add_advice(self, advice: Advice) -> None:
-        self._advice = advice
-
-    def add_simulated(self, world_size: int, rank: int) -> None:
-        self._simulated.append(SimulatedRank(world_size, rank))
-
-    def keep_gradients(self, gradients: Fingerprint, tolerance: tuple[float | None, float | None]) -> None:
-        self._gradients, self._gradient_tolerance = gradients, tolerance
-
-    @property
-    def advice(self) -> Advice | None:
-        return self._advice
-
-    @property
-    def gradients(self) -> Fingerprint | None:
-        return self._gradients
-
-    @property
-    def gradient_tolerance(self) -> tuple[float | None, float | None]:
-        return self._gradient_tolerance
+    def found(self, name: str) -> Any:
+        """The value of the record's field `name` so far (its default until the measuring code found one)."""
+        if name not in _FOUND:
+            raise TypeError(f"a call's record has no field {name!r}")
+        return self._found[name] if name in self._found else _FOUND[name]()
 
     @property
     def device(self) -> torch.device:
@@ -178,7 +171,7 @@ class Measurement:
             self.record(result)
         worst = world.worst(name)
         self._ranks_call = worst if self._ranks_call is None else self._ranks_call.merged(worst)
-        self._worlds.append(world)
+        self.add(distributed=world.summary())
         explained = world.explanation
         if explained is not None:
             from pytest_gpumem.explain.composition import of_worlds
@@ -253,13 +246,8 @@ class Measurement:
             holding=holding,
             trace=trace,
             explanation=self._explanation,
-            gradients=self._gradients,
-            gradient_tolerance=self._gradient_tolerance,
-            fits=tuple(self._fits),
-            advice=self._advice,
-            worlds=tuple(self._worlds),
-            simulated=tuple(self._simulated),
             info=self.info,
+            **self._found,
         )
 
     def end_if_running(self) -> CallRecord | None:

@@ -183,7 +183,8 @@ class GpuMem:
         from pytest_gpumem.measure.host import runs_refused
 
         measured = self._on("fit()")
-        label = measured.next_fit_label(name)
+        count = len(measured.found("fits")) + 1  # each fit's phases are its own: the second's are "fit#2[i]"
+        label = name if count == 1 else f"{name}#{count}"
         with from_the_model():  # a named card's runs are the card's (its cuBLAS workspaces)
             judged = parse_capacity(capacity, FIT_CAPACITY)
         card = judged.card
@@ -200,7 +201,7 @@ class GpuMem:
                 runs_refused=runs_refused(self.backend, judged.bytes),
                 backend=self.backend,
             )
-        measured.add_fit(found)
+        measured.add(fits=found.describe())
         return found
 
     def _fit_measure(self, label: str) -> Measure:
@@ -281,7 +282,7 @@ class GpuMem:
                 loss=loss,
                 batch_size=batch_size,
             )
-        measured.add_advice(found)  # for the failure line, report and JSON
+        measured.keep(advice=found)  # for the failure line, report and JSON
         return found
 
     @contextmanager
@@ -366,7 +367,7 @@ class GpuMem:
         __tracebackhide__ = True
         self._running("simulate_rank()")
         value = self._runner("simulate_rank").simulate(self, fn, world_size, rank=rank, args=args)
-        self._on("simulate_rank()").add_simulated(world_size, rank)
+        self._on("simulate_rank()").add(simulated={"world_size": world_size, "rank": rank})
         return value
 
     def _runner(self, method: str) -> WorldRunner:
@@ -407,7 +408,7 @@ class GpuMem:
                 found = fingerprint(model_or_named_tensors)
             except (TypeError, ValueError) as exc:
                 raise GpuMemError(f"gpumem.check_gradients(): {exc}") from None
-        self._on("check_gradients()").keep_gradients(found, (rtol, atol))
+        self._on("check_gradients()").keep(gradients=found, gradient_tolerance=(rtol, atol))
 
     def peak(self, name: str | None = None) -> int:
         """Peak bytes above the start of a phase, or of the whole call (so far, while the test runs).

@@ -4,10 +4,11 @@ controller as JSON text on the report, and written as JUnit properties."""
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import json
 import re
 import traceback
+from typing import Any
 
 import pytest
 
@@ -18,6 +19,7 @@ from pytest_gpumem.outcome import status_of, with_pytest
 from pytest_gpumem.reasons import Unmeasurable
 from pytest_gpumem.report.failures import plain_line
 from pytest_gpumem.results import REPORT_ATTRIBUTE, Phases, Status, TestResult
+from pytest_gpumem.results.test_result import REPORT_NAMES
 
 
 def hand_over(item: pytest.Item, result: TestResult, report: pytest.TestReport) -> TestResult:
@@ -43,30 +45,63 @@ _JSON_FIELDS = ("info", "budget_limits", "distributed", "simulated")  # a result
 
 
 class ResultDraft(TestResult):
-    """The copy of a result that a `pytest_gpumem_result` hook is handed: the hook may set its fields (a
-    status as its word) and change its lists and dicts, and what it leaves becomes the result that
-    replaces the original; the original is never changed."""
+    """The copy of a result that a `pytest_gpumem_result` hook is handed: the hook may set its fields by
+    their names in the report (a status as its word) and change its lists and dicts, and what it leaves
+    becomes the result that replaces the original; the original is never changed."""
 
-    def __post_init__(self) -> None:
-        setattr(self, "status", self.status)  # noqa: B010 (mypy sees TestResult's read-only fields)
-        for name, value in vars(self).copy().items():  # the hook may change them in place, as before
-            if isinstance(value, tuple):
-                setattr(self, name, list(value))
-            elif isinstance(value, Phases):
-                setattr(self, name, dict(value))
+    _named: dict[str, Any]  # every field by its name in the report
+
+    def __init__(self, named: dict[str, Any]) -> None:
+        object.__setattr__(self, "_named", named)
 
     def __setattr__(self, name: str, value: object) -> None:
-        object.__setattr__(self, name, Status.of(value) if name == "status" else value)
+        object.__setattr__(self, name, value)  # a field's property sets it; any other name is the hook's own
 
     @classmethod
-    def of(cls, result: TestResult) -> ResultDraft:
+    def copy_of(cls, result: TestResult) -> ResultDraft:
         """A copy of `result` that shares nothing the hook can change (what it holds in JSON types is copied
         through JSON)."""
-        values = {field.name: getattr(result, field.name) for field in dataclasses.fields(result)}
-        return cls(**{**values, **{name: json.loads(json.dumps(values[name])) for name in _JSON_FIELDS}})
+        named = result.named()
+        for name, value in named.items():
+            if name in _JSON_FIELDS:
+                named[name] = json.loads(json.dumps(value))
+            elif isinstance(value, tuple):
+                named[name] = list(copy.deepcopy(value))
+            elif isinstance(value, Phases):
+                named[name] = dict(value)
+        return cls(named)
+
+    def named(self) -> dict[str, Any]:
+        return dict(self._named)
 
     def final(self) -> TestResult:
-        return TestResult(**{field.name: getattr(self, field.name) for field in dataclasses.fields(self)})
+        return TestResult.of(**self._named)
+
+
+def _draft_field(name: str) -> property:
+    def get(draft: ResultDraft) -> Any:
+        return draft._named[name]
+
+    def set_(draft: ResultDraft, value: object) -> None:
+        draft._named[name] = Status.of(value) if name == "status" else value
+
+    return property(get, set_)
+
+
+def _draft_part(name: str) -> property:
+    return property(lambda draft: getattr(draft.final(), name))
+
+
+def _draft_peak(draft: ResultDraft) -> int | None:
+    call = draft._named["call"]
+    return None if call is None else call.peak_bytes
+
+
+for _name in REPORT_NAMES:
+    setattr(ResultDraft, _name, _draft_field(_name))
+for _name in ("record", "outcome", "budget", "entry"):
+    setattr(ResultDraft, _name, _draft_part(_name))
+setattr(ResultDraft, "peak_bytes", property(_draft_peak))  # noqa: B010 (the result's is a part's)
 
 
 def _after_hook(item: pytest.Item, result: TestResult, report: pytest.TestReport) -> tuple[TestResult, str]:
@@ -74,7 +109,7 @@ def _after_hook(item: pytest.Item, result: TestResult, report: pytest.TestReport
     text. A hook that raises or leaves what the report cannot hold fails this one test in one line (a test
     that failed on its own keeps its failure, the line beside it); the result stays what it was before the
     hook, and the run's other tests, its report and its files carry on."""
-    draft = ResultDraft.of(result)
+    draft = ResultDraft.copy_of(result)
     try:
         item.config.hook.pytest_gpumem_result(item=item, result=draft)
         return _checked(draft)
@@ -89,7 +124,7 @@ def _after_hook(item: pytest.Item, result: TestResult, report: pytest.TestReport
     if report.failed:  # failed on its own: pytest shows that failure, the hook's line beside it
         report.sections.append(("Captured gpumem hook call", problem if trace is None else f"{problem}\n{trace}"))
     else:
-        result = dataclasses.replace(result, status=status_of(refused), message=problem, baseline_entry=None)
+        result = result.replaced(status=status_of(refused), message=problem, baseline_entry=None)
         _fail_report(report, problem, trace)
     return result, json.dumps(result.to_json(), allow_nan=False)
 
@@ -148,7 +183,7 @@ def agree_with_pytest(result: TestResult, report: pytest.TestReport) -> TestResu
     entry = result.baseline_entry if report.passed and not expected_failure else None
     if (status, message, entry) == (result.status, result.message, result.baseline_entry):
         return result
-    return dataclasses.replace(result, status=status, message=message, baseline_entry=entry)
+    return result.replaced(status=status, message=message, baseline_entry=entry)
 
 
 def _first_line(text: str) -> str:

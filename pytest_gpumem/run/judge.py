@@ -15,7 +15,7 @@ from pytest_gpumem.budget import MARKER, Budget, all_of, budget_from_marker, clo
 from pytest_gpumem.errors import GpuMemError, GpuMemWarning
 from pytest_gpumem.measure.oom_and_leaks import release_memory
 from pytest_gpumem.measure.terms import Terms
-from pytest_gpumem.outcome import Outcome, judge, result_of, stopped_by, unmeasurable, unmeasured_result
+from pytest_gpumem.outcome import Judged, judge, result_of, stopped_by, unmeasurable, unmeasured_result
 from pytest_gpumem.reasons import OutOfMemory, Raised, Reason, Unmeasurable
 from pytest_gpumem.report import failures
 from pytest_gpumem.report.failures import FailureLine
@@ -168,12 +168,12 @@ class Judge:
         record = measured.end()
         refused = unmeasurable(record, budget)
         judgement = None if refused is not None else self._baseline(measured, record, budget, asked)
-        outcome = judge(record, budget, terms.leak, judgement, refused)
-        failure = _line(outcome, record, budget)
-        if refused is None and (budget is not None or judgement is not None or outcome.reasons or _has_detail(record)):
+        judged = judge(record, budget, terms.leak, judgement, refused)
+        failure = _line(judged, record, budget)
+        if refused is None and (budget is not None or judgement is not None or judged.reasons or _has_detail(record)):
             messages = () if judgement is None else judgement.verdict.messages
             item.add_report_section("call", "gpumem", failures.report_section(record, messages, failure))
-        self._finish(item, record, budget, outcome, failure, judgement)
+        self._finish(item, record, budget, judged, failure, judgement)
         if failure is not None and failure.line:
             _fail(failure.line)
 
@@ -195,9 +195,9 @@ class Judge:
     ) -> tuple[CallRecord, FailureLine]:
         """End the call that `reason` stopped and keep its result; its record and its line."""
         record = measured.end()
-        outcome = judge(record, budget, None, None, reason)
+        judged = judge(record, budget, None, None, reason)
         failure = failures.failure_line(reason, record, budget)
-        self._finish(item, record, budget, outcome, failure)
+        self._finish(item, record, budget, judged, failure)
         return record, failure
 
     def _finish(
@@ -205,14 +205,14 @@ class Judge:
         item: pytest.Item,
         record: CallRecord,
         budget: Budget | None,
-        outcome: Outcome,
+        judged: Judged,
         failure: FailureLine | None,
         judgement: Judgement | None = None,
     ) -> None:
         """Keep the test's result and its files."""
         assignment = self.session.assignment
         worker_device = None if assignment is None else assignment.describe()
-        result = result_of(record, outcome, failure, budget, judgement, worker_device)
+        result = result_of(record, judged, failure, budget, judgement, worker_device)
         session = self.session
         measured = session.measurement(item)
         result = test_files.write(self.files, item, measured, result, record, session.config.rootpath, session.problems)
@@ -237,9 +237,9 @@ class Judge:
         return report
 
 
-def _line(outcome: Outcome, record: CallRecord, budget: Budget | None) -> FailureLine | None:
-    """The outcome's line, as `report/` phrases its first reason (None when it passes)."""
-    return None if outcome.reason is None else failures.failure_line(outcome.reason, record, budget)
+def _line(judged: Judged, record: CallRecord, budget: Budget | None) -> FailureLine | None:
+    """The line of its first reason, as `report/` phrases it (None when it passes)."""
+    return None if judged.reason is None else failures.failure_line(judged.reason, record, budget)
 
 
 def _has_detail(record: CallRecord) -> bool:

@@ -205,7 +205,7 @@ def write(
             problems.append(f"{file.flag}: cannot write the {file.noun} of {item.nodeid}: {exc}")
             continue
         if isinstance(written, Noted):
-            result = dataclasses.replace(result, notes=(*result.notes, *written.notes))
+            result = result.replaced(notes=(*result.notes, *written.notes))
             written = written.path
         if written is not None:
             result = file.keep(result, written, root)
