@@ -12,7 +12,7 @@ from cuda_allocator_model import ModelError
 from pytest_gpumem import hookspecs
 from pytest_gpumem.budget import MARKER, MARKER_SIGNATURE
 from pytest_gpumem.config import add_options, read_options
-from pytest_gpumem.run.late_markers import calling, refuse_late_markers
+from pytest_gpumem.run.late_markers import calling, refuse_late_markers, setting_up
 from pytest_gpumem.run.regression import BaselineRun
 from pytest_gpumem.run.session import BASELINES, MEASUREMENT_KEY, REGISTERED, XDIST, GpuMemSession
 from pytest_gpumem.run.xdist import distributes, worker_id
@@ -131,6 +131,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
     """A fixture may mark its test with max_memory: measure calls from then on, when nothing else did; from
     then on, a max_memory marker added inside the test function fails it (one hook a test: the idle path)."""
+    setting_up(item)
     yield
     session = item.config.stash[SESSION_KEY]
     if session.options.disabled:

@@ -35,12 +35,12 @@ def fsdp_suite() -> list[TestResult]:
     gradients changed) and an evaluation under a budget: every fixed column of the long form has a figure."""
     peak = 12 * GIB + 400 * MIB
     backward = phase("fsdp2.backward", peak, 13 * GIB, -300 * 1024, rank=1)
-    step = TestResult(
+    step = TestResult.of(
         PREFIX + "test_fsdp_step[bf16-2048]", "cuda", "cuda:0", phase("call", peak, 13 * GIB, -300 * 1024, rank=1),
         {"fsdp2.forward": phase("fsdp2.forward", 9 * GIB, 10 * GIB, 512 * 1024, rank=1), backward.name: backward},
         status=Status.GRADIENTS_CHANGED, verdict=regressed(backward.name, 10 * GIB, peak, peak),
     )  # fmt: skip
-    evaluation = TestResult(
+    evaluation = TestResult.of(
         PREFIX + "test_eval[bf16-2048]", "cuda", "cuda:0", phase("call", 800 * MIB, GIB),
         {"forward": phase("forward", 800 * MIB, GIB)}, budget_text="call 1.0 GiB, forward 1.0 GiB",
     )  # fmt: skip
@@ -69,12 +69,12 @@ def llama_suite() -> list[TestResult]:
     and a change that names its phase."""
     phases = {"forward": phase("forward", GIB), "ddp.backward": phase("ddp.backward", 3 * GIB, rank=1)}
     return [
-        TestResult(
+        TestResult.of(
             "tests/models/test_llama.py::test_a_really_quite_long_function_name[bf16-2048]", "tracker", "meta",
             phase("call", 9 * GIB + 600 * MIB, rank=1), phases, status=Status.GRADIENTS_CHANGED,
             verdict=regressed("ddp.backward", GIB, GIB + 100 * MIB, 3 * GIB + 300 * MIB),
         ),
-        TestResult(
+        TestResult.of(
             "tests/models/test_llama.py::test_training_strategy[selective_checkpoint]", "cuda", "cuda:0",
             phase("call", 888 * MIB), phases, status=Status.MISSING_BASELINE,
             budget_text="call 1.0 GiB, forward 512.0 MiB, backward 3.0 GiB",

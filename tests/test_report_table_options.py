@@ -33,14 +33,14 @@ def two_tests() -> list[TestResult]:
     mib = 2048 * KIB
     made = PhaseExplanation(12 * KIB, {"parameters": 8 * KIB, "temporaries": 4 * KIB}, {}, [], [], live={}, entries=1)
     explanation = Explanation("tests/test_m.py::test_a", "tracker", [], {}, {"call": made}, SampledTimeline(0, []))
-    a = TestResult(
+    a = TestResult.of(
         "tests/test_m.py::test_a", "tracker", "cpu", phase("call", 12, mib),
         {"forward": phase("forward", 4, mib), "backward": phase("backward", 8, mib)}, budget_text="16 KiB",
         explanation=explanation,
     )  # fmt: skip
     compared = PhaseComparison(None, 20 * KIB, 40 * KIB, 21 * KIB, 100.0, BaselineStatus.REGRESSED)
     verdict = Verdict("tests/test_m.py::test_b", BaselineStatus.REGRESSED, (compared,), (), ())
-    b = TestResult(
+    b = TestResult.of(
         "tests/test_m.py::test_b", "tracker", "meta", phase("call", 40, mib), {"forward": phase("forward", 40)},
         status=Status.REGRESSED, verdict=verdict,
     )  # fmt: skip

@@ -54,6 +54,11 @@ def _calling(stash: pytest.Stash) -> bool:
     return stash.get(_SET_UP, False) and not os.environ.get("PYTEST_CURRENT_TEST", "").endswith(" (teardown)")
 
 
+def setting_up(item: pytest.Item) -> None:
+    """`item`'s setup begins (a rerun's too): its call has not begun."""
+    item.stash[_SET_UP] = False
+
+
 def refuse_late_markers(item: pytest.Item) -> None:
     """From the end of `item`'s setup on, a max_memory marker added to it while its call runs fails the test."""
     item.stash[_SET_UP] = True
