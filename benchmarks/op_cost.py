@@ -182,7 +182,18 @@ def _backend(
         backend.start()
         return backend
 
-    return enter, lambda backend: backend.stop()
+    return enter, _read_and_stop
+
+
+def _read_and_stop(backend: TrackerBackend) -> None:
+    _read(backend)
+    backend.stop()
+
+
+def _read(backend: TrackerBackend) -> None:
+    """A measured test reads its peaks before its backend stops: the events the ledger held back for the
+    allocator's model are served then, and timed."""
+    backend.peak()
 
 
 def candidates(step: Step, inner: int) -> dict[str, Callable[[], float]]:
@@ -240,7 +251,8 @@ def gap(step: Step, inner: int, rounds: int) -> tuple[list[list[str]], dict[str,
         backend.start()
         try:
             step()  # the first step: a fresh allocator model makes its segments
-            return _timed(step, inner, lambda: None, lambda _: None)
+            backend.peak()
+            return _timed(step, inner, lambda: None, lambda _: _read(backend))
         finally:
             backend.stop()
 
