@@ -467,13 +467,16 @@ class StorageLedger:
         start, peak = model.allocated, model.peak_allocated
         model.peak_allocated = start
         self._replaying = True
+        served = 0
         try:
             for event in held:  # a free during the loop (a collection's) is appended and served in it
+                served += 1
                 if isinstance(event, int):
                     free(event)
                 else:
                     event.counted = malloc(event.key, event.requested)
         finally:
+            del held[:served]  # one another thread appended after the loop waits for the next replay
             self._replaying = False
             high = model.peak_allocated
             model.peak_allocated = max(peak, high)
@@ -481,7 +484,6 @@ class StorageLedger:
             self._allocated = before + model.allocated - start
             if before + high - start > self._peak_allocated:
                 self._peak_allocated = before + high - start
-            held.clear()
 
     def _malloc(self, key: int, requested: int) -> int:
         model = self._model
