@@ -80,6 +80,18 @@ def test_a_capacity_serves_each_allocation_at_its_op_and_runs_out_there(cuda_rou
     del held
 
 
+def test_a_memory_fraction_of_the_card_serves_each_allocation_at_its_op_and_runs_out_there() -> None:
+    settings = AllocatorSettings.parse("per_process_memory_fraction:0.5").on_card(8 * MIB)  # refused past 4 MiB
+    ledger = StorageLedger("cuda", settings=settings)
+    kept = [Storage(1, MIB)]  # a 2 MiB segment of the small pool
+    ledger.add(kept[0])
+    assert not ledger._held
+    kept.append(Storage(2, 3 * MIB))  # a 20 MiB segment of the large pool: past the fraction
+    with pytest.raises(MemoryError, match=r"per_process_memory_fraction 0\.5 of the card"):
+        ledger.add(kept[1])
+    assert (ledger.allocated, ledger.reserved) == (MIB, 2 * MIB)
+
+
 def test_a_free_that_a_collection_makes_during_a_replay_is_served_in_it_after_the_events_before_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
