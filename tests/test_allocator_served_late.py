@@ -128,7 +128,7 @@ def test_held_events_leave_every_figure_as_events_served_at_their_op_do(conf: st
     settings = AllocatorSettings.parse(conf)
     late = StorageLedger("cuda", settings=settings)
     at_once = StorageLedger("cuda", settings=settings)
-    at_once.recorder = Recorder(events=False)  # told of each event: the model serves each at its op
+    at_once.recorder = Recorder(events=True)  # keeps the bytes after each event: the model serves each at its op
     rng = random.Random(conf)
     kept: tuple[dict[int, Storage], dict[int, Storage]] = ({}, {})
     freed_keys: list[int] = []
@@ -191,3 +191,17 @@ def test_the_ledger_serves_at_once_wherever_something_reads_after_each_event() -
     ledger.add(kept[2])
     assert len(ledger._held) == 1
     del kept
+
+
+def test_a_recorder_of_origins_alone_leaves_the_events_held_and_names_each_storage_at_its_op() -> None:
+    ledger = StorageLedger("cuda")
+    ledger.recorder = Recorder(events=False)  # a leak limit's: where each storage came from, no figures
+    ledger.op = "aten::empty"
+    kept = [Storage(1, 100)]
+    ledger.add(kept[0])  # the first event after a change: served at once, and it decides anew
+    kept.append(Storage(2, 3000))
+    ledger.add(kept[1])
+    assert len(ledger._held) == 1
+    origin = ledger._live[2].origin
+    assert origin is not None and origin.op == "aten::empty"
+    assert (ledger.allocated, {key: ref.counted for key, ref in ledger.live.items()}) == (512 + 3072, {1: 512, 2: 3072})

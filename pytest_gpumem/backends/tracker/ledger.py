@@ -36,13 +36,14 @@ from cuda_allocator_model import (
     format_size,
 )
 from pytest_gpumem.backends.timeline import FREED, RESIZED
+from pytest_gpumem.backends.tracker.recording import Recorder
 from pytest_gpumem.private_torch import storage_key
 
 if TYPE_CHECKING:
     import torch
 
     from pytest_gpumem.backends.timeline import TimelineRecorder
-    from pytest_gpumem.backends.tracker.recording import Origin, Recorder
+    from pytest_gpumem.backends.tracker.recording import Origin
 
 _MIB = 1024 * 1024
 _SMALL_REQUEST = _MIB  # the CUDA allocator's small-pool limit (kSmallSize)
@@ -382,12 +383,14 @@ class StorageLedger:
 
     def _may_serve_late(self) -> bool:
         """Whether the model may serve the events to come late: nothing can refuse a request (no capacity, no
-        memory fraction), nothing reads the counters after each event (a recorder, a timeline), and the model
-        is the plain one (a `RecordedModel` writes the op and the test's line of each request as it is made)."""
+        memory fraction), nothing reads the counters after each event (a recorder of events, an attributor, a
+        timeline; a recorder of origins alone reads none), and the model is the plain one (a `RecordedModel`
+        writes the op and the test's line of each request as it is made)."""
         model = self._model
+        recorder = self._recorder
         return (
             type(model) is CachingAllocatorModel
-            and self._recorder is None
+            and (recorder is None or (type(recorder) is Recorder and recorder.events is None))
             and self._timeline is None
             and model.capacity is None
             and model.fraction_limit is None
@@ -402,6 +405,8 @@ class StorageLedger:
             self.requested += requested
             if self.requested > self.peak_requested:
                 self.peak_requested = self.requested
+            if self._recorder is not None:  # origins alone: no figure it keeps
+                self._recorder.allocated(self.op, self.out, ref, self._allocated)
             held = self._held
             held.append(ref)
             if len(held) >= REPLAY_AT:
