@@ -405,10 +405,10 @@ class StorageLedger:
             self.requested += requested
             if self.requested > self.peak_requested:
                 self.peak_requested = self.requested
-            if self._recorder is not None:  # origins alone: no figure it keeps
-                self._recorder.allocated(self.op, self.out, ref, self._allocated)
             held = self._held
             held.append(ref)
+            if self._recorder is not None:  # origins alone: no figure it keeps
+                self._recorder.allocated(self.op, self.out, ref, self._allocated)
             if len(held) >= REPLAY_AT:
                 self._replay()
             return
