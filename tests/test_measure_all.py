@@ -87,6 +87,16 @@ def test_counts_line_orders_the_worst_first() -> None:
     assert counts_line([]) == "no test measured"
 
 
+def test_counts_line_is_the_same_whichever_result_came_first() -> None:
+    """Under xdist results arrive in any order; xfailed and XPASS have no word of their own in the line."""
+    from pytest_gpumem.report.terminal import counts_line
+    from pytest_gpumem.results import Status, TestResult
+
+    statuses = [Status(s) for s in ("XPASS", "xfailed", "ok")]
+    results = [TestResult.of(f"t{i}", "tracker", "cpu", None, status=s) for i, s in enumerate(statuses)]
+    assert counts_line(results) == counts_line(results[::-1]) == "3 measured: 1 ok, 1 xfailed, 1 XPASS"
+
+
 SMALL_AND_LARGE = """
 import pytest, torch
 
