@@ -48,7 +48,8 @@ from pytest_gpumem import private_torch
 from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker import mode as tracker_mode
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
-from pytest_gpumem.backends.tracker.ledger import Storage, StorageLedger
+from pytest_gpumem.backends.tracker.ledger import StorageLedger
+from pytest_gpumem.backends.tracker.storages import Storage
 
 Step = Callable[[], None]
 _CLOCK: list[Callable[[], float]] = [time.thread_time]  # --wall: time.perf_counter

@@ -11,7 +11,8 @@ import torch
 
 from pytest_gpumem.backends.base import Backend, Counters, Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
-from pytest_gpumem.backends.tracker.ledger import StorageLedger, cuda_block_size
+from pytest_gpumem.backends.tracker.ledger import StorageLedger
+from pytest_gpumem.backends.tracker.storages import cuda_block_size
 from pytest_gpumem.errors import GpuMemError
 
 WORKLOADS = """

@@ -16,7 +16,8 @@ from builders import Reported
 from cuda_allocator_model.cards import cublas_workspace_bytes
 from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
-from pytest_gpumem.backends.tracker.ledger import StorageLedger, Workspace
+from pytest_gpumem.backends.tracker.ledger import StorageLedger
+from pytest_gpumem.backends.tracker.storages import Workspace
 from pytest_gpumem.explain.text import describe
 from pytest_gpumem.measure.measurement import Measurement
 

@@ -30,7 +30,7 @@ from cuda_allocator_model import shorten
 from pytest_gpumem.advise.check import Saved, compare, randomness, scales
 from pytest_gpumem.advise.strategies import all_strategies, conflict, ordered
 from pytest_gpumem.advise.strategy import OptimizerShim, Patch, Run, Strategy, Target, find_blocks
-from pytest_gpumem.backends.tracker.ledger import cuda_block_size
+from pytest_gpumem.backends.tracker.storages import cuda_block_size
 from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.measure.oom_and_leaks import Failed, trial
 from pytest_gpumem.measure.regions import RegionStack

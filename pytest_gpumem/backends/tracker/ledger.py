@@ -22,10 +22,9 @@ work in between (a Linear(64) step: about 5 µs per malloc and free inside the s
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from cuda_allocator_model import (
     CUBLAS_WORKSPACE_DEFAULT,
@@ -37,73 +36,17 @@ from cuda_allocator_model import (
 )
 from pytest_gpumem.backends.timeline import FREED, RESIZED
 from pytest_gpumem.backends.tracker.recording import Recorder
+from pytest_gpumem.backends.tracker.storages import ROUNDERS, Storage, Workspace
 from pytest_gpumem.private_torch import storage_key
 
 if TYPE_CHECKING:
-    import torch
-
     from pytest_gpumem.backends.timeline import TimelineRecorder
     from pytest_gpumem.backends.tracker.recording import Origin
 
-_MIB = 1024 * 1024
-_SMALL_REQUEST = _MIB  # the CUDA allocator's small-pool limit (kSmallSize)
-_LARGE_SEGMENT_LIMIT = 10 * _MIB  # below this, large requests come from 20 MiB segments
-_SEGMENT_ROUND = 2 * _MIB
 _ONE_EXABYTE = 1 << 60  # the allocator refuses a request this large at once: served at its op
 
 REPLAY_AT = 512
 """Events the ledger holds back for the allocator's model at most; the next one replays them all."""
-
-
-def cuda_block_size(nbytes: int) -> int:
-    """Bytes the CUDA caching allocator counts as allocated for a request served by a fresh segment.
-
-    Requests round up to 512 bytes. Small ones (<= 1 MiB) and those under 10 MiB are split off larger
-    segments, so they count as rounded. From 10 MiB a segment of the request rounded up to 2 MiB is
-    made, and it is split only if more than 1 MiB would remain; otherwise the whole segment counts.
-    """
-    if nbytes == 0:
-        return 0
-    rounded = -(-nbytes // 512) * 512
-    if rounded <= _SMALL_REQUEST or rounded < _LARGE_SEGMENT_LIMIT:
-        return rounded
-    segment = -(-rounded // _SEGMENT_ROUND) * _SEGMENT_ROUND
-    return rounded if segment - rounded > _SMALL_REQUEST else segment
-
-
-def _exact(nbytes: int) -> int:
-    return nbytes
-
-
-_ROUNDERS: dict[str, Callable[[int], int]] = {"none": _exact, "cuda": cuda_block_size}
-"""Counted bytes for requested bytes, by the name of the rounding (`--gpumem-round`)."""
-
-
-class Storage(Protocol):
-    """What the ledger reads of a storage (`torch.UntypedStorage`): its identity (`storage_key`), size and
-    device."""
-
-    def nbytes(self) -> int: ...
-
-    @property
-    def device(self) -> torch.device: ...
-
-
-_WORKSPACE_KEYS = itertools.count(-1, -1)  # below every storage's key (an address), never reused
-
-
-class Workspace:
-    """Memory the allocator hands out that no tensor holds, a storage of `size` bytes: a cuBLAS workspace,
-    or a kernel's temporary."""
-
-    __slots__ = ("__weakref__", "key", "size")
-
-    def __init__(self, size: int) -> None:
-        self.key = next(_WORKSPACE_KEYS)
-        self.size = size
-
-    def nbytes(self) -> int:
-        return self.size
 
 
 class _StorageRef(weakref.ref):  # type: ignore[type-arg]
@@ -130,7 +73,7 @@ class StorageLedger:
     def __init__(
         self, rounding: str, out_of_memory: type[Exception] = MemoryError, settings: AllocatorSettings | None = None
     ) -> None:
-        self.round = _ROUNDERS[rounding]
+        self.round = ROUNDERS[rounding]
         self.exact = rounding == "none"
         self.settings = settings or AllocatorSettings()
         self._model = CachingAllocatorModel(self.settings) if rounding == "cuda" else None

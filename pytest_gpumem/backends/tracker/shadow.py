@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 from pytest_gpumem.backends.tracker.attribution import Attributor
 from pytest_gpumem.backends.tracker.backend import stop_counting
-from pytest_gpumem.backends.tracker.ledger import Storage, StorageLedger
+from pytest_gpumem.backends.tracker.ledger import StorageLedger
 from pytest_gpumem.backends.tracker.mode import mode_class
+from pytest_gpumem.backends.tracker.storages import Storage
 
 if TYPE_CHECKING:
     import torch
