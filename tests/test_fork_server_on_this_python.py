@@ -1,6 +1,6 @@
 """The CPython internals the ranks' fork server copies or reaches into (`distributed/server.py`: `Popen._launch`
 and `poll`, the `ForkServer`'s private fields, `multiprocessing.util`'s temporary folder) hold on this
-Python. Needs neither torch nor tests/conftest.py: `.ci/pythons` runs it with `--noconftest` on the oldest and
+Python. Needs neither torch nor tests/conftest.py: `.ci/pythons` runs it without that conftest on the oldest and
 newest Python the package supports."""
 
 from __future__ import annotations
