@@ -29,7 +29,6 @@ from builders import Reported
 from filelock import FileLock
 
 import pytest_gpumem
-from cuda_allocator_model.snapshots.read import Snapshot, read_snapshot
 
 # pytester's in-process runs drop the modules first imported inside them, so what inner runs import
 # lazily is imported here, once. torch registers operator libraries on import (torch._dynamo ->
@@ -179,15 +178,3 @@ def run_reference(shared_run: Shared) -> RunReference:
         return kept
 
     return run
-
-
-SNAPSHOTS = Path(__file__).resolve().parents[2] / "shared" / "snapshots"
-
-
-@pytest.fixture(scope="session")
-def snapshot_cards() -> dict[str, Snapshot]:
-    """The real cards' snapshots of ../shared/snapshots by file name, read once per worker (several test
-    files replay them); skips where the folder is absent."""
-    if not SNAPSHOTS.is_dir():
-        pytest.skip(f"no snapshots folder at {SNAPSHOTS}")
-    return {path.name: read_snapshot(path) for path in sorted(SNAPSHOTS.glob("*.pickle"))}

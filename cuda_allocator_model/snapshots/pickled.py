@@ -18,6 +18,7 @@ from __future__ import annotations
 import mmap
 import re
 import struct
+import sys
 from typing import Final, TypeAlias
 
 __all__ = ["LIMIT", "MAX_TUPLES", "Buffer", "Refused", "extent"]
@@ -41,7 +42,12 @@ _OP = (  # the opcodes that are safe whatever their context, the most frequent f
     + b"|[q\\x80].|[\\x95G].{8}|"
     + _SHORT_TEXT
 )
-_BULK: Final = re.compile(b"(?:" + _OP + b")*+", re.DOTALL)
+# Python 3.10 has no possessive repeat (`*+`, 3.11): its regex engine keeps a frame for each repeat of the
+# group (150 bytes an opcode, 150 GiB for a 1 GiB run), so there a run is matched `_CHUNK` opcodes at a time.
+_CHUNK: Final = 4096
+_BULK: Final = re.compile(
+    b"(?:" + _OP + b")" + (b"*+" if sys.version_info >= (3, 11) else b"{0,%d}" % _CHUNK), re.DOTALL
+)
 # A run of safe opcodes whose last `n` push scalars: the items of a TUPLEn that follows, which hash flat.
 _ENDS_IN_SCALARS: Final = {n: re.compile(b"(?:" + _OP + b")*" + _SCALAR + b"{%d}" % n, re.DOTALL) for n in (1, 2, 3)}
 _TUPLE_N: Final = {0x85: 1, 0x86: 2, 0x87: 3}
@@ -65,10 +71,9 @@ def extent(data: Buffer) -> int:
     Raises `Refused` for anything else."""
     end = min(len(data), LIMIT)
     pos = tuples = 0
-    match = _BULK.match
     while True:
         run = pos
-        pos = match(data, pos, end).end()  # type: ignore[union-attr]
+        pos = _safe_run(data, pos, end)
         if pos >= end:
             if end < len(data):
                 raise Refused(f"no end of the pickle in its first {LIMIT >> 30} GiB (the most a snapshot may be)")
@@ -99,6 +104,15 @@ def extent(data: Buffer) -> int:
             name = _NAMES.get(op)
             found = f"the opcode {name}" if name else f"the byte 0x{op:02x}, no opcode"
             raise Refused(f"not a pickle of plain data ({found} at byte {pos})")
+
+
+def _safe_run(data: Buffer, pos: int, end: int) -> int:
+    """The end of the run of opcodes safe in any context that starts at `pos`."""
+    while True:
+        after: int = _BULK.match(data, pos, end).end()  # type: ignore[union-attr]
+        if after - pos < _CHUNK:  # fewer opcodes than a chunk holds (each is a byte at least): the run's end
+            return after
+        pos = after
 
 
 def _sized(data: Buffer, pos: int, end: int, op: int) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from cuda_allocator_model import ModelError, format_size, parse_size
 from cuda_allocator_model.sizes import shorten
@@ -85,7 +84,11 @@ def test_a_value_named_in_a_message_is_one_short_line() -> None:
             return "Lines(\n  a=1,\n  b=2\n)"
 
     assert shorten(Lines()) == "Lines( a=1, b=2 )"
+    assert shorten("two\nlines") == "'two\\nlines'"
+
+
+def test_a_module_or_a_tensor_named_in_a_message_is_its_kind() -> None:
+    torch = pytest.importorskip("torch")  # the package imports no torch: .ci/pythons runs this folder without it
     assert shorten(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())) == "a Sequential module"
     assert shorten(torch.ones(2, 3)) == "a Tensor of float32[2, 3]"
     assert shorten([torch.ones(1)] * 3) == "a list of 3 (a Tensor of float32[1], a Tensor of float32[1], ...)"
-    assert shorten("two\nlines") == "'two\\nlines'"

@@ -14,7 +14,7 @@ import pytest
 
 from cuda_allocator_model import ModelError
 from cuda_allocator_model.snapshots.against import compare
-from cuda_allocator_model.snapshots.pickled import MAX_TUPLES
+from cuda_allocator_model.snapshots.pickled import MAX_TUPLES, extent
 from cuda_allocator_model.snapshots.read import Snapshot, read_snapshot, snapshot_from_bytes
 from cuda_allocator_model.snapshots.replay import replay, starts_empty
 
@@ -183,6 +183,13 @@ def test_reading_stops_at_the_pickles_end(tmp_path: Path) -> None:
     path = tmp_path / "tail.pickle"
     path.write_bytes(pickle.dumps(hand_made()) + b"\x00not read" * 1000)
     assert len(read_snapshot(path).trace()) == 10
+
+
+@pytest.mark.parametrize("op", [b"N", b"K\x07", b"J\x00\x00\x00\x01"], ids=["1-byte", "2-byte", "5-byte"])
+def test_a_run_of_safe_opcodes_longer_than_a_chunk_is_read_to_its_stop(op: bytes) -> None:
+    # Python 3.10 matches runs 4,096 opcodes at a time: 10,000 of them end in the third chunk, at the STOP
+    data = b"\x80\x04" + op * 10_000 + b"." + b"N" * 100
+    assert extent(data) == 2 + len(op) * 10_000 + 1
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
