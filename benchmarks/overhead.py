@@ -318,7 +318,7 @@ def step_instructions(
 
 def idle_instructions(against: Path | None, out: Path) -> tuple[list[list[str]], dict[str, Any]]:
     """Instructions of a whole pytest run of the trivial suite, the plugin idle vs `-p no:gpumem`, each
-    after a run (not counted) that wrote the bytecode cache they read."""
+    after two runs (not counted) in the same environment that wrote the bytecode it reads."""
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         suite = write_suite(folder, IDLE_TESTS, marked=False, needs_torch=False)
@@ -328,12 +328,13 @@ def idle_instructions(against: Path | None, out: Path) -> tuple[list[list[str]],
             tried[f"plugin idle @{against}"] = ([], against)
         counts: dict[str, int] = {}
         for name, (extra, checkout) in tried.items():
-            pytest_seconds(folder, suite, extra, checkout)  # the bytecode cache written
             command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(suite), *extra]
-            env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"} | _CALLGRIND_ENV
             env["PYTHONPYCACHEPREFIX"] = str(folder / "bytecode")
             if checkout is not None:
                 env["PYTHONPATH"] = str(checkout.resolve())
+            for _ in range(2):  # the bytecode (and pytest's rewritten modules) written, then read
+                subprocess.run(command, cwd=folder, env=env, capture_output=True, check=True)
             counts[name] = _callgrind(command, out / f"idle-{len(counts)}", env, markers=False)[0][0]
     base = counts["-p no:gpumem"]
     rows = [
@@ -346,6 +347,18 @@ def idle_instructions(against: Path | None, out: Path) -> tuple[list[list[str]],
 def show_instructions(args: argparse.Namespace, data: dict[str, Any]) -> None:
     """`--instructions`: the step candidates and the idle plugin, in callgrind's instruction counts."""
     out = args.callgrind_out or Path(tempfile.mkdtemp(prefix="overhead-callgrind-"))
+    if not args.idle_only:
+        show_step_instructions(args, data, out)
+    if args.idle_only or (not args.skip_suites and args.only is None):
+        rows, data["idle_instructions"] = idle_instructions(args.against, out)
+        benchlib.show(
+            "plugin idle vs disabled, instructions of the whole pytest run (callgrind)",
+            ["suite", "run", "instructions", "above disabled", "ratio"],
+            rows,
+        )
+
+
+def show_step_instructions(args: argparse.Namespace, data: dict[str, Any], out: Path) -> None:
     rows, data["step_instructions"] = step_instructions(args.rounds, args.against, args.only, out)
     benchlib.show(
         f"forward+backward step, 1 thread, instructions counted by callgrind, {args.rounds} rounds",
@@ -358,13 +371,6 @@ def show_instructions(args: argparse.Namespace, data: dict[str, Any]) -> None:
             f"callgrind's dumps (one per run, in order) kept in {out}",
         ],
     )
-    if not args.skip_suites and args.only is None:
-        rows, data["idle_instructions"] = idle_instructions(args.against, out)
-        benchlib.show(
-            "plugin idle vs disabled, instructions of the whole pytest run (callgrind)",
-            ["suite", "run", "instructions", "above disabled", "ratio"],
-            rows,
-        )
 
 
 # ------------------------------------------------------------------------------------ suites
@@ -460,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", choices=[kind for kind, _, _ in STEPS], help="only this step (implies --skip-suites)")
     p.add_argument("--serve", choices=[kind for kind, _, _ in STEPS], help=argparse.SUPPRESS)
     p.add_argument("--instructions", action="store_true", help="count instructions under callgrind, 1 thread")
+    p.add_argument("--idle-only", action="store_true", help="with --instructions: only the idle suite")
     p.add_argument("--callgrind-out", type=Path, default=None, metavar="DIR", help="keep callgrind's dumps in DIR")
     p.add_argument("--floor", action="store_true", help=f"also time {FLOOR} (op_cost.py's floor)")
     p.add_argument("--steady-heap", action="store_true", help="malloc keeps freed memory: steps fault no pages")
