@@ -218,23 +218,15 @@ def _add_hooks(graph: _Graph, run: _Run, handles: list[Any]) -> None:
 
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 _Graph = tuple[dict[int, tuple[Any, Any]], dict[tuple[int, int], int], bool, bool]
-_NODE_KINDS: dict[type, tuple[bool, bool]] = {}
-"""Each node class (its name is its class's): whether it is one of `_TWINS`, and whether it is an
-`AccumulateGrad`, which sends gradients nowhere (its `next_functions`, made anew at each read, are not read)."""
-_NO_EDGES: tuple[tuple[Any, int], ...] = ()
-
-
-def _kind_of(node: Any) -> tuple[bool, bool]:
-    kind = type(node)
-    found = _NODE_KINDS.get(kind)
-    if found is None:
-        name = node.name()
-        found = _NODE_KINDS[kind] = (name in _TWINS, name == _ACCUMULATE_GRAD)
-    return found
+_TWIN_TYPES: dict[type, bool] = {}  # each node class: whether it is one of `_TWINS` (its name is its class's)
 
 
 def _is_twin_node(node: Any) -> bool:
-    return _kind_of(node)[0]
+    kind = type(node)
+    found = _TWIN_TYPES.get(kind)
+    if found is None:
+        found = _TWIN_TYPES[kind] = node.name() in _TWINS
+    return found
 
 
 def _graph(roots: Sequence[Any]) -> _Graph:
@@ -245,7 +237,7 @@ def _graph(roots: Sequence[Any]) -> _Graph:
     nodes are reached once each)."""
     nodes: dict[int, tuple[Any, Any]] = {}
     twice = twins = False
-    known = _NODE_KINDS
+    known = _TWIN_TYPES
     roots = roots if isinstance(roots, (list, tuple)) else (roots,)
     pending = [node for node in map(_root_node, roots) if node is not None]
     while pending:
@@ -254,12 +246,11 @@ def _graph(roots: Sequence[Any]) -> _Graph:
         if key in nodes:
             twice = True
             continue
-        found = known.get(type(node))
-        if found is None:
-            found = _kind_of(node)
-        edges = _NO_EDGES if found[1] else node.next_functions
+        edges = node.next_functions
         nodes[key] = (node, edges)
-        twins = twins or found[0]
+        if not twins:
+            found = known.get(type(node))
+            twins = _is_twin_node(node) if found is None else found
         for consumer, _ in edges:
             if consumer is not None:
                 pending.append(consumer)
