@@ -259,7 +259,9 @@ def count(kind: str, rounds: int) -> int:
     return 0
 
 
-def _callgrind(command: list[str], where: Path, env: dict[str, str], markers: bool) -> tuple[list[int], str]:
+def _callgrind(
+    command: list[str], where: Path, env: dict[str, str], markers: bool, cwd: Path | None = None
+) -> tuple[list[int], str]:
     """The instructions callgrind counted in `command` (one thread, torch's threads at 1): one figure per
     region between the marker calls (`markers`), else the whole process's; and the command's stdout."""
     where.mkdir(parents=True, exist_ok=True)
@@ -268,7 +270,7 @@ def _callgrind(command: list[str], where: Path, env: dict[str, str], markers: bo
     triggers = [f"--zero-before={_ZERO}", f"--dump-before={_DUMP}"] if markers else []
     valgrind = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={where}/callgrind.out", *triggers]
     env = {**env, **_CALLGRIND_ENV}
-    done = subprocess.run([*valgrind, *command], env=env, capture_output=True, text=True, check=False)
+    done = subprocess.run([*valgrind, *command], cwd=cwd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} under callgrind failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     dumps = [where / "callgrind.out"]
@@ -331,11 +333,12 @@ def idle_instructions(against: Path | None, out: Path) -> tuple[list[list[str]],
             command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(suite), *extra]
             env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"} | _CALLGRIND_ENV
             env["PYTHONPYCACHEPREFIX"] = str(folder / "bytecode")
-            if checkout is not None:
-                env["PYTHONPATH"] = str(checkout.resolve())
+            # each side found on sys.path, as an installed package is (pytest then rewrites its asserts)
+            env["PYTHONPATH"] = str((checkout or Path(__file__).resolve().parent.parent).resolve())
             for _ in range(2):  # the bytecode (and pytest's rewritten modules) written, then read
                 subprocess.run(command, cwd=folder, env=env, capture_output=True, check=True)
-            counts[name] = _callgrind(command, out / f"idle-{len(counts)}", env, markers=False)[0][0]
+            # run where the suite is, as the uncounted runs: a checkout as the working directory is on sys.path
+            counts[name] = _callgrind(command, out / f"idle-{len(counts)}", env, markers=False, cwd=folder)[0][0]
     base = counts["-p no:gpumem"]
     rows = [
         [f"{IDLE_TESTS} trivial tests", name, f"{n:,}", f"{n - base:+,}", f"{n / base:.4f}"]
