@@ -1,7 +1,8 @@
 """Overhead: what measuring costs.
 
     python benchmarks/overhead.py [--json PATH] [--rounds 15] [--threads N] [--skip-suites] [--cpu-time]
-                                  [--against DIR] [--only net|tiny]
+                                  [--against DIR] [--only net|tiny] [--floor] [--steady-heap]
+                                  [--instructions [--callgrind-out DIR]]
 
 1. One forward+backward step, untracked vs the tracker (and with the CUDA allocator's model,
    `--gpumem-round=cuda`) vs MemTracker vs the profiler with profile_memory=True, on the Net (Linear
@@ -21,6 +22,18 @@
 3. The cost per measured test: one trivial test carrying `@pytest.mark.max_memory` vs 1 + N of them, on
    the tracker and (GPU only) on the cuda backend; (many - one) / N, so the one-time costs of a measuring
    run (importing torch and dynamo, about 1.5 s, paid by any run that uses torch) cancel out.
+
+`--floor` also times a dispatch mode that only runs each op (op_cost.py's floor): what any Python dispatch
+mode costs the same step. `--steady-heap` runs the script with glibc's malloc keeping what it frees (no
+step faults its pages in again): a Net step otherwise takes 2,000-2,800 page faults, a fifth of its CPU time
+here, in a number that changes with the heap's layout from one run to the next (the noise of its ratios).
+
+`--instructions` counts instead of timing: each step candidate (and the floor) in a child process under
+valgrind's callgrind, one thread, its runs between two marker calls (callgrind zeroes its counters at
+`getpgrp()` and dumps them at `getppid()`), after a warm-up run of each; and the idle suite's whole pytest
+runs. Counts repeat to a few instructions, so a change of 0.1% shows. Kernels run their SSE4.2 code there
+(valgrind has no AVX-512 and runs AVX2 about 50 times slower), so a step's own instructions are several
+times this machine's: "above untracked" (instructions a step) is exact, the ratio understates time's.
 
 `--against DIR` (a checkout of another commit, say `git worktree add --detach /tmp/before main`) times
 that commit's package in the same rounds: its step candidates in a child process that imports it
@@ -124,7 +137,7 @@ STEPS = (("net", "Net b64", 3), ("tiny", "Linear(64) b8", 200))
 
 
 def step_overheads(
-    rounds: int, against: Path | None = None, only: str | None = None
+    rounds: int, against: Path | None = None, only: str | None = None, floor: bool = False
 ) -> tuple[list[list[str]], dict[str, Any]]:
     rows: list[list[str]] = []
     data: dict[str, Any] = {}
@@ -132,7 +145,7 @@ def step_overheads(
         if only is not None and kind != only:
             continue
         model, x = make_model(kind)
-        runs = candidates(model, x, inner)
+        runs = (counted_candidates if floor else candidates)(model, x, inner)
         served = None if against is None else _Served(against, kind)
         if served is not None:
             runs |= {f"{name} @{against}": served.runner(name) for name in list(runs)}
@@ -185,12 +198,183 @@ def serve(kind: str) -> int:
     import pytest_gpumem
 
     inner = dict((k, n) for k, _, n in STEPS)[kind]
-    runs = candidates(*make_model(kind), inner)
+    runs = counted_candidates(*make_model(kind), inner)
     print(f"serving {kind} from {Path(pytest_gpumem.__file__).parent}", file=sys.stderr)
     for line in sys.stdin:
         gc.collect()
         print(repr(runs[line.strip()]()), flush=True)
     return 0
+
+
+# ------------------------------------------------------------------------------------ instructions
+
+_ZERO, _DUMP = "getpgrp", "getppid"  # C functions nothing else calls: callgrind zeroes and dumps at them
+_CALLGRIND_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "PYTHONHASHSEED": "0",
+    # valgrind runs AVX2 code about 50 times slower than SSE (a Net step: 40 s): kernels of SSE4.2
+    "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+    "ATEN_CPU_CAPABILITY": "default",
+}
+_STEADY_HEAP = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**40)}
+"""glibc's malloc keeps what a step frees (blocks up to 32 MiB from the heap, none given back): no step
+faults its pages in again, which otherwise costs a Net step 2,000-2,800 page faults, a number that varies
+with the heap's layout from run to run (a fifth of its CPU time on this machine)."""
+FLOOR = "a mode that does nothing"
+
+
+def counted_candidates(model: nn.Module, x: torch.Tensor, inner: int) -> dict[str, Callable[[], float]]:
+    """The step candidates, and a dispatch mode that only runs each op (op_cost.py's floor): what any
+    Python dispatch mode pays on the same step."""
+    import op_cost
+
+    clock = _CLOCK[0]
+
+    def floor() -> float:
+        start = clock()
+        mode: Any = op_cost._Floor()  # type: ignore[no-untyped-call]
+        with mode:
+            for _ in range(inner):
+                step(model, x)
+        return (clock() - start) / inner
+
+    runs = candidates(model, x, inner)
+    return {"untracked": runs.pop("untracked"), FLOOR: floor, **runs}
+
+
+def count(kind: str, rounds: int) -> int:
+    """`--count KIND` (run under callgrind by `instruction_counts`): each candidate's runs, in rounds,
+    each after a full collection and between the two marker calls; the candidates' names in order on stdout."""
+    inner = dict((k, n) for k, _, n in STEPS)[kind]
+    runs = counted_candidates(*make_model(kind), inner)
+    for fn in runs.values():  # warm-up: each tool's first use (imports, caches) is not counted
+        fn()
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            gc.collect()
+            os.getpgrp()
+            fn()
+            os.getppid()
+            print(name, flush=True)
+    return 0
+
+
+def _callgrind(
+    command: list[str], where: Path, env: dict[str, str], markers: bool, cwd: Path | None = None
+) -> tuple[list[int], str]:
+    """The instructions callgrind counted in `command` (one thread, torch's threads at 1): one figure per
+    region between the marker calls (`markers`), else the whole process's; and the command's stdout."""
+    where.mkdir(parents=True, exist_ok=True)
+    for old in where.glob("callgrind.out*"):
+        old.unlink()
+    triggers = [f"--zero-before={_ZERO}", f"--dump-before={_DUMP}"] if markers else []
+    valgrind = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={where}/callgrind.out", *triggers]
+    env = {**env, **_CALLGRIND_ENV}
+    done = subprocess.run([*valgrind, *command], cwd=cwd, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} under callgrind failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    dumps = [where / "callgrind.out"]
+    if markers:
+        dumps = sorted(where.glob("callgrind.out.*"), key=lambda f: int(f.suffix[1:]))
+    return [_summary(d) for d in dumps], done.stdout
+
+
+def _summary(dump: Path) -> int:
+    for line in dump.read_text(encoding="utf-8", errors="replace").splitlines():
+        if line.startswith("summary:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{dump}: no summary line")
+
+
+def step_instructions(
+    rounds: int, against: Path | None, only: str | None, out: Path
+) -> tuple[list[list[str]], dict[str, Any]]:
+    """Instructions per step of each candidate (and the floor), counted by callgrind in a child process
+    that runs them in rounds (`--count`); each side's ratios are to its own untracked step."""
+    rows: list[list[str]] = []
+    data: dict[str, Any] = {}
+    sides = [("", None)] + ([] if against is None else [(f" @{against}", against)])
+    for kind, label, inner in STEPS:
+        if only is not None and kind != only:
+            continue
+        for suffix, checkout in sides:
+            env = dict(os.environ) if checkout is None else {**os.environ, "PYTHONPATH": str(checkout.resolve())}
+            command = [sys.executable, __file__, "--count", kind, "--rounds", str(rounds), "--threads", "1"]
+            counts, stdout = _callgrind(command, out / f"{kind}{'-against' if checkout else ''}", env, markers=True)
+            names = stdout.splitlines()
+            if len(counts) != len(names):
+                raise RuntimeError(f"{len(counts)} callgrind dumps for {len(names)} runs: {_DUMP}() called elsewhere")
+            per_step: dict[str, list[float]] = {}
+            for name, instructions in zip(names, counts, strict=True):
+                per_step.setdefault(name, []).append(instructions / inner)
+            base = benchlib.median(per_step["untracked"])
+            for name, runs in per_step.items():
+                med = benchlib.median(runs)
+                spread = (max(runs) - min(runs)) / med
+                rows.append(
+                    [label, name + suffix, f"{med:,.0f}", f"{med - base:+,.0f}", f"{med / base:.4f}", f"{spread:.3%}"]
+                )
+            data[kind + suffix] = per_step
+    return rows, data
+
+
+def idle_instructions(against: Path | None, out: Path) -> tuple[list[list[str]], dict[str, Any]]:
+    """Instructions of a whole pytest run of the trivial suite, the plugin idle vs `-p no:gpumem`, each
+    after two runs (not counted) in the same environment that wrote the bytecode it reads."""
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        suite = write_suite(folder, IDLE_TESTS, marked=False, needs_torch=False)
+        tried: dict[str, tuple[list[str], Path | None]] = {"-p no:gpumem": (["-p", "no:gpumem"], None)}
+        tried["plugin idle"] = ([], None)
+        if against is not None:
+            tried[f"plugin idle @{against}"] = ([], against)
+        counts: dict[str, int] = {}
+        for name, (extra, checkout) in tried.items():
+            command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(suite), *extra]
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"} | _CALLGRIND_ENV
+            env["PYTHONPYCACHEPREFIX"] = str(folder / "bytecode")
+            # each side found on sys.path, as an installed package is (pytest then rewrites its asserts)
+            env["PYTHONPATH"] = str((checkout or Path(__file__).resolve().parent.parent).resolve())
+            for _ in range(2):  # the bytecode (and pytest's rewritten modules) written, then read
+                subprocess.run(command, cwd=folder, env=env, capture_output=True, check=True)
+            # run where the suite is, as the uncounted runs: a checkout as the working directory is on sys.path
+            counts[name] = _callgrind(command, out / f"idle-{len(counts)}", env, markers=False, cwd=folder)[0][0]
+    base = counts["-p no:gpumem"]
+    rows = [
+        [f"{IDLE_TESTS} trivial tests", name, f"{n:,}", f"{n - base:+,}", f"{n / base:.4f}"]
+        for name, n in counts.items()
+    ]
+    return rows, {"tests": IDLE_TESTS, "instructions": counts}
+
+
+def show_instructions(args: argparse.Namespace, data: dict[str, Any]) -> None:
+    """`--instructions`: the step candidates and the idle plugin, in callgrind's instruction counts."""
+    out = args.callgrind_out or Path(tempfile.mkdtemp(prefix="overhead-callgrind-"))
+    if not args.idle_only:
+        show_step_instructions(args, data, out)
+    if args.idle_only or (not args.skip_suites and args.only is None):
+        rows, data["idle_instructions"] = idle_instructions(args.against, out)
+        benchlib.show(
+            "plugin idle vs disabled, instructions of the whole pytest run (callgrind)",
+            ["suite", "run", "instructions", "above disabled", "ratio"],
+            rows,
+        )
+
+
+def show_step_instructions(args: argparse.Namespace, data: dict[str, Any], out: Path) -> None:
+    rows, data["step_instructions"] = step_instructions(args.rounds, args.against, args.only, out)
+    benchlib.show(
+        f"forward+backward step, 1 thread, instructions counted by callgrind, {args.rounds} rounds",
+        ["model", "tool", "instructions/step (median)", "above untracked", "ratio", "spread of rounds"],
+        rows,
+        [
+            "kernels run as SSE4.2 (valgrind has no AVX-512 and runs AVX2 50 times slower): they take several "
+            "times the instructions they take here, so the ratio understates the time's; 'above untracked' is exact",
+            f"{FLOOR}: a dispatch mode that only runs each op (op_cost.py's floor)",
+            f"callgrind's dumps (one per run, in order) kept in {out}",
+        ],
+    )
 
 
 # ------------------------------------------------------------------------------------ suites
@@ -285,19 +469,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--against", type=Path, default=None, metavar="DIR", help="also time the package of checkout DIR")
     p.add_argument("--only", choices=[kind for kind, _, _ in STEPS], help="only this step (implies --skip-suites)")
     p.add_argument("--serve", choices=[kind for kind, _, _ in STEPS], help=argparse.SUPPRESS)
+    p.add_argument("--instructions", action="store_true", help="count instructions under callgrind, 1 thread")
+    p.add_argument("--idle-only", action="store_true", help="with --instructions: only the idle suite")
+    p.add_argument("--callgrind-out", type=Path, default=None, metavar="DIR", help="keep callgrind's dumps in DIR")
+    p.add_argument("--floor", action="store_true", help=f"also time {FLOOR} (op_cost.py's floor)")
+    p.add_argument("--steady-heap", action="store_true", help="malloc keeps freed memory: steps fault no pages")
+    p.add_argument("--count", choices=[kind for kind, _, _ in STEPS], help=argparse.SUPPRESS)
     args: argparse.Namespace = p.parse_args(argv)
     if args.against is not None and not (args.against / "pytest_gpumem" / "__init__.py").is_file():
         p.error(f"--against {args.against}: no pytest_gpumem package there")
+    if args.instructions and args.threads not in (None, 1):
+        p.error("--instructions counts one thread: leave --threads out or give 1")
     if args.cpu_time:
         if args.threads != 1:
             p.error("--cpu-time times the main thread only: give --threads 1")
         _CLOCK[0] = time.thread_time
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.steady_heap and any(os.environ.get(k) != v for k, v in _STEADY_HEAP.items()):
+        again = sys.argv[1:] if argv is None else argv
+        os.execve(sys.executable, [sys.executable, __file__, *again], {**os.environ, **_STEADY_HEAP})
     if args.serve:
         return serve(args.serve)
+    if args.count:
+        return count(args.count, args.rounds)
     data: dict[str, Any] = {}
-    rows, data["step"] = step_overheads(args.rounds, args.against, args.only)
+    if args.instructions:
+        show_instructions(args, data)
+        benchlib.write_json(args.json, {"overhead": data})
+        return 0
+    rows, data["step"] = step_overheads(args.rounds, args.against, args.only, args.floor)
     benchlib.show(
         f"forward+backward step, {torch.get_num_threads()} threads, {args.rounds} interleaved rounds, "
         + ("CPU time" if args.cpu_time else "wall time"),

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 
 class _Compared(Protocol):
-    """A test's comparison with its baseline (`pytest_gpumem.run.regression.Judgement`)."""
+    """A test's comparison with its baseline (`pytest_gpumem.run.judgement.Judgement`)."""
 
     @property
     def verdict(self) -> Verdict: ...

@@ -137,7 +137,7 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
     if session.options.disabled:
         return
     refuse_late_markers(item)
-    if not session.measuring and _measures(item):
+    if _measures(item) and not session.measuring:
         _measure_calls(session)
 
 
@@ -162,7 +162,31 @@ def _measure_calls(session: GpuMemSession) -> None:
 
 
 def _measures(item: pytest.Item) -> bool:
-    return item.get_closest_marker(MARKER) is not None or "gpumem" in getattr(item, "fixturenames", ())
+    return _marked(item) or "gpumem" in getattr(item, "fixturenames", ())
+
+
+_MARKER_READERS = ("get_closest_marker", "iter_markers", "iter_markers_with_node", "iter_parents")
+_PYTEST_READS_MARKERS = {pytest.Item: True}  # per item class: whether pytest's own methods read its markers
+
+
+def _marked(item: pytest.Item) -> bool:
+    """`item.get_closest_marker(MARKER) is not None`, read without its generators (an idle run asks it twice a
+    test): the item's or a parent's own markers, unless the item's class reads its markers its own way."""
+    kind = type(item)
+    ours = _PYTEST_READS_MARKERS.get(kind)
+    if ours is None:
+        ours = _PYTEST_READS_MARKERS[kind] = all(
+            getattr(kind, name, None) is getattr(pytest.Item, name, None) for name in _MARKER_READERS
+        )
+    if not ours:
+        return item.get_closest_marker(MARKER) is not None
+    node: pytest.Item | pytest.Collector | None = item
+    while node is not None:
+        for mark in node.own_markers:
+            if getattr(mark, "name", None) == MARKER:
+                return True
+        node = node.parent
+    return False
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from pytest_gpumem.reasons import AllocatorState, Leaked, OutOfMemory, OverBudge
 from pytest_gpumem.report.failures import LINE_WIDTH, budget_line, failure_line, fit_line, verdict_line
 from pytest_gpumem.results import PhaseResult, Status
 from pytest_gpumem.results.baseline import DeviceIdentity, Entry, Environment
-from pytest_gpumem.run.regression import Judgement
+from pytest_gpumem.run.judgement import Judgement
 
 
 def test_the_head_stays_whole_and_each_clause_follows_while_it_fits() -> None:

@@ -366,3 +366,57 @@ def test_a_tests_own_capacity_leak_and_explain_come_before_the_runs_options() ->
     assert (carded.card, carded.settings().events, carded.settings().origins) == ("H100-80GB", True, True)
     explained = Terms.of(budget_from_marker((), {"explain": True}), None, None, evidence=False)
     assert explained.settings() == Settings(None, explain=True) and explained.explaining(False) is explained
+
+
+def test_a_max_memory_marker_is_found_on_the_test_or_a_level_above_as_pytest_finds_it(
+    pytester: pytest.Pytester,
+) -> None:
+    """The idle run's lookup (`_marked`, asked at collection and after each setup) reads the markers pytest's
+    `get_closest_marker` reads, and defers to an item class that reads them its own way."""
+    from pytest_gpumem.plugin import _marked
+
+    items = pytester.getitems(
+        """
+        import pytest
+
+        pytestmark = pytest.mark.slow
+
+        def test_plain():
+            pass
+
+        @pytest.mark.max_memory("1 MiB")
+        def test_marked():
+            pass
+
+        @pytest.mark.max_memory("1 MiB")
+        class TestMarkedClass:
+            def test_in_class(self):
+                pass
+
+        class TestOther:
+            @pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.max_memory("1 MiB"))])
+            def test_param(self, n):
+                pass
+        """
+    )
+    found = {item.name: _marked(item) for item in items}
+    assert found == {item.name: item.get_closest_marker("max_memory") is not None for item in items}
+    assert found == {
+        "test_plain": False,
+        "test_marked": True,
+        "test_in_class": True,
+        "test_param[1]": False,
+        "test_param[2]": True,
+    }
+    plain = items[0]
+    assert plain.parent is not None
+    plain.parent.add_marker(pytest.mark.max_memory("1 MiB"))  # as a module-scoped fixture's applymarker does
+    assert _marked(plain)
+
+    class ReadsItsOwn(pytest.Function):
+        def get_closest_marker(self, name: str, default: Any = None) -> Any:
+            return pytest.mark.max_memory("1 MiB").mark if name == "max_memory" else default
+
+    other = items[3]
+    other.__class__ = ReadsItsOwn
+    assert _marked(other)

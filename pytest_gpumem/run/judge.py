@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.config import Options
     from pytest_gpumem.measure.measurement import Measurement
     from pytest_gpumem.measure.record import CallRecord
-    from pytest_gpumem.run.regression import Judgement
+    from pytest_gpumem.run.judgement import Judgement
 
 _RESULT_KEY = pytest.StashKey[TestResult]()  # the call's result, until its report is made
 

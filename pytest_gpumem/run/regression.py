@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from pytest_gpumem.budget import Budget
     from pytest_gpumem.measure.record import CallRecord
     from pytest_gpumem.results import TestResult
-    from pytest_gpumem.results.baseline import DeviceIdentity, Entry, Verdict
+    from pytest_gpumem.results.baseline import DeviceIdentity, Entry
+    from pytest_gpumem.run.judgement import Judgement
 
 
 def identity_of(backend: Backend) -> DeviceIdentity:
@@ -98,32 +99,6 @@ def partial_run(config: pytest.Config, session: pytest.Session) -> bool:
     return not whole or narrowed or bool(session.shouldstop) or bool(session.shouldfail)
 
 
-@dataclass
-class Judgement:
-    """A test's comparison with its baseline, and the entry to record if the test passes."""
-
-    verdict: Verdict
-    entry: Entry
-    fails: bool
-    stored_composition: bool = False  # the stored baseline says what its peaks were made of
-    selection: Sequence[str] = ()  # selection_flags() of the run: a command for this test needs them
-
-    def failure_message(self) -> str:
-        """The verdict's line; a regression also says how to learn what grew, when it cannot say it."""
-        from pytest_gpumem.results.baseline import BaselineStatus
-
-        message = self.verdict.failure_message()
-        if self.verdict.status != BaselineStatus.REGRESSED:
-            return message
-        if not self.stored_composition:  # recorded before updates stored it, or not explainable then
-            how = shlex.join(["pytest", *self.selection, self.verdict.nodeid, "--gpumem-update"])
-            return f"{message} (to see what grew, record the baseline with its composition: {how})"
-        if self.entry.composition is None:
-            how = shlex.join(["pytest", *self.selection, self.verdict.nodeid, "--gpumem-explain"])
-            return f"{message} (see what made it: {how})"
-        return message
-
-
 @dataclass(eq=False)  # registered as a plugin: hashed by identity
 class BaselineRun:
     """The baseline store of a run. Workers and the controller both compare; only the controller
@@ -184,6 +159,7 @@ class BaselineRun:
         from pytest_gpumem.baselines.compare import Tolerance, compare
         from pytest_gpumem.explain.growth import compact
         from pytest_gpumem.results.baseline import Entry, Environment
+        from pytest_gpumem.run.judgement import Judgement
 
         assert self.store is not None, "judge() is called only when baselines are active"
 
