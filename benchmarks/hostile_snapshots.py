@@ -5,9 +5,10 @@ time and the most memory it took.
 
     python benchmarks/hostile_snapshots.py [--only SUBSTRING] [--json PATH] [--source DIR]
 
-`--source DIR` runs the package found in DIR (an exported older commit: `git archive COMMIT pytest_gpumem
-| tar -x -C DIR`), for a before-and-after table. A case is clean when it exits 0 or 2, shows no traceback,
-says a refusal in one line, and takes under 10 s and 1 GiB. Exit status 1 when any case is not clean.
+`--source DIR` runs the packages found in DIR (an exported older commit: `git archive COMMIT pytest_gpumem
+cuda_allocator_model | tar -x -C DIR`), for a before-and-after table. A case is clean when it exits 0 or 2,
+shows no traceback, says a refusal in one line, and takes under 10 s and 1 GiB. Exit status 1 when any case
+is not clean.
 """
 
 from __future__ import annotations
@@ -157,6 +158,7 @@ def cases() -> Iterator[Case]:
     yield Case("a 5,000-digit key", lambda d: [_file(d, "k.pickle", dumped({10**5000: 1}))])
     yield Case("100,000-deep tuple key", lambda d: [_file(d, "t5.pickle", _deep_tuple_key(100_000))])
     yield Case("1,000,000-deep tuple key", lambda d: [_file(d, "t6.pickle", _deep_tuple_key(1_000_000))])
+    yield Case("10 MB of opcodes before a TUPLE1", lambda d: [_file(d, "run.pickle", framed(b"N" * 10**7 + b"\x85."))])
     yield Case("divisions key '²'", _settings({"²": 4}))
     yield Case("divisions of 10^100", _settings({"1": 10**100}))
     yield Case("a negative size", _bad_event(size=-4096))

@@ -42,12 +42,12 @@ _OP = (  # the opcodes that are safe whatever their context, the most frequent f
     + b"|[q\\x80].|[\\x95G].{8}|"
     + _SHORT_TEXT
 )
-# Python 3.10 has no possessive repeat (`*+`, 3.11): its regex engine keeps a frame for each repeat of the
-# group (150 bytes an opcode, 150 GiB for a 1 GiB run), so there a run is matched `_CHUNK` opcodes at a time.
+# A run is matched `_CHUNK` opcodes at a time, so that the check of a TUPLE1-3's items rereads the run's last
+# two chunks at most, from where an opcode starts: a greedy repeat (`*`) keeps a frame for each opcode it
+# matched (some 140 bytes: a whole 10 MB run took 1.2 GB), and Python 3.10 has no possessive one (`*+`).
 _CHUNK: Final = 4096
-_BULK: Final = re.compile(
-    b"(?:" + _OP + b")" + (b"*+" if sys.version_info >= (3, 11) else b"{0,%d}" % _CHUNK), re.DOTALL
-)
+_POSSESSIVE: Final = b"+" if sys.version_info >= (3, 11) else b""
+_BULK: Final = re.compile(b"(?:" + _OP + b"){0,%d}" % _CHUNK + _POSSESSIVE, re.DOTALL)
 # A run of safe opcodes whose last `n` push scalars: the items of a TUPLEn that follows, which hash flat.
 _ENDS_IN_SCALARS: Final = {n: re.compile(b"(?:" + _OP + b")*" + _SCALAR + b"{%d}" % n, re.DOTALL) for n in (1, 2, 3)}
 _TUPLE_N: Final = {0x85: 1, 0x86: 2, 0x87: 3}
@@ -72,8 +72,7 @@ def extent(data: Buffer) -> int:
     end = min(len(data), LIMIT)
     pos = tuples = 0
     while True:
-        run = pos
-        pos = _safe_run(data, pos, end)
+        pos, tail = _safe_run(data, pos, end)
         if pos >= end:
             if end < len(data):
                 raise Refused(f"no end of the pickle in its first {LIMIT >> 30} GiB (the most a snapshot may be)")
@@ -83,7 +82,7 @@ def extent(data: Buffer) -> int:
             return pos + 1
         if op in _TUPLES:
             n = _TUPLE_N.get(op)
-            flat = n is not None and _ENDS_IN_SCALARS[n].fullmatch(data, run, pos) is not None
+            flat = n is not None and _ENDS_IN_SCALARS[n].fullmatch(data, tail, pos) is not None
             tuples += not flat
             if tuples > MAX_TUPLES:
                 raise Refused(f"a pickle of more than {MAX_TUPLES:,} nested tuples or sets: no snapshot's shape")
@@ -106,13 +105,15 @@ def extent(data: Buffer) -> int:
             raise Refused(f"not a pickle of plain data ({found} at byte {pos})")
 
 
-def _safe_run(data: Buffer, pos: int, end: int) -> int:
-    """The end of the run of opcodes safe in any context that starts at `pos`."""
+def _safe_run(data: Buffer, pos: int, end: int) -> tuple[int, int]:
+    """The end of the run of opcodes safe in any context that starts at `pos`, and where its last two chunks
+    start (an opcode's start: the run's own start, or 3 opcodes at least before its end)."""
+    tail = pos
     while True:
         after: int = _BULK.match(data, pos, end).end()  # type: ignore[union-attr]
         if after - pos < _CHUNK:  # fewer opcodes than a chunk holds (each is a byte at least): the run's end
-            return after
-        pos = after
+            return after, tail
+        tail, pos = pos, after  # a chunk of CHUNK bytes holds 16 opcodes at least (each is 257 bytes at most)
 
 
 def _sized(data: Buffer, pos: int, end: int, op: int) -> int:

@@ -7,14 +7,16 @@ import gc
 import os
 import pickle
 import struct
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from cuda_allocator_model import ModelError
+from cuda_allocator_model.snapshots import pickled
 from cuda_allocator_model.snapshots.against import compare
-from cuda_allocator_model.snapshots.pickled import MAX_TUPLES, extent
+from cuda_allocator_model.snapshots.pickled import MAX_TUPLES, Refused, extent
 from cuda_allocator_model.snapshots.read import Snapshot, read_snapshot, snapshot_from_bytes
 from cuda_allocator_model.snapshots.replay import replay, starts_empty
 
@@ -190,6 +192,42 @@ def test_a_run_of_safe_opcodes_longer_than_a_chunk_is_read_to_its_stop(op: bytes
     # Python 3.10 matches runs 4,096 opcodes at a time: 10,000 of them end in the third chunk, at the STOP
     data = b"\x80\x04" + op * 10_000 + b"." + b"N" * 100
     assert extent(data) == 2 + len(op) * 10_000 + 1
+
+
+def test_a_long_run_of_opcodes_before_a_tuple_is_checked_in_bounded_memory() -> None:
+    # the check of the tuple's items reread the whole run with a greedy repeat: 285 MiB for this 2 MiB file
+    data = b"\x80\x04" + b"N" * (2 * MiB) + b"\x85."
+    tracemalloc.start()
+    try:
+        assert extent(data) == len(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < len(data) // 2, f"a peak of {peak:,} bytes to check {len(data):,}"
+
+
+@pytest.mark.parametrize(
+    ("run", "tuple_op", "flat"),
+    [
+        (b"N" * 10_000, b"\x85", True),
+        (b"N" * 10_000 + b"]K\x01", b"\x86", False),
+        (b"N" * 8190 + b"]NN", b"\x86", True),  # chunks of 4,096, 4,096 and 1 opcodes: items in the last two
+        (b"N" * 8190 + b"]NN", b"\x87", False),
+        (b"\x8c\xff" + b"x" * 255 + b"K\x01" * 5000 + b"G" + bytes(8), b"\x87", True),
+        (b"K\x01", b"\x86", False),  # fewer opcodes in the run than the tuple's items
+    ],
+    ids=["1-of-10000", "list-then-int", "across-chunks", "list-across-chunks", "texts-ints-float", "short-run"],
+)
+def test_a_tuple_is_flat_when_the_run_before_it_ends_in_as_many_scalars(
+    run: bytes, tuple_op: bytes, flat: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pickled, "MAX_TUPLES", 0)
+    data = b"\x80\x04" + run + tuple_op + b"."
+    if flat:
+        assert extent(data) == len(data)
+    else:
+        with pytest.raises(Refused, match="more than 0 nested tuples"):
+            extent(data)
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
