@@ -34,11 +34,14 @@ def rounding(value: str) -> str:
 
 
 def columns(value: str) -> tuple[str, ...]:
-    """A comma-separated list of the report table's columns, in the table's order (--gpumem-columns)."""
+    """A comma-separated list of the report table's columns, in the table's order (--gpumem-columns); `all`:
+    every one (the default)."""
+    if value.strip() == "all":
+        return COLUMNS
     names = [name.strip() for name in value.split(",")]
     wrong = next((name for name in names if name not in COLUMNS), None)
     if wrong is not None:
-        raise argparse.ArgumentTypeError(f"invalid column {shorten(wrong)} (choose from {', '.join(COLUMNS)})")
+        raise argparse.ArgumentTypeError(f"invalid column {shorten(wrong)} (choose from {', '.join(COLUMNS)}, or all)")
     return tuple(name for name in COLUMNS if name in names)
 
 

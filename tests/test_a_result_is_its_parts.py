@@ -72,3 +72,11 @@ def test_an_entry_read_back_is_the_result_it_was_written_from_part_by_part() -> 
             assert (type(back), back) == (type(written), written), f.name
     with pytest.raises(TypeError, match="read-only"):
         read.phases["g"] = CALL  # type: ignore[index]
+
+
+def test_a_result_made_from_its_fields_positionally_is_refused_pointing_at_of() -> None:
+    """The constructor before the parts took fields (`TestResult(nodeid, backend, device, call)`): such a call
+    is refused at once, not left to fail where a field is read."""
+    call = PhaseResult("call", 1, 1, None, 0)
+    with pytest.raises(TypeError, match=r"TestResult\.of\(nodeid, backend, device, call, \.\.\.\) makes one"):
+        TestResult("t.py::a", "tracker", "cpu", call)  # type: ignore[arg-type]

@@ -106,7 +106,7 @@ def test_any_choice_fits_the_width(width: int) -> None:
 @pytest.mark.parametrize(
     ("parse", "value", "message"),
     [
-        (values.columns, "pk", "invalid column 'pk' (choose from " + ", ".join(COLUMNS) + ")"),
+        (values.columns, "pk", "invalid column 'pk' (choose from " + ", ".join(COLUMNS) + ", or all)"),
         (values.columns, "peak, pk", "invalid column 'pk' (choose from device, *"),
         (values.columns, "", "invalid column '' (choose from device, *"),
         (values.id_form, "medium", "invalid id form 'medium' (choose from short, long)"),
@@ -120,6 +120,10 @@ def test_a_bad_choice_is_refused_naming_the_choices(parse: Callable[[str], objec
 
 def test_the_columns_are_taken_in_the_tables_order_whatever_the_order_given() -> None:
     assert values.columns(" status, peak,peak") == ("peak", "status")
+
+
+def test_all_columns_is_the_default_the_help_names() -> None:
+    assert values.columns(" all") == COLUMNS
 
 
 TESTS = "import torch\n\ndef test_a(gpumem):\n    torch.ones(10)\n\ndef test_b(gpumem):\n    torch.ones(20)\n"

@@ -349,6 +349,16 @@ def test_a_hook_changes_a_copy_and_the_result_it_leaves_replaces_the_original() 
         final.phases["h"] = call  # type: ignore[index]
 
 
+@pytest.mark.parametrize("name", ["peak_bytes", "record", "outcome", "budget", "entry"])
+def test_a_hook_setting_a_figure_it_may_only_read_is_told_which(name: str) -> None:
+    from pytest_gpumem.results import TestResult
+    from pytest_gpumem.run.hand_over import ResultDraft
+
+    draft = ResultDraft.copy_of(TestResult.of("t.py::test_a", "tracker", "cpu", None))
+    with pytest.raises(AttributeError, match=f"^property '{name}' of 'ResultDraft' object has no setter$"):
+        setattr(draft, name, 5)
+
+
 def test_a_value_a_hook_leaves_that_is_no_list_is_kept_as_given_for_the_reading_back_to_refuse() -> None:
     from pytest_gpumem import TestResult
     from pytest_gpumem.results.checks import OffShape

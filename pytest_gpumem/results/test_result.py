@@ -249,6 +249,14 @@ class TestResult:
     worker_device: str | None = None
     html_path: Annotated[str | None, Spec(key="html")] = None
 
+    def __post_init__(self) -> None:
+        record, outcome, budget = self.record, self.outcome, self.budget
+        if not (isinstance(record, WrittenRecord) and isinstance(outcome, Outcome) and isinstance(budget, BudgetView)):
+            raise TypeError(
+                "TestResult(record, outcome, budget, ...) takes a result's parts; "
+                "TestResult.of(nodeid, backend, device, call, ...) makes one from its fields"
+            )
+
     @classmethod
     def of(
         cls,

@@ -8,6 +8,7 @@ import copy
 import json
 import re
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -88,8 +89,17 @@ def _draft_field(name: str) -> property:
     return property(get, set_)
 
 
+def _read_only(name: str, get: Callable[[ResultDraft], Any]) -> property:
+    """A property a hook may read and not set, named in the error as Python names a property's own."""
+
+    def refuse(draft: ResultDraft, value: object) -> None:
+        raise AttributeError(f"property {name!r} of 'ResultDraft' object has no setter")
+
+    return property(get, refuse)
+
+
 def _draft_part(name: str) -> property:
-    return property(lambda draft: getattr(draft.final(), name))
+    return _read_only(name, lambda draft: getattr(draft.final(), name))
 
 
 def _draft_peak(draft: ResultDraft) -> int | None:
@@ -101,7 +111,7 @@ for _name in REPORT_NAMES:
     setattr(ResultDraft, _name, _draft_field(_name))
 for _name in ("record", "outcome", "budget", "entry"):
     setattr(ResultDraft, _name, _draft_part(_name))
-setattr(ResultDraft, "peak_bytes", property(_draft_peak))  # noqa: B010 (the result's is a part's)
+setattr(ResultDraft, "peak_bytes", _read_only("peak_bytes", _draft_peak))  # noqa: B010 (the result's is a part's)
 
 
 def _after_hook(item: pytest.Item, result: TestResult, report: pytest.TestReport) -> tuple[TestResult, str]:
