@@ -48,8 +48,8 @@ def workload_table(rows: list[dict[str, Any]]) -> str:
 
 def table(headers: list[str], body: list[list[str]]) -> str:
     """Columns as wide as their widest cell or header, two spaces apart, a rule of dashes under the
-    headers (tabulate's simple format without the two columns it adds to each header: 94 columns where
-    that took 103)."""
+    headers (tabulate's simple format without the two columns it adds to each header: 95 columns where
+    that took 105)."""
     widths = [max(len(cell) for cell in column) for column in zip(headers, *body, strict=True)]
     rows = [headers, ["-" * width for width in widths], *body]
     return "\n".join(

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 _Format = Callable[[int], str]
 
+SECTION_WIDTH = 120  # columns of a line of the report section's explanation
+
 _HOW_TO_EXPLAIN = "see what made it with --gpumem-explain or max_memory(explain=True)"
 _HOW_TO_EXPLAIN_BRIEFLY = "see what made it with --gpumem-explain"
 
@@ -33,7 +35,18 @@ def describe(explanation: Explanation, fmt: _Format = format_size) -> list[str]:
             lines.append(f"    by module: {modules}")
         for tensor in phase.tensors[:3]:
             lines.append(f"    alive at the peak: {_describe_tensor(explanation, tensor, fmt)}")
-    return lines
+    return [part for line in lines for part in _wrapped(line)]
+
+
+def _wrapped(line: str, width: int = SECTION_WIDTH) -> list[str]:
+    """`line` in lines of at most `width` columns, cut after a comma, each further line indented two
+    columns more than the first (what has no comma to cut at stays whole)."""
+    indent = " " * (len(line) - len(line.lstrip()) + 2)
+    parts, rest = [], line
+    while len(rest) > width and (cut := rest.rfind(", ", 0, width - 1)) > len(indent):
+        parts.append(rest[: cut + 1])
+        rest = indent + rest[cut + 2 :]
+    return [*parts, rest]
 
 
 def _reserved_clause(reserved: ReservedAtPeak, fmt: _Format = format_size) -> str:
