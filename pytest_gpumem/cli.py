@@ -1,6 +1,7 @@
 """`pytest-gpumem compare OLD.json NEW.json` and `pytest-gpumem merge A.json B.json -o ALL.json`, over the
-reports that `--gpumem-json` writes. The verdicts use the baselines' own tolerance arithmetic, so a
-comparison in CI and on a laptop cannot disagree.
+reports that `--gpumem-json` writes; `history`, over the baseline file's git versions; `replay`, a torch
+memory snapshot through the allocator's model. The verdicts use the baselines' own tolerance arithmetic,
+so a comparison in CI and on a laptop cannot disagree.
 
 Exit status: 0 nothing regressed (or merged), 1 something regressed, 2 bad input (one line naming it).
 """
@@ -261,8 +262,12 @@ def _say(text: str) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pytest-gpumem", description="Compare or merge --gpumem-json reports.")
-    commands = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(
+        prog="pytest-gpumem",
+        description="Read what pytest-gpumem measured: its reports, the baseline file's history, torch snapshots.",
+        epilog="Each command's options: pytest-gpumem COMMAND --help.",
+    )
+    commands = p.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
     c = commands.add_parser("compare", help="per-test and per-phase change from OLD to NEW; exit 1 on regression")
     c.add_argument("old", type=Path, metavar="OLD.json")
     c.add_argument("new", type=Path, metavar="NEW.json")

@@ -479,8 +479,10 @@ def test_failing_budget_names_the_best_strategy_and_reports_the_rows(
     result.stdout.fnmatch_lines(
         [
             # moved from the measured 16.0 MiB to dout + dW2 + db2 + dh1 = 32 KiB + 8 MiB + 4 KiB + 64 KiB
-            "*backward peak 16.0 MiB exceeds max_memory backward=12 MiB*; the optimizer step fused into backward "
-            "fits the budget: backward peak 8.1 MiB, no extra compute",
+            "backward peak 16.0 MiB exceeds max_memory backward=12 MiB; fused-step fits: backward peak 8.1 MiB, "
+            "no extra compute",  # the strategy by its name: 161 columns with its description
+            "*Captured gpumem call*",
+            "also: the optimizer step fused into backward fits the budget: backward peak 8.1 MiB, no extra compute",
             "*advice (tracker on cpu*): absolute peaks; * live at the step's start, 16.0 MiB of it model state",
             "*fused-step: peak * in backward = * at the start + *, saves *; no extra compute",
             "*skipped checkpoint-blocks: no repeated blocks*",

@@ -77,11 +77,12 @@ def test_running_out_in_a_test_says_what_was_reserved_and_that_fragmentation_is_
     result.stdout.fnmatch_lines(
         [
             # CUDA names the segment it tried to reserve: 20 MiB for a request under 10 MiB
-            "out of memory in the call (tried to allocate 20.0 MiB) after a peak of 40.0 MiB (41,943,040 B): past "
-            "max_memory(capacity='40 MiB'); fragmentation (20.0 MiB reserved but unallocated)",
+            "out of memory in the call after a peak of 40.0 MiB (41,943,040 B): past max_memory(capacity='40 MiB'); "
+            "fragmentation",
+            "also: tried to allocate 20.0 MiB",
             "allocator when it ran out: 40.0 MiB reserved, 20.0 MiB allocated and 20.0 MiB reserved but unallocated",
-            "fragmentation: no free block holds 8.0 MiB, though 20.0 MiB is reserved but unallocated; "
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets that memory serve it",
+            "fragmentation: no free block holds 8.0 MiB, though 20.0 MiB is reserved but unallocated;",
+            "  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets that memory serve it",
             "call: peak 40.0 MiB (requested 40.0 MiB, reserved 40.0 MiB in all), net 20.0 MiB, entered 1x",
         ]
     )

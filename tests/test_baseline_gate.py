@@ -136,7 +136,7 @@ def test_a_baseline_without_composition_gives_the_command_that_records_one(pytes
         [
             "_* test_step _*",
             "call peak 8.5 MiB is 738.5% above baseline 1.0 MiB (tolerance 5% + 1.0 MiB)",
-            "also: to see what grew, record the baseline with its composition: "  # past 200 characters
+            "also: to see what grew, record the baseline with its composition: "  # past 120 characters
             "pytest --gpumem-backend=tracker --gpumem-all test_model.py::test_step --gpumem-update",
         ]
     )

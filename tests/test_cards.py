@@ -104,9 +104,12 @@ def test_the_fit_says_what_a_card_judges_in_its_sentence() -> None:
     fit = BatchFit((1, 2), (GIB, 2 * GIB), card.bytes, 8, 8 * GIB, Found.SEARCH, False, 0, (), "H100-80GB",
                    reserved=True, card=card)  # fmt: skip
     assert (
-        "largest batch that fits H100-80GB: 8, peak 8.0 GiB reserved, of which 0 B was live when the fit began; "
-        "judged on reserved memory plus what lies outside the allocator: the H100-80GB's 79.2 GiB less 512.0 MiB "
-        "outside the allocator (CUDA context, libraries): 78.7 GiB for reserved memory; searched"
+        "largest batch that fits H100-80GB: 8, peak 8.0 GiB reserved\n"
+        "  of which 0 B was live when the fit began\n"
+        "  judged on reserved memory plus what lies outside the allocator: the H100-80GB's 79.2 GiB less 512.0 MiB "
+        "outside the\n"
+        "    allocator (CUDA context, libraries): 78.7 GiB for reserved memory\n"
+        "  searched"
     ) in fit.describe()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -224,6 +225,20 @@ def test_installed_as_a_command() -> None:
     run = subprocess.run([*launch, "compare", "--help"], capture_output=True, text=True, check=False)
     assert run.returncode == 0
     assert "--tolerance PCT" in run.stdout
+
+
+def test_help_names_each_command_on_a_line_that_fits_80_columns() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest_gpumem", "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "COLUMNS": "80"},
+    )
+    assert run.returncode == 0
+    described = {line.split()[0] for line in run.stdout.splitlines() if line.startswith("    ") and line.split()}
+    assert {"compare", "merge", "history", "replay"} <= described
+    assert max(len(line) for line in run.stdout.splitlines()) <= 80
 
 
 def test_the_example_workflow_uses_real_options(pytester: pytest.Pytester) -> None:

@@ -301,8 +301,9 @@ def test_a_conv_test_on_meta_says_which_convolutions_a_card_may_exceed(
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(  # the failing figure says it is low by what a card's algorithm adds
         [
-            "forward peak 24.0 KiB exceeds max_memory forward=16 KiB, "
-            "with cuDNN workspaces counted at 0 B (see what made it*"
+            "forward peak 24.0 KiB exceeds max_memory forward=16 KiB, with cuDNN workspaces counted at 0 B",
+            "*Captured gpumem call*",
+            "also: see what made it with --gpumem-explain or max_memory(explain=True)",  # 136 columns on the line
         ]
     )
     test = reported()["test_conv"]

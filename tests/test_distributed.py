@@ -214,8 +214,10 @@ def test_faults_end_every_rank_and_fail_one_test_in_one_line(
     result.assert_outcomes(passed=2, failed=9)
     result.stdout.fnmatch_lines(
         [
-            "forward peak 8.0 kB on rank 1 exceeds max_memory forward=6 kB; forward peak made of inputs and other of "
-            "(outside modules) 8.0 kB, ...",
+            "forward peak 8.0 kB on rank 1 exceeds max_memory forward=6 kB; made of inputs and other of "
+            "(outside modules) 8.0 kB, ...",  # 132 columns with the region's name: the section's also: line
+            "*Captured gpumem call*",
+            "also: forward peak made of inputs and other of (outside modules) 8.0 kB, ...",
             "*::test_rank_raises: rank 1 failed: ValueError: bad batch (in phase 'forward')",
             "*::test_rank_hangs: ranks 0, 1 did not finish within 1 s (timeout=, --gpumem-dist-timeout); all ranks "
             "were ended",

@@ -1,5 +1,5 @@
 """Every failure line reads at a glance: what failed, by how much, the limit and who holds the memory
-first, then what still fits in 200 characters; the rest is a line of the test's report section, so
+first, then what still fits in 120 characters; the rest is a line of the test's report section, so
 nothing is lost (exact bytes: float32 = 4 bytes; uint8 = 1)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pytest_gpumem.run.judgement import Judgement
 
 
 def test_the_head_stays_whole_and_each_clause_follows_while_it_fits() -> None:
-    head = "h" * 150
+    head = "h" * (LINE_WIDTH - 50)
     found = fit_line(head, ["; " + "a" * 40, "; " + "b" * 40, " (" + "c" * 5 + ")", ", " + "d" * 60])
     assert found.line == head + "; " + "a" * 40 + " (ccccc)"  # b and d do not fit; the short c after b does
     assert found.detail == ("also: " + "b" * 40, "also: " + "d" * 60)
@@ -29,25 +29,29 @@ def test_the_head_stays_whole_and_each_clause_follows_while_it_fits() -> None:
 
 
 def test_a_clause_the_section_already_shows_is_not_repeated() -> None:
-    found = fit_line("h" * 190, ["; largest: a survivor", ": parameters 4 B"], shown=["; largest: a survivor"])
+    found = fit_line(
+        "h" * (LINE_WIDTH - 10), ["; largest: a survivor", ": parameters 4 B"], shown=["; largest: a survivor"]
+    )
     assert found.detail == ("also: parameters 4 B",)
 
 
 def test_a_budget_line_names_the_first_limit_then_what_made_it_then_the_advice_then_the_others() -> None:
     over = [f"{name} peak 40.0 MiB exceeds max_memory {name}=1 MiB" for name in ("forward", "backward", "step")]
-    made = "; forward peak made of saved for backward of blocks.* (12 blocks) 30.0 MiB, ..."
+    made = "; forward peak made of blocks.* (12 blocks) 30.0 MiB, ..."
     found = budget_line(over, made, "")
-    assert found.line == over[0] + made + "; " + over[1]
-    assert found.detail == ("also: " + over[2],)
+    assert found.line == over[0] + made  # 110 columns: the other limits are the section's
+    assert found.detail == ("also: " + over[1], "also: " + over[2])
     hint = " (see what made it with --gpumem-explain or max_memory(explain=True))"
-    assert budget_line(over[:1], hint, "").line == over[0] + hint
+    briefly = " (see what made it with --gpumem-explain)"
+    found = budget_line(over[:1], (hint, briefly), "")  # 124 columns whole: its brief form
+    assert (found.line, found.detail) == (over[0] + briefly, ("also: " + hint[2:-1],))
 
 
 def test_a_verdict_line_keeps_how_to_learn_more_and_leaves_the_other_problems_to_the_section() -> None:
     problems = ["call peak 2.0 MiB is 100.0% above baseline 1.0 MiB (tolerance 5%)", "forward " + "x" * 150]
-    how = " (see what made it: pytest t.py::test_a --gpumem-explain)"
+    how = " (see what made it: pytest t.py::test_a --gpumem-explain)"  # 125 columns with the problem
     found = verdict_line(problems, how)
-    assert (found.line, found.detail) == (problems[0] + how, ())  # the section lists every problem already
+    assert (found.line, found.detail) == (problems[0], ("also: " + how[2:-1],))  # every problem is there already
 
 
 def test_who_holds_a_leak_and_what_each_module_left() -> None:
@@ -103,13 +107,15 @@ def test_a_leak_names_its_holder_first_and_its_survivors_in_the_section(
     result.assert_outcomes(failed=2)
     result.stdout.fnmatch_lines(
         [
-            "left 40.2 kB allocated after the call (leak limit 1 kB), kept by global STATE of test_leaks (a list); "
-            "largest: 4.0 kB float32[[]1009[]] on cpu, made by aten.ones.default at test_leaks.py:11",
+            "left 40.2 kB allocated after the call (leak limit 1 kB), kept by global STATE of test_leaks (a list)",
             *[f"left allocated: 3.9 KiB float32[[]{1009 - i}[]] on cpu, *" for i in range(10)],
             # each Linear(16, 16): 1,024 + 64 B of parameters; each loss saved its (4, 16) input and the
             # three layers' outputs (256 B each: the last one for pow) and is 4 B itself
-            "left 5.3 kB allocated after the call (leak limit 1 kB), held by an autograd graph kept alive by "
-            "global STATE of test_leaks (a list): parameters 3.3 kB, saved for backward 2.0 kB, graph outputs 8 B",
+            "left 5.3 kB allocated after the call (leak limit 1 kB), held by a graph kept by global STATE of "
+            "test_leaks (a list)",
+            "*Captured gpumem call*",
+            "also: held by an autograd graph kept alive by global STATE of test_leaks (a list)",
+            "also: parameters 3.3 kB, saved for backward 2.0 kB, graph outputs 8 B",
             "left allocated by module: parameters 3.2 KiB: * 3.2 KiB (3 blocks)",
             "left allocated by module: saved for backward 2.0 KiB: * 1.5 KiB (3 blocks)",
         ]
@@ -141,8 +147,9 @@ def test_a_budget_failure_names_the_first_limit_and_the_advice_and_the_section_t
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
-            "call peak 12.4 kB exceeds max_memory 10 kB; *bf16*",  # 440 + 4,000 + 8,000 B
-            "*Captured gpumem call*",
+            "call peak 12.4 kB exceeds max_memory 10 kB; none of the 1 strategies advise measured fits the budget",
+            "*Captured gpumem call*",  # 440 + 4,000 + 8,000 B
+            "also: none of the 1 strategies advise measured fits the budget (lowest: bf16-autocast, *)",
             "also: forward peak 4.0 kB exceeds max_memory forward=1 kB",
             "also: backward peak 8.0 kB exceeds max_memory backward=2 kB",
             "forward: peak 3.9 KiB *",
@@ -153,6 +160,8 @@ def test_a_budget_failure_names_the_first_limit_and_the_advice_and_the_section_t
     test = reported()["test_over_everywhere"]
     assert len(test["message"]) <= LINE_WIDTH
     assert test["detail"] == [  # what the line leaves to the section reaches the JSON too
+        "also: none of the 1 strategies advise measured fits the budget (lowest: bf16-autocast, step peak 624 B "
+        "above its start)",
         "also: forward peak 4.0 kB exceeds max_memory forward=1 kB",
         "also: backward peak 8.0 kB exceeds max_memory backward=2 kB",
     ]
@@ -180,12 +189,14 @@ def test_out_of_memory_on_the_allocators_model_says_the_cause_and_the_section_it
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
-            "out of memory in grow (tried to allocate 20.0 MiB) after a peak of 40.0 MiB (41,943,040 B): past "
-            "max_memory(capacity='40 MiB'); fragmentation (20.0 MiB reserved but unallocated)",
+            "out of memory in grow after a peak of 40.0 MiB (41,943,040 B): past max_memory(capacity='40 MiB'); "
+            "fragmentation",
+            "*Captured gpumem call*",
+            "also: tried to allocate 20.0 MiB",
             "also: over its budget 30 MiB too, at 40.0 MiB",
             "allocator when it ran out: 40.0 MiB reserved, 20.0 MiB allocated and 20.0 MiB reserved but unallocated",
-            "fragmentation: no free block holds 8.0 MiB, though 20.0 MiB is reserved but unallocated; "
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets that memory serve it",
+            "fragmentation: no free block holds 8.0 MiB, though 20.0 MiB is reserved but unallocated;",
+            "  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets that memory serve it",
             "call: peak 40.0 MiB *",
         ]
     )
@@ -228,7 +239,8 @@ def test_an_uninitialized_lazy_module_fails_in_one_line_where_our_code_meets_it(
             "*def test_the_test_meets_it*",  # the test's own use: torch's error at the test's line, as unmeasured
             "E       ValueError: Attempted to use an uninitialized parameter in *numel*",
             "left 40 B allocated after the call (leak limit 0 B), kept by global KEEP of test_lazy (a list): inputs "
-            "and other 40 B; largest: 40 B float32[[]10[]] on cpu, made by aten.ones.default at test_lazy.py:20",
+            "and other 40 B",
+            "left allocated: 40 B float32[[]10[]] on cpu, made by aten.ones.default at test_lazy.py:20",
         ]
     )
     result.stdout.no_fnmatch_line("*pytest_gpumem/*")  # none of our frames
@@ -237,15 +249,12 @@ def test_an_uninitialized_lazy_module_fails_in_one_line_where_our_code_meets_it(
 
 def test_what_grew_against_the_baseline_follows_the_regression_as_it_fits() -> None:
     regressed = "call peak 4.3 MiB is 277.2% above baseline 1.1 MiB (tolerance 0% + 1.0 MiB)"
-    grew = ": h.0 +1.5 MiB: gradients +769.0 KiB, parameters +769.0 KiB; h.2 +1.5 MiB: gradients +769.0 KiB"
+    grew = ": h.0 +1.5 MiB: gradients +769.0 KiB"
     assert verdict_line([regressed + grew], "").line == regressed + grew
-    found = verdict_line([regressed + grew + "; " + "x" * 60], "")  # the section's line says it whole
-    assert (found.line, found.detail) == (
-        regressed + ": h.0 +1.5 MiB: gradients +769.0 KiB, parameters +769.0 KiB; ...",
-        (),
-    )
-    found = verdict_line([regressed + grew.replace("h.0", "h" * 100)], "")
-    assert found.line == regressed + ": " + "h" * 100 + " +1.5 MiB, ..."
+    found = verdict_line([regressed + grew + "; h.2 +1.5 MiB: gradients +769.0 KiB"], "")  # the section's line
+    assert (found.line, found.detail) == (regressed + grew + "; ...", ())  # says it whole
+    found = verdict_line([regressed + grew.replace("h.0", "h" * 20)], "")
+    assert found.line == regressed + ": " + "h" * 20 + " +1.5 MiB, ..."
     assert verdict_line(["gradients changed: fc.weight differs"], "").line == "gradients changed: fc.weight differs"
 
 
@@ -285,8 +294,8 @@ def test_the_budget_is_judged_before_a_leak_and_a_regression() -> None:
     assert outcome.status == Status.OVER_BUDGET
     assert [type(reason) for reason in outcome.reasons] == [OverBudget, Leaked, Regressed]  # the budget's first
     hint = " (see what made it with --gpumem-explain or max_memory(explain=True))"
-    line = "call peak 1001 B exceeds max_memory 1000 B" + hint + "; forward peak 601 B exceeds max_memory forward=600 B"
-    assert _line(outcome, record, HELD) == (line, ())
+    also = "also: forward peak 601 B exceeds max_memory forward=600 B"
+    assert _line(outcome, record, HELD) == ("call peak 1001 B exceeds max_memory 1000 B" + hint, (also,))
 
 
 def test_a_leak_is_judged_before_a_regression() -> None:
@@ -301,8 +310,8 @@ def test_a_call_past_its_baseline_and_tolerance_regresses() -> None:
     record = _record(1051)
     outcome = judge(record, None, None, _against(1000, 1051))  # 5% of 1000 B is 50 B
     how = "to see what grew, record the baseline with its composition: pytest t.py::test_a --gpumem-update"
-    line = f"call peak 1.0 KiB is 5.1% above baseline 1000 B (tolerance 5%) ({how})"
-    assert (outcome.status, _line(outcome, record)[0]) == (Status.REGRESSED, line)
+    line = "call peak 1.0 KiB is 5.1% above baseline 1000 B (tolerance 5%)"  # 165 columns with how: the section's
+    assert (outcome.status, _line(outcome, record)) == (Status.REGRESSED, (line, (f"also: {how}",)))
 
 
 def test_a_call_stopped_out_of_memory_fails_for_that_alone_in_a_line_read_from_its_record() -> None:
@@ -314,11 +323,10 @@ def test_a_call_stopped_out_of_memory_fails_for_that_alone_in_a_line_read_from_i
     line, detail = _line(outcome, record, held)
     # 2,048 - 1,536 = 512 B reserved but unallocated cannot hold 2,000 B: no fragmentation
     assert line == (
-        "out of memory in forward (tried to allocate 1.95 KiB) after a peak of 1.5 kB: past "
-        "max_memory(capacity='2 kB'); over its budget forward=600 B too, at 700 B"
+        "out of memory in forward (tried to allocate 1.95 KiB) after a peak of 1.5 kB: past max_memory(capacity='2 kB')"
     )
     held_then = "allocator when it ran out: 2.0 KiB reserved, 1.5 KiB allocated and 512 B reserved but unallocated"
-    assert detail == (held_then,)
+    assert detail == ("also: over its budget forward=600 B too, at 700 B", held_then)
 
 
 def test_a_call_that_raised_is_an_error_in_its_own_line() -> None:

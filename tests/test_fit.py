@@ -105,9 +105,10 @@ def test_the_peak_that_moves_from_backward_to_forward_is_found_exactly(tracked: 
     # held to 64 KiB, batch 96 runs out in its first step allocating the output: the parameters and x were live
     assert (above.size, above.peak, above.out_of_memory, above.steps) == (96, SMALL + 256 * 96, True, 1)
     assert fit.describe() == (
-        "largest batch that fits 64 KiB: 95, peak 63.8 KiB at aten.sum.default (tests/test_fit.py:83), of which "
-        "32.5 KiB was live when the fit began; found exactly from the timelines of sizes 1, 2, 4, 8, confirmed: "
-        "95 ran 3 steps within 64 KiB, 96 ran out of memory in its 1st step after 40.2 KiB"
+        "largest batch that fits 64 KiB: 95, peak 63.8 KiB at aten.sum.default (tests/test_fit.py:83)\n"
+        "  of which 32.5 KiB was live when the fit began\n"
+        "  found exactly from the timelines of sizes 1, 2, 4, 8\n"
+        "  confirmed: 95 ran 3 steps within 64 KiB, 96 ran out of memory in its 1st step after 40.2 KiB"
     )
 
 
@@ -115,7 +116,7 @@ def test_state_the_first_run_made_is_taken_as_a_warm_up(tracked: Tracked) -> Non
     fit = fit_peaks(linear_step(torch.nn.Linear(64, 64)), [1, 2, 4, 8], "64 KiB", tracked)
     assert (fit.warm_up, fit.left, fit.live, fit.largest) == (SMALL, (0, 0, 0, 0), SMALL, 95)
     assert fit.describe().endswith(
-        "; the first run left 16.2 KiB allocated (optimizer state?) and ran again as a warm-up"
+        "\n  the first run left 16.2 KiB allocated (optimizer state?) and ran again as a warm-up"
     )
 
 
@@ -133,11 +134,13 @@ def test_a_kernel_that_switches_beyond_the_sizes_is_searched(tracked: Tracked) -
     assert (fit.largest, fit.found, fit.confirmed) == (63, Found.SEARCH, True)
     assert fit.peak_bytes == FIXED + 63 * ROW
     assert [c.size for c in fit.checks] == [191, 190, 4, 5, 97, 51, 74, 62, 68, 65, 63, 64]
-    assert fit.describe() == (
-        "largest batch that fits 200,000 B: 63, peak 66.9 KiB at aten.ones.default (tests/test_fit.py:67), of which "
-        "0 B was live when the fit began; searched by loops of 3 steps at 12 sizes held to the capacity (the "
-        "timelines' answer, 191 fits, did not hold in a loop of 3 steps), confirmed: 63 ran 3 steps within 200,000 "
-        "B, 64 ran out of memory in its 1st step after 3.9 KiB"
+    assert fit.describe() == (  # a line of 123 columns wrapped between words
+        "largest batch that fits 200,000 B: 63, peak 66.9 KiB at aten.ones.default (tests/test_fit.py:67)\n"
+        "  of which 0 B was live when the fit began\n"
+        "  searched by loops of 3 steps at 12 sizes held to the capacity (the timelines' answer, 191 fits, did not "
+        "hold in a loop\n"
+        "    of 3 steps)\n"
+        "  confirmed: 63 ran 3 steps within 200,000 B, 64 ran out of memory in its 1st step after 3.9 KiB"
     )
 
 
@@ -146,7 +149,7 @@ def test_sizes_that_take_other_ops_are_left_out_of_the_lines(tracked: Tracked) -
     # the lines through 64 and 128: 4,000 + 4,096 n <= 300,000 -> 72, confirmed, 73 runs out
     assert (fit.largest, fit.found, fit.exact, fit.confirmed) == (72, Found.TIMELINE, False, True)
     assert fit.note == "size 32 takes other ops than 128 from event 1: aten.ones.default for aten.empty.memory_format"
-    assert "found unchecked (2 sizes) from the timelines of sizes 64, 128 (size 32 takes other ops" in fit.describe()
+    assert "  found unchecked (2 sizes) from the timelines of sizes 64, 128 (size 32 takes other ops" in fit.describe()
 
 
 def test_an_answer_the_lines_cannot_reach_is_searched_below_the_switch(tracked: Tracked) -> None:
@@ -179,8 +182,8 @@ def test_capacity_below_batch_one_gives_none_confirmed(tracked: Tracked) -> None
     fit = fit_peaks(rows, [4, 8, 16], FIXED + ROW - 1, tracked)
     assert (fit.largest, fit.peak_bytes, fit.confirmed) == (None, FIXED + ROW, True)
     assert fit.describe().startswith(
-        "no batch fits 5,023 B: batch 1 needs 4.9 KiB at aten.ones.default (tests/test_fit.py:62), of which 0 B "
-        "was live"
+        "no batch fits 5,023 B: batch 1 needs 4.9 KiB at aten.ones.default (tests/test_fit.py:62)\n"
+        "  of which 0 B was live"
     )
     assert fit.describe().endswith("confirmed: batch 1 ran out of memory in its 1st step after 3.9 KiB")
     assert fit_peaks(rows, [4, 8, 16], FIXED + ROW, tracked).largest == 1
@@ -190,10 +193,10 @@ def test_where_runs_cannot_be_made_the_exact_answer_is_not_confirmed(tracked: Tr
     fit = fit_peaks(rows, [1, 2, 4], 200_000, tracked, runs_refused="the host is small")
     assert (fit.largest, fit.confirmed, fit.checks) == (191, False, ())
     assert fit.describe().endswith(
-        "found exactly from the timelines of sizes 1, 2, 4, not confirmed: the host is small"
+        "\n  found exactly from the timelines of sizes 1, 2, 4\n  not confirmed: the host is small"
     )
     unconfirmed = fit_peaks(rows, [1, 2, 4], 200_000, tracked, confirm=False)
-    assert unconfirmed.describe().endswith(", not confirmed: confirm=False")
+    assert unconfirmed.describe().endswith("\n  not confirmed: confirm=False")
 
 
 def test_where_runs_cannot_be_made_a_search_is_refused_in_one_line(tracked: Tracked) -> None:
@@ -322,7 +325,7 @@ def test_on_the_allocators_model_a_batch_fits_on_reserved_memory() -> None:
         Found.SEARCH,
         True,
     )
-    assert fit.describe().startswith("largest batch that fits 20 MiB: 1,024, peak 2.0 MiB reserved at aten.")
+    assert fit.describe().startswith("largest batch that fits 20 MiB: 1,024, peak 2.0 MiB reserved\n  peak at aten.")
     assert fit.describe().endswith(
         "confirmed: 1,024 ran 3 steps within 20 MiB, 1,025 ran out of memory in its 1st step after 2.0 MiB"
     )
@@ -519,13 +522,15 @@ def test_the_fixture_fits_a_batch_size(tracker: pytest.Pytester, reported: Repor
     result.stdout.no_fnmatch_line("*INTERNALERROR*")
     tests = reported()
     assert tests["test_fits"]["fits"] == [
-        "largest batch that fits 200,000 B: 171, peak 194.4 KiB at aten.ones.default (test_the_fixture_fits_a_batch_"
-        "size.py:5), of which 19.5 KiB was live when the fit began; found exactly from the timelines of sizes 1, 2, "
-        "4, 8, confirmed: 171 ran 3 steps within 200,000 B, 172 ran out of memory in its 1st step after 23.4 KiB"
+        "largest batch that fits 200,000 B: 171, peak 194.4 KiB\n"  # 116 columns with where the peak was made
+        "  peak at aten.ones.default (test_the_fixture_fits_a_batch_size.py:5)\n"
+        "  of which 19.5 KiB was live when the fit began\n"
+        "  found exactly from the timelines of sizes 1, 2, 4, 8\n"
+        "  confirmed: 171 ran 3 steps within 200,000 B, 172 ran out of memory in its 1st step after 23.4 KiB"
     ]
     # 64 n^2 floats: the sizes' bytes are no lines; searched: 64 n^2 x 4 <= 4 MiB  ->  n <= 128
     (searched,) = tests["test_not_lines"]["fits"]
-    assert searched.startswith("largest batch that fits 4 MiB: 128, peak 4.0 MiB at aten.ones.default")
+    assert searched.startswith("largest batch that fits 4 MiB: 128, peak 4.0 MiB\n  peak at aten.ones.default")
     assert "the sizes' bytes are not lines in n: off by up to" in searched
 
 
@@ -636,9 +641,9 @@ def test_the_answer_runs_three_steps_in_a_loop_and_the_next_size_runs_out(monkey
     # judged on a first step alone, from an empty cache, the answer would have been 11
     assert (ran_out_in(11, GUIDE_CAPACITY, steps=1), ran_out_in(12, GUIDE_CAPACITY, steps=1)) == (None, 1)
     assert fit.describe().endswith(
-        "confirmed: 7 ran 3 steps within 128 MiB, 8 ran out of memory in its 3rd step after 126.0 MiB; the first "
-        "run left 32.3 MiB allocated (optimizer state, cuBLAS workspaces?) and ran again as a warm-up; "
-        "fragmentation decides it: with expandable segments: 8; without: 7"
+        "  confirmed: 7 ran 3 steps within 128 MiB, 8 ran out of memory in its 3rd step after 126.0 MiB\n"
+        "  the first run left 32.3 MiB allocated (optimizer state, cuBLAS workspaces?) and ran again as a warm-up\n"
+        "  fragmentation decides it: with expandable segments: 8; without: 7"
     )
     # a fresh process that sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True runs 8 and runs out at 9
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

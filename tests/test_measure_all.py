@@ -45,7 +45,8 @@ def test_every_test_is_measured_and_held_to_the_default_limit(
     result.stdout.fnmatch_lines(
         [
             "*call peak 4.0 kB (4,000 B) exceeds max_memory 3999 (--gpumem-max-memory) "
-            "(see what made it with --gpumem-explain or max_memory(explain=True))",
+            "(see what made it with --gpumem-explain)",
+            "also: see what made it with --gpumem-explain or max_memory(explain=True)",
             "gpumem: 4 measured: 2 over budget, 2 ok",
         ]
     )

@@ -216,8 +216,10 @@ def test_a_marker_makes_one_test_a_prediction(tracker: pytest.Pytester, reported
     # the forward's cuBLAS workspace (8 MiB + 128 KiB) and 1 KiB of scalars served from them (11.8 MiB)
     result.stdout.fnmatch_lines(
         [
-            "out of memory in the call (tried to allocate 1.0 GiB) after a peak of 1.0 GiB: past "
-            "max_memory(capacity='2 GiB'); a prediction on meta",
+            "out of memory in the call after a peak of 1.0 GiB: past max_memory(capacity='2 GiB'); "
+            "a prediction on meta",
+            "*Captured gpumem call*",
+            "also: tried to allocate 1.0 GiB",  # 124 columns on the line
             "allocator when it ran out: 1.0 GiB reserved, 1.0 GiB allocated and 11.8 MiB reserved but unallocated",
             "*max_memory device=: only 'meta' (a prediction without data) is chosen per test, got 'cuda'",
         ]

@@ -252,10 +252,11 @@ def test_the_explanation_names_a_workspace_as_one() -> None:
     kept = a @ a
     measured.end()
     assert measured.explanation is not None and kept.shape == (64, 64)
-    alive = [line for line in describe(measured.explanation) if "cuBLAS" in line]
-    assert alive == [
-        f"    alive at the peak: 8.1 MiB cuBLAS workspace (temporaries, (outside modules)), made by aten.mm.default "
-        f"at tests/test_workspaces.py:{_line_of('kept = a @ a')}"
+    lines = describe(measured.explanation)
+    alive = next(at for at, line in enumerate(lines) if "cuBLAS" in line)
+    assert lines[alive : alive + 2] == [  # 137 columns in one line
+        "    alive at the peak: 8.1 MiB cuBLAS workspace (temporaries, (outside modules)),",
+        f"      made by aten.mm.default at tests/test_workspaces.py:{_line_of('kept = a @ a')}",
     ]
 
 

@@ -16,7 +16,10 @@ if TYPE_CHECKING:
 
 _Format = Callable[[int], str]
 
+SECTION_WIDTH = 120  # columns of a line of the report section's explanation
+
 _HOW_TO_EXPLAIN = "see what made it with --gpumem-explain or max_memory(explain=True)"
+_HOW_TO_EXPLAIN_BRIEFLY = "see what made it with --gpumem-explain"
 
 
 def describe(explanation: Explanation, fmt: _Format = format_size) -> list[str]:
@@ -32,7 +35,18 @@ def describe(explanation: Explanation, fmt: _Format = format_size) -> list[str]:
             lines.append(f"    by module: {modules}")
         for tensor in phase.tensors[:3]:
             lines.append(f"    alive at the peak: {_describe_tensor(explanation, tensor, fmt)}")
-    return lines
+    return [part for line in lines for part in _wrapped(line)]
+
+
+def _wrapped(line: str, width: int = SECTION_WIDTH) -> list[str]:
+    """`line` in lines of at most `width` columns, cut after a comma, each further line indented two
+    columns more than the first (what has no comma to cut at stays whole)."""
+    indent = " " * (len(line) - len(line.lstrip()) + 2)
+    parts, rest = [], line
+    while len(rest) > width and (cut := rest.rfind(", ", 0, width - 1)) > len(indent):
+        parts.append(rest[: cut + 1])
+        rest = indent + rest[cut + 2 :]
+    return [*parts, rest]
 
 
 def _reserved_clause(reserved: ReservedAtPeak, fmt: _Format = format_size) -> str:
@@ -111,17 +125,29 @@ def over_limit(budget: Budget | None, call: PhaseResult, phases: Mapping[str, Ph
 def made_of(explanation: Explanation | None, over: Sequence[tuple[str, Limit]]) -> str:
     """What a failure message adds: the largest parts of the first failing region's peak (in its limit's
     units), or how to get them."""
+    return made_of_forms(explanation, over)[0]
+
+
+def made_of_forms(explanation: Explanation | None, over: Sequence[tuple[str, Limit]]) -> tuple[str, ...]:
+    """`made_of`'s clause, then its shorter forms for a line with less room: the largest part alone, then
+    without the region's name; how to see it with the option alone."""
     if not over:
-        return ""
+        return ("",)
     if explanation is None:
-        return f" ({_HOW_TO_EXPLAIN})"
+        return f" ({_HOW_TO_EXPLAIN})", f" ({_HOW_TO_EXPLAIN_BRIEFLY})"
     region, limit = over[0]
     phase = explanation.phases.get(region)
     if phase is None:
-        return ""
+        return ("",)
     cells = [c for c in phase.parts if c.size > 0][:2]
     parts = [
         f"{explanation.label(c.category)} of {c.module}{_blocks(explanation, c.module)} {limit.fmt(c.size)}"
         for c in cells
     ]
-    return f"; {region} peak made of {', '.join(parts)}, ..." if parts else ""
+    if not parts:
+        return ("",)
+    return (
+        f"; {region} peak made of {', '.join(parts)}, ...",
+        f"; {region} peak made of {parts[0]}, ...",
+        f"; made of {parts[0]}, ...",
+    )

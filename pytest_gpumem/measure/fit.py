@@ -1,4 +1,4 @@
-"""The largest batch that fits: what a fit measured and answered (`BatchFit`), in one sentence.
+"""The largest batch that fits: what a fit measured and answered (`BatchFit`), its answer in one line.
 
 The peaks are absolute: the bytes allocated at the step's peak, everything live when it began
 (parameters, gradients, optimizer state) included, as the backend counts them (the tracker: what the
@@ -11,6 +11,8 @@ shown by loops held to the capacity where a run is cheap.
 
 from __future__ import annotations
 
+import re
+import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -27,6 +29,11 @@ LOOP_STEPS = 3
 optimizer state the first made among its activations; the third shows that the cache holds steady."""
 
 _ORDINALS = {1: "1st", 2: "2nd", 3: "3rd"}
+
+FIRST_LINE = 100
+"""Columns of `describe`'s first line: a test file's name before it (what `pytest -s` prints) still fits 120."""
+WIDTH = 120
+"""Columns of each of its other lines."""
 
 
 @dataclass(frozen=True)
@@ -129,22 +136,30 @@ class BatchFit:
         return None if self.lines is None else self.lines.peak(n)
 
     def describe(self) -> str:
-        """One sentence: the answer, its peak and what made it, what was live, how it was found and shown."""
+        """The answer in its first line: the largest batch, its peak and what made it (`FIRST_LINE` columns
+        at most, where it was made a line of its own past them); then a line each, indented, for what was live,
+        the card, how it was found and shown, the warm-up and fragmentation (wrapped at `WIDTH`)."""
         at = f" at {self.at}" if self.at else ""
-        live = f"of which {self.size(self.live)} was live when the fit began"
         peak = self.size(self.peak_bytes) + (" reserved" if self.reserved else "")
         if self.largest is None:
             ran_out = self.found is Found.SEARCH and any(c.size == 1 and c.out_of_memory for c in self.checks)
-            head = f"no batch fits {self._cap}: batch 1 needs {'more than ' if ran_out else ''}{peak}{at}, {live}"
+            head = f"no batch fits {self._cap}: batch 1 needs {'more than ' if ran_out else ''}{peak}"
         else:
-            head = f"largest batch that fits {self._cap}: {self.largest:,}, peak {peak}{at}, {live}"
+            head = f"largest batch that fits {self._cap}: {self.largest:,}, peak {peak}"
+        head, made = (head + at, "") if len(head + at) <= FIRST_LINE else (head, f"peak{at}")
         kept = "optimizer state, cuBLAS workspaces?" if self.reserved else "optimizer state?"
-        warm = (
-            f"; the first run left {self.size(self.warm_up)} allocated ({kept}) and ran again as a warm-up"
+        details = [
+            made,
+            f"of which {self.size(self.live)} was live when the fit began",
+            self._on_card(),
+            self._how(),
+            self._shown(),
+            f"the first run left {self.size(self.warm_up)} allocated ({kept}) and ran again as a warm-up"
             if self.warm_up
-            else ""
-        )
-        return f"{head}{self._on_card()}; {self._how()}{self._shown()}{warm}{self._fragmentation()}"
+            else "",
+            self._fragmentation(),
+        ]
+        return "\n".join([head, *(_indented(detail) for detail in details if detail)])
 
     @property
     def fragmented(self) -> bool:
@@ -156,7 +171,7 @@ class BatchFit:
             return ""
         with_ = "none" if self.expandable is None else f"{self.expandable:,}"
         without = "none" if self.largest is None else f"{self.largest:,}"
-        return f"; fragmentation decides it: with expandable segments: {with_}; without: {without}"
+        return f"fragmentation decides it: with expandable segments: {with_}; without: {without}"
 
     def _on_card(self) -> str:
         """What a card's capacity judges: the allocator's reserved bytes within its total less what lies
@@ -164,7 +179,7 @@ class BatchFit:
         if self.card is None:
             return ""
         judged = "reserved" if self.reserved else "allocated"
-        return f"; judged on {judged} memory plus what lies outside the allocator: {self.card.describe()}"
+        return f"judged on {judged} memory plus what lies outside the allocator: {self.card.describe()}"
 
     @property
     def _cap(self) -> str:
@@ -186,10 +201,10 @@ class BatchFit:
 
     def _shown(self) -> str:
         if not self.confirmed:
-            return f", not confirmed: {self.unconfirmed}" if self.unconfirmed else ""
+            return f"not confirmed: {self.unconfirmed}" if self.unconfirmed else ""
         if self.largest is None:
-            return f", confirmed: batch 1 {self._ran(1)}"
-        shown = f", confirmed: {self.largest:,} {self._ran(self.largest)}"
+            return f"confirmed: batch 1 {self._ran(1)}"
+        shown = f"confirmed: {self.largest:,} {self._ran(self.largest)}"
         return shown if self.largest == MAX_BATCH else f"{shown}, {self.largest + 1:,} {self._ran(self.largest + 1)}"
 
     def _ran(self, n: int) -> str:
@@ -203,6 +218,19 @@ class BatchFit:
         if check.fits(self.capacity):
             return f"ran {steps} within {self._cap}" if check.enforced else f"ran {steps}, peak {self.size(check.peak)}"
         return f"ran {steps}, peaked at {self.size(check.peak)}"
+
+
+def _indented(detail: str) -> str:
+    """A detail line of `describe`: indented, and wrapped between words past `WIDTH` columns (never between
+    a figure and its unit)."""
+    kept = _FIGURE.sub("\\1\N{NO-BREAK SPACE}", detail)
+    wrapped = textwrap.wrap(
+        kept, WIDTH, initial_indent="  ", subsequent_indent="    ", break_long_words=False, break_on_hyphens=False
+    )
+    return "\n".join(wrapped).replace("\N{NO-BREAK SPACE}", " ")
+
+
+_FIGURE = re.compile(r"(\d) (?=(?:[kMGTP]i?)?B\b)")
 
 
 def integers(values: Sequence[int]) -> str:

@@ -30,32 +30,52 @@ def advice_clause(
     """What a failure line adds when the test called gpumem.advise: the cheapest strategy that fits,
     e.g. '; checkpointing the 12 `GPT2Block`s fits: forward peak 5.2 GiB, +31% compute' (the region's
     peak as the budget counts it), or that none does."""
+    return advice_forms(advice, budget, call, phases, oom=oom)[0]
+
+
+def advice_forms(
+    advice: Advice | None,
+    budget: Budget | None,
+    call: PhaseResult | None = None,
+    phases: Mapping[str, PhaseResult] | None = None,
+    *,
+    oom: bool = False,
+) -> tuple[str, ...]:
+    """`advice_clause`'s clause, then its shorter forms for a line with less room: the strategy by its
+    name, then without the compute it costs."""
     if advice is None:
-        return ""
+        return ("",)
     capacity = advice.capacity if budget is None or budget.capacity is None else budget.capacity.bytes
     if oom:
         if capacity is None:
-            return ""
+            return ("",)
         row = cheapest([r for r in advice.usable() if r.name != AS_IS and advice.fits(r, capacity)])
         if row is None:
             return _none_fits(advice, format_size(capacity), absolute=True)
-        peak, live = format_size(advice.absolute(row)), format_size(advice.live_bytes)
+        peak, live, fits = format_size(advice.absolute(row)), format_size(advice.live_bytes), format_size(capacity)
         return (
-            f"; {row.description} fits {format_size(capacity)}: peak {peak} with the {live} live when the step "
-            f"starts, {advice.compute(row)}"
+            f"; {row.description} fits {fits}: peak {peak} with the {live} live when the step "
+            f"starts, {advice.compute(row)}",
+            f"; {row.name} fits {fits}: peak {peak}, {advice.compute(row)}",
+            f"; {row.name} fits {fits}: peak {peak}",
         )
     if call is None:
-        return ""
+        return ("",)
     limits, observed, shown = _limits(budget, call, phases or {})
     if not limits:
-        return ""
+        return ("",)
     found = advice.best_within(limits, observed)
     if found is None:
         return _none_fits(advice, "the budget")
     row, predicted = found
     region = next(iter(shown))
     peak = shown[region](predicted[region])
-    return f"; {row.description} fits the budget: {region} peak {peak}, {advice.compute(row)}"
+    return (
+        f"; {row.description} fits the budget: {region} peak {peak}, {advice.compute(row)}",
+        f"; {row.name} fits the budget: {region} peak {peak}, {advice.compute(row)}",
+        f"; {row.name} fits: {region} peak {peak}, {advice.compute(row).split(', ')[0]}",
+        f"; {row.name} fits: {region} peak {peak}",
+    )
 
 
 def _limits(
@@ -77,10 +97,10 @@ def _limits(
     return limits, observed, shown
 
 
-def _none_fits(advice: Advice, what: str, *, absolute: bool = False) -> str:
+def _none_fits(advice: Advice, what: str, *, absolute: bool = False) -> tuple[str, ...]:
     tried = [r for r in advice.usable() if r.name != AS_IS]
     if not tried:
-        return "; gpumem.advise found no strategy to try"
+        return ("; gpumem.advise found no strategy to try",)
     lowest = min(tried, key=lambda r: r.peak_bytes or 0)
     assert lowest.peak_bytes is not None
     if absolute:
@@ -89,4 +109,5 @@ def _none_fits(advice: Advice, what: str, *, absolute: bool = False) -> str:
         )
     else:
         peak = f"step peak {format_size(lowest.peak_bytes)} above its start"
-    return f"; none of the {len(tried)} strategies advise measured fits {what} (lowest: {lowest.name}, {peak})"
+    none = f"; none of the {len(tried)} strategies advise measured fits {what}"
+    return f"{none} (lowest: {lowest.name}, {peak})", f"{none} (lowest: {lowest.name})", none

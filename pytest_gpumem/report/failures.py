@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from cuda_allocator_model import format_size
 from pytest_gpumem.constants import WORKSPACES_AT_ZERO
-from pytest_gpumem.explain.text import made_of, over_limit
+from pytest_gpumem.explain.text import made_of_forms, over_limit
 from pytest_gpumem.explain.text import section as explained
 from pytest_gpumem.reasons import (
     AllocatorState,
@@ -26,14 +26,14 @@ from pytest_gpumem.reasons import (
     Regressed,
     Unmeasurable,
 )
-from pytest_gpumem.report.advice_text import advice_clause, advice_section
+from pytest_gpumem.report.advice_text import advice_forms, advice_section
 
 if TYPE_CHECKING:
     from pytest_gpumem.budget import Budget, Limit
     from pytest_gpumem.measure.record import CallRecord
     from pytest_gpumem.results import PhaseResult
 
-LINE_WIDTH = 200  # characters of a failure line: what reads at a glance, wrapped once at 120 columns
+LINE_WIDTH = 120  # characters of a failure line: what reads at a glance, in a terminal of 120 columns
 _JOINERS = ("; ", ", ", ": ")
 
 
@@ -77,7 +77,7 @@ def _bare(clause: str) -> str:
     return text[1:-1] if text.startswith("(") and text.endswith(")") else text
 
 
-def budget_line(violations: Sequence[str], made: str, advised: str, low: bool = False) -> FailureLine:
+def budget_line(violations: Sequence[str], made: _Clause, advised: _Clause, low: bool = False) -> FailureLine:
     """The first limit exceeded (and that its figure is low by what was counted at 0 B, where `low`), then
     what its peak is made of (or how to see it), the advice, and the other limits exceeded."""
     bound = [f", with {WORKSPACES_AT_ZERO}"] if low else []
@@ -140,8 +140,8 @@ def plain_line(reason: Unmeasurable | Raised | Regressed) -> FailureLine:
 def _over_budget_line(reason: OverBudget, record: CallRecord, budget: Budget | None) -> FailureLine:
     """The first limit exceeded, then the advice or what made the peak, then the other limits."""
     call, phases = record.call, record.phases
-    advised = advice_clause(record.advice, budget, call, phases)
-    made = made_of(record.explanation, over_limit(budget, call, phases)) if not advised else ""
+    advised = advice_forms(record.advice, budget, call, phases)
+    made = made_of_forms(record.explanation, over_limit(budget, call, phases)) if not advised[0] else ""
     low = any(note.startswith(WORKSPACES_AT_ZERO) for note in record.notes)
     return budget_line(reason.violations, made, advised, low)
 
@@ -152,40 +152,48 @@ def out_of_memory_message(record: CallRecord, budget: Budget | None, oom: OutOfM
     allocator's model saw it, the budget when it was already over, and the advice. The allocator's state
     is a line of the section."""
     where = f"in {oom.phase}" if oom.phase else "in the call"
-    tried = f" (tried to allocate {oom.tried})" if oom.tried else ""
     capacity = oom.capacity
     limits = ": the device's memory ran out" if capacity is None else f": past {_capacity_hit(budget, capacity)}"
     peak_bytes = record.call.peak_bytes
     peak = format_size(peak_bytes) if capacity is None else capacity.fmt(peak_bytes)
-    state, fragmented = _allocator_state(oom.state)
-    clauses = [
-        "; a prediction on meta" if record.device == "meta" else "",
-        fragmented,
+    state, (fragmented, briefly) = _allocator_state(oom.state)
+    meta = "; a prediction on meta" if record.device == "meta" else ""
+    predicted = (meta, "; on meta") if meta else ""
+    head, tried = f"out of memory {where} after a peak of {peak}{limits}", ""
+    if oom.tried:
+        tried = f"; tried to allocate {oom.tried}"
+        whole = f"out of memory {where} (tried to allocate {oom.tried}) after a peak of {peak}{limits}"
+        head, tried = (whole, "") if len(whole + meta) <= LINE_WIDTH else (head, tried)
+    clauses: list[_Clause] = [
+        predicted,
+        tried,
+        (fragmented, briefly),
         _budget_over(budget, record, oom.phase),
-        advice_clause(record.advice, budget, oom=True),
+        advice_forms(record.advice, budget, oom=True),
     ]
-    found = fit_line(f"out of memory {where}{tried} after a peak of {peak}{limits}", clauses, shown=[fragmented])
+    found = fit_line(head, clauses, shown=[fragmented])
     return FailureLine(found.line, (*found.detail, *state))
 
 
-def _allocator_state(error: AllocatorState | None) -> tuple[tuple[str, ...], str]:
+def _allocator_state(error: AllocatorState | None) -> tuple[tuple[str, ...], tuple[str, str]]:
     """Where the tracker models the CUDA allocator: the section's lines of what it held when the new
     segment did not fit, in CUDA's terms, and the line's clause when fragmentation is the cause (the
     reserved but unallocated bytes would hold the request, but no free block does)."""
     if error is None:
-        return (), ""
+        return (), ("", "")
     free = error.reserved - error.allocated
     lines = [
         f"allocator when it ran out: {format_size(error.reserved)} reserved, {format_size(error.allocated)} "
         f"allocated and {format_size(free)} reserved but unallocated"
     ]
     if free < error.requested:
-        return tuple(lines), ""
+        return tuple(lines), ("", "")
     lines.append(
         f"fragmentation: no free block holds {format_size(error.requested)}, though {format_size(free)} is "
-        "reserved but unallocated; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets that memory serve it"
+        "reserved but unallocated;"
     )
-    return tuple(lines), f"; fragmentation ({format_size(free)} reserved but unallocated)"
+    lines.append("  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets that memory serve it")
+    return tuple(lines), (f"; fragmentation ({format_size(free)} reserved but unallocated)", "; fragmentation")
 
 
 def _capacity_hit(budget: Budget | None, capacity: Limit) -> str:
@@ -217,15 +225,18 @@ def leak_message(record: CallRecord, leak: Limit, net_bytes: int) -> FailureLine
     for backward, ...) and the largest survivor. Every survivor is a line of the section, and so is what
     each module's tensors left."""
     holding = record.holding
-    held = "" if holding is None or not holding.held() else f", {holding.held()}"
+    held: _Clause = "" if holding is None or not holding.held() else f", {holding.held()}"
+    if holding is not None and holding.graph and holding.holder is not None:
+        held = (f", {holding.held()}", f", held by a graph kept by {holding.holder}", f", kept by {holding.holder}")
     parts: _Clause = ""
     if holding is not None and holding.kinds:
         what, size = holding.kinds[0]
         whole = f": {holding.parts(leak.fmt)}"
         parts = (whole, f": {what} {leak.fmt(size)}, ...") if len(holding.kinds) > 1 else whole
     largest = f"; largest: {record.survivors[0].describe(leak.fmt)}" if record.survivors else ""
-    head = f"left {leak.fmt(net_bytes)} allocated after the call (leak limit {leak.written}){held}"
-    found = fit_line(head, [parts, largest], shown=[largest])
+    briefly = largest.split(", made by ")[0]
+    head = f"left {leak.fmt(net_bytes)} allocated after the call (leak limit {leak.written})"
+    found = fit_line(head, [held, parts, (largest, briefly)], shown=[largest])
     by_module = () if holding is None else tuple(holding.by_module(format_size))
     return FailureLine(found.line, (*found.detail, *by_module))
 
