@@ -305,3 +305,22 @@ def test_a_distributed_tests_ranks_leave_a_file_each_and_its_notes_name_the_rank
             "or could not write one",
         ),
     )
+
+
+def test_a_recording_model_is_copied_with_its_history_and_serves_the_same_ledger() -> None:
+    """What a fit keeps between its runs under --gpumem-torch-snapshots: the ledger holds the test's storages
+    (weak references, which cannot be copied) and stays the one the copy serves."""
+    import torch
+
+    from pytest_gpumem.backends.tracker.allocator_state import copied
+    from pytest_gpumem.backends.tracker.ledger import StorageLedger
+
+    ledger = StorageLedger("cuda")
+    kept = torch.ones(1000, device="meta")
+    ledger.add(kept.untyped_storage())
+    model = RecordedModel(ledger=ledger)
+    model.malloc(1, 4000)
+    copy = copied(model)
+    assert (copy._ledger, copy.reserved, actions(copy)) == (ledger, model.reserved, actions(model))
+    copy.malloc(2, 400)
+    assert len(copy.events) == len(model.events) + 1

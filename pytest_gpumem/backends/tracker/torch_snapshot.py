@@ -15,6 +15,7 @@ torch's `_dump_snapshot` does.
 
 from __future__ import annotations
 
+import copy
 import pickle
 import sys
 from collections.abc import Iterator
@@ -64,6 +65,17 @@ class RecordedModel(CachingAllocatorModel):
         self._runs: list[Run] = []
         self._seen = self._fingerprint()
         self._released_by = _NO_FRAMES  # the frames of the segments given back next
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RecordedModel:
+        """A copy with its own history, serving the same ledger (which holds the test's storages and is never
+        copied): what a fit keeps and restores between its runs."""
+        memo[id(self._ledger)] = self._ledger
+        made = type(self).__new__(type(self))
+        memo[id(self)] = made
+        for name in _slots(type(self)):
+            if hasattr(self, name):
+                setattr(made, name, copy.deepcopy(getattr(self, name), memo))
+        return made
 
     def malloc(self, key: int, nbytes: int, stream: int = 0) -> int:
         try:
@@ -288,3 +300,8 @@ def snapshot_bytes(snapshot: dict[str, Any]) -> bytes:
     """The snapshot pickled as torch's `_dump_snapshot` pickles it, in protocol 4 (memory_viz's reader
     knows no later one; Python 3.14's default is 5)."""
     return pickle.dumps(snapshot, protocol=4)
+
+
+def _slots(kind: type) -> list[str]:
+    """Every slot of `kind` and of the classes it derives from."""
+    return [name for klass in kind.__mro__ for name in getattr(klass, "__slots__", ()) if name != "__weakref__"]
