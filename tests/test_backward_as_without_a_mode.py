@@ -182,6 +182,25 @@ def test_without_the_emulation_the_contribution_is_added_out_of_place(monkeypatc
     assert backward_peak(product_sum) == 4 + 3 * 4 * N
 
 
+def _breaks_its_graph(x: torch.Tensor) -> torch.Tensor:
+    return x * 3 if x.sum() > 0 else x  # a data-dependent branch
+
+
+def _as_traced(graph: Any, inputs: Any) -> Any:
+    return graph.forward
+
+
+def test_the_contribution_is_added_in_place_after_a_fullgraph_break_leaves_dynamo_installed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # from such a break on, Dynamo's frame evaluator holds a reference to each argument of every Python call
+    monkeypatch.setattr(unmoded, "_PROBE", unmoded._Probe())  # the probe reads its counts before the break
+    before = backward_peak(product_sum)
+    with pytest.raises(RuntimeError, match="graph break"):
+        torch.compile(_breaks_its_graph, fullgraph=True, backend=_as_traced)(torch.ones(2))
+    assert (before, backward_peak(product_sum)) == (4 + 2 * 4 * N, 4 + 2 * 4 * N)
+
+
 def test_on_meta_the_contribution_is_added_in_place_as_on_a_gpu() -> None:
     # CUDA rounding: the seed's 4 bytes take a 512-byte block, each 4000-byte gradient 4096
     assert backward_peak(lambda: product_sum("meta"), "meta", "cuda") == 512 + 2 * 4096

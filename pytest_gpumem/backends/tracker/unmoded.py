@@ -290,11 +290,10 @@ def in_place_twin(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | Non
         twin = _TWINS.get(run.node, {}).get(func)
     if twin is None or torch.is_grad_enabled() or not _keeps_self(func, args, kwargs):
         return None
-    target = args[0]
-    if not _sole_holder(target, _PASSED_BY_VALUE.get(run.node, 0) if run.node else 0):
+    if not _sole_holder(args, _PASSED_BY_VALUE.get(run.node, 0) if run.node else 0):
         return None
     twin(*args, **(kwargs or {}))
-    return target
+    return args[0]
 
 
 def _accumulating(run: _Run, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
@@ -347,10 +346,13 @@ def _plain(tensor: torch.Tensor) -> bool:
     )
 
 
-def _sole_holder(tensor: torch.Tensor, passed_by_value: int) -> bool:
-    """`can_accumulate_inplace` without the mode: a plain, dense tensor whose caller holds the only
-    reference to it (and `passed_by_value` copies of it) and to its storage (the counts a probe read
-    where torch adds in place)."""
+def _sole_holder(args: tuple[Any, ...], passed_by_value: int) -> bool:
+    """`can_accumulate_inplace` without the mode: `args[0]` a plain, dense tensor whose caller holds the
+    only reference to it (and `passed_by_value` copies of it) and to its storage (the counts a probe read
+    where torch adds in place). The tensor comes inside `args`, never as an argument: Dynamo's frame
+    evaluator, once a `fullgraph=True` graph break left it installed, holds a reference to each argument of
+    every Python call, which a count read against a probe of an earlier call would take for a holder."""
+    tensor = args[0]
     if not _plain(tensor) or not _non_overlapping_and_dense(tensor):
         return False
     storage = tensor.untyped_storage()
