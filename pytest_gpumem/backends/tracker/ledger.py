@@ -23,7 +23,6 @@ work in between (a Linear(64) step: about 5 µs per malloc and free inside the s
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from cuda_allocator_model import (
@@ -36,7 +35,7 @@ from cuda_allocator_model import (
 )
 from pytest_gpumem.backends.timeline import FREED, RESIZED
 from pytest_gpumem.backends.tracker.recording import Recorder
-from pytest_gpumem.backends.tracker.storages import ROUNDERS, Storage, Workspace
+from pytest_gpumem.backends.tracker.storages import ROUNDERS, HoldingWithoutTensors, Storage, Workspace
 from pytest_gpumem.private_torch import storage_key
 
 if TYPE_CHECKING:
@@ -61,7 +60,7 @@ class _StorageRef(weakref.ref):  # type: ignore[type-arg]
     origin: Origin | None
 
 
-class StorageLedger:
+class StorageLedger(HoldingWithoutTensors):
     """Live storages with their requested and counted bytes, and the counters over them.
 
     Hot path (every op output): one dict lookup, one weak reference with a shared callback; with the
@@ -199,59 +198,6 @@ class StorageLedger:
         self._replay()
         if self._model is not None:
             self._model.empty_cache()
-
-    @property
-    def wants_workspaces(self) -> bool:
-        """Whether a matmul's first use of a cuBLAS handle allocates a workspace (the allocator's model)."""
-        return self._model is not None and self.workspace_bytes > 0
-
-    def workspace(self, handle: object) -> None:
-        """A matmul ran on cuBLAS `handle`: on its first use (or when the workspace size grew since, as
-        `torch.backends.cuda.cublas_workspace_size(n)` makes it) allocate it a workspace, kept from then on;
-        a smaller one it had is freed after the new one is made, as torch replaces it."""
-        held = self.workspaces.get(handle)
-        if held is not None and held.size >= self.workspace_bytes:
-            return
-        made = Workspace(self.workspace_bytes)
-        self._follow(made, made.key, made.size)  # the device's own memory, wherever the ledger counts
-        self.workspaces[handle] = made
-        del held  # the smaller one, if any: freed now
-
-    @property
-    def wants_temporaries(self) -> bool:
-        """Whether ops' kernel temporaries are counted: only where the ledger predicts a GPU (the allocator's
-        model, or the meta device)."""
-        return self._model is not None or self.device_type == "meta"
-
-    def transient(self, sizes: Sequence[int], during: Callable[[], None] | None = None) -> None:
-        """An op's kernel allocated blocks of `sizes` bytes in this order and freed them, in reverse order,
-        before returning; `during` (if given) runs while they are all held. Each goes through the allocator's
-        model, attributed to the ledger's `op`. A size of 0 takes nothing (torch hands out a null pointer)."""
-        held: list[Workspace] = []
-        self.largest_temporaries = max(self.largest_temporaries, sum(sizes))
-        try:
-            for size in sizes:
-                if size > 0:
-                    held.append(self._hold(size))
-            if during is not None:
-                during()
-        finally:
-            while held:
-                held.pop()  # its last reference: freed now
-
-    def note_bound(self, reason: tuple[str, str] | None) -> None:
-        """An op ran whose figure is not a card's to the byte, for `reason` (`cudnn.bound`); None: it is."""
-        if reason is not None:
-            self.bounds[reason] = self.bounds.get(reason, 0) + 1
-
-    def _hold(self, size: int) -> Workspace:
-        made = Workspace(size)
-        self._follow(made, made.key, size)
-        return made
-
-    def clear_workspaces(self) -> None:
-        """`private_torch.clear_cublas_workspaces()`: every workspace is freed (its blocks cached)."""
-        self.workspaces.clear()
 
     def add(self, storage: Storage) -> None:
         """An op made `storage` (or resized one it made earlier)."""

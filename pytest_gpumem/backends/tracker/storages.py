@@ -4,11 +4,13 @@ allocator hands out that no tensor holds, each at the bytes a rounding counts fo
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
+
+    from cuda_allocator_model import CachingAllocatorModel
 
 _MIB = 1024 * 1024
 _SMALL_REQUEST = _MIB  # the CUDA allocator's small-pool limit (kSmallSize)
@@ -65,3 +67,71 @@ class Workspace:
 
     def nbytes(self) -> int:
         return self.size
+
+
+class HoldingWithoutTensors:
+    """The ledger's memory that no tensor holds (`StorageLedger` derives from it): cuBLAS workspaces, kernels'
+    temporaries, and the ops whose figure is not a card's. What it reads of the ledger is declared here."""
+
+    _model: CachingAllocatorModel | None
+    device_type: str | None
+    workspace_bytes: int
+    workspaces: dict[object, Workspace]
+    largest_temporaries: int
+    bounds: dict[tuple[str, str], int]
+
+    def _follow(self, storage: object, key: int, requested: int, base: int = 0) -> None:
+        raise NotImplementedError
+
+    @property
+    def wants_workspaces(self) -> bool:
+        """Whether a matmul's first use of a cuBLAS handle allocates a workspace (the allocator's model)."""
+        return self._model is not None and self.workspace_bytes > 0
+
+    def workspace(self, handle: object) -> None:
+        """A matmul ran on cuBLAS `handle`: on its first use (or when the workspace size grew since, as
+        `torch.backends.cuda.cublas_workspace_size(n)` makes it) allocate it a workspace, kept from then on;
+        a smaller one it had is freed after the new one is made, as torch replaces it."""
+        held = self.workspaces.get(handle)
+        if held is not None and held.size >= self.workspace_bytes:
+            return
+        made = Workspace(self.workspace_bytes)
+        self._follow(made, made.key, made.size)  # the device's own memory, wherever the ledger counts
+        self.workspaces[handle] = made
+        del held  # the smaller one, if any: freed now
+
+    @property
+    def wants_temporaries(self) -> bool:
+        """Whether ops' kernel temporaries are counted: only where the ledger predicts a GPU (the allocator's
+        model, or the meta device)."""
+        return self._model is not None or self.device_type == "meta"
+
+    def transient(self, sizes: Sequence[int], during: Callable[[], None] | None = None) -> None:
+        """An op's kernel allocated blocks of `sizes` bytes in this order and freed them, in reverse order,
+        before returning; `during` (if given) runs while they are all held. Each goes through the allocator's
+        model, attributed to the ledger's `op`. A size of 0 takes nothing (torch hands out a null pointer)."""
+        held: list[Workspace] = []
+        self.largest_temporaries = max(self.largest_temporaries, sum(sizes))
+        try:
+            for size in sizes:
+                if size > 0:
+                    held.append(self._hold(size))
+            if during is not None:
+                during()
+        finally:
+            while held:
+                held.pop()  # its last reference: freed now
+
+    def note_bound(self, reason: tuple[str, str] | None) -> None:
+        """An op ran whose figure is not a card's to the byte, for `reason` (`cudnn.bound`); None: it is."""
+        if reason is not None:
+            self.bounds[reason] = self.bounds.get(reason, 0) + 1
+
+    def _hold(self, size: int) -> Workspace:
+        made = Workspace(size)
+        self._follow(made, made.key, size)
+        return made
+
+    def clear_workspaces(self) -> None:
+        """`private_torch.clear_cublas_workspaces()`: every workspace is freed (its blocks cached)."""
+        self.workspaces.clear()
