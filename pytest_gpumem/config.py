@@ -9,11 +9,10 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpumem.budget import Budget, Limit
 from pytest_gpumem.constants import (
     COLUMNS,
     DEFAULT_DIST_TIMEOUT,
@@ -21,6 +20,9 @@ from pytest_gpumem.constants import (
 )
 from pytest_gpumem.options import OPTIONS, Option
 from pytest_gpumem.report.writers import Writer
+
+if TYPE_CHECKING:
+    from pytest_gpumem.budget import Budget, Limit
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ import pytest
 
 from cuda_allocator_model import ModelError
 from pytest_gpumem import hookspecs
-from pytest_gpumem.budget import MARKER, MARKER_SIGNATURE
 from pytest_gpumem.config import add_options, read_options
+from pytest_gpumem.marker import MARKER, MARKER_SIGNATURE
 from pytest_gpumem.run.late_markers import calling, refuse_late_markers, setting_up
 from pytest_gpumem.run.regression import BaselineRun
 from pytest_gpumem.run.session import BASELINES, MEASUREMENT_KEY, REGISTERED, XDIST, GpuMemSession

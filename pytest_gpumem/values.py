@@ -8,15 +8,18 @@ import dataclasses
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cuda_allocator_model import MAX_TEXT, ModelError, parse_size, shorten
-from pytest_gpumem.budget import Budget, Limit, budget_from_marker, capacity_limit
 from pytest_gpumem.constants import (
     COLUMNS,
     ID_FORMS,
     PATHS,
     ROUNDINGS,
 )
+
+if TYPE_CHECKING:
+    from pytest_gpumem.budget import Budget, Limit
 
 _ORDINAL = re.compile(r"[0-9]{1,6}")
 
@@ -116,6 +119,8 @@ def slack(value: str) -> int:
 
 def default_budget(value: str) -> Budget:
     """The suite-wide limit on a test's whole call, for tests whose markers set no limit of their own."""
+    from pytest_gpumem.budget import Budget, budget_from_marker  # read where given: an idle run makes no Budget
+
     try:
         parse_size(value.strip())
         budget = budget_from_marker((value.strip(),), {})
@@ -127,6 +132,8 @@ def default_budget(value: str) -> Budget:
 
 def _keyword_limit(keyword: str, flag: str) -> Callable[[str], Limit]:
     def read(value: str) -> Limit:
+        from pytest_gpumem.budget import Limit, budget_from_marker
+
         try:
             parse_size(value.strip())
             limit = getattr(budget_from_marker((), {keyword: value.strip()}), keyword)
@@ -140,6 +147,8 @@ def _keyword_limit(keyword: str, flag: str) -> Callable[[str], Limit]:
 
 def capacity(value: str) -> Limit:
     """A size (the allocator's limit) or a card's name, as max_memory(capacity=) reads it."""
+    from pytest_gpumem.budget import capacity_limit
+
     try:
         limit = capacity_limit(value.strip())
     except ModelError as exc:

@@ -19,7 +19,7 @@ MODEL_PUBLIC = {MODEL.name, f"{MODEL.name}.snapshots"}  # where its public names
 
 # lowest first; a module may import its own layer and the layers below it
 LAYERS = (
-    ("errors", "constants", "files", "private_torch"),
+    ("errors", "constants", "files", "private_torch", "marker"),
     ("results",),
     ("budget", "reasons"),
     ("backends",),
@@ -39,6 +39,7 @@ LAYERS = (
 WITHOUT_PYTEST = (
     "errors",
     "private_torch",
+    "marker",
     "constants",
     "files",
     "results",

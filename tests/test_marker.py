@@ -12,7 +12,7 @@ import pytest
 from builders import Reported, assert_one_line_failure
 
 from pytest_gpumem import Budget, GpuMemError, budget_from_marker
-from pytest_gpumem.budget import max_memory
+from pytest_gpumem.marker import max_memory
 
 # forward peak of torch.sum(x * y) on N float32: the product (4N) and the sum (4): 4004 bytes for N = 1000;
 # backward: the seed (4) and grad * y (4000)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_gpumem.budget import MARKER
+from pytest_gpumem.marker import MARKER
 
 if TYPE_CHECKING:
     from pytest_gpumem.measure.measurement import Measurement
