@@ -99,3 +99,19 @@ def test_a_failure_line_in_the_summary_is_text_not_markup() -> None:
 )
 def test_a_test_id_is_a_code_span_whatever_backticks_it_holds(nodeid: str, span: str) -> None:
     assert code_span(nodeid) == span
+
+
+def test_the_failed_list_keeps_what_the_line_left_out_to_fit_a_terminal() -> None:
+    """A failure line fits 120 columns; the clauses it left to the section's `also:` lines are the summary's
+    too (a pull request's reader has no terminal to fit)."""
+    from pytest_gpumem.report.markdown import failures
+    from pytest_gpumem.results import Status, TestResult
+
+    result = TestResult.of(
+        "t.py::test_a", "tracker", "cpu", None, status=Status.LEAKED, message="left 525.3 kB allocated",
+        detail=("also: held by an autograd graph kept alive by global KEEP", "kept: 2 tensors"),
+    )  # fmt: skip
+    assert failures([result]) == [
+        "**Failed**\n\n- `t.py::test_a` LEAKED: left 525.3 kB allocated\n"
+        "  - held by an autograd graph kept alive by global KEEP\n"
+    ]

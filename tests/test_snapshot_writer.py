@@ -324,3 +324,26 @@ def test_a_recording_model_is_copied_with_its_history_and_serves_the_same_ledger
     assert (copy._ledger, copy.reserved, actions(copy)) == (ledger, model.reserved, actions(model))
     copy.malloc(2, 400)
     assert len(copy.events) == len(model.events) + 1
+
+
+def test_a_fit_leaves_no_snapshot_that_would_replay_below_its_peak(pytester: pytest.Pytester) -> None:
+    """A fit runs each size from a saved state of the allocator: one history cannot show it going back, so
+    the test leaves no file of its own (an earlier run's is removed) and says why."""
+    from pytest_gpumem.run.outputs import file_stem
+
+    pytester.makepyfile(
+        test_fitting="""
+        import torch
+
+        def test_fit(gpumem):
+            gpumem.fit(lambda n: torch.ones(n, 1024, device=gpumem.device).sum(), [8, 16], "8 MiB")
+        """
+    )
+    earlier = pytester.path / "snaps" / f"{file_stem('test_fitting.py::test_fit')}.pickle"
+    earlier.parent.mkdir()
+    earlier.touch()
+    result = pytester.runpytest("--gpumem-device=meta", "--gpumem-torch-snapshots=snaps", "-p", "no:randomly")
+    result.stdout.fnmatch_lines(
+        ["*--gpumem-torch-snapshots: none written: gpumem.fit or advise restarted the allocator*"]
+    )
+    assert (result.ret, list(earlier.parent.iterdir())) == (0, [])

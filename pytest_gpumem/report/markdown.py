@@ -47,12 +47,14 @@ def headline(results: Sequence[TestResult]) -> str:
 
 
 def failures(results: Sequence[TestResult]) -> list[str]:
-    """The failed tests as a list, each with its status and failure line; a problem with its baseline
-    that the line left out (what grew, another phase) on a line of its own below it."""
+    """The failed tests as a list, each with its status and failure line; what the line left out to fit a
+    terminal (its section's `also:` lines) and a problem with its baseline it did not say (what grew, another
+    phase) each on a line of its own below it."""
     items = []
     for result in (r for r in results if _failed(r)):
         message = result.message or ""
         items.append(f"- {code_span(result.nodeid)} {result.status}: {prose(message)}")
+        items += [f"  - {prose(line.removeprefix('also: '))}" for line in result.detail if line.startswith("also: ")]
         problems = () if result.verdict is None else result.verdict.problems
         items += [f"  - {prose(problem)}" for problem in problems if problem not in message]
     return ["**Failed**\n\n" + "\n".join(items) + "\n"] if items else []

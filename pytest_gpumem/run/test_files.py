@@ -87,6 +87,8 @@ class Trace(PerTestFile):
 
 
 _RECORDED_KEY: pytest.StashKey[RecordedModel] = pytest.StashKey()
+# one memory history cannot show a restart (docs/guides/torch-snapshots.md)
+_RESTARTED = "none written: gpumem.fit or advise restarted the allocator from a saved state"
 
 
 class TorchSnapshot(PerTestFile):
@@ -115,8 +117,12 @@ class TorchSnapshot(PerTestFile):
             return None
         del item.stash[_RECORDED_KEY]
         ranks = self._write_ranks(item, measured)
-        if ranks is not None and not recorded.events:
+        restarted = recorded.restarted
+        if restarted or (ranks is not None and not recorded.events):
             (self.folder / f"{file_stem(item.nodeid)}.pickle").unlink(missing_ok=True)  # an earlier run's
+            if restarted:
+                noted = ranks or Noted(None, ())
+                return replace(noted, notes=(*noted.notes, f"{self.flag}: {_RESTARTED}"))
             return ranks
         path = self._write_own(item, recorded)
         return path if ranks is None else replace(ranks, path=path)

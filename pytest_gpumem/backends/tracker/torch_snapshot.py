@@ -49,7 +49,7 @@ _EMPTY_CACHE: Final[list[Frame]] = [  # as a card's trace names it
 class RecordedModel(CachingAllocatorModel):
     """The caching allocator's model that keeps torch's memory history of what it serves (`events`)."""
 
-    __slots__ = ("_frames", "_frames_of", "_ledger", "_released_by", "_runs", "_seen", "events")
+    __slots__ = ("_frames", "_frames_of", "_ledger", "_released_by", "_runs", "_seen", "events", "restarted")
 
     def __init__(
         self,
@@ -59,6 +59,7 @@ class RecordedModel(CachingAllocatorModel):
     ) -> None:
         super().__init__(settings, capacity)
         self.events: list[dict[str, Any]] = []
+        self.restarted = False  # a copy was taken to restart from (gpumem.fit, advise): its history breaks there
         self._ledger = ledger  # the op being dispatched, for the frames
         self._frames: dict[tuple[str, str | None], list[Frame]] = {}  # shared: pickled once each
         self._frames_of: dict[int, list[Frame]] = {}  # the frames of each live request
@@ -68,8 +69,10 @@ class RecordedModel(CachingAllocatorModel):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> RecordedModel:
         """A copy with its own history, serving the same ledger (which holds the test's storages and is never
-        copied): what a fit keeps and restores between its runs."""
+        copied): what a fit keeps and restores between its runs. The original is marked `restarted`: its
+        history breaks there, and no torch snapshot is written from it."""
         memo[id(self._ledger)] = self._ledger
+        self.restarted = True
         made = type(self).__new__(type(self))
         memo[id(self)] = made
         for name in _slots(type(self)):
