@@ -69,3 +69,19 @@ def model_with_grads(seed: int = 0, dtype: torch.dtype | None = None) -> torch.n
     x = torch.randn(8, 16, dtype=dtype)
     model(x).square().mean().backward()
     return model
+
+
+class FakeStorage:
+    """What the ledger reads of a storage: a key, a size and a device (and a weak reference to it)."""
+
+    def __init__(self, key: int, size: int) -> None:
+        self._cdata, self.size = key, size
+
+    def nbytes(self) -> int:
+        return self.size
+
+    @property
+    def device(self) -> torch.device:
+        import torch
+
+        return torch.device("cpu")

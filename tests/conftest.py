@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from builders import Reported
 from filelock import FileLock
 
 import pytest_gpumem
+from pytest_gpumem.backends.tracker.backend import TrackerBackend
 
 # pytester's in-process runs drop the modules first imported inside them, so what inner runs import
 # lazily is imported here, once. torch registers operator libraries on import (torch._dynamo ->
@@ -178,3 +179,12 @@ def run_reference(shared_run: Shared) -> RunReference:
         return kept
 
     return run
+
+
+@pytest.fixture
+def cuda_rounding() -> Iterator[TrackerBackend]:
+    """A started tracker whose ledger serves the CUDA caching allocator's model (`--gpumem-round=cuda`)."""
+    backend = TrackerBackend(rounding="cuda")
+    backend.start()
+    yield backend
+    backend.stop()

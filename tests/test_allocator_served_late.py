@@ -5,11 +5,11 @@ its op. These tests fail if a held event is lost, served twice or served out of 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from builders import FakeStorage
 
 from cuda_allocator_model import AllocatorSettings, CachingAllocatorModel
 from pytest_gpumem.backends.base import Counters
@@ -18,26 +18,6 @@ from pytest_gpumem.backends.tracker.ledger import REPLAY_AT, StorageLedger
 from pytest_gpumem.backends.tracker.recording import Recorder
 
 MIB = 2**20
-
-
-class Storage:
-    """What the ledger reads of a storage: a key, a size and a device (and a weak reference to it)."""
-
-    device = torch.device("cpu")
-
-    def __init__(self, key: int, size: int) -> None:
-        self._cdata, self.size = key, size
-
-    def nbytes(self) -> int:
-        return self.size
-
-
-@pytest.fixture
-def cuda_rounding() -> Iterator[TrackerBackend]:
-    backend = TrackerBackend(rounding="cuda")
-    backend.start()
-    yield backend
-    backend.stop()
 
 
 def test_a_peak_that_depends_on_the_order_of_a_free_and_an_allocation_is_read_mid_phase(
@@ -83,10 +63,10 @@ def test_a_capacity_serves_each_allocation_at_its_op_and_runs_out_there(cuda_rou
 def test_a_memory_fraction_of_the_card_serves_each_allocation_at_its_op_and_runs_out_there() -> None:
     settings = AllocatorSettings.parse("per_process_memory_fraction:0.5").on_card(8 * MIB)  # refused past 4 MiB
     ledger = StorageLedger("cuda", settings=settings)
-    kept = [Storage(1, MIB)]  # a 2 MiB segment of the small pool
+    kept = [FakeStorage(1, MIB)]  # a 2 MiB segment of the small pool
     ledger.add(kept[0])
     assert not ledger._held
-    kept.append(Storage(2, 3 * MIB))  # a 20 MiB segment of the large pool: past the fraction
+    kept.append(FakeStorage(2, 3 * MIB))  # a 20 MiB segment of the large pool: past the fraction
     with pytest.raises(MemoryError, match=r"per_process_memory_fraction 0\.5 of the card"):
         ledger.add(kept[1])
     assert (ledger.allocated, ledger.reserved) == (MIB, 2 * MIB)
@@ -96,10 +76,10 @@ def test_a_free_that_a_collection_makes_during_a_replay_is_served_in_it_after_th
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     ledger = StorageLedger("cuda")
-    dropped = [Storage(1, 1000)]
+    dropped = [FakeStorage(1, 1000)]
     ledger.add(dropped[0])
-    ledger.add(Storage(2, 600))  # its last reference gone: its free is held too
-    kept = Storage(3, 2000)
+    ledger.add(FakeStorage(2, 600))  # its last reference gone: its free is held too
+    kept = FakeStorage(3, 2000)
     ledger.add(kept)
     malloc = CachingAllocatorModel.malloc
 
@@ -132,7 +112,7 @@ def test_held_events_leave_every_figure_as_events_served_at_their_op_do(conf: st
     at_once = StorageLedger("cuda", settings=settings)
     at_once.recorder = Recorder(events=True)  # keeps the bytes after each event: the model serves each at its op
     rng = random.Random(conf)
-    kept: tuple[dict[int, Storage], dict[int, Storage]] = ({}, {})
+    kept: tuple[dict[int, FakeStorage], dict[int, FakeStorage]] = ({}, {})
     freed_keys: list[int] = []
     reads = 0
     for step in range(2500):
@@ -141,7 +121,7 @@ def test_held_events_leave_every_figure_as_events_served_at_their_op_do(conf: st
             key = freed_keys.pop(rng.randrange(len(freed_keys))) if freed_keys and roll < 0.1 else step + 10
             size = rng.choice((rng.randint(0, 4096), rng.randint(1, 2 * MIB), rng.randint(1, 64 * MIB)))
             for ledger, storages in zip((late, at_once), kept, strict=True):
-                storages[key] = Storage(key, size)
+                storages[key] = FakeStorage(key, size)
                 ledger.add(storages[key])
         elif roll < 0.85:
             key = rng.choice(list(kept[0]))
@@ -178,17 +158,17 @@ def _figures(ledger: StorageLedger) -> tuple[Any, ...]:
 
 def test_the_ledger_serves_at_once_wherever_something_reads_after_each_event() -> None:
     ledger = StorageLedger("cuda")
-    kept = [Storage(1, 100)]
+    kept = [FakeStorage(1, 100)]
     ledger.add(kept[0])
     assert len(ledger._held) == 1
     ledger.recorder = Recorder(events=True)  # served before it looks: it sees what follows, in order
     assert not ledger._held
-    ledger.add(Storage(2, 100))
+    ledger.add(FakeStorage(2, 100))
     assert not ledger._held
     assert ledger.recorder.events is not None
     assert [(e["action"], e["allocated"]) for e in ledger.recorder.events] == [("alloc", 1024), ("free", 512)]
     ledger.recorder = None
-    kept += [Storage(3, 100), Storage(4, 100)]
+    kept += [FakeStorage(3, 100), FakeStorage(4, 100)]
     ledger.add(kept[1])  # served at once, as the first event after any change: it decides anew
     assert not ledger._held
     ledger.add(kept[2])
@@ -200,9 +180,9 @@ def test_a_recorder_of_origins_alone_leaves_the_events_held_and_names_each_stora
     ledger = StorageLedger("cuda")
     ledger.recorder = Recorder(events=False)  # a leak limit's: where each storage came from, no figures
     ledger.op = "aten::empty"
-    kept = [Storage(1, 100)]
+    kept = [FakeStorage(1, 100)]
     ledger.add(kept[0])  # the first event after a change: served at once, and it decides anew
-    kept.append(Storage(2, 3000))
+    kept.append(FakeStorage(2, 3000))
     ledger.add(kept[1])
     assert len(ledger._held) == 1
     origin = ledger._live[2].origin

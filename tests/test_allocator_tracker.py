@@ -4,8 +4,6 @@ on reserved memory. Figures derived by hand from the allocator's rules (see test
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from builders import Reported
@@ -13,14 +11,6 @@ from builders import Reported
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
 
 MIB = 2**20
-
-
-@pytest.fixture
-def cuda_rounding() -> Iterator[TrackerBackend]:
-    backend = TrackerBackend(rounding="cuda")
-    backend.start()
-    yield backend
-    backend.stop()
 
 
 def mib(n: float) -> torch.Tensor:

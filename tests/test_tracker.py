@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from builders import FakeStorage
 
 from pytest_gpumem.backends.base import Backend, Counters, Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
@@ -200,18 +201,6 @@ def test_cuda_rounding_option(tracker: pytest.Pytester) -> None:
 )
 def test_cuda_block_size(request_bytes: int, counted: int) -> None:
     assert cuda_block_size(request_bytes) == counted
-
-
-class FakeStorage:
-    """What the ledger reads of a storage: a key, a size and a device (and a weak reference to it)."""
-
-    device = torch.device("cpu")
-
-    def __init__(self, key: int, size: int) -> None:
-        self._cdata, self.size = key, size
-
-    def nbytes(self) -> int:
-        return self.size
 
 
 def test_the_ledger_imports_no_torch() -> None:
