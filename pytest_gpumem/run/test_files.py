@@ -88,7 +88,7 @@ class Trace(PerTestFile):
 
 _RECORDED_KEY: pytest.StashKey[RecordedModel] = pytest.StashKey()
 # one memory history cannot show a restart (docs/guides/torch-snapshots.md)
-_RESTARTED = "none written: gpumem.fit or advise restarted the allocator from a saved state"
+_RESTARTED = "none written: gpumem.fit restarted the allocator from a saved state"
 
 
 class TorchSnapshot(PerTestFile):

@@ -59,7 +59,7 @@ class RecordedModel(CachingAllocatorModel):
     ) -> None:
         super().__init__(settings, capacity)
         self.events: list[dict[str, Any]] = []
-        self.restarted = False  # a copy was taken to restart from (gpumem.fit, advise): its history breaks there
+        self.restarted = False  # a copy was taken to restart from (gpumem.fit): its history breaks there
         self._ledger = ledger  # the op being dispatched, for the frames
         self._frames: dict[tuple[str, str | None], list[Frame]] = {}  # shared: pickled once each
         self._frames_of: dict[int, list[Frame]] = {}  # the frames of each live request
