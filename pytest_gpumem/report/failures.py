@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.results import PhaseResult
 
 LINE_WIDTH = 120  # characters of a failure line: what reads at a glance, in a terminal of 120 columns
+ALSO = "also: "  # a detail line holding a clause the one line left out
 _JOINERS = ("; ", ", ", ": ")
 
 
@@ -64,7 +65,7 @@ def fit_line(
         kept = next((form for form in forms if len(line) + len(form) <= width), "")
         line += kept
         if kept != forms[0] and forms[0] not in shown:
-            moved.append(f"also: {_bare(forms[0])}")
+            moved.append(f"{ALSO}{_bare(forms[0])}")
     return FailureLine(line, tuple(moved))
 
 

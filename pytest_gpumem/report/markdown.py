@@ -13,6 +13,7 @@ from urllib.parse import quote
 
 from tabulate import tabulate
 
+from pytest_gpumem.report.failures import ALSO
 from pytest_gpumem.report.terminal import counts_line, long_columns, ordered, short_columns
 from pytest_gpumem.report.width import flatten
 from pytest_gpumem.results import Status, TestResult
@@ -54,7 +55,7 @@ def failures(results: Sequence[TestResult]) -> list[str]:
     for result in (r for r in results if _failed(r)):
         message = result.message or ""
         items.append(f"- {code_span(result.nodeid)} {result.status}: {prose(message)}")
-        items += [f"  - {prose(line.removeprefix('also: '))}" for line in result.detail if line.startswith("also: ")]
+        items += [f"  - {prose(line.removeprefix(ALSO))}" for line in result.detail if line.startswith(ALSO)]
         problems = () if result.verdict is None else result.verdict.problems
         items += [f"  - {prose(problem)}" for problem in problems if problem not in message]
     return ["**Failed**\n\n" + "\n".join(items) + "\n"] if items else []
