@@ -87,6 +87,7 @@ class StorageLedger(HoldingWithoutTensors):
         self.device_type: str | None = None  # count only storages on it (meta: the GPU); None: every storage
         self._capacity: int | None = None
         self._recorder: Recorder | None = None
+        self.recording = False  # whether a recorder is set: read on every op, where `recorder` would cost a call
         self._timeline: TimelineRecorder | None = None
         self.op: object = None  # the op being dispatched and its outputs, read only by the recorder
         self.out: object = None
@@ -149,6 +150,7 @@ class StorageLedger(HoldingWithoutTensors):
     def recorder(self, recorder: Recorder | None) -> None:
         self._replay()
         self._recorder = recorder
+        self.recording = recorder is not None
         self._late = False
 
     @property
