@@ -1,18 +1,23 @@
-"""The mode's fast path counts what its slow path counts: every program below runs under the tracker's mode
-twice, once as it runs (each op's plan decided once, then the fast path), once with every op sent the slow
-way, and the ledger must see the same storages made by the same ops, in the same order, to the byte."""
+"""The tracker's fast paths count what its general paths count. The mode's: every program below runs under
+the tracker's mode twice, once as it runs (each op's plan decided once, then the fast path), once with every
+op sent the slow way, and the ledger must see the same storages made by the same ops, in the same order, to
+the byte. The ledger's: an exact ledger that only moves its counters, against one serving each event in full,
+on random events."""
 
 from __future__ import annotations
 
+import random
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from builders import FakeStorage
 
 from pytest_gpumem.backends.tracker import mode as tracker_mode
 from pytest_gpumem.backends.tracker.ledger import StorageLedger
+from pytest_gpumem.backends.tracker.recording import Recorder
 from pytest_gpumem.backends.tracker.storages import Storage
 
 
@@ -117,3 +122,48 @@ def test_an_op_counted_on_the_fast_path_has_its_bytes() -> None:
     log, figures = _run(_shared_names, "none", slow=False)
     assert [nbytes for _, nbytes in log] == [140] + [4, 28] * 3
     assert figures[0] == 140 + 28  # the ones live throughout; each sum is freed before the next is made
+
+
+@pytest.mark.parametrize("general", ["recorder", "capacity"])
+def test_an_exact_ledger_counting_alone_keeps_the_figures_of_one_that_serves_each_event_in_full(general: str) -> None:
+    """With exact bytes and nothing that refuses or reads after each event, the ledger only moves its counters
+    (`_plain`); a recorder of events, or a capacity never reached, sends every event the general way."""
+    plain, full = StorageLedger("none"), StorageLedger("none")
+    if general == "recorder":
+        full.recorder = Recorder(events=True)
+    else:
+        full.capacity = 1 << 62
+    assert plain._plain and not full._plain
+    rng = random.Random(general)
+    kept: tuple[dict[int, FakeStorage], dict[int, FakeStorage]] = ({}, {})
+    freed_keys: list[int] = []
+    for step in range(2000):
+        roll = rng.random()
+        if roll < 0.45 or not kept[0]:
+            key = freed_keys.pop(rng.randrange(len(freed_keys))) if freed_keys and roll < 0.1 else step + 10
+            size = rng.choice((rng.randint(0, 4096), rng.randint(1, 64 * 2**20)))
+            for ledger, storages in zip((plain, full), kept, strict=True):
+                storages[key] = FakeStorage(key, size)
+                ledger.add(storages[key])
+        elif roll < 0.85:
+            key = rng.choice(list(kept[0]))
+            for storages in kept:
+                del storages[key]  # its last reference: freed
+            freed_keys.append(key)
+        elif roll < 0.9:
+            key, size = rng.choice(list(kept[0])), rng.randint(0, 8 * 2**20)
+            for ledger, storages in zip((plain, full), kept, strict=True):
+                storages[key].size = size
+                ledger.resize(storages[key])
+        elif roll < 0.92:
+            plain.reset_peak()
+            full.reset_peak()
+        else:
+            assert _counters(plain) == _counters(full), f"read after event {step}"
+    assert _counters(plain) == _counters(full)
+    assert plain.peak_allocated > 0
+
+
+def _counters(ledger: StorageLedger) -> tuple[Any, ...]:
+    counted = {key: (ref.requested, ref.counted) for key, ref in ledger.live.items()}
+    return ledger.allocated, ledger.requested, ledger.peak_allocated, ledger.peak_requested, counted
