@@ -87,6 +87,7 @@ class StorageLedger(HoldingWithoutTensors):
         self.device_type: str | None = None  # count only storages on it (meta: the GPU); None: every storage
         self._capacity: int | None = None
         self._recorder: Recorder | None = None
+        self.recording = False  # whether a recorder is set: read on every op, where `recorder` would cost a call
         self._timeline: TimelineRecorder | None = None
         self.op: object = None  # the op being dispatched and its outputs, read only by the recorder
         self.out: object = None
@@ -101,6 +102,7 @@ class StorageLedger(HoldingWithoutTensors):
         self._held: list[_StorageRef | int] = []
         self._replaying = False
         self._late = self._may_serve_late()  # whether the next event may be held back
+        self._plain = self._counts_only()  # whether an event changes nothing but the counters
 
     # --- readers: each sees the model with every held event served
 
@@ -117,6 +119,7 @@ class StorageLedger(HoldingWithoutTensors):
         self._replay()
         self._model = model
         self._late = False
+        self._plain = self._counts_only()
 
     @property
     def live(self) -> dict[int, _StorageRef]:
@@ -149,7 +152,9 @@ class StorageLedger(HoldingWithoutTensors):
     def recorder(self, recorder: Recorder | None) -> None:
         self._replay()
         self._recorder = recorder
+        self.recording = recorder is not None
         self._late = False
+        self._plain = self._counts_only()
 
     @property
     def timeline(self) -> TimelineRecorder | None:
@@ -161,6 +166,7 @@ class StorageLedger(HoldingWithoutTensors):
         self._replay()
         self._timeline = timeline
         self._late = False
+        self._plain = self._counts_only()
 
     @property
     def capacity(self) -> int | None:
@@ -175,6 +181,7 @@ class StorageLedger(HoldingWithoutTensors):
         if self._model is not None:
             self._model.capacity = value
         self._late = False
+        self._plain = self._counts_only()
 
     @property
     def reserved(self) -> int | None:
@@ -286,7 +293,29 @@ class StorageLedger(HoldingWithoutTensors):
             and model.settings.fraction_limit is None
         )
 
+    def _counts_only(self) -> bool:
+        """Whether an event changes nothing but the counters: exact bytes, no allocator's model, nothing that
+        can refuse a request (a capacity) or reads after each event (a recorder, a timeline)."""
+        return (
+            self.exact
+            and self._model is None
+            and self._capacity is None
+            and self._recorder is None
+            and self._timeline is None
+        )
+
     def _follow(self, storage: object, key: int, requested: int, base: int = 0) -> None:
+        if self._plain:  # what the general path below does in that case, and no more
+            ref = _StorageRef(storage, self._on_free)
+            ref.key, ref.requested, ref.counted, ref.base, ref.origin = key, requested, requested, base, None
+            self._live[key] = ref
+            self.requested += requested
+            self._allocated += requested
+            if self._allocated > self._peak_allocated:
+                self._peak_allocated = self._allocated
+            if self.requested > self.peak_requested:
+                self.peak_requested = self.requested
+            return
         if self._late and requested < _ONE_EXABYTE:  # the model's answer is not needed now: held back
             ref = _StorageRef(storage, self._on_free)
             ref.key, ref.requested, ref.counted, ref.base, ref.origin = key, requested, 0, base, None
@@ -329,18 +358,22 @@ class StorageLedger(HoldingWithoutTensors):
 
     def _freed(self, ref: _StorageRef) -> None:
         # A storage key is reused once freed: only the reference that is still recorded counts.
-        if self._live.get(ref.key) is ref:
-            del self._live[ref.key]
+        live, key = self._live, ref.key
+        if live.get(key) is ref:
+            del live[key]
             self.requested -= ref.requested
+            if self._plain:
+                self._allocated -= ref.counted
+                return
             if self._late:  # held; a free that a collection makes inside a replay is served in that loop
                 held = self._held
-                held.append(ref.key)
+                held.append(key)
                 if len(held) >= REPLAY_AT:
                     self._replay()
                 return
             if self._model is not None:
                 self._replay()
-                self._model.free(ref.key)
+                self._model.free(key)
                 self._late = self._may_serve_late()
             self._allocated -= ref.counted
             if self._recorder is not None:

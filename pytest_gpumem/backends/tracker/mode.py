@@ -159,13 +159,14 @@ _SET_EVAL_FRAME = private_torch.eval_frame_setter()
 _FAKE_TENSOR = private_torch.fake_tensor_class()
 _is_wrapper_subclass = private_torch.wrapper_subclass_test()
 _PLANS: dict[Any, tuple[int, Any]] = {}  # each op overload's plan, decided on its first call
-# ops whose outputs are nothing (_PASS) or one fresh tensor (_SINGLE): (counts its output, the op's kernel,
-# when the fast path may not take it: _ON_GPU, _IN_BACKWARD, _WORKSPACE or a union, 0 for never)
-_FAST: dict[Any, tuple[bool, Callable[..., Any], int]] = {}
+# ops whose outputs are nothing (_PASS) or one fresh tensor (_SINGLE), by the overload's name (a str hashes in
+# C, an overload in Python): (counts its output, the op's kernel, when the fast path may not take it:
+# _ON_GPU, _IN_BACKWARD, _WORKSPACE or a union, 0 for never; the overload, which two namespaces may share a
+# name with: another one of the name takes the slow path)
+_FAST: dict[str, tuple[bool, Callable[..., Any], int, Any]] = {}
 _ON_GPU = 1  # an op with kernel temporaries: slow only where the ledger predicts a GPU
 _IN_BACKWARD = 2  # a candidate of `unmoded`: slow only while the autograd engine runs
 _WORKSPACE = 4  # a cuBLAS op: slow only while its handle has no workspace of the ledger's size
-_STRIDED = torch.strided
 
 
 _graph_task = private_torch.graph_task_reader()
@@ -208,7 +209,7 @@ def _make_fast(func: Any, plan: tuple[int, Any]) -> None:
     elif kind == _TEMPS:
         outputs, when = plan[1], _ON_GPU
     if outputs[0] in (_PASS, _SINGLE):
-        _FAST[func] = (outputs[0] == _SINGLE, private_torch.op_kernel(func), when)
+        _FAST[func.__name__] = (outputs[0] == _SINGLE, private_torch.op_kernel(func), when, func)
 
 
 def _workspace_due(ledger: StorageLedger) -> object | None:
@@ -245,16 +246,14 @@ class _StorageTrackingMode(DynamoWrapperOff, TorchDispatchMode):  # type: ignore
         set_eval_frame = _SET_EVAL_FRAME  # one global lookup per op
         prior = None if set_eval_frame is None else set_eval_frame(None)
         try:
-            fast = _FAST.get(func)
+            fast = _FAST.get(func.__name__)
             ledger = self.ledger
-            if fast is None or ledger.recorder is not None or (fast[2] and _slow(fast[2], ledger)):
+            if fast is None or fast[3] is not func or ledger.recording or (fast[2] and _slow(fast[2], ledger)):
                 return self._dispatch(func, args, kwargs)
             ledger.op = func
             out = fast[1](*args, **kwargs) if kwargs else fast[1](*args)
-            if fast[0] and type(out) is _TENSOR and out.layout is _STRIDED:
-                ledger.add(out.untyped_storage())
-            elif fast[0]:
-                self._count(out, args, kwargs)
+            if fast[0]:
+                self._count_single(out, args, kwargs)
             return out
         except RuntimeError:
             numbers = _rewrapped_numbers(func, args)
@@ -263,7 +262,7 @@ class _StorageTrackingMode(DynamoWrapperOff, TorchDispatchMode):  # type: ignore
             return self._dispatch(func, numbers, kwargs)
         finally:
             self.ledger.out = None  # the recorder's view of the outputs must not keep them alive
-            if set_eval_frame is not None:
+            if prior is not None and set_eval_frame is not None:  # Dynamo's callback back (None: nothing to undo)
                 set_eval_frame(prior)
 
     def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
@@ -310,8 +309,8 @@ class _StorageTrackingMode(DynamoWrapperOff, TorchDispatchMode):  # type: ignore
         __tracebackhide__ = True
         recorder = self.ledger.recorder
         kind = plan[0]
-        fast = _FAST.get(func)
-        kernel = func if fast is None else fast[1]  # the C++ callable, one Python frame less
+        fast = _FAST.get(func.__name__)
+        kernel = func if fast is None or fast[3] is not func else fast[1]  # the C++ callable, one Python frame less
         if kind == _PASS:
             return kernel(*args, **kwargs) if kwargs else kernel(*args)
         if kind == _RESIZE:
@@ -321,18 +320,25 @@ class _StorageTrackingMode(DynamoWrapperOff, TorchDispatchMode):  # type: ignore
         out = kernel(*args, **kwargs) if kwargs else kernel(*args)
         if recorder is not None:
             self.ledger.out = out
-        if kind == _SINGLE and type(out) is _TENSOR:
+        if kind == _SINGLE:
+            self._count_single(out, args, kwargs)
+            return out
+        positions = plan[1]
+        fresh = out if positions is None else [out[i] for i in positions]
+        self._count(fresh, args, kwargs, checked=kind == _CHECKED)
+        return out
+
+    def _count_single(self, out: object, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:
+        """Count the storage of the one fresh tensor an op returned (`_SINGLE`)."""
+        if type(out) is _TENSOR:
             try:
                 storage = out.untyped_storage()
             except (RuntimeError, NotImplementedError):  # sparse and other layouts without one storage
                 self._count(out, args, kwargs)
-                return out
+                return
             self.ledger.add(storage)
-            return out
-        positions = plan[1]
-        fresh = out if positions is None or kind == _SINGLE else [out[i] for i in positions]
-        self._count(fresh, args, kwargs, checked=kind == _CHECKED)
-        return out
+            return
+        self._count(out, args, kwargs)
 
     def _count(self, out: object, args: tuple[Any, ...], kwargs: dict[str, Any] | None, checked: bool = False) -> None:
         """Count the storages of `out`; `checked` (or a sparse output) leaves out the inputs' own."""
