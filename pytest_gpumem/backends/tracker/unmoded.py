@@ -113,18 +113,18 @@ class _Run:
     def returned(self, grad_inputs: Sequence[torch.Tensor | None], grad_outputs: object) -> None:
         if self._ours():
             self.node = None
-            self.produced = frozenset(tensor_key(t) for t in grad_inputs if t is not None)
+            self.produced = frozenset([tensor_key(t) for t in grad_inputs if t is not None])
 
     def _ours(self) -> bool:
         task = _graph_task()
         if self.task is None:
             self.task = task
-        return task == self.task and threading.get_ident() == self.thread
+        return task == self.task and _thread() == self.thread
 
 
-def _graph_task() -> int:
-    """The autograd engine's current graph task on this thread (-1 outside backward)."""
-    return private_torch.graph_task_reader()()
+_graph_task = private_torch.graph_task_reader()
+"""The autograd engine's current graph task on this thread (-1 outside backward)."""
+_thread = threading.get_ident
 
 
 class _Local(threading.local):
