@@ -113,25 +113,29 @@ class _Run:
     def returned(self, grad_inputs: Sequence[torch.Tensor | None], grad_outputs: object) -> None:
         if self._ours():
             self.node = None
-            self.produced = frozenset(tensor_key(t) for t in grad_inputs if t is not None)
+            self.produced = frozenset([tensor_key(t) for t in grad_inputs if t is not None])
 
     def _ours(self) -> bool:
         task = _graph_task()
         if self.task is None:
             self.task = task
-        return task == self.task and threading.get_ident() == self.thread
+        return task == self.task and _thread() == self.thread
 
 
-def _graph_task() -> int:
-    """The autograd engine's current graph task on this thread (-1 outside backward)."""
-    return private_torch.graph_task_reader()()
+_graph_task = private_torch.graph_task_reader()
+"""The autograd engine's current graph task on this thread (-1 outside backward)."""
+_thread = threading.get_ident
 
 
-_LOCAL = threading.local()
+class _Local(threading.local):
+    runs: list[_Run] | None = None  # this thread's runs, innermost last
+
+
+_LOCAL = _Local()
 
 
 def _runs() -> list[_Run]:
-    runs: list[_Run] | None = getattr(_LOCAL, "runs", None)
+    runs = _LOCAL.runs
     if runs is None:
         runs = _LOCAL.runs = []
     return runs
@@ -140,16 +144,17 @@ def _runs() -> list[_Run]:
 def hooked(roots: Sequence[Any]) -> contextlib.AbstractContextManager[None]:
     """Within the block (one run of the autograd engine from `roots`, tensors or gradient edges), the
     nodes reachable from them tell this thread's `in_place_twin` where backward is."""
-    if _engine_replaced():
-        return _UNCHANGED
     try:
-        graph = _graph(roots)
+        graph = graph_of(roots)
     except (RuntimeError, TypeError, AttributeError):
         return _UNCHANGED
     _, _, joined, twins = graph
     if not joined and not twins:  # nothing in this graph runs differently without a mode
         # a run this one is nested in (a backward inside its hooks) must not judge this one's ops
-        return _Hooked(_UNHOOKED, []) if getattr(_LOCAL, "runs", None) else _UNCHANGED
+        nested = _LOCAL.runs and not _engine_replaced()
+        return _Hooked(_UNHOOKED, []) if nested else _UNCHANGED
+    if _engine_replaced():
+        return _UNCHANGED
     run = _Run()
     handles = _hook_graph(graph, run)
     return _UNCHANGED if handles is None else _Hooked(run, handles)
@@ -200,75 +205,80 @@ def _hook_graph(graph: _Graph, run: _Run) -> list[Any] | None:
 
 
 def _add_hooks(graph: _Graph, run: _Run, handles: list[Any]) -> None:
+    returning, starting = hook_plan(graph)
+    for node in returning:
+        handles.append(node.register_hook(run.returned))
+    for node, name in starting:
+        handles.append(node.register_prehook(functools.partial(run.starts, name)))
+
+
+def hook_plan(graph: _Graph) -> tuple[list[Any], list[tuple[Any, str]]]:
+    """The nodes `_hook_graph` puts a post-hook on, and those it puts a pre-hook on, with their names."""
     nodes, feeds, joined, _ = graph
-    starting: dict[int, Any] = {}
-    for node, edges in nodes.values():
+    returning: list[Any] = []
+    starting: dict[Any, None] = {}
+    for node, edges in nodes.items():
         consumers = [edge for edge in edges if edge[0] is not None]
-        joins = joined and any(feeds[id(consumer), slot] > 1 for consumer, slot in consumers)
-        if joins or _is_twin_node(node):
-            handles.append(node.register_hook(run.returned))
-            starting[id(node)] = node
+        joins = joined and any(feeds[consumer, slot] > 1 for consumer, slot in consumers)
+        if joins or _kind(node) == _TWIN:
+            returning.append(node)
+            starting[node] = None
         if joins:
-            starting.update((id(consumer), consumer) for consumer, _ in consumers)
-    for node in starting.values():
-        name = node.name()
-        if name != _ACCUMULATE_GRAD:
-            handles.append(node.register_prehook(functools.partial(run.starts, name)))
+            starting.update((consumer, None) for consumer, _ in consumers)
+    names = ((node, node.name()) for node in starting)
+    return returning, [(node, name) for node, name in names if name != _ACCUMULATE_GRAD]
 
 
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
-_Graph = tuple[dict[int, tuple[Any, Any]], dict[tuple[int, int], int], bool, bool]
-_TWIN_TYPES: dict[type, bool] = {}  # each node class: whether it is one of `_TWINS` (its name is its class's)
+_Graph = tuple[dict[Any, Any], dict[tuple[Any, int], int], bool, bool]
+_TWIN, _OTHER = 1, 2
+_KINDS: dict[type, int] = {}
+"""Each node class: whether it is one of `_TWINS` (its name is its class's)."""
 
 
-def _is_twin_node(node: Any) -> bool:
-    kind = type(node)
-    found = _TWIN_TYPES.get(kind)
-    if found is None:
-        found = _TWIN_TYPES[kind] = node.name() in _TWINS
-    return found
+def _kind(node: Any) -> int:
+    kind = _KINDS.get(type(node))
+    if kind is None:
+        kind = _KINDS[type(node)] = _TWIN if node.name() in _TWINS else _OTHER
+    return kind
 
 
-def _graph(roots: Sequence[Any]) -> _Graph:
-    """The graph's nodes reachable from `roots`, each once, with the edges (consumer, input) they send
-    gradients along (`next_functions`), by the id of the node (held, so the id stays its own); how many
-    edges end in each buffer slot (consumer's id, input); whether any slot takes more than one; and whether
-    any node is one of `_TWINS`. The slots are counted only where some node is reached twice (a tree's
-    nodes are reached once each)."""
-    nodes: dict[int, tuple[Any, Any]] = {}
+def graph_of(roots: Sequence[Any]) -> _Graph:
+    """The graph's nodes reachable from `roots`, each once (held, keyed by identity: a node's Python object
+    lives while it is held), with the edges (consumer, input) they send gradients along
+    (`next_functions`); how many edges end in each buffer slot (consumer, input); whether any slot takes
+    more than one; and whether any node is one of `_TWINS`. The slots are counted only where some node is
+    reached twice (a tree's nodes are reached once each)."""
+    nodes: dict[Any, Any] = {}
     twice = twins = False
-    known = _TWIN_TYPES
-    roots = roots if isinstance(roots, (list, tuple)) else (roots,)
-    pending = [node for node in map(_root_node, roots) if node is not None]
+    kinds = _KINDS
+    pending = []
+    for root in roots if isinstance(roots, (list, tuple)) else (roots,):
+        node = root.grad_fn if isinstance(root, _TENSOR) else getattr(root, "node", None)  # or a GradientEdge
+        if node is not None:
+            pending.append(node)
     while pending:
         node = pending.pop()
-        key = id(node)
-        if key in nodes:
+        if node in nodes:
             twice = True
             continue
-        edges = node.next_functions
-        nodes[key] = (node, edges)
-        if not twins:
-            found = known.get(type(node))
-            twins = _is_twin_node(node) if found is None else found
+        nodes[node] = edges = node.next_functions
+        if (kinds.get(type(node)) or _kind(node)) == _TWIN:
+            twins = True
         for consumer, _ in edges:
             if consumer is not None:
                 pending.append(consumer)
-    feeds: dict[tuple[int, int], int] = {}
+    feeds: dict[tuple[Any, int], int] = {}
     if not twice:
         return nodes, feeds, False, twins
-    for _, edges in nodes.values():
-        for consumer, slot in edges:
-            if consumer is not None:
-                edge = (id(consumer), slot)
+    for edges in nodes.values():
+        for edge in edges:
+            if edge[0] is not None:
                 feeds[edge] = feeds.get(edge, 0) + 1
     return nodes, feeds, any(count > 1 for count in feeds.values()), twins
 
 
-def _root_node(root: Any) -> Any:
-    if isinstance(root, torch.Tensor):
-        return root.grad_fn
-    return getattr(root, "node", None)  # a GradientEdge
+_TENSOR = torch.Tensor
 
 
 def _engine_replaced() -> bool:
@@ -280,7 +290,7 @@ def _engine_replaced() -> bool:
 def in_place_twin(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
     """The in-place twin of `func` run on `args` and its `self` returned, where torch without a mode
     would have run it; else None (run `func` as it is)."""
-    runs = getattr(_LOCAL, "runs", None)
+    runs = _LOCAL.runs
     if not runs:
         return None
     run = runs[-1]
