@@ -57,6 +57,29 @@ def test_complex128_splits_from_fewer_values_per_output() -> None:
     assert not may_take(SUM, (meta(1020, 128, dtype=torch.complex64), [0]), None)  # 8 B: blocks of 512
 
 
+def test_a_single_output_splits_from_255_values_a_lane_of_one_block_row() -> None:
+    # every value to one output: one row of 512 lanes (256 for complex128), each lane 256 values or more;
+    # 130,561 float32 split into min(SMs x 4, 256 / 16) = 16 blocks: staging 4 B x 16, a semaphore
+    assert fewest_split(512, one_output=True) == 130_561
+    assert staged(aten.sum.default, (meta(130_561),)) == [[64, 4]] * 3
+    assert may_take(aten.sum.default, (meta(130_561),), None)
+    assert may_take(aten.amax.default, (meta(1, 130_561), [1]), None)
+    for func, args in [
+        (aten.sum.default, (meta(130_560),)),
+        (aten.sum.default, (meta(64, 1024),)),  # Net b64's loss
+        (aten.mean.dim, (meta(1, 130_560, 1), [1])),  # dims of size 1 kept: still one output
+        (aten.amax.default, (meta(8, 16_320), [0, 1])),
+        (aten.sum.default, (meta(65_280, dtype=torch.complex128),)),
+    ]:
+        assert staged(func, args) == [[]] * 3
+        assert not may_take(func, args, None)
+    assert may_take(aten.sum.default, (meta(65_281, dtype=torch.complex128),), None)
+    # two outputs, the reduced dim outermost: 2 a load, a block 1 lane wide and 256 rows high, 274 values a
+    # thread: split into min(SMs x 8, 274 / 16) = 18 blocks. Staging 4 B x 2 x 18 x 2, fewer values than one
+    assert staged(SUM, (meta(70_000, 2), [0])) == [[288, 4]] * 3
+    assert may_take(SUM, (meta(70_000, 2), [0]), None)
+
+
 def _dims(rng: random.Random, ndim: int) -> Any:
     """A `dim` argument: None, empty, one dim (maybe negative) or several."""
     choice = rng.randrange(4)
@@ -66,7 +89,8 @@ def _dims(rng: random.Random, ndim: int) -> Any:
     return [d - ndim if rng.random() < 0.3 else d for d in named]
 
 
-_SIZES = (1, 2, 3, 8, 31, 64, 128, 255, 256, 511, 512, 1020, 1021, 1024, 4096, 8160, 8161, 20_000)
+_SIZES = (1, 2, 3, 8, 31, 64, 128, 255, 256, 511, 512, 1020, 1021, 1024, 4096, 8160, 8161, 20_000, 70_000)
+_THRESHOLDS = (510, 511, 1020, 1021, 8161, 65_280, 65_281, 130_560, 130_561)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64, torch.complex128, torch.int64)
 
 
@@ -74,7 +98,7 @@ def _random_input(rng: random.Random) -> torch.Tensor:
     """A meta tensor of up to 3 dims (near the split's thresholds), permuted, sliced or expanded."""
     shape = [rng.choice(_SIZES) for _ in range(rng.randint(0, 3))]
     if shape and rng.random() < 0.5:
-        shape[rng.randrange(len(shape))] = rng.choice((1020, 1021, 510, 511, 8161))
+        shape[rng.randrange(len(shape))] = rng.choice(_THRESHOLDS)
     x = meta(*shape, dtype=rng.choice(_DTYPES))
     if x.dim() >= 2 and rng.random() < 0.5:
         x = x.permute(*rng.sample(range(x.dim()), x.dim()))

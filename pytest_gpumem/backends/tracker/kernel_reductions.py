@@ -190,16 +190,18 @@ def sum_like(layout: Layout, out_dtype: str | None, dims: frozenset[int]) -> Red
     return Reduction(layout, dims, arg, 8 if half else 4, 256 if layout.dtype == "complex128" else 512)
 
 
-def fewest_split(max_threads: int) -> int:
-    """The fewest values per output that `_config` splits across blocks, whatever the layout and the card:
-    256 a thread, and a thread's values are a share of the output's. Where the reduced dim moves fastest a
-    block is at least a warp wide across it (8,161); else at least `max_threads` / 4 (the output vector) /
-    32 (the warp) rows high."""
-    return 255 * (max_threads // 4 // WARP) + 1
+def fewest_split(max_threads: int, one_output: bool = False) -> int:
+    """The fewest values per output that `_config` splits across blocks, whatever the layout and the card: a
+    thread then takes at least 256 values, all of one output's. A single output's block is one row of
+    `max_threads` lanes; else the block is at least `max_threads` / 4 (the output vector) / 32 (the warp)
+    rows high where the reduced dim is not the fastest, and at least a warp wide where it is (8,161)."""
+    return 255 * (max_threads if one_output else max_threads // 4 // WARP) + 1
 
 
 _FEWEST_SPLIT = fewest_split(512)  # 1,021
 _FEWEST_SPLIT_ANY = fewest_split(256)  # 511: complex128's sums take blocks of 256 threads
+_FEWEST_SPLIT_ONE = fewest_split(512, one_output=True)  # 130,561
+_FEWEST_SPLIT_ONE_ANY = fewest_split(256, one_output=True)  # 65,281
 
 
 def stages_nothing(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
@@ -216,7 +218,10 @@ def stages_nothing(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bo
         per_output = _values_per_output(tensor, dim)
     if per_output < _FEWEST_SPLIT_ANY:
         return True
-    return per_output < _FEWEST_SPLIT and tensor.element_size() < 16  # not complex128
+    wide = tensor.element_size() >= 16  # complex128: blocks of 256 threads
+    if name in _OF_ALL or per_output == tensor.numel():  # one output
+        return per_output < (_FEWEST_SPLIT_ONE_ANY if wide else _FEWEST_SPLIT_ONE)
+    return per_output < _FEWEST_SPLIT and not wide
 
 
 _OF_ALL = frozenset(("aten.sum.default", "aten.mean.default"))
