@@ -190,6 +190,60 @@ def sum_like(layout: Layout, out_dtype: str | None, dims: frozenset[int]) -> Red
     return Reduction(layout, dims, arg, 8 if half else 4, 256 if layout.dtype == "complex128" else 512)
 
 
+def fewest_split(max_threads: int, one_output: bool = False) -> int:
+    """The fewest values per output that `_config` splits across blocks, whatever the layout and the card: a
+    thread then takes at least 256 values, all of one output's. A single output's block is one row of
+    `max_threads` lanes; else the block is at least `max_threads` / 4 (the output vector) / 32 (the warp)
+    rows high where the reduced dim is not the fastest, and at least a warp wide where it is (8,161)."""
+    return 255 * (max_threads if one_output else max_threads // 4 // WARP) + 1
+
+
+_FEWEST_SPLIT = fewest_split(512)  # 1,021
+_FEWEST_SPLIT_ANY = fewest_split(256)  # 511: complex128's sums take blocks of 256 threads
+_FEWEST_SPLIT_ONE = fewest_split(512, one_output=True)  # 130,561
+_FEWEST_SPLIT_ONE_ANY = fewest_split(256, one_output=True)  # 65,281
+
+
+def stages_nothing(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether reduction op `name` surely stages nothing on these arguments, from the input's shape, the
+    dims reduced and its item's size alone (`reduction_of` and `reduction_temporaries` without the
+    layout): too few values per output to split."""
+    tensor = args[0]
+    if name in _OF_ALL:
+        per_output: int = tensor.numel()
+    else:
+        dim = op_arg(args, kwargs, 1, "dim", () if name in VALUES else None)
+        if dim is None and name in INDEXED:  # an index over all the values: no reduction modelled
+            return True
+        per_output = _values_per_output(tensor, dim)
+    if per_output < _FEWEST_SPLIT_ANY:
+        return True
+    wide = tensor.element_size() >= 16  # complex128: blocks of 256 threads
+    if name in _OF_ALL or per_output == tensor.numel():  # one output
+        return per_output < (_FEWEST_SPLIT_ONE_ANY if wide else _FEWEST_SPLIT_ONE)
+    return per_output < _FEWEST_SPLIT and not wide
+
+
+_OF_ALL = frozenset(("aten.sum.default", "aten.mean.default"))
+
+
+def _values_per_output(tensor: Any, dim: Any) -> int:
+    """How many values each output reduces, at least: the product of the sizes of the dims `dim` names
+    (None or none: all). A dim named twice counts twice (more, never fewer); one out of range raises."""
+    if isinstance(dim, int):
+        return tensor.shape[dim] if tensor.dim() else 1
+    if not dim:
+        values: int = tensor.numel()
+        return values
+    shape = tensor.shape
+    if not shape:
+        return 1
+    values = 1
+    for d in dim:
+        values *= shape[d]
+    return values
+
+
 def reduction_of(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Reduction | None:
     """The reduction kernel op `name` launches on these arguments (None: none modelled)."""
     layout = Layout.of(args[0])

@@ -4,8 +4,11 @@ which a dispatch mode never sees (it sees the op's outputs only), from shapes, s
 On a card these blocks show in a memory snapshot and can sit at a peak. `temporaries(name, args, kwargs,
 card)` gives their sizes, in the order the kernel allocates them, all freed (in reverse order) before the op
 returns; `label(name)` what they are, or None for an op with none modelled. `record` puts them in the ledger
-(`StorageLedger.transient`) when it predicts a GPU. Pure functions of layouts (`Layout`: shape, strides in
-elements, dtype, storage offset), so they test without torch; a tensor gives its layout with `Layout.of`.
+(`StorageLedger.transient`) when it predicts a GPU; `may_take(func, args, kwargs)` tells the dispatch, from
+shapes and arguments alone, the ops that surely take none here (a reduction with too few values per output to
+split, `index_put_` without accumulate, an unreduced `mse_loss`), which then cost nothing. Pure functions of
+layouts (`Layout`: shape, strides in elements, dtype, storage offset), so they test without torch; a tensor
+gives its layout with `Layout.of`.
 
 Read from torch's CUDA sources (ours, written to these rules; none of theirs is copied), at the newest copy
 stored among public forks (cyyever/pytorch, 2025-2026: `Reduce.cuh` with `mnt_wrapper`, `Blas.cpp` with
@@ -41,6 +44,7 @@ cub's `unique_by_key` / `exclusive_sum` scratch in embedding backward, reduction
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +60,9 @@ from pytest_gpumem.backends.tracker.kernel_reductions import (
     VALUES,
     reduction_of,
     reduction_temporaries,
+    stages_nothing,
 )
+from pytest_gpumem.backends.tracker.recording import op_arg
 
 if TYPE_CHECKING:
     from cuda_allocator_model import Card
@@ -108,21 +114,45 @@ def temporaries(name: str, args: Sequence[Any], kwargs: dict[str, Any] | None, c
     return [] if red is None else reduction_temporaries(red, gpu)
 
 
-_KNOWN: dict[object, tuple[str, str | None]] = {}  # each op overload's name and label, on its first call
+_Test = Callable[[Sequence[Any], dict[str, Any]], bool]
 
 
-def _known(func: object) -> tuple[str, str | None]:
+def _holds_nothing(name: str) -> _Test | None:
+    """A test, cheaper than the layouts' key, that op `name`'s arguments surely take no temporaries (its
+    rule's own first refusal); None where there is none."""
+    if name in _REDUCTIONS:
+        return functools.partial(stages_nothing, name)
+    if "index_put" in name:
+        return lambda args, kwargs: not op_arg(args, kwargs, 3, "accumulate", False)
+    if name == "aten.mse_loss.default":
+        return lambda args, kwargs: op_arg(args, kwargs, 2, "reduction", 1) == 0
+    return None
+
+
+_REDUCTIONS = SUM_LIKE | VALUES | INDEXED
+_KNOWN: dict[object, tuple[str, str | None, _Test | None]] = {}  # each op overload's, on its first call
+
+
+def _known(func: object) -> tuple[str, str | None, _Test | None]:
+    """Op overload `func`'s name, its temporaries' label (None: none modelled) and `_holds_nothing`."""
     try:
         return _KNOWN[func]
     except KeyError:
         name = str(func)
-        found = _KNOWN[func] = (name, label(name))
+        found = _KNOWN[func] = (name, label(name), _holds_nothing(name))
         return found
 
 
 def modelled(func: object) -> bool:
     """Whether op overload `func` has temporaries modelled (cached per overload: the dispatch's hot path)."""
     return _known(func)[1] is not None
+
+
+def may_take(func: object, args: Sequence[Any], kwargs: dict[str, Any] | None) -> bool:
+    """Whether op overload `func` may take temporaries on these arguments; False where it has none modelled
+    or a test cheaper than the layouts shows it takes none here (the dispatch's fast path)."""
+    _, kind, holds_nothing = _known(func)
+    return kind is not None and not _surely_none(holds_nothing, args, kwargs)
 
 
 def record(
@@ -136,9 +166,14 @@ def record(
     """Op `func` ran on these arguments: its kernel temporaries go through `ledger` (allocated, `during` run,
     freed), attributed to '<label> (<op>)'; only those of tensors on the device the ledger counts. On meta
     a convolution's output `out` takes a card's layout (`cudnn.lay_out_on_meta`)."""
-    name, kind = _known(func)
+    name, kind, holds_nothing = _known(func)
     sizes: list[int] = []
-    if kind is not None and _on_counted_device(ledger, args) and _holds_memory(args[0]):
+    if (
+        kind is not None
+        and not _surely_none(holds_nothing, args, kwargs)
+        and _on_counted_device(ledger, args)
+        and _holds_memory(args[0])
+    ):
         sizes = _sizes(func, name, args, kwargs, ledger.card)
         if name in cudnn.LABELS:
             ledger.note_bound(cudnn.bound(name, args, kwargs or {}))
@@ -149,6 +184,17 @@ def record(
         return
     ledger.out, ledger.op = None, f"{kind} ({name})"
     ledger.transient(sizes, during)
+
+
+def _surely_none(holds_nothing: _Test | None, args: Sequence[Any], kwargs: dict[str, Any] | None) -> bool:
+    """Whether the op's `_holds_nothing` test shows these arguments take no temporaries; False where it
+    has none or cannot read them (the layouts' key decides)."""
+    if holds_nothing is None or not args or type(args[0]) is not _TENSOR:  # a subclass' shape may be symbolic
+        return False
+    try:
+        return holds_nothing(args, kwargs or {})
+    except Exception:  # what the test cannot read: the layouts' key decides
+        return False
 
 
 _SIZES: dict[tuple[Any, ...], list[int]] = {}  # temporaries by op, card and arguments' layouts: the hot path

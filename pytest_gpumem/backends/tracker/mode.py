@@ -19,7 +19,7 @@ import torch
 
 from pytest_gpumem import private_torch
 from pytest_gpumem.backends.tracker.graph import tensors_in
-from pytest_gpumem.backends.tracker.kernel_temporaries import modelled
+from pytest_gpumem.backends.tracker.kernel_temporaries import may_take, modelled
 from pytest_gpumem.backends.tracker.kernel_temporaries import record as record_temporaries
 from pytest_gpumem.backends.tracker.ledger import StorageLedger
 from pytest_gpumem.backends.tracker.patches import count_compiled_allocations
@@ -219,10 +219,10 @@ def _workspace_due(ledger: StorageLedger) -> object | None:
     return None if held is not None and held.size >= ledger.workspace_bytes else handle
 
 
-def _slow(when: int, ledger: StorageLedger) -> bool:
-    """Whether an op with these conditions (`_make_fast`) takes the slow path now."""
+def _slow(when: int, ledger: StorageLedger, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
+    """Whether op `func` with these conditions (`_make_fast`) takes the slow path now, on these arguments."""
     return (
-        bool(when & _ON_GPU and ledger.wants_temporaries)
+        bool(when & _ON_GPU and ledger.wants_temporaries and may_take(func, args, kwargs))
         or bool(when & _IN_BACKWARD and _graph_task() != -1)
         or bool(when & _WORKSPACE and ledger.wants_workspaces and _workspace_due(ledger) is not None)
     )
@@ -248,7 +248,12 @@ class _StorageTrackingMode(DynamoWrapperOff, TorchDispatchMode):  # type: ignore
         try:
             fast = _FAST.get(func.__name__)
             ledger = self.ledger
-            if fast is None or fast[3] is not func or ledger.recording or (fast[2] and _slow(fast[2], ledger)):
+            if (
+                fast is None
+                or fast[3] is not func
+                or ledger.recording
+                or (fast[2] and _slow(fast[2], ledger, func, args, kwargs))
+            ):
                 return self._dispatch(func, args, kwargs)
             ledger.op = func
             out = fast[1](*args, **kwargs) if kwargs else fast[1](*args)
