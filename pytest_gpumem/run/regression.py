@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import shlex
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import pytest
@@ -99,17 +98,18 @@ def partial_run(config: pytest.Config, session: pytest.Session) -> bool:
     return not whole or narrowed or bool(session.shouldstop) or bool(session.shouldfail)
 
 
-@dataclass(eq=False)  # registered as a plugin: hashed by identity
 class BaselineRun:
     """The baseline store of a run. Workers and the controller both compare; only the controller
-    (or a run without xdist) updates, prunes and writes, after the last test."""
+    (or a run without xdist) updates, prunes and writes, after the last test. Registered as a plugin (hashed
+    by identity); a plain class, as every run makes one: an idle run pays for no generated methods."""
 
-    options: BaselineOptions
-    store: BaselineStore | None
-    failed: set[str] = field(default_factory=set)
-    seen: set[str] = field(default_factory=set)
-    partial: bool = False
-    selection: list[str] = field(default_factory=list)  # selection_flags() of the run
+    def __init__(self, options: BaselineOptions, store: BaselineStore | None) -> None:
+        self.options = options
+        self.store = store
+        self.failed: set[str] = set()
+        self.seen: set[str] = set()
+        self.partial = False
+        self.selection: list[str] = []  # selection_flags() of the run
 
     @property
     def record_command(self) -> str:

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 import pytest
 
 from cuda_allocator_model import ModelError
-from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.run.late_markers import marked_meta
 from pytest_gpumem.run.regression import BaselineRun, partial_run, selection_flags, slack_hint
 from pytest_gpumem.run.xdist import worker_id
@@ -60,6 +59,8 @@ class GpuMemSession:
             name = self.options.backend
             backend = self.config.hook.pytest_gpumem_make_backend(config=self.config, name=name)
             if backend is None:
+                from pytest_gpumem.errors import GpuMemError
+
                 raise GpuMemError(
                     f"--gpumem-backend={name}: no such backend (built in: auto, cuda, accelerator, tracker)"
                 )
