@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.budget import Budget, Limit
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # eq=False: compared by nothing, made by every run (an idle one too)
 class Options:
     """The run's options but the baselines'; each field but `backend_given` is an option's (its `field`)."""
 
@@ -51,7 +51,7 @@ class Options:
     paths: str | None = None  # the tracker's code paths (cpu, gpu); None: gpu on meta or with CUDA rounding
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class BaselineOptions:
     """The options of the baselines; each field is an option's (its `field`)."""
 

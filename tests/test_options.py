@@ -217,13 +217,11 @@ IDLE = {
     "",
     "config",
     "constants",
-    "errors",
     "hookspecs",
     "marker",  # its name and signature; a Budget is read only where a test is measured
     "options",
     "plugin",
     "run",
-    "sizes",
     "values",
 }
 IDLE |= {"run.regression", "run.session", "run.xdist"}  # not the results: read where a test was measured

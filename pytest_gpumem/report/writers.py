@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.results import TestResult
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RunInfo:
     """What a writer knows of the run besides its results."""
 
@@ -29,7 +29,7 @@ class RunInfo:
     record: str | None  # the command that records missing baselines, when baselines are in use
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Writer(ABC):
     """One file written at the end of a run, to `path`, given by the option `flag` (its ini twin is the flag
     without its dashes: gpumem_json) whose help is `help`."""

@@ -26,18 +26,17 @@ class _RefusingLateMarkers:
     """A set-up test's `add_marker`: a max_memory marker added while its call runs fails the test at once (a
     meta marker added there would otherwise leave a real-size model running for real on the CPU)."""
 
-    __slots__ = ("add_marker", "nodeid", "stash")
+    __slots__ = ("add_marker", "item")
 
     def __init__(self, item: pytest.Item) -> None:
         self.add_marker = item.add_marker
-        self.nodeid = item.nodeid
-        self.stash = item.stash
+        self.item = item  # its id and stash read only to refuse: every test makes one
 
     def __call__(self, marker: str | pytest.MarkDecorator, append: bool = True) -> None:
         __tracebackhide__ = True
-        if _name(marker) == MARKER and _calling(self.stash):
+        if _name(marker) == MARKER and _calling(self.item.stash):
             pytest.fail(
-                f"{self.nodeid}: max_memory added inside the test function, after its call began: "
+                f"{self.item.nodeid}: max_memory added inside the test function, after its call began: "
                 f"it would be ignored; {_WHERE}",
                 pytrace=False,
             )

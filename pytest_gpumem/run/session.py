@@ -11,9 +11,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 from cuda_allocator_model import ModelError
-from pytest_gpumem.errors import GpuMemError
 from pytest_gpumem.run.late_markers import marked_meta
-from pytest_gpumem.run.regression import BaselineRun, partial_run, selection_flags, slack_hint
+from pytest_gpumem.run.regression import BaselineRun, selection_flags
 from pytest_gpumem.run.xdist import worker_id
 
 if TYPE_CHECKING:
@@ -60,6 +59,8 @@ class GpuMemSession:
             name = self.options.backend
             backend = self.config.hook.pytest_gpumem_make_backend(config=self.config, name=name)
             if backend is None:
+                from pytest_gpumem.errors import GpuMemError
+
                 raise GpuMemError(
                     f"--gpumem-backend={name}: no such backend (built in: auto, cuda, accelerator, tracker)"
                 )
@@ -215,6 +216,7 @@ class GpuMemSession:
 
     def _finish_baselines(self, session: pytest.Session, exitstatus: int) -> None:
         from pytest_gpumem.results import Status
+        from pytest_gpumem.run.regression_end import finish, partial_run, slack_hint
 
         if exitstatus == pytest.ExitCode.INTERRUPTED:
             self.baseline_lines.append(f"run interrupted: {self.baselines.options.path} left as it was")
@@ -224,7 +226,7 @@ class GpuMemSession:
             records = [(r.nodeid, r.baseline_entry) for r in self.results if r.baseline_entry is not None]
             missing = [r.nodeid for r in self.results if r.status == Status.MISSING_BASELINE]
             regressed = [r.nodeid for r in self.results if r.status == Status.REGRESSED]
-            self.baseline_lines += self.baselines.finish(records, self.backend, missing, regressed)
+            self.baseline_lines += finish(self.baselines, records, self.backend, missing, regressed)
             self.baseline_lines += slack_hint(self.results, self.baselines.options.slack)
         except ModelError as exc:
             self.problems.append(str(exc))
