@@ -1,6 +1,6 @@
 """Where the tracker's time goes on small ops: µs per op of each part, on the step overhead.py calls tiny.
 
-    python benchmarks/op_cost.py [--json PATH] [--rounds 15] [--threads 1] [--inner 200] [--wall] [--net]
+    python benchmarks/op_cost.py [--json PATH] [--rounds 15] [--threads 1] [--inner 200] [--wall] [--net|--residual]
 
 One forward+backward step of `Linear(64)` on a batch of 8 (13 ATen ops, 5 of them making a tensor), run
 `inner` times under each candidate, the candidates interleaved round by round (drift hits all alike). Each
@@ -23,6 +23,8 @@ that part's cost per op:
 
 `--net` runs the same candidates on overhead.py's Net step (Linear 1024->2048->1024, batch 64; 3 steps a
 run unless `--inner` says otherwise): there the floor is what any dispatch mode costs a step of large ops.
+`--residual` runs them on a residual MLP (4 blocks of Linear(64), relu and a residual, batch 8), whose
+backward joins gradients at every block's input: there the unmoded backward hooks the graph.
 
 Times are the main thread's CPU time (`time.thread_time`: on the CPU, backward runs on the calling
 thread), which a machine shared with other work disturbs far less than wall time (`--wall`). It also times
@@ -71,6 +73,31 @@ def net_step() -> tuple[Step, int]:
     """overhead.py's Net step, and how many ATen ops one step dispatches."""
     torch.manual_seed(0)
     model, x = benchlib.Net(), torch.randn(benchlib.BATCH, 1024)
+
+    def step() -> None:
+        model(x).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    return step, _ops_in(step)
+
+
+class ResidualMLP(nn.Module):
+    """Blocks of Linear, relu and a residual: every block's input takes two gradients in backward."""
+
+    def __init__(self, width: int = 64, blocks: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            hidden = hidden + torch.relu(block(hidden))
+        return hidden
+
+
+def residual_step() -> tuple[Step, int]:
+    """A residual MLP's step (4 blocks of Linear(64), relu and a residual, batch 8), and its ATen ops."""
+    torch.manual_seed(0)
+    model, x = ResidualMLP(), torch.randn(8, 64)
 
     def step() -> None:
         model(x).sum().backward()
@@ -330,11 +357,22 @@ def _gc_watched() -> Iterator[None]:
         gc.callbacks.remove(watch)
 
 
+def _chosen_step(args: argparse.Namespace) -> tuple[str, tuple[Step, int]]:
+    if args.net:
+        return "Net b64", net_step()
+    if args.residual:
+        return "residual MLP (4 blocks of Linear(64)) b8", residual_step()
+    return "Linear(64) b8", tiny_step()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = benchlib.parser("µs per op of each part of the tracker, on Linear(64) b8")
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
     p.add_argument("--inner", type=int, default=None, help="steps per candidate and round (default 200, --net 3)")
     p.add_argument("--net", action="store_true", help="the Net step (Linear 1024->2048->1024, batch 64), no gap")
+    p.add_argument(
+        "--residual", action="store_true", help="a residual MLP's step (4 blocks of Linear(64), relu, +), no gap"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("--skip-gap", action="store_true", help="only the per-op table")
     p.add_argument("--wall", action="store_true", help="wall time (time.perf_counter), not the thread's CPU time")
@@ -342,18 +380,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.wall:
         _CLOCK[0] = time.perf_counter
     torch.set_num_threads(args.threads)
-    step, ops = net_step() if args.net else tiny_step()
+    name, (step, ops) = _chosen_step(args)
     inner = args.inner or (3 if args.net else 200)
     data: dict[str, Any] = {}
     rows, data["parts"] = per_op_table(step, ops, inner, args.rounds)
     benchlib.show(
-        f"{'Net b64' if args.net else 'Linear(64) b8'}, {ops} ops a step, {args.threads} thread(s), "
+        f"{name}, {ops} ops a step, {args.threads} thread(s), "
         f"{args.rounds} interleaved rounds of {inner}, " + ("wall time" if args.wall else "CPU time"),
         ["candidate (each adds a part)", "median µs/step", "ratio", "µs per op of the part"],
         rows,
         ["the part's cost: (its median - the row above's) / ops a step"],
     )
-    if not args.skip_gap and not args.net:
+    if not args.skip_gap and not args.net and not args.residual:
         rows, data["gap"] = gap(step, inner, args.rounds)
         benchlib.show(
             "the tracker with the allocator's model: a plain loop against overhead.py's interleaved rounds",
