@@ -1,6 +1,7 @@
 """Where the tracker's time goes on small ops: µs per op of each part, on the step overhead.py calls tiny.
 
     python benchmarks/op_cost.py [--json PATH] [--rounds 15] [--threads 1] [--inner 200] [--wall] [--net|--residual]
+                                  [--instructions [--against DIR]]
 
 One forward+backward step of `Linear(64)` on a batch of 8 (13 ATen ops, 5 of them making a tensor), run
 `inner` times under each candidate, the candidates interleaved round by round (drift hits all alike). Each
@@ -23,6 +24,8 @@ that part's cost per op:
 
 `--net` runs the same candidates on overhead.py's Net step (Linear 1024->2048->1024, batch 64; 3 steps a
 run unless `--inner` says otherwise): there the floor is what any dispatch mode costs a step of large ops.
+`--instructions` counts callgrind's instructions a step instead of timing (overhead.py's markers, one
+child process; `--against DIR` also counts another checkout's package on the same steps).
 `--residual` runs them on a residual MLP (4 blocks of Linear(64), relu and a residual, batch 8), whose
 backward joins gradients at every block's input: there the unmoded backward hooks the graph.
 
@@ -40,6 +43,7 @@ import contextlib
 import gc
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import benchlib
@@ -357,12 +361,70 @@ def _gc_watched() -> Iterator[None]:
         gc.callbacks.remove(watch)
 
 
+def count(step: Step, inner: int, rounds: int) -> None:
+    """`--count` (run under callgrind by `instructions`): each candidate's runs in rounds, each after a full
+    collection and between overhead.py's two marker calls; the candidates' names in order on stdout."""
+    import os
+
+    runs = candidates(step, inner)
+    for fn in runs.values():  # warm-up: first uses (imports, caches) are not counted
+        fn()
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            gc.collect()
+            os.getpgrp()
+            fn()
+            os.getppid()
+            print(name, flush=True)
+
+
+def instructions(argv: list[str], ops: int, inner: int, against: Path | None, out: Path) -> list[list[str]]:
+    """Instructions per step of each candidate, counted by callgrind in a child (`--count`), this tree's
+    and, with `against`, another checkout's (its package on PYTHONPATH, this benchmark's steps)."""
+    import os
+    import sys
+
+    import overhead
+
+    rows: list[list[str]] = []
+    for label, checkout in [("", None)] + ([] if against is None else [(f" @{against}", against)]):
+        env = dict(os.environ) if checkout is None else {**os.environ, "PYTHONPATH": str(checkout.resolve())}
+        command = [sys.executable, __file__, *argv, "--count"]
+        counts, stdout = overhead._callgrind(command, out / f"op_cost{'-against' if checkout else ''}", env, True)
+        per_step: dict[str, list[float]] = {}
+        for name, counted in zip(stdout.splitlines(), counts, strict=True):
+            per_step.setdefault(name, []).append(counted / inner)
+        previous = base = benchlib.median(per_step["untracked"])
+        for name, runs in per_step.items():
+            med = benchlib.median(runs)
+            part = f"{(med - previous) / ops:+,.0f}" if name != "untracked" else ""
+            rows.append([name + label, f"{med:,.0f}", f"{med - base:+,.0f}", part])
+            if name != BESIDE:
+                previous = med
+    return rows
+
+
 def _chosen_step(args: argparse.Namespace) -> tuple[str, tuple[Step, int]]:
     if args.net:
         return "Net b64", net_step()
     if args.residual:
         return "residual MLP (4 blocks of Linear(64)) b8", residual_step()
     return "Linear(64) b8", tiny_step()
+
+
+def _show_instructions(args: argparse.Namespace, name: str, ops: int, inner: int) -> int:
+    import tempfile
+
+    step_args = ["--net"] if args.net else ["--residual"] if args.residual else []
+    child = [*step_args, "--inner", str(inner), "--rounds", str(args.rounds), "--threads", "1"]
+    with tempfile.TemporaryDirectory() as out:
+        rows = instructions(child, ops, inner, args.against, Path(out))
+    benchlib.show(
+        f"{name}, {ops} ops a step, callgrind's instructions, medians of {args.rounds} rounds of {inner}",
+        ["candidate (each adds a part)", "instructions a step", "above untracked", "instructions per op of the part"],
+        rows,
+    )
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -376,12 +438,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("--skip-gap", action="store_true", help="only the per-op table")
     p.add_argument("--wall", action="store_true", help="wall time (time.perf_counter), not the thread's CPU time")
+    p.add_argument("--instructions", action="store_true", help="callgrind's instructions a step, not times")
+    p.add_argument("--against", type=Path, default=None, help="with --instructions, also this checkout's")
+    p.add_argument("--count", action="store_true", help=argparse.SUPPRESS)
     args: argparse.Namespace = p.parse_args(argv)
     if args.wall:
         _CLOCK[0] = time.perf_counter
     torch.set_num_threads(args.threads)
     name, (step, ops) = _chosen_step(args)
     inner = args.inner or (3 if args.net else 200)
+    if args.count:
+        count(step, inner, args.rounds)
+        return 0
+    if args.instructions:
+        return _show_instructions(args, name, ops, inner)
     data: dict[str, Any] = {}
     rows, data["parts"] = per_op_table(step, ops, inner, args.rounds)
     benchlib.show(
