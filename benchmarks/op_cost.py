@@ -1,6 +1,7 @@
 """Where the tracker's time goes on small ops: µs per op of each part, on the step overhead.py calls tiny.
 
-    python benchmarks/op_cost.py [--json PATH] [--rounds 15] [--threads 1] [--inner 200] [--wall] [--net]
+    python benchmarks/op_cost.py [--json PATH] [--rounds 15] [--threads 1] [--inner 200] [--wall] [--net|--residual]
+                                  [--instructions [--against DIR]]
 
 One forward+backward step of `Linear(64)` on a batch of 8 (13 ATen ops, 5 of them making a tensor), run
 `inner` times under each candidate, the candidates interleaved round by round (drift hits all alike). Each
@@ -23,6 +24,10 @@ that part's cost per op:
 
 `--net` runs the same candidates on overhead.py's Net step (Linear 1024->2048->1024, batch 64; 3 steps a
 run unless `--inner` says otherwise): there the floor is what any dispatch mode costs a step of large ops.
+`--instructions` counts callgrind's instructions a step instead of timing (overhead.py's markers, one
+child process; `--against DIR` also counts another checkout's package on the same steps).
+`--residual` runs them on a residual MLP (4 blocks of Linear(64), relu and a residual, batch 8), whose
+backward joins gradients at every block's input: there the unmoded backward hooks the graph.
 
 Times are the main thread's CPU time (`time.thread_time`: on the CPU, backward runs on the calling
 thread), which a machine shared with other work disturbs far less than wall time (`--wall`). It also times
@@ -38,6 +43,7 @@ import contextlib
 import gc
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import benchlib
@@ -71,6 +77,31 @@ def net_step() -> tuple[Step, int]:
     """overhead.py's Net step, and how many ATen ops one step dispatches."""
     torch.manual_seed(0)
     model, x = benchlib.Net(), torch.randn(benchlib.BATCH, 1024)
+
+    def step() -> None:
+        model(x).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    return step, _ops_in(step)
+
+
+class ResidualMLP(nn.Module):
+    """Blocks of Linear, relu and a residual: every block's input takes two gradients in backward."""
+
+    def __init__(self, width: int = 64, blocks: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            hidden = hidden + torch.relu(block(hidden))
+        return hidden
+
+
+def residual_step() -> tuple[Step, int]:
+    """A residual MLP's step (4 blocks of Linear(64), relu and a residual, batch 8), and its ATen ops."""
+    torch.manual_seed(0)
+    model, x = ResidualMLP(), torch.randn(8, 64)
 
     def step() -> None:
         model(x).sum().backward()
@@ -330,30 +361,107 @@ def _gc_watched() -> Iterator[None]:
         gc.callbacks.remove(watch)
 
 
+def count(step: Step, inner: int, rounds: int) -> None:
+    """`--count` (run under callgrind by `instructions`): each candidate's runs in rounds, each after a full
+    collection and between overhead.py's two marker calls; the candidates' names in order on stdout."""
+    import os
+
+    runs = candidates(step, inner)
+    for fn in runs.values():  # warm-up: first uses (imports, caches) are not counted
+        fn()
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            gc.collect()
+            os.getpgrp()
+            fn()
+            os.getppid()
+            print(name, flush=True)
+
+
+def instructions(argv: list[str], ops: int, inner: int, against: Path | None, out: Path) -> list[list[str]]:
+    """Instructions per step of each candidate, counted by callgrind in a child (`--count`), this tree's
+    and, with `against`, another checkout's (its package on PYTHONPATH, this benchmark's steps)."""
+    import os
+    import sys
+
+    import overhead
+
+    rows: list[list[str]] = []
+    for label, checkout in [("", None)] + ([] if against is None else [(f" @{against}", against)]):
+        env = dict(os.environ) if checkout is None else {**os.environ, "PYTHONPATH": str(checkout.resolve())}
+        command = [sys.executable, __file__, *argv, "--count"]
+        counts, stdout = overhead._callgrind(command, out / f"op_cost{'-against' if checkout else ''}", env, True)
+        per_step: dict[str, list[float]] = {}
+        for name, counted in zip(stdout.splitlines(), counts, strict=True):
+            per_step.setdefault(name, []).append(counted / inner)
+        previous = base = benchlib.median(per_step["untracked"])
+        for name, runs in per_step.items():
+            med = benchlib.median(runs)
+            part = f"{(med - previous) / ops:+,.0f}" if name != "untracked" else ""
+            rows.append([name + label, f"{med:,.0f}", f"{med - base:+,.0f}", part])
+            if name != BESIDE:
+                previous = med
+    return rows
+
+
+def _chosen_step(args: argparse.Namespace) -> tuple[str, tuple[Step, int]]:
+    if args.net:
+        return "Net b64", net_step()
+    if args.residual:
+        return "residual MLP (4 blocks of Linear(64)) b8", residual_step()
+    return "Linear(64) b8", tiny_step()
+
+
+def _show_instructions(args: argparse.Namespace, name: str, ops: int, inner: int) -> int:
+    import tempfile
+
+    step_args = ["--net"] if args.net else ["--residual"] if args.residual else []
+    child = [*step_args, "--inner", str(inner), "--rounds", str(args.rounds), "--threads", "1"]
+    with tempfile.TemporaryDirectory() as out:
+        rows = instructions(child, ops, inner, args.against, Path(out))
+    benchlib.show(
+        f"{name}, {ops} ops a step, callgrind's instructions, medians of {args.rounds} rounds of {inner}",
+        ["candidate (each adds a part)", "instructions a step", "above untracked", "instructions per op of the part"],
+        rows,
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = benchlib.parser("µs per op of each part of the tracker, on Linear(64) b8")
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
     p.add_argument("--inner", type=int, default=None, help="steps per candidate and round (default 200, --net 3)")
     p.add_argument("--net", action="store_true", help="the Net step (Linear 1024->2048->1024, batch 64), no gap")
+    p.add_argument(
+        "--residual", action="store_true", help="a residual MLP's step (4 blocks of Linear(64), relu, +), no gap"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("--skip-gap", action="store_true", help="only the per-op table")
     p.add_argument("--wall", action="store_true", help="wall time (time.perf_counter), not the thread's CPU time")
+    p.add_argument("--instructions", action="store_true", help="callgrind's instructions a step, not times")
+    p.add_argument("--against", type=Path, default=None, help="with --instructions, also this checkout's")
+    p.add_argument("--count", action="store_true", help=argparse.SUPPRESS)
     args: argparse.Namespace = p.parse_args(argv)
     if args.wall:
         _CLOCK[0] = time.perf_counter
     torch.set_num_threads(args.threads)
-    step, ops = net_step() if args.net else tiny_step()
+    name, (step, ops) = _chosen_step(args)
     inner = args.inner or (3 if args.net else 200)
+    if args.count:
+        count(step, inner, args.rounds)
+        return 0
+    if args.instructions:
+        return _show_instructions(args, name, ops, inner)
     data: dict[str, Any] = {}
     rows, data["parts"] = per_op_table(step, ops, inner, args.rounds)
     benchlib.show(
-        f"{'Net b64' if args.net else 'Linear(64) b8'}, {ops} ops a step, {args.threads} thread(s), "
+        f"{name}, {ops} ops a step, {args.threads} thread(s), "
         f"{args.rounds} interleaved rounds of {inner}, " + ("wall time" if args.wall else "CPU time"),
         ["candidate (each adds a part)", "median µs/step", "ratio", "µs per op of the part"],
         rows,
         ["the part's cost: (its median - the row above's) / ops a step"],
     )
-    if not args.skip_gap and not args.net:
+    if not args.skip_gap and not args.net and not args.residual:
         rows, data["gap"] = gap(step, inner, args.rounds)
         benchlib.show(
             "the tracker with the allocator's model: a plain loop against overhead.py's interleaved rounds",

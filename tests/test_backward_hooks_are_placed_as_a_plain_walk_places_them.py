@@ -22,8 +22,9 @@ SHAPE = (4, 3)
 
 
 def plain_plan(roots: list[Any]) -> Plan:
-    """The post-hooked nodes, the pre-hooked nodes (by id), whether gradients meet in some buffer slot,
-    and whether a node of `_TWINS` is in the graph, each decided the plain way."""
+    """The post-hooked nodes (those whose outputs meet another gradient in a buffer slot, those of
+    `_TWINS`), the pre-hooked nodes (those of `_TWINS`), by id, whether gradients meet in some buffer
+    slot, and whether a node of `_TWINS` is in the graph, each decided the plain way."""
     nodes: dict[int, Any] = {}  # held: a node's id stays its own
     pending = [root.grad_fn if isinstance(root, torch.Tensor) else root.node for root in roots]
     while pending:
@@ -40,14 +41,11 @@ def plain_plan(roots: list[Any]) -> Plan:
     post: set[int] = set()
     pre: set[int] = set()
     for key, node in nodes.items():
-        consumers = [consumer for consumer, _ in node.next_functions if consumer is not None]
         joins = any(incoming[id(consumer), slot] > 1 for consumer, slot in node.next_functions if consumer is not None)
         if joins or node.name() in unmoded._TWIN_OPS:
             post.add(key)
+        if node.name() in unmoded._TWIN_OPS:
             pre.add(key)
-        if joins:
-            pre.update(id(consumer) for consumer in consumers)
-    pre = {key for key in pre if nodes[key].name() != "torch::autograd::AccumulateGrad"}
     twins = any(node.name() in unmoded._TWIN_OPS for node in nodes.values())
     return post, pre, any(count > 1 for count in incoming.values()), twins
 

@@ -16,10 +16,10 @@ holding it or its storage (use counts read against a probe's, `calibrate`). Anyt
 
 Where backward is comes from hooks on the graph's nodes (`hooked`, around each engine run): a node's
 formula runs between its pre- and post-hook; the engine adds what it returned into its consumers' buffers
-after its post-hook and before the next hooked node's pre-hook, so an `add` there of a tensor it returned
-is the buffer's accumulation. Only the nodes that need them are hooked (those whose outputs meet another
-gradient in a buffer, their consumers, the nodes of `_TWINS`): a hook, removed, leaves an empty dictionary
-on its node, which a retained graph keeps. `AccumulateGrad` nodes, which outlive a backward, get none.
+after its post-hook, while it is still the node the engine runs (`current_autograd_node`), so an `add`
+there of a tensor it returned is the buffer's accumulation. Only the nodes that need them are hooked: a
+post-hook on those whose outputs meet another gradient in a buffer, a pre- and a post-hook on the nodes of
+`_TWINS` (a hook, removed, leaves an empty dictionary on its node, which a retained graph keeps).
 
 Not emulated: formulas whose subclass branch is another algorithm (`prod`, `cumprod`, the full `max`,
 `min` and `median`), sparse gradients of leaves (cloned under a mode: their parts have Python references),
@@ -94,25 +94,27 @@ _NOTHING: frozenset[int] = frozenset()
 
 
 class _Run:
-    """Where one engine run is on its thread: the node whose formula runs (None between formulas), and
-    the tensors (by TensorImpl) the last node returned, until the next node starts. Hooks fired by
-    another run through the same nodes (a backward inside a hook), or on another thread, are ignored."""
+    """Where one engine run is on its thread: the node of `_TWINS` whose formula runs (None outside
+    them), the last post-hooked node that returned (held: its Python object stays the engine's), and the
+    tensors (by TensorImpl) it returned. Hooks fired by another run through the same nodes (a backward
+    inside a hook), or on another thread, are ignored."""
 
-    __slots__ = ("node", "produced", "task", "thread")
+    __slots__ = ("node", "produced", "producer", "task", "thread")
 
     def __init__(self) -> None:
         self.node: str | None = None
+        self.producer: object = None
         self.produced: frozenset[int] = _NOTHING
         self.thread = threading.get_ident()
         self.task: int | None = None  # the engine's graph task, known at the first hook (its root's)
 
     def starts(self, name: str, grad_outputs: object) -> None:
         if self._ours():
-            self.node, self.produced = name, _NOTHING
+            self.node = name
 
-    def returned(self, grad_inputs: Sequence[torch.Tensor | None], grad_outputs: object) -> None:
+    def returned(self, node: object, grad_inputs: Sequence[torch.Tensor | None], grad_outputs: object) -> None:
         if self._ours():
-            self.node = None
+            self.node, self.producer = None, node
             self.produced = frozenset([tensor_key(t) for t in grad_inputs if t is not None])
 
     def _ours(self) -> bool:
@@ -125,6 +127,7 @@ class _Run:
 _graph_task = private_torch.graph_task_reader()
 """The autograd engine's current graph task on this thread (-1 outside backward)."""
 _thread = threading.get_ident
+_current_node = private_torch.current_autograd_node
 
 
 class _Local(threading.local):
@@ -189,11 +192,7 @@ _UNCHANGED = contextlib.nullcontext()
 
 
 def _hook_graph(graph: _Graph, run: _Run) -> list[Any] | None:
-    """The handles of the hooks put on the graph, or None where a node refuses one (none is left).
-
-    Post-hooks on the nodes whose outputs meet another gradient in a buffer and on those of `_TWINS`;
-    pre-hooks on those and on every consumer of the first (the window of an accumulation closes when one
-    of them starts). `AccumulateGrad` nodes, which outlive a backward, get none."""
+    """The handles of the hooks put on the graph, or None where a node refuses one (none is left)."""
     handles: list[Any] = []
     try:
         _add_hooks(graph, run, handles)
@@ -207,29 +206,26 @@ def _hook_graph(graph: _Graph, run: _Run) -> list[Any] | None:
 def _add_hooks(graph: _Graph, run: _Run, handles: list[Any]) -> None:
     returning, starting = hook_plan(graph)
     for node in returning:
-        handles.append(node.register_hook(run.returned))
+        handles.append(node.register_hook(functools.partial(run.returned, node)))
     for node, name in starting:
         handles.append(node.register_prehook(functools.partial(run.starts, name)))
 
 
 def hook_plan(graph: _Graph) -> tuple[list[Any], list[tuple[Any, str]]]:
-    """The nodes `_hook_graph` puts a post-hook on, and those it puts a pre-hook on, with their names."""
+    """The nodes `_hook_graph` puts a post-hook on (those whose outputs meet another gradient in a buffer
+    and those of `_TWINS`), and those it puts a pre-hook on (those of `_TWINS`), with their names."""
     nodes, feeds, joined, _ = graph
     returning: list[Any] = []
-    starting: dict[Any, None] = {}
+    starting: list[tuple[Any, str]] = []
     for node, edges in nodes.items():
-        consumers = [edge for edge in edges if edge[0] is not None]
-        joins = joined and any(feeds[consumer, slot] > 1 for consumer, slot in consumers)
-        if joins or _kind(node) == _TWIN:
+        if _kind(node) == _TWIN:
             returning.append(node)
-            starting[node] = None
-        if joins:
-            starting.update((consumer, None) for consumer, _ in consumers)
-    names = ((node, node.name()) for node in starting)
-    return returning, [(node, name) for node, name in names if name != _ACCUMULATE_GRAD]
+            starting.append((node, node.name()))
+        elif joined and any(edge[0] is not None and feeds[edge] > 1 for edge in edges):
+            returning.append(node)
+    return returning, starting
 
 
-_ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 _Graph = tuple[dict[Any, Any], dict[tuple[Any, int], int], bool, bool]
 _TWIN, _OTHER = 1, 2
 _KINDS: dict[type, int] = {}
@@ -295,7 +291,7 @@ def in_place_twin(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | Non
         return None
     run = runs[-1]
     if run.node is None:
-        twin = _ADD_ if func is _ADD and _accumulating(run, args, kwargs) else None
+        twin = _ADD_ if func is _ADD and _accumulating(run, args, kwargs) and _current_node() is run.producer else None
     else:
         twin = _TWINS.get(run.node, {}).get(func)
     if twin is None or torch.is_grad_enabled() or not _keeps_self(func, args, kwargs):
