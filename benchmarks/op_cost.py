@@ -158,9 +158,9 @@ class _NoTemporaries(StorageLedger):
     """The allocator's model without kernel temporaries (nor cuBLAS workspaces: the fast path takes the
     ops that may have either)."""
 
-    @property
-    def wants_temporaries(self) -> bool:
-        return False
+    def _decide_wants(self) -> None:
+        super()._decide_wants()
+        self.wants_temporaries = False
 
 
 class _ServedAtEachOp(_NoTemporaries):
@@ -219,6 +219,7 @@ def _backend(
         backend = TrackerBackend(rounding, paths=paths)
         if ledger is not None:
             backend.ledger.__class__ = ledger
+            backend.ledger._decide_wants()
         backend.configure(Settings(None, explain=explain))
         backend.start()
         return backend

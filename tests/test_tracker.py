@@ -222,6 +222,22 @@ def test_the_ledger_counts_storages_until_they_die() -> None:
     del b
 
 
+def test_the_ledger_counts_only_the_device_it_stands_for_and_follows_a_change_of_it() -> None:
+    ledger = StorageLedger("none")
+    ledger.device_type = "meta"  # the predicted GPU: a CPU storage is its host's memory
+    on_gpu, on_host, later = (torch.empty(n, dtype=torch.uint8, device=d).untyped_storage() for n, d in
+                              ((100, "meta"), (30, "cpu"), (7, "cpu")))  # fmt: skip
+    ledger.add(on_gpu)
+    ledger.add(on_host)
+    assert ledger.requested == 100
+    ledger.device_type = "cpu"  # each device decided anew
+    ledger.add(later)
+    assert ledger.requested == 100 + 7
+    ledger.device_type = None  # every storage
+    ledger.add(on_host)
+    assert ledger.requested == 100 + 7 + 30
+
+
 def test_the_ledger_follows_resizes_and_growth_of_earlier_storages() -> None:
     ledger = StorageLedger("none")
     made, earlier = FakeStorage(1, 100), FakeStorage(2, 300)

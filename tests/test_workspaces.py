@@ -5,6 +5,7 @@ never the test's leak. Figures derived by hand from the allocator's rules (tests
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import pytest
 import torch
 from builders import Reported
 
+from cuda_allocator_model import CachingAllocatorModel
 from cuda_allocator_model.cards import cublas_workspace_bytes
 from pytest_gpumem.backends.base import Settings
 from pytest_gpumem.backends.tracker.backend import TrackerBackend
@@ -200,6 +202,31 @@ def test_the_ledger_keeps_one_per_handle() -> None:
     assert all(isinstance(w, Workspace) and w.nbytes() == WORKSPACE for w in ledger.workspaces.values())
     ledger.forget()  # a new measurement starts with none
     assert ledger.workspaces == {} and ledger.allocated == 0
+
+
+def test_the_handles_ready_and_what_the_ledger_wants_follow_every_change_of_terms() -> None:
+    """The mode skips a matmul's workspace check on a handle in `workspaces_ready` and reads `wants_*` as
+    plain attributes: after any sequence of changes they say what the ledger's state does."""
+    rng = random.Random(50)
+    ledger = StorageLedger("cuda")
+    for _ in range(2_000):
+        action = rng.randrange(6)
+        if action == 0 and ledger.wants_workspaces:  # as the mode calls it
+            ledger.workspace(rng.choice(("test thread", "autograd", "another thread")))
+        elif action == 1:
+            ledger.workspace_bytes = rng.choice((0, 512, WORKSPACE, 32 * MIB))
+        elif action == 2:
+            ledger.clear_workspaces()
+        elif action == 3:
+            ledger.forget()
+        elif action == 4:
+            ledger.model = rng.choice((None, CachingAllocatorModel(ledger.settings)))
+        elif action == 5:
+            ledger.device_type = rng.choice((None, "meta", "cpu"))
+        size, modelled = ledger.workspace_bytes, ledger.model is not None
+        assert ledger.workspaces_ready == {h for h, w in ledger.workspaces.items() if w.size >= size}
+        assert ledger.wants_workspaces == (modelled and size > 0)
+        assert ledger.wants_temporaries == (modelled or ledger.device_type == "meta")
 
 
 def test_the_cuda_backend_clears_torchs_workspaces(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -84,15 +84,17 @@ class StorageLedger(HoldingWithoutTensors):
         self._peak_allocated = 0
         self.fake_outputs = 0  # outputs of ops under FakeTensorMode, which hold no memory
         self.compiled_buffers = 0  # buffers of Inductor's compiled programs (its plan for the CPU)
-        self.device_type: str | None = None  # count only storages on it (meta: the GPU); None: every storage
+        self._device_type: str | None = None
+        self._counted_devices: dict[object, bool] = {}  # whether a storage on the device is counted, by device
         self._capacity: int | None = None
         self._recorder: Recorder | None = None
         self.recording = False  # whether a recorder is set: read on every op, where `recorder` would cost a call
         self._timeline: TimelineRecorder | None = None
         self.op: object = None  # the op being dispatched and its outputs, read only by the recorder
         self.out: object = None
-        self.workspace_bytes = CUBLAS_WORKSPACE_DEFAULT  # of each cuBLAS workspace (with the allocator's model)
+        self._workspace_bytes = CUBLAS_WORKSPACE_DEFAULT
         self.workspaces: dict[object, Workspace] = {}  # by cuBLAS handle
+        self.workspaces_ready: set[object] = set()
         self.card: Card | None = None  # the card predicted (its SMs size kernel temporaries); None: none named
         self.largest_temporaries = 0  # the most bytes one op's kernel temporaries held at once, since `forget`
         self.bounds: dict[tuple[str, str], int] = {}  # ops whose figure is not a card's (`cudnn.bound`): calls
@@ -103,6 +105,7 @@ class StorageLedger(HoldingWithoutTensors):
         self._replaying = False
         self._late = self._may_serve_late()  # whether the next event may be held back
         self._plain = self._counts_only()  # whether an event changes nothing but the counters
+        self._decide_wants()
 
     # --- readers: each sees the model with every held event served
 
@@ -120,6 +123,29 @@ class StorageLedger(HoldingWithoutTensors):
         self._model = model
         self._late = False
         self._plain = self._counts_only()
+        self._decide_wants()
+
+    @property
+    def device_type(self) -> str | None:
+        """Count only storages on it (meta: the GPU's memory, a CPU tensor its host's); None: every storage."""
+        return self._device_type
+
+    @device_type.setter
+    def device_type(self, device_type: str | None) -> None:
+        self._device_type = device_type
+        self._counted_devices = {}
+        self._decide_wants()
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes of each cuBLAS workspace (with the allocator's model)."""
+        return self._workspace_bytes
+
+    @workspace_bytes.setter
+    def workspace_bytes(self, size: int) -> None:
+        self._workspace_bytes = size
+        self.workspaces_ready = {handle for handle, held in self.workspaces.items() if held.size >= size}
+        self._decide_wants()
 
     @property
     def live(self) -> dict[int, _StorageRef]:
@@ -212,9 +238,17 @@ class StorageLedger(HoldingWithoutTensors):
         if key in self._live:
             self.resize(storage)
             return
-        if self.device_type is not None and storage.device.type != self.device_type:
+        if self._device_type is not None and not self._counts_device(storage):
             return  # host memory beside the device the ledger stands for
         self._follow(storage, key, storage.nbytes())
+
+    def _counts_device(self, storage: Storage) -> bool:
+        """Whether `storage` is on the device counted, decided once per device (`device.type` builds a str)."""
+        device = storage.device
+        counted = self._counted_devices.get(device)
+        if counted is None:
+            counted = self._counted_devices[device] = device.type == self._device_type
+        return counted
 
     def resized(self, storage: Storage, before: int) -> None:
         """`storage` was resized outside any op (`UntypedStorage.resize_`): follow it like an op's resize."""
@@ -230,7 +264,7 @@ class StorageLedger(HoldingWithoutTensors):
             self.resize(storage)
             return
         requested = storage.nbytes() - before
-        if requested > 0 and (self.device_type is None or storage.device.type == self.device_type):
+        if requested > 0 and (self._device_type is None or self._counts_device(storage)):
             self._follow(storage, key, requested, base=before)
 
     def resize(self, storage: Storage) -> None:
@@ -261,6 +295,7 @@ class StorageLedger(HoldingWithoutTensors):
         self._held.clear()  # the model they were for is replaced
         self._live.clear()
         self.workspaces.clear()
+        self.workspaces_ready.clear()
         self.requested = self._allocated = self.peak_requested = self._peak_allocated = self.fake_outputs = 0
         self.compiled_buffers = 0
         self.largest_temporaries = 0

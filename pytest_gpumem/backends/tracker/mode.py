@@ -215,8 +215,7 @@ def _make_fast(func: Any, plan: tuple[int, Any]) -> None:
 def _workspace_due(ledger: StorageLedger) -> object | None:
     """The cuBLAS handle a matmul on this thread runs on, if it has no workspace of the ledger's size yet."""
     handle = _AUTOGRAD_HANDLE if _graph_task() != -1 else _thread()
-    held = ledger.workspaces.get(handle)
-    return None if held is not None and held.size >= ledger.workspace_bytes else handle
+    return None if handle in ledger.workspaces_ready else handle
 
 
 def _slow(when: int, ledger: StorageLedger, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
@@ -224,7 +223,11 @@ def _slow(when: int, ledger: StorageLedger, func: Any, args: tuple[Any, ...], kw
     return (
         bool(when & _ON_GPU and ledger.wants_temporaries and may_take(func, args, kwargs))
         or bool(when & _IN_BACKWARD and _graph_task() != -1)
-        or bool(when & _WORKSPACE and ledger.wants_workspaces and _workspace_due(ledger) is not None)
+        or bool(  # _workspace_due, inline: every matmul
+            when & _WORKSPACE
+            and ledger.wants_workspaces
+            and (_AUTOGRAD_HANDLE if _graph_task() != -1 else _thread()) not in ledger.workspaces_ready
+        )
     )
 
 

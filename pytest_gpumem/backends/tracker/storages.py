@@ -77,16 +77,23 @@ class HoldingWithoutTensors:
     device_type: str | None
     workspace_bytes: int
     workspaces: dict[object, Workspace]
+    workspaces_ready: set[object]  # the handles in `workspaces` whose workspace has `workspace_bytes` or more
     largest_temporaries: int
     bounds: dict[tuple[str, str], int]
+    # read on every matmul and reduction: plain attributes, set by `_decide_wants` whenever the allocator's
+    # model, the workspace's size or the device counted changes
+    wants_workspaces = False
+    """Whether a matmul's first use of a cuBLAS handle allocates a workspace (the allocator's model)."""
+    wants_temporaries = False
+    """Whether ops' kernel temporaries are counted: only where the ledger predicts a GPU (the allocator's
+    model, or the meta device)."""
 
     def _follow(self, storage: object, key: int, requested: int, base: int = 0) -> None:
         raise NotImplementedError
 
-    @property
-    def wants_workspaces(self) -> bool:
-        """Whether a matmul's first use of a cuBLAS handle allocates a workspace (the allocator's model)."""
-        return self._model is not None and self.workspace_bytes > 0
+    def _decide_wants(self) -> None:
+        self.wants_workspaces = self._model is not None and self.workspace_bytes > 0
+        self.wants_temporaries = self._model is not None or self.device_type == "meta"
 
     def workspace(self, handle: object) -> None:
         """A matmul ran on cuBLAS `handle`: on its first use (or when the workspace size grew since, as
@@ -98,13 +105,8 @@ class HoldingWithoutTensors:
         made = Workspace(self.workspace_bytes)
         self._follow(made, made.key, made.size)  # the device's own memory, wherever the ledger counts
         self.workspaces[handle] = made
+        self.workspaces_ready.add(handle)
         del held  # the smaller one, if any: freed now
-
-    @property
-    def wants_temporaries(self) -> bool:
-        """Whether ops' kernel temporaries are counted: only where the ledger predicts a GPU (the allocator's
-        model, or the meta device)."""
-        return self._model is not None or self.device_type == "meta"
 
     def transient(self, sizes: Sequence[int], during: Callable[[], None] | None = None) -> None:
         """An op's kernel allocated blocks of `sizes` bytes in this order and freed them, in reverse order,
@@ -135,3 +137,4 @@ class HoldingWithoutTensors:
     def clear_workspaces(self) -> None:
         """`private_torch.clear_cublas_workspaces()`: every workspace is freed (its blocks cached)."""
         self.workspaces.clear()
+        self.workspaces_ready.clear()
