@@ -2,7 +2,8 @@
 
     python benchmarks/overhead.py [--json PATH] [--rounds 15] [--threads N] [--skip-suites] [--cpu-time]
                                   [--against DIR] [--only net|tiny] [--floor] [--steady-heap]
-                                  [--instructions [--callgrind-out DIR]]
+                                  [--instructions [--idle-only] [--environments N] [--jobs N]
+                                  [--also-against DIR] [--callgrind-out DIR]]
 
 1. One forward+backward step, untracked vs the tracker (and with the CUDA allocator's model,
    `--gpumem-round=cuda`) vs MemTracker vs the profiler with profile_memory=True, on the Net (Linear
@@ -31,9 +32,13 @@ here, in a number that changes with the heap's layout from one run to the next (
 `--instructions` counts instead of timing: each step candidate (and the floor) in a child process under
 valgrind's callgrind, one thread, its runs between two marker calls (callgrind zeroes its counters at
 `getpgrp()` and dumps them at `getppid()`), after a warm-up run of each; and the idle suite's whole pytest
-runs. Counts repeat to a few instructions, so a change of 0.1% shows. Kernels run their SSE4.2 code there
-(valgrind has no AVX-512 and runs AVX2 about 50 times slower), so a step's own instructions are several
-times this machine's: "above untracked" (instructions a step) is exact, the ratio understates time's.
+runs, by phase (start-up: a run of one test; per test: the 2,000 tests' run less that, over 1,999) in
+`--environments` environments (hash seed, environment size), with the garbage collector's collections. Step
+counts repeat to a few instructions, so a change of 0.1% shows; an idle run's start-up repeats to 0.3 M, its
+per-test part moves by about 0.2% with the checkout's path and the environment (benchmarks/README.md).
+Kernels run their SSE4.2 code there (valgrind has no AVX-512 and runs AVX2 about 50 times slower), so a
+step's own instructions are several times this machine's: "above untracked" (instructions a step) is exact,
+the ratio understates time's.
 
 `--against DIR` (a checkout of another commit, say `git worktree add --detach /tmp/before main`) times
 that commit's package in the same rounds: its step candidates in a child process that imports it
@@ -320,7 +325,7 @@ def step_instructions(
     return rows, data
 
 
-IDLE_ENVIRONMENTS = 5
+IDLE_ENVIRONMENTS = 3  # 24 pytest runs under callgrind with --against and --also-against
 _PYTEST_COUNTING_GC = (
     "import atexit, gc, sys\n"
     "atexit.register(lambda: print('gc', *(s['collections'] for s in gc.get_stats()), file=sys.stderr))\n"
