@@ -2,7 +2,8 @@
 
     python benchmarks/overhead.py [--json PATH] [--rounds 15] [--threads N] [--skip-suites] [--cpu-time]
                                   [--against DIR] [--only net|tiny] [--floor] [--steady-heap]
-                                  [--instructions [--callgrind-out DIR]]
+                                  [--instructions [--idle-only] [--environments N] [--jobs N]
+                                  [--also-against DIR] [--callgrind-out DIR]]
 
 1. One forward+backward step, untracked vs the tracker (and with the CUDA allocator's model,
    `--gpumem-round=cuda`) vs MemTracker vs the profiler with profile_memory=True, on the Net (Linear
@@ -31,9 +32,13 @@ here, in a number that changes with the heap's layout from one run to the next (
 `--instructions` counts instead of timing: each step candidate (and the floor) in a child process under
 valgrind's callgrind, one thread, its runs between two marker calls (callgrind zeroes its counters at
 `getpgrp()` and dumps them at `getppid()`), after a warm-up run of each; and the idle suite's whole pytest
-runs. Counts repeat to a few instructions, so a change of 0.1% shows. Kernels run their SSE4.2 code there
-(valgrind has no AVX-512 and runs AVX2 about 50 times slower), so a step's own instructions are several
-times this machine's: "above untracked" (instructions a step) is exact, the ratio understates time's.
+runs, by phase (start-up: a run of one test; per test: the 2,000 tests' run less that, over 1,999) in
+`--environments` environments (hash seed, environment size), with the garbage collector's collections. Step
+counts repeat to a few instructions, so a change of 0.1% shows; an idle run's start-up repeats to 0.3 M, its
+per-test part moves by about 0.2% with the checkout's path and the environment (benchmarks/README.md).
+Kernels run their SSE4.2 code there (valgrind has no AVX-512 and runs AVX2 about 50 times slower), so a
+step's own instructions are several times this machine's: "above untracked" (instructions a step) is exact,
+the ratio understates time's.
 
 `--against DIR` (a checkout of another commit, say `git worktree add --detach /tmp/before main`) times
 that commit's package in the same rounds: its step candidates in a child process that imports it
@@ -52,6 +57,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -262,9 +268,9 @@ def count(kind: str, rounds: int) -> int:
 
 def _callgrind(
     command: list[str], where: Path, env: dict[str, str], markers: bool, cwd: Path | None = None
-) -> tuple[list[int], str]:
+) -> tuple[list[int], str, str]:
     """The instructions callgrind counted in `command` (one thread, torch's threads at 1): one figure per
-    region between the marker calls (`markers`), else the whole process's; and the command's stdout."""
+    region between the marker calls (`markers`), else the whole process's; and the command's stdout and stderr."""
     where.mkdir(parents=True, exist_ok=True)
     for old in where.glob("callgrind.out*"):
         old.unlink()
@@ -277,7 +283,7 @@ def _callgrind(
     dumps = [where / "callgrind.out"]
     if markers:
         dumps = sorted(where.glob("callgrind.out.*"), key=lambda f: int(f.suffix[1:]))
-    return [_summary(d) for d in dumps], done.stdout
+    return [_summary(d) for d in dumps], done.stdout, done.stderr
 
 
 def _summary(dump: Path) -> int:
@@ -301,7 +307,7 @@ def step_instructions(
         for suffix, checkout in sides:
             env = dict(os.environ) if checkout is None else {**os.environ, "PYTHONPATH": str(checkout.resolve())}
             command = [sys.executable, __file__, "--count", kind, "--rounds", str(rounds), "--threads", "1"]
-            counts, stdout = _callgrind(command, out / f"{kind}{'-against' if checkout else ''}", env, markers=True)
+            counts, stdout, _ = _callgrind(command, out / f"{kind}{'-against' if checkout else ''}", env, markers=True)
             names = stdout.splitlines()
             if len(counts) != len(names):
                 raise RuntimeError(f"{len(counts)} callgrind dumps for {len(names)} runs: {_DUMP}() called elsewhere")
@@ -319,33 +325,96 @@ def step_instructions(
     return rows, data
 
 
-def idle_instructions(against: Path | None, out: Path) -> tuple[list[list[str]], dict[str, Any]]:
-    """Instructions of a whole pytest run of the trivial suite, the plugin idle vs `-p no:gpumem`, each
-    after two runs (not counted) in the same environment that wrote the bytecode it reads."""
+IDLE_ENVIRONMENTS = 3  # 24 pytest runs under callgrind with --against and --also-against
+_PYTEST_COUNTING_GC = (
+    "import atexit, gc, sys\n"
+    "atexit.register(lambda: print('gc', *(s['collections'] for s in gc.get_stats()), file=sys.stderr))\n"
+    "import pytest\n"
+    "raise SystemExit(pytest.console_main())\n"
+)
+"""`python -m pytest`, which also writes on stderr how many collections each generation made."""
+
+
+def _environment(index: int) -> dict[str, str]:
+    """The `index`th environment a run is counted in: a hash seed and a padding of its environment's size
+    (which moves where the stack and the heap begin), the two things that move a run's count alone."""
+    return {"PYTHONHASHSEED": str(index), "GPUMEM_BENCH_PADDING": "x" * (97 * index)}
+
+
+def idle_instructions(
+    against: list[Path], out: Path, environments: int = IDLE_ENVIRONMENTS, jobs: int = 1
+) -> tuple[list[list[str]], dict[str, Any]]:
+    """Instructions of whole pytest runs of the trivial suite, the plugin idle vs `-p no:gpumem`, in
+    `environments` environments (each side counted in each, the ratio taken within one): start-up (a run of
+    one test) and per test ((the 2,000 tests' run - the one's) / 1,999), with the collections the garbage
+    collector made; each run after two (not counted) in the same environment that wrote the bytecode it reads;
+    `jobs` runs at a time (callgrind's counts do not depend on what else runs)."""
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        suite = write_suite(folder, IDLE_TESTS, marked=False, needs_torch=False)
-        tried: dict[str, tuple[list[str], Path | None]] = {"-p no:gpumem": (["-p", "no:gpumem"], None)}
-        tried["plugin idle"] = ([], None)
-        if against is not None:
-            tried[f"plugin idle @{against}"] = ([], against)
-        counts: dict[str, int] = {}
-        for name, (extra, checkout) in tried.items():
-            command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(suite), *extra]
-            env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"} | _CALLGRIND_ENV
-            env["PYTHONPYCACHEPREFIX"] = str(folder / "bytecode")
-            # each side found on sys.path, as an installed package is (pytest then rewrites its asserts)
-            env["PYTHONPATH"] = str((checkout or Path(__file__).resolve().parent.parent).resolve())
-            for _ in range(2):  # the bytecode (and pytest's rewritten modules) written, then read
-                subprocess.run(command, cwd=folder, env=env, capture_output=True, check=True)
-            # run where the suite is, as the uncounted runs: a checkout as the working directory is on sys.path
-            counts[name] = _callgrind(command, out / f"idle-{len(counts)}", env, markers=False, cwd=folder)[0][0]
+        suites = {1: write_suite(folder, 1, marked=False, needs_torch=False)}
+        suites[IDLE_TESTS] = write_suite(folder, IDLE_TESTS, marked=False, needs_torch=False)
+        sides: dict[str, tuple[list[str], Path | None]] = {"-p no:gpumem": (["-p", "no:gpumem"], None)}
+        sides["plugin idle"] = ([], None)
+        sides |= {f"plugin idle @{checkout}": ([], checkout) for checkout in against}
+        runs = [(name, tests, index) for index in range(environments) for name in sides for tests in sorted(suites)]
+
+        def counted(run: tuple[str, int, int]) -> tuple[int, str]:
+            name, tests, index = run
+            extra, checkout = sides[name]
+            return _count_pytest(folder, suites[tests], extra, checkout, index, out / f"idle-{runs.index(run)}")
+
+        with ThreadPoolExecutor(jobs) as pool:
+            results = list(pool.map(counted, runs))
+    counts: dict[str, dict[int, list[int]]] = {name: {n: [] for n in suites} for name in sides}
+    collections: dict[str, list[str]] = {name: [] for name in sides}
+    for (name, tests, _), (instructions, gc_line) in zip(runs, results, strict=True):
+        counts[name][tests].append(instructions)
+        if tests == IDLE_TESTS:
+            collections[name].append(gc_line)
+    return _idle_rows(counts, collections), {"tests": IDLE_TESTS, "instructions": counts, "gc": collections}
+
+
+def _count_pytest(
+    folder: Path, suite: Path, extra: list[str], checkout: Path | None, index: int, where: Path
+) -> tuple[int, str]:
+    """Callgrind's count of one pytest run of `suite`, and the garbage collector's collections in it."""
+    command = [sys.executable, "-c", _PYTEST_COUNTING_GC, "-q", "-p", "no:cacheprovider", str(suite), *extra]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"} | _CALLGRIND_ENV
+    env |= _environment(index)
+    env["PYTHONPYCACHEPREFIX"] = str(folder / "bytecode")
+    # each side found on sys.path, as an installed package is (pytest then rewrites its asserts)
+    env["PYTHONPATH"] = str((checkout or Path(__file__).resolve().parent.parent).resolve())
+    for _ in range(2):  # the bytecode (and pytest's rewritten modules) written, then read
+        subprocess.run(command, cwd=folder, env=env, capture_output=True, check=True)
+    # run where the suite is, as the uncounted runs: a checkout as the working directory is on sys.path
+    counted = _callgrind(command, where, env, markers=False, cwd=folder)
+    gc_line = next((line for line in counted[2].splitlines() if line.startswith("gc ")), "gc ?")
+    return counted[0][0], gc_line[3:]
+
+
+def _idle_rows(counts: dict[str, dict[int, list[int]]], collections: dict[str, list[str]]) -> list[list[str]]:
+    """Per side: start-up and per test (medians over the environments), and the whole run's ratio to
+    `-p no:gpumem` counted in the same environment: its median and its spread (max - min)."""
     base = counts["-p no:gpumem"]
-    rows = [
-        [f"{IDLE_TESTS} trivial tests", name, f"{n:,}", f"{n - base:+,}", f"{n / base:.4f}"]
-        for name, n in counts.items()
-    ]
-    return rows, {"tests": IDLE_TESTS, "instructions": counts}
+    rows = []
+    for name, by_size in counts.items():
+        start_up = benchlib.median(by_size[1])
+        whole, one = by_size[IDLE_TESTS], by_size[1]
+        per_test = benchlib.median([(m - o) / (IDLE_TESTS - 1) for m, o in zip(whole, one, strict=True)])
+        ratios = [mine / theirs for mine, theirs in zip(by_size[IDLE_TESTS], base[IDLE_TESTS], strict=True)]
+        rows.append(
+            [
+                name,
+                f"{start_up / 1e6:,.1f} M",
+                f"{(start_up - benchlib.median(base[1])) / 1e6:+,.1f} M",
+                f"{per_test:,.0f}",
+                f"{benchlib.median(by_size[IDLE_TESTS]) / 1e6:,.1f} M",
+                f"{benchlib.median(ratios):.4f}",
+                f"{max(ratios) - min(ratios):.4f}",
+                " / ".join(collections[name]),
+            ]
+        )
+    return rows
 
 
 def show_instructions(args: argparse.Namespace, data: dict[str, Any]) -> None:
@@ -354,11 +423,26 @@ def show_instructions(args: argparse.Namespace, data: dict[str, Any]) -> None:
     if not args.idle_only:
         show_step_instructions(args, data, out)
     if args.idle_only or (not args.skip_suites and args.only is None):
-        rows, data["idle_instructions"] = idle_instructions(args.against, out)
+        against = ([] if args.against is None else [args.against]) + args.also_against
+        rows, data["idle_instructions"] = idle_instructions(against, out, args.environments, args.jobs)
         benchlib.show(
-            "plugin idle vs disabled, instructions of the whole pytest run (callgrind)",
-            ["suite", "run", "instructions", "above disabled", "ratio"],
+            f"plugin idle vs disabled, instructions of whole pytest runs (callgrind), {args.environments} environments",
+            [
+                "run",
+                "start-up (1 test)",
+                "above disabled",
+                "per test",
+                f"{IDLE_TESTS} tests",
+                "ratio (median)",
+                "ratio's spread",
+                "gc collections (gen 0 1 2) per environment",
+            ],
             rows,
+            [
+                "each environment: PYTHONHASHSEED and the environment's size differ; both sides counted in each",
+                f"per test: (the {IDLE_TESTS:,} tests' run - the 1 test's) / {IDLE_TESTS - 1:,}, median over the "
+                "environments; ratio: the whole run's to -p no:gpumem's in the same environment",
+            ],
         )
 
 
@@ -471,6 +555,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve", choices=[kind for kind, _, _ in STEPS], help=argparse.SUPPRESS)
     p.add_argument("--instructions", action="store_true", help="count instructions under callgrind, 1 thread")
     p.add_argument("--idle-only", action="store_true", help="with --instructions: only the idle suite")
+    p.add_argument(
+        "--environments",
+        type=int,
+        default=IDLE_ENVIRONMENTS,
+        help=f"with --instructions: environments the idle suite is counted in (default {IDLE_ENVIRONMENTS})",
+    )
+    p.add_argument("--jobs", type=int, default=1, help="with --instructions: idle runs counted at a time (default 1)")
+    p.add_argument(
+        "--also-against",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="with --instructions --idle-only: also count the idle plugin of checkout DIR (repeatable)",
+    )
     p.add_argument("--callgrind-out", type=Path, default=None, metavar="DIR", help="keep callgrind's dumps in DIR")
     p.add_argument("--floor", action="store_true", help=f"also time {FLOOR} (op_cost.py's floor)")
     p.add_argument("--steady-heap", action="store_true", help="malloc keeps freed memory: steps fault no pages")
@@ -478,6 +577,13 @@ def main(argv: list[str] | None = None) -> int:
     args: argparse.Namespace = p.parse_args(argv)
     if args.against is not None and not (args.against / "pytest_gpumem" / "__init__.py").is_file():
         p.error(f"--against {args.against}: no pytest_gpumem package there")
+    for other in args.also_against:
+        if not (other / "pytest_gpumem" / "__init__.py").is_file():
+            p.error(f"--also-against {other}: no pytest_gpumem package there")
+    if args.jobs < 1:
+        p.error(f"--jobs {args.jobs}: give at least 1")
+    if args.environments < 1:
+        p.error(f"--environments {args.environments}: give at least 1")
     if args.instructions and args.threads not in (None, 1):
         p.error("--instructions counts one thread: leave --threads out or give 1")
     if args.cpu_time:

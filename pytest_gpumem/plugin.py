@@ -182,9 +182,10 @@ def _marked(item: pytest.Item) -> bool:
         return item.get_closest_marker(MARKER) is not None
     node: pytest.Item | pytest.Collector | None = item
     while node is not None:
-        for mark in node.own_markers:
-            if getattr(mark, "name", None) == MARKER:
-                return True
+        if node.own_markers:  # mostly empty: no iterator made (1.2 instead of 1.6 us a test)
+            for mark in node.own_markers:
+                if getattr(mark, "name", None) == MARKER:
+                    return True
         node = node.parent
     return False
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pytest_gpumem.run.session import _lines
+from pytest_gpumem.run.header import _lines
 
 
 def test_a_short_header_stays_on_one_line() -> None:

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from functools import partial
 from typing import TYPE_CHECKING
 
 import pytest
 
-from cuda_allocator_model import ModelError
 from pytest_gpumem.run.late_markers import marked_meta
 from pytest_gpumem.run.regression import BaselineRun, selection_flags
 from pytest_gpumem.run.xdist import worker_id
@@ -19,7 +17,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.backends.base import Backend
     from pytest_gpumem.config import Options
     from pytest_gpumem.measure.measurement import Measurement
-    from pytest_gpumem.report.writers import RunInfo, Writer
+    from pytest_gpumem.report.writers import Writer
     from pytest_gpumem.results import TestResult
     from pytest_gpumem.run.devices import Assignment
 
@@ -70,6 +68,11 @@ class GpuMemSession:
         return self._backend
 
     @property
+    def made_backend(self) -> Backend | None:
+        """The backend if it was made (a run that measured nothing made none)."""
+        return self._backend
+
+    @property
     def backend_name(self) -> str:
         """The backend's name if it was made, else the one asked for."""
         return self._backend.name if self._backend else self.options.backend
@@ -101,25 +104,10 @@ class GpuMemSession:
 
     def header(self) -> list[str]:
         """The session's header: what measures, and on what terms, in lines that fit a terminal."""
+        from pytest_gpumem.run.header import header_lines
+
         self.header_shown = True
-        spread = "" if self.options.devices is None else f"; xdist workers get one device each ({self._spread()})"
-        capacity = self.options.capacity
-        cap = "" if capacity is None else f"; capacity {capacity.written}: {self._capacity_means()}"
-        return _lines(f"gpumem: {self.backend().describe()}{spread}{cap}{self._no_traces()}")
-
-    def _no_traces(self) -> str:
-        if self.options.snapshot_dir is None or self.backend().records_events:
-            return ""
-        return f"; --gpumem-snapshot-dir: the {self.backend().name} backend records no trace, none will be written"
-
-    def _capacity_means(self) -> str:
-        if self.backend().name == "cuda":
-            return "the process is capped with torch.cuda.set_per_process_memory_fraction"
-        return "an allocation past it raises torch.OutOfMemoryError"
-
-    def _spread(self) -> str:
-        spec = self.options.devices
-        return "all visible, round-robin" if spec == "auto" else f"cuda:{', cuda:'.join(map(str, spec or ()))}"
+        return header_lines(self.options, self.backend())
 
     def assign_device(self) -> None:
         """On an xdist worker under --gpumem-devices: see only this worker's device, before CUDA starts.
@@ -171,88 +159,6 @@ class GpuMemSession:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def _write_files(self, session: pytest.Session, exitstatus: int, writers: Sequence[Writer]) -> None:
-        from pytest_gpumem.run.outputs import write_report
+        from pytest_gpumem.run.session_end import write_files
 
-        self._progress(exitstatus, writers)
-        results, run = self.results, self._run_info()
-        for writer in writers:
-            self._problem(write_report(writer.path, writer.flag, partial(writer.text, results, run)))
-        if self.baselines.active:
-            self._finish_baselines(session, exitstatus)
-
-    def _run_info(self) -> RunInfo:
-        from pytest_gpumem.report.writers import RunInfo
-
-        backend, long = self._backend, self.config.get_verbosity() > 0
-        name, device = (None, None) if backend is None else (backend.name, str(backend.device))
-        record = self.baselines.record_command if self.baselines.active else None
-        return RunInfo(name, device, self.config.rootpath, long, record)
-
-    def _problem(self, problem: str | None) -> None:
-        if problem is not None:
-            self.problems.append(problem)
-
-    def _progress(self, exitstatus: int, writers: Sequence[Writer]) -> None:
-        """What the end of a run is about to do that takes time on a large suite, in one line each
-        (nothing under -q): writing the report files, recording the baselines."""
-        from pytest_gpumem.run.outputs import plural, shown
-
-        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is None or self.config.get_verbosity() < 0:
-            return
-        start = self.config.invocation_params.dir
-        files = [shown(writer.path, start) for writer in writers]
-        if files:
-            reporter.write_line(f"gpumem: writing {plural(len(self.results), 'result')} to {' and '.join(files)}")
-        options = self.baselines.options
-        if not self.baselines.active or exitstatus == pytest.ExitCode.INTERRUPTED:
-            return
-        if options.update:
-            tests = plural(sum(1 for r in self.results if r.baseline_entry is not None), "passed test")
-            reporter.write_line(f"gpumem: updating {shown(options.path, start)} from {tests}")
-        elif options.prune:
-            where = shown(options.path, start)
-            reporter.write_line(f"gpumem: removing the baselines that no test used from {where}")
-
-    def _finish_baselines(self, session: pytest.Session, exitstatus: int) -> None:
-        from pytest_gpumem.results import Status
-        from pytest_gpumem.run.regression_end import finish, partial_run, slack_hint
-
-        if exitstatus == pytest.ExitCode.INTERRUPTED:
-            self.baseline_lines.append(f"run interrupted: {self.baselines.options.path} left as it was")
-            return
-        self.baselines.partial |= partial_run(self.config, session)
-        try:
-            records = [(r.nodeid, r.baseline_entry) for r in self.results if r.baseline_entry is not None]
-            missing = [r.nodeid for r in self.results if r.status == Status.MISSING_BASELINE]
-            regressed = [r.nodeid for r in self.results if r.status == Status.REGRESSED]
-            self.baseline_lines += finish(self.baselines, records, self.backend, missing, regressed)
-            self.baseline_lines += slack_hint(self.results, self.baselines.options.slack)
-        except ModelError as exc:
-            self.problems.append(str(exc))
-
-
-def _lines(text: str, width: int = 100) -> list[str]:
-    """`text` on lines of at most `width` columns where it can be, cut only at a "; " or before ", device "
-    outside parentheses; each line after the first indented by two."""
-    lines = [""]
-    for joint, clause in _clauses(text):
-        if lines[-1] and len(lines[-1]) + len(joint) + len(clause) > width:
-            lines.append("  " + clause)
-        else:
-            lines[-1] += joint + clause
-    return lines
-
-
-def _clauses(text: str) -> list[tuple[str, str]]:
-    """`text` as (joint, clause) pairs, cut at each "; " and ", device " outside parentheses."""
-    pieces, depth, joint, start = [], 0, "", 0
-    for at, char in enumerate(text):
-        depth += {"(": 1, ")": -1}.get(char, 0)
-        cut = next((sep for sep in ("; ", ", ") if depth == 0 and text.startswith(sep, at)), None)
-        if cut == ", " and not text.startswith(", device ", at):
-            cut = None
-        if cut is not None:
-            pieces.append((joint, text[start:at]))
-            joint, start = cut, at + len(cut)
-    return [*pieces, (joint, text[start:])]
+        write_files(self, session, exitstatus, writers)
