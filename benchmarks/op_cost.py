@@ -391,7 +391,7 @@ def instructions(argv: list[str], ops: int, inner: int, against: Path | None, ou
     for label, checkout in [("", None)] + ([] if against is None else [(f" @{against}", against)]):
         env = dict(os.environ) if checkout is None else {**os.environ, "PYTHONPATH": str(checkout.resolve())}
         command = [sys.executable, __file__, *argv, "--count"]
-        counts, stdout = overhead._callgrind(command, out / f"op_cost{'-against' if checkout else ''}", env, True)
+        counts, stdout, _ = overhead._callgrind(command, out / f"op_cost{'-against' if checkout else ''}", env, True)
         per_step: dict[str, list[float]] = {}
         for name, counted in zip(stdout.splitlines(), counts, strict=True):
             per_step.setdefault(name, []).append(counted / inner)
