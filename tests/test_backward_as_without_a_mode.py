@@ -288,6 +288,35 @@ def test_a_retained_gradient_is_the_sum_made_in_place_as_torch_does() -> None:
     assert backward_peak(loss) == 4 + 2 * 4 * N
 
 
+def test_a_second_backward_replaces_a_retained_gradient_out_of_place_as_torch_does() -> None:
+    """The retain_grad hook adds `v.grad + g` on v's node, after the node that returned g (hooked: its
+    other output joins) has finished: not the engine's accumulation, so a new tensor as without a mode."""
+    replaced: list[bool] = []
+
+    def two_backwards() -> None:
+        leaves = torch.randn(N, requires_grad=True), torch.randn(N, requires_grad=True)
+        a = leaves[1] + 0
+        v = leaves[0] + 1
+        loss = ((a + v) * 3 + a).sum()
+        v.retain_grad()
+        loss.backward(retain_graph=True)  # type: ignore[no-untyped-call]
+        assert v.grad is not None
+        first = v.grad.data_ptr()
+        loss.backward()  # type: ignore[no-untyped-call]
+        replaced.append(v.grad.data_ptr() != first)
+
+    two_backwards()
+    allocations = tracked_allocations(two_backwards)
+    assert replaced == [True, True]
+    # the seed, the gradient of `* 3`, a's two contributions summed, v.grad's sum beside the one it replaces
+    assert allocations[-4:] == [
+        ("aten::ones_like", 4),
+        ("aten::mul", 4 * N),
+        ("aten::add", 4 * N),
+        ("aten::add", 4 * N),
+    ]
+
+
 def test_create_graph_adds_out_of_place_as_torch_does() -> None:
     loss = product_sum()
     counter = OpCounter()
