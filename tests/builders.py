@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import random
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -12,6 +13,8 @@ from pytest_gpumem.results import PhaseResult
 
 if TYPE_CHECKING:
     import torch
+
+    from pytest_gpumem.backends.tracker.ledger import StorageLedger
 
 BASELINES = "gpumem-baselines.json"
 UNPLUGGED = ("-p", "no:randomly", "-p", "no:cacheprovider", "-p", "no:hypothesispytest")
@@ -85,3 +88,33 @@ class FakeStorage:
         import torch
 
         return torch.device("cpu")
+
+
+def same_random_program(
+    ledgers: Sequence[StorageLedger], rng: random.Random, steps: int, most: tuple[int, ...]
+) -> Iterator[tuple[int, float]]:
+    """Send each ledger the same random program of fake storages: adds (sizes up to `most`'s, the first from 0,
+    the others from 1 byte; a freed key sometimes reused), frees and resizes; the rolls of 0.9 and above are
+    yielded with their step, for the caller's own events (resets, reads). The storages live until it ends."""
+    kept: list[dict[int, FakeStorage]] = [{} for _ in ledgers]
+    freed_keys: list[int] = []
+    for step in range(steps):
+        roll = rng.random()
+        if roll < 0.45 or not kept[0]:
+            key = freed_keys.pop(rng.randrange(len(freed_keys))) if freed_keys and roll < 0.1 else step + 10
+            size = rng.choice((rng.randint(0, most[0]), *(rng.randint(1, top) for top in most[1:])))
+            for ledger, storages in zip(ledgers, kept, strict=True):
+                storages[key] = FakeStorage(key, size)
+                ledger.add(storages[key])
+        elif roll < 0.85:
+            key = rng.choice(list(kept[0]))
+            for storages in kept:
+                del storages[key]  # its last reference: freed
+            freed_keys.append(key)
+        elif roll < 0.9:
+            key, size = rng.choice(list(kept[0])), rng.randint(0, 8 * 2**20)
+            for ledger, storages in zip(ledgers, kept, strict=True):
+                storages[key].size = size
+                ledger.resize(storages[key])
+        else:
+            yield step, roll

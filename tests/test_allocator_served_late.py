@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from builders import FakeStorage
+from builders import FakeStorage, same_random_program
 
 from cuda_allocator_model import AllocatorSettings, CachingAllocatorModel
 from pytest_gpumem.backends.base import Counters
@@ -112,28 +112,9 @@ def test_held_events_leave_every_figure_as_events_served_at_their_op_do(conf: st
     at_once = StorageLedger("cuda", settings=settings)
     at_once.recorder = Recorder(events=True)  # keeps the bytes after each event: the model serves each at its op
     rng = random.Random(conf)
-    kept: tuple[dict[int, FakeStorage], dict[int, FakeStorage]] = ({}, {})
-    freed_keys: list[int] = []
     reads = 0
-    for step in range(2500):
-        roll = rng.random()
-        if roll < 0.45 or not kept[0]:
-            key = freed_keys.pop(rng.randrange(len(freed_keys))) if freed_keys and roll < 0.1 else step + 10
-            size = rng.choice((rng.randint(0, 4096), rng.randint(1, 2 * MIB), rng.randint(1, 64 * MIB)))
-            for ledger, storages in zip((late, at_once), kept, strict=True):
-                storages[key] = FakeStorage(key, size)
-                ledger.add(storages[key])
-        elif roll < 0.85:
-            key = rng.choice(list(kept[0]))
-            for storages in kept:
-                del storages[key]  # its last reference: freed
-            freed_keys.append(key)
-        elif roll < 0.9:
-            key, size = rng.choice(list(kept[0])), rng.randint(0, 8 * MIB)
-            for ledger, storages in zip((late, at_once), kept, strict=True):
-                storages[key].size = size
-                ledger.resize(storages[key])
-        elif roll < 0.92:
+    for step, roll in same_random_program((late, at_once), rng, 2500, (4096, 2 * MIB, 64 * MIB)):
+        if roll < 0.92:
             late.empty_cache()
             at_once.empty_cache()
         elif roll < 0.93:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from builders import FakeStorage
+from builders import same_random_program
 
 from pytest_gpumem.backends.tracker import mode as tracker_mode
 from pytest_gpumem.backends.tracker.ledger import StorageLedger
@@ -135,27 +135,8 @@ def test_an_exact_ledger_counting_alone_keeps_the_figures_of_one_that_serves_eac
         full.capacity = 1 << 62
     assert plain._plain and not full._plain
     rng = random.Random(general)
-    kept: tuple[dict[int, FakeStorage], dict[int, FakeStorage]] = ({}, {})
-    freed_keys: list[int] = []
-    for step in range(2000):
-        roll = rng.random()
-        if roll < 0.45 or not kept[0]:
-            key = freed_keys.pop(rng.randrange(len(freed_keys))) if freed_keys and roll < 0.1 else step + 10
-            size = rng.choice((rng.randint(0, 4096), rng.randint(1, 64 * 2**20)))
-            for ledger, storages in zip((plain, full), kept, strict=True):
-                storages[key] = FakeStorage(key, size)
-                ledger.add(storages[key])
-        elif roll < 0.85:
-            key = rng.choice(list(kept[0]))
-            for storages in kept:
-                del storages[key]  # its last reference: freed
-            freed_keys.append(key)
-        elif roll < 0.9:
-            key, size = rng.choice(list(kept[0])), rng.randint(0, 8 * 2**20)
-            for ledger, storages in zip((plain, full), kept, strict=True):
-                storages[key].size = size
-                ledger.resize(storages[key])
-        elif roll < 0.92:
+    for step, roll in same_random_program((plain, full), rng, 2000, (4096, 64 * 2**20)):
+        if roll < 0.92:
             plain.reset_peak()
             full.reset_peak()
         else:
