@@ -365,18 +365,9 @@ def _gc_watched() -> Iterator[None]:
 def count(step: Step, inner: int, rounds: int) -> None:
     """`--count` (run under callgrind by `instructions`): each candidate's runs in rounds, each after a full
     collection and between overhead.py's two marker calls; the candidates' names in order on stdout."""
-    import os
+    import overhead
 
-    runs = candidates(step, inner)
-    for fn in runs.values():  # warm-up: first uses (imports, caches) are not counted
-        fn()
-    for _ in range(rounds):
-        for name, fn in runs.items():
-            gc.collect()
-            os.getpgrp()
-            fn()
-            os.getppid()
-            print(name, flush=True)
+    overhead.counted_rounds(candidates(step, inner), rounds)
 
 
 def instructions(argv: list[str], ops: int, inner: int, against: Path | None, out: Path) -> list[list[str]]:

@@ -253,8 +253,14 @@ def count(kind: str, rounds: int) -> int:
     """`--count KIND` (run under callgrind by `instruction_counts`): each candidate's runs, in rounds,
     each after a full collection and between the two marker calls; the candidates' names in order on stdout."""
     inner = dict((k, n) for k, _, n in STEPS)[kind]
-    runs = counted_candidates(*make_model(kind), inner)
-    for fn in runs.values():  # warm-up: each tool's first use (imports, caches) is not counted
+    counted_rounds(counted_candidates(*make_model(kind), inner), rounds)
+    return 0
+
+
+def counted_rounds(runs: dict[str, Callable[[], float]], rounds: int) -> None:
+    """Each of `runs` once to warm up (first uses: imports, caches), then in `rounds`, each after a full
+    collection and between the two marker calls callgrind counts between; its name on stdout after it."""
+    for fn in runs.values():
         fn()
     for _ in range(rounds):
         for name, fn in runs.items():
@@ -263,7 +269,6 @@ def count(kind: str, rounds: int) -> int:
             fn()
             os.getppid()
             print(name, flush=True)
-    return 0
 
 
 def _callgrind(
