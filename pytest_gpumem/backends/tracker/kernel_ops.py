@@ -104,7 +104,7 @@ def _front_is_contiguous(shape: tuple[int, ...], dims: list[int]) -> bool:
 
 
 def index_put(args: Sequence[Any], kwargs: dict[str, Any]) -> list[int]:
-    if not op_arg(args, kwargs, 3, "accumulate", False):
+    if index_put_takes_none(args, kwargs):
         return []
     indices = [None if i is None else Layout.of(i) for i in op_arg(args, kwargs, 1, "indices")]
     return index_put_temporaries(Layout.of(args[0]), indices, Layout.of(op_arg(args, kwargs, 2, "values")))
@@ -150,12 +150,17 @@ def embedding_backward(args: Sequence[Any], kwargs: dict[str, Any], gpu: Gpu) ->
     return embedding_backward_temporaries(grad, indices, num_weights, scale, gpu)
 
 
+def index_put_takes_none(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Without accumulate, `index_put_` writes in place with no temporaries."""
+    return not op_arg(args, kwargs, 3, "accumulate", False)
+
+
 # --- mse_loss ---
 
 
 def mse_loss(args: Sequence[Any], kwargs: dict[str, Any], gpu: Gpu) -> list[int]:
     """`mse_loss_out`: the unreduced loss (the inputs' broadcast shape), then its mean's or sum's staging."""
-    if op_arg(args, kwargs, 2, "reduction", 1) == 0:
+    if mse_loss_takes_none(args, kwargs):
         return []
     first, second = Layout.of(args[0]), Layout.of(op_arg(args, kwargs, 1, "target"))
     loss = Layout.contiguous(_broadcast([first.shape, second.shape]), first.dtype)
@@ -164,3 +169,8 @@ def mse_loss(args: Sequence[Any], kwargs: dict[str, Any], gpu: Gpu) -> list[int]
     flat = Layout((loss.numel,), (1,), loss.dtype)
     red = sum_like(flat, None, frozenset((0,)))
     return [loss.nbytes, *([] if red is None else reduction_temporaries(red, gpu))]
+
+
+def mse_loss_takes_none(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Unreduced (`reduction=0`), `mse_loss` writes its output with no temporaries."""
+    return bool(op_arg(args, kwargs, 2, "reduction", 1) == 0)

@@ -209,22 +209,23 @@ def stages_nothing(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> bo
     dims reduced and its item's size alone (`reduction_of` and `reduction_temporaries` without the
     layout): too few values per output to split."""
     tensor = args[0]
-    if name in _OF_ALL:
-        per_output: int = tensor.numel()
-    else:
-        dim = op_arg(args, kwargs, 1, "dim", () if name in VALUES else None)
-        if dim is None and name in INDEXED:  # an index over all the values: no reduction modelled
-            return True
-        per_output = _values_per_output(tensor, dim)
+    dim = _dim_arg(name, args, kwargs)
+    if dim is None and name in INDEXED:  # an index over all the values: no reduction modelled
+        return True
+    per_output = _values_per_output(tensor, dim)
     if per_output < _FEWEST_SPLIT_ANY:
         return True
     wide = tensor.element_size() >= 16  # complex128: blocks of 256 threads
-    if name in _OF_ALL or per_output == tensor.numel():  # one output
+    if per_output == tensor.numel():  # one output
         return per_output < (_FEWEST_SPLIT_ONE_ANY if wide else _FEWEST_SPLIT_ONE)
     return per_output < _FEWEST_SPLIT and not wide
 
 
-_OF_ALL = frozenset(("aten.sum.default", "aten.mean.default"))
+def _dim_arg(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """Reduction op `name`'s `dim` argument (None or empty: every dim; for INDEXED, None: an index over all)."""
+    if name in SUM_LIKE:
+        return None if name.endswith(".default") else op_arg(args, kwargs, 1, "dim")
+    return op_arg(args, kwargs, 1, "dim", () if name in VALUES else None)
 
 
 def _values_per_output(tensor: Any, dim: Any) -> int:
@@ -250,13 +251,12 @@ def reduction_of(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Redu
     ndim = len(layout.shape)
     if layout.numel == 0 or layout.itemsize == 0:
         return None
+    dim = _dim_arg(name, args, kwargs)
     if name in SUM_LIKE:
-        dim = None if name.endswith(".default") else op_arg(args, kwargs, 1, "dim")
         dtype = kwargs.get("dtype")
         return sum_like(layout, None if dtype is None else dtype_name(dtype), _reduced_dims(dim, ndim))
     if name in VALUES:
-        return Reduction(layout, _reduced_dims(op_arg(args, kwargs, 1, "dim", ()), ndim), layout.itemsize)
+        return Reduction(layout, _reduced_dims(dim, ndim), layout.itemsize)
     if name in INDEXED:
-        dim = op_arg(args, kwargs, 1, "dim")
         return None if dim is None or ndim == 0 else Reduction(layout, _reduced_dims(dim, ndim), _PAIR)
     return None

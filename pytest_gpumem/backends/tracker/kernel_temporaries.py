@@ -53,7 +53,14 @@ import torch
 from pytest_gpumem import private_torch
 from pytest_gpumem.backends.tracker import cudnn
 from pytest_gpumem.backends.tracker.kernel_layout import gpu_of
-from pytest_gpumem.backends.tracker.kernel_ops import bmm, embedding_backward, index_put, mse_loss
+from pytest_gpumem.backends.tracker.kernel_ops import (
+    bmm,
+    embedding_backward,
+    index_put,
+    index_put_takes_none,
+    mse_loss,
+    mse_loss_takes_none,
+)
 from pytest_gpumem.backends.tracker.kernel_reductions import (
     INDEXED,
     SUM_LIKE,
@@ -62,7 +69,6 @@ from pytest_gpumem.backends.tracker.kernel_reductions import (
     reduction_temporaries,
     stages_nothing,
 )
-from pytest_gpumem.backends.tracker.recording import op_arg
 
 if TYPE_CHECKING:
     from cuda_allocator_model import Card
@@ -123,9 +129,9 @@ def _holds_nothing(name: str) -> _Test | None:
     if name in _REDUCTIONS:
         return functools.partial(stages_nothing, name)
     if "index_put" in name:
-        return lambda args, kwargs: not op_arg(args, kwargs, 3, "accumulate", False)
+        return index_put_takes_none
     if name == "aten.mse_loss.default":
-        return lambda args, kwargs: op_arg(args, kwargs, 2, "reduction", 1) == 0
+        return mse_loss_takes_none
     return None
 
 
