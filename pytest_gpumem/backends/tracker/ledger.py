@@ -121,9 +121,7 @@ class StorageLedger(HoldingWithoutTensors):
     def model(self, model: CachingAllocatorModel | None) -> None:
         self._replay()
         self._model = model
-        self._late = False
-        self._plain = self._counts_only()
-        self._decide_wants()
+        self._decide()
 
     @property
     def device_type(self) -> str | None:
@@ -179,8 +177,7 @@ class StorageLedger(HoldingWithoutTensors):
         self._replay()
         self._recorder = recorder
         self.recording = recorder is not None
-        self._late = False
-        self._plain = self._counts_only()
+        self._decide()
 
     @property
     def timeline(self) -> TimelineRecorder | None:
@@ -191,8 +188,7 @@ class StorageLedger(HoldingWithoutTensors):
     def timeline(self, timeline: TimelineRecorder | None) -> None:
         self._replay()
         self._timeline = timeline
-        self._late = False
-        self._plain = self._counts_only()
+        self._decide()
 
     @property
     def capacity(self) -> int | None:
@@ -206,8 +202,7 @@ class StorageLedger(HoldingWithoutTensors):
         self._capacity = value
         if self._model is not None:
             self._model.capacity = value
-        self._late = False
-        self._plain = self._counts_only()
+        self._decide()
 
     @property
     def reserved(self) -> int | None:
@@ -327,6 +322,13 @@ class StorageLedger(HoldingWithoutTensors):
             and model.fraction_limit is None
             and model.settings.fraction_limit is None
         )
+
+    def _decide(self) -> None:
+        """The terms changed (a model, recorder, timeline or capacity): the next event is served at once and
+        decides anew whether events may be held; the short path and what the ops want are decided again."""
+        self._late = False
+        self._plain = self._counts_only()
+        self._decide_wants()
 
     def _counts_only(self) -> bool:
         """Whether an event changes nothing but the counters: exact bytes, no allocator's model, nothing that

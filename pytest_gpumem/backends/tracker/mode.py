@@ -223,11 +223,7 @@ def _slow(when: int, ledger: StorageLedger, func: Any, args: tuple[Any, ...], kw
     return (
         bool(when & _ON_GPU and ledger.wants_temporaries and may_take(func, args, kwargs))
         or bool(when & _IN_BACKWARD and _graph_task() != -1)
-        or bool(  # _workspace_due, inline: every matmul
-            when & _WORKSPACE
-            and ledger.wants_workspaces
-            and (_AUTOGRAD_HANDLE if _graph_task() != -1 else _thread()) not in ledger.workspaces_ready
-        )
+        or bool(when & _WORKSPACE and ledger.wants_workspaces and _workspace_due(ledger) is not None)
     )
 
 
