@@ -258,5 +258,8 @@ def report_lines(results: Sequence[TestResult]) -> list[str]:
         peaks = [format_size(row["peaks"][p]) if row["peaks"][p] is not None else "-" for p in PHASES]
         body.append([row["strategy"], row["world_size"], *peaks, format_size(row["state_bytes"]), saved])
     headers = ["strategy", "ranks", *PHASES, "state/rank", "saved vs DDP"]
-    note = "phase peaks: the worst rank's; state/rank: parameters, gradient buffers and momentum kept between steps"
-    return [*tabulate(body, headers=headers, disable_numparse=True).splitlines(), note + " (hand-derived)"]
+    notes = [
+        "phase peaks: the worst rank's",
+        "state/rank: parameters, gradient buffers and momentum kept between steps (hand-derived)",
+    ]
+    return [*tabulate(body, headers=headers, disable_numparse=True).splitlines(), *notes]
