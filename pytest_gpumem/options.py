@@ -4,8 +4,8 @@ one source of addoption, addini, `read_options` (config.py) and the options page
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from cuda_allocator_model import format_size
 from pytest_gpumem.constants import (
@@ -36,8 +36,7 @@ from pytest_gpumem.values import (
 )
 
 
-@dataclass(frozen=True, eq=False)  # eq=False: compared by nothing, made by every run (an idle one too)
-class Option:
+class Option(NamedTuple):  # not a dataclass: every run (an idle one too) makes the table (config.py)
     """One command-line option and its ini twin (read only when the option is not given)."""
 
     flag: str

@@ -5,7 +5,6 @@ licence)."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.metadata
 import json
 import sys
@@ -67,7 +66,7 @@ def test_help_lists_every_option_with_its_ini_twin(pytester: pytest.Pytester) ->
 
 def test_each_option_fills_one_field_and_each_field_but_backend_given_is_filled_by_one() -> None:
     filled = [option.field for option in options_table.OPTIONS if option.writer is None] + ["writers"]
-    fields = [field.name for cls in (Options, BaselineOptions) for field in dataclasses.fields(cls)]
+    fields = [name for cls in (Options, BaselineOptions) for name in cls._fields]
     assert sorted(filled) == sorted(set(fields) - {"backend_given"})
     assert len(fields) == len(set(fields))
 

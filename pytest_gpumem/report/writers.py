@@ -8,9 +8,8 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 __all__ = ["WRITERS", "JsonReport", "MarkdownReport", "RunInfo", "Writer"]
 
@@ -18,8 +17,7 @@ if TYPE_CHECKING:
     from pytest_gpumem.results import TestResult
 
 
-@dataclass(frozen=True, eq=False)
-class RunInfo:
+class RunInfo(NamedTuple):  # not a dataclass: an idle run imports it, and a dataclass compiles its methods
     """What a writer knows of the run besides its results."""
 
     backend: str | None  # the backend's name, None when the run made none
@@ -29,16 +27,18 @@ class RunInfo:
     record: str | None  # the command that records missing baselines, when baselines are in use
 
 
-@dataclass(frozen=True, eq=False)
 class Writer(ABC):
     """One file written at the end of a run, to `path`, given by the option `flag` (its ini twin is the flag
     without its dashes: gpumem_json) whose help is `help`."""
 
-    path: Path
+    __slots__ = ("path",)
     flag: ClassVar[str]
     help: ClassVar[str]
     names_backend: ClassVar[bool] = False
     """Whether asking for it makes the run's header name the backend (the file records it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
 
     @abstractmethod
     def text(self, results: Sequence[TestResult], run: RunInfo) -> str:

@@ -136,28 +136,29 @@ def _holds_nothing(name: str) -> _Test | None:
 
 
 _REDUCTIONS = SUM_LIKE | VALUES | INDEXED
-_KNOWN: dict[object, tuple[str, str | None, _Test | None]] = {}  # each op overload's, on its first call
+_KNOWN: dict[int, tuple[object, str, str | None, _Test | None]] = {}
+"""Each op overload's, on its first call, by its id (an overload hashes in Python: 1,200 instructions), the
+overload kept to be compared by identity."""
 
 
-def _known(func: object) -> tuple[str, str | None, _Test | None]:
-    """Op overload `func`'s name, its temporaries' label (None: none modelled) and `_holds_nothing`."""
-    try:
-        return _KNOWN[func]
-    except KeyError:
+def _known(func: object) -> tuple[object, str, str | None, _Test | None]:
+    """Op overload `func`, its name, its temporaries' label (None: none modelled) and `_holds_nothing`."""
+    found = _KNOWN.get(id(func))
+    if found is None or found[0] is not func:
         name = str(func)
-        found = _KNOWN[func] = (name, label(name), _holds_nothing(name))
-        return found
+        found = _KNOWN[id(func)] = (func, name, label(name), _holds_nothing(name))
+    return found
 
 
 def modelled(func: object) -> bool:
     """Whether op overload `func` has temporaries modelled (cached per overload: the dispatch's hot path)."""
-    return _known(func)[1] is not None
+    return _known(func)[2] is not None
 
 
 def may_take(func: object, args: Sequence[Any], kwargs: dict[str, Any] | None) -> bool:
     """Whether op overload `func` may take temporaries on these arguments; False where it has none modelled
     or a test cheaper than the layouts shows it takes none here (the dispatch's fast path)."""
-    _, kind, holds_nothing = _known(func)
+    _, _, kind, holds_nothing = _known(func)
     return kind is not None and not _surely_none(holds_nothing, args, kwargs)
 
 
@@ -172,7 +173,7 @@ def record(
     """Op `func` ran on these arguments: its kernel temporaries go through `ledger` (allocated, `during` run,
     freed), attributed to '<label> (<op>)'; only those of tensors on the device the ledger counts. On meta
     a convolution's output `out` takes a card's layout (`cudnn.lay_out_on_meta`)."""
-    name, kind, holds_nothing = _known(func)
+    _, name, kind, holds_nothing = _known(func)
     sizes: list[int] = []
     if (
         kind is not None
