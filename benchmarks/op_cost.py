@@ -9,13 +9,15 @@ candidate adds one part to the one above it, so the difference of their medians,
 that part's cost per op:
 
 - the floor: a dispatch mode that does nothing (the op's kernel called, Dynamo kept out of its frames as
-  the tracker keeps it): what any Python dispatch mode pays;
+  the tracker keeps it): what any Python dispatch mode pays; beside it (a row marked `=`, not a part) the
+  floor holding a weak reference, with a callback, to each fresh storage: the least an exact count of what
+  is live costs in Python, whatever counts it;
 - the tracker's mode, its ledger counting nothing (the op's plan, the fast path);
 - the ledger, exact: a weak reference per storage, the counters;
 - the unmoded backward (`unmoded`): the graph walked before each backward, hooks where it joins;
 - the allocator's model (`--gpumem-round=cuda`), without workspaces or temporaries; beside it (a row
-  marked `=`, not a part: the rows after it add to the row above it) the same with every event served at
-  its op, as before the ledger held them back for the model while nothing reads it;
+  marked `=`: the rows after it add to the row above it) the same with every event served at its op, as
+  before the ledger held them back for the model while nothing reads it;
 - cuBLAS workspaces: the two matmuls go the slow way (with the kernel temporaries' check, its model off);
 - kernel temporaries: the two reductions' model (`kernel_temporaries`): the default on meta;
 - a GPU's paths (the default with the allocator's model): foreach optimizers and CUDA's autocast emulation
@@ -42,6 +44,7 @@ import argparse
 import contextlib
 import gc
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -142,9 +145,33 @@ class _Floor(private_torch.DynamoWrapperOff, private_torch.TorchDispatchMode):  
                 setter(prior)
 
 
+class _WeakFloor(_Floor):
+    """The floor holding a weak reference, with a callback, to the storage of each op's one fresh tensor: the
+    least an exact count of what is live needs in Python (its frees come from the callbacks)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.live: dict[int, weakref.ref[Any]] = {}
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if type(out) is torch.Tensor:
+            storage = out.untyped_storage()
+            key = private_torch.storage_key(storage)
+            if key not in self.live:
+                self.live[key] = weakref.ref(storage, self._freed)
+        return out
+
+    def _freed(self, ref: weakref.ref[Any]) -> None:
+        return None
+
+
 _SET_EVAL_FRAME = private_torch.eval_frame_setter()
 if _SET_EVAL_FRAME is not None:
     private_torch.hide_from_dynamo(_Floor.__torch_dispatch__)
+    private_torch.hide_from_dynamo(_WeakFloor.__torch_dispatch__)
 
 
 class _Uncounted(StorageLedger):
@@ -244,8 +271,8 @@ def candidates(step: Step, inner: int) -> dict[str, Callable[[], float]]:
     def run(enter: Callable[[], Any], leave: Callable[[Any], None]) -> Callable[[], float]:
         return lambda: _timed(step, inner, enter, leave)
 
-    def floor_enter() -> Any:
-        mode: Any = _Floor()  # type: ignore[no-untyped-call]
+    def floor_enter(kind: type[_Floor] = _Floor) -> Any:
+        mode: Any = kind()
         mode.__enter__()
         return mode
 
@@ -256,6 +283,7 @@ def candidates(step: Step, inner: int) -> dict[str, Callable[[], float]]:
     return {
         "untracked": run(lambda: None, lambda _: None),
         "floor: a mode that does nothing": run(floor_enter, lambda mode: mode.__exit__(None, None, None)),
+        WEAK: run(lambda: floor_enter(_WeakFloor), lambda mode: mode.__exit__(None, None, None)),
         "+ the tracker's mode (ledger counts nothing)": run(*_mode_only(lambda: _Uncounted("none"))),
         "+ the ledger (exact)": run(*_mode_only(lambda: StorageLedger("none"))),
         "+ the unmoded backward (the tracker)": run(*_backend("none")),
@@ -269,7 +297,8 @@ def candidates(step: Step, inner: int) -> dict[str, Callable[[], float]]:
 
 
 BESIDE = "= the allocator's model, each event served at its op"
-"""A row beside the one above it, not a part: its figure is to that row's."""
+WEAK = "= the floor with a weak reference per fresh storage"
+"""Rows beside the one above them, not parts: their figures are to that row's."""
 FULL = "+ a GPU's paths: CUDA's autocast (tracker + allocator model)"
 """overhead.py's `tracker + allocator model`: `--gpumem-round=cuda` on the CPU predicts a GPU's paths."""
 
@@ -282,7 +311,7 @@ def per_op_table(step: Step, ops: int, inner: int, rounds: int) -> tuple[list[li
     for name, med in medians.items():
         part = (med - previous) / ops * 1e6
         rows.append([name, f"{med * 1e6:,.1f}", f"{med / base:.3f}", f"{part:+.2f}" if name != "untracked" else ""])
-        if name != BESIDE:
+        if name not in (BESIDE, WEAK):
             previous = med
     return rows, {"ops_per_step": ops, "median_s": medians, "seconds": times}
 
@@ -391,7 +420,7 @@ def instructions(argv: list[str], ops: int, inner: int, against: Path | None, ou
             med = benchlib.median(runs)
             part = f"{(med - previous) / ops:+,.0f}" if name != "untracked" else ""
             rows.append([name + label, f"{med:,.0f}", f"{med - base:+,.0f}", part])
-            if name != BESIDE:
+            if name not in (BESIDE, WEAK):
                 previous = med
     return rows
 
