@@ -13,7 +13,14 @@ from pytest_gpumem.measure.oom_and_leaks import Holding
 from pytest_gpumem.measure.record import CallRecord
 from pytest_gpumem.outcome import Judged, judge
 from pytest_gpumem.reasons import AllocatorState, Leaked, OutOfMemory, OverBudget, Raised, Regressed
-from pytest_gpumem.report.failures import LINE_WIDTH, budget_line, failure_line, fit_line, verdict_line
+from pytest_gpumem.report.failures import (
+    LINE_WIDTH,
+    budget_line,
+    failure_line,
+    fit_line,
+    report_section,
+    verdict_line,
+)
 from pytest_gpumem.results import PhaseResult, Status
 from pytest_gpumem.results.baseline import DeviceIdentity, Entry, Environment
 from pytest_gpumem.run.judgement import Judgement
@@ -256,6 +263,17 @@ def test_what_grew_against_the_baseline_follows_the_regression_as_it_fits() -> N
     found = verdict_line([regressed + grew.replace("h.0", "h" * 20)], "")
     assert found.line == regressed + ": " + "h" * 20 + " +1.5 MiB, ..."
     assert verdict_line(["gradients changed: fc.weight differs"], "").line == "gradients changed: fc.weight differs"
+
+
+def test_a_verdict_too_long_for_a_line_goes_on_with_what_grew_on_an_indented_line_in_the_section() -> None:
+    regressed = "call peak 35.2 MiB is 200.0% above baseline 11.7 MiB (tolerance 5% + 1.0 MiB)"
+    grew = ": (outside modules) +23.4 MiB, inputs and other"
+    long = f"{regressed}{grew}" + ", blocks.0 +1.0 MiB" * 2
+    short = "call peak 4.3 MiB is 277.2% above baseline 1.1 MiB (tolerance 0% + 1.0 MiB): h.0 +1.5 MiB"
+    section = report_section(_record(4), [long, short, "gradients changed: " + "w, " * 60], None)
+    lines = section.splitlines()[1:]
+    assert lines[:3] == [f"{regressed}:", f"  {grew[2:]}" + ", blocks.0 +1.0 MiB" * 2, short]
+    assert all(len(line) <= LINE_WIDTH for line in lines) and lines[4].startswith("  w, ")  # cut after a comma
 
 
 def _record(peak: int, net: int = 0, **phases: int) -> CallRecord:

@@ -35,10 +35,10 @@ def describe(explanation: Explanation, fmt: _Format = format_size) -> list[str]:
             lines.append(f"    by module: {modules}")
         for tensor in phase.tensors[:3]:
             lines.append(f"    alive at the peak: {_describe_tensor(explanation, tensor, fmt)}")
-    return [part for line in lines for part in _wrapped(line)]
+    return [part for line in lines for part in wrapped(line)]
 
 
-def _wrapped(line: str, width: int = SECTION_WIDTH) -> list[str]:
+def wrapped(line: str, width: int = SECTION_WIDTH) -> list[str]:
     """`line` in lines of at most `width` columns, cut after a comma, each further line indented two
     columns more than the first (what has no comma to cut at stays whole)."""
     indent = " " * (len(line) - len(line.lstrip()) + 2)

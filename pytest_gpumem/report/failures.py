@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from cuda_allocator_model import format_size
 from pytest_gpumem.constants import WORKSPACES_AT_ZERO
-from pytest_gpumem.explain.text import made_of_forms, over_limit
+from pytest_gpumem.explain.text import made_of_forms, over_limit, wrapped
 from pytest_gpumem.explain.text import section as explained
 from pytest_gpumem.reasons import (
     AllocatorState,
@@ -262,8 +262,17 @@ def report_section(record: CallRecord, verdict: Sequence[str], failure: FailureL
     section += breakdown(record.call, record.phases) + survivors_section(record)
     section += explained(record.explanation) + advice_section(record.advice)
     if verdict:
-        section += "\n" + "\n".join(verdict)
+        section += "".join(f"\n{part}" for line in verdict for part in _verdict_lines(line))
     return section + "".join(f"\nnote: {note}" for note in record.notes)
+
+
+def _verdict_lines(line: str) -> list[str]:
+    """A baseline's verdict in lines of at most `LINE_WIDTH`: a problem too long for one goes on with what
+    grew on an indented line, cut after a comma where still too long."""
+    head, grew = _growth_apart(line)
+    if len(line) <= LINE_WIDTH or not grew:
+        return wrapped(line, LINE_WIDTH)
+    return [f"{head}:", *wrapped(f"  {grew.removeprefix(': ')}", LINE_WIDTH)]
 
 
 def survivors_section(record: CallRecord) -> str:
