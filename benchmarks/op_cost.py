@@ -145,13 +145,20 @@ class _Floor(private_torch.DynamoWrapperOff, private_torch.TorchDispatchMode):  
                 setter(prior)
 
 
+class _Keyed(weakref.ref):  # type: ignore[type-arg]
+    __slots__ = ("key",)
+
+    key: int
+
+
 class _WeakFloor(_Floor):
-    """The floor holding a weak reference, with a callback, to the storage of each op's one fresh tensor: the
-    least an exact count of what is live needs in Python (its frees come from the callbacks)."""
+    """The floor holding a weak reference, with a callback, to the storage of each op's one fresh tensor,
+    dropped when it dies: the least an exact count of what is live needs in Python (a storage's key, its
+    address, is reused once it is freed)."""
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self.live: dict[int, weakref.ref[Any]] = {}
+        self.live: dict[int, _Keyed] = {}
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -161,11 +168,13 @@ class _WeakFloor(_Floor):
             storage = out.untyped_storage()
             key = private_torch.storage_key(storage)
             if key not in self.live:
-                self.live[key] = weakref.ref(storage, self._freed)
+                ref = self.live[key] = _Keyed(storage, self._freed)
+                ref.key = key
         return out
 
-    def _freed(self, ref: weakref.ref[Any]) -> None:
-        return None
+    def _freed(self, ref: _Keyed) -> None:
+        if self.live.get(ref.key) is ref:
+            del self.live[ref.key]
 
 
 _SET_EVAL_FRAME = private_torch.eval_frame_setter()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Generator
 from typing import TYPE_CHECKING
 
 import pytest
@@ -11,7 +12,7 @@ from cuda_allocator_model import ModelError
 from pytest_gpumem import hookspecs
 from pytest_gpumem.config import add_options, read_options
 from pytest_gpumem.marker import MARKER, MARKER_SIGNATURE
-from pytest_gpumem.run.late_markers import calling, refuse_late_markers
+from pytest_gpumem.run.late_markers import calling, refuse_late_markers, setting_up
 from pytest_gpumem.run.regression import BaselineRun
 from pytest_gpumem.run.session import BASELINES, MEASUREMENT_KEY, REGISTERED, XDIST, GpuMemSession
 from pytest_gpumem.run.xdist import distributes, worker_id
@@ -126,11 +127,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         _measure_calls(session)
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    """After the test's fixtures (trylast: after pytest's own setup): a fixture may have marked its test with
-    max_memory: measure calls from then on, when nothing else did; from then on, a max_memory marker added
-    inside the test function fails it (one plain hook a test, no wrapper: the idle path)."""
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
+    """A fixture may mark its test with max_memory: measure calls from then on, when nothing else did; from
+    then on, a max_memory marker added inside the test function fails it (one hook a test: the idle path)."""
+    setting_up(item)
+    yield
     session = item.config.stash[SESSION_KEY]
     if session.options.disabled:
         return

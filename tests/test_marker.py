@@ -354,6 +354,58 @@ def test_a_marker_added_where_it_cannot_take_effect_fails_its_test_in_one_line(
     )
 
 
+def test_a_marker_a_setup_hook_adds_after_ours_is_measured(pytester: pytest.Pytester) -> None:
+    """A conftest's `trylast` setup hook runs after every plugin's: its marker still takes effect."""
+    pytester.makeconftest(
+        """
+        import pytest
+
+        @pytest.hookimpl(trylast=True)
+        def pytest_runtest_setup(item):
+            item.add_marker(pytest.mark.max_memory("1 KiB"))
+        """
+    )
+    pytester.makepyfile("import torch\n\ndef test_over():\n    torch.zeros(1024)  # 4 KiB\n")
+    result = pytester.runpytest("--gpumem-backend=tracker")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*call peak 4.0 KiB exceeds max_memory 1 KiB*"])
+
+
+def test_a_reruns_fixtures_may_mark_and_measure_after_one_cleared_the_environment(tracker: pytest.Pytester) -> None:
+    """A rerun's setup is a setup even where a fixture cleared os.environ (PYTEST_CURRENT_TEST with it)."""
+    pytest.importorskip("pytest_rerunfailures")
+    tracker.makepyfile(
+        """
+        import os
+        from unittest import mock
+
+        import pytest
+
+        ATTEMPTS = []
+
+        @pytest.fixture
+        def cleared():
+            with mock.patch.dict(os.environ, clear=True):
+                yield
+
+        @pytest.fixture
+        def capped(request, cleared):
+            request.node.add_marker(pytest.mark.max_memory("1 GiB"))
+
+        @pytest.mark.flaky(reruns=1)
+        def test_marked(capped):
+            ATTEMPTS.append("marked")
+            assert ATTEMPTS.count("marked") == 2
+
+        @pytest.mark.flaky(reruns=1)
+        def test_measured(cleared, gpumem):
+            ATTEMPTS.append("measured")
+            assert ATTEMPTS.count("measured") == 2
+        """
+    )
+    assert tracker.runpytest("-p", "no:randomly").parseoutcomes() == {"passed": 2, "rerun": 2}
+
+
 def test_a_tests_own_capacity_leak_and_explain_come_before_the_runs_options() -> None:
     from pytest_gpumem.backends.base import Settings
     from pytest_gpumem.measure.terms import Terms

@@ -44,17 +44,18 @@ class _RefusingLateMarkers:
 
 
 def calling(item: pytest.Item) -> bool:
-    """Whether `item`'s call runs: a setup of it has ended and pytest does not say that a setup (a rerun's) or
-    its teardown began (the stash holds the first, so that a test that clears os.environ, and with it
-    PYTEST_CURRENT_TEST, keeps it)."""
+    """Whether `item`'s call runs: its setup has ended and pytest does not say its teardown began (the stash
+    holds the first, so that a test that clears os.environ, and with it PYTEST_CURRENT_TEST, keeps it)."""
     return _calling(item.stash)
 
 
 def _calling(stash: pytest.Stash) -> bool:
-    return stash.get(_SET_UP, False) and not os.environ.get("PYTEST_CURRENT_TEST", "").endswith(_NOT_CALLING)
+    return stash.get(_SET_UP, False) and not os.environ.get("PYTEST_CURRENT_TEST", "").endswith(" (teardown)")
 
 
-_NOT_CALLING = (" (setup)", " (teardown)")
+def setting_up(item: pytest.Item) -> None:
+    """`item`'s setup begins (a rerun's too): its call has not begun."""
+    item.stash[_SET_UP] = False
 
 
 def refuse_late_markers(item: pytest.Item) -> None:
